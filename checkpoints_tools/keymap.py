@@ -1,0 +1,233 @@
+"""Declarative, strict mapping between Hugging Face tensor names and specjax parameters.
+
+A rule table lists, for each HF tensor name pattern, the specjax leaf (or leaves) it fills
+and the transform that gets it there (``T``: transpose an HF ``[out, in]`` Linear weight to
+our ``[in, out]``). Per-layer tensors carry ``{i}`` in the pattern and fill row ``i`` of a
+stacked ``[L, ...]`` leaf.
+
+:func:`params_from_hf_tensors` fails with a :class:`CheckpointError` naming the tensor on
+any unmapped, duplicated, missing or mis-shaped tensor. :func:`hf_tensors_from_params` is
+the inverse (used to export a draft as an HF directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Mapping
+
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.errors import CheckpointError
+from specjax.models import param_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One HF tensor -> one or more specjax leaves.
+
+    Attributes:
+      hf_name: the HF tensor name; ``{i}`` stands for the layer index.
+      leaves: specjax leaf paths ("layers/wq"); several when one HF tensor is split.
+      to_ours: HF array -> tuple of arrays, one per leaf (per layer for layer leaves).
+      to_hf: inverse of ``to_ours``.
+    """
+
+    hf_name: str
+    leaves: tuple[str, ...]
+    to_ours: Callable = lambda a: (a,)
+    to_hf: Callable = lambda *a: a[0]
+
+
+def _t(leaf: str, hf_name: str) -> Rule:
+    """A Linear weight stored ``[out, in]`` by HF and ``[in, out]`` by us."""
+    return Rule(hf_name, (leaf,), lambda a: (a.T,), lambda a: a.T)
+
+
+def _same(leaf: str, hf_name: str) -> Rule:
+    return Rule(hf_name, (leaf,))
+
+
+def llama_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for LlamaForCausalLM-style checkpoints (Llama, Mistral, Qwen2, SmolLM)."""
+    p = "model.layers.{i}."
+    rules = [
+        _same("embed", "model.embed_tokens.weight"),
+        _same("final_norm", "model.norm.weight"),
+        _same("layers/attn_norm", p + "input_layernorm.weight"),
+        _same("layers/mlp_norm", p + "post_attention_layernorm.weight"),
+        _t("layers/wq", p + "self_attn.q_proj.weight"),
+        _t("layers/wk", p + "self_attn.k_proj.weight"),
+        _t("layers/wv", p + "self_attn.v_proj.weight"),
+        _t("layers/wo", p + "self_attn.o_proj.weight"),
+        _t("layers/w_gate", p + "mlp.gate_proj.weight"),
+        _t("layers/w_up", p + "mlp.up_proj.weight"),
+        _t("layers/w_down", p + "mlp.down_proj.weight"),
+    ]
+    if config.qkv_bias:
+        rules += [_same("layers/bq", p + "self_attn.q_proj.bias"),
+                  _same("layers/bk", p + "self_attn.k_proj.bias"),
+                  _same("layers/bv", p + "self_attn.v_proj.bias")]
+    if config.out_bias:
+        rules.append(_same("layers/bo", p + "self_attn.o_proj.bias"))
+    if config.mlp_bias:
+        rules += [_same("layers/b_gate", p + "mlp.gate_proj.bias"),
+                  _same("layers/b_up", p + "mlp.up_proj.bias"),
+                  _same("layers/b_down", p + "mlp.down_proj.bias")]
+    if not config.tie_word_embeddings:
+        rules.append(_t("lm_head", "lm_head.weight"))
+    return rules
+
+
+def gpt2_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for GPT2LMHeadModel checkpoints (HF ``Conv1D`` weights are already [in, out])."""
+    p = "h.{i}."
+
+    def split3(a):
+        return tuple(np.split(a, 3, axis=-1))
+
+    def join3(q, k, v):
+        return np.concatenate([q, k, v], axis=-1)
+
+    return [
+        _same("embed", "wte.weight"),
+        _same("pos_embed", "wpe.weight"),
+        _same("final_norm_scale", "ln_f.weight"),
+        _same("final_norm_bias", "ln_f.bias"),
+        _same("layers/ln1_scale", p + "ln_1.weight"),
+        _same("layers/ln1_bias", p + "ln_1.bias"),
+        _same("layers/ln2_scale", p + "ln_2.weight"),
+        _same("layers/ln2_bias", p + "ln_2.bias"),
+        Rule(p + "attn.c_attn.weight", ("layers/wq", "layers/wk", "layers/wv"), split3, join3),
+        Rule(p + "attn.c_attn.bias", ("layers/bq", "layers/bk", "layers/bv"), split3, join3),
+        _same("layers/wo", p + "attn.c_proj.weight"),
+        _same("layers/bo", p + "attn.c_proj.bias"),
+        _same("layers/w_fc", p + "mlp.c_fc.weight"),
+        _same("layers/b_fc", p + "mlp.c_fc.bias"),
+        _same("layers/w_proj", p + "mlp.c_proj.weight"),
+        _same("layers/b_proj", p + "mlp.c_proj.bias"),
+    ]
+
+
+def rules_for(config: ModelConfig) -> list[Rule]:
+    return llama_rules(config) if config.architecture == "llama" else gpt2_rules(config)
+
+
+# Tensors some checkpoints carry that hold no parameters (buffers) or duplicate a tied one.
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    if name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")):
+        return True
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _normalise_name(name: str, config: ModelConfig) -> str:
+    # GPT-2 checkpoints appear both with and without the "transformer." prefix.
+    if config.architecture == "gpt2" and name.startswith("transformer."):
+        return name[len("transformer."):]
+    return name
+
+
+def _compile(rules: list[Rule]):
+    compiled = []
+    for rule in rules:
+        pattern = "^" + re.escape(rule.hf_name).replace(re.escape("{i}"), r"(\d+)") + "$"
+        compiled.append((re.compile(pattern), rule))
+    return compiled
+
+
+def _leaf_shape(shapes: dict, leaf: str) -> tuple[int, ...]:
+    node = shapes
+    for part in leaf.split("/"):
+        node = node[part]
+    return node
+
+
+def params_from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray],
+                           source: str = "checkpoint", dtype=None) -> dict:
+    """Builds the specjax parameter tree from HF-named tensors.
+
+    Args:
+      config: the model config the tensors must match.
+      tensors: HF tensor name -> array (numpy or anything ``np.asarray`` accepts).
+      source: a name for error messages (file or directory).
+      dtype: cast every parameter to this dtype; ``None`` keeps the stored dtype.
+    Raises:
+      CheckpointError: naming the first unmapped, duplicated, missing or mis-shaped tensor.
+    """
+    shapes = param_shapes(config)
+    compiled = _compile(rules_for(config))
+    stacked: dict[str, list] = {}
+    flat: dict[str, np.ndarray] = {}
+    seen: dict[str, str] = {}
+    for raw_name, value in tensors.items():
+        name = _normalise_name(raw_name, config)
+        if _ignorable(name, config):
+            continue
+        for pattern, rule in compiled:
+            match = pattern.match(name)
+            if match:
+                break
+        else:
+            raise CheckpointError(f"{source}: unmapped tensor {raw_name!r}")
+        if name in seen:
+            raise CheckpointError(f"{source}: duplicated tensor {raw_name!r} (also {seen[name]!r})")
+        seen[name] = raw_name
+        layer = int(match.group(1)) if match.groups() else None
+        if layer is not None and layer >= config.num_layers:
+            raise CheckpointError(
+                f"{source}: tensor {raw_name!r} names layer {layer} but the config has "
+                f"{config.num_layers} layers")
+        parts = rule.to_ours(np.asarray(value))
+        for leaf, part in zip(rule.leaves, parts):
+            expected = _leaf_shape(shapes, leaf)
+            expected = expected[1:] if layer is not None else expected
+            if tuple(part.shape) != tuple(expected):
+                raise CheckpointError(
+                    f"{source}: tensor {raw_name!r} has shape {tuple(np.shape(value))}, which "
+                    f"does not fit {leaf} {tuple(expected)}")
+            if layer is None:
+                flat[leaf] = part
+            else:
+                stacked.setdefault(leaf, [None] * config.num_layers)[layer] = part
+    leaf_rules = {leaf: rule for _, rule in compiled for leaf in rule.leaves}
+    for leaf, rule in leaf_rules.items():
+        if "{i}" in rule.hf_name:
+            rows = stacked.get(leaf, [None] * config.num_layers)
+            missing = [i for i, row in enumerate(rows) if row is None]
+            if missing:
+                raise CheckpointError(
+                    f"{source}: missing tensor {rule.hf_name.format(i=missing[0])!r}")
+        elif leaf not in flat:
+            raise CheckpointError(f"{source}: missing tensor {rule.hf_name!r}")
+    params: dict = {"layers": {}}
+    for leaf, value in flat.items():
+        params[leaf] = value
+    for leaf, rows in stacked.items():
+        params["layers"][leaf.split("/", 1)[1]] = np.stack(rows)
+    if dtype is not None:
+        params = {k: ({kk: vv.astype(dtype) for kk, vv in v.items()} if isinstance(v, dict)
+                      else v.astype(dtype)) for k, v in params.items()}
+    return params
+
+
+def hf_tensors_from_params(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """Inverse of :func:`params_from_hf_tensors`: HF tensor name -> numpy array."""
+    out: dict[str, np.ndarray] = {}
+
+    def get(leaf):
+        node = params
+        for part in leaf.split("/"):
+            node = node[part]
+        return np.asarray(node)
+
+    for rule in rules_for(config):
+        values = [get(leaf) for leaf in rule.leaves]
+        if "{i}" in rule.hf_name:
+            for i in range(config.num_layers):
+                out[rule.hf_name.format(i=i)] = np.ascontiguousarray(rule.to_hf(*[v[i] for v in values]))
+        else:
+            out[rule.hf_name] = np.ascontiguousarray(rule.to_hf(*values))
+    if config.architecture == "gpt2":
+        out = {"transformer." + k: v for k, v in out.items()}
+    return out

@@ -1,0 +1,78 @@
+"""Attention of new tokens against a KV cache prefix plus a mask among the new tokens.
+
+Models call :func:`attention` only; it dispatches to an implementation by name:
+
+* ``"reference"`` -- pure ``jax.numpy``; the CPU path and the ground truth;
+* ``"kernel"`` -- the Pallas kernels in :mod:`specjax.kernels` (GPU/TPU);
+* ``"auto"`` -- the kernel on GPU/TPU when one exists for the shapes, else the reference.
+
+Query ``t`` sees every committed cache slot ``s < length`` and the new token ``u`` iff
+``mask[t, u]``. ``mask`` is lower-triangular for prefill/decode and the ancestor mask (each
+node sees itself and its ancestors) for tree verification. Every row of ``mask`` must have
+its diagonal set, so no row is empty.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.errors import InvalidArgumentError
+
+IMPLEMENTATIONS = ("auto", "reference", "kernel")
+
+
+def attention_reference(
+    q: jax.Array,  # [T, H, D]
+    k_new: jax.Array,  # [T, K, D]
+    v_new: jax.Array,  # [T, K, D]
+    k_cache: jax.Array | None,  # [S, K, D]
+    v_cache: jax.Array | None,  # [S, K, D]
+    length: jax.Array | int,  # int32 [], committed slots of the cache
+    mask: jax.Array,  # bool [T, T]
+) -> jax.Array:
+    """Pure-jnp attention; returns [T, H, D] in the dtype of ``q``."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    qg = qg * (1.0 / jnp.sqrt(jnp.float32(head_dim)))
+    neg = jnp.float32(-1e30)
+
+    s_new = jnp.einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32))
+    s_new = jnp.where(mask[None, None], s_new, neg)
+    if k_cache is None:
+        probs = jax.nn.softmax(s_new, axis=-1)
+        out = jnp.einsum("kgtu,ukd->tkgd", probs, v_new.astype(jnp.float32))
+    else:
+        s_old = jnp.einsum("tkgd,skd->kgts", qg, k_cache.astype(jnp.float32))
+        visible = jnp.arange(k_cache.shape[0]) < length
+        s_old = jnp.where(visible[None, None, None], s_old, neg)
+        probs = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
+        p_old, p_new = probs[..., : k_cache.shape[0]], probs[..., k_cache.shape[0]:]
+        out = (jnp.einsum("kgts,skd->tkgd", p_old, v_cache.astype(jnp.float32))
+               + jnp.einsum("kgtu,ukd->tkgd", p_new, v_new.astype(jnp.float32)))
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def attention(q, k_new, v_new, k_cache, v_cache, length, mask, *, impl: str = "auto"):
+    """Dispatches to an attention implementation; see the module docstring for semantics.
+
+    Args:
+      q: [T, H, D] queries of the new tokens (RoPE already applied).
+      k_new, v_new: [T, K, D] keys/values of the new tokens.
+      k_cache, v_cache: [S, K, D] one layer's cache, or ``None`` (no prefix).
+      length: int32 [], committed cache slots visible to every query.
+      mask: bool [T, T], visibility among the new tokens.
+      impl: ``"auto"``, ``"reference"`` or ``"kernel"`` (static).
+    Returns:
+      [T, H, D] attention output.
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise InvalidArgumentError(f"unknown attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
+    if impl == "reference" or (impl == "auto" and jax.default_backend() == "cpu"):
+        return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask)
+    from specjax import kernels  # imported lazily: Pallas is only needed off the CPU
+
+    return kernels.verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask,
+                                    fallback=attention_reference if impl == "auto" else None)

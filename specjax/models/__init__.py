@@ -1,0 +1,131 @@
+"""Model forward functions: pure functions of (params, config, inputs, cache).
+
+One signature serves prefill, one-token decode and tree verification::
+
+    logits, cache = forward(params, config, tokens, positions, cache, mask)
+
+``tokens`` and ``positions`` are [T]; ``mask`` [T, T] says which new tokens each new token
+sees (lower-triangular by default, an ancestor mask for trees); every token also sees the
+cache's committed slots ``[0, cache.length)``. The new tokens' K/V land in the cache's
+scratch slots ``[length, length + T)`` and the cursor does not move: the caller commits
+(see :mod:`specjax.cache`). With ``cache=None`` the call is a plain causal forward
+(training, parity tests).
+
+Batching is ``jax.vmap`` over this function. Parameters are nested dicts of arrays; each
+family module documents its tree and gives ``param_shapes``, which drives
+:func:`init_params` and the strict shape check :func:`check_params` used by every loader.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.attention import attention
+from specjax.cache import KVCache, write_scratch
+from specjax.config import ModelConfig
+from specjax.errors import CheckpointError
+from specjax.models import gpt2, llama
+
+_FAMILIES = {"llama": llama, "gpt2": gpt2}
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """Nested dict of parameter shapes for ``config``."""
+    return _FAMILIES[config.architecture].param_shapes(config)
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random parameters: N(0, 0.02) matrices, unit norm scales, zero biases."""
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, shape), k in zip(leaves, keys):
+        name = path[-1].key
+        if name.endswith(("norm", "scale")):
+            out.append(jnp.ones(shape, dtype))
+        elif name.startswith("b") or name.endswith("bias"):
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def check_params(config: ModelConfig, params: dict, source: str = "checkpoint") -> None:
+    """Raises :class:`CheckpointError` naming the first missing, extra or mis-shaped tensor."""
+    expected = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]}
+    got = {jax.tree_util.keystr(p): tuple(a.shape)
+           for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for name in expected:
+        if name not in got:
+            raise CheckpointError(f"{source}: missing parameter {name}")
+    for name, shape in got.items():
+        if name not in expected:
+            raise CheckpointError(f"{source}: unexpected parameter {name}")
+        if shape != expected[name]:
+            raise CheckpointError(
+                f"{source}: parameter {name} has shape {shape}, expected {expected[name]}")
+
+
+def causal_mask(num_tokens: int) -> jax.Array:
+    """bool [T, T] lower-triangular mask."""
+    return jnp.tril(jnp.ones((num_tokens, num_tokens), jnp.bool_))
+
+
+def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache | None = None,
+                  mask=None, *, attn_impl: str = "auto"):
+    """Final-normed hidden states [T, d] and the cache with scratch slots written."""
+    family = _FAMILIES[config.architecture]
+    if mask is None:
+        mask = causal_mask(tokens.shape[0])
+    x = family.embed(params, config, tokens, positions)
+    context = family.position_context(config, positions)
+    length = None if cache is None else cache.length
+
+    def layer(x, xs):
+        p, k_prev, v_prev = xs
+
+        def attend(q, k, v):
+            return attention(q, k, v, k_prev, v_prev, length, mask, impl=attn_impl)
+
+        x, k, v = family.block(p, config, x, context, attend)
+        return x, (k, v)
+
+    xs = (params["layers"], None, None) if cache is None else (params["layers"], cache.k, cache.v)
+    x, (k_new, v_new) = jax.lax.scan(layer, x, xs)
+    if cache is not None:
+        cache = write_scratch(cache, k_new, v_new)
+    return family.final_norm(params, config, x), cache
+
+
+def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Logits [T, V] in float32 from hidden states [T, d]."""
+    if config.tie_word_embeddings:
+        return jnp.einsum("td,vd->tv", hidden, params["embed"].astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("td,dv->tv", hidden, params["lm_head"].astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache | None = None, mask: jax.Array | None = None, *,
+            attn_impl: str = "auto"):
+    """Runs the model over T new tokens.
+
+    Args:
+      params: parameter tree (see the family modules).
+      config: static model config.
+      tokens: int32 [T] token ids.
+      positions: int32 [T] absolute position ids.
+      cache: :class:`KVCache` or ``None``.
+      mask: bool [T, T] visibility among the new tokens; ``None`` means causal.
+      attn_impl: ``"auto"``, ``"reference"`` or ``"kernel"`` (static).
+    Returns:
+      (logits float32 [T, V], cache with the new K/V in its scratch slots or ``None``).
+    """
+    hidden, cache = hidden_states(params, config, tokens, positions, cache, mask,
+                                  attn_impl=attn_impl)
+    return lm_head(params, config, hidden), cache
