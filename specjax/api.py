@@ -1,0 +1,240 @@
+"""The Python API: :func:`load` a model, :func:`generate` text from it.
+
+>>> model = specjax.load("smollm2-135m")
+>>> out = specjax.generate(model, "def fibonacci(n):", max_new_tokens=64)
+>>> out.text, out.tokens, out.stats["tokens_per_s"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import decode
+from specjax.config import ModelConfig
+from specjax.errors import InvalidArgumentError, NumericalError
+from specjax.models import check_params
+from specjax.sampling import make_sampling_params
+
+METHODS = ("ar",)
+
+_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
+           "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16}
+
+
+@dataclasses.dataclass(eq=False)
+class Model:
+    """A loaded model: static config, device parameters, tokenizer (or ``None``)."""
+
+    config: ModelConfig
+    params: dict
+    tokenizer: Any = None
+    name: str = "model"
+
+    @classmethod
+    def from_params(cls, config: ModelConfig, params: dict, tokenizer: Any = None,
+                    name: str = "model", dtype=None) -> "Model":
+        """Wraps a parameter tree (numpy or jax arrays) after a strict shape check."""
+        check_params(config, params, source=name)
+        dtype = resolve_dtype(dtype)
+        params = jax.tree.map(lambda a: jnp.asarray(a, dtype or None), params)
+        return cls(config=config, params=params, tokenizer=tokenizer, name=name)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """What :func:`generate` returns."""
+
+    text: str
+    tokens: list[int]  # new token ids (a stop token that ended generation included)
+    stats: dict[str, Any]
+
+
+def resolve_dtype(dtype):
+    """Accepts None, a jnp dtype, or a name such as ``"bf16"``."""
+    if dtype is None or not isinstance(dtype, str):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def load(name_or_path: str, dtype=None, *, progress: bool = False) -> Model:
+    """Loads a model by name, path or hub id.
+
+    Args:
+      name_or_path: ``smollm2-135m`` (the embedded default), a GGUF file, a Hugging Face
+        directory, an orbax directory written by ``specjax convert``, or a hub id.
+      dtype: parameter dtype (``"float32"``, ``"bfloat16"`` or a jnp dtype); default:
+        float32.
+      progress: show a progress bar while reading weights.
+    Returns:
+      A :class:`Model`.
+    """
+    from specjax.checkpoints_tools.sources import resolve_and_load
+
+    config, params, tokenizer = resolve_and_load(name_or_path, dtype=None, progress=progress)
+    return Model.from_params(config, params, tokenizer, name=str(name_or_path),
+                             dtype=resolve_dtype(dtype) or jnp.float32)
+
+
+@dataclasses.dataclass
+class _Request:
+    loop: decode.DecodeLoop
+    args: tuple
+    prompt_length: int
+
+
+def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+    """Token ids for a prompt string (optionally through the chat template) or id list."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidArgumentError("prompt is empty")
+        if model.tokenizer is None:
+            raise InvalidArgumentError(
+                f"model {model.name!r} has no tokenizer: pass a list of token ids")
+        if chat:
+            if not getattr(model.tokenizer, "chat_template", None):
+                raise InvalidArgumentError(f"model {model.name!r} has no chat template")
+            ids = model.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = model.tokenizer(prompt)["input_ids"]
+        ids = list(ids)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidArgumentError("prompt is empty")
+    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+    if bad:
+        raise InvalidArgumentError(
+            f"prompt token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})")
+    return ids
+
+
+def _stop_array(model: Model, stop_tokens: Sequence[int] | None) -> jax.Array:
+    if stop_tokens is None:
+        stop = list(model.config.eos_token_ids)
+        eos = getattr(model.tokenizer, "eos_token_id", None)
+        if eos is not None and eos not in stop:
+            stop.append(int(eos))
+    else:
+        stop = [int(t) for t in stop_tokens]
+    if len(stop) > decode.MAX_STOP_TOKENS:
+        raise InvalidArgumentError(
+            f"at most {decode.MAX_STOP_TOKENS} stop tokens are supported, got {len(stop)}")
+    return jnp.asarray(stop + [-1] * (decode.MAX_STOP_TOKENS - len(stop)), jnp.int32)
+
+
+def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p, seed,
+             method, draft, stop_tokens, chat, attn_impl) -> _Request:
+    if method not in METHODS:
+        raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
+    if draft is not None and method == "ar":
+        raise InvalidArgumentError("method 'ar' takes no draft model")
+    sampling = make_sampling_params(temperature, top_k, top_p, seed)
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    ids = encode_prompt(model, prompt, chat)
+    prompt_bucket, capacity = decode.plan_capacity(len(ids), int(max_new_tokens), 1, model.config)
+    loop = decode.DecodeLoop(config=model.config, capacity=capacity, prompt_bucket=prompt_bucket,
+                             attn_impl=attn_impl)
+    padded = np.zeros(prompt_bucket, np.int32)
+    padded[: len(ids)] = ids
+    args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new_tokens),
+            sampling, _stop_array(model, stop_tokens))
+    return _Request(loop, args, len(ids))
+
+
+def _stats(state: decode.DecodeState, new_tokens: int, seconds: float,
+           compile_seconds: float) -> dict[str, Any]:
+    if bool(state.nonfinite):
+        raise NumericalError("the model produced non-finite logits (NaN or inf); check the "
+                             "weights and dtype")
+    target_calls = int(state.target_calls) + 1  # + the prefill pass
+    return {
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_s": new_tokens / seconds if seconds > 0 else float("inf"),
+        "compile_seconds": compile_seconds,
+        "target_calls": target_calls,
+        "draft_calls": int(state.draft_calls),
+        "mean_accepted": new_tokens / target_calls,
+    }
+
+
+def decode_text(model: Model, tokens: list[int]) -> str:
+    if model.tokenizer is None:
+        return ""
+    return model.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             method: str = "ar", draft: Model | str | None = None,
+             stop_tokens: Sequence[int] | None = None, chat: bool = False,
+             attn_impl: str = "auto") -> GenerationResult:
+    """Generates a continuation as one compiled program on the device.
+
+    Args:
+      model: a :class:`Model` from :func:`load` (or :meth:`Model.from_params`).
+      prompt: a string (tokenized with the model's tokenizer) or a list of token ids.
+      max_new_tokens: upper bound on generated tokens (traced: no recompilation).
+      temperature: 0 for greedy; otherwise sampling temperature (traced).
+      top_k: keep the k most likely tokens; 0 disables (traced).
+      top_p: nucleus mass in (0, 1]; 1 disables (traced).
+      seed: sampling seed; the noise of token t depends only on (seed, t) (traced).
+      method: ``"ar"`` (autoregressive).
+      draft: draft model for speculative methods.
+      stop_tokens: ids that end generation (default: the model's EOS ids).
+      chat: wrap a string prompt in the model's chat template.
+      attn_impl: ``"auto"``, ``"reference"`` or ``"kernel"``.
+    Returns:
+      :class:`GenerationResult` with ``text``, ``tokens`` and ``stats``.
+    """
+    request = _prepare(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=seed, method=method, draft=draft,
+                       stop_tokens=stop_tokens, chat=chat, attn_impl=attn_impl)
+    state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
+                                                         *request.args[1:])
+    tokens = np.asarray(state.tokens[request.prompt_length: int(state.length)]).tolist()
+    stats = _stats(state, len(tokens), seconds, compile_seconds)
+    stats["method"] = method
+    return GenerationResult(text=decode_text(model, tokens), tokens=tokens, stats=stats)
+
+
+def stream_generate(model: Model, prompt: str | Sequence[int], **kwargs
+                    ) -> Iterator[tuple[list[int], dict[str, Any] | None]]:
+    """Like :func:`generate`, but driven from Python over the same jitted step.
+
+    Yields ``(new_token_ids, None)`` as tokens are produced, then ``([], stats)`` once.
+    Accepts the same keyword arguments as :func:`generate`.
+    """
+    import time
+
+    defaults = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                    method="ar", draft=None, stop_tokens=None, chat=False, attn_impl="auto")
+    unknown = set(kwargs) - set(defaults)
+    if unknown:
+        raise InvalidArgumentError(f"unknown argument {sorted(unknown)[0]!r}")
+    request = _prepare(model, prompt, **{**defaults, **kwargs})
+    compile_total, count, state = 0.0, 0, None
+    start = time.perf_counter()
+    for new, state, compile_seconds in decode.stream(request.args[0], request.loop,
+                                                     *request.args[1:]):
+        compile_total += compile_seconds
+        count += len(new)
+        if new:
+            yield new, None
+    seconds = time.perf_counter() - start - compile_total
+    stats = _stats(state, count, seconds, compile_total)
+    stats["method"] = kwargs.get("method", "ar")
+    yield [], stats

@@ -1,0 +1,115 @@
+"""The ``specjax`` command line. It parses arguments and calls library functions only.
+
+Errors in user input print one line, ``specjax: error: ...``, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specjax.errors import SpecjaxError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt",
+                       description="Generate a continuation of PROMPT. Text streams to stdout; "
+                                   "a one-line summary (tokens/s, compile time apart) goes to stderr.")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help=f"model name, GGUF file, HF or orbax directory, or hub id (default: {DEFAULT_MODEL})")
+    p.add_argument("--method", default="ar", help="decoding method: ar (default: ar)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 disables (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--dtype", default="float32", help="parameter dtype: float32 or bfloat16 (default: float32)")
+    p.add_argument("--attn-impl", default="auto", choices=("auto", "reference", "kernel"),
+                   help="attention implementation (default: auto = kernel on GPU/TPU, reference on CPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="convert a checkpoint to specjax's orbax format",
+                       description="Convert SRC (model name, GGUF file, HF directory or hub id) "
+                                   "into an orbax directory DST (config + params + tokenizer). "
+                                   "DST appears only when the conversion succeeded.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dtype", default=None, help="store parameters in this dtype (default: as loaded)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description="Lossless speculative decoding in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_convert(sub)
+    return parser
+
+
+def _summary(stats: dict) -> str:
+    return (f"[{stats['method']}] {stats['new_tokens']} tokens in {stats['seconds']:.2f} s "
+            f"({stats['tokens_per_s']:.1f} tok/s), compile {stats['compile_seconds']:.1f} s, "
+            f"target calls {stats['target_calls']}, mean accepted {stats['mean_accepted']:.2f}")
+
+
+def _generate(args) -> int:
+    from specjax import api
+
+    model = api.load(args.model, dtype=args.dtype, progress=not args.json)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,
+                   chat=args.chat, attn_impl=args.attn_impl)
+    if args.json:
+        result = api.generate(model, args.prompt, **options)
+        print(json.dumps({"text": result.text, "tokens": result.tokens,
+                          "method": args.method, "stats": result.stats}))
+        return 0
+    tokens: list[int] = []
+    printed = ""
+    stats = None
+    for new, stats in api.stream_generate(model, args.prompt, **options):
+        tokens += new
+        text = api.decode_text(model, tokens)
+        # Print only the stable part: a partial UTF-8 sequence decodes to U+FFFD.
+        stable = text.rstrip("\ufffd")
+        if stable.startswith(printed):
+            sys.stdout.write(stable[len(printed):])
+            sys.stdout.flush()
+            printed = stable
+    sys.stdout.write("\n")
+    print(_summary(stats), file=sys.stderr)
+    return 0
+
+
+def _convert(args) -> int:
+    from specjax.checkpoints_tools.convert import convert
+
+    convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=True)
+    print(f"wrote {args.dst}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _convert(args)
+    except SpecjaxError as err:
+        print(f"specjax: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specjax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

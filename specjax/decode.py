@@ -1,0 +1,271 @@
+"""Jitted decoding: one step function, two drivers.
+
+The rule that keeps jit fast (DESIGN.md section 4):
+
+* **Static** -- part of the compiled program, held by the hashable :class:`DecodeLoop`:
+  model config, cache capacity, prompt bucket, attention implementation, method and
+  tree shape (budget, depth, width), number of stop-token slots.
+* **Traced** -- arrays; changing them never recompiles: prompt tokens and length,
+  max_new_tokens, temperature, top-k, top-p, seed (:class:`SamplingParams`), stop tokens,
+  and everything in :class:`DecodeState`.
+
+Prompts are padded to power-of-two buckets (at least 16) and the cache capacity is
+rounded up to a power of two, so new prompts and budgets reuse compiled programs.
+
+Sequence bookkeeping: ``state.tokens`` holds prompt + generated tokens, ``state.length``
+counts them. The cache always holds K/V for all but the last token: that *pending* token is
+the input of the next step (the root of the next speculative tree). Token ``t`` of the
+sequence has position id ``t`` and, when sampled, Gumbel noise ``g_t``
+(:mod:`specjax.sampling`).
+
+Drivers: :func:`run_to_completion` compiles prefill plus a ``lax.while_loop`` over steps as
+one program (no host round trip per token); :func:`stream` calls the same jitted prefill
+and step from Python and yields tokens as they are produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import models
+from specjax.cache import KVCache, advance, init_cache
+from specjax.config import ModelConfig
+from specjax.errors import InvalidArgumentError
+from specjax.sampling import SamplingParams, sample_tokens
+
+MIN_BUCKET = 16
+MAX_STOP_TOKENS = 8
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLoop:
+    """Static description of a compiled generation program (hashable).
+
+    Attributes:
+      config: target model config.
+      capacity: S, cache slots and sequence-buffer length.
+      prompt_bucket: P, padded prompt length.
+      attn_impl: attention implementation (``auto``, ``reference``, ``kernel``).
+      scratch: slots one step writes past the committed prefix (1 for ``ar``; the tree
+        budget for speculative methods). ``capacity`` must hold the longest sequence plus
+        this.
+    """
+
+    config: ModelConfig
+    capacity: int
+    prompt_bucket: int
+    attn_impl: str = "auto"
+    scratch: int = 1
+    method: "object" = None  # hashable method object with init/step; None means ar
+
+    def __post_init__(self):
+        if self.method is None:
+            object.__setattr__(self, "method", Autoregressive())
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything a step reads and writes (all traced)."""
+
+    cache: KVCache  # target cache, holds all tokens but the pending last one
+    tokens: jax.Array  # int32 [S] prompt + generated tokens
+    length: jax.Array  # int32 [] tokens in ``tokens``
+    prompt_length: jax.Array  # int32 []
+    max_length: jax.Array  # int32 [] prompt_length + max_new_tokens
+    done: jax.Array  # bool []
+    nonfinite: jax.Array  # bool [] a step saw NaN/inf logits
+    target_calls: jax.Array  # int32 [] target forward passes after prefill
+    draft_calls: jax.Array  # int32 [] draft forward passes
+    stop_tokens: jax.Array  # int32 [MAX_STOP_TOKENS], -1 padded
+    sampling: SamplingParams
+    aux: dict | None = None  # method-specific state (draft cache, acceptance counts)
+
+
+def plan_capacity(prompt_length: int, max_new_tokens: int, scratch: int,
+                  config: ModelConfig) -> tuple[int, int]:
+    """Host-side check of lengths; returns (prompt_bucket, capacity).
+
+    Raises:
+      InvalidArgumentError: the request does not fit the model's positions.
+    """
+    if prompt_length < 1:
+        raise InvalidArgumentError("prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    total = prompt_length + max_new_tokens
+    if total > config.max_position_embeddings:
+        raise InvalidArgumentError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+            f"exceeds the model's {config.max_position_embeddings} positions")
+    if config.sliding_window is not None and total > config.sliding_window:
+        raise InvalidArgumentError(
+            f"prompt + max_new_tokens = {total} exceeds the model's sliding window "
+            f"({config.sliding_window}), which specjax does not implement")
+    prompt_bucket = bucket(prompt_length)
+    # The sequence buffer takes up to `scratch` tokens past max_length in one step.
+    capacity = bucket(max(prompt_bucket, total + scratch), minimum=128)
+    return prompt_bucket, capacity
+
+
+def append_tokens(state: DecodeState, new_tokens: jax.Array, count: jax.Array) -> DecodeState:
+    """Appends ``new_tokens[:count]`` (int32 [M]) to the sequence, cut at the first stop token
+    (kept) and at ``max_length``, and updates ``done``."""
+    width = new_tokens.shape[0]
+    j = jnp.arange(width)
+    live = j < count
+    is_stop = live & jnp.isin(new_tokens, state.stop_tokens)
+    through_stop = jnp.where(jnp.any(is_stop), jnp.argmax(is_stop) + 1, count)
+    kept = jnp.minimum(jnp.minimum(count, through_stop), state.max_length - state.length)
+    tokens = jax.lax.dynamic_update_slice(state.tokens, new_tokens.astype(jnp.int32),
+                                          (state.length,))
+    length = state.length + kept
+    done = state.done | jnp.any(is_stop & (j < kept)) | (length >= state.max_length)
+    return state.replace(tokens=tokens, length=length, done=done)
+
+
+def _check_finite(state: DecodeState, logits: jax.Array) -> DecodeState:
+    bad = ~jnp.all(jnp.isfinite(logits))
+    return state.replace(nonfinite=state.nonfinite | bad, done=state.done | bad)
+
+
+def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Array,
+            max_new_tokens: jax.Array, sampling: SamplingParams,
+            stop_tokens: jax.Array) -> DecodeState:
+    """Runs the target over the padded prompt [P] and samples the first new token."""
+    config = loop.config
+    dtype = params["embed"].dtype
+    cache = init_cache(config, loop.capacity, dtype)
+    positions = jnp.arange(loop.prompt_bucket, dtype=jnp.int32)
+    logits, cache = models.forward(params, config, prompt, positions, cache,
+                                   attn_impl=loop.attn_impl)
+    cache = advance(cache, prompt_length)
+    last = jax.lax.dynamic_index_in_dim(logits, prompt_length - 1, keepdims=True)  # [1, V]
+    first = sample_tokens(last, sampling, prompt_length[None])
+    tokens = jnp.zeros((loop.capacity,), jnp.int32).at[: loop.prompt_bucket].set(prompt)
+    state = DecodeState(
+        cache=cache, tokens=tokens, length=prompt_length, prompt_length=prompt_length,
+        max_length=prompt_length + max_new_tokens, done=jnp.bool_(False),
+        nonfinite=jnp.bool_(False), target_calls=jnp.int32(0), draft_calls=jnp.int32(0),
+        stop_tokens=stop_tokens, sampling=sampling,
+    )
+    state = _check_finite(state, last)
+    return append_tokens(state, first, jnp.int32(1))
+
+
+def ar_step(params, loop: DecodeLoop, state: DecodeState) -> DecodeState:
+    """One autoregressive step: feed the pending token, sample the next one."""
+    position = state.length - 1
+    token = jax.lax.dynamic_index_in_dim(state.tokens, position, keepdims=True)  # [1]
+    logits, cache = models.forward(params, loop.config, token, position[None], state.cache,
+                                   attn_impl=loop.attn_impl)
+    state = state.replace(cache=advance(cache, 1), target_calls=state.target_calls + 1)
+    state = _check_finite(state, logits)
+    new = sample_tokens(logits, state.sampling, state.length[None])
+    return append_tokens(state, new, jnp.int32(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Autoregressive:
+    """The ``ar`` method: one target pass per token. Methods are hashable static objects
+    with ``init`` (set up ``state.aux`` after the target prefill) and ``step``."""
+
+    name: str = "ar"
+
+    def init(self, params, loop: DecodeLoop, state: DecodeState, *extra) -> DecodeState:
+        del params, loop, extra
+        return state
+
+    def step(self, params, loop: DecodeLoop, state: DecodeState, *extra) -> DecodeState:
+        del extra
+        return ar_step(params, loop, state)
+
+
+def run_to_completion(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens,
+                      sampling, stop_tokens, *extra) -> DecodeState:
+    """Prefill, then ``lax.while_loop`` over the method's step until done: one XLA program."""
+    state = _start(params, loop, prompt, prompt_length, max_new_tokens, sampling, stop_tokens,
+                   *extra)
+    return jax.lax.while_loop(lambda s: ~s.done,
+                              lambda s: loop.method.step(params, loop, s, *extra), state)
+
+
+def _start(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
+           stop_tokens, *extra) -> DecodeState:
+    state = prefill(params, loop, prompt, prompt_length, max_new_tokens, sampling, stop_tokens)
+    return loop.method.init(params, loop, state, *extra)
+
+
+def _step(params, loop: DecodeLoop, state: DecodeState, *extra) -> DecodeState:
+    return loop.method.step(params, loop, state, *extra)
+
+
+# ----------------------------------------------------------------------------- compiled programs
+
+
+_EXECUTABLES: dict = {}
+
+
+def _signature(args) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple((np.shape(x), str(np.result_type(x))) for x in leaves)
+
+
+def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = ()):
+    """Returns (executable, compile seconds, or 0.0 when cached) of ``fn(params, loop, *rest)``
+    for ``args = (params, *rest)``. Executables are cached per (fn, loop, argument shapes)."""
+    key = (fn, loop, donate, _signature(args))
+    hit = _EXECUTABLES.get(key)
+    if hit is not None:
+        return hit, 0.0
+    start = time.perf_counter()
+    jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate)
+    executable = jitted.lower(*args).compile()
+    _EXECUTABLES[key] = executable
+    return executable, time.perf_counter() - start
+
+
+def run_program(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
+                stop_tokens, *extra) -> tuple[DecodeState, float, float]:
+    """Compiles (once) and runs the whole generation; returns (state, compile s, run s)."""
+    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, *extra)
+    executable, compile_seconds = compiled(run_to_completion, loop, args)
+    start = time.perf_counter()
+    state = executable(*args)
+    jax.block_until_ready(state.length)
+    return state, compile_seconds, time.perf_counter() - start
+
+
+def stream(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
+           stop_tokens, *extra) -> Iterator[tuple[list[int], DecodeState, float]]:
+    """Python-driven generation over the same jitted prefill and step.
+
+    Yields (new token ids, state, compile seconds spent before this yield) after the
+    prefill and after every step, until done.
+    """
+    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, *extra)
+    start_exec, compile_seconds = compiled(_start, loop, args)
+    state = start_exec(*args)
+    step_exec, step_compile = compiled(_step, loop, (params, state, *extra), donate=(1,))
+    compile_seconds += step_compile
+    emitted = int(state.prompt_length)
+    while True:
+        length = int(state.length)
+        new = np.asarray(state.tokens[emitted:length]).tolist()
+        emitted = length
+        yield new, state, compile_seconds
+        compile_seconds = 0.0
+        if bool(state.done):
+            return
+        state = step_exec(params, state, *extra)

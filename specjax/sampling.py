@@ -1,0 +1,122 @@
+"""Logit processing and coupled (Gumbel-max) sampling.
+
+Sampling settings are *traced* values (:class:`SamplingParams`): a new temperature, top-k,
+top-p or seed never recompiles.
+
+The processed target distribution ``p~`` is defined once, here, and used by every method
+and every acceptance rule (residuals included):
+
+1. ``temperature == 0``: ``p~`` is the point mass on ``argmax(logits)`` (greedy).
+2. otherwise ``logits / temperature``; then top-k (``top_k > 0`` keeps the ``top_k``
+   largest, ties at the boundary kept); then top-p on the renormalised result (keeps the
+   smallest prefix of the sorted distribution whose mass reaches ``top_p``, at least one
+   token, ties at the boundary kept); then ``log_softmax``.
+
+Coupled sampling: the token at absolute sequence position ``t`` is
+``argmax(log p~_t + g_t)`` where ``g_t`` is standard Gumbel noise that depends only on
+``(seed, t)``. This is an exact sample from ``p~_t`` (Gumbel-max trick). Because the noise
+does not depend on how the token was reached, speculative decoding that gives every tree
+node at position ``t`` the same ``g_t`` reproduces autoregressive sampling token for token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.errors import InvalidArgumentError
+
+NEG_INF = -jnp.inf
+
+
+@struct.dataclass
+class SamplingParams:
+    """Traced sampling settings (all scalars)."""
+
+    temperature: jax.Array  # float32 [], 0 means greedy
+    top_k: jax.Array  # int32 [], 0 means no top-k
+    top_p: jax.Array  # float32 [], in (0, 1]
+    seed: jax.Array  # uint32 []
+
+
+def make_sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                         seed: int = 0) -> SamplingParams:
+    """Validates settings on the host and returns them as device scalars.
+
+    Raises:
+      InvalidArgumentError: temperature < 0 or not finite, top_k < 0, top_p outside (0, 1].
+    """
+    temperature, top_p = float(temperature), float(top_p)
+    if not (temperature >= 0.0 and temperature != float("inf")):
+        raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {temperature}")
+    if int(top_k) != top_k or top_k < 0:
+        raise InvalidArgumentError(f"top_k must be an integer >= 0, got {top_k}")
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidArgumentError(f"top_p must be in (0, 1], got {top_p}")
+    if int(seed) != seed or not (0 <= seed < 2**32):
+        raise InvalidArgumentError(f"seed must be an integer in [0, 2**32), got {seed}")
+    return SamplingParams(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
+                          top_p=jnp.float32(top_p), seed=jnp.uint32(seed))
+
+
+def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Applies top-k then top-p to temperature-scaled logits [N, V] (masked -> -inf)."""
+    vocab = scaled.shape[-1]
+    ordered = -jnp.sort(-scaled, axis=-1)  # descending
+    rank = jnp.arange(vocab)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    ordered = jnp.where(rank < k, ordered, NEG_INF)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p) & (rank < k)
+    keep = keep.at[..., 0].set(True)
+    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(scaled >= threshold, scaled, NEG_INF)
+
+
+def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """log p~ [N, V] from float32 logits [N, V] (see the module docstring).
+
+    Masked tokens get ``-inf``. At temperature 0 the result is the log of a one-hot
+    distribution on the argmax (first index on ties).
+    """
+    logits = logits.astype(jnp.float32)
+
+    def sampled(x):
+        scaled = x / jnp.maximum(params.temperature, 1e-6)
+        needs_sort = (params.top_k > 0) | (params.top_p < 1.0)
+        scaled = jax.lax.cond(needs_sort, lambda s: _truncate(s, params.top_k, params.top_p),
+                              lambda s: s, scaled)
+        return jax.nn.log_softmax(scaled, axis=-1)
+
+    def greedy(x):
+        hot = jax.nn.one_hot(jnp.argmax(x, axis=-1), x.shape[-1], dtype=jnp.bool_)
+        return jnp.where(hot, 0.0, NEG_INF)
+
+    return jax.lax.cond(params.temperature > 0, sampled, greedy, logits)
+
+
+def gumbel_noise(seed: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+    """Standard Gumbel noise [N, V] that depends only on (seed, absolute position)."""
+    base = jax.random.PRNGKey(seed)
+    keys = jax.vmap(lambda p: jax.random.fold_in(base, p))(positions.astype(jnp.uint32))
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab_size,), jnp.float32))(keys)
+
+
+def perturbed_scores(log_probs: jax.Array, params: SamplingParams,
+                     positions: jax.Array) -> jax.Array:
+    """``log p~ + g_position`` [N, V]; at temperature 0 just ``log p~`` (no noise drawn)."""
+    vocab = log_probs.shape[-1]
+    return jax.lax.cond(
+        params.temperature > 0,
+        lambda lp: lp + gumbel_noise(params.seed, positions, vocab),
+        lambda lp: lp,
+        log_probs,
+    )
+
+
+def sample_tokens(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> jax.Array:
+    """Coupled sample: int32 [N] tokens for logits [N, V] at absolute positions [N]."""
+    scores = perturbed_scores(target_log_probs(logits, params), params, positions)
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)

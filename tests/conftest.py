@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random transformers models and their specjax twins, and the real
+embedded model (loaded once per session)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import specjax
+from specjax.checkpoints_tools.keymap import params_from_hf_tensors
+from specjax.config import from_hf_config
+
+# fp32 everywhere; exact matmuls so that parity tolerances mean what they say.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TINY_VOCAB = 97
+
+
+def tiny_hf_config(kind: str, **overrides):
+    """Tiny random configs; a large initializer range makes outputs diverse, not constant."""
+    common = dict(vocab_size=TINY_VOCAB, initializer_range=0.3, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None)
+    if kind == "gpt2":
+        cfg = dict(n_embd=64, n_layer=3, n_head=4, n_positions=256)
+        return transformers.GPT2Config(**{**common, **cfg, **overrides})
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, max_position_embeddings=512)
+    if kind == "llama-mha":
+        return transformers.LlamaConfig(**{**common, **base, "num_key_value_heads": 4,
+                                           "tie_word_embeddings": False, **overrides})
+    if kind == "llama-gqa":
+        return transformers.LlamaConfig(**{**common, **base, "num_key_value_heads": 2,
+                                           "tie_word_embeddings": True, **overrides})
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**{**common, **base, "num_key_value_heads": 1,
+                                           "tie_word_embeddings": False, **overrides})
+    raise ValueError(kind)
+
+
+def tiny_pair(kind: str, seed: int = 0, **overrides):
+    """(transformers model, specjax Model) with identical random weights."""
+    torch.manual_seed(seed)
+    hf_config = tiny_hf_config(kind, **overrides)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    config = from_hf_config(hf_config)
+    tensors = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    params = params_from_hf_tensors(config, tensors, source=kind)
+    return hf_model, specjax.Model.from_params(config, params, name=f"tiny-{kind}-{seed}")
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                min_new_tokens=max_new_tokens, do_sample=False,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF), fp32."""
+    return specjax.load("smollm2-135m")
+
+
+def random_prompt(seed: int, length: int, vocab: int = TINY_VOCAB) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, length).tolist()
