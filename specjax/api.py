@@ -205,7 +205,7 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
                        stop_tokens=stop_tokens, chat=chat, attn_impl=attn_impl)
     state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
                                                          *request.args[1:])
-    tokens = np.asarray(state.tokens[request.prompt_length: int(state.length)]).tolist()
+    tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
     stats = _stats(state, len(tokens), seconds, compile_seconds)
     stats["method"] = method
     return GenerationResult(text=decode_text(model, tokens), tokens=tokens, stats=stats)

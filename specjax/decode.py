@@ -219,7 +219,8 @@ _EXECUTABLES: dict = {}
 
 def _signature(args) -> tuple:
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple((np.shape(x), str(np.result_type(x))) for x in leaves)
+    return treedef, tuple((np.shape(x), str(getattr(x, "dtype", None) or np.result_type(x)))
+                          for x in leaves)
 
 
 def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = ()):
@@ -262,7 +263,7 @@ def stream(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, samp
     emitted = int(state.prompt_length)
     while True:
         length = int(state.length)
-        new = np.asarray(state.tokens[emitted:length]).tolist()
+        new = np.asarray(state.tokens)[emitted:length].tolist()
         emitted = length
         yield new, state, compile_seconds
         compile_seconds = 0.0

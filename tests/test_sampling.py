@@ -1,0 +1,102 @@
+"""Logit processing and Gumbel-coupled sampling against exact distributions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.errors import InvalidArgumentError
+from specjax.sampling import (gumbel_noise, make_sampling_params, sample_tokens,
+                              target_log_probs)
+
+SAMPLES = 100_000
+LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, -3.0, 0.9], np.float32)
+
+
+def exact_distribution(logits, temperature, top_k=0, top_p=1.0):
+    """Independent numpy statement of p~ (temperature, then top-k, then top-p)."""
+    z = logits / temperature
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros_like(z, bool)
+    keep[order[: (top_k or len(z))]] = True
+    p = np.where(keep, np.exp(z - z.max()), 0.0)
+    p /= p.sum()
+    mass = 0.0
+    nucleus = np.zeros_like(keep)
+    for i in order:
+        if not keep[i]:
+            break
+        nucleus[i] = True
+        mass += p[i]
+        if mass >= top_p:
+            break
+    p = np.where(nucleus, p, 0.0)
+    return p / p.sum()
+
+
+def empirical(temperature, top_k=0, top_p=1.0, position=7):
+    """First-token frequencies over SAMPLES seeds at one position."""
+
+    @jax.jit
+    def draw(seed):
+        params = make_sampling_params(temperature, top_k, top_p, 0).replace(seed=seed)
+        return sample_tokens(jnp.asarray(LOGITS)[None], params, jnp.array([position]))[0]
+
+    tokens = np.asarray(jax.vmap(draw)(jnp.arange(SAMPLES, dtype=jnp.uint32)))
+    return np.bincount(tokens, minlength=len(LOGITS)) / SAMPLES
+
+
+def tv(p, q):
+    return 0.5 * np.abs(p - q).sum()
+
+
+# With n = 1e5 samples over 8 outcomes E[TV] <= ~0.003. TV changes by at most 1/n per
+# sample, so McDiarmid gives P(TV > E[TV] + 0.009) <= exp(-2 * 0.009**2 * n) < 1e-7: the
+# false-alarm rate of each check. A 10% temperature error moves the distribution by > 0.02.
+TV_BOUND = 0.012
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 3, 1.0), (1.0, 0, 0.8), (1.3, 5, 0.9)])
+def test_sampled_distribution_matches_processed_softmax(temperature, top_k, top_p):
+    got = empirical(temperature, top_k, top_p)
+    assert tv(got, exact_distribution(LOGITS, temperature, top_k, top_p)) < TV_BOUND
+
+
+def test_the_same_test_rejects_a_wrong_temperature():
+    got = empirical(1.0)
+    assert tv(got, exact_distribution(LOGITS, 1.1)) > TV_BOUND
+    assert tv(got, exact_distribution(LOGITS, 1.0, top_k=5)) > TV_BOUND
+
+
+def test_target_log_probs_match_numpy_statement():
+    for temperature, top_k, top_p in [(0.5, 0, 1.0), (1.0, 2, 1.0), (2.0, 0, 0.5), (1.0, 4, 0.7)]:
+        lp = target_log_probs(jnp.asarray(LOGITS)[None],
+                              make_sampling_params(temperature, top_k, top_p))[0]
+        np.testing.assert_allclose(np.exp(np.asarray(lp)),
+                                   exact_distribution(LOGITS, temperature, top_k, top_p),
+                                   atol=1e-6)
+
+
+def test_greedy_is_argmax_and_ignores_the_seed():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (5, 50))
+    for seed in (0, 1, 2):
+        toks = sample_tokens(logits, make_sampling_params(0.0, seed=seed), jnp.arange(5))
+        np.testing.assert_array_equal(toks, np.argmax(np.asarray(logits), -1))
+
+
+def test_noise_depends_only_on_seed_and_position():
+    a = gumbel_noise(jnp.uint32(3), jnp.array([5, 9, 5]), 20)
+    np.testing.assert_array_equal(a[0], a[2])
+    assert not np.allclose(a[0], a[1])
+    b = gumbel_noise(jnp.uint32(4), jnp.array([5]), 20)
+    assert not np.allclose(a[0], b[0])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(seed=-1), "seed")])
+def test_bad_settings_are_rejected(kwargs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        make_sampling_params(**kwargs)
