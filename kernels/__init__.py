@@ -10,9 +10,10 @@ from __future__ import annotations
 from specjax.errors import InvalidArgumentError
 
 
-def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, *, fallback=None):
+def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
+                     fallback=None):
     """Tree/decode attention; see :func:`specjax.attention.attention` for semantics."""
     if fallback is not None:
-        return fallback(q, k_new, v_new, k_cache, v_cache, length, mask)
+        return fallback(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
     raise InvalidArgumentError(
         "attention implementation 'kernel' is not available in this build; use 'auto' or 'reference'")

@@ -20,7 +20,8 @@ from specjax.errors import InvalidArgumentError, NumericalError
 from specjax.models import check_params
 from specjax.sampling import make_sampling_params
 
-METHODS = ("ar",)
+METHODS = ("ar", "spec", "tree")
+SPECULATIVE_DEFAULTS = {"spec": dict(depth=4, width=1), "tree": dict(budget=16, depth=4, width=4)}
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16}
@@ -134,23 +135,91 @@ def _stop_array(model: Model, stop_tokens: Sequence[int] | None) -> jax.Array:
     return jnp.asarray(stop + [-1] * (decode.MAX_STOP_TOKENS - len(stop)), jnp.int32)
 
 
+def check_draft_compatible(model: Model, draft: Model) -> None:
+    """Raises :class:`InvalidArgumentError` if ``draft`` cannot draft for ``model``."""
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise InvalidArgumentError(
+            f"draft {draft.name!r} has vocabulary size {draft.config.vocab_size}, the target "
+            f"{model.name!r} has {model.config.vocab_size}: they must share one tokenizer")
+    if model.tokenizer is not None and draft.tokenizer is not None:
+        if model.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise InvalidArgumentError(
+                f"draft {draft.name!r} and target {model.name!r} use different tokenizers")
+
+
+def _speculative_method(model: Model, method: str, draft, tree_budget, draft_depth,
+                        draft_width, verify, topology, temperature):
+    from specjax import speculative, tree
+
+    if draft is None:
+        raise InvalidArgumentError(f"method {method!r} needs a draft model (draft=...)")
+    if isinstance(draft, str):
+        draft = load(draft)
+    check_draft_compatible(model, draft)
+    if verify is None:
+        verify = "coupled"
+    if verify == "greedy" and temperature > 0:
+        raise InvalidArgumentError("verify='greedy' needs temperature 0; use 'coupled'")
+    defaults = SPECULATIVE_DEFAULTS[method]
+    depth = defaults["depth"] if draft_depth is None else draft_depth
+    if method == "spec":
+        if tree_budget not in (None, depth + 1) or draft_width not in (None, 1):
+            raise InvalidArgumentError(
+                "method 'spec' drafts a chain: set draft_depth, not tree_budget or draft_width")
+        shape = speculative.TreeShape(budget=_positive("draft_depth", depth) + 1, depth=depth,
+                                      width=1, topology=tuple(tree.chain_parents(depth + 1)))
+    else:
+        budget = defaults["budget"] if tree_budget is None else tree_budget
+        width = defaults["width"] if draft_width is None else draft_width
+        _positive("tree_budget", budget), _positive("draft_depth", depth)
+        _positive("draft_width", width)
+        parents = None
+        if topology == "kary":
+            parents = tree.kary_parents(width, depth, budget)
+        elif topology not in (None, "dynamic"):
+            parents = tree.validate_parents(np.asarray(topology, np.int32))
+        if parents is not None:
+            budget = len(parents)
+            depth, width = tree.measure_topology(parents)
+            parents = tuple(int(p) for p in parents)
+        shape = speculative.TreeShape(budget=budget, depth=max(depth, 1), width=max(width, 1),
+                                      topology=parents)
+    return speculative.Speculative(method, draft.config, shape, verify), draft
+
+
+def _positive(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p, seed,
-             method, draft, stop_tokens, chat, attn_impl) -> _Request:
+             method, draft, stop_tokens, chat, attn_impl, tree_budget=None, draft_depth=None,
+             draft_width=None, verify=None, topology=None) -> _Request:
     if method not in METHODS:
         raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
-    if draft is not None and method == "ar":
-        raise InvalidArgumentError("method 'ar' takes no draft model")
     sampling = make_sampling_params(temperature, top_k, top_p, seed)
+    if method == "ar":
+        if draft is not None:
+            raise InvalidArgumentError("method 'ar' takes no draft model")
+        spec, extra, scratch = None, (), 1
+    else:
+        spec, draft = _speculative_method(model, method, draft, tree_budget, draft_depth,
+                                          draft_width, verify, topology, float(temperature))
+        extra, scratch = (draft.params,), spec.shape.scratch
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
     ids = encode_prompt(model, prompt, chat)
-    prompt_bucket, capacity = decode.plan_capacity(len(ids), int(max_new_tokens), 1, model.config)
+    prompt_bucket, capacity = decode.plan_capacity(len(ids), int(max_new_tokens), scratch,
+                                                   model.config)
+    if spec is not None:
+        decode.plan_capacity(len(ids), int(max_new_tokens), scratch, draft.config)
     loop = decode.DecodeLoop(config=model.config, capacity=capacity, prompt_bucket=prompt_bucket,
-                             attn_impl=attn_impl)
+                             attn_impl=attn_impl, scratch=scratch, method=spec)
     padded = np.zeros(prompt_bucket, np.int32)
     padded[: len(ids)] = ids
     args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new_tokens),
-            sampling, _stop_array(model, stop_tokens))
+            sampling, _stop_array(model, stop_tokens), *extra)
     return _Request(loop, args, len(ids))
 
 
@@ -160,7 +229,7 @@ def _stats(state: decode.DecodeState, new_tokens: int, seconds: float,
         raise NumericalError("the model produced non-finite logits (NaN or inf); check the "
                              "weights and dtype")
     target_calls = int(state.target_calls) + 1  # + the prefill pass
-    return {
+    stats = {
         "new_tokens": new_tokens,
         "seconds": seconds,
         "tokens_per_s": new_tokens / seconds if seconds > 0 else float("inf"),
@@ -169,6 +238,14 @@ def _stats(state: decode.DecodeState, new_tokens: int, seconds: float,
         "draft_calls": int(state.draft_calls),
         "mean_accepted": new_tokens / target_calls,
     }
+    if state.aux is not None:
+        steps = np.asarray(state.aux["accepted"])  # steps[c]: steps that accepted c drafts
+        total = max(int(steps.sum()), 1)
+        stats["accepted_histogram"] = steps.tolist()
+        stats["acceptance_by_depth"] = [float(steps[d:].sum()) / total
+                                        for d in range(1, len(steps))]
+        stats["draft_calls_per_target_call"] = int(state.draft_calls) / target_calls
+    return stats
 
 
 def decode_text(model: Model, tokens: list[int]) -> str:
@@ -181,7 +258,9 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              method: str = "ar", draft: Model | str | None = None,
              stop_tokens: Sequence[int] | None = None, chat: bool = False,
-             attn_impl: str = "auto") -> GenerationResult:
+             attn_impl: str = "auto", tree_budget: int | None = None,
+             draft_depth: int | None = None, draft_width: int | None = None,
+             verify: str | None = None, topology=None) -> GenerationResult:
     """Generates a continuation as one compiled program on the device.
 
     Args:
@@ -192,17 +271,28 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
       top_k: keep the k most likely tokens; 0 disables (traced).
       top_p: nucleus mass in (0, 1]; 1 disables (traced).
       seed: sampling seed; the noise of token t depends only on (seed, t) (traced).
-      method: ``"ar"`` (autoregressive).
-      draft: draft model for speculative methods.
+      method: ``"ar"`` (autoregressive), ``"spec"`` (draft chain, Leviathan/Chen) or
+        ``"tree"`` (draft token tree verified in one target pass).
+      draft: draft model (a :class:`Model` or a name/path for :func:`load`) for ``spec``
+        and ``tree``; it must share the target's tokenizer.
       stop_tokens: ids that end generation (default: the model's EOS ids).
       chat: wrap a string prompt in the model's chat template.
       attn_impl: ``"auto"``, ``"reference"`` or ``"kernel"``.
+      tree_budget: ``tree``: nodes verified per target pass, root included (default 16).
+      draft_depth: drafted levels per step (default 4).
+      draft_width: ``tree``: children per expanded node and frontier size (default 4).
+      verify: acceptance rule: ``coupled`` (default; greedy at temperature 0),
+        ``greedy``, ``match`` (sample-then-match) or ``rejection``.
+      topology: ``tree``: ``None``/``"dynamic"`` (best nodes by draft score), ``"kary"``
+        or a fixed parents list.
     Returns:
       :class:`GenerationResult` with ``text``, ``tokens`` and ``stats``.
     """
     request = _prepare(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_k=top_k, top_p=top_p, seed=seed, method=method, draft=draft,
-                       stop_tokens=stop_tokens, chat=chat, attn_impl=attn_impl)
+                       stop_tokens=stop_tokens, chat=chat, attn_impl=attn_impl,
+                       tree_budget=tree_budget, draft_depth=draft_depth,
+                       draft_width=draft_width, verify=verify, topology=topology)
     state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
                                                          *request.args[1:])
     tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
@@ -221,7 +311,9 @@ def stream_generate(model: Model, prompt: str | Sequence[int], **kwargs
     import time
 
     defaults = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                    method="ar", draft=None, stop_tokens=None, chat=False, attn_impl="auto")
+                    method="ar", draft=None, stop_tokens=None, chat=False, attn_impl="auto",
+                    tree_budget=None, draft_depth=None, draft_width=None, verify=None,
+                    topology=None)
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise InvalidArgumentError(f"unknown argument {sorted(unknown)[0]!r}")

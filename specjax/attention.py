@@ -7,7 +7,9 @@ Models call :func:`attention` only; it dispatches to an implementation by name:
 * ``"auto"`` -- the kernel on GPU/TPU when one exists for the shapes, else the reference.
 
 Query ``t`` sees every committed cache slot ``s < length`` and the new token ``u`` iff
-``mask[t, u]``. ``mask`` is lower-triangular for prefill/decode and the ancestor mask (each
+``mask[t, u]``. An optional ``scratch_mask`` [T, M] also shows it the uncommitted scratch
+slot ``length + m`` iff ``scratch_mask[t, m]``: drafters use it to expand a tree level by
+level, each level attending to the ancestors evaluated before it. ``mask`` is lower-triangular for prefill/decode and the ancestor mask (each
 node sees itself and its ancestors) for tree verification. Every row of ``mask`` must have
 its diagonal set, so no row is empty.
 """
@@ -30,6 +32,7 @@ def attention_reference(
     v_cache: jax.Array | None,  # [S, K, D]
     length: jax.Array | int,  # int32 [], committed slots of the cache
     mask: jax.Array,  # bool [T, T]
+    scratch_mask: jax.Array | None = None,  # bool [T, M]
 ) -> jax.Array:
     """Pure-jnp attention; returns [T, H, D] in the dtype of ``q``."""
     num_tokens, num_heads, head_dim = q.shape
@@ -46,8 +49,14 @@ def attention_reference(
         out = jnp.einsum("kgtu,ukd->tkgd", probs, v_new.astype(jnp.float32))
     else:
         s_old = jnp.einsum("tkgd,skd->kgts", qg, k_cache.astype(jnp.float32))
-        visible = jnp.arange(k_cache.shape[0]) < length
-        s_old = jnp.where(visible[None, None, None], s_old, neg)
+        slots = jnp.arange(k_cache.shape[0])
+        visible = (slots < length)[None, :]  # [1, S]
+        if scratch_mask is not None and scratch_mask.shape[1] > 0:
+            rel = slots - length
+            in_window = (rel >= 0) & (rel < scratch_mask.shape[1])
+            window = jnp.take(scratch_mask, jnp.clip(rel, 0, scratch_mask.shape[1] - 1), axis=1)
+            visible = visible | (window & in_window[None, :])  # [T, S]
+        s_old = jnp.where(visible[None, None], s_old, neg)
         probs = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
         p_old, p_new = probs[..., : k_cache.shape[0]], probs[..., k_cache.shape[0]:]
         out = (jnp.einsum("kgts,skd->tkgd", p_old, v_cache.astype(jnp.float32))
@@ -55,7 +64,8 @@ def attention_reference(
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
-def attention(q, k_new, v_new, k_cache, v_cache, length, mask, *, impl: str = "auto"):
+def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
+              impl: str = "auto"):
     """Dispatches to an attention implementation; see the module docstring for semantics.
 
     Args:
@@ -64,6 +74,7 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, *, impl: str = "a
       k_cache, v_cache: [S, K, D] one layer's cache, or ``None`` (no prefix).
       length: int32 [], committed cache slots visible to every query.
       mask: bool [T, T], visibility among the new tokens.
+      scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
       impl: ``"auto"``, ``"reference"`` or ``"kernel"`` (static).
     Returns:
       [T, H, D] attention output.
@@ -71,8 +82,8 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, *, impl: str = "a
     if impl not in IMPLEMENTATIONS:
         raise InvalidArgumentError(f"unknown attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
     if impl == "reference" or (impl == "auto" and jax.default_backend() == "cpu"):
-        return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask)
+        return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
     from specjax import kernels  # imported lazily: Pallas is only needed off the CPU
 
-    return kernels.verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask,
+    return kernels.verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
                                     fallback=attention_reference if impl == "auto" else None)

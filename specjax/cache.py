@@ -49,15 +49,16 @@ def init_cache(config: ModelConfig, capacity: int, dtype=jnp.float32) -> KVCache
                    length=jnp.zeros((), jnp.int32))
 
 
-def write_scratch(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
-    """Writes the K/V of T new tokens into slots ``[length, length + T)``.
+def write_scratch(cache: KVCache, k_new: jax.Array, v_new: jax.Array, offset: int = 0) -> KVCache:
+    """Writes the K/V of T new tokens into slots ``[length + offset, length + offset + T)``.
 
     Args:
       k_new, v_new: [layers, T, kv_heads, head_dim].
+      offset: static number of scratch slots to skip (already-written tree levels).
     Returns:
       The cache with the scratch slots filled; ``length`` is unchanged.
     """
-    start = (0, cache.length, 0, 0)
+    start = (0, cache.length + offset, 0, 0)
     return cache.replace(
         k=jax.lax.dynamic_update_slice(cache.k, k_new.astype(cache.k.dtype), start),
         v=jax.lax.dynamic_update_slice(cache.v, v_new.astype(cache.v.dtype), start),

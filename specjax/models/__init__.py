@@ -76,7 +76,7 @@ def causal_mask(num_tokens: int) -> jax.Array:
 
 
 def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache | None = None,
-                  mask=None, *, attn_impl: str = "auto"):
+                  mask=None, scratch_mask=None, *, attn_impl: str = "auto"):
     """Final-normed hidden states [T, d] and the cache with scratch slots written."""
     family = _FAMILIES[config.architecture]
     if mask is None:
@@ -89,7 +89,7 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
         p, k_prev, v_prev = xs
 
         def attend(q, k, v):
-            return attention(q, k, v, k_prev, v_prev, length, mask, impl=attn_impl)
+            return attention(q, k, v, k_prev, v_prev, length, mask, scratch_mask, impl=attn_impl)
 
         x, k, v = family.block(p, config, x, context, attend)
         return x, (k, v)
@@ -97,7 +97,8 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
     xs = (params["layers"], None, None) if cache is None else (params["layers"], cache.k, cache.v)
     x, (k_new, v_new) = jax.lax.scan(layer, x, xs)
     if cache is not None:
-        cache = write_scratch(cache, k_new, v_new)
+        offset = 0 if scratch_mask is None else scratch_mask.shape[1]
+        cache = write_scratch(cache, k_new, v_new, offset)
     return family.final_norm(params, config, x), cache
 
 
@@ -111,8 +112,8 @@ def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 
 def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache | None = None, mask: jax.Array | None = None, *,
-            attn_impl: str = "auto"):
+            cache: KVCache | None = None, mask: jax.Array | None = None,
+            scratch_mask: jax.Array | None = None, *, attn_impl: str = "auto"):
     """Runs the model over T new tokens.
 
     Args:
@@ -122,10 +123,12 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
       positions: int32 [T] absolute position ids.
       cache: :class:`KVCache` or ``None``.
       mask: bool [T, T] visibility among the new tokens; ``None`` means causal.
+      scratch_mask: optional bool [T, M]: the new tokens also see scratch slot
+        ``length + m`` where set, and are written after those M slots (tree drafting).
       attn_impl: ``"auto"``, ``"reference"`` or ``"kernel"`` (static).
     Returns:
       (logits float32 [T, V], cache with the new K/V in its scratch slots or ``None``).
     """
-    hidden, cache = hidden_states(params, config, tokens, positions, cache, mask,
+    hidden, cache = hidden_states(params, config, tokens, positions, cache, mask, scratch_mask,
                                   attn_impl=attn_impl)
     return lm_head(params, config, hidden), cache

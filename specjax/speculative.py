@@ -1,0 +1,323 @@
+"""Draft-model speculative decoding: one jitted step (draft -> pack -> verify -> commit).
+
+A :class:`Speculative` method is a hashable static object (it sits in the
+:class:`~specjax.decode.DecodeLoop`) with ``init`` and ``step``; the drivers in
+:mod:`specjax.decode` run it exactly like ``ar``. One step:
+
+1. **Draft catch-up.** The draft cache lags the sequence by the tokens accepted in the
+   previous step; one draft pass over a fixed chunk of ``depth + 1`` tokens brings it up to
+   the root (the pending last token) and yields the draft's distribution at the root.
+2. **Draft the tree**, level by level, one draft pass per level (the nodes of a level
+   attend to the committed prefix and, through the scratch mask, to their ancestors
+   drafted before them):
+
+   * dynamic (``topology=None``): each level expands the ``width`` best frontier nodes
+     into their top-``width`` children; the target tree is the best ``budget`` candidates by
+     cumulative draft score (prefix-closed), as in the staged speculation paper;
+   * fixed topology (chain, k-ary, path list): node ``i`` is the ``rank(i)``-th ranked
+     child of its parent.
+
+   How children are ranked depends on the acceptance rule (all exact):
+   ``greedy``/``coupled`` rank by ``log q~ + g_position`` (the same Gumbel noise the target
+   uses; at temperature 0 by the draft's logits), ``match`` by ``log q~``, ``rejection`` by
+   a fresh Gumbel perturbation for fixed topologies (children are a sample without
+   replacement) and by ``log q~`` for dynamic trees (deterministic children).
+3. **Verify**: one target pass over the packed tree (ancestor mask, positions = length +
+   depth), then the acceptance rule (:mod:`specjax.verify`).
+4. **Commit** the accepted path's K/V in the target cache and append the emitted tokens.
+
+Every step emits at least one token (the target's own), so the output is exactly that of
+autoregressive decoding (greedy, coupled) or distributed exactly like it (match,
+rejection), whatever the draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import models
+from specjax.cache import advance, commit_path, init_cache
+from specjax.config import ModelConfig
+from specjax.decode import DecodeLoop, DecodeState, append_tokens
+from specjax.errors import InvalidArgumentError
+from specjax.sampling import SamplingParams, perturbed_scores, target_log_probs
+from specjax.tree import Tree, ancestor_mask, depths, select_top_nodes, validate_parents
+from specjax.verify import (emitted_tokens, verify_greedy_or_coupled, verify_match,
+                            verify_rejection)
+
+VERIFY_RULES = ("greedy", "coupled", "match", "rejection")
+_KEY_TAG = 0x5EC
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """Static tree shape.
+
+    Attributes:
+      budget: N, tree nodes verified per target pass, the root included.
+      depth: D, deepest drafted level (draft passes per step = D, catch-up included).
+      width: W, children drafted per expanded node (and frontier size of dynamic trees).
+      topology: fixed parents array (tuple) or ``None`` for a dynamic tree.
+    """
+
+    budget: int
+    depth: int
+    width: int
+    topology: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("budget", "depth", "width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"tree {name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def scratch(self) -> int:
+        """Cache slots past the committed prefix that one step may write."""
+        return max(self.budget, self.depth + 1, self.width * self.depth + 1) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fixed:
+    """Host-side tables of a fixed topology (all static)."""
+
+    parents: np.ndarray  # [N]
+    node_depth: np.ndarray  # [N]
+    rank: np.ndarray  # [N], index among siblings
+    row: np.ndarray  # [N], draft-distribution row of each node (-1 for leaves)
+    levels: list  # levels[d] = node indices at depth d
+    evaluated: list  # evaluated[d] = internal node indices at depth d (d >= 1)
+    scratch_masks: list  # [len(evaluated[d]), slots before] bool, per level
+
+
+def _fixed_tables(parents: np.ndarray) -> _Fixed:
+    n = len(parents)
+    node_depth = np.zeros(n, np.int32)
+    rank = np.zeros(n, np.int32)
+    seen: dict[int, int] = {}
+    for i in range(1, n):
+        node_depth[i] = node_depth[parents[i]] + 1
+        rank[i] = seen.get(int(parents[i]), 0)
+        seen[int(parents[i])] = rank[i] + 1
+    internal = set(int(p) for p in parents[1:])
+    depth = int(node_depth.max())
+    levels = [[i for i in range(n) if node_depth[i] == d] for d in range(depth + 1)]
+    row = np.full(n, -1, np.int32)
+    row[0] = 0
+    evaluated, slot_of, masks = [[]], {}, [None]
+    for d in range(1, depth + 1):
+        nodes = [i for i in levels[d] if i in internal]
+        mask = np.zeros((len(nodes), len(slot_of)), bool)
+        for r, i in enumerate(nodes):
+            a = int(parents[i])
+            while a > 0:
+                mask[r, slot_of[a]] = True
+                a = int(parents[a])
+        for i in nodes:
+            slot_of[i] = len(slot_of)
+            row[i] = len(slot_of)  # row 0 is the root
+        evaluated.append(nodes)
+        masks.append(mask)
+    return _Fixed(parents, node_depth, rank, row, levels, evaluated, masks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculative:
+    """A draft-model speculative method (``spec`` = chain, ``tree``); hashable, static.
+
+    Attributes:
+      name: ``"spec"`` or ``"tree"``.
+      draft_config: the draft model's config.
+      shape: the static :class:`TreeShape`.
+      verify: acceptance rule, one of :data:`VERIFY_RULES`.
+    """
+
+    name: str
+    draft_config: ModelConfig
+    shape: TreeShape
+    verify: str = "coupled"
+
+    def __post_init__(self):
+        if self.verify not in VERIFY_RULES:
+            raise InvalidArgumentError(
+                f"unknown verify rule {self.verify!r}; expected one of {VERIFY_RULES}")
+        if self.shape.topology is not None:
+            validate_parents(np.asarray(self.shape.topology, np.int32), self.shape.width)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def _fixed(self) -> _Fixed | None:
+        if self.shape.topology is None:
+            return None
+        return _fixed_tables(np.asarray(self.shape.topology, np.int32))
+
+    @property
+    def children_mode(self) -> str:
+        """How the drafted children relate to ``q~`` (for the rejection rule)."""
+        return "without_replacement" if self.shape.topology is not None else "deterministic"
+
+    def _rank(self, logits: jax.Array, sampling: SamplingParams, child_positions: jax.Array,
+              key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(ranking log-scores [E, V], log q~ [E, V]) for drafting children of E nodes."""
+        log_q = target_log_probs(logits, sampling)
+
+        def sampled(_):
+            if self.verify in ("greedy", "coupled"):
+                scores = perturbed_scores(log_q, sampling, child_positions)
+            elif self.verify == "rejection" and self.shape.topology is not None:
+                scores = log_q + jax.random.gumbel(key, log_q.shape)
+            else:
+                scores = log_q
+            return jax.nn.log_softmax(scores, axis=-1)
+
+        def greedy(_):
+            return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+        return jax.lax.cond(sampling.temperature > 0, sampled, greedy, None), log_q
+
+    def _draft_pass(self, draft_params, loop: DecodeLoop, cache, tokens, positions,
+                    scratch_mask):
+        count = tokens.shape[0]
+        return models.forward(draft_params, self.draft_config, tokens, positions, cache,
+                              jnp.eye(count, dtype=jnp.bool_), scratch_mask,
+                              attn_impl=loop.attn_impl)
+
+    # ------------------------------------------------------------------ method protocol
+
+    def init(self, params, loop: DecodeLoop, state: DecodeState, draft_params) -> DecodeState:
+        """Prefills the draft cache with the prompt."""
+        del params
+        cache = init_cache(self.draft_config, loop.capacity, draft_params["embed"].dtype)
+        prompt = state.tokens[: loop.prompt_bucket]
+        _, cache = models.forward(draft_params, self.draft_config, prompt,
+                                  jnp.arange(loop.prompt_bucket, dtype=jnp.int32), cache,
+                                  attn_impl=loop.attn_impl)
+        aux = {"draft_cache": advance(cache, state.prompt_length),
+               "accepted": jnp.zeros((self.shape.depth + 1,), jnp.int32)}
+        return state.replace(aux=aux, draft_calls=state.draft_calls + 1)
+
+    def step(self, params, loop: DecodeLoop, state: DecodeState, draft_params) -> DecodeState:
+        shape, sampling = self.shape, state.sampling
+        root_position = state.length - 1
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(sampling.seed),
+                                                    state.length), _KEY_TAG)
+        draft_key, verify_key = jax.random.split(key)
+
+        # 1. Catch the draft cache up to the root.
+        cache = state.aux["draft_cache"]
+        chunk = shape.depth + 1
+        tokens = jax.lax.dynamic_slice(state.tokens, (cache.length,), (chunk,))
+        logits, cache = models.forward(draft_params, self.draft_config, tokens,
+                                       cache.length + jnp.arange(chunk, dtype=jnp.int32), cache,
+                                       attn_impl=loop.attn_impl)
+        fresh = state.length - cache.length
+        root_logits = jax.lax.dynamic_index_in_dim(logits, fresh - 1, keepdims=True)
+        cache = advance(cache, fresh)
+        root_token = state.tokens[root_position]
+
+        # 2. Draft the tree.
+        build = self._draft_fixed if shape.topology is not None else self._draft_dynamic
+        tree, draft_logp, cache = build(draft_params, loop, cache, root_token, root_logits,
+                                        root_position, sampling, draft_key)
+        draft_calls = shape.depth  # catch-up + one pass per expanded level
+
+        # 3. Verify with one target pass.
+        node_depths = depths(tree.parents, shape.depth)
+        mask = ancestor_mask(tree.parents, tree.valid, shape.depth)
+        positions = root_position + node_depths
+        target_logits, target_cache = models.forward(params, loop.config, tree.tokens, positions,
+                                                     state.cache, mask,
+                                                     attn_impl=loop.attn_impl)
+        finite = jnp.all(jnp.isfinite(target_logits) | ~tree.valid[:, None])
+        log_p = target_log_probs(target_logits, sampling)
+        if self.verify in ("greedy", "coupled"):
+            scores = perturbed_scores(log_p, sampling, positions + 1)
+            verdict = verify_greedy_or_coupled(tree, scores, shape.depth)
+        elif self.verify == "match":
+            verdict = verify_match(tree, log_p, verify_key, shape.depth)
+        else:
+            verdict = verify_rejection(tree, log_p, draft_logp, verify_key, shape.depth,
+                                       shape.width, self.children_mode)
+
+        # 4. Commit.
+        state = state.replace(
+            cache=commit_path(target_cache, verdict.path, verdict.count),
+            target_calls=state.target_calls + 1,
+            draft_calls=state.draft_calls + draft_calls,
+            nonfinite=state.nonfinite | ~finite, done=state.done | ~finite,
+            aux={"draft_cache": cache,
+                 "accepted": state.aux["accepted"].at[verdict.count - 1].add(1)},
+        )
+        return append_tokens(state, emitted_tokens(tree, verdict), verdict.count)
+
+    # ------------------------------------------------------------------ tree builders
+
+    def _draft_dynamic(self, draft_params, loop, cache, root_token, root_logits,
+                       root_position, sampling, key):
+        width, depth = self.shape.width, self.shape.depth
+        keys = jax.random.split(key, depth)
+        rank, _ = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
+        top_scores, top_tokens = jax.lax.top_k(rank[0], width)
+        cand_tokens = [root_token[None], top_tokens]
+        cand_parents = [jnp.array([-1], jnp.int32), jnp.zeros((width,), jnp.int32)]
+        cand_scores = [jnp.zeros((1,), jnp.float32), top_scores]
+        frontier = 1 + jnp.arange(width, dtype=jnp.int32)  # candidate indices
+        frontier_tokens, frontier_scores = top_tokens, top_scores
+        ancestry = jnp.zeros((width, 0), jnp.bool_)  # frontier x evaluated scratch slots
+        for level in range(1, depth):
+            positions = jnp.full((width,), root_position + level, jnp.int32)
+            logits, cache = self._draft_pass(draft_params, loop, cache, frontier_tokens,
+                                             positions, ancestry)
+            rank, _ = self._rank(logits, sampling, positions + 1, keys[level])
+            child_scores, child_tokens = jax.lax.top_k(rank, width)  # [W, W]
+            child_scores = frontier_scores[:, None] + child_scores
+            base = 1 + width + (level - 1) * width * width
+            cand_tokens.append(child_tokens.reshape(-1))
+            cand_parents.append(jnp.repeat(frontier, width))
+            cand_scores.append(child_scores.reshape(-1))
+            best_scores, best = jax.lax.top_k(child_scores.reshape(-1), width)
+            parent_row = best // width
+            ancestry = jnp.concatenate(
+                [ancestry[parent_row], jnp.eye(width, dtype=jnp.bool_)[parent_row]], axis=1)
+            frontier = base + best.astype(jnp.int32)
+            frontier_tokens = child_tokens.reshape(-1)[best]
+            frontier_scores = best_scores
+        scores = jnp.concatenate(cand_scores)
+        tree = select_top_nodes(jnp.concatenate(cand_parents), scores,
+                                jnp.concatenate(cand_tokens), jnp.isfinite(scores),
+                                self.shape.budget)
+        return tree, None, cache
+
+    def _draft_fixed(self, draft_params, loop, cache, root_token, root_logits, root_position,
+                     sampling, key):
+        fixed = self._fixed
+        width, n = self.shape.width, len(fixed.parents)
+        keys = jax.random.split(key, len(fixed.levels))
+        rank, log_q = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
+        ranked = [jax.lax.top_k(rank[0], width)[1][None]]  # per evaluated row: [rows, W]
+        dists = [log_q]
+        tokens = jnp.zeros((n,), jnp.int32).at[0].set(root_token)
+        for level in range(1, len(fixed.levels)):
+            nodes = np.asarray(fixed.levels[level])
+            table = jnp.concatenate(ranked)
+            rows = fixed.row[fixed.parents[nodes]]
+            tokens = tokens.at[nodes].set(table[rows, fixed.rank[nodes]])
+            evaluated = np.asarray(fixed.evaluated[level], np.int32)
+            if len(evaluated) == 0:
+                continue
+            positions = jnp.full((len(evaluated),), root_position + level, jnp.int32)
+            logits, cache = self._draft_pass(draft_params, loop, cache, tokens[evaluated],
+                                             positions, jnp.asarray(fixed.scratch_masks[level]))
+            rank, log_q = self._rank(logits, sampling, positions + 1, keys[level])
+            ranked.append(jax.lax.top_k(rank, width)[1])
+            dists.append(log_q)
+        dists = jnp.concatenate(dists)
+        draft_logp = dists[np.maximum(fixed.row, 0)]
+        tree = Tree(tokens=tokens, parents=jnp.asarray(fixed.parents),
+                    valid=jnp.ones((n,), jnp.bool_))
+        return tree, draft_logp, cache
