@@ -1,0 +1,164 @@
+"""specjax's own checkpoint format: an orbax parameter tree beside a JSON config.
+
+Layout of a checkpoint directory::
+
+    specjax_config.json   every ModelConfig field (rope_scaling nested), plus
+                          "specjax_format_version"
+    params/               the parameter tree, written by orbax's StandardCheckpointer
+    tokenizer.json ...    the tokenizer, when there is one (``save_pretrained`` files)
+
+Loading checks the restored tree against the config (shapes, missing and extra leaves),
+so a checkpoint that does not describe the model it claims to is rejected by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specjax.checkpoints_tools.hf import as_numpy_dtype, has_tokenizer, load_hf_tokenizer, one_line
+from specjax.config import ModelConfig, RopeScaling
+from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
+
+CONFIG_FILE = "specjax_config.json"
+PARAMS_DIR = "params"
+FORMAT_VERSION = 1
+_VERSION_KEY = "specjax_format_version"
+
+
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    """All fields of ``config`` as JSON-ready values (``rope_scaling`` as a nested dict)."""
+    out = dataclasses.asdict(config)
+    out["eos_token_ids"] = list(config.eos_token_ids)
+    return out
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig:
+    """Inverse of :func:`config_to_dict`.
+
+    Raises:
+      CheckpointError: a field is unknown, missing or of the wrong kind.
+    """
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise CheckpointError(f"{source}: unknown config field {unknown[0]!r}")
+    values = dict(raw)
+    try:
+        if values.get("rope_scaling") is not None:
+            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        values["eos_token_ids"] = tuple(int(t) for t in values.get("eos_token_ids", ()))
+        return ModelConfig(**values)
+    except (TypeError, ValueError) as error:  # InvalidArgumentError is a ValueError
+        raise CheckpointError(f"{source}: invalid model config ({one_line(error)})") from error
+
+
+def _to_numpy(tree):
+    if isinstance(tree, dict):
+        return {key: _to_numpy(value) for key, value in tree.items()}
+    return np.asarray(tree)
+
+
+def save_orbax(path: str | os.PathLike, config: ModelConfig, params: dict,
+               tokenizer: Any = None) -> Path:
+    """Writes a specjax checkpoint directory (see the module docstring).
+
+    Args:
+      path: directory to create; it may exist only if empty.
+      config: the model config.
+      params: parameter tree (numpy or jax arrays), checked against ``config``.
+      tokenizer: a transformers tokenizer to save alongside, or ``None``.
+    Returns:
+      ``path`` as an absolute :class:`~pathlib.Path`.
+    Raises:
+      InvalidArgumentError: ``path`` exists and is not an empty directory.
+      CheckpointError: ``params`` does not match ``config``.
+    """
+    import orbax.checkpoint as ocp
+
+    from specjax.models import check_params
+
+    path = Path(path).absolute()
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise InvalidArgumentError(f"{path} already exists and is not an empty directory")
+    check_params(config, params, source="params")
+    path.mkdir(parents=True, exist_ok=True)
+    record = {_VERSION_KEY: FORMAT_VERSION, **config_to_dict(config)}
+    (path / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path / PARAMS_DIR, _to_numpy(params))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def read_orbax_config(path: str | os.PathLike) -> ModelConfig:
+    """The :class:`ModelConfig` stored in the checkpoint directory ``path``."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{path}: {CONFIG_FILE} is missing")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{file}: unreadable ({one_line(error)})") from error
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    version = raw.pop(_VERSION_KEY, None)
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: {_VERSION_KEY} is {version!r}; this specjax reads version {FORMAT_VERSION}")
+    return config_from_dict(raw, source=str(file))
+
+
+def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, Any]:
+    """Loads a specjax checkpoint directory written by :func:`save_orbax`.
+
+    Args:
+      path: the checkpoint directory.
+      dtype: cast every parameter to this dtype; ``None`` keeps the stored dtype.
+    Returns:
+      (config, params, tokenizer): params is a nested dict of numpy arrays; tokenizer is
+      ``None`` when the checkpoint has none.
+    Raises:
+      ModelNotFoundError: ``path`` does not exist.
+      CheckpointError: the config or parameters are missing, unreadable or inconsistent
+        (the message names which).
+    """
+    import orbax.checkpoint as ocp
+
+    from specjax.models import check_params
+
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise ModelNotFoundError(f"{path}: no such checkpoint directory")
+    config = read_orbax_config(path)
+    params_dir = path / PARAMS_DIR
+    if not params_dir.is_dir():
+        raise CheckpointError(f"{path}: the parameter directory {PARAMS_DIR}/ is missing")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore(params_dir)
+    except Exception as error:  # orbax/tensorstore raise many types for damaged files
+        raise CheckpointError(
+            f"{params_dir}: corrupt or incomplete orbax checkpoint ({one_line(error)})") from error
+    if not isinstance(params, dict):
+        raise CheckpointError(
+            f"{params_dir}: expected a tree of dicts, found {type(params).__name__}")
+    params = _to_numpy(params)
+    check_params(config, params, source=str(params_dir))
+    target = as_numpy_dtype(dtype)
+    if target is not None:
+        params = _cast(params, target)
+    tokenizer = load_hf_tokenizer(path) if has_tokenizer(path) else None
+    return config, params, tokenizer
+
+
+def _cast(tree, dtype):
+    if isinstance(tree, dict):
+        return {key: _cast(value, dtype) for key, value in tree.items()}
+    return tree.astype(dtype)

