@@ -1,0 +1,188 @@
+"""Speculative decoding end to end: exactness against ``ar``, tree attention, commit, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import specjax
+from specjax import models
+from specjax.cache import commit_path, init_cache
+from specjax.errors import InvalidArgumentError
+from specjax.tree import ancestor_mask, depths
+
+from conftest import random_prompt, tiny_pair
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_pair("llama-mha", seed=21)[1]
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    """A weak random draft, the target itself, and a draft that is always wrong."""
+    weak = tiny_pair("llama-mha", seed=22, num_hidden_layers=1)[1]
+    # The negated head ranks the target's least likely tokens first, so at greedy its
+    # proposals at the root are never the target's choice (checked below).
+    wrong_params = dict(target.params, lm_head=-target.params["lm_head"])
+    wrong = specjax.Model(target.config, wrong_params, name="wrong")
+    return {"weak": weak, "self": target, "wrong": wrong}
+
+
+SHAPES = {
+    "chain": dict(method="spec", draft_depth=3),
+    "budget-1": dict(method="tree", tree_budget=1, draft_depth=1, draft_width=1),
+    "wide-shallow": dict(method="tree", tree_budget=6, draft_depth=1, draft_width=5),
+    "deep-narrow": dict(method="tree", tree_budget=8, draft_depth=6, draft_width=2),
+    "dynamic": dict(method="tree", tree_budget=12, draft_depth=3, draft_width=3),
+    "kary-fixed": dict(method="tree", topology="kary", tree_budget=9, draft_depth=2,
+                       draft_width=3),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_speculation_equals_ar(target, drafts, shape):
+    for seed in (0, 1):
+        prompt = random_prompt(seed, 7 + 5 * seed)
+        expected = specjax.generate(target, prompt, max_new_tokens=NEW).tokens
+        for name, draft in drafts.items():
+            out = specjax.generate(target, prompt, max_new_tokens=NEW, draft=draft,
+                                   **SHAPES[shape])
+            assert out.tokens == expected, (shape, name, seed)
+            if name == "self" and shape != "budget-1":
+                assert out.stats["mean_accepted"] > 1.5
+            if name == "wrong":
+                assert out.stats["mean_accepted"] == 1.0
+
+
+@pytest.mark.parametrize("shape", ["chain", "dynamic", "kary-fixed"])
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_coupled_sampling_equals_ar_sampling(target, drafts, shape, sampling):
+    for seed in (3, 4):
+        prompt = random_prompt(seed, 9)
+        expected = specjax.generate(target, prompt, max_new_tokens=NEW, seed=seed,
+                                    **sampling).tokens
+        for name in ("weak", "self"):
+            out = specjax.generate(target, prompt, max_new_tokens=NEW, seed=seed,
+                                   draft=drafts[name], verify="coupled", **SHAPES[shape],
+                                   **sampling)
+            assert out.tokens == expected, (shape, name, seed)
+
+
+def test_a_wrong_coupling_is_caught(target, drafts):
+    """Sanity of the test above: a different seed gives different tokens."""
+    prompt = random_prompt(3, 9)
+    a = specjax.generate(target, prompt, max_new_tokens=NEW, seed=3, temperature=1.0).tokens
+    b = specjax.generate(target, prompt, max_new_tokens=NEW, seed=5, temperature=1.0,
+                         method="spec", draft=drafts["self"], draft_depth=3).tokens
+    assert a != b
+
+
+@pytest.mark.parametrize("verify", ["match", "rejection"])
+def test_stochastic_rules_run_and_self_draft_accepts(target, verify):
+    out = specjax.generate(target, random_prompt(6, 8), max_new_tokens=NEW, temperature=1.0,
+                           method="tree", draft=target, verify=verify, tree_budget=8,
+                           draft_depth=3, draft_width=2)
+    assert len(out.tokens) == NEW
+    assert out.stats["mean_accepted"] > 1.2
+
+
+def test_no_recompilation_for_new_prompts_and_settings(target, drafts):
+    kwargs = dict(max_new_tokens=NEW, method="spec", draft=drafts["weak"], draft_depth=3)
+    specjax.generate(target, random_prompt(0, 9), **kwargs)
+    for i, (t, k, p) in enumerate([(0.0, 0, 1.0), (1.0, 0, 1.0), (0.6, 5, 0.8)]):
+        out = specjax.generate(target, random_prompt(i + 10, 10 + i), temperature=t, top_k=k,
+                               top_p=p, seed=i, **kwargs)
+        assert out.stats["compile_seconds"] == 0.0
+
+
+def test_streaming_speculation_equals_while_loop(target, drafts):
+    kwargs = dict(max_new_tokens=NEW, method="tree", draft=drafts["weak"], **{
+        k: v for k, v in SHAPES["dynamic"].items() if k != "method"})
+    prompt = random_prompt(7, 11)
+    full = specjax.generate(target, prompt, **kwargs)
+    streamed = []
+    for new, _ in specjax.stream_generate(target, prompt, **kwargs):
+        streamed += new
+    assert streamed == full.tokens
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.data())
+def test_tree_attention_equals_causal_paths(data):
+    """Each tree node's logits equal a plain causal forward over prefix + its path."""
+    _, model = _tree_model()
+    n = data.draw(st.integers(2, 8))
+    parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = data.draw(st.lists(st.integers(0, 96), min_size=n, max_size=n))
+    prefix = random_prompt(8, 6)
+    parents_arr = jnp.asarray(parents, jnp.int32)
+    mask = ancestor_mask(parents_arr, jnp.ones(n, bool))
+    cache = init_cache(model.config, 32)
+    _, cache = models.forward(model.params, model.config, jnp.asarray(prefix), jnp.arange(6), cache)
+    cache = cache.replace(length=jnp.int32(6))
+    positions = 6 + depths(parents_arr)
+    logits, _ = models.forward(model.params, model.config, jnp.asarray(tokens), positions,
+                               cache, mask)
+    for i in range(n):
+        path, j = [], i
+        while j >= 0:
+            path.append(tokens[j])
+            j = parents[j]
+        seq = prefix + path[::-1]
+        ref, _ = models.forward(model.params, model.config, jnp.asarray(seq), jnp.arange(len(seq)))
+        np.testing.assert_allclose(np.asarray(logits[i]), np.asarray(ref[-1]), atol=1e-4)
+
+
+_TREE_MODEL = {}
+
+
+def _tree_model():
+    if not _TREE_MODEL:
+        _TREE_MODEL["m"] = tiny_pair("llama-gqa", seed=23)
+    return _TREE_MODEL["m"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 10), st.data())
+def test_commit_moves_exactly_the_accepted_path(count, length, data):
+    config = _tree_model()[1].config
+    cache = init_cache(config, 32)
+    k = jax.random.normal(jax.random.PRNGKey(length), cache.k.shape)
+    v = jax.random.normal(jax.random.PRNGKey(length + 1), cache.v.shape)
+    cache = cache.replace(k=k, v=v, length=jnp.int32(length))
+    path = [0] + sorted(data.draw(st.lists(st.integers(1, 9), min_size=4, max_size=4, unique=True)))
+    out = commit_path(cache, jnp.asarray(path, jnp.int32), jnp.int32(count))
+    assert int(out.length) == length + count
+    k, out_k = np.asarray(k), np.asarray(out.k)
+    np.testing.assert_array_equal(out_k[:, :length], k[:, :length])  # prefix untouched
+    for j in range(count):
+        np.testing.assert_array_equal(out_k[:, length + j], k[:, length + path[j]])
+        np.testing.assert_array_equal(np.asarray(out.v)[:, length + j],
+                                      np.asarray(v)[:, length + path[j]])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="spec"), "needs a draft"),
+    (dict(method="tree", tree_budget=0), "tree_budget"),
+    (dict(method="tree", draft_depth=0), "draft_depth"),
+    (dict(method="spec", draft_depth=0), "draft_depth"),
+    (dict(method="tree", verify="bogus"), "unknown verify rule"),
+    (dict(method="spec", verify="greedy", temperature=1.0), "temperature 0"),
+    (dict(method="spec", tree_budget=9), "chain"),
+])
+def test_bad_speculative_arguments(target, drafts, kwargs, match):
+    if kwargs.get("method") and "needs a draft" not in match:
+        kwargs = dict(kwargs, draft=drafts["weak"])
+    with pytest.raises(InvalidArgumentError, match=match):
+        specjax.generate(target, [1, 2, 3], max_new_tokens=4, **kwargs)
+
+
+def test_vocabulary_mismatch_is_an_error_before_compute(target):
+    _, other = tiny_pair("llama-mha", seed=24, vocab_size=50)
+    with pytest.raises(InvalidArgumentError, match="vocabulary size"):
+        specjax.generate(target, [1, 2, 3], max_new_tokens=4, method="spec", draft=other)
