@@ -21,7 +21,23 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL,
                    help=f"model name, GGUF file, HF or orbax directory, or hub id (default: {DEFAULT_MODEL})")
-    p.add_argument("--method", default="ar", help="decoding method: ar (default: ar)")
+    p.add_argument("--method", default="ar", choices=("ar", "spec", "tree"),
+                   help="ar: autoregressive; spec: draft chain (Leviathan/Chen); tree: draft "
+                        "token tree verified in one target pass (default: ar)")
+    p.add_argument("--draft", default=None, help="draft model for spec/tree (name, path or hub id; "
+                                                 "must share the target's tokenizer)")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="tree: nodes verified per target pass, root included (default: 16)")
+    p.add_argument("--draft-depth", type=int, default=None,
+                   help="spec/tree: drafted levels per step (default: 4)")
+    p.add_argument("--draft-width", type=int, default=None,
+                   help="tree: children per expanded node and frontier size (default: 4)")
+    p.add_argument("--topology", default=None, choices=("dynamic", "kary"),
+                   help="tree: dynamic (best nodes by draft score) or a fixed k-ary tree (default: dynamic)")
+    p.add_argument("--verify", default=None, choices=("coupled", "greedy", "match", "rejection"),
+                   help="acceptance rule: coupled (default; exact same tokens as ar with the same seed), "
+                        "greedy (temperature 0 only), match (sample-then-match), rejection "
+                        "(residual rejection sampling)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables (default: 0)")
@@ -65,7 +81,11 @@ def _generate(args) -> int:
     model = api.load(args.model, dtype=args.dtype, progress=not args.json)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,
-                   chat=args.chat, attn_impl=args.attn_impl)
+                   chat=args.chat, attn_impl=args.attn_impl, tree_budget=args.tree_budget,
+                   draft_depth=args.draft_depth, draft_width=args.draft_width,
+                   verify=args.verify, topology=args.topology)
+    if args.draft is not None:
+        options["draft"] = api.load(args.draft, dtype=args.dtype, progress=not args.json)
     if args.json:
         result = api.generate(model, args.prompt, **options)
         print(json.dumps({"text": result.text, "tokens": result.tokens,
