@@ -45,6 +45,17 @@ class Model:
         params = jax.tree.map(lambda a: jnp.asarray(a, dtype or None), params)
         return cls(config=config, params=params, tokenizer=tokenizer, name=name)
 
+    def first_layers(self, num_layers: int) -> "Model":
+        """A smaller model made of this one's first ``num_layers`` blocks, embedding, final
+        norm and head (an untrained starting point for a draft; it shares the tokenizer)."""
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise InvalidArgumentError(
+                f"num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
+        params = dict(self.params, layers=jax.tree.map(lambda a: a[:num_layers],
+                                                       self.params["layers"]))
+        config = dataclasses.replace(self.config, num_layers=num_layers)
+        return Model(config, params, self.tokenizer, f"{self.name}[:{num_layers} layers]")
+
 
 @dataclasses.dataclass
 class GenerationResult:
