@@ -135,13 +135,19 @@ def children_table(parents: jax.Array, valid: jax.Array, width: int) -> jax.Arra
     Args:
       parents: int32 [N].
       valid: bool [N].
-      width: W, static.
+      width: W, static, >= 0.
     Returns:
       int32 [N, W].
+    Raises:
+      InvalidArgumentError: a negative width.
     """
+    if int(width) != width or width < 0:
+        raise InvalidArgumentError(f"tree width must be an integer >= 0, got {width}")
     parents = jnp.asarray(parents, jnp.int32)
     valid = jnp.asarray(valid, jnp.bool_)
     size = parents.shape[0]
+    if width == 0:  # a lone root (plain autoregressive step) has no children to list
+        return jnp.full((size, 0), -1, jnp.int32)
     index = jnp.arange(size)
     is_child = valid & (index > 0) & (parents >= 0)
     earlier_sibling = (is_child[None, :] & (parents[None, :] == parents[:, None])
@@ -269,10 +275,11 @@ def validate_parents(parents: Sequence[int] | np.ndarray, width: int | None = No
     bad = np.nonzero((index > 0) & ((array < 0) | (array >= index)))[0]
     if bad.size:
         i = int(bad[0])
-        raise InvalidArgumentError(f"parents[{i}] = {array[i]} must be in [0, {i}): parents come before children")
+        raise InvalidArgumentError(
+            f"parents[{i}] = {array[i]} must be in [0, {i}): parents come before children")
     if width is not None:
-        counts = np.bincount(array[1:], minlength=array.shape[0]) if array.shape[0] > 1 else np.zeros(1, int)
-        if counts.max(initial=0) > width:
+        counts = np.bincount(array[1:], minlength=array.shape[0])
+        if counts.max() > width:
             node = int(np.argmax(counts))
             raise InvalidArgumentError(
                 f"node {node} has {int(counts[node])} children but the tree width is {width}; raise the width")

@@ -228,13 +228,19 @@ def verify_rejection(tree: Tree, target_logp: jax.Array, draft_logp: jax.Array |
     valid = tree.valid.at[0].set(True)
     table = children_table(tree.parents, valid, width)  # [N, W]
     vocab = target_logp.shape[-1]
-    step_keys = jax.random.split(key, max_depth + 2)
+    # All randomness in one draw (each random-number site costs compile time): one
+    # uniform per (level, sibling slot) for the accept tests, then V uniforms turned into
+    # Gumbel noise for the final sample. Uniforms lie in [tiny, 1), so an acceptance
+    # probability of 0 never accepts and 1 always does.
+    noise = jax.random.uniform(key, ((max_depth + 1) * width + vocab,), jnp.float32,
+                               minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+    uniforms = noise[: (max_depth + 1) * width].reshape(max_depth + 1, width)
+    gumbel = -jnp.log(-jnp.log(noise[(max_depth + 1) * width:]))
 
     def step(level, carry):
         node, done, path, count, final = carry
         p = jnp.exp(target_logp[node].astype(jnp.float32))
         q = jnp.exp(draft_logp[node].astype(jnp.float32))
-        uniforms = jax.random.uniform(step_keys[level], (width,))
         r = p
         chosen = jnp.int32(0)
         taken = jnp.bool_(False)
@@ -245,10 +251,12 @@ def verify_rejection(tree: Tree, target_logp: jax.Array, draft_logp: jax.Array |
             live = open_ & ~taken & (child >= 0)
             x = tokens[jnp.maximum(child, 0)]
             if children_mode == "deterministic":
+                # The same step with q = one-hot(x): min(1, r(x) / 1) = r(x), and
+                # max(r - one-hot(x), 0) is r with x zeroed.
                 proposal = jax.nn.one_hot(x, vocab, dtype=jnp.float32)
             else:
                 proposal = q
-            accept = live & (uniforms[slot] < _accept_probability(r, proposal, x))
+            accept = live & (uniforms[level, slot] < _accept_probability(r, proposal, x))
             reject = live & ~accept
             r = jnp.where(reject, _residual(r, proposal, p), r)
             if children_mode == "without_replacement":
@@ -265,8 +273,8 @@ def verify_rejection(tree: Tree, target_logp: jax.Array, draft_logp: jax.Array |
     init = (jnp.int32(0), jnp.bool_(False), jnp.zeros((max_depth + 1,), jnp.int32),
             jnp.int32(1), jnp.zeros((vocab,), jnp.float32))
     _, _, path, count, final = jax.lax.fori_loop(0, max_depth + 1, step, init)
-    # log(0) = -inf excludes tokens outside the residual's support.
-    next_token = jax.random.categorical(step_keys[max_depth + 1], jnp.log(final))
+    # Gumbel-max; log(0) = -inf excludes tokens outside the residual's support.
+    next_token = jnp.argmax(jnp.log(final) + gumbel)
     return Verdict(path=path, count=count, next_token=next_token.astype(jnp.int32))
 
 
