@@ -61,8 +61,15 @@ def _add_convert(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with specjax's error format: one line on stderr, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"specjax: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specjax", description="Lossless speculative decoding in JAX.")
+    parser = _Parser(prog="specjax", description="Lossless speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
@@ -75,17 +82,38 @@ def _summary(stats: dict) -> str:
             f"target calls {stats['target_calls']}, mean accepted {stats['mean_accepted']:.2f}")
 
 
+def _progress() -> bool:
+    # Progress bars only on a terminal: piped stderr keeps the one-line summary or error.
+    return sys.stderr.isatty()
+
+
+def _check_generate_args(args) -> None:
+    """Rejects bad settings before the (slow) model load, with the library's own checks."""
+    from specjax import api
+    from specjax.errors import InvalidArgumentError
+    from specjax.sampling import make_sampling_params
+
+    if not args.prompt:
+        raise InvalidArgumentError("prompt is empty")
+    if args.max_new_tokens < 1:
+        raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
+    make_sampling_params(args.temperature, args.top_k, args.top_p, args.seed)
+    api.resolve_dtype(args.dtype)
+
+
 def _generate(args) -> int:
     from specjax import api
 
-    model = api.load(args.model, dtype=args.dtype, progress=not args.json)
+    _check_generate_args(args)
+    model = api.load(args.model, dtype=args.dtype, progress=_progress() and not args.json)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,
                    chat=args.chat, attn_impl=args.attn_impl, tree_budget=args.tree_budget,
                    draft_depth=args.draft_depth, draft_width=args.draft_width,
                    verify=args.verify, topology=args.topology)
     if args.draft is not None:
-        options["draft"] = api.load(args.draft, dtype=args.dtype, progress=not args.json)
+        options["draft"] = api.load(args.draft, dtype=args.dtype,
+                                     progress=_progress() and not args.json)
     if args.json:
         result = api.generate(model, args.prompt, **options)
         print(json.dumps({"text": result.text, "tokens": result.tokens,
@@ -103,7 +131,8 @@ def _generate(args) -> int:
             sys.stdout.write(stable[len(printed):])
             sys.stdout.flush()
             printed = stable
-    sys.stdout.write("\n")
+    text = api.decode_text(model, tokens)  # the end: what was held back, U+FFFD included
+    sys.stdout.write((text[len(printed):] if text.startswith(printed) else "") + "\n")
     print(_summary(stats), file=sys.stderr)
     return 0
 
@@ -111,7 +140,8 @@ def _generate(args) -> int:
 def _convert(args) -> int:
     from specjax.checkpoints_tools.convert import convert
 
-    convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=True)
+    convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite,
+            progress=_progress())
     print(f"wrote {args.dst}", file=sys.stderr)
     return 0
 

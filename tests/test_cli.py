@@ -1,0 +1,258 @@
+"""The ``specjax`` command line: output contract, conversion, and one-line errors.
+
+Most tests call :func:`specjax.cli.main` in-process (stdout/stderr captured) and, to keep the
+suite fast, serve ``smollm2-135m`` from the session fixture instead of reloading it; one test
+runs the installed console script for real. Expected outputs come from the Python API, so
+the CLI is checked to add nothing and lose nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import specjax
+from specjax import api, cli
+
+from helpers_checkpoints import gguf_llama, save_tiny, tiny_model, write_tiny_gguf
+
+PROMPT = "def add(a, b):"
+STATS_KEYS = {"new_tokens", "seconds", "tokens_per_s", "compile_seconds", "target_calls",
+              "draft_calls", "mean_accepted"}
+SUMMARY = re.compile(r"^\[ar\] (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\), compile [\d.]+ s, "
+                     r"target calls (\d+), mean accepted 1\.00\n$")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop anything printed before
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_one_line_error(status: int, out: str, err: str, *fragments: str) -> None:
+    assert status == 2, (status, err)
+    assert out == ""
+    assert err.startswith("specjax: error: ") and err.count("\n") == 1 and err.endswith("\n"), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+@pytest.fixture
+def served(monkeypatch, smollm2):
+    """``api.load("smollm2-135m")`` returns the session model; other sources load for real."""
+    real_load = api.load
+
+    def load(name_or_path, dtype=None, *, progress=False):
+        if str(name_or_path) == "smollm2-135m" and dtype in (None, "float32"):
+            return smollm2
+        return real_load(name_or_path, dtype, progress=progress)
+
+    monkeypatch.setattr(api, "load", load)
+    return smollm2
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Fails the test if the CLI loads a model: settings errors must come first."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(api, "load", load)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny random Llama with a tokenizer and chat template, as a GGUF file."""
+    return write_tiny_gguf(gguf_llama(seed=3), tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def test_generate_streams_text_to_stdout_and_one_summary_line_to_stderr(capsys, served):
+    expected = specjax.generate(served, PROMPT, max_new_tokens=16)
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16")
+    assert status == 0
+    assert out == expected.text + "\n"
+    assert expected.text.strip()  # a real continuation: the comparison can fail
+    match = SUMMARY.match(err)
+    assert match, err
+    assert int(match[1]) == len(expected.tokens) == int(match[2])
+
+
+def test_json_prints_exactly_one_object(capsys, served):
+    expected = specjax.generate(served, PROMPT, max_new_tokens=12)
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "12", "--json")
+    assert status == 0 and err == ""
+    assert out.endswith("\n") and out.count("\n") == 1
+    result = json.loads(out)
+    assert set(result) == {"text", "tokens", "method", "stats"}
+    assert result["method"] == "ar"
+    assert result["tokens"] == expected.tokens
+    assert result["text"] == expected.text == served.tokenizer.decode(result["tokens"],
+                                                                      skip_special_tokens=True)
+    stats = result["stats"]
+    assert STATS_KEYS <= set(stats)
+    assert stats["new_tokens"] == len(result["tokens"]) == stats["target_calls"]
+    assert stats["draft_calls"] == 0 and stats["mean_accepted"] == 1.0
+    assert stats["seconds"] > 0 and stats["tokens_per_s"] == pytest.approx(
+        stats["new_tokens"] / stats["seconds"])
+    assert stats["compile_seconds"] >= 0
+
+
+def test_json_passes_sampling_options_through(capsys, served):
+    options = dict(max_new_tokens=10, temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    expected = specjax.generate(served, PROMPT, **options)
+    status, out, _ = run_cli(capsys, "generate", PROMPT, "--json", "--max-new-tokens", "10",
+                             "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
+                             "--seed", "3")
+    assert status == 0
+    assert json.loads(out)["tokens"] == expected.tokens
+    assert expected.tokens != specjax.generate(served, PROMPT, max_new_tokens=10).tokens
+
+
+def test_chat_applies_the_chat_template(capsys, served):
+    expected = specjax.generate(served, "What is 2 + 2?", max_new_tokens=12, chat=True)
+    status, out, _ = run_cli(capsys, "generate", "What is 2 + 2?", "--chat", "--json",
+                             "--max-new-tokens", "12")
+    assert status == 0
+    tokens = json.loads(out)["tokens"]
+    assert tokens == expected.tokens
+    assert tokens != specjax.generate(served, "What is 2 + 2?", max_new_tokens=12).tokens
+    status, out, err = run_cli(capsys, "generate", "What is 2 + 2?", "--chat",
+                               "--max-new-tokens", "12")
+    assert status == 0 and out == expected.text + "\n" and SUMMARY.match(err)
+
+
+def test_console_script_runs_for_real():
+    """The installed entry point, the real load path, a real pipe for stderr."""
+    script = Path(sys.executable).with_name("specjax")
+    assert script.is_file(), f"{script} is missing: pip install -e ."
+    done = subprocess.run([str(script), "generate", PROMPT, "--max-new-tokens", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() and done.stdout.endswith("\n")
+    assert SUMMARY.match(done.stderr), done.stderr  # one line: no progress bar, no warnings
+    bad = subprocess.run([str(script), "generate", PROMPT, "--top-p", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert_one_line_error(bad.returncode, bad.stdout, bad.stderr, "top_p")
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+def test_convert_writes_a_directory_that_generate_uses(capsys, tiny_gguf, tmp_path):
+    dst = tmp_path / "tiny-orbax"
+    status, out, err = run_cli(capsys, "convert", str(tiny_gguf), str(dst))
+    assert status == 0 and out == "" and err == f"wrote {dst}\n"
+    assert (dst / "specjax_config.json").is_file() and (dst / "params").is_dir()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+    runs = []
+    for source in (tiny_gguf, dst):
+        status, out, _ = run_cli(capsys, "generate", "the", "-m", str(source), "--json",
+                                 "--max-new-tokens", "8")
+        assert status == 0
+        runs.append(json.loads(out))
+    assert runs[0]["tokens"] == runs[1]["tokens"] and runs[0]["text"] == runs[1]["text"]
+    assert runs[1]["stats"]["new_tokens"] >= 1
+
+    status, out, err = run_cli(capsys, "convert", str(tiny_gguf), str(dst))
+    assert_one_line_error(status, out, err, "already exists", "--overwrite")
+    status, _, err = run_cli(capsys, "convert", str(tiny_gguf), str(dst), "--overwrite")
+    assert status == 0 and err == f"wrote {dst}\n"
+
+
+def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
+    dst = tmp_path / "out"
+    status, out, err = run_cli(capsys, "convert", str(tmp_path / "missing.gguf"), str(dst))
+    assert_one_line_error(status, out, err, "missing.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["", ], "prompt is empty"),
+    ([PROMPT, "--temperature", "-1"], "temperature"),
+    ([PROMPT, "--top-p", "0"], "top_p"),
+    ([PROMPT, "--top-p", "1.5"], "top_p"),
+    ([PROMPT, "--top-k", "-1"], "top_k"),
+    ([PROMPT, "--max-new-tokens", "0"], "max_new_tokens"),
+    ([PROMPT, "--dtype", "int8"], "dtype"),
+    ([PROMPT, "--seed", "-1"], "seed"),
+])
+def test_bad_settings_fail_before_loading_the_model(capsys, no_load, argv, fragment):
+    assert_one_line_error(*run_cli(capsys, "generate", *argv), fragment)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ([], "required: prompt"),
+    ([PROMPT, "--max-new-tokens", "many"], "invalid int value"),
+    ([PROMPT, "--method", "beam"], "invalid choice"),
+    ([PROMPT, "--no-such-flag"], "unrecognized arguments"),
+])
+def test_argument_parsing_errors_are_one_line(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", *argv])
+    out, err = capsys.readouterr()
+    assert_one_line_error(exit_info.value.code, out, err, fragment)
+
+
+def test_unknown_model_name(capsys):
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", "no-such-model"),
+                          "no-such-model")
+
+
+def test_nonexistent_path(capsys, tmp_path):
+    missing = tmp_path / "nowhere" / "model.gguf"
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(missing)),
+                          str(missing), "not an existing path")
+
+
+def test_prompt_plus_budget_beyond_the_model_positions(capsys, served):
+    assert served.config.max_position_embeddings == 8192
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "9000"),
+                          "exceeds the model's 8192 positions")
+
+
+def test_prompt_without_tokenizer_is_an_error(capsys, tmp_path):
+    path = save_tiny(tiny_model("llama-mha-tied"), tmp_path / "hf")  # no tokenizer files
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(path)),
+                          "no tokenizer")
+
+
+def test_corrupt_gguf_file(capsys, tiny_gguf, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(truncated)),
+                          "truncated.gguf")
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(garbage)),
+                          "garbage.gguf")
+
+
+def test_corrupt_safetensors_file(capsys, tmp_path):
+    path = save_tiny(tiny_model("llama-mha-tied"), tmp_path / "hf")
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(path)),
+                          "model.safetensors")
+
+
+def test_corrupt_checkpoint_config(capsys, tiny_gguf, tmp_path):
+    dst = tmp_path / "ckpt"
+    assert run_cli(capsys, "convert", str(tiny_gguf), str(dst))[0] == 0
+    (dst / "specjax_config.json").write_text("{not json")
+    assert_one_line_error(*run_cli(capsys, "generate", "the", "-m", str(dst)),
+                          "specjax_config.json")
+
