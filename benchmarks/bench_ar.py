@@ -8,7 +8,8 @@ For each HumanEval prompt, in one process and interleaved so that machine drift 
   same cache capacity), which is the prefill plus the first sample;
 * transformers ``generate(do_sample=False)`` on the same GGUF weights (PyTorch, same dtype),
   stop tokens disabled without suppressing EOS, with PyTorch's faster thread count (1 or
-  all cores, measured first: OpenMP threads collapse when another process shares the cores);
+  all cores, probed before each run: OpenMP threads collapse when another process shares
+  the cores);
 * the bare jitted one-token forward + argmax, cache donated, at the mid-generation cache
   length and the same cache capacity: the floor for the loop's per-token time.
 
@@ -21,8 +22,10 @@ Derived per prompt:
   ``loop_overhead = loop_per_token / bare_step - 1``: what the while_loop, the sampler and
   the bookkeeping add to one forward.
 
-Each timing is the best of ``--repeats`` runs (other processes only ever add time); rows
-and medians over prompts go to the JSON file with device, versions, commit and load.
+Each prompt is measured in ``--repeats`` rounds that interleave all four measurements, and
+each number is the best over rounds (other processes only ever add time); rows (with every
+round's seconds) and medians over prompts go to the JSON file with device, versions, commit
+and load average.
 
     python benchmarks/bench_ar.py --limit 8 --max-new-tokens 128 --json benchmarks/results/ar_cpu.json
 """
@@ -55,12 +58,6 @@ def humaneval_prompts(limit: int | None) -> list[str]:
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line)["prompt"] for line in f]
     return rows[:limit] if limit else rows
-
-
-def best_of(repeats: int, fn):
-    """(result of the fastest call, its seconds): fn() returns (result, seconds)."""
-    runs = [fn() for _ in range(repeats)]
-    return min(runs, key=lambda r: r[1])
 
 
 def ar_program(model, ids: list[int], budget: int):
@@ -190,7 +187,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--no-transformers", action="store_true", help="skip the PyTorch peer")
     parser.add_argument("--torch-threads", type=int, default=0,
-                        help="PyTorch threads; 0 picks the faster of 1 and all cores (default)")
+                        help="PyTorch threads; 0 (default): before each transformers run, "
+                             "probe 1 and all cores and keep the faster")
     parser.add_argument("--json", default=None, help="write results here")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 2:
@@ -204,15 +202,13 @@ def main(argv=None) -> int:
     load_seconds = time.perf_counter() - start
     prompts = humaneval_prompts(args.limit)
     hf_model = None
+    thread_candidates = [args.torch_threads] if args.torch_threads else sorted(
+        {1, os.cpu_count() or 1})
     if not args.no_transformers:
         import torch
 
         hf_model = load_transformers_twin(str(known_model_path(args.model)), args.dtype)
-        candidates = sorted({1, os.cpu_count() or 1})
-        torch_thread_ms = (fastest_torch_threads(hf_model, candidates) if args.torch_threads == 0
-                           else {args.torch_threads: None})
-        if args.torch_threads:
-            torch.set_num_threads(args.torch_threads)
+        fastest_torch_threads(hf_model, thread_candidates)
         transformers_generate(hf_model, model.tokenizer(prompts[0])["input_ids"], 4)  # warm-up
 
     # First call: compile the program for the first prompt's bucket and capacity.
@@ -222,36 +218,49 @@ def main(argv=None) -> int:
     print(f"first-call compile {compile_seconds:.1f} s", file=sys.stderr)
 
     rows = []
+    n = args.max_new_tokens
     for i, prompt in enumerate(prompts):
         ids = model.tokenizer(prompt)["input_ids"]
-        n = args.max_new_tokens
-        ours, seconds = best_of(args.repeats, lambda: (
-            (r := specjax.generate(model, ids, max_new_tokens=n, stop_tokens=[])),
-            r.stats["seconds"]))
-        assert ours.stats["new_tokens"] == n
         loop, program_args = ar_program(model, ids, n)
-        count, prefill = best_of(args.repeats, lambda: prefill_seconds(model, loop, program_args))
-        assert count == 1
-        bare = bare_step_seconds(model, len(ids) + n // 2, loop.capacity)
+        # Rounds interleave every measurement, so a burst of load from other processes
+        # hits all of them; each number is then the best over rounds.
+        runs: dict[str, list] = {"ours": [], "prefill": [], "bare": [], "theirs": []}
+        threads, compile_here = [], 0.0
+        for _ in range(args.repeats):
+            ours = specjax.generate(model, ids, max_new_tokens=n, stop_tokens=[])
+            assert ours.stats["new_tokens"] == n
+            runs["ours"].append(ours.stats["seconds"])  # compile time excluded
+            compile_here = max(compile_here, ours.stats["compile_seconds"])
+            count, prefill = prefill_seconds(model, loop, program_args)
+            assert count == 1
+            runs["prefill"].append(prefill)
+            runs["bare"].append(bare_step_seconds(model, len(ids) + n // 2, loop.capacity))
+            if hf_model is not None:
+                probe = fastest_torch_threads(hf_model, thread_candidates)
+                threads.append({"threads": torch.get_num_threads(), "probe_ms": probe})
+                theirs, hf_seconds = transformers_generate(hf_model, ids, n)
+                runs["theirs"].append(hf_seconds)
+        seconds, prefill, bare = min(runs["ours"]), min(runs["prefill"]), min(runs["bare"])
         loop_per_token = (seconds - prefill) / (n - 1)
         row = {"prompt": i, "prompt_tokens": len(ids), "prompt_bucket": loop.prompt_bucket,
                "cache_capacity": loop.capacity, "new_tokens": n,
                "specjax_seconds": seconds, "specjax_tokens_per_s": n / seconds,
-               "specjax_compile_seconds": ours.stats["compile_seconds"],
-               "prefill_ms": 1e3 * prefill, "loop_per_token_ms": 1e3 * loop_per_token,
-               "bare_step_ms": 1e3 * bare, "loop_overhead": loop_per_token / bare - 1.0}
+               "specjax_compile_seconds": compile_here, "prefill_ms": 1e3 * prefill, "loop_per_token_ms": 1e3 * loop_per_token,
+               "bare_step_ms": 1e3 * bare, "loop_overhead": loop_per_token / bare - 1.0,
+               "runs_seconds": runs}
         if hf_model is not None:
-            theirs, hf_seconds = best_of(args.repeats,
-                                         lambda: transformers_generate(hf_model, ids, n))
+            hf_seconds = min(runs["theirs"])
             row["transformers_seconds"] = hf_seconds
             row["transformers_tokens_per_s"] = n / hf_seconds
+            row["transformers_threads"] = threads
             row["speedup_vs_transformers"] = hf_seconds / seconds
             mismatch = next((j for j, (a, b) in enumerate(zip(ours.tokens, theirs)) if a != b),
                             None)
             row["outputs_identical"] = mismatch is None and len(theirs) == n
             row["first_mismatch"] = mismatch
         rows.append(row)
-        print(json.dumps(row), file=sys.stderr)
+        print(json.dumps({k: v for k, v in row.items()
+                          if k not in ("runs_seconds", "transformers_threads")}), file=sys.stderr)
 
     def median(key):
         values = [r[key] for r in rows if key in r]
@@ -269,8 +278,7 @@ def main(argv=None) -> int:
         "load_average_start": load_average_start,
         "load_average_end": os.getloadavg(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "torch_threads": None if hf_model is None else torch.get_num_threads(),
-        "torch_one_token_forward_ms_by_threads": None if hf_model is None else torch_thread_ms,
+        "torch_thread_candidates": None if hf_model is None else thread_candidates,
         "versions": versions(),
         "git": git_commit(),
         "config": vars(args),
