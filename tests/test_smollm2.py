@@ -88,12 +88,21 @@ def describe_mismatch(model, hf_model, ids, ours, theirs, step) -> str:
 
 @pytest.fixture(scope="module")
 def generations(smollm2, hf_smollm2, prompt_ids):
-    """(specjax tokens, transformers tokens) per prompt, computed once for the module."""
+    """(specjax tokens, transformers tokens) per prompt, computed once for the module.
+
+    PyTorch runs on one thread here: it is as fast as two on an idle 2-core machine, and
+    several times faster when another process shares the cores (OpenMP threads spin).
+    """
     out = []
-    for ids in prompt_ids:
-        ours = specjax.generate(smollm2, ids, max_new_tokens=NEW_TOKENS, stop_tokens=[])
-        assert ours.stats["new_tokens"] == NEW_TOKENS
-        out.append((ours.tokens, hf_greedy_no_stop(hf_smollm2, ids, NEW_TOKENS)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for ids in prompt_ids:
+            ours = specjax.generate(smollm2, ids, max_new_tokens=NEW_TOKENS, stop_tokens=[])
+            assert ours.stats["new_tokens"] == NEW_TOKENS
+            out.append((ours.tokens, hf_greedy_no_stop(hf_smollm2, ids, NEW_TOKENS)))
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
