@@ -77,13 +77,18 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ModelNotFoundError(f"{path}: no config.json, so not a Hugging Face model directory")
+    return from_hf_config(read_json_object(file))
+
+
+def read_json_object(file: Path) -> dict:
+    """Parses a JSON object file; any failure is a one-line :class:`CheckpointError`."""
     try:
         raw = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{file}: unreadable config ({one_line(error)})") from error
+        raise CheckpointError(f"{file}: unreadable ({one_line(error)})") from error
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: expected a JSON object")
-    return from_hf_config(raw)
+    return raw
 
 
 def _read_safetensors(file: Path, into: dict[str, np.ndarray], origin: dict[str, str],

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from specjax.checkpoints_tools.hf import as_numpy_dtype, has_tokenizer, load_hf_tokenizer, one_line
+from specjax.checkpoints_tools.hf import (as_numpy_dtype, has_tokenizer, load_hf_tokenizer, one_line,
+                                          read_json_object)
 from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 
@@ -102,12 +103,7 @@ def read_orbax_config(path: str | os.PathLike) -> ModelConfig:
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise CheckpointError(f"{path}: {CONFIG_FILE} is missing")
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{file}: unreadable ({one_line(error)})") from error
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file}: expected a JSON object")
+    raw = read_json_object(file)
     version = raw.pop(_VERSION_KEY, None)
     if version != FORMAT_VERSION:
         raise CheckpointError(
