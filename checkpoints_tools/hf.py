@@ -17,6 +17,7 @@ the caller moves them to a device.
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,16 @@ HUB_PATTERNS = (
 )
 
 
-def one_line(error: BaseException) -> str:
-    """An exception as ``Type: message`` on a single line (for wrapping foreign errors)."""
+def one_line(error: BaseException, limit: int = 240) -> str:
+    """An exception as ``Type: message`` on a single line (for wrapping foreign errors).
+
+    Bracketed payloads that some libraries append (tensorstore's JSON specs) are dropped and
+    the text is cut at ``limit`` characters, so the line stays readable.
+    """
     text = " ".join(str(error).split())
+    text = re.sub(r"\s*\[tensorstore_spec=.*$", "", text)
+    if len(text) > limit:
+        text = text[: limit - 3].rstrip() + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 

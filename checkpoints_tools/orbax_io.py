@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,7 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
     params_dir = path / PARAMS_DIR
     if not params_dir.is_dir():
         raise CheckpointError(f"{path}: the parameter directory {PARAMS_DIR}/ is missing")
+    _silence_late_loop_errors()
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(params_dir)
@@ -152,6 +154,39 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
         params = _cast(params, target)
     tokenizer = load_hf_tokenizer(path) if has_tokenizer(path) else None
     return config, params, tokenizer
+
+
+def _is_closed_loop_error(exc) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _silence_late_loop_errors() -> None:
+    """Keeps a failed restore's leftovers from printing tracebacks around our error.
+
+    When a restore fails, tensorstore still completes the reads orbax had scheduled; their
+    callbacks then target orbax's event loop, which is already closed, and Python reports
+    ``RuntimeError: Event loop is closed`` from tensorstore's threads, through
+    :data:`sys.unraisablehook` or :data:`sys.excepthook`. These hooks drop exactly that
+    report and pass every other one to the hook they replace.
+    """
+    if not getattr(sys.unraisablehook, "_specjax_filter", False):
+        previous_unraisable = sys.unraisablehook
+
+        def unraisable_hook(unraisable):
+            if not _is_closed_loop_error(unraisable.exc_value):
+                previous_unraisable(unraisable)
+
+        unraisable_hook._specjax_filter = True
+        sys.unraisablehook = unraisable_hook
+    if not getattr(sys.excepthook, "_specjax_filter", False):
+        previous_except = sys.excepthook
+
+        def except_hook(exc_type, exc, tb):
+            if not _is_closed_loop_error(exc):
+                previous_except(exc_type, exc, tb)
+
+        except_hook._specjax_filter = True
+        sys.excepthook = except_hook
 
 
 def _cast(tree, dtype):

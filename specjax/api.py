@@ -243,7 +243,7 @@ def _stats(state: decode.DecodeState, new_tokens: int, seconds: float,
     stats = {
         "new_tokens": new_tokens,
         "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds if seconds > 0 else float("inf"),
+        "tokens_per_s": new_tokens / seconds if seconds > 0 else None,  # None: too fast to time
         "compile_seconds": compile_seconds,
         "target_calls": target_calls,
         "draft_calls": int(state.draft_calls),

@@ -77,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _summary(stats: dict) -> str:
+    rate = stats["tokens_per_s"]
+    rate = "too fast to time" if rate is None else f"{rate:.1f} tok/s"
     return (f"[{stats['method']}] {stats['new_tokens']} tokens in {stats['seconds']:.2f} s "
-            f"({stats['tokens_per_s']:.1f} tok/s), compile {stats['compile_seconds']:.1f} s, "
+            f"({rate}), compile {stats['compile_seconds']:.1f} s, "
             f"target calls {stats['target_calls']}, mean accepted {stats['mean_accepted']:.2f}")
 
 

@@ -256,3 +256,29 @@ def test_corrupt_checkpoint_config(capsys, tiny_gguf, tmp_path):
     assert_one_line_error(*run_cli(capsys, "generate", "the", "-m", str(dst)),
                           "specjax_config.json")
 
+
+
+def test_truncated_orbax_params_fail_in_one_line_in_a_real_process(tiny_gguf, tmp_path):
+    """A damaged orbax checkpoint: one line on stderr, status 2, and nothing printed later
+    (tensorstore's leftover callbacks used to print 'Event loop is closed' tracebacks at exit)."""
+    dst = tmp_path / "ckpt"
+    script = Path(sys.executable).with_name("specjax")
+    made = subprocess.run([str(script), "convert", str(tiny_gguf), str(dst)],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    chunks = [p for p in (dst / "params").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert chunks, "no orbax data files found to damage"
+    for chunk in chunks:
+        chunk.write_bytes(chunk.read_bytes()[:50])
+    bad = subprocess.run([str(script), "generate", PROMPT, "-m", str(dst)],
+                         capture_output=True, text=True, timeout=300)
+    assert_one_line_error(bad.returncode, bad.stdout, bad.stderr, "corrupt or incomplete orbax")
+    assert "Traceback" not in bad.stderr and len(bad.stderr) < 600
+
+
+def test_summary_line_when_the_run_was_too_fast_to_time():
+    stats = {"method": "ar", "new_tokens": 1, "seconds": 0.0, "tokens_per_s": None,
+             "compile_seconds": 0.0, "target_calls": 1, "mean_accepted": 1.0}
+    line = cli._summary(stats)
+    assert "too fast to time" in line and "\n" not in line
+    assert json.loads(json.dumps(stats, allow_nan=False))["tokens_per_s"] is None
