@@ -1,19 +1,114 @@
-"""Pallas attention kernels (installed as ``specjax.kernels``).
+"""Pallas attention kernels for decode and tree verification (installed as ``specjax.kernels``).
 
-The verify/decode attention kernels for GPU (Triton / Mosaic GPU) and TPU (Mosaic) are
-not written yet; until they are, :func:`verify_attention` serves ``impl="auto"`` with the
-pure-jnp reference and refuses ``impl="kernel"`` with a clear error.
+:func:`verify_attention` is what :func:`specjax.attention.attention` calls for
+``impl="kernel"`` and ``impl="auto"``; it computes exactly
+:func:`specjax.attention.attention_reference` with one of two kernels:
+
+* :func:`verify_attention_gpu` in :mod:`.attention_gpu` (Pallas, Triton lowering;
+  :class:`GpuBlockSizes`);
+* :func:`verify_attention_tpu` in :mod:`.attention_tpu` (Pallas, Mosaic lowering;
+  :class:`TpuBlockSizes`).
+
+Each is a jitted wrapper with static ``block_sizes`` and ``interpret`` arguments, and each
+module has ``check_supported`` (the one-line :class:`~specjax.errors.InvalidArgumentError`
+checks, shapes and dtypes only).
+
+Both split the committed cache over the KV length with an online softmax
+(flash-decoding), skip blocks past the traced ``length``, put a KV head's query heads and
+all tree nodes in one query tile (GQA), and merge the scratch window plus the tree block
+under its mask in a final combine kernel (:mod:`specjax.kernels.layout`).
+
+Which kernel runs (``variant=None``):
+
+* ``jax.default_backend()`` is ``gpu`` -> the GPU kernel, ``tpu`` -> the TPU kernel;
+* anywhere else (CPU): with a ``fallback`` (``impl="auto"``) the fallback runs; without one
+  (``impl="kernel"``) the kernel runs in *interpret mode*: the GPU kernel under Pallas'
+  generic interpreter, or the TPU kernel under the TPU interpreter when the environment
+  variable ``SPECJAX_KERNEL_INTERPRET=tpu`` is set (default ``gpu``). Interpret mode is
+  exact but slow: it is for tests, not for speed.
+
+With a ``fallback``, shapes the chosen kernel does not take (more than 128 new tokens, an
+unsupported head_dim or dtype, ...) go to the fallback; without one they raise
+:class:`specjax.errors.InvalidArgumentError`.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+
+import jax
+
 from specjax.errors import InvalidArgumentError
+
+__all__ = ["GpuBlockSizes", "TpuBlockSizes", "verify_attention", "verify_attention_gpu",
+           "verify_attention_tpu", "select_variant", "INTERPRET_ENV"]
+
+INTERPRET_ENV = "SPECJAX_KERNEL_INTERPRET"
+VARIANTS = ("gpu", "tpu")
+_MODULES = {"gpu": "attention_gpu", "tpu": "attention_tpu"}
+# The kernel modules import Pallas; they load on first use. Keep this package cheap and
+# safe to import: run from the repository root, this directory is also importable as a
+# top-level ``kernels``, and transformers imports that name when it probes for HF kernels.
+_LAZY = {"GpuBlockSizes": "attention_gpu", "verify_attention_gpu": "attention_gpu",
+         "TpuBlockSizes": "attention_tpu", "verify_attention_tpu": "attention_tpu"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _kernel_module(variant: str):
+    return importlib.import_module(f"{__name__}.{_MODULES[variant]}")
+
+
+def select_variant(variant: str | None = None) -> tuple[str, bool]:
+    """(kernel variant, interpret) for this process: see the module docstring.
+
+    Args:
+      variant: ``"gpu"``, ``"tpu"`` or ``None`` (choose from the default backend).
+    """
+    backend = jax.default_backend()
+    native = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu" if backend == "tpu" else None
+    if variant is None:
+        variant = native or os.environ.get(INTERPRET_ENV, "gpu").strip().lower()
+    if variant not in VARIANTS:
+        raise InvalidArgumentError(
+            f"unknown kernel variant {variant!r} (from {INTERPRET_ENV} or variant=); "
+            f"expected one of {VARIANTS}")
+    return variant, variant != native
 
 
 def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-                     fallback=None):
-    """Tree/decode attention; see :func:`specjax.attention.attention` for semantics."""
+                     fallback=None, variant: str | None = None, block_sizes=None):
+    """Tree/decode attention by a Pallas kernel; see :func:`specjax.attention.attention`.
+
+    Args:
+      q: [T, H, D] queries; k_new, v_new: [T, K, D]; k_cache, v_cache: [S, K, D] or ``None``;
+      length: int32 [] committed slots; mask: bool [T, T]; scratch_mask: bool [T, M] or ``None``.
+      fallback: an implementation with the same positional signature, used where no
+        kernel runs natively or the kernel does not take the shapes (``impl="auto"``);
+        ``None`` (``impl="kernel"``) forces the kernel, interpreted off GPU/TPU.
+      variant: ``"gpu"`` or ``"tpu"`` to pick a kernel explicitly (interpreted unless it
+        matches the backend); ``None`` chooses as the module docstring says.
+      block_sizes: optional :class:`GpuBlockSizes` / :class:`TpuBlockSizes` for the variant.
+    Returns:
+      [T, H, D] in the dtype of ``q``.
+    Raises:
+      InvalidArgumentError: without a fallback, shapes/dtypes the kernel cannot take.
+    """
+    args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
+    variant, interpret = select_variant(variant)
+    if fallback is not None and interpret:
+        return fallback(*args)  # "auto" never interprets: the reference is faster
+    module = _kernel_module(variant)
+    options = {} if block_sizes is None else {"block_sizes": block_sizes}
     if fallback is not None:
-        return fallback(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
-    raise InvalidArgumentError(
-        "attention implementation 'kernel' is not available in this build; use 'auto' or 'reference'")
+        try:
+            module.check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                                   **options)
+        except InvalidArgumentError:
+            return fallback(*args)
+    return getattr(module, f"verify_attention_{variant}")(*args, interpret=interpret, **options)

@@ -1,0 +1,278 @@
+"""Verify/decode attention for GPUs: Pallas with the Triton lowering (flash-decoding).
+
+Semantics: exactly :func:`specjax.attention.attention_reference`; the data layout (packed
+query rows, the tail of scratch window + new tokens, the integer tail mask) is described
+in :mod:`specjax.kernels.layout`.
+
+Two ``pallas_call`` invocations:
+
+1. ``_split_kernel``, grid ``(K, row blocks, splits)``: the committed slots ``[0, length)``
+   are cut into ``splits`` contiguous runs of whole ``block_kv`` blocks (the run length is
+   computed from the *traced* length, so a short context still spreads over every split);
+   each program loops over its run only (a ``fori_loop`` with traced bounds, so no block
+   at or past ``length`` is read) and keeps an online softmax ``(m, l, acc)`` for its
+   ``block_rows`` query rows, which it writes out unnormalised. K/V are read in place from
+   the ``[S, K, D]`` cache with masked loads; the last block's slots past ``length`` load
+   as zeros and score ``MASK_VALUE``.
+2. ``_combine_kernel``, grid ``(K, row blocks)``: scores the tail under its mask, merges
+   it with the splits' partials (rescaling each by ``exp(m_split - m)``) and writes the
+   normalised output in the query dtype.
+
+Scores, softmax and accumulators are float32; the scale ``1/sqrt(D)`` is applied to the
+float32 scores. Float32 inputs use IEEE float32 dots (``Precision.HIGHEST``; Triton's
+default would be TF32); bf16/fp16 inputs use the tensor cores with float32 accumulation.
+
+``interpret=True`` runs the same kernels with Pallas' generic interpreter on any backend
+(the CPU test path): output buffers start as NaN there, so an element a kernel fails to
+write shows up in the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from specjax.errors import InvalidArgumentError
+from . import layout
+
+HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: Triton tiles must be
+DTYPES = layout.FLOAT_DTYPES
+KERNEL_NAME = "GPU verify-attention kernel"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlockSizes:
+    """Static tiling of :func:`verify_attention_gpu` (all powers of two >= 16).
+
+    Attributes:
+      block_rows: query rows (tree nodes x the group's heads) per program; ``None``: the
+        smallest power of two >= R, at most 64.
+      block_kv: cache slots per inner-loop step.
+      num_splits: KV splits per (KV head, row block); ``None``: about one program per
+        streaming multiprocessor, with at least two blocks per split at full capacity.
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_rows: int | None = None
+    block_kv: int = 64
+    num_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def resolve(self, rows: int, num_kv_heads: int, capacity: int) -> "GpuBlockSizes":
+        block_rows = self.block_rows or min(64, max(16, layout.next_power_of_2(rows)))
+        num_splits = self.num_splits
+        if num_splits is None:
+            # About one wave of programs, but at least two blocks per split at full capacity:
+            # each split writes float32 partials that the combine reads back.
+            programs = num_kv_heads * layout.round_up(rows, block_rows) // block_rows
+            wanted = layout.next_power_of_2(-(-_multiprocessor_count() // programs))
+            most = 1 << max(0, (capacity // (2 * self.block_kv)).bit_length() - 1)
+            num_splits = max(1, min(wanted, most, 256))
+        return dataclasses.replace(self, block_rows=block_rows, num_splits=num_splits)
+
+    def check(self) -> None:
+        """Raises :class:`InvalidArgumentError` for a size that is set and not allowed."""
+        for name in ("block_rows", "block_kv", "num_splits", "num_warps"):
+            value = getattr(self, name)
+            floor = 16 if name in ("block_rows", "block_kv") else 1
+            if value is not None and (value < floor or value & (value - 1)):
+                raise InvalidArgumentError(
+                    f"{KERNEL_NAME}: {name}={value} must be a power of two >= {floor}")
+
+
+def _multiprocessor_count() -> int:
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 132)  # 132: an H100 SXM
+
+
+def _dot(a, b, *, contract_b: int):
+    """a @ b (contract_b=0) or a @ b.T (contract_b=1), float32 result."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                           precision=(precision, precision),
+                           preferred_element_type=jnp.float32)
+
+
+def _split_kernel(length_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_kv: int,
+                  scale: float):
+    """Online softmax of one row block over one split of the committed cache slots.
+
+    Refs: length_ref int32 [1]; q_ref [block_rows, D] (one KV head's rows); k_ref, v_ref
+    the whole cache [S, K, D]; outputs acc_ref [block_rows, D], m_ref, l_ref [block_rows].
+    """
+    head, split = pl.program_id(0), pl.program_id(2)
+    num_splits = pl.num_programs(2)
+    length = length_ref[0]
+    num_blocks = pl.cdiv(length, block_kv)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    first = split * per_split
+    last = jnp.minimum(first + per_split, num_blocks)
+    q = q_ref[...]
+    rows, head_dim = q.shape
+
+    def body(block, carry):
+        acc, m, l = carry
+        start = pl.multiple_of(block * block_kv, block_kv)
+        valid = start + jnp.arange(block_kv, dtype=jnp.int32) < length  # [block_kv]
+        load_mask = jnp.broadcast_to(valid[:, None], (block_kv, head_dim))
+        window = (pl.ds(start, block_kv), head, slice(None))
+        k = plgpu.load(k_ref.at[window], mask=load_mask, other=0)
+        v = plgpu.load(v_ref.at[window], mask=load_mask, other=0)
+        s = _dot(q, k, contract_b=1) * scale  # [rows, block_kv]
+        s = jnp.where(valid[None, :], s, layout.MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))
+        correction = jnp.exp(m - m_next)
+        p = jnp.exp(s - m_next[:, None])
+        l = l * correction + jnp.sum(p, axis=1)
+        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, contract_b=0)
+        return acc, m_next, l
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), layout.MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(first, last, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: float,
+                    num_splits: int):
+    """Tail attention merged with the splits' partials; writes the normalised output.
+
+    Refs: q_ref [block_rows, D]; tail_k_ref, tail_v_ref [P, D]; tail_mask_ref int8
+    [block_rows, P]; then (when there is a cache) acc_ref [splits, block_rows, D], m_ref,
+    l_ref [splits, block_rows]; last the output o_ref [block_rows, D].
+    """
+    *partials, o_ref = refs
+    q = q_ref[...]
+    tail_v = tail_v_ref[...]
+    visible = tail_mask_ref[...] != 0
+    s = _dot(q, tail_k_ref[...], contract_b=1) * scale  # [rows, P]
+    s = jnp.where(visible, s, layout.MASK_VALUE)
+    m = jnp.max(s, axis=1)
+    if partials:
+        acc_ref, m_ref, l_ref = partials
+        m = lax.fori_loop(0, num_splits, lambda j, m: jnp.maximum(m, m_ref[j]), m)
+    p = jnp.where(visible, jnp.exp(s - m[:, None]), 0.0)
+    l = jnp.sum(p, axis=1)
+    acc = _dot(p.astype(tail_v.dtype), tail_v, contract_b=0)
+    if partials:
+        def merge(j, carry):
+            acc, l = carry
+            weight = jnp.exp(m_ref[j] - m)  # 0 for an empty split (m_ref = MASK_VALUE)
+            return acc + weight[:, None] * acc_ref[j], l + weight * l_ref[j]
+
+        acc, l = lax.fori_loop(0, num_splits, merge, (acc, l))
+    # Only padding rows have l == 0 (every real row sees its own token).
+    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+
+def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
+                    block_sizes: GpuBlockSizes = GpuBlockSizes()) -> GpuBlockSizes:
+    """Raises :class:`InvalidArgumentError` unless the kernel takes these shapes/dtypes.
+
+    Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values). Returns the
+    block sizes resolved for the call.
+    """
+    layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                        head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
+    num_tokens, num_heads, _ = q.shape
+    num_kv_heads = k_new.shape[1]
+    capacity = k_cache.shape[0] if k_cache is not None else 0
+    block_sizes.check()
+    config = block_sizes.resolve(num_tokens * num_heads // num_kv_heads, num_kv_heads, capacity)
+    config.check()
+    return config
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
+                         block_sizes: GpuBlockSizes = GpuBlockSizes(), interpret: bool = False):
+    """Tree/decode attention on a GPU (Triton); same semantics as ``attention_reference``.
+
+    Args:
+      q: [T, H, D] queries, 1 <= T <= 128.
+      k_new, v_new: [T, K, D] keys/values of the new tokens (H a multiple of K).
+      k_cache, v_cache: [S, K, D] one layer's cache, or ``None``.
+      length: int32 [], committed cache slots visible to every query.
+      mask: bool [T, T], visibility among the new tokens (diagonal set).
+      scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
+      block_sizes: static :class:`GpuBlockSizes`.
+      interpret: run in Pallas' interpreter (any backend) instead of compiling for a GPU.
+    Returns:
+      [T, H, D] in the dtype of ``q``.
+    Raises:
+      InvalidArgumentError: shapes, head_dim, dtype or block sizes the kernel cannot take.
+    """
+    config = check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                             block_sizes=block_sizes)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    group = num_heads // num_kv_heads
+    has_cache = k_cache is not None
+    rows = layout.round_up(num_tokens * group, config.block_rows)
+    tail = max(16, layout.next_power_of_2(layout.tail_width(num_tokens, scratch_mask, has_cache)))
+    scale = 1.0 / math.sqrt(head_dim)
+    length = jnp.asarray(0 if length is None else length, jnp.int32).reshape(1)
+
+    queries = layout.pack_queries(q, num_kv_heads, rows)
+    tail_k, tail_v, tail_mask = layout.pack_tail(
+        k_new, v_new, k_cache, v_cache, length[0], mask, scratch_mask, group=group, rows=rows,
+        tail=tail, mask_dtype=jnp.int8)
+    row_blocks = rows // config.block_rows
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    query_spec = pl.BlockSpec((None, config.block_rows, head_dim), lambda h, i, *_: (h, i, 0))
+
+    partials = []
+    partial_specs = []
+    if has_cache:
+        splits = config.num_splits
+        partials = pl.pallas_call(
+            functools.partial(_split_kernel, block_kv=config.block_kv, scale=scale),
+            grid=(num_kv_heads, row_blocks, splits),
+            in_specs=[pl.no_block_spec, query_spec, pl.no_block_spec, pl.no_block_spec],
+            out_specs=[
+                pl.BlockSpec((None, None, config.block_rows, head_dim),
+                             lambda h, i, j: (j, h, i, 0)),
+                pl.BlockSpec((None, None, config.block_rows), lambda h, i, j: (j, h, i)),
+                pl.BlockSpec((None, None, config.block_rows), lambda h, i, j: (j, h, i)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((splits, num_kv_heads, rows, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((splits, num_kv_heads, rows), jnp.float32),
+                jax.ShapeDtypeStruct((splits, num_kv_heads, rows), jnp.float32),
+            ],
+            compiler_params=params,
+            interpret=interpret,
+            name="verify_attention_gpu_split",
+        )(length, queries, k_cache, v_cache)
+        partial_specs = [
+            pl.BlockSpec((splits, None, config.block_rows, head_dim), lambda h, i: (0, h, i, 0)),
+            pl.BlockSpec((splits, None, config.block_rows), lambda h, i: (0, h, i)),
+            pl.BlockSpec((splits, None, config.block_rows), lambda h, i: (0, h, i)),
+        ]
+
+    tail_spec = pl.BlockSpec((None, tail, head_dim), lambda h, i: (h, 0, 0))
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, scale=scale,
+                          num_splits=config.num_splits if has_cache else 0),
+        grid=(num_kv_heads, row_blocks),
+        in_specs=[query_spec, tail_spec, tail_spec,
+                  pl.BlockSpec((config.block_rows, tail), lambda h, i: (i, 0)),
+                  *partial_specs],
+        out_specs=query_spec,
+        out_shape=jax.ShapeDtypeStruct((num_kv_heads, rows, head_dim), q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="verify_attention_gpu_combine",
+    )(queries, tail_k, tail_v, tail_mask, *partials)
+    return layout.unpack_output(out, num_tokens, num_heads)
