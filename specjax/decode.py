@@ -148,10 +148,12 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
     dtype = params["embed"].dtype
     cache = init_cache(config, loop.capacity, dtype)
     positions = jnp.arange(loop.prompt_bucket, dtype=jnp.int32)
-    logits, cache = models.forward(params, config, prompt, positions, cache,
-                                   attn_impl=loop.attn_impl)
+    hidden, cache = models.hidden_states(params, config, prompt, positions, cache,
+                                         attn_impl=loop.attn_impl)
     cache = advance(cache, prompt_length)
-    last = jax.lax.dynamic_index_in_dim(logits, prompt_length - 1, keepdims=True)  # [1, V]
+    # The head only where it is needed: the last prompt token.
+    last = models.lm_head(params, config,
+                          jax.lax.dynamic_index_in_dim(hidden, prompt_length - 1, keepdims=True))
     first = sample_tokens(last, sampling, prompt_length[None])
     tokens = jnp.zeros((loop.capacity,), jnp.int32).at[: loop.prompt_bucket].set(prompt)
     state = DecodeState(

@@ -81,6 +81,26 @@ class TreeShape:
         return max(self.budget, self.depth + 1, self.width * self.depth + 1) + 1
 
 
+def draft_catch_up(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
+                   state: DecodeState, cache, chunk: int):
+    """Brings a lagging draft cache up to the sequence, root (pending last token) included.
+
+    One draft pass over the fixed ``chunk`` of tokens starting at ``cache.length`` (the
+    tokens accepted by the last step; ``chunk`` must be at least the most tokens one step
+    can emit). The head runs on the root's row only.
+
+    Returns:
+      (cache advanced to ``state.length``, the draft's logits [1, V] at the root).
+    """
+    tokens = jax.lax.dynamic_slice(state.tokens, (cache.length,), (chunk,))
+    hidden, cache = models.hidden_states(draft_params, draft_config, tokens,
+                                         cache.length + jnp.arange(chunk, dtype=jnp.int32),
+                                         cache, attn_impl=loop.attn_impl)
+    fresh = state.length - cache.length
+    root_hidden = jax.lax.dynamic_index_in_dim(hidden, fresh - 1, keepdims=True)
+    return advance(cache, fresh), models.lm_head(draft_params, draft_config, root_hidden)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Fixed:
     """Host-side tables of a fixed topology (all static)."""
@@ -209,15 +229,8 @@ class Speculative:
         draft_key, verify_key = jax.random.split(key)
 
         # 1. Catch the draft cache up to the root.
-        cache = state.aux["draft_cache"]
-        chunk = shape.depth + 1
-        tokens = jax.lax.dynamic_slice(state.tokens, (cache.length,), (chunk,))
-        logits, cache = models.forward(draft_params, self.draft_config, tokens,
-                                       cache.length + jnp.arange(chunk, dtype=jnp.int32), cache,
-                                       attn_impl=loop.attn_impl)
-        fresh = state.length - cache.length
-        root_logits = jax.lax.dynamic_index_in_dim(logits, fresh - 1, keepdims=True)
-        cache = advance(cache, fresh)
+        cache, root_logits = draft_catch_up(draft_params, self.draft_config, loop, state,
+                                            state.aux["draft_cache"], shape.depth + 1)
         root_token = state.tokens[root_position]
 
         # 2. Draft the tree.
