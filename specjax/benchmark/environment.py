@@ -1,0 +1,59 @@
+"""What a benchmark JSON records about where it ran: device, machine, versions, commit."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+
+import jax
+import numpy as np
+
+
+def git_commit() -> dict:
+    """``{"commit": HEAD or "unknown", "dirty_files": tracked files with changes}``."""
+
+    def git(*args):
+        return subprocess.check_output(["git", *args], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty_files": git("status", "--porcelain", "--untracked-files=no").splitlines()}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": "unknown", "dirty_files": []}
+
+
+def versions() -> dict:
+    """Versions of Python and the libraries a benchmark depends on (those installed)."""
+    import jaxlib
+
+    import specjax
+
+    out = {"python": platform.python_version(), "jax": jax.__version__,
+           "jaxlib": jaxlib.__version__, "numpy": np.__version__,
+           "specjax": specjax.__version__}
+    for name in ("flax", "transformers", "torch"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def machine() -> dict:
+    """Device and host description, taken once at the start of a run."""
+    device = jax.devices()[0]
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": str(device),
+        "device_kind": device.device_kind,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_start": os.getloadavg(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "versions": versions(),
+        "git": git_commit(),
+    }

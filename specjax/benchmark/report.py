@@ -1,0 +1,187 @@
+"""Rendering a suite result (the JSON of ``specjax bench``) as text or Markdown.
+
+:func:`render_markdown` is what goes into the README's results section: one table per
+result file, systems (specjax methods and peers) by temperatures, headed by the machine
+and the exact command stored in the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from specjax.errors import InvalidArgumentError
+
+
+def read_result(path: str | Path) -> dict:
+    """Loads a suite JSON file; raises :class:`InvalidArgumentError` if it is not one."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise InvalidArgumentError(f"cannot read benchmark result {str(path)!r}: {err}") from None
+    if not isinstance(result, dict) or "aggregates" not in result or "rows" not in result:
+        raise InvalidArgumentError(
+            f"{str(path)!r} is not a 'specjax bench' result (no 'aggregates'/'rows')")
+    return result
+
+
+def _number(value, digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _value(aggregate: dict, key: str, which: str):
+    return (aggregate.get(key) or {}).get(which)
+
+
+def _temperatures(result: dict) -> list[float]:
+    return list(dict.fromkeys(a["temperature"] for a in result["aggregates"]))
+
+
+def _systems(result: dict) -> list[str]:
+    return list(dict.fromkeys(a["system"] for a in result["aggregates"]))
+
+
+def _find(result: dict, system: str, temperature: float) -> dict | None:
+    return next((a for a in result["aggregates"]
+                 if a["system"] == system and a["temperature"] == temperature), None)
+
+
+def _outputs(result: dict, system: str) -> str:
+    """"yes (4/4)", "NO (1 of 4 differ)" or "–" over a system's checked rows."""
+    checked = mismatched = 0
+    for a in result["aggregates"]:
+        if a["system"] == system and a.get("outputs"):
+            checked += a["outputs"]["checked"]
+            mismatched += a["outputs"]["mismatches"]
+    if system == "ar":
+        return "reference"
+    if not checked:
+        return "–"
+    return f"yes ({checked}/{checked})" if not mismatched else f"NO ({mismatched} of {checked} differ)"
+
+
+def _heading(result: dict) -> list[str]:
+    config = result.get("config", {})
+    target = (result.get("models") or {}).get("target") or {}
+    draft = (result.get("models") or {}).get("draft")
+    versions = result.get("versions", {})
+    machine = ", ".join(x for x in (
+        f"{result.get('device_kind', '?')} ({result.get('device', '?')})",
+        f"{result.get('cpu_count', '?')} CPUs",
+        result.get("platform", ""),
+        " ".join(f"{k} {versions[k]}" for k in ("jax", "transformers", "torch") if k in versions),
+        f"git {str((result.get('git') or {}).get('commit', 'unknown'))[:10]}",
+        result.get("date", "")) if x)
+    peers = result.get("peers") or {}
+    lines = [
+        f"**{config.get('suite', 'suite')}**: {len({r['prompt'] for r in result['rows'] if r.get('prompt') is not None})} "
+        f"prompts x {config.get('max_new_tokens')} new tokens, seed {config.get('seed')}; "
+        f"target `{target.get('name', '?')}` ({target.get('dtype', '?')}), draft "
+        + (f"`{draft['name']}`" if draft else "none")
+        + (f"; peers on {peers.get('device')} ({peers.get('dtype')})" if peers.get("peers") else ""),
+        "",
+        f"Machine: {machine}" + (
+            f"; load average {_load(result)}" if result.get("load_average_start") else ""),
+        "",
+        f"Command: `{result.get('command', '?')}`",
+        "",
+    ]
+    return lines
+
+
+def _load(result: dict) -> str:
+    start, end = result.get("load_average_start"), result.get("load_average_end")
+    return f"{start[0]:.1f} at the start" + (f", {end[0]:.1f} at the end" if end else "")
+
+
+def render_markdown(results: Sequence[dict]) -> str:
+    """Markdown for one or more suite results.
+
+    Per result: a heading paragraph (suite, sizes, models, machine, command), then a table
+    with one row per system and, per temperature, tokens/s (total tokens / total seconds),
+    the median per-prompt speedup over ``ar`` at that temperature, mean accepted tokens per
+    target pass and weight bytes read per token relative to ``ar``; a last column says
+    whether the outputs equal ``ar``'s. A second table gives the share of tokens by origin
+    when the methods report it.
+    """
+    out = []
+    for result in results:
+        out += _heading(result)
+        temperatures = _temperatures(result)
+        header = ["system"]
+        for t in temperatures:
+            header += [f"T={t:g} tok/s", f"T={t:g} speedup", f"T={t:g} accepted",
+                       f"T={t:g} weights/token"]
+        header.append("outputs = ar")
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "---|" * len(header))
+        for system in _systems(result):
+            cells = [f"`{system}`"]
+            reason = None
+            for t in temperatures:
+                a = _find(result, system, t)
+                if a is None or a.get("status") != "ok":
+                    reason = reason or (a or {}).get("reason")
+                    cells += ["–"] * 4
+                    continue
+                cells += [_number(_value(a, "tokens_per_s", "aggregate"), 1),
+                          _number(_value(a, "speedup_vs_ar", "median"), 2, "x"),
+                          _number(_value(a, "mean_accepted", "aggregate"), 2),
+                          _number(_value(a, "weight_bytes_vs_ar", "aggregate"), 2, "x")]
+            if reason and all(c == "–" for c in cells[1:]):
+                cells = [cells[0], f"{_status(result, system)}: {reason}"] + [""] * (len(header) - 2)
+            else:
+                cells.append(_outputs(result, system))
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+        out.append("tok/s: total new tokens / total seconds (compile time excluded); speedup: "
+                   "median over prompts of tokens/s relative to `ar` at the same temperature; "
+                   "accepted: tokens per target pass; weights/token: parameter bytes read per "
+                   "generated token (every target and draft pass reads all its weights) "
+                   "relative to `ar`; outputs = ar: generations token-for-token equal to `ar`'s "
+                   "with the same seed (methods: at T=0 and, with the coupled rule, at every "
+                   "T; peers: at T=0, for information).")
+        out.append("")
+        origins = [a for a in result["aggregates"]
+                   if a.get("origin_fraction") and a["system"] != "ar"]
+        if origins:
+            names = list(dict.fromkeys(k for a in origins for k in a["origin_fraction"]))
+            out.append("| system | T | " + " | ".join(f"from {n}" for n in names) + " |")
+            out.append("|" + "---|" * (len(names) + 2))
+            for a in origins:
+                out.append(f"| `{a['system']}` | {a['temperature']:g} | " + " | ".join(
+                    _number(100 * a["origin_fraction"].get(n, 0.0), 1, "%") for n in names) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
+def _status(result: dict, system: str) -> str:
+    statuses = {a.get("status") for a in result["aggregates"] if a["system"] == system}
+    return "error" if "error" in statuses else "unavailable"
+
+
+def render_text(result: dict) -> str:
+    """One line per (system, temperature): the end-of-run summary."""
+    lines = []
+    for a in result["aggregates"]:
+        head = f"T={a['temperature']:<4g} {a['system']:<14}"
+        if a.get("status") != "ok":
+            lines.append(f"{head} {a.get('status')}: {a.get('reason')}")
+            continue
+        parts = [f"{_number(_value(a, 'tokens_per_s', 'aggregate'), 1):>7} tok/s",
+                 f"speedup {_number(_value(a, 'speedup_vs_ar', 'aggregate'), 2, 'x')}"
+                 f" (median {_number(_value(a, 'speedup_vs_ar', 'median'), 2, 'x')})"]
+        if _value(a, "mean_accepted", "aggregate") is not None:
+            parts += [f"accepted {_number(_value(a, 'mean_accepted', 'aggregate'), 2)}",
+                      f"target passes/token {_number(_value(a, 'target_passes_per_token', 'aggregate'), 2)}",
+                      f"draft passes/token {_number(_value(a, 'draft_passes_per_token', 'aggregate'), 2)}",
+                      f"weights {_number(_value(a, 'weight_bytes_vs_ar', 'aggregate'), 2, 'x')} ar"]
+        outputs = a.get("outputs") or {}
+        if outputs.get("checked"):
+            parts.append(f"= ar {outputs['checked'] - outputs['mismatches']}/{outputs['checked']}")
+        if a.get("origin_fraction") and a["system"] != "ar":
+            parts.append("origin " + " ".join(f"{k} {100 * v:.0f}%"
+                                              for k, v in a["origin_fraction"].items()))
+        lines.append(head + "  ".join(parts))
+    return "\n".join(lines)

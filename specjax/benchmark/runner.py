@@ -1,0 +1,409 @@
+"""The suite runner: every method and peer on every prompt, interleaved, in one process.
+
+Order of work (so that machine drift and background load hit every system alike):
+
+1. **Warm-up**: one short generation (``warmup_tokens``) per system and temperature on
+   the first prompt; it compiles the programs and warms PyTorch. Compilation is never in
+   a timed number anyway: :func:`specjax.generate` reports it apart (``compile_seconds``)
+   when a later prompt needs a new prompt bucket or cache capacity.
+2. **For each prompt**, for each temperature, ``repeats`` rounds of *every* system (specjax
+   methods, then peers); each row keeps the fastest round (other processes only ever add
+   time). PyTorch's thread count is re-probed before each prompt's peers.
+3. **Output check**: each specjax row's tokens are compared with ``ar``'s for the same
+   prompt, temperature and seed. They must be equal at temperature 0 and, at temperature
+   > 0, under the coupled rule; peers are compared at temperature 0 for information.
+
+Systems are method names passed to :func:`specjax.generate` (``ar``, ``spec``, ``tree``, and
+whatever else it accepts); :data:`METHOD_OPTIONS` says which suite options each one takes.
+Every stats key a method reports is carried into its row, unknown ones included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable, Sequence
+
+import jax
+
+from specjax import api
+from specjax.benchmark import metrics
+from specjax.benchmark.peers import PEERS, TransformersPeers, one_line
+from specjax.errors import InvalidArgumentError
+
+# The generate() options each method takes; the only place that knows them. A method not
+# listed gets every option the suite was given (the draft included when there is one).
+METHOD_OPTIONS = {
+    "ar": (),
+    "spec": ("draft", "draft_depth", "verify"),
+    "tree": ("draft", "tree_budget", "draft_depth", "draft_width", "verify"),
+    "staged": ("draft", "ngram", "tree_budget", "draft_rounds", "draft_width", "proposal",
+               "verify", "use_lookup"),
+    "ngram": ("ngram", "proposal", "verify", "use_lookup"),
+}
+ALL_OPTIONS = ("draft", "ngram", "tree_budget", "draft_depth", "draft_rounds", "draft_width",
+               "proposal", "verify", "use_lookup")
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteConfig:
+    """What to run. Every field is a flag of ``specjax bench`` and is stored in the JSON.
+
+    Attributes:
+      methods: specjax methods (``ar`` is always run, first: it is the reference).
+      temperatures: 0 is greedy; others sample (with ``top_k``/``top_p``).
+      tree_budgets: one run per budget for methods that take one (``(None,)``: default).
+      draft_depth, draft_width, draft_rounds, proposal, ngram, use_lookup, verify: passed
+        to the methods that take them (see :data:`METHOD_OPTIONS`); ``None``: defaults.
+      peers: subset of :data:`~specjax.benchmark.peers.PEERS`.
+      repeats: rounds per prompt; each row keeps its fastest.
+      warmup_tokens: new tokens of each warm-up generation.
+      torch_threads: PyTorch CPU threads (0: probe 1 and all cores, keep the faster).
+    """
+
+    suite: str = "humaneval"
+    methods: tuple[str, ...] = ("ar", "spec", "tree")
+    temperatures: tuple[float, ...] = (0.0,)
+    max_new_tokens: int = 128
+    limit: int | None = None
+    seed: int = 0
+    top_k: int = 0
+    top_p: float = 1.0
+    tree_budgets: tuple[int | None, ...] = (None,)
+    draft_depth: int | None = None
+    draft_width: int | None = None
+    draft_rounds: int | None = None
+    proposal: tuple[int, ...] | None = None
+    ngram: str | None = None
+    use_lookup: bool = True
+    verify: str | None = None
+    attn_impl: str = "auto"
+    peers: tuple[str, ...] = ()
+    repeats: int = 1
+    warmup_tokens: int = 4
+    torch_threads: int = 0
+
+    def __post_init__(self):
+        if not self.methods or any(not m or not m.replace("_", "").isalnum()
+                                   for m in self.methods):
+            raise InvalidArgumentError(f"methods must be method names, got {self.methods!r}")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise InvalidArgumentError(
+                f"temperatures must be >= 0 (0 is greedy), got {self.temperatures!r}")
+        for name in ("max_new_tokens", "repeats", "warmup_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise InvalidArgumentError(f"limit must be >= 1, got {self.limit}")
+        if any(b is not None and b < 1 for b in self.tree_budgets) or not self.tree_budgets:
+            raise InvalidArgumentError(f"tree budgets must be >= 1, got {self.tree_budgets!r}")
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise InvalidArgumentError(f"unknown peer {unknown[0]!r}; expected one of {PEERS}")
+        if self.verify == "greedy" and any(t > 0 for t in self.temperatures):
+            raise InvalidArgumentError("verify 'greedy' needs temperature 0; use 'coupled'")
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """One column of the comparison: a specjax method (with its options) or a peer."""
+
+    label: str  # unique: the method, "tree@32" in a budget sweep, or the peer name
+    kind: str  # "specjax" or "peer"
+    method: str
+    tree_budget: int | None = None
+    options: tuple = ()  # generate() keyword arguments, as (name, value) pairs
+
+    def kwargs(self) -> dict:
+        return dict(self.options)
+
+
+def method_options(method: str) -> tuple[str, ...]:
+    return METHOD_OPTIONS.get(method, ALL_OPTIONS)
+
+
+def needs_draft(method: str) -> bool:
+    """Whether the suite must be given a draft model for ``method`` (so that its weight
+    traffic is counted and the ``hf-assisted`` peer can use the same draft)."""
+    return "draft" in METHOD_OPTIONS.get(method, ())
+
+
+def default_tree_budget(method: str) -> int | None:
+    defaults = {**api.SPECULATIVE_DEFAULTS, "staged": getattr(api, "STAGED_DEFAULTS", {})}
+    return defaults.get(method, {}).get("budget")
+
+
+def build_systems(config: SuiteConfig, draft=None, ngram=None) -> list[System]:
+    """The specjax systems to run, ``ar`` first, one per (method, tree budget).
+
+    Args:
+      config: the suite.
+      draft: the draft :class:`~specjax.Model` (required by methods that take one).
+      ngram: n-gram tables to pass instead of ``config.ngram`` (loaded once).
+    """
+    methods = ["ar"] + [m for m in dict.fromkeys(config.methods) if m != "ar"]
+    sweep = len(config.tree_budgets) > 1
+    systems = []
+    for method in methods:
+        names = method_options(method)
+        if needs_draft(method) and draft is None:
+            raise InvalidArgumentError(f"method {method!r} needs a draft model (--draft)")
+        budgets = config.tree_budgets if "tree_budget" in names else (None,)
+        for budget in budgets:
+            values = {"draft": draft, "tree_budget": budget, "draft_depth": config.draft_depth,
+                      "draft_width": config.draft_width, "draft_rounds": config.draft_rounds,
+                      "proposal": config.proposal,
+                      "ngram": config.ngram if ngram is None else ngram,
+                      "use_lookup": config.use_lookup, "verify": config.verify}
+            options = tuple((k, values[k]) for k in names if values[k] is not None)
+            budget = budget if budget is not None else default_tree_budget(method)
+            label = f"{method}@{budget}" if sweep and "tree_budget" in names else method
+            systems.append(System(label, "specjax", method, budget, options))
+    return systems
+
+
+def _describe_options(system: System, config: SuiteConfig) -> dict:
+    described = {}
+    for key, value in system.options:
+        if key == "draft":
+            value = value.name
+        elif key == "ngram":
+            value = config.ngram or "shipped"
+        described[key] = value
+    return described
+
+
+def weight_bytes(model) -> int:
+    """Bytes of all parameter arrays: what one forward pass reads at batch 1."""
+    return int(sum(a.nbytes for a in jax.tree.leaves(model.params)))
+
+
+def _describe_model(model) -> dict | None:
+    if model is None:
+        return None
+    c = model.config
+    return {"name": model.name, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size, "weight_bytes": weight_bytes(model),
+            "parameters": int(sum(a.size for a in jax.tree.leaves(model.params))),
+            "dtype": str(jax.tree.leaves(model.params)[0].dtype)}
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class _Progress:
+    """tqdm over prompts with a running speedup (a terminal); one line per prompt on a
+    pipe; nothing when ``mode`` is ``"off"``."""
+
+    def __init__(self, total: int, mode: str, log: Callable[[str], None]):
+        self.mode, self.log, self.total = mode, log, total
+        self.bar = None
+        if mode == "bar":
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="prompt", desc="bench", file=sys.stderr)
+
+    def update(self, done: int, summary: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(summary, refresh=False)
+            self.bar.update(1)
+        elif self.mode == "lines":
+            self.log(f"prompt {done}/{self.total}: {summary}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _running_speedups(totals: dict, temperature: float) -> str:
+    """"tree 1.52x, hf 0.61x" from running token and second totals at one temperature."""
+    base = totals.get(("ar", temperature))
+    if not base or not base[1]:
+        return ""
+    parts = []
+    for (label, t), (tokens, seconds) in totals.items():
+        if t == temperature and label != "ar" and seconds:
+            parts.append(f"{label} {(tokens / seconds) / (base[0] / base[1]):.2f}x")
+    return f"T={temperature:g} " + ", ".join(parts)
+
+
+def _stats_row(result: api.GenerationResult, target_bytes: int, draft_bytes: int) -> dict:
+    stats = result.stats
+    row = {"new_tokens": stats["new_tokens"], "seconds": stats["seconds"],
+           "tokens_per_s": stats.get("tokens_per_s"),
+           "compile_seconds": stats.get("compile_seconds", 0.0),
+           "target_calls": stats.get("target_calls"), "draft_calls": stats.get("draft_calls", 0),
+           "mean_accepted": stats.get("mean_accepted")}
+    if row["target_calls"] is not None:
+        row["weight_bytes_read"] = (row["target_calls"] * target_bytes
+                                    + (row["draft_calls"] or 0) * draft_bytes)
+    for key in ("tokens_by_origin", "acceptance_by_depth"):
+        if key in stats:
+            row[key] = stats[key]
+    row["stats"] = stats
+    return row
+
+
+def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequence[int]],
+              *, progress: str | None = None, log: Callable[[str], None] = _log,
+              generate: Callable[..., api.GenerationResult] | None = None) -> dict[str, Any]:
+    """Runs every system on every prompt and returns the results (JSON-ready).
+
+    Args:
+      config: what to run.
+      target, draft: :class:`specjax.Model` objects (``draft`` may be ``None`` when no
+        method needs one).
+      prompts: strings (tokenized with the target's tokenizer) or token-id lists.
+      progress: ``"bar"`` (tqdm), ``"lines"`` (one line per prompt) or ``"off"``;
+        default: a bar when stderr is a terminal, else lines.
+      log: where messages (mismatches, per-prompt lines) go.
+      generate: the generation function (default :func:`specjax.generate`); tests pass a
+        wrapper.
+    Returns:
+      ``{"config", "models", "systems", "peers", "warmup", "rows", "aggregates",
+      "mismatches", "all_outputs_match"}``; see :mod:`specjax.benchmark.metrics` for rows.
+    """
+    generate = generate or api.generate
+    if progress is None:
+        progress = "bar" if sys.stderr.isatty() else "lines"
+    if not prompts:
+        raise InvalidArgumentError("no prompts to run")
+    ids = [api.encode_prompt(target, p) for p in prompts]
+    ngram = None
+    if any("ngram" in METHOD_OPTIONS.get(m, ()) for m in config.methods):
+        ngram = api.load_ngram_tables(target, config.ngram)  # once, not per generation
+    systems = build_systems(config, draft, ngram)
+    if draft is not None:
+        api.check_draft_compatible(target, draft)
+    target_bytes = weight_bytes(target)
+    draft_bytes = weight_bytes(draft) if draft is not None else 0
+    peers = TransformersPeers(config.peers, target, draft, config.torch_threads)
+    n = config.max_new_tokens
+    common = dict(top_k=config.top_k, top_p=config.top_p, seed=config.seed, stop_tokens=[],
+                  attn_impl=config.attn_impl)
+
+    def run_ours(system: System, prompt_ids, temperature, max_new_tokens):
+        return generate(target, prompt_ids, max_new_tokens=max_new_tokens,
+                        temperature=temperature, method=system.method, **common,
+                        **system.kwargs())
+
+    def run_peer(name, prompt_ids, temperature, max_new_tokens):
+        return peers.generate(name, prompt_ids, max_new_tokens, temperature,
+                              config.top_k, config.top_p, config.seed)
+
+    rows: list[dict] = []
+    warmup = []
+    for temperature in config.temperatures:
+        for system in systems:
+            out = run_ours(system, ids[0], temperature, min(config.warmup_tokens, n))
+            warmup.append({"system": system.label, "temperature": temperature,
+                           "compile_seconds": out.stats.get("compile_seconds", 0.0),
+                           "seconds": out.stats["seconds"]})
+        for name in config.peers:
+            if not peers.available(name):
+                continue
+            try:
+                _, seconds = run_peer(name, ids[0], temperature, min(config.warmup_tokens, n))
+                warmup.append({"system": name, "temperature": temperature, "seconds": seconds})
+            except Exception as err:  # a failing peer is reported, not fatal
+                peers.disable(name, f"failed at warm-up: {one_line(err)}")
+    for name in config.peers:
+        if not peers.available(name):
+            for temperature in config.temperatures:
+                rows.append({"prompt": None, "system": name, "kind": "peer", "method": name,
+                             "temperature": temperature, "tree_budget": None,
+                             **peers.status[name]})
+
+    bar = _Progress(len(ids), progress, log)
+    totals: dict[tuple, list] = {}  # (label, temperature) -> [tokens, seconds] so far
+    systems_by_label = {s.label: s for s in systems}
+    try:
+        for i, prompt_ids in enumerate(ids):
+            if any(peers.available(p) for p in config.peers):
+                peers.tune_threads()
+            for temperature in config.temperatures:
+                best: dict[str, dict] = {}
+                tokens: dict[str, list[int]] = {}
+                for _ in range(config.repeats):
+                    for system in systems:
+                        out = run_ours(system, prompt_ids, temperature, n)
+                        row = _stats_row(out, target_bytes, draft_bytes)
+                        if system.label not in best or row["seconds"] < best[system.label]["seconds"]:
+                            best[system.label], tokens[system.label] = row, out.tokens
+                    for name in config.peers:
+                        if not peers.available(name):
+                            continue
+                        try:
+                            new, seconds = run_peer(name, prompt_ids, temperature, n)
+                        except Exception as err:
+                            peers.disable(name, f"failed on prompt {i}: {one_line(err)}")
+                            rows.append({"prompt": i, "system": name, "kind": "peer",
+                                         "method": name, "temperature": temperature,
+                                         "tree_budget": None, **peers.status[name]})
+                            best.pop(name, None)
+                            continue
+                        row = {"new_tokens": len(new), "seconds": seconds,
+                               "tokens_per_s": len(new) / seconds if seconds > 0 else None,
+                               "compile_seconds": 0.0,
+                               "torch_threads_probe_ms": dict(peers.threads_probe)}
+                        if name not in best or seconds < best[name]["seconds"]:
+                            best[name], tokens[name] = row, new
+                for label, row in best.items():
+                    row = _finish_row(row, i, prompt_ids, label, systems_by_label.get(label),
+                                      temperature, tokens, log)
+                    rows.append(row)
+                    total = totals.setdefault((label, temperature), [0, 0.0])
+                    total[0] += row["new_tokens"]
+                    total[1] += row["seconds"]
+            bar.update(i + 1, _running_speedups(totals, config.temperatures[0]))
+    finally:
+        bar.close()
+
+    metrics.derive(rows)
+    failed = metrics.mismatches(rows)
+    return {
+        "config": dataclasses.asdict(config),
+        "models": {"target": _describe_model(target), "draft": _describe_model(draft)},
+        "systems": [{"label": s.label, "kind": s.kind, "method": s.method,
+                     "tree_budget": s.tree_budget,
+                     "options": _describe_options(s, config)}
+                    for s in systems],
+        "peers": peers.describe(),
+        "warmup": warmup,
+        "rows": rows,
+        "aggregates": metrics.aggregate(rows),
+        "mismatches": [{k: r.get(k) for k in ("prompt", "system", "temperature",
+                                              "first_mismatch")} for r in failed],
+        "all_outputs_match": not failed,
+    }
+
+
+def _finish_row(timing: dict, prompt: int, prompt_ids: list[int], label: str,
+                system: System | None, temperature: float, tokens: dict[str, list[int]],
+                log: Callable[[str], None]) -> dict:
+    """The row of one system on one prompt: identity, timing, and the output check
+    against ``ar`` (``system`` is ``None`` for a peer)."""
+    kind = "peer" if system is None else "specjax"
+    row = {"prompt": prompt, "prompt_tokens": len(prompt_ids), "system": label, "kind": kind,
+           "method": label if system is None else system.method, "temperature": temperature,
+           "tree_budget": None if system is None else system.tree_budget, "status": "ok",
+           **timing}
+    if label != "ar" and (kind == "specjax" or temperature == 0):
+        verify = None if system is None else dict(system.options).get("verify")
+        row["must_match_ar"] = metrics.must_match_ar(kind, temperature, verify)
+        diff = metrics.first_difference(tokens["ar"], tokens[label])
+        row["matches_ar"], row["first_mismatch"] = diff is None, diff
+        if diff is not None and row["must_match_ar"]:
+            log(_mismatch_message(row, tokens["ar"], tokens[label]))
+    return row
+
+
+def _mismatch_message(row: dict, expected: list[int], got: list[int]) -> str:
+    j = row["first_mismatch"]
+    a = expected[j] if j < len(expected) else "end"
+    b = got[j] if j < len(got) else "end"
+    return (f"specjax bench: MISMATCH: {row['system']} differs from ar on prompt "
+            f"{row['prompt']} at T={row['temperature']:g}: first differing new token is #{j} "
+            f"(ar {a}, {row['system']} {b})")
+

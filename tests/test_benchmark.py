@@ -1,0 +1,290 @@
+"""The benchmark harness (``specjax bench``): aggregates, output check, peers, JSON, plots.
+
+Runs use tiny random Llama models and token-id prompts (no tokenizer), served to the CLI in
+place of ``smollm2-135m`` and HumanEval, so the whole file takes well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from specjax import api, cli
+from specjax.benchmark import humaneval, metrics, peers, plots, report, runner
+
+from conftest import random_prompt, tiny_pair
+
+PROMPTS = [random_prompt(0, 9), random_prompt(1, 14)]
+NEW = 8
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_pair("llama-mha", seed=21)[1]
+    draft = tiny_pair("llama-mha", seed=22, num_hidden_layers=1)[1]
+    return target, draft
+
+
+@pytest.fixture
+def served(monkeypatch, models):
+    """``specjax bench -m tiny --draft tiny-draft`` gets the tiny models; the suite's prompts
+    are PROMPTS."""
+    served = dict(zip(("tiny", "tiny-draft"), models))
+    monkeypatch.setattr(api, "load", lambda name, dtype=None, *, progress=False: served[name])
+    monkeypatch.setattr(humaneval, "suite_prompts", lambda suite, limit: PROMPTS[:limit])
+    return served
+
+
+# The tree shape every run here uses, so that its program compiles once for the file.
+TREE = ("--tree-budget", "6", "--draft-depth", "3")
+
+
+def bench(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    status = cli.main(["bench", "-m", "tiny", "--max-new-tokens", str(NEW),
+                       "--warmup-tokens", "2", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def synthetic_rows() -> list[dict]:
+    """Three prompts; ar at 10, 5, 2.5 tok/s, tree at 20, 20, 10 tok/s. Target weights are
+    100 bytes, draft weights 10 bytes."""
+    rows = []
+    for prompt, (ar_s, tree_s, calls, draft_calls) in enumerate(
+            [(1.0, 0.5, 5, 20), (2.0, 0.5, 4, 16), (4.0, 1.0, 10, 40)]):
+        rows.append({"prompt": prompt, "system": "ar", "kind": "specjax", "method": "ar",
+                     "temperature": 0.0, "status": "ok", "new_tokens": 10, "seconds": ar_s,
+                     "tokens_per_s": 10 / ar_s, "target_calls": 10, "draft_calls": 0,
+                     "mean_accepted": 1.0,
+                     "weight_bytes_read": 10 * 100})
+        rows.append({"prompt": prompt, "system": "tree", "kind": "specjax", "method": "tree",
+                     "temperature": 0.0, "status": "ok", "new_tokens": 10, "seconds": tree_s,
+                     "tokens_per_s": 10 / tree_s, "target_calls": calls,
+                     "mean_accepted": 10 / calls,
+                     "draft_calls": draft_calls,
+                     "weight_bytes_read": calls * 100 + draft_calls * 10,
+                     "tokens_by_origin": {"draft": 10 - calls, "target": calls},
+                     "must_match_ar": True, "matches_ar": prompt != 2})
+    rows.append({"prompt": None, "system": "hf", "kind": "peer", "method": "hf",
+                 "temperature": 0.0, "status": "unavailable", "reason": "torch is not installed"})
+    return rows
+
+
+def test_aggregates_of_synthetic_rows():
+    rows = metrics.derive(synthetic_rows())
+    tree = metrics.find_aggregate(metrics.aggregate(rows), "tree", 0.0)
+    approx = pytest.approx
+    assert tree["prompts"] == 3 and tree["status"] == "ok"
+    assert tree["tokens_per_s"] == approx({"median": 20.0, "mean": 50 / 3, "aggregate": 15.0})
+    # Per prompt 2x, 4x, 4x; in totals 30 tokens / 2 s against 30 tokens / 7 s.
+    assert tree["speedup_vs_ar"] == approx({"median": 4.0, "mean": 10 / 3, "aggregate": 3.5})
+    assert tree["mean_accepted"] == approx({"median": 2.0, "mean": 5.5 / 3, "aggregate": 30 / 19})
+    assert tree["target_passes_per_token"]["aggregate"] == approx(19 / 30)
+    assert tree["draft_passes_per_token"] == approx({"median": 2.0, "mean": 76 / 30,
+                                                     "aggregate": 76 / 30})
+    # Bytes per token 70, 56, 140 against ar's 100.
+    assert tree["weight_bytes_per_token"] == approx({"median": 70.0, "mean": 266 / 3,
+                                                     "aggregate": 2660 / 30})
+    assert tree["weight_bytes_vs_ar"] == approx({"median": 0.7, "mean": 2.66 / 3,
+                                                 "aggregate": 2660 / 3000})
+    assert tree["tokens_by_origin"] == {"draft": 11, "target": 19}
+    assert tree["origin_fraction"] == approx({"draft": 11 / 30, "target": 19 / 30})
+    assert tree["outputs"] == {"checked": 3, "mismatches": 1, "required": True}
+    ar = metrics.find_aggregate(metrics.aggregate(rows), "ar", 0.0)
+    assert ar["speedup_vs_ar"]["aggregate"] == approx(1.0)
+    assert ar["weight_bytes_vs_ar"]["median"] == approx(1.0)
+    hf = metrics.find_aggregate(metrics.aggregate(rows), "hf", 0.0)
+    assert hf == {"system": "hf", "kind": "peer", "method": "hf", "temperature": 0.0,
+                  "tree_budget": None, "prompts": 0, "status": "unavailable",
+                  "reason": "torch is not installed"}
+    assert [r["prompt"] for r in metrics.mismatches(rows)] == [2]
+
+
+def test_first_difference():
+    assert metrics.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert metrics.first_difference([1, 2, 3], [1, 2]) == 2
+    assert metrics.must_match_ar("specjax", 1.0, None)
+    assert not metrics.must_match_ar("specjax", 1.0, "match")
+    assert not metrics.must_match_ar("peer", 0.0, None)
+
+
+# ----------------------------------------------------------------------------- a real run
+
+
+@pytest.fixture(scope="module")
+def suite_result(models):
+    target, draft = models
+    config = runner.SuiteConfig(methods=("ar", "tree"), temperatures=(0.0, 1.0),
+                                max_new_tokens=NEW, tree_budgets=(6,), draft_depth=3,
+                                peers=("hf", "hf-assisted", "hf-lookup"), warmup_tokens=2)
+    return runner.run_suite(config, target, draft, PROMPTS, progress="off")
+
+
+def test_every_method_matches_ar_and_rows_carry_stats(suite_result):
+    rows = [r for r in suite_result["rows"] if r["kind"] == "specjax"]
+    assert {(r["system"], r["temperature"]) for r in rows} == {
+        (m, t) for m in ("ar", "tree") for t in (0.0, 1.0)}
+    assert suite_result["all_outputs_match"] and suite_result["mismatches"] == []
+    for row in rows:
+        assert row["new_tokens"] == NEW  # stop tokens disabled
+        assert row["stats"]["new_tokens"] == NEW  # the whole stats dict is carried
+        if row["system"] != "ar":
+            assert row["must_match_ar"] and row["matches_ar"], row  # coupled at T=1 too
+            assert row["draft_calls"] > 0 and row["draft_passes_per_token"] > 0
+        else:
+            assert row["target_passes_per_token"] == 1.0 and row["weight_bytes_vs_ar"] == 1.0
+    tree = [r for r in rows if r["system"] == "tree"][0]
+    target_bytes = suite_result["models"]["target"]["weight_bytes"]
+    draft_bytes = suite_result["models"]["draft"]["weight_bytes"]
+    assert tree["weight_bytes_read"] == (tree["target_calls"] * target_bytes
+                                         + tree["draft_calls"] * draft_bytes)
+    assert tree["tree_budget"] == 6
+    assert {w["system"] for w in suite_result["warmup"]} == {
+        "ar", "tree", "hf", "hf-assisted", "hf-lookup"}
+
+
+def test_peers_run_on_the_same_weights(suite_result):
+    assert {name: p["status"] for name, p in suite_result["peers"]["peers"].items()} == {
+        "hf": "ok", "hf-assisted": "ok", "hf-lookup": "ok"}
+    peer_rows = [r for r in suite_result["rows"] if r["kind"] == "peer"]
+    assert len(peer_rows) == 3 * 2 * len(PROMPTS)
+    for row in peer_rows:
+        assert row["status"] == "ok" and row["new_tokens"] == NEW
+        assert row["speedup_vs_ar"] > 0
+        if row["temperature"] == 0:  # greedy transformers == greedy specjax, fp32
+            assert row["matches_ar"] and not row["must_match_ar"], row
+        else:
+            assert "matches_ar" not in row
+    json.dumps(suite_result)  # JSON-ready as returned
+
+
+def test_peers_unavailable_are_rows_not_crashes(models, monkeypatch):
+    target, _ = models
+    no_draft = peers.TransformersPeers(["hf", "hf-assisted"], target, None)
+    assert no_draft.status["hf"]["status"] == "ok"
+    assert no_draft.status["hf-assisted"] == {"status": "unavailable",
+                                              "reason": "no draft model (--draft)"}
+
+    def broken(self, name, *args):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(peers.TransformersPeers, "generate", broken)
+    config = runner.SuiteConfig(methods=("ar",), max_new_tokens=NEW, warmup_tokens=2,
+                                peers=("hf",))
+    result = runner.run_suite(config, target, None, PROMPTS[:1], progress="off")
+    assert metrics.find_aggregate(result["aggregates"], "hf", 0.0) == {
+        "system": "hf", "kind": "peer", "method": "hf", "temperature": 0.0,
+        "tree_budget": None, "prompts": 0, "status": "error",
+        "reason": "failed at warm-up: RuntimeError: boom"}
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now fails
+    config = runner.SuiteConfig(methods=("ar",), max_new_tokens=NEW, warmup_tokens=2,
+                                peers=tuple(peers.PEERS))
+    result = runner.run_suite(config, target, None, PROMPTS[:1], progress="off")
+    for name in peers.PEERS:
+        aggregate = metrics.find_aggregate(result["aggregates"], name, 0.0)
+        assert aggregate["status"] == "unavailable", aggregate
+        assert "torch is not installed" in aggregate["reason"]
+    markdown = report.render_markdown([result])
+    assert "| `hf-lookup` | unavailable: torch is not installed" in markdown
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_cli_json_plots_and_report(served, capsys, tmp_path):
+    out_json, plot_dir = tmp_path / "run.json", tmp_path / "plots"
+    status, out, err = bench(capsys, "--methods", "ar,tree", "--draft", "tiny-draft", *TREE,
+                             "--temperatures", "0,1", "--limit", "2", "--peers", "none",
+                             "--json", str(out_json), "--plot", str(plot_dir))
+    assert status == 0, err
+    assert "MISMATCH" not in err
+    result = json.loads(out_json.read_text())
+    for key in ("command", "date", "device", "device_kind", "platform", "cpu_count",
+                "load_average_start", "load_average_end", "versions", "git", "flags",
+                "config", "models", "systems", "peers", "warmup", "rows", "aggregates",
+                "mismatches", "all_outputs_match"):
+        assert key in result, key
+    assert {"jax", "flax", "transformers", "torch"} <= set(result["versions"])
+    assert "commit" in result["git"]
+    assert result["flags"]["tree_budget"] == 6 and result["flags"]["limit"] == 2
+    assert result["config"]["tree_budgets"] == [6]
+    assert result["systems"][1]["options"] == {"draft": served["tiny-draft"].name,
+                                               "tree_budget": 6, "draft_depth": 3}
+    assert result["models"]["draft"]["num_layers"] == 1
+    assert {(a["system"], a["temperature"]) for a in result["aggregates"]} == {
+        ("ar", 0.0), ("tree", 0.0), ("ar", 1.0), ("tree", 1.0)}
+    for a in result["aggregates"]:
+        for key in metrics.SUMMARISED:
+            assert set(a[key]) == {"median", "mean", "aggregate"}, (a["system"], key)
+    assert {p.name for p in plot_dir.iterdir()} == {
+        "speedup_sorted.png", "mean_accepted.png", "tokens_by_origin.png"}
+    for path in plot_dir.iterdir():
+        assert path.read_bytes()[:8] == PNG
+
+    capsys.readouterr()
+    assert cli.main(["bench", "--report", str(out_json), "--markdown"]) == 0
+    markdown = capsys.readouterr().out
+    assert "| system | T=0 tok/s | T=0 speedup | T=0 accepted | T=0 weights/token | T=1 tok/s" in markdown
+    assert "| `tree` |" in markdown and "yes (4/4)" in markdown
+    assert result["command"] in markdown and result["device_kind"] in markdown
+    assert cli.main(["bench", "--report", str(out_json)]) == 0
+    assert "T=1    tree" in capsys.readouterr().out
+
+
+def test_tree_budget_sweep_systems_and_plot(models, tmp_path):
+    target, draft = models
+    config = runner.SuiteConfig(methods=("ar", "spec", "tree"), tree_budgets=(4, 8))
+    systems = runner.build_systems(config, draft)
+    assert [(s.label, s.tree_budget) for s in systems] == [
+        ("ar", None), ("spec", None), ("tree@4", 4), ("tree@8", 8)]
+    assert dict(systems[3].options) == {"draft": draft, "tree_budget": 8}
+    aggregates = [{"system": f"tree@{b}", "kind": "specjax", "method": "tree",
+                   "temperature": 0.0, "tree_budget": b, "status": "ok",
+                   "speedup_vs_ar": {"median": s}} for b, s in ((4, 1.2), (8, 1.5), (16, 1.4))]
+    written = plots.write_plots({"rows": [], "aggregates": aggregates}, tmp_path)
+    assert [p.name for p in written] == ["speedup_vs_tree_budget.png"]
+    assert written[0].read_bytes()[:8] == PNG
+
+
+def test_mismatch_exits_1_unless_allowed(served, capsys, monkeypatch):
+    real_generate = api.generate
+
+    def wrong_tree(model, prompt, **kwargs):
+        out = real_generate(model, prompt, **kwargs)
+        if kwargs.get("method") == "tree" and len(out.tokens) > 3:
+            out.tokens[3] = (out.tokens[3] + 1) % model.config.vocab_size
+        return out
+
+    monkeypatch.setattr(api, "generate", wrong_tree)
+    args = ("--methods", "ar,tree", "--draft", "tiny-draft", *TREE, "--limit", "1")
+    status, out, err = bench(capsys, *args)
+    assert status == 1
+    assert ("MISMATCH: tree differs from ar on prompt 0 at T=0: first differing new token "
+            "is #3") in err
+    assert "= ar 0/1" in out
+    status, _, err = bench(capsys, *args, "--allow-mismatch")
+    assert status == 0 and "MISMATCH" in err
+
+
+def test_bad_flags_fail_in_one_line_before_loading(capsys, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded a model")
+
+    monkeypatch.setattr(api, "load", no_load)
+    for argv, fragment in [(("--methods", "ar,tree", "--draft", "none"), "needs a draft model"),
+                           (("--peers", "hf,vllm"), "unknown peer 'vllm'"),
+                           (("--temperatures", "0,-1", "--methods", "ar"), "temperatures"),
+                           (("--draft", "first-layers:x"), "first-layers:K"),
+                           (("--report", "/nonexistent.json"), "cannot read")]:
+        status, out, err = bench(capsys, *argv)
+        assert status == 2 and err.startswith("specjax: error: ") and fragment in err, err
+        assert err.count("\n") == 1
