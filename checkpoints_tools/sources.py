@@ -125,3 +125,119 @@ def resolve_and_load(name_or_path: str | os.PathLike, dtype=None, progress: bool
     raise ModelNotFoundError(
         f"no model {text!r}: not an existing path, a known name ({', '.join(KNOWN_MODELS)}) "
         "or a hub id (owner/name)")
+
+
+# ----------------------------------------------------------------------------- shipped drafts
+
+DRAFT_TENSORS = "draft.safetensors"
+DRAFT_CONFIG = "draft.json"
+
+
+def _assets_dir() -> Path:
+    """``specjax/assets`` of the installed package (works for wheel and editable installs)."""
+    import specjax
+
+    return Path(specjax.__file__).resolve().parent / "assets"
+
+
+def embed_fingerprint(embed) -> str:
+    """A short fingerprint of an embedding matrix (the weights a shipped draft shares)."""
+    import hashlib
+
+    import numpy as np
+
+    array = np.ascontiguousarray(np.asarray(embed, np.float32))
+    return hashlib.sha256(array.tobytes()).hexdigest()[:16]
+
+
+def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, params: dict,
+                     target_embed, provenance: dict[str, Any]) -> Path:
+    """Writes a draft that shares the target's embedding as a small asset.
+
+    Only the draft's own tensors are stored (its blocks and final norm, float16, through
+    safetensors); the embedding (and tied head) come from the target at load time, checked
+    by fingerprint. ``draft.json`` holds the layer count and how the draft was made.
+    """
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    own = {k: v for k, v in params.items() if k not in ("embed", "lm_head")}
+    tensors = {k: np.asarray(v, np.float16) for k, v in _flatten(own).items()}
+    tmp = directory / (DRAFT_TENSORS + ".tmp")
+    save_file(tensors, str(tmp))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, directory / DRAFT_TENSORS)
+    record = {"num_layers": int(next(iter(_flatten(params["layers"]).values())).shape[0]),
+              "embed_fingerprint": embed_fingerprint(target_embed),
+              "base_config": {"hidden_size": target_config.hidden_size,
+                              "vocab_size": target_config.vocab_size},
+              **provenance}
+    (directory / DRAFT_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
+    return directory
+
+
+def load_bundled_draft(model, directory: str | os.PathLike | None = None):
+    """The draft shipped for ``model`` (``specjax/assets/<name>/draft.*``) as a Model.
+
+    ``directory`` overrides where the asset is read from.
+
+    Raises:
+      InvalidArgumentError: no draft is shipped for this model, or the model's embedding
+        is not the one the draft was trained with.
+      CheckpointError: the asset is damaged.
+    """
+    import json
+
+    import numpy as np
+
+    from specjax.api import Model
+    from specjax.errors import CheckpointError, InvalidArgumentError
+
+    directory = _assets_dir() / str(model.name) if directory is None else Path(directory)
+    if not (directory / DRAFT_TENSORS).is_file():
+        raise InvalidArgumentError(
+            f"no draft is shipped for model {model.name!r}: pass draft=... (--draft), e.g. "
+            "one trained with 'specjax train-draft'")
+    try:
+        record = json.loads((directory / DRAFT_CONFIG).read_text())
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(directory / DRAFT_TENSORS))
+    except Exception as error:  # json / safetensors errors on a damaged asset
+        raise CheckpointError(f"{directory}: damaged draft asset ({error})") from error
+    if record.get("embed_fingerprint") != embed_fingerprint(model.params["embed"]):
+        raise InvalidArgumentError(
+            f"the draft shipped for {model.name!r} was trained with another embedding "
+            "(different weights or dtype); pass draft=... explicitly")
+    config = dataclasses.replace(model.config, num_layers=int(record["num_layers"]))
+    dtype = np.asarray(model.params["embed"][:1]).dtype
+    own = _unflatten({k: v.astype(dtype) for k, v in tensors.items()})
+    params = {**own, "embed": model.params["embed"]}
+    if "lm_head" in model.params:
+        params["lm_head"] = model.params["lm_head"]
+    return Model.from_params(config, params, model.tokenizer, name=f"{model.name}-draft")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for name, value in flat.items():
+        *path, leaf = name.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out

