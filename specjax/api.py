@@ -20,8 +20,11 @@ from specjax.errors import InvalidArgumentError, NumericalError
 from specjax.models import check_params
 from specjax.sampling import make_sampling_params
 
-METHODS = ("ar", "spec", "tree")
+METHODS = ("ar", "spec", "tree", "ngram", "staged")
 SPECULATIVE_DEFAULTS = {"spec": dict(depth=4, width=1), "tree": dict(budget=16, depth=4, width=4)}
+# Staged defaults (tuned on the 2-core CPU with smollm2-135m; see README "Tuning").
+STAGED_DEFAULTS = dict(budget=16, rounds=2, width=4, proposal=(4, 2, 2, 1, 1, 1))
+NGRAM_DEFAULTS = dict(proposal=(4, 2, 2, 1, 1, 1, 1, 1))
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16}
@@ -64,6 +67,7 @@ class GenerationResult:
     text: str
     tokens: list[int]  # new token ids (a stop token that ended generation included)
     stats: dict[str, Any]
+    origins: list[str] | None = None  # per token: "ngram", "lookup", "draft" or "target"
 
 
 def resolve_dtype(dtype):
@@ -198,6 +202,77 @@ def _speculative_method(model: Model, method: str, draft, tree_budget, draft_dep
     return speculative.Speculative(method, draft.config, shape, verify), draft
 
 
+def load_ngram_tables(model: Model, ngram=None):
+    """N-gram tables for ``model``: ``ngram`` (tables or a path), else the bundled ones."""
+    from specjax.drafters import ngram as ngram_module
+
+    if ngram is None:
+        try:
+            path = ngram_module.bundled_ngram_path(model.name)
+        except Exception as error:  # ModelNotFoundError: name it in terms of the method
+            raise InvalidArgumentError(
+                f"no n-gram tables for model {model.name!r}: pass ngram=PATH (--ngram), "
+                "built with 'specjax build-ngram'") from error
+        ngram = path
+    if isinstance(ngram, ngram_module.NgramTables):
+        tables = ngram
+        if tables.vocab_size != model.config.vocab_size:
+            raise InvalidArgumentError(
+                f"n-gram tables have vocabulary size {tables.vocab_size}, the model "
+                f"{model.config.vocab_size}")
+    else:
+        tables = ngram_module.load_ngram(ngram, vocab_size=model.config.vocab_size)
+    return jax.tree.map(jnp.asarray, tables)
+
+
+def _staged_method(model: Model, method: str, draft, ngram, tree_budget, draft_rounds,
+                   draft_width, proposal, verify, use_lookup, temperature):
+    from specjax import staged
+
+    if verify is None:
+        verify = "coupled"
+    if verify == "greedy" and temperature > 0:
+        raise InvalidArgumentError("verify='greedy' needs temperature 0; use 'coupled'")
+    defaults = STAGED_DEFAULTS if method == "staged" else NGRAM_DEFAULTS
+    shape = tuple(defaults["proposal"] if proposal is None else proposal)
+    if not shape or any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1
+                        for n in shape):
+        raise InvalidArgumentError(
+            f"proposal must be a non-empty list of integers >= 1, got {proposal!r}")
+    shape = tuple(int(n) for n in shape)
+    tables = load_ngram_tables(model, ngram)
+    if method == "ngram":
+        if draft is not None:
+            raise InvalidArgumentError("method 'ngram' takes no draft model (it is model-free)")
+        for name, value in (("tree_budget", tree_budget), ("draft_rounds", draft_rounds),
+                            ("draft_width", draft_width)):
+            if value is not None:
+                raise InvalidArgumentError(
+                    f"method 'ngram' verifies the proposal tree as is: {name} does not apply "
+                    "(set proposal)")
+        spec = staged.NgramOnly(proposal=shape, verify=verify, use_lookup=bool(use_lookup))
+        return spec, None, (tables,)
+    if draft is None:
+        draft = default_draft(model)
+    if isinstance(draft, str):
+        draft = load(draft)
+    check_draft_compatible(model, draft)
+    budget = defaults["budget"] if tree_budget is None else _positive("tree_budget", tree_budget)
+    rounds = defaults["rounds"] if draft_rounds is None else _positive("draft_rounds",
+                                                                        draft_rounds)
+    width = defaults["width"] if draft_width is None else _positive("draft_width", draft_width)
+    spec = staged.Staged(draft.config, budget=budget, rounds=rounds, proposal=shape,
+                         width=width, verify=verify, use_lookup=bool(use_lookup))
+    return spec, draft, (draft.params, tables)
+
+
+def default_draft(model: Model) -> Model:
+    """The draft shipped for ``model`` (see ``specjax/assets``)."""
+    from specjax.checkpoints_tools.sources import load_bundled_draft
+
+    return load_bundled_draft(model)
+
+
 def _positive(name: str, value) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
@@ -206,7 +281,8 @@ def _positive(name: str, value) -> int:
 
 def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p, seed,
              method, draft, stop_tokens, chat, attn_impl, tree_budget=None, draft_depth=None,
-             draft_width=None, verify=None, topology=None) -> _Request:
+             draft_width=None, verify=None, topology=None, ngram=None, draft_rounds=None,
+             proposal=None, use_lookup=True) -> _Request:
     if method not in METHODS:
         raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
     sampling = make_sampling_params(temperature, top_k, top_p, seed)
@@ -214,6 +290,11 @@ def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p,
         if draft is not None:
             raise InvalidArgumentError("method 'ar' takes no draft model")
         spec, extra, scratch = None, (), 1
+    elif method in ("ngram", "staged"):
+        spec, draft, extra = _staged_method(model, method, draft, ngram, tree_budget,
+                                            draft_rounds, draft_width, proposal, verify,
+                                            use_lookup, float(temperature))
+        scratch = spec.scratch
     else:
         spec, draft = _speculative_method(model, method, draft, tree_budget, draft_depth,
                                           draft_width, verify, topology, float(temperature))
@@ -223,7 +304,7 @@ def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p,
     ids = encode_prompt(model, prompt, chat)
     prompt_bucket, capacity = decode.plan_capacity(len(ids), int(max_new_tokens), scratch,
                                                    model.config)
-    if spec is not None:
+    if draft is not None:
         decode.plan_capacity(len(ids), int(max_new_tokens), scratch, draft.config)
     loop = decode.DecodeLoop(config=model.config, capacity=capacity, prompt_bucket=prompt_bucket,
                              attn_impl=attn_impl, scratch=scratch, method=spec)
@@ -256,7 +337,40 @@ def _stats(state: decode.DecodeState, new_tokens: int, seconds: float,
         stats["acceptance_by_depth"] = [float(steps[d:].sum()) / total
                                         for d in range(1, len(steps))]
         stats["draft_calls_per_target_call"] = int(state.draft_calls) / target_calls
+    stats["tokens_by_origin"] = _origin_counts(state, new_tokens)
     return stats
+
+
+def _origin_counts(state: decode.DecodeState, new_tokens: int) -> dict[str, int]:
+    """Emitted tokens by the stage that proposed them."""
+    from specjax.staged import ORIGIN_NAMES
+
+    counts = dict.fromkeys(ORIGIN_NAMES.values(), 0)
+    aux = state.aux
+    if aux is not None and "origin_counts" in aux:
+        for code, value in enumerate(np.asarray(aux["origin_counts"]).tolist()):
+            counts[ORIGIN_NAMES[code]] = int(value)
+        counts["target"] += 1  # the token sampled by the prefill
+    elif aux is not None:  # spec / tree: every step's last token is the target's
+        steps = np.asarray(aux["accepted"])
+        counts["target"] = int(steps.sum()) + 1
+        counts["draft"] = new_tokens - counts["target"]
+    else:
+        counts["target"] = new_tokens
+    return counts
+
+
+def token_origins(state: decode.DecodeState) -> list[str] | None:
+    """The origin of every generated token, or ``None`` for methods that do not track it."""
+    from specjax.staged import ORIGIN_NAMES
+
+    if state.aux is None or "origins" not in state.aux:
+        return None
+    codes = np.asarray(state.aux["origins"])[int(state.prompt_length): int(state.length)]
+    names = [ORIGIN_NAMES.get(int(c), "target") for c in codes]
+    if names:
+        names[0] = "target"  # sampled by the prefill
+    return names
 
 
 def decode_text(model: Model, tokens: list[int]) -> str:
@@ -271,7 +385,9 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
              stop_tokens: Sequence[int] | None = None, chat: bool = False,
              attn_impl: str = "auto", tree_budget: int | None = None,
              draft_depth: int | None = None, draft_width: int | None = None,
-             verify: str | None = None, topology=None) -> GenerationResult:
+             verify: str | None = None, topology=None, ngram=None,
+             draft_rounds: int | None = None, proposal: Sequence[int] | None = None,
+             use_lookup: bool = True) -> GenerationResult:
     """Generates a continuation as one compiled program on the device.
 
     Args:
@@ -282,10 +398,13 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
       top_k: keep the k most likely tokens; 0 disables (traced).
       top_p: nucleus mass in (0, 1]; 1 disables (traced).
       seed: sampling seed; the noise of token t depends only on (seed, t) (traced).
-      method: ``"ar"`` (autoregressive), ``"spec"`` (draft chain, Leviathan/Chen) or
-        ``"tree"`` (draft token tree verified in one target pass).
-      draft: draft model (a :class:`Model` or a name/path for :func:`load`) for ``spec``
-        and ``tree``; it must share the target's tokenizer.
+      method: ``"ar"`` (autoregressive), ``"spec"`` (draft chain, Leviathan/Chen),
+        ``"tree"`` (draft token tree verified in one target pass), ``"staged"`` (draft
+        model helped by n-gram tables and context lookup, :mod:`specjax.staged`) or
+        ``"ngram"`` (n-gram + context-lookup trees verified directly; no draft model).
+      draft: draft model (a :class:`Model` or a name/path for :func:`load`) for ``spec``,
+        ``tree`` and ``staged``; it must share the target's tokenizer. ``staged`` uses the
+        shipped draft of a known model by default.
       stop_tokens: ids that end generation (default: the model's EOS ids).
       chat: wrap a string prompt in the model's chat template.
       attn_impl: ``"auto"``, ``"reference"`` or ``"kernel"``.
@@ -296,20 +415,30 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
         ``greedy``, ``match`` (sample-then-match) or ``rejection``.
       topology: ``tree``: ``None``/``"dynamic"`` (best nodes by draft score), ``"kary"``
         or a fixed parents list.
+      ngram: ``staged``/``ngram``: n-gram tables (a path to a ``specjax build-ngram``
+        file or :class:`~specjax.drafters.ngram.NgramTables`); default: the tables
+        shipped for a known model.
+      draft_rounds: ``staged``: draft passes per step after the catch-up (default 2).
+      proposal: ``staged``/``ngram``: stage-2 proposal shape, candidates per level
+        (defaults in :data:`STAGED_DEFAULTS` / :data:`NGRAM_DEFAULTS`).
+      use_lookup: ``staged``/``ngram``: merge context lookup into the proposals.
     Returns:
-      :class:`GenerationResult` with ``text``, ``tokens`` and ``stats``.
+      :class:`GenerationResult` with ``text``, ``tokens``, ``stats`` and, for ``staged``
+      and ``ngram``, ``origins``.
     """
     request = _prepare(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_k=top_k, top_p=top_p, seed=seed, method=method, draft=draft,
                        stop_tokens=stop_tokens, chat=chat, attn_impl=attn_impl,
                        tree_budget=tree_budget, draft_depth=draft_depth,
-                       draft_width=draft_width, verify=verify, topology=topology)
+                       draft_width=draft_width, verify=verify, topology=topology, ngram=ngram,
+                       draft_rounds=draft_rounds, proposal=proposal, use_lookup=use_lookup)
     state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
                                                          *request.args[1:])
     tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
     stats = _stats(state, len(tokens), seconds, compile_seconds)
     stats["method"] = method
-    return GenerationResult(text=decode_text(model, tokens), tokens=tokens, stats=stats)
+    return GenerationResult(text=decode_text(model, tokens), tokens=tokens, stats=stats,
+                            origins=token_origins(state))
 
 
 def stream_generate(model: Model, prompt: str | Sequence[int], **kwargs
@@ -317,6 +446,9 @@ def stream_generate(model: Model, prompt: str | Sequence[int], **kwargs
     """Like :func:`generate`, but driven from Python over the same jitted step.
 
     Yields ``(new_token_ids, None)`` as tokens are produced, then ``([], stats)`` once.
+    With ``origins=True`` it yields ``(new_token_ids, new_token_origins, None)`` and then
+    ``([], [], stats)``; origins are ``"ngram"``, ``"lookup"``, ``"draft"`` or
+    ``"target"`` (all ``"target"`` for methods that do not track them).
     Accepts the same keyword arguments as :func:`generate`.
     """
     import time
@@ -324,7 +456,9 @@ def stream_generate(model: Model, prompt: str | Sequence[int], **kwargs
     defaults = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=0,
                     method="ar", draft=None, stop_tokens=None, chat=False, attn_impl="auto",
                     tree_budget=None, draft_depth=None, draft_width=None, verify=None,
-                    topology=None)
+                    topology=None, ngram=None, draft_rounds=None, proposal=None,
+                    use_lookup=True)
+    with_origins = bool(kwargs.pop("origins", False))
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise InvalidArgumentError(f"unknown argument {sorted(unknown)[0]!r}")
@@ -335,9 +469,13 @@ def stream_generate(model: Model, prompt: str | Sequence[int], **kwargs
                                                      *request.args[1:]):
         compile_total += compile_seconds
         count += len(new)
-        if new:
+        if new and with_origins:
+            names = token_origins(state)
+            names = ["target"] * len(new) if names is None else names[count - len(new):count]
+            yield new, names, None
+        elif new:
             yield new, None
     seconds = time.perf_counter() - start - compile_total
     stats = _stats(state, count, seconds, compile_total)
     stats["method"] = kwargs.get("method", "ar")
-    yield [], stats
+    yield ([], [], stats) if with_origins else ([], stats)

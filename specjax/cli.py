@@ -21,17 +21,34 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL,
                    help=f"model name, GGUF file, HF or orbax directory, or hub id (default: {DEFAULT_MODEL})")
-    p.add_argument("--method", default="ar", choices=("ar", "spec", "tree"),
+    p.add_argument("--method", default=None, choices=("ar", "spec", "tree", "ngram", "staged"),
                    help="ar: autoregressive; spec: draft chain (Leviathan/Chen); tree: draft "
-                        "token tree verified in one target pass (default: ar)")
-    p.add_argument("--draft", default=None, help="draft model for spec/tree (name, path or hub id; "
-                                                 "must share the target's tokenizer)")
+                        "token tree verified in one target pass; staged: draft model helped by "
+                        "n-gram tables and context lookup (Spector & Re); ngram: n-gram + "
+                        "context-lookup trees, no draft model (default: staged when the model "
+                        "ships a draft and n-gram tables, as smollm2-135m does; else ar)")
+    p.add_argument("--draft", default=None, help="draft model for spec/tree/staged (name, path or "
+                                                 "hub id; must share the target's tokenizer; "
+                                                 "staged defaults to the shipped draft)")
+    p.add_argument("--ngram", default=None,
+                   help="staged/ngram: n-gram tables from 'specjax build-ngram' (default: the "
+                        "tables shipped for the model)")
     p.add_argument("--tree-budget", type=int, default=None,
-                   help="tree: nodes verified per target pass, root included (default: 16)")
+                   help="tree/staged: nodes verified per target pass, root included (default: 16)")
     p.add_argument("--draft-depth", type=int, default=None,
                    help="spec/tree: drafted levels per step (default: 4)")
+    p.add_argument("--draft-rounds", type=int, default=None,
+                   help="staged: draft passes per step after the catch-up pass (default: 2)")
+    p.add_argument("--proposal", default=None,
+                   help="staged/ngram: stage-2 proposal shape, candidates per level, e.g. "
+                        "12,7,4,1,1,1 (default: 4,2,2,1,1,1 staged; 4,2,2,1,1,1,1,1 ngram)")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="staged/ngram: n-gram proposals only, no context lookup")
+    p.add_argument("--show-origin", action="store_true",
+                   help="colour each streamed token by the stage that proposed it (n-gram, "
+                        "lookup, draft, target) and count them in the summary")
     p.add_argument("--draft-width", type=int, default=None,
-                   help="tree: children per expanded node and frontier size (default: 4)")
+                   help="tree/staged: children per expanded node and frontier size (default: 4)")
     p.add_argument("--topology", default=None, choices=("dynamic", "kary"),
                    help="tree: dynamic (best nodes by draft score) or a fixed k-ary tree (default: dynamic)")
     p.add_argument("--verify", default=None, choices=("coupled", "greedy", "match", "rejection"),
@@ -48,6 +65,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--attn-impl", default="auto", choices=("auto", "reference", "kernel"),
                    help="attention implementation (default: auto = kernel on GPU/TPU, reference on CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=_generate)
 
 
 def _add_convert(sub) -> None:
@@ -59,6 +77,7 @@ def _add_convert(sub) -> None:
     p.add_argument("dst")
     p.add_argument("--dtype", default=None, help="store parameters in this dtype (default: as loaded)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.set_defaults(func=_convert)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    from specjax.checkpoints_tools import train_draft
+
+    train_draft.add_parser(sub)
+    from specjax.checkpoints_tools import ngram_build
+
+    ngram_build.add_parser(sub)
+    from specjax.benchmark import cli as bench_cli
+
+    bench_cli.add_parser(sub)
     return parser
 
 
@@ -103,28 +131,83 @@ def _check_generate_args(args) -> None:
     api.resolve_dtype(args.dtype)
 
 
+# ANSI colours of token origins for --show-origin (the paper's Figure 3 in a terminal).
+ORIGIN_COLOURS = {"ngram": "\033[32m", "lookup": "\033[36m", "draft": "\033[33m",
+                  "target": ""}
+_RESET = "\033[0m"
+
+
+def _parse_proposal(text: str | None):
+    from specjax.errors import InvalidArgumentError
+
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidArgumentError(
+            f"--proposal must be comma-separated integers such as 12,7,4,1,1,1, got {text!r}"
+        ) from None
+
+
+def _default_method(model) -> str:
+    """``staged`` when the model ships a draft and n-gram tables, else ``ar``."""
+    from specjax import api
+
+    try:
+        api.load_ngram_tables(model)
+        api.default_draft(model)
+    except SpecjaxError:
+        return "ar"
+    return "staged"
+
+
 def _generate(args) -> int:
     from specjax import api
 
     _check_generate_args(args)
+    proposal = _parse_proposal(args.proposal)
     model = api.load(args.model, dtype=args.dtype, progress=_progress() and not args.json)
+    method = args.method or _default_method(model)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=args.method,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=method,
                    chat=args.chat, attn_impl=args.attn_impl, tree_budget=args.tree_budget,
                    draft_depth=args.draft_depth, draft_width=args.draft_width,
                    verify=args.verify, topology=args.topology)
+    if method in ("staged", "ngram"):
+        options.update(ngram=args.ngram, draft_rounds=args.draft_rounds, proposal=proposal,
+                       use_lookup=not args.no_lookup)
+    elif (args.ngram, args.draft_rounds, proposal) != (None, None, None) or args.no_lookup:
+        raise SpecjaxError(f"--ngram, --draft-rounds, --proposal and --no-lookup apply to "
+                           f"methods staged and ngram, not {method}")
     if args.draft is not None:
         options["draft"] = api.load(args.draft, dtype=args.dtype,
                                      progress=_progress() and not args.json)
     if args.json:
         result = api.generate(model, args.prompt, **options)
-        print(json.dumps({"text": result.text, "tokens": result.tokens,
-                          "method": args.method, "stats": result.stats}))
+        record = {"text": result.text, "tokens": result.tokens, "method": method,
+                  "stats": result.stats}
+        if args.show_origin:
+            record["origins"] = result.origins or ["target"] * len(result.tokens)
+        print(json.dumps(record))
         return 0
     tokens: list[int] = []
     printed = ""
     stats = None
-    for new, stats in api.stream_generate(model, args.prompt, **options):
+    colour = args.show_origin and sys.stdout.isatty()
+    for new, names, stats in api.stream_generate(model, args.prompt, origins=True, **options):
+        if not new:
+            continue
+        if args.show_origin:
+            # Token by token, so each piece carries its origin's colour.
+            for token, origin in zip(new, names):
+                before = api.decode_text(model, tokens)
+                tokens.append(token)
+                piece = api.decode_text(model, tokens)[len(before):]
+                sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
+                                 if colour and ORIGIN_COLOURS[origin] else piece)
+            sys.stdout.flush()
+            continue
         tokens += new
         text = api.decode_text(model, tokens)
         # Print only the stable part: a partial UTF-8 sequence decodes to U+FFFD.
@@ -133,9 +216,15 @@ def _generate(args) -> int:
             sys.stdout.write(stable[len(printed):])
             sys.stdout.flush()
             printed = stable
-    text = api.decode_text(model, tokens)  # the end: what was held back, U+FFFD included
-    sys.stdout.write((text[len(printed):] if text.startswith(printed) else "") + "\n")
+    if not args.show_origin:
+        text = api.decode_text(model, tokens)  # the end: what was held back, U+FFFD included
+        sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")
+    sys.stdout.write("\n")
     print(_summary(stats), file=sys.stderr)
+    if args.show_origin:
+        counts = stats["tokens_by_origin"]
+        legend = ", ".join(f"{name} {counts.get(name, 0)}" for name in ORIGIN_COLOURS)
+        print(f"tokens by origin: {legend}", file=sys.stderr)
     return 0
 
 
@@ -152,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "generate":
-            return _generate(args)
-        return _convert(args)
+        return args.func(args)
     except SpecjaxError as err:
         print(f"specjax: error: {err}", file=sys.stderr)
         return 2

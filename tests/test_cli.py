@@ -24,8 +24,8 @@ from helpers_checkpoints import gguf_llama, save_tiny, tiny_model, write_tiny_gg
 PROMPT = "def add(a, b):"
 STATS_KEYS = {"new_tokens", "seconds", "tokens_per_s", "compile_seconds", "target_calls",
               "draft_calls", "mean_accepted"}
-SUMMARY = re.compile(r"^\[ar\] (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\), compile [\d.]+ s, "
-                     r"target calls (\d+), mean accepted 1\.00\n$")
+SUMMARY = re.compile(r"^\[(\w+)\] (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\), compile [\d.]+ s, "
+                     r"target calls (\d+), mean accepted ([\d.]+)\n$")
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -78,18 +78,48 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 def test_generate_streams_text_to_stdout_and_one_summary_line_to_stderr(capsys, served):
     expected = specjax.generate(served, PROMPT, max_new_tokens=16)
-    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16")
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16",
+                               "--method", "ar")
     assert status == 0
     assert out == expected.text + "\n"
     assert expected.text.strip()  # a real continuation: the comparison can fail
     match = SUMMARY.match(err)
     assert match, err
-    assert int(match[1]) == len(expected.tokens) == int(match[2])
+    assert match[1] == "ar" and match[4] == "1.00"
+    assert int(match[2]) == len(expected.tokens) == int(match[3])
+
+
+def test_default_method_is_staged_and_exact(capsys, served):
+    """No options: the embedded model runs staged with its shipped draft and tables, and
+    prints exactly the autoregressive text."""
+    expected = specjax.generate(served, PROMPT, max_new_tokens=16)
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16")
+    match = SUMMARY.match(err)
+    assert status == 0 and match and match[1] == "staged", err
+    assert out == expected.text + "\n" and int(match[2]) == len(expected.tokens)
+    assert int(match[3]) < len(expected.tokens)  # some step accepted a drafted token
+
+
+def test_show_origin_counts_every_token(capsys, served):
+    expected = specjax.generate(served, PROMPT, max_new_tokens=16)
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16",
+                               "--method", "staged", "--show-origin", "--json")
+    record = json.loads(out)
+    assert status == 0 and record["tokens"] == expected.tokens
+    assert len(record["origins"]) == len(expected.tokens)
+    assert set(record["origins"]) <= {"ngram", "lookup", "draft", "target"}
+    counts = record["stats"]["tokens_by_origin"]
+    assert counts == {k: record["origins"].count(k) for k in counts}
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16",
+                               "--method", "staged", "--show-origin")
+    assert status == 0 and out == expected.text + "\n"  # no colour codes off a terminal
+    assert err.splitlines()[1].startswith("tokens by origin: ngram ")
 
 
 def test_json_prints_exactly_one_object(capsys, served):
     expected = specjax.generate(served, PROMPT, max_new_tokens=12)
-    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "12", "--json")
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "12", "--json",
+                               "--method", "ar")
     assert status == 0 and err == ""
     assert out.endswith("\n") and out.count("\n") == 1
     result = json.loads(out)

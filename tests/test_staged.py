@@ -1,0 +1,157 @@
+"""Staged speculation (draft + stage 2) and the model-free ``ngram`` method, end to end:
+exactness against ``ar``, token origins, compilation count, errors."""
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax.checkpoints_tools.ngram_build import build_ngram
+from specjax.errors import InvalidArgumentError
+
+from conftest import TINY_VOCAB, random_prompt, tiny_pair
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_pair("llama-mha", seed=21)[1]
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    weak = tiny_pair("llama-mha", seed=22, num_hidden_layers=1)[1]
+    wrong = specjax.Model(target.config, dict(target.params, lm_head=-target.params["lm_head"]),
+                          name="wrong")
+    return {"weak": weak, "self": target, "wrong": wrong}
+
+
+@pytest.fixture(scope="module")
+def tables(target):
+    """Tables fitted to the target's own greedy text, so stage 2 proposes useful tokens."""
+    corpus = [specjax.generate(target, random_prompt(100 + s, 6), max_new_tokens=48).tokens
+              for s in range(8)]
+    return build_ngram(corpus, TINY_VOCAB, top_k=8, trigram_top_k=4, trigram_buckets=256,
+                       min_context_count=1).tables
+
+
+SHAPES = {
+    "staged-default": dict(method="staged"),
+    "staged-one-round-chain": dict(method="staged", draft_rounds=1, draft_width=1,
+                                   tree_budget=2, proposal=(1,)),
+    "staged-budget-1": dict(method="staged", tree_budget=1),
+    "staged-wide-no-lookup": dict(method="staged", draft_rounds=3, draft_width=3,
+                                  tree_budget=20, proposal=(6, 3, 1), use_lookup=False),
+    "ngram-default": dict(method="ngram"),
+    "ngram-single": dict(method="ngram", proposal=(1,)),
+}
+
+
+def _run(target, prompt, shape, draft, tables, **kwargs):
+    options = dict(SHAPES[shape], ngram=tables, **kwargs)
+    if options["method"] == "staged":
+        options["draft"] = draft
+    return specjax.generate(target, prompt, max_new_tokens=NEW, **options)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_equals_ar(target, drafts, tables, shape):
+    names = list(drafts) if SHAPES[shape]["method"] == "staged" else ["none"]
+    for seed in (0, 1):
+        prompt = random_prompt(seed, 7 + 5 * seed)
+        expected = specjax.generate(target, prompt, max_new_tokens=NEW).tokens
+        for name in names:
+            out = _run(target, prompt, shape, drafts.get(name), tables)
+            assert out.tokens == expected, (shape, name, seed)
+            counts = out.stats["tokens_by_origin"]
+            assert sum(counts.values()) == len(out.tokens) and len(out.origins) == len(out.tokens)
+            assert counts == {k: out.origins.count(k) for k in counts}
+            if name == "self" and shape not in ("staged-budget-1",):
+                assert out.stats["mean_accepted"] > 1.5 and counts["draft"] > 0
+
+
+@pytest.mark.parametrize("shape", ["staged-default", "staged-wide-no-lookup", "ngram-default"])
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0),
+                                      dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_coupled_sampling_equals_ar_sampling(target, drafts, tables, shape, sampling):
+    for seed in (3, 4):
+        prompt = random_prompt(seed, 9)
+        expected = specjax.generate(target, prompt, max_new_tokens=NEW, seed=seed,
+                                    **sampling).tokens
+        for name in ("weak", "self"):
+            out = _run(target, prompt, shape, drafts[name], tables, seed=seed, **sampling)
+            assert out.tokens == expected, (shape, name, seed)
+
+
+def test_stage_two_tokens_are_accepted_and_counted(target, tables):
+    """With tables fitted to the target's text, the n-gram/lookup stage must contribute."""
+    prompt = specjax.generate(target, random_prompt(100, 6), max_new_tokens=8).tokens
+    out = _run(target, random_prompt(100, 6) + prompt, "ngram-default", None, tables)
+    counts = out.stats["tokens_by_origin"]
+    assert counts["ngram"] + counts["lookup"] > 0 and counts["draft"] == 0
+    assert out.stats["mean_accepted"] > 1.0
+
+
+@pytest.mark.parametrize("verify", ["match", "rejection"])
+@pytest.mark.parametrize("method", ["staged", "ngram"])
+def test_stochastic_rules_run(target, tables, method, verify):
+    out = specjax.generate(target, random_prompt(6, 8), max_new_tokens=NEW, temperature=1.0,
+                           method=method, verify=verify, ngram=tables,
+                           **({"draft": target} if method == "staged" else {}))
+    assert len(out.tokens) == NEW
+    if method == "staged":
+        assert out.stats["mean_accepted"] > 1.2
+
+
+def test_no_recompilation_for_new_prompts_and_settings(target, drafts, tables):
+    kwargs = dict(max_new_tokens=NEW, method="staged", draft=drafts["weak"], ngram=tables)
+    specjax.generate(target, random_prompt(0, 9), **kwargs)
+    for i, (t, k, p) in enumerate([(0.0, 0, 1.0), (1.0, 0, 1.0), (0.6, 5, 0.8)]):
+        out = specjax.generate(target, random_prompt(i + 10, 10 + i), temperature=t, top_k=k,
+                               top_p=p, seed=i, **kwargs)
+        assert out.stats["compile_seconds"] == 0.0
+
+
+def test_streaming_equals_while_loop_with_origins(target, drafts, tables):
+    kwargs = dict(max_new_tokens=NEW, method="staged", draft=drafts["self"], ngram=tables)
+    prompt = random_prompt(7, 11)
+    full = specjax.generate(target, prompt, **kwargs)
+    tokens, origins, stats = [], [], None
+    for new, names, stats in specjax.stream_generate(target, prompt, origins=True, **kwargs):
+        tokens += new
+        origins += names
+    assert tokens == full.tokens and origins == full.origins
+    assert stats["tokens_by_origin"] == full.stats["tokens_by_origin"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="staged", proposal=(0,)), "proposal"),
+    (dict(method="staged", proposal=()), "proposal"),
+    (dict(method="staged", tree_budget=0), "tree_budget"),
+    (dict(method="staged", draft_rounds=0), "draft_rounds"),
+    (dict(method="staged", tree_budget=10_000), "exceeds"),
+    (dict(method="staged", verify="nope"), "verify"),
+    (dict(method="staged", verify="greedy", temperature=1.0), "greedy"),
+    (dict(method="ngram", draft_width=2), "draft_width"),
+])
+def test_bad_arguments_are_one_line_errors(target, drafts, tables, kwargs, match):
+    options = dict(kwargs)
+    if options["method"] == "staged":
+        options["draft"] = drafts["weak"]
+    with pytest.raises(InvalidArgumentError, match=match) as info:
+        specjax.generate(target, [1, 2, 3], max_new_tokens=4, ngram=tables, **options)
+    assert "\n" not in str(info.value)
+
+
+def test_table_and_draft_mismatches_are_errors(target, drafts, tables):
+    other = tiny_pair("llama-mha", seed=3, vocab_size=TINY_VOCAB + 1)[1]
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        specjax.generate(other, [1, 2], max_new_tokens=4, method="ngram", ngram=tables)
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        specjax.generate(target, [1, 2], max_new_tokens=4, method="staged", draft=other,
+                         ngram=tables)
+    with pytest.raises(InvalidArgumentError, match="no n-gram tables"):
+        specjax.generate(target, [1, 2], max_new_tokens=4, method="ngram")
+    with pytest.raises(InvalidArgumentError, match="takes no draft"):
+        specjax.generate(target, [1, 2], max_new_tokens=4, method="ngram", ngram=tables,
+                         draft=drafts["weak"])
