@@ -34,21 +34,21 @@ def _add_generate(sub) -> None:
                    help="staged/ngram: n-gram tables from 'specjax build-ngram' (default: the "
                         "tables shipped for the model)")
     p.add_argument("--tree-budget", type=int, default=None,
-                   help="tree/staged: nodes verified per target pass, root included (default: 16)")
+                   help="tree/staged: nodes verified per target pass, root included (default: tree 16, staged 4)")
     p.add_argument("--draft-depth", type=int, default=None,
                    help="spec/tree: drafted levels per step (default: 4)")
     p.add_argument("--draft-rounds", type=int, default=None,
-                   help="staged: draft passes per step after the catch-up pass (default: 2)")
+                   help="staged: draft passes per step after the catch-up pass (default: 1)")
     p.add_argument("--proposal", default=None,
                    help="staged/ngram: stage-2 proposal shape, candidates per level, e.g. "
-                        "12,7,4,1,1,1 (default: 4,2,2,1,1,1 staged; 4,2,2,1,1,1,1,1 ngram)")
+                        "12,7,4,1,1,1 (default: 2,1,1,1 staged; 2,1,1,1,1,1,1,1 ngram)")
     p.add_argument("--no-lookup", action="store_true",
                    help="staged/ngram: n-gram proposals only, no context lookup")
     p.add_argument("--show-origin", action="store_true",
                    help="colour each streamed token by the stage that proposed it (n-gram, "
                         "lookup, draft, target) and count them in the summary")
     p.add_argument("--draft-width", type=int, default=None,
-                   help="tree/staged: children per expanded node and frontier size (default: 4)")
+                   help="tree/staged: children per expanded node and frontier size (default: tree 4, staged 1)")
     p.add_argument("--topology", default=None, choices=("dynamic", "kary"),
                    help="tree: dynamic (best nodes by draft score) or a fixed k-ary tree (default: dynamic)")
     p.add_argument("--verify", default=None, choices=("coupled", "greedy", "match", "rejection"),
@@ -239,7 +239,11 @@ def _convert(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    return run_command(args=parser.parse_args(argv))
+
+
+def run_command(args) -> int:
+    """Runs ``args.func(args)``: user errors print one line (status 2), Ctrl-C 130."""
     try:
         return args.func(args)
     except SpecjaxError as err:

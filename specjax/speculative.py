@@ -81,6 +81,17 @@ class TreeShape:
         return max(self.budget, self.depth + 1, self.width * self.depth + 1) + 1
 
 
+def draft_prefill(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
+                  state: DecodeState):
+    """A draft cache holding the prompt (the draft's own prefill; no head needed)."""
+    cache = init_cache(draft_config, loop.capacity, draft_params["embed"].dtype)
+    _, cache = models.hidden_states(draft_params, draft_config,
+                                    state.tokens[: loop.prompt_bucket],
+                                    jnp.arange(loop.prompt_bucket, dtype=jnp.int32), cache,
+                                    attn_impl=loop.attn_impl)
+    return advance(cache, state.prompt_length)
+
+
 def draft_catch_up(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
                    state: DecodeState, cache, chunk: int):
     """Brings a lagging draft cache up to the sequence, root (pending last token) included.
@@ -212,12 +223,7 @@ class Speculative:
     def init(self, params, loop: DecodeLoop, state: DecodeState, draft_params) -> DecodeState:
         """Prefills the draft cache with the prompt."""
         del params
-        cache = init_cache(self.draft_config, loop.capacity, draft_params["embed"].dtype)
-        prompt = state.tokens[: loop.prompt_bucket]
-        _, cache = models.forward(draft_params, self.draft_config, prompt,
-                                  jnp.arange(loop.prompt_bucket, dtype=jnp.int32), cache,
-                                  attn_impl=loop.attn_impl)
-        aux = {"draft_cache": advance(cache, state.prompt_length),
+        aux = {"draft_cache": draft_prefill(draft_params, self.draft_config, loop, state),
                "accepted": jnp.zeros((self.shape.depth + 1,), jnp.int32)}
         return state.replace(aux=aux, draft_calls=state.draft_calls + 1)
 

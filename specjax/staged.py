@@ -43,13 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import models
-from specjax.cache import advance, commit_path, init_cache
+from specjax.cache import commit_path
 from specjax.config import ModelConfig
 from specjax.decode import DecodeLoop, DecodeState, append_tokens
 from specjax.drafters.ngram import ORIGIN_LOOKUP, ORIGIN_NGRAM, propose
 from specjax.errors import InvalidArgumentError
 from specjax.sampling import perturbed_scores, target_log_probs
-from specjax.speculative import VERIFY_RULES, draft_catch_up
+from specjax.speculative import VERIFY_RULES, draft_catch_up, draft_prefill
 from specjax.tree import Tree, ancestor_mask, depths, select_top_indices, select_top_nodes
 from specjax.verify import (Verdict, emitted_tokens, verify_greedy_or_coupled, verify_match,
                             verify_rejection)
@@ -153,7 +153,7 @@ class NgramOnly:
       use_lookup: merge context lookup into the proposals.
     """
 
-    proposal: tuple[int, ...] = (4, 2, 2, 1, 1, 1, 1, 1)
+    proposal: tuple[int, ...] = (2, 1, 1, 1, 1, 1, 1, 1)
     verify: str = "coupled"
     use_lookup: bool = True
     name: str = "ngram"
@@ -211,10 +211,10 @@ class Staged:
     """
 
     draft_config: ModelConfig
-    budget: int = 16
-    rounds: int = 2
-    proposal: tuple[int, ...] = (4, 2, 2, 1, 1, 1)
-    width: int = 4
+    budget: int = 4
+    rounds: int = 1
+    proposal: tuple[int, ...] = (2, 1, 1, 1)
+    width: int = 1
     verify: str = "coupled"
     use_lookup: bool = True
     name: str = "staged"
@@ -277,12 +277,7 @@ class Staged:
              tables) -> DecodeState:
         """Prefills the draft cache with the prompt."""
         del params, tables
-        cache = init_cache(self.draft_config, loop.capacity, draft_params["embed"].dtype)
-        prompt = state.tokens[: loop.prompt_bucket]
-        _, cache = models.hidden_states(draft_params, self.draft_config, prompt,
-                                        jnp.arange(loop.prompt_bucket, dtype=jnp.int32), cache,
-                                        attn_impl=loop.attn_impl)
-        aux = {"draft_cache": advance(cache, state.prompt_length),
+        aux = {"draft_cache": draft_prefill(draft_params, self.draft_config, loop, state),
                **_origin_aux(loop, self.max_depth)}
         return state.replace(aux=aux, draft_calls=state.draft_calls + 1)
 

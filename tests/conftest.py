@@ -72,3 +72,19 @@ def smollm2():
 
 def random_prompt(seed: int, length: int, vocab: int = TINY_VOCAB) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, length).tolist()
+
+
+@pytest.fixture(scope="session")
+def spec_target():
+    """The tiny target of the speculative tests."""
+    return tiny_pair("llama-mha", seed=21)[1]
+
+
+@pytest.fixture(scope="session")
+def spec_drafts(spec_target):
+    """A weak random draft, the target itself, and a draft that is always wrong (its
+    negated head ranks the target's least likely tokens first)."""
+    weak = tiny_pair("llama-mha", seed=22, num_hidden_layers=1)[1]
+    wrong_params = dict(spec_target.params, lm_head=-spec_target.params["lm_head"])
+    wrong = specjax.Model(spec_target.config, wrong_params, name="wrong")
+    return {"weak": weak, "self": spec_target, "wrong": wrong}

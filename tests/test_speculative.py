@@ -18,19 +18,13 @@ NEW = 24
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_pair("llama-mha", seed=21)[1]
+def target(spec_target):
+    return spec_target
 
 
 @pytest.fixture(scope="module")
-def drafts(target):
-    """A weak random draft, the target itself, and a draft that is always wrong."""
-    weak = tiny_pair("llama-mha", seed=22, num_hidden_layers=1)[1]
-    # The negated head ranks the target's least likely tokens first, so at greedy its
-    # proposals at the root are never the target's choice (checked below).
-    wrong_params = dict(target.params, lm_head=-target.params["lm_head"])
-    wrong = specjax.Model(target.config, wrong_params, name="wrong")
-    return {"weak": weak, "self": target, "wrong": wrong}
+def drafts(spec_drafts):
+    return spec_drafts
 
 
 SHAPES = {

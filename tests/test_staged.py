@@ -1,7 +1,6 @@
 """Staged speculation (draft + stage 2) and the model-free ``ngram`` method, end to end:
 exactness against ``ar``, token origins, compilation count, errors."""
 
-import numpy as np
 import pytest
 
 import specjax
@@ -14,16 +13,13 @@ NEW = 24
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_pair("llama-mha", seed=21)[1]
+def target(spec_target):
+    return spec_target
 
 
 @pytest.fixture(scope="module")
-def drafts(target):
-    weak = tiny_pair("llama-mha", seed=22, num_hidden_layers=1)[1]
-    wrong = specjax.Model(target.config, dict(target.params, lm_head=-target.params["lm_head"]),
-                          name="wrong")
-    return {"weak": weak, "self": target, "wrong": wrong}
+def drafts(spec_drafts):
+    return spec_drafts
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +52,12 @@ def _run(target, prompt, shape, draft, tables, **kwargs):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_greedy_equals_ar(target, drafts, tables, shape):
-    names = list(drafts) if SHAPES[shape]["method"] == "staged" else ["none"]
+    if SHAPES[shape]["method"] == "ngram":
+        names = ["none"]
+    elif shape in ("staged-default", "staged-wide-no-lookup"):
+        names = list(drafts)
+    else:  # edge shapes: one draft keeps the compile count (and CI time) down
+        names = ["self"]
     for seed in (0, 1):
         prompt = random_prompt(seed, 7 + 5 * seed)
         expected = specjax.generate(target, prompt, max_new_tokens=NEW).tokens
@@ -92,8 +93,8 @@ def test_stage_two_tokens_are_accepted_and_counted(target, tables):
     assert out.stats["mean_accepted"] > 1.0
 
 
-@pytest.mark.parametrize("verify", ["match", "rejection"])
-@pytest.mark.parametrize("method", ["staged", "ngram"])
+@pytest.mark.parametrize("method, verify", [("staged", "match"), ("staged", "rejection"),
+                                            ("ngram", "rejection")])
 def test_stochastic_rules_run(target, tables, method, verify):
     out = specjax.generate(target, random_prompt(6, 8), max_new_tokens=NEW, temperature=1.0,
                            method=method, verify=verify, ngram=tables,

@@ -2,7 +2,6 @@
 exports), with the real tokenizer and a tiny random target of the same vocabulary."""
 
 import json
-from pathlib import Path
 
 import jax
 import numpy as np

@@ -259,16 +259,10 @@ def report(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``benchmarks/run_suite.py``: the same flags as ``specjax bench``."""
-    from specjax.errors import SpecjaxError
+    from specjax.cli import run_command
 
     parser = argparse.ArgumentParser(prog="run_suite.py", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except SpecjaxError as err:
-        print(f"specjax: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("specjax: interrupted", file=sys.stderr)
-        return 130
+    args.func = run
+    return run_command(args)

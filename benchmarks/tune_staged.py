@@ -1,0 +1,84 @@
+"""Side-by-side probe of staged / n-gram settings, used to pick the library defaults.
+
+Every configuration runs on the same prompts, interleaved per prompt (machine drift hits
+all alike), after a short warm-up that compiles each program; the report is the median
+tokens/s over prompts, the ratio to ``ar`` and the median ``mean_accepted``.
+
+    python benchmarks/tune_staged.py --limit 3 --max-new-tokens 128 \
+        --json benchmarks/results/tune_staged_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+CONFIGS = {
+    "ar": dict(method="ar"),
+    "ngram-4,2,2,1,1,1,1,1": dict(method="ngram", proposal=(4, 2, 2, 1, 1, 1, 1, 1)),
+    "ngram-2,1,1,1,1,1,1,1": dict(method="ngram", proposal=(2, 1, 1, 1, 1, 1, 1, 1)),
+    "ngram-1x6": dict(method="ngram", proposal=(1,) * 6),
+    "staged-r1-p2,1,1,1-w1-b4": dict(method="staged", draft_rounds=1, proposal=(2, 1, 1, 1),
+                                     draft_width=1, tree_budget=4),
+    "staged-r1-p1x7-w2-b8": dict(method="staged", draft_rounds=1, proposal=(1,) * 7,
+                                 draft_width=2, tree_budget=8),
+    "staged-r2-p2,1,1,1,1,1-w2-b8": dict(method="staged", draft_rounds=2,
+                                         proposal=(2, 1, 1, 1, 1, 1), draft_width=2,
+                                         tree_budget=8),
+    "staged-r2-p4,2,2,1,1,1-w4-b16": dict(method="staged", draft_rounds=2,
+                                          proposal=(4, 2, 2, 1, 1, 1), draft_width=4,
+                                          tree_budget=16),
+}
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import specjax
+    from specjax.benchmark.environment import git_commit, machine, versions
+    from specjax.benchmark.humaneval import humaneval_prompts
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--limit", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    model = specjax.load(args.model)
+    prompts = humaneval_prompts(args.limit)
+    for options in CONFIGS.values():  # compile outside the timed runs
+        specjax.generate(model, prompts[0], max_new_tokens=8, **options)
+    rows = []
+    for index, prompt in enumerate(prompts):
+        reference = None
+        for name, options in CONFIGS.items():
+            out = specjax.generate(model, prompt, max_new_tokens=args.max_new_tokens, **options)
+            reference = out.tokens if reference is None else reference
+            rows.append({"prompt": index, "config": name, "options": options,
+                         "tokens_per_s": out.stats["tokens_per_s"],
+                         "mean_accepted": out.stats["mean_accepted"],
+                         "same_as_ar": out.tokens == reference})
+    ar = statistics.median(r["tokens_per_s"] for r in rows if r["config"] == "ar")
+    summary = {}
+    for name in CONFIGS:
+        mine = [r for r in rows if r["config"] == name]
+        rate = statistics.median(r["tokens_per_s"] for r in mine)
+        summary[name] = {"tokens_per_s": rate, "vs_ar": rate / ar,
+                         "mean_accepted": statistics.median(r["mean_accepted"] for r in mine),
+                         "all_same_as_ar": all(r["same_as_ar"] for r in mine)}
+        print(f"{name:32s} {rate:6.1f} tok/s  x{rate / ar:.2f}  accepted "
+              f"{summary[name]['mean_accepted']:.2f}  same as ar: "
+              f"{summary[name]['all_same_as_ar']}")
+    if args.json:
+        record = {"command": " ".join(["python", "benchmarks/tune_staged.py", *sys.argv[1:]]),
+                  "machine": machine(), "versions": versions(), "git": git_commit(), "summary": summary, "rows": rows,
+                  "limit": args.limit, "max_new_tokens": args.max_new_tokens}
+        Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
