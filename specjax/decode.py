@@ -225,6 +225,11 @@ def _signature(args) -> tuple:
                           for x in leaves)
 
 
+def clear_compiled() -> None:
+    """Drops every cached executable (they hold device and host memory)."""
+    _EXECUTABLES.clear()
+
+
 def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = ()):
     """Returns (executable, compile seconds, or 0.0 when cached) of ``fn(params, loop, *rest)``
     for ``args = (params, *rest)``. Executables are cached per (fn, loop, argument shapes)."""

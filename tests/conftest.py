@@ -64,6 +64,17 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Each test module's compiled programs are dropped when it ends: the suite compiles
+    hundreds of programs, and keeping them all grows the process until XLA aborts."""
+    yield
+    from specjax import decode
+
+    decode.clear_compiled()
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF), fp32."""

@@ -52,7 +52,8 @@ def test_cached_decode_equals_uncached_forward(kind):
                                        jnp.arange(start, end), cache)
         cache = advance(cache, end - start)
         got.append(logits)
-    np.testing.assert_allclose(np.concatenate(got), np.asarray(full), atol=1e-5, rtol=0)
+    # The cached path sums attention blockwise (online softmax): fp32 rounding, not 0.
+    np.testing.assert_allclose(np.concatenate(got), np.asarray(full), atol=1e-5, rtol=1e-5)
 
 
 def test_forward_is_differentiable_and_trains():
