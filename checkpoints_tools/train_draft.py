@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -330,7 +331,6 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
                                    "heldout_kl": heldout_kl, "time": time.time()}) + "\n")
         log(f"step 0: held-out top-1 agreement {agreement:.3f}, KL {heldout_kl:.4f}")
     rng = np.random.default_rng(cfg.seed + start)
-    steps = range(start, cfg.steps)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -340,7 +340,7 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
     tokens_per_step = cfg.batch_size * cfg.seq_len
     agreement = None
     window_start, window_first = time.perf_counter(), start  # the first window includes compiling
-    for step in steps:
+    for step in range(start, cfg.steps):
         windows = jnp.asarray(sample_windows(train, rng, cfg.batch_size, cfg.seq_len + 1))
         trainable, opt_state, loss, aux = train_step(trainable, opt_state, frozen,
                                                      target_params, windows)
@@ -376,15 +376,9 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
     params = jax.tree.map(np.asarray, {**trainable, **frozen})
     final = out / "draft"
     staging = out / ".draft.tmp"
-    if staging.exists():
-        import shutil
-
-        shutil.rmtree(staging)
+    shutil.rmtree(staging, ignore_errors=True)
     save_orbax(staging, draft_config, params, target.tokenizer)
-    if final.exists():
-        import shutil
-
-        shutil.rmtree(final)
+    shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     summary = {"steps": cfg.steps, "heldout_agreement": agreement,
                "seconds": time.perf_counter() - began, "draft": str(final)}

@@ -201,9 +201,9 @@ def _generate(args) -> int:
         if args.show_origin:
             # Token by token, so each piece carries its origin's colour.
             for token, origin in zip(new, names):
-                before = api.decode_text(model, tokens)
                 tokens.append(token)
-                piece = api.decode_text(model, tokens)[len(before):]
+                text = api.decode_text(model, tokens)
+                piece, printed = text[len(printed):], text
                 sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
                                  if colour and ORIGIN_COLOURS[origin] else piece)
             sys.stdout.flush()

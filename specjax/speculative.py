@@ -81,6 +81,34 @@ class TreeShape:
         return max(self.budget, self.depth + 1, self.width * self.depth + 1) + 1
 
 
+def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_depth: int,
+                width: int, verify: str, key, draft_logp=None,
+                children_mode: str = "deterministic"):
+    """One target pass over ``tree`` (rooted at the pending last token) and the rule.
+
+    Returns:
+      (verdict, target cache with the tree's K/V in scratch, whether the logits of the
+      valid nodes were all finite).
+    """
+    sampling = state.sampling
+    node_depths = depths(tree.parents, max_depth)
+    mask = ancestor_mask(tree.parents, tree.valid, max_depth)
+    positions = state.length - 1 + node_depths
+    logits, cache = models.forward(params, loop.config, tree.tokens, positions, state.cache,
+                                   mask, attn_impl=loop.attn_impl)
+    finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])
+    log_p = target_log_probs(logits, sampling)
+    if verify in ("greedy", "coupled"):
+        verdict = verify_greedy_or_coupled(
+            tree, perturbed_scores(log_p, sampling, positions + 1), max_depth)
+    elif verify == "match":
+        verdict = verify_match(tree, log_p, key, max_depth)
+    else:
+        verdict = verify_rejection(tree, log_p, draft_logp, key, max_depth, width,
+                                   children_mode)
+    return verdict, cache, finite
+
+
 def draft_prefill(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
                   state: DecodeState):
     """A draft cache holding the prompt (the draft's own prefill; no head needed)."""
@@ -246,22 +274,9 @@ class Speculative:
         draft_calls = shape.depth  # catch-up + one pass per expanded level
 
         # 3. Verify with one target pass.
-        node_depths = depths(tree.parents, shape.depth)
-        mask = ancestor_mask(tree.parents, tree.valid, shape.depth)
-        positions = root_position + node_depths
-        target_logits, target_cache = models.forward(params, loop.config, tree.tokens, positions,
-                                                     state.cache, mask,
-                                                     attn_impl=loop.attn_impl)
-        finite = jnp.all(jnp.isfinite(target_logits) | ~tree.valid[:, None])
-        log_p = target_log_probs(target_logits, sampling)
-        if self.verify in ("greedy", "coupled"):
-            scores = perturbed_scores(log_p, sampling, positions + 1)
-            verdict = verify_greedy_or_coupled(tree, scores, shape.depth)
-        elif self.verify == "match":
-            verdict = verify_match(tree, log_p, verify_key, shape.depth)
-        else:
-            verdict = verify_rejection(tree, log_p, draft_logp, verify_key, shape.depth,
-                                       shape.width, self.children_mode)
+        verdict, target_cache, finite = verify_tree(
+            params, loop, state, tree, shape.depth, shape.width, self.verify, verify_key,
+            draft_logp, self.children_mode)
 
         # 4. Commit.
         state = state.replace(

@@ -49,10 +49,9 @@ from specjax.decode import DecodeLoop, DecodeState, append_tokens
 from specjax.drafters.ngram import ORIGIN_LOOKUP, ORIGIN_NGRAM, propose
 from specjax.errors import InvalidArgumentError
 from specjax.sampling import perturbed_scores, target_log_probs
-from specjax.speculative import VERIFY_RULES, draft_catch_up, draft_prefill
-from specjax.tree import Tree, ancestor_mask, depths, select_top_indices, select_top_nodes
-from specjax.verify import (Verdict, emitted_tokens, verify_greedy_or_coupled, verify_match,
-                            verify_rejection)
+from specjax.speculative import VERIFY_RULES, draft_catch_up, draft_prefill, verify_tree
+from specjax.tree import Tree, ancestor_mask, select_top_indices, select_top_nodes
+from specjax.verify import Verdict, emitted_tokens
 
 # Origin codes of emitted tokens (stats and ``--show-origin``).
 ORIGIN_DRAFT = 2
@@ -86,27 +85,6 @@ def _static_parents(proposal: tuple[int, ...]) -> np.ndarray:
 
 def _proposal_depths(proposal: tuple[int, ...]) -> np.ndarray:
     return np.concatenate([np.full(n, level + 1, np.int32) for level, n in enumerate(proposal)])
-
-
-def _verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_depth: int,
-                 width: int, verify: str, key) -> tuple[Verdict, object, jax.Array]:
-    """One target pass over ``tree`` and the acceptance rule: (verdict, cache, finite)."""
-    sampling = state.sampling
-    node_depths = depths(tree.parents, max_depth)
-    mask = ancestor_mask(tree.parents, tree.valid, max_depth)
-    positions = state.length - 1 + node_depths
-    logits, cache = models.forward(params, loop.config, tree.tokens, positions, state.cache,
-                                   mask, attn_impl=loop.attn_impl)
-    finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])
-    log_p = target_log_probs(logits, sampling)
-    if verify in ("greedy", "coupled"):
-        verdict = verify_greedy_or_coupled(
-            tree, perturbed_scores(log_p, sampling, positions + 1), max_depth)
-    elif verify == "match":
-        verdict = verify_match(tree, log_p, key, max_depth)
-    else:
-        verdict = verify_rejection(tree, log_p, None, key, max_depth, width, "deterministic")
-    return verdict, cache, finite
 
 
 def _commit(state: DecodeState, loop_aux: dict, tree: Tree, tree_origin: jax.Array,
@@ -191,7 +169,7 @@ class NgramOnly:
                     valid=jnp.concatenate([jnp.array([True]), prop.valid]))
         origin = jnp.concatenate([jnp.array([ORIGIN_TARGET], jnp.int8), prop.origin])
         width = max(self.proposal)
-        verdict, cache, finite = _verify_tree(params, loop, state, tree, self.max_depth, width,
+        verdict, cache, finite = verify_tree(params, loop, state, tree, self.max_depth, width,
                                               self.verify, key)
         return _commit(state, {}, tree, origin, verdict, cache, finite, 0)
 
@@ -396,7 +374,7 @@ class Staged:
                                                      self.budget)]
 
         # 4. Verify and commit.
-        verdict, target_cache, finite = _verify_tree(params, loop, state, tree, self.max_depth,
+        verdict, target_cache, finite = verify_tree(params, loop, state, tree, self.max_depth,
                                                      width, self.verify, key)
         return _commit(state, {"draft_cache": cache}, tree, tree_origin, verdict, target_cache,
                        finite, 1 + self.rounds)
