@@ -333,8 +333,10 @@ def save_hf_directory(config: ModelConfig, params: dict, path: str | os.PathLike
     """
     from safetensors.numpy import save_file
 
-    from specjax.models import check_params
+    from specjax.models import HEAD_SUBSET, check_params
 
+    # A restricted draft head is a specjax runtime option, not part of the architecture.
+    params = {k: v for k, v in params.items() if k != HEAD_SUBSET}
     check_params(config, params, source="params")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

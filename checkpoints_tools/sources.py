@@ -24,6 +24,7 @@ from specjax.checkpoints_tools.hf import (as_numpy_dtype, hub_snapshot, load_hf_
                                           load_hf_tokenizer)
 from specjax.config import ModelConfig
 from specjax.errors import ModelNotFoundError
+from specjax.models import HEAD_SUBSET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,7 @@ def resolve_and_load(name_or_path: str | os.PathLike, dtype=None, progress: bool
 
 DRAFT_TENSORS = "draft.safetensors"
 DRAFT_CONFIG = "draft.json"
+HEAD_TOKENS = "head_tokens"
 
 
 def _assets_dir() -> Path:
@@ -151,12 +153,14 @@ def embed_fingerprint(embed) -> str:
 
 
 def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, params: dict,
-                     target_embed, provenance: dict[str, Any]) -> Path:
+                     target_embed, provenance: dict[str, Any], head_tokens=None) -> Path:
     """Writes a draft that shares the target's embedding as a small asset.
 
     Only the draft's own tensors are stored (its blocks and final norm, float16, through
     safetensors); the embedding (and tied head) come from the target at load time, checked
     by fingerprint. ``draft.json`` holds the layer count and how the draft was made.
+    ``head_tokens`` (ids, optional) is stored as ``head_tokens`` (int32): the loaded draft
+    then scores only those tokens (:meth:`specjax.Model.with_head_subset`).
     """
     import json
 
@@ -166,13 +170,17 @@ def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, p
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     own = {k: v for k, v in params.items() if k not in ("embed", "lm_head")}
+    own.pop(HEAD_SUBSET, None)
     tensors = {k: np.asarray(v, np.float16) for k, v in _flatten(own).items()}
+    if head_tokens is not None:
+        tensors[HEAD_TOKENS] = np.unique(np.asarray(head_tokens, np.int32))
     tmp = directory / (DRAFT_TENSORS + ".tmp")
     save_file(tensors, str(tmp))
     os.chmod(tmp, 0o644)
     os.replace(tmp, directory / DRAFT_TENSORS)
     record = {"num_layers": int(next(iter(_flatten(params["layers"]).values())).shape[0]),
               "embed_fingerprint": embed_fingerprint(target_embed),
+              "head_tokens": None if head_tokens is None else int(tensors[HEAD_TOKENS].size),
               "base_config": {"hidden_size": target_config.hidden_size,
                               "vocab_size": target_config.vocab_size},
               **provenance}
@@ -215,11 +223,22 @@ def load_bundled_draft(model, directory: str | os.PathLike | None = None):
             "(different weights or dtype); pass draft=... explicitly")
     config = dataclasses.replace(model.config, num_layers=int(record["num_layers"]))
     dtype = np.asarray(model.params["embed"][:1]).dtype
+    head_tokens = tensors.pop(HEAD_TOKENS, None)
     own = _unflatten({k: v.astype(dtype) for k, v in tensors.items()})
     params = {**own, "embed": model.params["embed"]}
     if "lm_head" in model.params:
         params["lm_head"] = model.params["lm_head"]
-    return Model.from_params(config, params, model.tokenizer, name=f"{model.name}-draft")
+    draft = Model.from_params(config, params, model.tokenizer, name=f"{model.name}-draft")
+    return draft if head_tokens is None else draft.with_head_subset(head_tokens)
+
+
+def frequent_tokens(tokens, k: int, vocab_size: int):
+    """The ``k`` most frequent ids of a token array (ties: lower id first), sorted: the
+    default head subset of a shipped draft, counted on its training corpus."""
+    import numpy as np
+
+    counts = np.bincount(np.asarray(tokens, np.int64).ravel(), minlength=vocab_size)
+    return np.sort(np.argsort(-counts, kind="stable")[: int(k)]).astype(np.int32)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

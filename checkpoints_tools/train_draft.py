@@ -392,16 +392,18 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
 
 
 def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathLike | None = None,
-                  *, note: str = "") -> dict:
+                  *, note: str = "", head_tokens: int | None = None) -> dict:
     """Writes the latest saved training state of ``out`` as ``out/draft`` (and, with
     ``asset_dir``, as a shipped asset: :func:`~specjax.checkpoints_tools.sources.save_draft_asset`).
 
-    Lets a long run be used before it ends (or after it was stopped).
+    Lets a long run be used before it ends (or after it was stopped). ``head_tokens`` K
+    gives the asset a head restricted to the K most frequent tokens of the run's training
+    corpus (:func:`~specjax.checkpoints_tools.sources.frequent_tokens`).
     """
     import jax
     import orbax.checkpoint as ocp
 
-    from specjax.checkpoints_tools.sources import save_draft_asset
+    from specjax.checkpoints_tools.sources import frequent_tokens, save_draft_asset
 
     out = Path(out).absolute()
     run_file = out / "train_config.json"
@@ -430,7 +432,17 @@ def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathL
         provenance = {"trained_steps": step, "train_config": json.loads(run_file.read_text()),
                       "heldout_top1_agreement": summary["heldout_agreement"],
                       "target": target.name, "note": note}
-        save_draft_asset(asset_dir, target.config, params, target.params["embed"], provenance)
+        subset = None
+        if head_tokens is not None:
+            if not 1 <= head_tokens <= target.config.vocab_size:
+                raise InvalidArgumentError(
+                    f"head_tokens must be in [1, {target.config.vocab_size}], got {head_tokens}")
+            with np.load(out / "corpus.npz") as corpus:
+                subset = frequent_tokens(corpus["train"], head_tokens, target.config.vocab_size)
+            provenance["head_tokens_source"] = (
+                f"the {head_tokens} most frequent ids of the run's training corpus")
+        save_draft_asset(asset_dir, target.config, params, target.params["embed"], provenance,
+                         head_tokens=subset)
         summary["asset"] = str(asset_dir)
     return summary
 
@@ -446,11 +458,16 @@ def main(args) -> int:
                       seed=args.seed, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every,
                       max_corpus_tokens=args.max_corpus_tokens)
+    if args.head_tokens is not None and not args.asset:
+        raise InvalidArgumentError("--head-tokens needs --asset DIR")
     progress = sys.stderr.isatty()
     target = specjax.load(args.target, progress=progress)
     summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
                           export_hf=args.export_hf, progress=progress,
                           log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.asset:
+        summary.update(export_latest(target, args.out, args.asset, head_tokens=args.head_tokens,
+                                     note=args.note))
     print(json.dumps(summary))
     return 0
 
@@ -481,4 +498,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-corpus-tokens", type=int, default=20_000_000)
     p.add_argument("--export-hf", action="store_true",
                    help="also write OUT/draft-hf, loadable by transformers")
+    p.add_argument("--asset", default=None, metavar="DIR",
+                   help="also write the trained draft as a shippable asset into DIR "
+                        "(draft.safetensors + draft.json, sharing the target's embedding)")
+    p.add_argument("--head-tokens", type=int, default=None, metavar="K",
+                   help="with --asset: restrict the draft's head to the K most frequent "
+                        "corpus tokens (faster draft passes; exactness unaffected)")
+    p.add_argument("--note", default="", help="with --asset: a note stored in draft.json")
     p.set_defaults(func=main)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import decode
+from specjax import decode, models
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError, NumericalError
 from specjax.models import check_params
@@ -26,7 +26,7 @@ SPECULATIVE_DEFAULTS = {"spec": dict(depth=4, width=1), "tree": dict(budget=16, 
 # on the 2-core CPU, smollm2-135m + its shipped draft (README "Results"). On this CPU a
 # tree pass is compute-bound beyond a few nodes and a draft pass costs ~1/3 of a target
 # pass (the draft's full-vocabulary head), so small trees win; on GPUs larger ones should.
-STAGED_DEFAULTS = dict(budget=4, rounds=1, width=1, proposal=(2, 1, 1, 1))
+STAGED_DEFAULTS = dict(budget=4, rounds=1, width=1, proposal=(2, 1, 1, 1), stage2_prior=(0.0, 0.0))
 NGRAM_DEFAULTS = dict(proposal=(2, 1, 1, 1, 1, 1, 1, 1))
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
@@ -50,6 +50,21 @@ class Model:
         dtype = resolve_dtype(dtype)
         params = jax.tree.map(lambda a: jnp.asarray(a, dtype or None), params)
         return cls(config=config, params=params, tokenizer=tokenizer, name=name)
+
+    def with_head_subset(self, tokens) -> "Model":
+        """This model with its output head restricted to ``tokens`` (ids), for use as a
+        draft: a pass reads K output rows instead of V. Tokens outside the subset get the
+        row's lowest subset logit (see :func:`specjax.models.head_subset_params`). The
+        target must keep its full head; speculative methods stay exact either way."""
+        base = {k: v for k, v in self.params.items() if k != models.HEAD_SUBSET}
+        params = models.head_subset_params(base, self.config, tokens)
+        return Model(self.config, params, self.tokenizer, self.name)
+
+    @property
+    def head_size(self) -> int:
+        """Tokens the output head scores (the vocabulary, or the subset's size)."""
+        subset = self.params.get(models.HEAD_SUBSET)
+        return self.config.vocab_size if subset is None else int(subset["tokens"].shape[0])
 
     def first_layers(self, num_layers: int) -> "Model":
         """A smaller model made of this one's first ``num_layers`` blocks, embedding, final
@@ -229,7 +244,7 @@ def load_ngram_tables(model: Model, ngram=None):
 
 
 def _staged_method(model: Model, method: str, draft, ngram, tree_budget, draft_rounds,
-                   draft_width, proposal, verify, use_lookup, temperature):
+                   draft_width, proposal, verify, use_lookup, temperature, stage2_prior=None):
     from specjax import staged
 
     if verify is None:
@@ -264,8 +279,13 @@ def _staged_method(model: Model, method: str, draft, ngram, tree_budget, draft_r
     rounds = defaults["rounds"] if draft_rounds is None else _positive("draft_rounds",
                                                                         draft_rounds)
     width = defaults["width"] if draft_width is None else _positive("draft_width", draft_width)
+    prior = defaults["stage2_prior"] if stage2_prior is None else tuple(stage2_prior)
+    if len(prior) != 2 or not all(isinstance(p, (int, float, np.floating)) for p in prior):
+        raise InvalidArgumentError(
+            f"stage2_prior must be two probabilities (lookup, ngram), got {stage2_prior!r}")
     spec = staged.Staged(draft.config, budget=budget, rounds=rounds, proposal=shape,
-                         width=width, verify=verify, use_lookup=bool(use_lookup))
+                         width=width, verify=verify, use_lookup=bool(use_lookup),
+                         lookup_prior=float(prior[0]), ngram_prior=float(prior[1]))
     return spec, draft, (draft.params, tables)
 
 
@@ -285,7 +305,7 @@ def _positive(name: str, value) -> int:
 def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p, seed,
              method, draft, stop_tokens, chat, attn_impl, tree_budget=None, draft_depth=None,
              draft_width=None, verify=None, topology=None, ngram=None, draft_rounds=None,
-             proposal=None, use_lookup=True) -> _Request:
+             proposal=None, use_lookup=True, stage2_prior=None) -> _Request:
     if method not in METHODS:
         raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
     sampling = make_sampling_params(temperature, top_k, top_p, seed)
@@ -296,7 +316,7 @@ def _prepare(model: Model, prompt, *, max_new_tokens, temperature, top_k, top_p,
     elif method in ("ngram", "staged"):
         spec, draft, extra = _staged_method(model, method, draft, ngram, tree_budget,
                                             draft_rounds, draft_width, proposal, verify,
-                                            use_lookup, float(temperature))
+                                            use_lookup, float(temperature), stage2_prior)
         scratch = spec.scratch
     else:
         spec, draft = _speculative_method(model, method, draft, tree_budget, draft_depth,
@@ -390,7 +410,8 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
              draft_depth: int | None = None, draft_width: int | None = None,
              verify: str | None = None, topology=None, ngram=None,
              draft_rounds: int | None = None, proposal: Sequence[int] | None = None,
-             use_lookup: bool = True) -> GenerationResult:
+             use_lookup: bool = True,
+             stage2_prior: Sequence[float] | None = None) -> GenerationResult:
     """Generates a continuation as one compiled program on the device.
 
     Args:
@@ -425,6 +446,9 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
       proposal: ``staged``/``ngram``: stage-2 proposal shape, candidates per level
         (defaults in :data:`STAGED_DEFAULTS` / :data:`NGRAM_DEFAULTS`).
       use_lookup: ``staged``/``ngram``: merge context lookup into the proposals.
+      stage2_prior: ``staged``: ``(lookup, ngram)`` probabilities that floor the draft's
+        score of stage-2 proposals from each source (:class:`specjax.staged.Staged`);
+        default ``STAGED_DEFAULTS["stage2_prior"]``. Ranking only, never exactness.
     Returns:
       :class:`GenerationResult` with ``text``, ``tokens``, ``stats`` and, for ``staged``
       and ``ngram``, ``origins``.
@@ -434,7 +458,8 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
                        stop_tokens=stop_tokens, chat=chat, attn_impl=attn_impl,
                        tree_budget=tree_budget, draft_depth=draft_depth,
                        draft_width=draft_width, verify=verify, topology=topology, ngram=ngram,
-                       draft_rounds=draft_rounds, proposal=proposal, use_lookup=use_lookup)
+                       draft_rounds=draft_rounds, proposal=proposal, use_lookup=use_lookup,
+                       stage2_prior=stage2_prior)
     state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
                                                          *request.args[1:])
     tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
@@ -460,7 +485,7 @@ def stream_generate(model: Model, prompt: str | Sequence[int], **kwargs
                     method="ar", draft=None, stop_tokens=None, chat=False, attn_impl="auto",
                     tree_budget=None, draft_depth=None, draft_width=None, verify=None,
                     topology=None, ngram=None, draft_rounds=None, proposal=None,
-                    use_lookup=True)
+                    use_lookup=True, stage2_prior=None)
     with_origins = bool(kwargs.pop("origins", False))
     unknown = set(kwargs) - set(defaults)
     if unknown:

@@ -44,6 +44,9 @@ def _add_generate(sub) -> None:
                         "12,7,4,1,1,1 (default: 2,1,1,1 staged; 2,1,1,1,1,1,1,1 ngram)")
     p.add_argument("--no-lookup", action="store_true",
                    help="staged/ngram: n-gram proposals only, no context lookup")
+    p.add_argument("--stage2-prior", default=None, metavar="LOOKUP,NGRAM",
+                   help="staged: probabilities flooring the draft's score of lookup / n-gram "
+                        "proposals (ranking only), e.g. 0.4,0.1")
     p.add_argument("--show-origin", action="store_true",
                    help="colour each streamed token by the stage that proposed it (n-gram, "
                         "lookup, draft, target) and count them in the summary")
@@ -137,17 +140,19 @@ ORIGIN_COLOURS = {"ngram": "\033[32m", "lookup": "\033[36m", "draft": "\033[33m"
 _RESET = "\033[0m"
 
 
-def _parse_proposal(text: str | None):
+def _parse_numbers(text: str, flag: str, kind=int) -> tuple:
     from specjax.errors import InvalidArgumentError
 
-    if text is None:
-        return None
     try:
-        return tuple(int(part) for part in text.split(","))
+        return tuple(kind(part) for part in text.split(","))
     except ValueError:
+        example = "12,7,4,1,1,1" if kind is int else "0.4,0.1"
         raise InvalidArgumentError(
-            f"--proposal must be comma-separated integers such as 12,7,4,1,1,1, got {text!r}"
-        ) from None
+            f"{flag} must be comma-separated numbers such as {example}, got {text!r}") from None
+
+
+def _parse_proposal(text: str | None):
+    return None if text is None else _parse_numbers(text, "--proposal")
 
 
 def _default_method(model) -> str:
@@ -177,9 +182,12 @@ def _generate(args) -> int:
     if method in ("staged", "ngram"):
         options.update(ngram=args.ngram, draft_rounds=args.draft_rounds, proposal=proposal,
                        use_lookup=not args.no_lookup)
-    elif (args.ngram, args.draft_rounds, proposal) != (None, None, None) or args.no_lookup:
-        raise SpecjaxError(f"--ngram, --draft-rounds, --proposal and --no-lookup apply to "
-                           f"methods staged and ngram, not {method}")
+        if args.stage2_prior is not None:
+            options["stage2_prior"] = _parse_numbers(args.stage2_prior, "--stage2-prior", float)
+    elif ((args.ngram, args.draft_rounds, proposal, args.stage2_prior) != (None,) * 4
+          or args.no_lookup):
+        raise SpecjaxError(f"--ngram, --draft-rounds, --proposal, --stage2-prior and "
+                           f"--no-lookup apply to methods staged and ngram, not {method}")
     if args.draft is not None:
         options["draft"] = api.load(args.draft, dtype=args.dtype,
                                      progress=_progress() and not args.json)

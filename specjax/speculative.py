@@ -44,7 +44,7 @@ from specjax.cache import advance, commit_path, init_cache
 from specjax.config import ModelConfig
 from specjax.decode import DecodeLoop, DecodeState, append_tokens
 from specjax.errors import InvalidArgumentError
-from specjax.sampling import SamplingParams, perturbed_scores, target_log_probs
+from specjax.sampling import SamplingParams, perturbed_scores, target_log_probs, top_k
 from specjax.tree import Tree, ancestor_mask, depths, select_top_nodes, validate_parents
 from specjax.verify import (emitted_tokens, verify_greedy_or_coupled, verify_match,
                             verify_rejection)
@@ -296,7 +296,7 @@ class Speculative:
         width, depth = self.shape.width, self.shape.depth
         keys = jax.random.split(key, depth)
         rank, _ = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
-        top_scores, top_tokens = jax.lax.top_k(rank[0], width)
+        top_scores, top_tokens = top_k(rank[0], width)
         cand_tokens = [root_token[None], top_tokens]
         cand_parents = [jnp.array([-1], jnp.int32), jnp.zeros((width,), jnp.int32)]
         cand_scores = [jnp.zeros((1,), jnp.float32), top_scores]
@@ -308,13 +308,13 @@ class Speculative:
             logits, cache = self._draft_pass(draft_params, loop, cache, frontier_tokens,
                                              positions, ancestry)
             rank, _ = self._rank(logits, sampling, positions + 1, keys[level])
-            child_scores, child_tokens = jax.lax.top_k(rank, width)  # [W, W]
+            child_scores, child_tokens = top_k(rank, width)  # [W, W]
             child_scores = frontier_scores[:, None] + child_scores
             base = 1 + width + (level - 1) * width * width
             cand_tokens.append(child_tokens.reshape(-1))
             cand_parents.append(jnp.repeat(frontier, width))
             cand_scores.append(child_scores.reshape(-1))
-            best_scores, best = jax.lax.top_k(child_scores.reshape(-1), width)
+            best_scores, best = top_k(child_scores.reshape(-1), width)
             parent_row = best // width
             ancestry = jnp.concatenate(
                 [ancestry[parent_row], jnp.eye(width, dtype=jnp.bool_)[parent_row]], axis=1)
@@ -333,7 +333,7 @@ class Speculative:
         width, n = self.shape.width, len(fixed.parents)
         keys = jax.random.split(key, len(fixed.levels))
         rank, log_q = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
-        ranked = [jax.lax.top_k(rank[0], width)[1][None]]  # per evaluated row: [rows, W]
+        ranked = [top_k(rank[0], width)[1][None]]  # per evaluated row: [rows, W]
         dists = [log_q]
         tokens = jnp.zeros((n,), jnp.int32).at[0].set(root_token)
         for level in range(1, len(fixed.levels)):
@@ -348,7 +348,7 @@ class Speculative:
             logits, cache = self._draft_pass(draft_params, loop, cache, tokens[evaluated],
                                              positions, jnp.asarray(fixed.scratch_masks[level]))
             rank, log_q = self._rank(logits, sampling, positions + 1, keys[level])
-            ranked.append(jax.lax.top_k(rank, width)[1])
+            ranked.append(top_k(rank, width)[1])
             dists.append(log_q)
         dists = jnp.concatenate(dists)
         draft_logp = dists[np.maximum(fixed.row, 0)]

@@ -43,13 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import models
-from specjax.cache import commit_path
+from specjax.cache import advance, commit_path
 from specjax.config import ModelConfig
 from specjax.decode import DecodeLoop, DecodeState, append_tokens
 from specjax.drafters.ngram import ORIGIN_LOOKUP, ORIGIN_NGRAM, propose
 from specjax.errors import InvalidArgumentError
-from specjax.sampling import perturbed_scores, target_log_probs
-from specjax.speculative import VERIFY_RULES, draft_catch_up, draft_prefill, verify_tree
+from specjax.sampling import perturbed_scores, target_log_probs, top_k
+from specjax.speculative import VERIFY_RULES, draft_prefill, verify_tree
 from specjax.tree import Tree, ancestor_mask, select_top_indices, select_top_nodes
 from specjax.verify import Verdict, emitted_tokens
 
@@ -59,6 +59,10 @@ ORIGIN_TARGET = 3
 ORIGIN_NAMES = {ORIGIN_NGRAM: "ngram", ORIGIN_LOOKUP: "lookup", ORIGIN_DRAFT: "draft",
                 ORIGIN_TARGET: "target"}
 _KEY_TAG = 0x57A6
+
+
+def _log(probability: float) -> float:
+    return float(np.log(probability)) if probability > 0 else -np.inf
 
 
 def _check_shape(proposal: tuple[int, ...]) -> None:
@@ -81,6 +85,13 @@ def _static_parents(proposal: tuple[int, ...]) -> np.ndarray:
         parents += [first] * n
         first = sum(proposal[:level])
     return np.asarray(parents, np.int32)
+
+
+def _pass_parents(proposal: tuple[int, ...]) -> np.ndarray:
+    """Pass-local parents: node 0 (root or the draft's own token), then the proposal
+    hanging under it."""
+    static = _static_parents(proposal)
+    return np.concatenate([[-1], np.where(static < 0, 0, static + 1)]).astype(np.int32)
 
 
 def _proposal_depths(proposal: tuple[int, ...]) -> np.ndarray:
@@ -186,6 +197,11 @@ class Staged:
       width: W, children recorded per spine node (the draft's top-W).
       verify: acceptance rule.
       use_lookup: merge context lookup into the stage-2 proposals.
+      lookup_prior, ngram_prior: floors, as probabilities in [0, 1), of the per-token
+        score of a proposal node that came from context lookup / the n-gram tables: its
+        score is ``log max(q~(token), prior)``. A weak draft would otherwise veto good
+        stage-2 proposals (lookup copies identifiers the draft rates low); 0 disables.
+        Ranking only: exactness never depends on it.
     """
 
     draft_config: ModelConfig
@@ -195,11 +211,18 @@ class Staged:
     width: int = 1
     verify: str = "coupled"
     use_lookup: bool = True
+    lookup_prior: float = 0.0
+    ngram_prior: float = 0.0
     name: str = "staged"
 
     def __post_init__(self):
         _check_shape(self.proposal)
         _check_verify(self.verify)
+        for name in ("lookup_prior", "ngram_prior"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise InvalidArgumentError(f"{name} must be a probability in [0, 1), got "
+                                           f"{value!r}")
         for name in ("budget", "rounds", "width"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -211,17 +234,18 @@ class Staged:
 
     @property
     def pass_size(self) -> int:
-        """Tokens in one round's draft pass: the draft's own token + the proposal."""
+        """Tokens in one later round's draft pass: the draft's own token + the proposal."""
         return 1 + sum(self.proposal)
 
     @property
     def max_spine(self) -> int:
         """Most spine nodes (root included) one step can build."""
-        return 1 + self.rounds * (1 + len(self.proposal))
+        return 1 + len(self.proposal) + (self.rounds - 1) * (1 + len(self.proposal))
 
     @property
     def num_candidates(self) -> int:
-        return 1 + self.width + self.rounds * self.pass_size * (1 + self.width)
+        return (1 + self.width + sum(self.proposal) * (1 + self.width)
+                + (self.rounds - 1) * self.pass_size * (1 + self.width))
 
     @property
     def max_depth(self) -> int:
@@ -229,9 +253,19 @@ class Staged:
         return self.max_spine
 
     @property
+    def chunk(self) -> int:
+        """Catch-up rows of the first pass: at least the most tokens one step emits."""
+        return self.max_depth + 1
+
+    @property
+    def window(self) -> int:
+        """Draft scratch slots one step writes: catch-up chunk, first proposal, rounds."""
+        return self.chunk + sum(self.proposal) + (self.rounds - 1) * self.pass_size
+
+    @property
     def scratch(self) -> int:
         """Cache slots past the committed prefix one step may write (target or draft)."""
-        return max(self.budget, self.rounds * self.pass_size, self.max_depth + 1) + 1
+        return max(self.budget, self.window, self.max_depth + 1) + 1
 
     # ------------------------------------------------------------------ ranking
 
@@ -259,114 +293,159 @@ class Staged:
                **_origin_aux(loop, self.max_depth)}
         return state.replace(aux=aux, draft_calls=state.draft_calls + 1)
 
+    def _pass_candidates(self, pass_tokens, pass_valid, pass_origin, rank, first_parent,
+                         first_score, base: int):
+        """Candidates of one draft pass: its S nodes (local 0 is the root or the draft's own
+        token, the rest the stage-2 proposal hanging under it, with static pass-local
+        parents) and each node's top-W children, as candidates ``base ..``.
+
+        A node's score is its parent's score plus the parent's ranking of its token,
+        floored by the stage-2 prior of the proposal's origin. Children that duplicate a
+        pass node under the same parent are dropped (the pass node carries that token).
+        """
+        width, size = self.width, pass_tokens.shape[0]
+        parents_np = _pass_parents(self.proposal)
+        node_scores, node_tokens = top_k(rank, width)  # [S, W]
+        prior = jnp.where(pass_origin[1:] == ORIGIN_LOOKUP, _log(self.lookup_prior),
+                          _log(self.ngram_prior))
+        step_scores = jnp.maximum(rank[parents_np[1:], pass_tokens[1:]], prior)
+        pass_scores = jnp.zeros((size,), jnp.float32).at[0].set(first_score)
+        for i in range(1, size):
+            pass_scores = pass_scores.at[i].set(pass_scores[int(parents_np[i])]
+                                                + step_scores[i - 1])
+        pass_ok = pass_valid & jnp.isfinite(pass_scores)
+        pass_cand = base + jnp.arange(size, dtype=jnp.int32)
+        child_cand = (base + size
+                      + jnp.arange(size * width, dtype=jnp.int32).reshape(size, width))
+        same_parent = parents_np[None, :] == np.arange(size)[:, None]  # [S, S]
+        dup = jnp.any(same_parent[:, None, :] & pass_ok[None, None, :]
+                      & (node_tokens[:, :, None] == pass_tokens[None, None, :]), axis=-1)
+        parents = jnp.where(np.arange(size) == 0, first_parent,
+                            base + jnp.asarray(np.maximum(parents_np, 0)))
+        candidates = dict(
+            tokens=[pass_tokens, node_tokens.reshape(-1)],
+            parents=[parents, jnp.repeat(pass_cand, width)],
+            scores=[pass_scores, (pass_scores[:, None] + node_scores).reshape(-1)],
+            valid=[pass_ok, (pass_ok[:, None] & ~dup & jnp.isfinite(node_scores)).reshape(-1)],
+            origin=[pass_origin, jnp.full((size * width,), ORIGIN_DRAFT, jnp.int8)])
+        nodes = dict(cand=pass_cand, scores=pass_scores, child_cand=child_cand,
+                     child_scores=node_scores, child_tokens=node_tokens)
+        return candidates, nodes
+
+    def _walk(self, pass_tokens, pass_valid, best_child, history, visible, history_at,
+              visible_at):
+        """Walks down a pass's proposal from local node 0 along the draft's own best
+        tokens. Matched nodes join the spine: their tokens go into ``history`` (at
+        ``history_at + level``) and their scratch slots become visible (``visible_at +
+        node``). Returns (last node, levels matched, history, visible)."""
+        parents_np = _pass_parents(self.proposal)
+        level_first = np.cumsum([0] + list(self.proposal))
+        node, alive, matched = jnp.int32(0), jnp.bool_(True), jnp.int32(0)
+        for level in range(len(self.proposal)):
+            lo, hi = 1 + level_first[level], 1 + level_first[level + 1]
+            hit = (pass_valid[lo:hi] & (jnp.asarray(parents_np[lo:hi]) == node)
+                   & (pass_tokens[lo:hi] == best_child[node]))
+            alive = alive & jnp.any(hit)
+            nxt = lo + jnp.argmax(hit).astype(jnp.int32)
+            history = history.at[jnp.where(alive, history_at + level, history.shape[0])].set(
+                pass_tokens[nxt], mode="drop")
+            visible = visible.at[jnp.where(alive, visible_at + nxt, visible.shape[0])].set(
+                True, mode="drop")
+            node = jnp.where(alive, nxt, node)
+            matched = matched + alive.astype(jnp.int32)
+        return node, matched, history, visible
+
     def step(self, params, loop: DecodeLoop, state: DecodeState, draft_params,
              tables) -> DecodeState:
-        sampling = state.sampling
+        sampling, config = state.sampling, self.draft_config
         width, size, depth_p = self.width, self.pass_size, len(self.proposal)
+        chunk, n_prop = self.chunk, sum(self.proposal)
         root_position = state.length - 1
         key = jax.random.fold_in(jax.random.fold_in(
             jax.random.PRNGKey(sampling.seed), state.length), _KEY_TAG)
+        cache = state.aux["draft_cache"]
+        fresh = state.length - cache.length  # tokens the draft lags by, root included
+        proposal_depth = _proposal_depths(self.proposal)
+        proposal_parents = _static_parents(self.proposal)
 
-        # 1. Catch the draft up to the root.
-        cache, root_logits = draft_catch_up(draft_params, self.draft_config, loop, state,
-                                            state.aux["draft_cache"], self.max_depth + 1)
-        root_rank = self._rank(root_logits, sampling, (root_position + 1)[None])
-        top_scores, top_tokens = jax.lax.top_k(root_rank[0], width)
-
-        # Candidates (the target tree is the best `budget` of them): the root, its top-W
-        # children, and per round every pass node and each pass node's top-W children.
-        # A child that duplicates a pass node under the same parent is dropped (the pass
-        # node carries the same token and score).
-        cand_tokens = [state.tokens[root_position][None], top_tokens]
-        cand_parents = [jnp.array([-1], jnp.int32), jnp.zeros((width,), jnp.int32)]
-        cand_scores = [jnp.zeros((1,), jnp.float32), top_scores]
-        cand_valid = [jnp.array([True]), jnp.ones((width,), jnp.bool_)]
-        cand_origin = [jnp.array([ORIGIN_TARGET], jnp.int8),
-                       jnp.full((width,), ORIGIN_DRAFT, jnp.int8)]
-        # The spine end: its candidate index, score, top-W children and their block.
-        end_cand, end_score = jnp.int32(0), jnp.float32(0.0)
-        end_tokens, end_scores = top_tokens, top_scores
-        end_block = jnp.int32(1)  # candidate index of the end's rank-0 child
-        count = jnp.int32(1)  # spine nodes so far (root included)
-        history = state.tokens
-        visible = jnp.zeros((self.rounds * size,), jnp.bool_)  # scratch slots on the spine
+        # 1. First pass: catch the draft up to the root and score the root's stage-2
+        # proposal, in one pass. Rows: `chunk` catch-up tokens (the first `fresh` real),
+        # then the proposal; the head runs on the root's row and the proposal's rows.
+        prop = propose(tables, state.tokens, state.length, self.proposal,
+                       use_lookup=self.use_lookup)
+        pending = jax.lax.dynamic_slice(state.tokens, (cache.length,), (chunk,))
+        seen = jnp.arange(chunk) < fresh
+        mask = jnp.concatenate([
+            jnp.concatenate([models.causal_mask(chunk), jnp.zeros((chunk, n_prop), bool)], 1),
+            jnp.concatenate([jnp.broadcast_to(seen, (n_prop, chunk)),
+                             ancestor_mask(jnp.asarray(proposal_parents), prop.valid, depth_p)],
+                            1)])
+        positions = jnp.concatenate([cache.length + jnp.arange(chunk, dtype=jnp.int32),
+                                     root_position + jnp.asarray(proposal_depth)])
+        hidden, cache = models.hidden_states(draft_params, config,
+                                             jnp.concatenate([pending, prop.tokens]), positions,
+                                             cache, mask, attn_impl=loop.attn_impl)
+        rows = jnp.concatenate([jax.lax.dynamic_index_in_dim(hidden, fresh - 1, keepdims=True),
+                                hidden[chunk:]])
+        logits = models.lm_head(draft_params, config, rows)  # [1 + P, V]
+        local_positions = root_position + jnp.concatenate(
+            [jnp.zeros((1,), jnp.int32), jnp.asarray(proposal_depth)])
+        rank = self._rank(logits, sampling, local_positions + 1)
+        pass_tokens = jnp.concatenate([state.tokens[root_position][None], prop.tokens])
+        pass_valid = jnp.concatenate([jnp.array([True]), prop.valid])
+        pass_origin = jnp.concatenate([jnp.array([ORIGIN_TARGET], jnp.int8), prop.origin])
+        cands, nodes = self._pass_candidates(pass_tokens, pass_valid, pass_origin, rank,
+                                             jnp.int32(-1), jnp.float32(0.0), 0)
+        # Draft scratch: the catch-up rows (visible while real), the first proposal, then
+        # each later round's pass; `visible` marks the spine's slots.
+        visible = jnp.concatenate([seen, jnp.zeros((self.window - chunk,), jnp.bool_)])
+        node, matched, history, visible = self._walk(
+            pass_tokens, pass_valid, nodes["child_tokens"][:, 0], state.tokens, visible,
+            state.length, chunk - 1)
+        count = 1 + matched  # spine nodes so far (root included)
         kill = jnp.zeros((self.num_candidates,), jnp.bool_)  # duplicates found later
+        base = (1 + n_prop) * (1 + width)
 
-        local_depth = np.concatenate([[0], _proposal_depths(self.proposal)])
-        static = _static_parents(self.proposal)
-        parents_np = np.concatenate([[-1], np.where(static < 0, 0, static + 1)])  # pass-local
-        level_first = np.cumsum([0] + list(self.proposal))  # proposal index of level starts
-        base = 1 + width
-
-        # 2. Rounds: the draft's own token + a stage-2 proposal, scored in one pass.
-        for r in range(self.rounds):
-            own = end_tokens[0]
-            kill = kill.at[end_block].set(True)  # the end's rank-0 child is `own` below
+        # 2. Later rounds: the draft's own best child of the spine end + a stage-2 proposal
+        # continuing after it, scored in one pass that sees the spine's scratch slots.
+        local_depth = np.concatenate([[0], proposal_depth])
+        for r in range(1, self.rounds):
+            end_cand, end_score = nodes["cand"][node], nodes["scores"][node]
+            own, own_score = nodes["child_tokens"][node, 0], nodes["child_scores"][node, 0]
+            kill = kill.at[nodes["child_cand"][node, 0]].set(True)  # `own` is pass node 0
             history = history.at[state.length - 1 + count].set(own, mode="drop")
             prop = propose(tables, history, state.length + count, self.proposal,
                            use_lookup=self.use_lookup)
             pass_tokens = jnp.concatenate([own[None], prop.tokens])
-            local_parents = jnp.asarray(parents_np)
             pass_valid = jnp.concatenate([jnp.array([True]), prop.valid])
+            offset = chunk + n_prop + (r - 1) * size
             positions = root_position + count + jnp.asarray(local_depth)
-            mask = ancestor_mask(local_parents, pass_valid, depth_p)
-            scratch_mask = jnp.broadcast_to(visible[None, : r * size], (size, r * size))
-            logits, cache = models.forward(draft_params, self.draft_config, pass_tokens,
-                                           positions, cache, mask, scratch_mask,
-                                           attn_impl=loop.attn_impl)
-            rank = self._rank(logits, sampling, positions + 1)  # [size, V]
-            node_scores, node_tokens = jax.lax.top_k(rank, width)  # [size, W]
-
-            # Scores of the pass nodes: parent's score + the parent's ranking of the token.
-            pass_scores = jnp.zeros((size,), jnp.float32).at[0].set(end_score + end_scores[0])
-            for i in range(1, size):
-                pi = int(parents_np[i])
-                pass_scores = pass_scores.at[i].set(pass_scores[pi] + rank[pi, pass_tokens[i]])
-            pass_ok = pass_valid & jnp.isfinite(pass_scores)
-            pass_cand = base + jnp.arange(size, dtype=jnp.int32)
-            block = base + size  # first child candidate of this round
-            child_cand = block + jnp.arange(size * width, dtype=jnp.int32).reshape(size, width)
-            # children duplicating a pass node with the same parent
-            same_parent = parents_np[None, :] == np.arange(size)[:, None]  # [size, size]
-            dup = jnp.any(same_parent[:, None, :] & pass_ok[None, None, :]
-                          & (node_tokens[:, :, None] == pass_tokens[None, None, :]), axis=-1)
-            cand_tokens += [pass_tokens, node_tokens.reshape(-1)]
-            cand_parents += [jnp.where(np.arange(size) == 0, end_cand,
-                                       base + jnp.asarray(np.maximum(parents_np, 0))),
-                             jnp.repeat(pass_cand, width)]
-            cand_scores += [pass_scores, (pass_scores[:, None] + node_scores).reshape(-1)]
-            cand_valid += [pass_ok, (pass_ok[:, None] & ~dup
-                                     & jnp.isfinite(node_scores)).reshape(-1)]
-            cand_origin += [jnp.concatenate([jnp.array([ORIGIN_DRAFT], jnp.int8), prop.origin]),
-                            jnp.full((size * width,), ORIGIN_DRAFT, jnp.int8)]
-
-            # Walk down the proposal along the draft's own best tokens; the matched nodes
-            # join the spine (visible to later rounds) and the last one is the new end.
-            node, alive, matched = jnp.int32(0), jnp.bool_(True), jnp.int32(0)
-            visible = visible.at[r * size].set(True)
-            for level in range(depth_p):
-                lo, hi = 1 + level_first[level], 1 + level_first[level + 1]
-                hit = (pass_valid[lo:hi] & (local_parents[lo:hi] == node)
-                       & (pass_tokens[lo:hi] == node_tokens[node, 0]))
-                alive = alive & jnp.any(hit)
-                nxt = lo + jnp.argmax(hit).astype(jnp.int32)
-                history = history.at[jnp.where(alive, state.length + count + level,
-                                               history.shape[0])].set(pass_tokens[nxt],
-                                                                      mode="drop")
-                visible = visible.at[jnp.where(alive, r * size + nxt, visible.shape[0])].set(
-                    True, mode="drop")
-                node = jnp.where(alive, nxt, node)
-                matched = matched + alive.astype(jnp.int32)
+            mask = ancestor_mask(jnp.asarray(_pass_parents(self.proposal)), pass_valid,
+                                 depth_p)
+            scratch_mask = jnp.broadcast_to(visible[None, :offset], (size, offset))
+            logits, cache = models.forward(draft_params, config, pass_tokens, positions, cache,
+                                           mask, scratch_mask, attn_impl=loop.attn_impl)
+            rank = self._rank(logits, sampling, positions + 1)
+            round_cands, nodes = self._pass_candidates(
+                pass_tokens, pass_valid,
+                jnp.concatenate([jnp.array([ORIGIN_DRAFT], jnp.int8), prop.origin]), rank,
+                end_cand, end_score + own_score, base)
+            for name in cands:
+                cands[name] += round_cands[name]
+            visible = visible.at[offset].set(True)
+            node, matched, history, visible = self._walk(
+                pass_tokens, pass_valid, nodes["child_tokens"][:, 0], history, visible,
+                state.length + count, offset)
             count = count + 1 + matched
-            end_cand, end_score = pass_cand[node], pass_scores[node]
-            end_tokens, end_scores = node_tokens[node], node_scores[node]
-            end_block = child_cand[node, 0]
-            base = block + size * width
+            base += size * (1 + width)
+        cache = advance(cache, fresh)
 
         # 3. Select the target tree.
-        cand_tokens, cand_parents = jnp.concatenate(cand_tokens), jnp.concatenate(cand_parents)
-        cand_scores, cand_origin = jnp.concatenate(cand_scores), jnp.concatenate(cand_origin)
-        cand_valid = jnp.concatenate(cand_valid) & ~kill
+        cand_tokens, cand_parents = jnp.concatenate(cands["tokens"]), jnp.concatenate(
+            cands["parents"])
+        cand_scores, cand_origin = jnp.concatenate(cands["scores"]), jnp.concatenate(
+            cands["origin"])
+        cand_valid = jnp.concatenate(cands["valid"]) & ~kill
         cand_valid = cand_valid & jnp.isfinite(cand_scores)
         # select_top_nodes orders nodes exactly as select_top_indices does.
         tree = select_top_nodes(cand_parents, cand_scores, cand_tokens, cand_valid, self.budget)
@@ -377,4 +456,4 @@ class Staged:
         verdict, target_cache, finite = verify_tree(params, loop, state, tree, self.max_depth,
                                                      width, self.verify, key)
         return _commit(state, {"draft_cache": cache}, tree, tree_origin, verdict, target_cache,
-                       finite, 1 + self.rounds)
+                       finite, self.rounds)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.errors import InvalidArgumentError
+from specjax.sampling import top_k
 from specjax.tree import Tree, ancestor_mask, children_table, depths
 
 CHILDREN_MODES = ("with_replacement", "without_replacement", "deterministic")
@@ -300,8 +301,8 @@ def sample_draft_children(key: jax.Array, draft_logp: jax.Array, width: int,
         return jax.random.categorical(key, draft_logp, shape=(width,)).astype(jnp.int32)
     if children_mode == "without_replacement":
         scores = draft_logp + jax.random.gumbel(key, draft_logp.shape, jnp.float32)
-        return jax.lax.top_k(scores, width)[1].astype(jnp.int32)
+        return top_k(scores, width)[1].astype(jnp.int32)
     if children_mode == "deterministic":
-        return jax.lax.top_k(draft_logp, width)[1].astype(jnp.int32)
+        return top_k(draft_logp, width)[1].astype(jnp.int32)
     raise InvalidArgumentError(
         f"children_mode must be one of {', '.join(CHILDREN_MODES)}, got {children_mode!r}")

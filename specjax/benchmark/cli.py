@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="staged/ngram: n-gram tables (default: those shipped for the target)")
     p.add_argument("--no-lookup", action="store_true",
                    help="staged/ngram: no context lookup in the proposals")
+    p.add_argument("--stage2-prior", default=None, metavar="LOOKUP,NGRAM",
+                   help="staged: probabilities flooring the draft's score of lookup / n-gram "
+                        "proposals (ranking only)")
     p.add_argument("--verify", default=None, choices=("coupled", "greedy", "match", "rejection"),
                    help="acceptance rule (default: coupled); outputs are checked against ar "
                         "at T=0 and, with coupled, at every temperature")
@@ -133,6 +136,8 @@ def suite_config(args):
         draft_width=args.draft_width, draft_rounds=args.draft_rounds,
         proposal=_ints(args.proposal, "proposal") if args.proposal else None,
         ngram=args.ngram, use_lookup=not args.no_lookup, verify=args.verify,
+        stage2_prior=(_floats(args.stage2_prior, "stage2-prior") if args.stage2_prior
+                      else None),
         attn_impl=args.attn_impl,
         peers=tuple(parse_peers(args.peers)), repeats=args.repeats,
         warmup_tokens=args.warmup_tokens, torch_threads=args.torch_threads)

@@ -38,11 +38,11 @@ METHOD_OPTIONS = {
     "spec": ("draft", "draft_depth", "verify"),
     "tree": ("draft", "tree_budget", "draft_depth", "draft_width", "verify"),
     "staged": ("draft", "ngram", "tree_budget", "draft_rounds", "draft_width", "proposal",
-               "verify", "use_lookup"),
+               "verify", "use_lookup", "stage2_prior"),
     "ngram": ("ngram", "proposal", "verify", "use_lookup"),
 }
 ALL_OPTIONS = ("draft", "ngram", "tree_budget", "draft_depth", "draft_rounds", "draft_width",
-               "proposal", "verify", "use_lookup")
+               "proposal", "verify", "use_lookup", "stage2_prior")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,8 @@ class SuiteConfig:
       methods: specjax methods (``ar`` is always run, first: it is the reference).
       temperatures: 0 is greedy; others sample (with ``top_k``/``top_p``).
       tree_budgets: one run per budget for methods that take one (``(None,)``: default).
-      draft_depth, draft_width, draft_rounds, proposal, ngram, use_lookup, verify: passed
+      draft_depth, draft_width, draft_rounds, proposal, ngram, use_lookup, stage2_prior,
+      verify: passed
         to the methods that take them (see :data:`METHOD_OPTIONS`); ``None``: defaults.
       peers: subset of :data:`~specjax.benchmark.peers.PEERS`.
       repeats: rounds per prompt; each row keeps its fastest.
@@ -76,6 +77,7 @@ class SuiteConfig:
     proposal: tuple[int, ...] | None = None
     ngram: str | None = None
     use_lookup: bool = True
+    stage2_prior: tuple[float, float] | None = None
     verify: str | None = None
     attn_impl: str = "auto"
     peers: tuple[str, ...] = ()
@@ -154,7 +156,8 @@ def build_systems(config: SuiteConfig, draft=None, ngram=None) -> list[System]:
                       "draft_width": config.draft_width, "draft_rounds": config.draft_rounds,
                       "proposal": config.proposal,
                       "ngram": config.ngram if ngram is None else ngram,
-                      "use_lookup": config.use_lookup, "verify": config.verify}
+                      "use_lookup": config.use_lookup, "verify": config.verify,
+                      "stage2_prior": config.stage2_prior}
             options = tuple((k, values[k]) for k in names if values[k] is not None)
             budget = budget if budget is not None else default_tree_budget(method)
             label = f"{method}@{budget}" if sweep and "tree_budget" in names else method

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.attention import attention
 from specjax.cache import KVCache, write_scratch
 from specjax.config import ModelConfig
-from specjax.errors import CheckpointError
+from specjax.errors import CheckpointError, InvalidArgumentError
 from specjax.models import gpt2, llama
 
 _FAMILIES = {"llama": llama, "gpt2": gpt2}
@@ -102,8 +103,38 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
     return family.final_norm(params, config, x), cache
 
 
+HEAD_SUBSET = "head_subset"
+
+
+def head_subset_params(params: dict, config: ModelConfig, tokens) -> dict:
+    """``params`` with a head restricted to ``tokens`` (a draft-only speed-up).
+
+    The subset head computes logits for the given K token ids only, from a gathered copy
+    of their K output rows (float32 [K, d] read per pass instead of [V, d]). Every other
+    token gets its row's lowest subset logit, so proposals outside the subset (e.g. a
+    rare identifier copied by context lookup) stay finite and can still be scored. A
+    draft only proposes; exactness never depends on its distribution.
+    """
+    tokens = np.unique(np.asarray(tokens, np.int64))
+    if tokens.size == 0 or tokens[0] < 0 or tokens[-1] >= config.vocab_size:
+        raise InvalidArgumentError(
+            f"head subset tokens must be non-empty ids in [0, {config.vocab_size})")
+    table = params["embed"] if config.tie_word_embeddings else params["lm_head"].T
+    weight = jnp.take(jnp.asarray(table), jnp.asarray(tokens, jnp.int32), axis=0)
+    return {**params, HEAD_SUBSET: {"tokens": jnp.asarray(tokens, jnp.int32),
+                                    "weight": weight}}
+
+
 def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """Logits [T, V] in float32 from hidden states [T, d]."""
+    """Logits [T, V] in float32 from hidden states [T, d] (see :func:`head_subset_params`
+    for parameter trees with a restricted head)."""
+    if HEAD_SUBSET in params:
+        subset = params[HEAD_SUBSET]
+        logits = jnp.einsum("td,kd->tk", hidden, subset["weight"].astype(hidden.dtype),
+                            preferred_element_type=jnp.float32)
+        floor = jnp.min(logits, axis=-1, keepdims=True)
+        full = jnp.broadcast_to(floor, (hidden.shape[0], config.vocab_size))
+        return full.at[:, subset["tokens"]].set(logits, unique_indices=True)
     if config.tie_word_embeddings:
         return jnp.einsum("td,vd->tv", hidden, params["embed"].astype(hidden.dtype),
                           preferred_element_type=jnp.float32)
