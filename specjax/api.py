@@ -442,7 +442,8 @@ def generate(model: Model, prompt: str | Sequence[int], *, max_new_tokens: int =
       ngram: ``staged``/``ngram``: n-gram tables (a path to a ``specjax build-ngram``
         file or :class:`~specjax.drafters.ngram.NgramTables`); default: the tables
         shipped for a known model.
-      draft_rounds: ``staged``: draft passes per step after the catch-up (default 2).
+      draft_rounds: ``staged``: draft passes per step, the first of which also catches
+        the draft up (default ``STAGED_DEFAULTS["rounds"]``).
       proposal: ``staged``/``ngram``: stage-2 proposal shape, candidates per level
         (defaults in :data:`STAGED_DEFAULTS` / :data:`NGRAM_DEFAULTS`).
       use_lookup: ``staged``/``ngram``: merge context lookup into the proposals.

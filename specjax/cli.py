@@ -38,7 +38,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--draft-depth", type=int, default=None,
                    help="spec/tree: drafted levels per step (default: 4)")
     p.add_argument("--draft-rounds", type=int, default=None,
-                   help="staged: draft passes per step after the catch-up pass (default: 1)")
+                   help="staged: draft passes per step, the first also catching the draft up "
+                        "(default: 1)")
     p.add_argument("--proposal", default=None,
                    help="staged/ngram: stage-2 proposal shape, candidates per level, e.g. "
                         "12,7,4,1,1,1 (default: 2,1,1,1 staged; 2,1,1,1,1,1,1,1 ngram)")

@@ -9,20 +9,29 @@ Two methods, both hashable static objects run by the drivers in :mod:`specjax.de
 
 One staged step, all in static shapes:
 
-1. **Catch-up**: one draft pass brings the draft cache up to the root (the pending last
-   token) and gives the draft's distribution there. The *spine* starts as ``[root]``.
-2. **Rounds** (``rounds`` of them, static). At the spine's end ``e`` the draft's best
-   child ``x`` (its "own" token) is appended; stage 2 proposes a small tree of fixed
-   ``proposal`` shape continuing the sequence + spine + ``x``; the draft scores ``x`` and
-   the whole proposal in **one pass** (tree mask; the spine is visible through the
-   scratch mask). The draft then walks down the proposal from ``x``, following the child
-   that equals its own best token at each node; ``x`` and the matched proposal nodes join
-   the spine. Each spine node records its top-``width`` children by the draft's ranking.
-3. **Select**: the candidates are the root and the top-``width`` children of every spine
-   node, scored by cumulative draft log-probability (ranking scores, see below); the
-   target tree is the best ``budget`` of them (prefix-closed), as in the paper.
+1. **First pass** (catch-up + stage 2): stage 2 proposes a small tree of fixed
+   ``proposal`` shape continuing the sequence from the root (the pending last token). One
+   draft pass runs the tokens the draft lags by (those accepted last step, root
+   included) *and* the proposal (tree mask), so it both brings the draft cache up to the
+   root and scores every proposal node. The draft then walks down the proposal from the
+   root, following the child that equals its own best token at each node; the matched
+   nodes form the *spine*.
+2. **Later rounds** (``rounds - 1`` of them, static). At the spine's end ``e`` the draft's
+   best child ``x`` (its "own" token) is appended; stage 2 proposes a tree continuing the
+   sequence + spine + ``x``; the draft scores ``x`` and the proposal in one pass (the
+   spine is visible through the scratch mask) and walks it as above.
+3. **Select**: the candidates are every scored node (the root, proposal nodes, own
+   tokens) and each one's top-``width`` children by the draft's ranking. A node's score is
+   its cumulative draft log-probability, where a stage-2 proposal's per-token term is
+   floored by a prior for its origin (``lookup_prior``, ``ngram_prior``): a weak draft then
+   cannot veto a long context-lookup match. The target tree is the best ``budget``
+   candidates (prefix-closed), as in the paper.
 4. **Verify** with one target pass and any exact rule (``coupled`` by default at T > 0),
    then **commit** the accepted path.
+
+A step costs ``rounds`` draft passes and one target pass. The draft may score only a
+subset of the vocabulary (:meth:`specjax.Model.with_head_subset`; the shipped draft does),
+which makes its passes cheaper without touching exactness.
 
 Ranking of children (exactness never depends on it): ``greedy``/``coupled`` rank by
 ``log q~ + g_position`` (the same Gumbel noise the target uses), ``match`` and
@@ -192,7 +201,7 @@ class Staged:
     Attributes:
       draft_config: the draft model's config.
       budget: N, target tree nodes verified per target pass (root included).
-      rounds: R, draft passes per step after the catch-up pass.
+      rounds: R, draft passes per step (the first also catches the draft up).
       proposal: per-level candidate counts of each stage-2 proposal tree.
       width: W, children recorded per spine node (the draft's top-W).
       verify: acceptance rule.

@@ -10,6 +10,7 @@ import torch
 from specjax import models
 from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig, gpt2, smollm2_135m
+from specjax.errors import InvalidArgumentError
 
 from conftest import random_prompt, tiny_pair
 
@@ -119,3 +120,29 @@ def test_bad_config_is_rejected():
         ModelConfig(architecture="llama", vocab_size=10, hidden_size=8, num_layers=1,
                     num_heads=3, num_kv_heads=2, head_dim=4, intermediate_size=8,
                     max_position_embeddings=16)
+
+
+def test_head_subset_scores_the_subset_and_floors_the_rest(tmp_path):
+    from specjax.checkpoints_tools.hf import load_hf_directory, save_hf_directory
+
+    target = tiny_pair("llama-mha", seed=4)[1]
+    config, params = target.config, target.params
+    subset = np.array([3, 1, 7, 7, 40])
+    restricted = target.with_head_subset(subset)
+    assert restricted.head_size == 4  # sorted, unique
+    tokens = jnp.asarray(random_prompt(2, 6))
+    full, _ = models.forward(params, config, tokens, jnp.arange(6))
+    part, _ = models.forward(restricted.params, config, tokens, jnp.arange(6))
+    keep = np.unique(subset)
+    np.testing.assert_allclose(np.asarray(part)[:, keep], np.asarray(full)[:, keep],
+                               rtol=1e-5, atol=1e-5)
+    rest = np.delete(np.asarray(part), keep, axis=1)
+    np.testing.assert_array_equal(rest, np.asarray(part)[:, keep].min(1, keepdims=True)
+                                  * np.ones_like(rest))
+    # Restricting again starts from the full head; an HF export writes the full model.
+    assert restricted.with_head_subset([5]).head_size == 1
+    save_hf_directory(config, restricted.params, tmp_path / "hf")
+    _, loaded = load_hf_directory(tmp_path / "hf")
+    assert "head_subset" not in loaded
+    with pytest.raises(InvalidArgumentError, match="head subset"):
+        target.with_head_subset([config.vocab_size])

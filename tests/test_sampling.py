@@ -4,9 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specjax.errors import InvalidArgumentError
-from specjax.sampling import (gumbel_noise, make_sampling_params, sample_tokens,
+from specjax.sampling import (gumbel_noise, make_sampling_params, sample_tokens, top_k,
                               target_log_probs)
 
 SAMPLES = 100_000
@@ -100,3 +102,18 @@ def test_noise_depends_only_on_seed_and_position():
 def test_bad_settings_are_rejected(kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
         make_sampling_params(**kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 40), k=st.integers(1, 6),
+       levels=st.integers(1, 5), neg_inf=st.booleans(), seed=st.integers(0, 2**16))
+def test_top_k_matches_lax_top_k(rows, vocab, k, levels, neg_inf, seed):
+    """Same values and indices as lax.top_k, ties (few distinct levels) and -inf included."""
+    k = min(k, vocab)
+    x = np.random.default_rng(seed).integers(0, levels, (rows, vocab)).astype(np.float32)
+    if neg_inf:
+        x[:, ::2] = -np.inf
+    want_values, want_index = jax.lax.top_k(jnp.asarray(x), k)
+    values, index = top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(index), np.asarray(want_index))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))

@@ -38,6 +38,9 @@ SHAPES = {
     "staged-budget-1": dict(method="staged", tree_budget=1),
     "staged-wide-no-lookup": dict(method="staged", draft_rounds=3, draft_width=3,
                                   tree_budget=20, proposal=(6, 3, 1), use_lookup=False),
+    "staged-priors-two-rounds": dict(method="staged", draft_rounds=2, draft_width=2,
+                                     tree_budget=8, proposal=(3, 1, 1),
+                                     stage2_prior=(0.5, 0.2)),
     "ngram-default": dict(method="ngram"),
     "ngram-single": dict(method="ngram", proposal=(1,)),
 }
@@ -54,7 +57,7 @@ def _run(target, prompt, shape, draft, tables, **kwargs):
 def test_greedy_equals_ar(target, drafts, tables, shape):
     if SHAPES[shape]["method"] == "ngram":
         names = ["none"]
-    elif shape in ("staged-default", "staged-wide-no-lookup"):
+    elif shape in ("staged-default", "staged-wide-no-lookup", "staged-priors-two-rounds"):
         names = list(drafts)
     else:  # edge shapes: one draft keeps the compile count (and CI time) down
         names = ["self"]
@@ -71,7 +74,8 @@ def test_greedy_equals_ar(target, drafts, tables, shape):
                 assert out.stats["mean_accepted"] > 1.5 and counts["draft"] > 0
 
 
-@pytest.mark.parametrize("shape", ["staged-default", "staged-wide-no-lookup", "ngram-default"])
+@pytest.mark.parametrize("shape", ["staged-default", "staged-wide-no-lookup",
+                                   "staged-priors-two-rounds", "ngram-default"])
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0),
                                       dict(temperature=0.7, top_k=20, top_p=0.9)])
 def test_coupled_sampling_equals_ar_sampling(target, drafts, tables, shape, sampling):
@@ -125,7 +129,34 @@ def test_streaming_equals_while_loop_with_origins(target, drafts, tables):
     assert stats["tokens_by_origin"] == full.stats["tokens_by_origin"]
 
 
+def test_subset_head_draft_is_exact_and_still_helps(target, drafts, tables):
+    """A draft scoring a third of the vocabulary (the target's own head restricted)
+    proposes only subset tokens; outputs stay those of ar, greedy and coupled."""
+    subset = list(range(0, TINY_VOCAB, 3))
+    restricted = drafts["self"].with_head_subset(subset)
+    assert restricted.head_size == len(subset)
+    for seed, temperature in ((0, 0.0), (1, 1.0)):
+        prompt = random_prompt(seed + 40, 9)
+        expected = specjax.generate(target, prompt, max_new_tokens=NEW, seed=seed,
+                                    temperature=temperature).tokens
+        for method in ("staged", "spec", "tree"):
+            options = dict(ngram=tables) if method == "staged" else {}
+            out = specjax.generate(target, prompt, max_new_tokens=NEW, seed=seed,
+                                   temperature=temperature, method=method, draft=restricted,
+                                   **options)
+            assert out.tokens == expected, (method, seed)
+    # Draft-proposed tokens come from the subset: with stage 2 off, every token the
+    # draft got accepted is a subset token.
+    out = specjax.generate(target, random_prompt(50, 9), max_new_tokens=NEW, method="staged",
+                           draft=restricted, ngram=tables, use_lookup=False,
+                           stage2_prior=(0.0, 0.0), proposal=(1,))
+    drafted = [t for t, o in zip(out.tokens, out.origins) if o == "draft"]
+    assert drafted and all(t in subset for t in drafted)
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(method="staged", stage2_prior=(1.0, 0.0)), "lookup_prior"),
+    (dict(method="staged", stage2_prior=(0.1,)), "stage2_prior"),
     (dict(method="staged", proposal=(0,)), "proposal"),
     (dict(method="staged", proposal=()), "proposal"),
     (dict(method="staged", tree_budget=0), "tree_budget"),

@@ -112,6 +112,20 @@ def test_distillation_learns_resumes_and_exports(tiny_target, corpus_files, tmp_
     shipped = sources.load_bundled_draft(tiny_target, directory=asset)
     got = specjax.generate(tiny_target, ids, max_new_tokens=8, method="spec", draft=shipped)
     assert got.tokens == specjax.generate(tiny_target, ids, max_new_tokens=8).tokens
+    # With a head subset (the corpus's most frequent ids): stored, restored, still exact.
+    subset_asset = tmp_path / "asset-subset"
+    train_draft.export_latest(tiny_target, out, subset_asset, head_tokens=64)
+    subset_draft = sources.load_bundled_draft(tiny_target, directory=subset_asset)
+    assert subset_draft.head_size == 64
+    with np.load(out / "corpus.npz") as corpus:
+        counts = np.bincount(corpus["train"], minlength=tiny_target.config.vocab_size)
+    kept = np.asarray(subset_draft.params["head_subset"]["tokens"])
+    assert counts[kept].min() >= np.delete(counts, kept).max()  # the most frequent ids
+    got = specjax.generate(tiny_target, ids, max_new_tokens=8, method="spec",
+                           draft=subset_draft)
+    assert got.tokens == specjax.generate(tiny_target, ids, max_new_tokens=8).tokens
+    with pytest.raises(InvalidArgumentError, match="head_tokens"):
+        train_draft.export_latest(tiny_target, out, tmp_path / "bad", head_tokens=0)
     other = specjax.Model(tiny_target.config,
                           dict(tiny_target.params, embed=tiny_target.params["embed"] * 2),
                           tiny_target.tokenizer, name="other")
