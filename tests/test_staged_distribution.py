@@ -1,0 +1,102 @@
+"""End-to-end distribution tests of sampled staged decoding: the token that the first
+staged step emits must follow the target's (processed) distribution under every stochastic
+rule, through the whole jitted step (stage 2, draft passes, tree selection, verification).
+
+The first new token is sampled by the prefill; the second comes from the first staged
+step. Its exact marginal, sum over x1 of p(x1) p(x2 | x1), is computed from the target;
+a chi-square test compares it with the tokens of many seeds. The same test rejects a
+deliberately wrong rule plugged into the same step.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import decode, models, speculative, verify
+from specjax.checkpoints_tools.ngram_build import build_ngram
+from specjax.sampling import make_sampling_params, target_log_probs
+
+from conftest import TINY_VOCAB, random_prompt
+from test_verify import chi2_threshold
+
+SEEDS = 2500
+PROMPT = random_prompt(77, 7)
+SAMPLING = dict(temperature=1.0, top_k=6)
+
+
+@pytest.fixture(scope="module")
+def setup(spec_target):
+    target = spec_target
+    corpus = [specjax.generate(target, random_prompt(200 + s, 6), max_new_tokens=32).tokens
+              for s in range(6)]
+    tables = build_ngram(corpus, TINY_VOCAB, top_k=8, trigram_top_k=4, trigram_buckets=256,
+                         min_context_count=1).tables
+    return target, tables, _second_token_marginal(target)
+
+
+def _log_probs(target, tokens):
+    logits, _ = models.forward(target.params, target.config, jnp.asarray(tokens, jnp.int32),
+                               jnp.arange(len(tokens), dtype=jnp.int32))
+    params = make_sampling_params(**SAMPLING)
+    return np.asarray(target_log_probs(logits[-1:], params)[0], np.float64)
+
+
+def _second_token_marginal(target):
+    first = np.exp(_log_probs(target, PROMPT))
+    marginal = np.zeros(TINY_VOCAB)
+    for x1 in np.flatnonzero(first):
+        marginal += first[x1] * np.exp(_log_probs(target, PROMPT + [int(x1)]))
+    return marginal
+
+
+def _pooled_chi2(counts, probs):
+    """Pearson statistic with cells of expected count < 5 pooled into one."""
+    support = probs > 0
+    assert counts[~support].sum() == 0, "tokens emitted outside the target's support"
+    expected = counts.sum() * probs
+    big = support & (expected >= 5)
+    cells_c = list(counts[big]) + [counts[support & ~big].sum()]
+    cells_e = list(expected[big]) + [expected[support & ~big].sum()]
+    stat = sum((c - e) ** 2 / e for c, e in zip(cells_c, cells_e) if e > 0)
+    return float(stat), len(cells_c) - 1
+
+
+def _second_tokens(target, tables, **options):
+    decode.clear_compiled()
+    tokens = []
+    for seed in range(SEEDS):
+        out = specjax.generate(target, PROMPT, max_new_tokens=2, seed=seed, stop_tokens=[],
+                               ngram=tables, **SAMPLING, **options)
+        tokens.append(out.tokens[1])
+    decode.clear_compiled()
+    return np.bincount(tokens, minlength=TINY_VOCAB)
+
+
+STAGED = dict(method="staged", tree_budget=6, draft_width=2, proposal=(2, 1),
+              stage2_prior=(0.5, 0.2))
+
+
+@pytest.mark.parametrize("verify_rule", ["rejection", "match"])
+def test_staged_step_samples_the_target_distribution(setup, verify_rule):
+    target, tables, marginal = setup
+    counts = _second_tokens(target, tables, draft=target, verify=verify_rule, **STAGED)
+    statistic, dof = _pooled_chi2(counts, marginal)
+    assert statistic < chi2_threshold(dof), (verify_rule, statistic, dof)
+
+
+def test_the_same_test_catches_a_wrong_rule(setup, monkeypatch):
+    """WRONG on purpose: rejection sampling told the draft is uniform (q = 1/V), so it
+    accepts drafted tokens with min(1, p V) -- nearly always."""
+    target, tables, marginal = setup
+
+    def uniform_q_rejection(tree, log_p, draft_logp, key, max_depth, width, children_mode):
+        del draft_logp, children_mode
+        uniform = jnp.full(log_p.shape, -np.log(log_p.shape[-1]), jnp.float32)
+        return verify.verify_rejection(tree, log_p, uniform, key, max_depth, width,
+                                       "with_replacement")
+
+    monkeypatch.setattr(speculative, "verify_rejection", uniform_q_rejection)
+    counts = _second_tokens(target, tables, draft=target, verify="rejection", **STAGED)
+    statistic, dof = _pooled_chi2(counts, marginal)
+    assert statistic > chi2_threshold(dof), (statistic, dof)
