@@ -29,6 +29,10 @@ CONFIGS = dict([
     ("ngram-1x10", dict(method="ngram", proposal=(1,) * 10)),
     _staged(4, (2, 1, 1, 1), (0.0, 0.0)),
     _staged(4, (2, 1, 1, 1), (0.5, 0.2)),
+    _staged(4, (2, 1, 1, 1), (0.3, 0.1)),
+    _staged(4, (1, 1, 1, 1), (0.5, 0.2)),
+    _staged(4, (2, 1, 1, 1, 1, 1), (0.5, 0.2)),
+    _staged(5, (2, 1, 1, 1, 1), (0.5, 0.2)),
     _staged(6, (2, 1, 1, 1, 1, 1), (0.5, 0.2)),
     _staged(8, (2, 1, 1, 1, 1, 1, 1, 1), (0.5, 0.2)),
     _staged(8, (2, 1, 1, 1, 1, 1, 1, 1), (0.7, 0.3)),
@@ -36,6 +40,7 @@ CONFIGS = dict([
     _staged(12, (3, 2, 1, 1, 1, 1, 1, 1, 1, 1), (0.5, 0.2)),
     _staged(8, (2, 1, 1, 1, 1, 1, 1, 1), (0.5, 0.2), width=2),
     _staged(8, (2, 1, 1, 1), (0.5, 0.2), rounds=2),
+    _staged(6, (2, 1, 1, 1), (0.5, 0.2), rounds=2),
 ])
 
 
@@ -53,25 +58,38 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-asset", default=None, metavar="DIR",
                         help="a draft asset directory (default: the one shipped)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; otherwise sampled (coupled rule), same seed for all")
+    parser.add_argument("--configs", default=None,
+                        help="semicolon-separated subset of the configuration names to run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    configs = CONFIGS
+    if args.configs:
+        names = args.configs.split(";")
+        unknown = [n for n in names if n not in CONFIGS]
+        if unknown:
+            parser.error(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
+        configs = {n: CONFIGS[n] for n in ["ar", *names] if n in CONFIGS}
 
     model = specjax.load(args.model)
     if args.draft_asset:
         from specjax.checkpoints_tools.sources import load_bundled_draft
 
         draft = load_bundled_draft(model, directory=args.draft_asset)
-        for options in CONFIGS.values():
+        for options in configs.values():
             if options["method"] == "staged":
                 options["draft"] = draft
     prompts = humaneval_prompts(args.limit)[args.skip:]
-    for options in CONFIGS.values():  # compile outside the timed runs
-        specjax.generate(model, prompts[0], max_new_tokens=8, **options)
+    sampling = dict(temperature=args.temperature, seed=0)
+    for options in configs.values():  # compile outside the timed runs
+        specjax.generate(model, prompts[0], max_new_tokens=8, **sampling, **options)
     rows = []
     for index, prompt in enumerate(prompts):
         reference = None
-        for name, options in CONFIGS.items():
-            out = specjax.generate(model, prompt, max_new_tokens=args.max_new_tokens, **options)
+        for name, options in configs.items():
+            out = specjax.generate(model, prompt, max_new_tokens=args.max_new_tokens, **sampling,
+                                   **options)
             reference = out.tokens if reference is None else reference
             rows.append({"prompt": index, "config": name,
                          "options": {k: v for k, v in options.items() if k != "draft"},
@@ -80,7 +98,7 @@ def main(argv=None) -> int:
                          "same_as_ar": out.tokens == reference})
     ar = statistics.median(r["tokens_per_s"] for r in rows if r["config"] == "ar")
     summary = {}
-    for name in CONFIGS:
+    for name in configs:
         mine = [r for r in rows if r["config"] == name]
         rate = statistics.median(r["tokens_per_s"] for r in mine)
         summary[name] = {"tokens_per_s": rate, "vs_ar": rate / ar,
@@ -92,7 +110,8 @@ def main(argv=None) -> int:
     if args.json:
         record = {"command": " ".join(["python", "benchmarks/tune_staged.py", *sys.argv[1:]]),
                   "machine": machine(), "versions": versions(), "git": git_commit(), "summary": summary, "rows": rows,
-                  "limit": args.limit, "max_new_tokens": args.max_new_tokens}
+                  "limit": args.limit, "skip": args.skip, "temperature": args.temperature,
+                  "max_new_tokens": args.max_new_tokens}
         Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return 0
 
