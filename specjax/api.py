@@ -22,11 +22,12 @@ from specjax.sampling import make_sampling_params
 
 METHODS = ("ar", "spec", "tree", "ngram", "staged")
 SPECULATIVE_DEFAULTS = {"spec": dict(depth=4, width=1), "tree": dict(budget=16, depth=4, width=4)}
-# Staged and n-gram defaults: the fastest settings measured with benchmarks/tune_staged.py
-# on the 2-core CPU, smollm2-135m + its shipped draft (README "Results"). On this CPU a
-# tree pass is compute-bound beyond a few nodes and a draft pass costs ~1/3 of a target
-# pass (the draft's full-vocabulary head), so small trees win; on GPUs larger ones should.
-STAGED_DEFAULTS = dict(budget=4, rounds=1, width=1, proposal=(2, 1, 1, 1), stage2_prior=(0.0, 0.0))
+# Staged and n-gram defaults: the best settings measured with benchmarks/tune_staged.py
+# (benchmarks/results/tune_staged_cpu_*.json) on the 2-core CPU, smollm2-135m + its
+# shipped draft, greedy and T = 1 on HumanEval prompts 5-13. On this CPU a tree pass is
+# compute-bound beyond a few nodes, so trees of ~6 nodes win; on GPUs larger ones should.
+STAGED_DEFAULTS = dict(budget=6, rounds=1, width=1, proposal=(2, 1, 1, 1, 1, 1),
+                       stage2_prior=(0.7, 0.3))
 NGRAM_DEFAULTS = dict(proposal=(2, 1, 1, 1, 1, 1, 1, 1))
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,

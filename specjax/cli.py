@@ -34,7 +34,7 @@ def _add_generate(sub) -> None:
                    help="staged/ngram: n-gram tables from 'specjax build-ngram' (default: the "
                         "tables shipped for the model)")
     p.add_argument("--tree-budget", type=int, default=None,
-                   help="tree/staged: nodes verified per target pass, root included (default: tree 16, staged 4)")
+                   help="tree/staged: nodes verified per target pass, root included (default: tree 16, staged 6)")
     p.add_argument("--draft-depth", type=int, default=None,
                    help="spec/tree: drafted levels per step (default: 4)")
     p.add_argument("--draft-rounds", type=int, default=None,
@@ -42,12 +42,12 @@ def _add_generate(sub) -> None:
                         "(default: 1)")
     p.add_argument("--proposal", default=None,
                    help="staged/ngram: stage-2 proposal shape, candidates per level, e.g. "
-                        "12,7,4,1,1,1 (default: 2,1,1,1 staged; 2,1,1,1,1,1,1,1 ngram)")
+                        "12,7,4,1,1,1 (default: 2,1,1,1,1,1 staged; 2,1,1,1,1,1,1,1 ngram)")
     p.add_argument("--no-lookup", action="store_true",
                    help="staged/ngram: n-gram proposals only, no context lookup")
     p.add_argument("--stage2-prior", default=None, metavar="LOOKUP,NGRAM",
                    help="staged: probabilities flooring the draft's score of lookup / n-gram "
-                        "proposals (ranking only), e.g. 0.4,0.1")
+                        "proposals (ranking only; default: 0.7,0.3)")
     p.add_argument("--show-origin", action="store_true",
                    help="colour each streamed token by the stage that proposed it (n-gram, "
                         "lookup, draft, target) and count them in the summary")
