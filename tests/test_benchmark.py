@@ -340,3 +340,14 @@ def test_scaling_projection_formula_and_accepted_parsing(tmp_path, monkeypatch):
         (8, 2, 2.5), (4, 3, 1.8)]
     with pytest.raises(InvalidArgumentError):
         scaling.read_acceptance(str(tmp_path / "missing.json"))
+
+
+def test_weight_bytes_of_a_subset_head_draft_skip_the_gathered_embedding(spec_target):
+    from specjax.benchmark.runner import weight_bytes
+
+    full = weight_bytes(spec_target)
+    embed = spec_target.params["embed"].nbytes
+    restricted = spec_target.with_head_subset([1, 2, 3])
+    subset = restricted.params["head_subset"]
+    assert weight_bytes(restricted) == (full - embed + subset["weight"].nbytes
+                                        + subset["tokens"].nbytes)

@@ -177,8 +177,15 @@ def _describe_options(system: System, config: SuiteConfig) -> dict:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of all parameter arrays: what one forward pass reads at batch 1."""
-    return int(sum(a.nbytes for a in jax.tree.leaves(model.params)))
+    """Bytes of the parameter arrays one forward pass reads at batch 1: all of them,
+    except that with a restricted head (:meth:`specjax.Model.with_head_subset`) the
+    embedding is only gathered (a few rows), and the head reads the subset's rows."""
+    from specjax.models import HEAD_SUBSET
+
+    params = model.params
+    if HEAD_SUBSET in params:
+        params = {k: v for k, v in params.items() if k != "embed"}
+    return int(sum(a.nbytes for a in jax.tree.leaves(params)))
 
 
 def _describe_model(model) -> dict | None:
