@@ -26,6 +26,8 @@ SPECULATIVE_DEFAULTS = {"spec": dict(depth=4, width=1), "tree": dict(budget=16, 
 # (benchmarks/results/tune_staged_cpu_*.json) on the 2-core CPU, smollm2-135m + its
 # shipped draft, greedy and T = 1 on HumanEval prompts 5-13. On this CPU a tree pass is
 # compute-bound beyond a few nodes, so trees of ~6 nodes win; on GPUs larger ones should.
+# The stage-2 priors suit a weak draft (35% agreement): with a strong one, lower them
+# (stage2_prior=(0, 0) lets the draft alone rank the tree).
 STAGED_DEFAULTS = dict(budget=6, rounds=1, width=1, proposal=(2, 1, 1, 1, 1, 1),
                        stage2_prior=(0.7, 0.3))
 NGRAM_DEFAULTS = dict(proposal=(2, 1, 1, 1, 1, 1, 1, 1))

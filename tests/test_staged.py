@@ -33,8 +33,9 @@ def tables(target):
 
 SHAPES = {
     "staged-default": dict(method="staged"),
+    # No stage-2 priors: with the self draft the draft's own tokens must be chosen.
     "staged-one-round-chain": dict(method="staged", draft_rounds=1, draft_width=1,
-                                   tree_budget=2, proposal=(1,)),
+                                   tree_budget=2, proposal=(1,), stage2_prior=(0.0, 0.0)),
     "staged-budget-1": dict(method="staged", tree_budget=1),
     "staged-wide-no-lookup": dict(method="staged", draft_rounds=3, draft_width=3,
                                   tree_budget=20, proposal=(6, 3, 1), use_lookup=False),
@@ -102,7 +103,8 @@ def test_stage_two_tokens_are_accepted_and_counted(target, tables):
 def test_stochastic_rules_run(target, tables, method, verify):
     out = specjax.generate(target, random_prompt(6, 8), max_new_tokens=NEW, temperature=1.0,
                            method=method, verify=verify, ngram=tables,
-                           **({"draft": target} if method == "staged" else {}))
+                           **({"draft": target, "stage2_prior": (0.0, 0.0)}
+                              if method == "staged" else {}))
     assert len(out.tokens) == NEW
     if method == "staged":
         assert out.stats["mean_accepted"] > 1.2
@@ -149,7 +151,7 @@ def test_subset_head_draft_is_exact_and_still_helps(target, drafts, tables):
     # draft got accepted is a subset token.
     out = specjax.generate(target, random_prompt(50, 9), max_new_tokens=NEW, method="staged",
                            draft=restricted, ngram=tables, use_lookup=False,
-                           stage2_prior=(0.0, 0.0), proposal=(1,))
+                           stage2_prior=(0.0, 0.0), proposal=(1,), tree_budget=2)
     drafted = [t for t, o in zip(out.tokens, out.origins) if o == "draft"]
     assert drafted and all(t in subset for t in drafted)
 
