@@ -376,6 +376,8 @@ class Staged:
         fresh = state.length - cache.length  # tokens the draft lags by, root included
         proposal_depth = _proposal_depths(self.proposal)
         proposal_parents = _static_parents(self.proposal)
+        local_depth = np.concatenate([[0], proposal_depth])  # pass-local node depths
+        pass_mask_parents = jnp.asarray(_pass_parents(self.proposal))
 
         # 1. First pass: catch the draft up to the root and score the root's stage-2
         # proposal, in one pass. Rows: `chunk` catch-up tokens (the first `fresh` real),
@@ -397,9 +399,7 @@ class Staged:
         rows = jnp.concatenate([jax.lax.dynamic_index_in_dim(hidden, fresh - 1, keepdims=True),
                                 hidden[chunk:]])
         logits = models.lm_head(draft_params, config, rows)  # [1 + P, V]
-        local_positions = root_position + jnp.concatenate(
-            [jnp.zeros((1,), jnp.int32), jnp.asarray(proposal_depth)])
-        rank = self._rank(logits, sampling, local_positions + 1)
+        rank = self._rank(logits, sampling, root_position + jnp.asarray(local_depth) + 1)
         pass_tokens = jnp.concatenate([state.tokens[root_position][None], prop.tokens])
         pass_valid = jnp.concatenate([jnp.array([True]), prop.valid])
         pass_origin = jnp.concatenate([jnp.array([ORIGIN_TARGET], jnp.int8), prop.origin])
@@ -417,7 +417,6 @@ class Staged:
 
         # 2. Later rounds: the draft's own best child of the spine end + a stage-2 proposal
         # continuing after it, scored in one pass that sees the spine's scratch slots.
-        local_depth = np.concatenate([[0], proposal_depth])
         for r in range(1, self.rounds):
             end_cand, end_score = nodes["cand"][node], nodes["scores"][node]
             own, own_score = nodes["child_tokens"][node, 0], nodes["child_scores"][node, 0]
@@ -429,8 +428,7 @@ class Staged:
             pass_valid = jnp.concatenate([jnp.array([True]), prop.valid])
             offset = chunk + n_prop + (r - 1) * size
             positions = root_position + count + jnp.asarray(local_depth)
-            mask = ancestor_mask(jnp.asarray(_pass_parents(self.proposal)), pass_valid,
-                                 depth_p)
+            mask = ancestor_mask(pass_mask_parents, pass_valid, depth_p)
             scratch_mask = jnp.broadcast_to(visible[None, :offset], (size, offset))
             logits, cache = models.forward(draft_params, config, pass_tokens, positions, cache,
                                            mask, scratch_mask, attn_impl=loop.attn_impl)
