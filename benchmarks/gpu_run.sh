@@ -22,8 +22,9 @@
 #      the script exits 1 if any step failed.
 #
 # Environment: PYTHON (default python), OUT_DIR, LIMIT (suite prompts, default 8: the whole script should fit a 10-minute lease),
-# ACCEPTANCE (tune_staged.py JSON for the projection, default
-# benchmarks/results/tune_staged_cpu.json; without it the projection is skipped),
+# ACCEPTANCE (specjax bench or tune_staged.py JSON for the projection, default
+# benchmarks/results/budgets_cpu.json, the CPU tree-budget sweep; without it the projection
+# is skipped),
 # ALLOW_CPU=1 (run even if jax sees no GPU).
 
 set -u -o pipefail
@@ -113,7 +114,7 @@ step suite "$PY" benchmarks/run_suite.py --methods ar,spec,tree,ngram,staged \
     --temperatures 0,1 --limit "${LIMIT:-8}" --max-new-tokens 128 --peers all \
     --dtype bfloat16 --json "$DIR/suite.json" --plot "$DIR/plots"
 step verify "$PY" benchmarks/bench_verify.py --dtype bfloat16 --json "$DIR/verify.json"
-ACCEPTANCE=${ACCEPTANCE:-benchmarks/results/tune_staged_cpu.json}
+ACCEPTANCE=${ACCEPTANCE:-benchmarks/results/budgets_cpu.json}
 if [ -f "$ACCEPTANCE" ]; then
     step scaling "$PY" benchmarks/scaling_projection.py --acceptance "$ACCEPTANCE" \
         --json "$DIR/scaling.json"

@@ -20,12 +20,13 @@ the cache is donated and threaded through the calls, as in a decode loop. One sa
 samples of all programs of one size are interleaved over ``--repeats`` rounds and the
 median is kept.
 
-With ``--acceptance PATH`` (a ``tune_staged.py`` JSON: the ``mean_accepted`` of each staged
-configuration on the real pair) or ``--accepted N:A,...``, it also *projects* the speedup
-of speculation at these sizes, ``A(N) * t_ar / (t_verify(N) + rounds * t_draft)``; the
-projection is kept apart from the measurements in the JSON.
+With ``--acceptance PATH`` (a ``specjax bench`` or ``tune_staged.py`` JSON: the
+``mean_accepted`` of each staged system on the real pair, and for ``specjax bench`` the
+measured draft passes per target pass) or ``--accepted N:A,...``, it also *projects* the
+speedup of speculation at these sizes, ``A(N) * t_ar / (t_verify(N) + rounds * t_draft)``;
+the projection is kept apart from the measurements in the JSON.
 
-    python benchmarks/scaling_projection.py --acceptance benchmarks/results/tune_staged_cpu.json
+    python benchmarks/scaling_projection.py --acceptance benchmarks/results/budgets_cpu.json
 """
 
 from __future__ import annotations
@@ -104,21 +105,51 @@ def parse_accepted(text: str, rounds: int = 1) -> list[dict]:
 
 
 def read_acceptance(path: str) -> list[dict]:
-    """Acceptance entries of the staged configurations in a ``tune_staged.py`` JSON.
+    """Acceptance entries of the staged systems in a ``specjax bench`` or ``tune_staged.py``
+    JSON.
 
-    A staged configuration is one whose options say ``method: staged`` or whose name holds
-    ``-b<budget>-``; its options come from ``summary[name]["options"]``, else from its
-    first row, else from the name (``-b<budget>``, ``-r<rounds>``, rounds 1 if absent).
+    * ``specjax bench`` (``aggregates``): every ``staged`` system that ran, one entry per
+      system and temperature (a ``--tree-budgets`` sweep gives one per budget), with the
+      aggregate ``mean_accepted`` and the *measured* draft passes per target pass as
+      ``draft_rounds``.
+    * ``tune_staged.py`` (``summary``): a staged configuration is one whose options say
+      ``method: staged`` or whose name holds ``-b<budget>-``; its options come from
+      ``summary[name]["options"]``, else from its first row, else from the name
+      (``-b<budget>``, ``-r<rounds>``, rounds 1 if absent).
 
     Raises:
       InvalidArgumentError: the file cannot be read or holds no staged configuration.
     """
     try:
         record = json.loads(Path(path).read_text())
-        summary = record["summary"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        entries = (_bench_acceptance(record) if "aggregates" in record
+                   else _tune_acceptance(record))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise InvalidArgumentError(
-            f"--acceptance {path}: cannot read a tune_staged.py summary ({error})") from None
+            f"--acceptance {path}: cannot read a specjax bench or tune_staged.py result "
+            f"({type(error).__name__}: {error})") from None
+    if not entries:
+        raise InvalidArgumentError(
+            f"--acceptance {path}: no staged system with a tree budget and a mean_accepted")
+    return entries
+
+
+def _bench_acceptance(record: dict) -> list[dict]:
+    entries = []
+    for agg in record["aggregates"]:
+        if agg.get("method") != "staged" or agg.get("status") != "ok" or not agg.get(
+                "tree_budget"):
+            continue
+        target = agg["target_passes_per_token"]["aggregate"]
+        rounds = agg["draft_passes_per_token"]["aggregate"] / target if target else 1.0
+        entries.append({"config": f"{agg['system']} T={agg['temperature']:g}",
+                        "tree_budget": int(agg["tree_budget"]), "draft_rounds": rounds,
+                        "mean_accepted": float(agg["mean_accepted"]["aggregate"])})
+    return entries
+
+
+def _tune_acceptance(record: dict) -> list[dict]:
+    summary = record["summary"]
     row_options = {}
     for row in record.get("rows", []):
         row_options.setdefault(row.get("config"), row.get("options") or {})
@@ -136,9 +167,6 @@ def read_acceptance(path: str) -> list[dict]:
             continue
         entries.append({"config": name, "tree_budget": int(budget), "draft_rounds": int(rounds),
                         "mean_accepted": float(values["mean_accepted"])})
-    if not entries:
-        raise InvalidArgumentError(
-            f"--acceptance {path}: no staged configuration (name with -b<budget>-) in its summary")
     return entries
 
 
@@ -407,7 +435,8 @@ def main(argv=None) -> int:
                         help="calls dispatched back to back per timed sample")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--acceptance", default=None, metavar="PATH",
-                        help="a tune_staged.py JSON: mean_accepted of its staged configs")
+                        help="a specjax bench or tune_staged.py JSON: mean_accepted of its "
+                             "staged systems")
     source.add_argument("--accepted", default=None, metavar="N:A,...",
                         help="mean accepted tokens A per target pass at tree budget N")
     parser.add_argument("--draft-rounds", type=int, default=1,
@@ -423,7 +452,7 @@ def main(argv=None) -> int:
         dtype = jnp.dtype(args.dtype)
         if args.acceptance:
             acceptance, acceptance_source = (read_acceptance(args.acceptance),
-                                             f"tune_staged.py results in {args.acceptance}")
+                                             f"the measured results in {args.acceptance}")
         elif args.accepted:
             acceptance, acceptance_source = (parse_accepted(args.accepted, args.draft_rounds),
                                              "--accepted on the command line")

@@ -338,6 +338,24 @@ def test_scaling_projection_formula_and_accepted_parsing(tmp_path, monkeypatch):
     entries = scaling.read_acceptance(str(tmp_path / "tune.json"))
     assert [(e["tree_budget"], e["draft_rounds"], e["mean_accepted"]) for e in entries] == [
         (8, 2, 2.5), (4, 3, 1.8)]
+    # A specjax bench result: staged systems that ran, measured draft passes per target pass.
+    def aggregate(system, method, budget, accepted, draft_per_token, status="ok"):
+        return {"system": system, "method": method, "temperature": 0.0, "status": status,
+                "tree_budget": budget, "mean_accepted": {"aggregate": accepted},
+                "target_passes_per_token": {"aggregate": 1 / accepted},
+                "draft_passes_per_token": {"aggregate": draft_per_token}}
+    bench = {"aggregates": [aggregate("ar", "ar", None, 1.0, 0.0),
+                            aggregate("ngram", "ngram", 6, 2.0, 0.0),
+                            aggregate("staged@4", "staged", 4, 2.0, 1.0),
+                            aggregate("staged@8", "staged", 8, 2.5, 1.0, status="error")]}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    assert scaling.read_acceptance(str(tmp_path / "bench.json")) == [
+        {"config": "staged@4 T=0", "tree_budget": 4, "draft_rounds": pytest.approx(2.0),
+         "mean_accepted": 2.0}]
+    for bad in ({"summary": {"ar": {"mean_accepted": 1.0}}}, {"aggregates": [{}]}, [1]):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(InvalidArgumentError, match="--acceptance"):
+            scaling.read_acceptance(str(tmp_path / "bad.json"))
     with pytest.raises(InvalidArgumentError):
         scaling.read_acceptance(str(tmp_path / "missing.json"))
 
