@@ -107,6 +107,27 @@ def test_aggregates_of_synthetic_rows():
     assert [r["prompt"] for r in metrics.mismatches(rows)] == [2]
 
 
+def test_peer_ratios_pair_each_peer_with_its_counterpart_per_prompt():
+    rows = []
+    for prompt, (staged_s, assisted_s) in enumerate([(1.0, 2.0), (1.0, 8.0), (2.0, 6.0)]):
+        for system, seconds in (("staged", staged_s), ("hf-assisted", assisted_s)):
+            rows.append({"prompt": prompt, "system": system, "temperature": 1.0,
+                         "status": "ok", "new_tokens": 12, "seconds": seconds,
+                         "tokens_per_s": 12 / seconds})
+    # A prompt the peer did not run counts in neither side; an unavailable peer gives no pair.
+    rows.append({"prompt": 3, "system": "staged", "temperature": 1.0, "status": "ok",
+                 "new_tokens": 12, "seconds": 0.1, "tokens_per_s": 120.0})
+    rows.append({"prompt": None, "system": "hf-lookup", "temperature": 1.0,
+                 "status": "unavailable"})
+    result = {"rows": rows, "aggregates": [{"system": "staged", "temperature": 1.0}]}
+    # Per prompt 2x, 8x, 3x (median 3x); in totals 36 tokens / 4 s against 36 / 16 s.
+    assert report.peer_ratios(result) == [
+        {"system": "staged", "peer": "hf-assisted", "temperature": 1.0, "prompts": 3,
+         "median": pytest.approx(3.0), "aggregate": pytest.approx(4.0)}]
+    assert "| `staged` | `hf-assisted` | 1 | 3 | 3.00x | 4.00x |" in report.render_markdown(
+        [{**result, "aggregates": [{"system": "staged", "temperature": 1.0, "status": "ok"}]}])
+
+
 def test_first_difference():
     assert metrics.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert metrics.first_difference([1, 2, 3], [1, 5, 3]) == 1

@@ -103,7 +103,8 @@ def render_markdown(results: Sequence[dict]) -> str:
     the median per-prompt speedup over ``ar`` at that temperature, mean accepted tokens per
     target pass and weight bytes read per token relative to ``ar``; a last column says
     whether the outputs equal ``ar``'s. A second table gives the share of tokens by origin
-    when the methods report it.
+    when the methods report it, a third each specjax system against its transformers
+    counterpart (:func:`peer_ratios`) when peers ran.
     """
     out = []
     for result in results:
@@ -153,7 +154,52 @@ def render_markdown(results: Sequence[dict]) -> str:
                 out.append(f"| `{a['system']}` | {a['temperature']:g} | " + " | ".join(
                     _number(100 * a["origin_fraction"].get(n, 0.0), 1, "%") for n in names) + " |")
             out.append("")
+        ratios = peer_ratios(result)
+        if ratios:
+            out.append("| specjax | transformers | T | prompts | tok/s ratio (median) "
+                       "| tok/s ratio (totals) |")
+            out.append("|---|---|---|---|---|---|")
+            for r in ratios:
+                out.append(f"| `{r['system']}` | `{r['peer']}` | {r['temperature']:g} | "
+                           f"{r['prompts']} | {r['median']:.2f}x | {r['aggregate']:.2f}x |")
+            out.append("")
     return "\n".join(out)
+
+
+# Which specjax system each transformers peer is set against: the same algorithm family
+# (plain decoding, a draft model, prompt lookup) and the staged decoder with the same draft.
+PEER_COUNTERPARTS = (("ar", "hf"), ("spec", "hf-assisted"), ("staged", "hf-assisted"),
+                     ("ngram", "hf-lookup"))
+
+
+def peer_ratios(result: dict) -> list[dict]:
+    """specjax system vs transformers peer, per temperature, over the prompts both ran.
+
+    Returns one dict per pair of :data:`PEER_COUNTERPARTS` present in ``result`` and
+    temperature: ``system``, ``peer``, ``temperature``, ``prompts``, ``median`` (of the
+    per-prompt tokens/s ratios) and ``aggregate`` (total tokens / total seconds of each).
+    """
+    rows = {}
+    for row in result["rows"]:
+        if row.get("status") == "ok" and row.get("seconds"):
+            rows[(row["system"], row["temperature"], row["prompt"])] = row
+    out = []
+    for t in _temperatures(result):
+        for system, peer in PEER_COUNTERPARTS:
+            pairs = [(rows[(system, t, p)], rows[(peer, t, p)])
+                     for (name, temp, p) in rows if name == system and temp == t
+                     and (peer, t, p) in rows]
+            if not pairs:
+                continue
+            ratios = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs)
+            mid = len(ratios) // 2
+            median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+            rate = [sum(r["new_tokens"] for r in side) / sum(r["seconds"] for r in side)
+                    for side in zip(*pairs)]
+            out.append({"system": system, "peer": peer, "temperature": t,
+                        "prompts": len(pairs), "median": median,
+                        "aggregate": rate[0] / rate[1]})
+    return out
 
 
 def _status(result: dict, system: str) -> str:
