@@ -8,6 +8,7 @@ and the exact command stored in the file.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Sequence
 
@@ -186,14 +187,11 @@ def peer_ratios(result: dict) -> list[dict]:
     out = []
     for t in _temperatures(result):
         for system, peer in PEER_COUNTERPARTS:
-            pairs = [(rows[(system, t, p)], rows[(peer, t, p)])
-                     for (name, temp, p) in rows if name == system and temp == t
-                     and (peer, t, p) in rows]
+            pairs = [(row, rows[(peer, t, p)]) for (name, temp, p), row in rows.items()
+                     if name == system and temp == t and (peer, t, p) in rows]
             if not pairs:
                 continue
-            ratios = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs)
-            mid = len(ratios) // 2
-            median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+            median = statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs)
             rate = [sum(r["new_tokens"] for r in side) / sum(r["seconds"] for r in side)
                     for side in zip(*pairs)]
             out.append({"system": system, "peer": peer, "temperature": t,
