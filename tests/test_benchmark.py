@@ -107,6 +107,28 @@ def test_aggregates_of_synthetic_rows():
     assert [r["prompt"] for r in metrics.mismatches(rows)] == [2]
 
 
+def test_pass_costs_split_the_speedup_into_acceptance_and_pass_cost():
+    rows = metrics.derive(synthetic_rows())
+    aggregates = metrics.aggregate(rows)
+    costs = {c["system"]: c for c in report.pass_costs({"rows": rows, "aggregates": aggregates})}
+    approx = pytest.approx
+    # ar: 30 tokens in 30 passes and 7 s; tree: 30 tokens in 19 passes (76 draft passes), 2 s.
+    assert costs["ar"] == approx({"system": "ar", "temperature": 0.0,
+                                  "draft_passes_per_target_pass": 0.0,
+                                  "ms_per_target_pass": 7000 / 30, "vs_ar_step": 1.0,
+                                  "accepted": 1.0, "speedup": 1.0})
+    assert costs["tree"] == approx({"system": "tree", "temperature": 0.0,
+                                    "draft_passes_per_target_pass": 4.0,
+                                    "ms_per_target_pass": 2000 / 19,
+                                    "vs_ar_step": (2000 / 19) / (7000 / 30),
+                                    "accepted": 30 / 19, "speedup": 3.5})
+    # The split agrees with the aggregate speedup computed from tokens/s.
+    tree = metrics.find_aggregate(aggregates, "tree", 0.0)
+    assert costs["tree"]["speedup"] == approx(tree["speedup_vs_ar"]["aggregate"])
+    assert "| `tree` | 0 | 4.00 | 105.3 | 0.45x | 1.58 | 3.50x |" in report.render_markdown(
+        [{"rows": rows, "aggregates": aggregates}])
+
+
 def test_peer_ratios_pair_each_peer_with_its_counterpart_per_prompt():
     rows = []
     for prompt, (staged_s, assisted_s) in enumerate([(1.0, 2.0), (1.0, 8.0), (2.0, 6.0)]):

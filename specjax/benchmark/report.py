@@ -104,8 +104,9 @@ def render_markdown(results: Sequence[dict]) -> str:
     the median per-prompt speedup over ``ar`` at that temperature, mean accepted tokens per
     target pass and weight bytes read per token relative to ``ar``; a last column says
     whether the outputs equal ``ar``'s. A second table gives the share of tokens by origin
-    when the methods report it, a third each specjax system against its transformers
-    counterpart (:func:`peer_ratios`) when peers ran.
+    when the methods report it, a third the cost of a target pass (:func:`pass_costs`), a
+    fourth each specjax system against its transformers counterpart (:func:`peer_ratios`)
+    when peers ran.
     """
     out = []
     for result in results:
@@ -155,6 +156,23 @@ def render_markdown(results: Sequence[dict]) -> str:
                 out.append(f"| `{a['system']}` | {a['temperature']:g} | " + " | ".join(
                     _number(100 * a["origin_fraction"].get(n, 0.0), 1, "%") for n in names) + " |")
             out.append("")
+        costs = pass_costs(result)
+        if any(c["system"] != "ar" for c in costs):
+            out.append("| system | T | draft passes / target pass | ms / target pass "
+                       "| vs `ar` step | accepted | speedup (totals) |")
+            out.append("|---|---|---|---|---|---|---|")
+            for c in costs:
+                out.append(f"| `{c['system']}` | {c['temperature']:g} | "
+                           f"{_number(c['draft_passes_per_target_pass'], 2)} | "
+                           f"{_number(c['ms_per_target_pass'], 1)} | "
+                           f"{_number(c['vs_ar_step'], 2, 'x')} | "
+                           f"{_number(c['accepted'], 2)} | {_number(c['speedup'], 2, 'x')} |")
+            out.append("")
+            out.append("ms / target pass: total seconds / total target passes, i.e. one target "
+                       "pass with the drafting (draft passes, stage 2) and bookkeeping around "
+                       "it; vs `ar` step: that over `ar`'s ms per token at the same "
+                       "temperature; speedup (totals) = accepted / vs `ar` step.")
+            out.append("")
         ratios = peer_ratios(result)
         if ratios:
             out.append("| specjax | transformers | T | prompts | tok/s ratio (median) "
@@ -197,6 +215,38 @@ def peer_ratios(result: dict) -> list[dict]:
             out.append({"system": system, "peer": peer, "temperature": t,
                         "prompts": len(pairs), "median": median,
                         "aggregate": rate[0] / rate[1]})
+    return out
+
+
+def pass_costs(result: dict) -> list[dict]:
+    """Where each specjax system's time goes, per temperature, from the rows' totals.
+
+    speedup over ``ar`` = (tokens per target pass) / (time per target pass relative to
+    ``ar``'s time per token): a method wins only while its tree is accepted deeper than
+    its pass (the target over the tree, the draft passes, stage 2) costs. Returns one dict
+    per (specjax system, temperature) with target passes: ``system``, ``temperature``,
+    ``draft_passes_per_target_pass``, ``ms_per_target_pass``, ``vs_ar_step``,
+    ``accepted`` and ``speedup`` (totals; ``None`` where ``ar`` did not run).
+    """
+    totals: dict[tuple, list[float]] = {}
+    for row in result["rows"]:
+        if row.get("status") == "ok" and row.get("target_calls"):
+            t = totals.setdefault((row["system"], row["temperature"]), [0, 0, 0, 0.0])
+            t[0] += row["new_tokens"]
+            t[1] += row["target_calls"]
+            t[2] += row.get("draft_calls") or 0
+            t[3] += row["seconds"]
+    out = []
+    for (system, temperature), (tokens, passes, draft_passes, seconds) in totals.items():
+        ms = 1000 * seconds / passes
+        ar = totals.get(("ar", temperature))
+        ar_ms = 1000 * ar[3] / ar[0] if ar else None
+        relative = ms / ar_ms if ar_ms else None
+        out.append({"system": system, "temperature": temperature,
+                    "draft_passes_per_target_pass": draft_passes / passes,
+                    "ms_per_target_pass": ms, "vs_ar_step": relative,
+                    "accepted": tokens / passes,
+                    "speedup": tokens / passes / relative if relative else None})
     return out
 
 
