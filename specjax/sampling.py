@@ -40,6 +40,21 @@ class SamplingParams:
     seed: jax.Array  # uint32 []
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax`` over the last axis (lowest index on ties), as int32.
+
+    XLA's CPU backend lowers ``argmax`` to a variadic (value, index) reduction that does
+    not vectorise: over a 49,152-token vocabulary it takes ~4x as long as a ``max`` followed
+    by a minimum over the indices that reach it, which is what this does. A row holding a
+    NaN (whose ``max`` equals nothing) gives the last index; callers flag non-finite
+    logits separately.
+    """
+    size = x.shape[-1]
+    best = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.min(jnp.where(x == best, jnp.arange(size, dtype=jnp.int32), size), axis=-1)
+    return jnp.minimum(index, size - 1)
+
+
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k`` over the last axis (same values, same indices, lower index first
     on ties) without sorting the whole axis.
@@ -52,13 +67,14 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     if k > 16:
         return jax.lax.top_k(x, k)
     taken = jnp.zeros(x.shape, jnp.bool_)
+    iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
     values, indices = [], []
     for _ in range(k):
         best = jnp.max(jnp.where(taken, NEG_INF, x), axis=-1, keepdims=True)
-        index = jnp.argmax((x == best) & ~taken, axis=-1)
-        taken = taken | (jnp.arange(x.shape[-1]) == index[..., None])
+        index = jnp.min(jnp.where((x == best) & ~taken, iota, x.shape[-1] - 1), axis=-1)
+        taken = taken | (iota == index[..., None])
         values.append(best[..., 0])
-        indices.append(index.astype(jnp.int32))
+        indices.append(index)
     return jnp.stack(values, axis=-1).astype(x.dtype), jnp.stack(indices, axis=-1)
 
 
@@ -113,7 +129,7 @@ def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
         return jax.nn.log_softmax(scaled, axis=-1)
 
     def greedy(x):
-        hot = jax.nn.one_hot(jnp.argmax(x, axis=-1), x.shape[-1], dtype=jnp.bool_)
+        hot = first_argmax(x)[..., None] == jnp.arange(x.shape[-1], dtype=jnp.int32)
         return jnp.where(hot, 0.0, NEG_INF)
 
     return jax.lax.cond(params.temperature > 0, sampled, greedy, logits)
@@ -139,6 +155,20 @@ def perturbed_scores(log_probs: jax.Array, params: SamplingParams,
 
 
 def sample_tokens(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> jax.Array:
-    """Coupled sample: int32 [N] tokens for logits [N, V] at absolute positions [N]."""
-    scores = perturbed_scores(target_log_probs(logits, params), params, positions)
-    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    """Coupled sample: int32 [N] tokens for logits [N, V] at absolute positions [N].
+
+    ``argmax(log p~ + g_position)``, computed without normalising: ``log_softmax`` only
+    shifts a row by a constant, so the argmax of the (truncated) scaled logits plus the
+    noise is the same token. Autoregressive decoding and every coupled verification call
+    this one function, so they agree on every node whose logits agree.
+    """
+    logits = logits.astype(jnp.float32)
+
+    def sampled(x):
+        scaled = x / jnp.maximum(params.temperature, 1e-6)
+        needs_sort = (params.top_k > 0) | (params.top_p < 1.0)
+        scaled = jax.lax.cond(needs_sort, lambda s: _truncate(s, params.top_k, params.top_p),
+                              lambda s: s, scaled)
+        return first_argmax(scaled + gumbel_noise(params.seed, positions, x.shape[-1]))
+
+    return jax.lax.cond(params.temperature > 0, sampled, first_argmax, logits)

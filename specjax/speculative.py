@@ -44,10 +44,10 @@ from specjax.cache import advance, commit_path, init_cache
 from specjax.config import ModelConfig
 from specjax.decode import DecodeLoop, DecodeState, append_tokens
 from specjax.errors import InvalidArgumentError
-from specjax.sampling import SamplingParams, perturbed_scores, target_log_probs, top_k
+from specjax.sampling import (SamplingParams, perturbed_scores, sample_tokens,
+                              target_log_probs, top_k)
 from specjax.tree import Tree, ancestor_mask, depths, select_top_nodes, validate_parents
-from specjax.verify import (emitted_tokens, verify_greedy_or_coupled, verify_match,
-                            verify_rejection)
+from specjax.verify import emitted_tokens, verify_choices, verify_match, verify_rejection
 
 VERIFY_RULES = ("greedy", "coupled", "match", "rejection")
 _KEY_TAG = 0x5EC
@@ -97,15 +97,15 @@ def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_de
     logits, cache = models.forward(params, loop.config, tree.tokens, positions, state.cache,
                                    mask, attn_impl=loop.attn_impl)
     finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])
-    log_p = target_log_probs(logits, sampling)
     if verify in ("greedy", "coupled"):
-        verdict = verify_greedy_or_coupled(
-            tree, perturbed_scores(log_p, sampling, positions + 1), max_depth)
+        # The target's coupled token after every node: what `ar` would sample there.
+        verdict = verify_choices(tree, sample_tokens(logits, sampling, positions + 1),
+                                 max_depth)
     elif verify == "match":
-        verdict = verify_match(tree, log_p, key, max_depth)
+        verdict = verify_match(tree, target_log_probs(logits, sampling), key, max_depth)
     else:
-        verdict = verify_rejection(tree, log_p, draft_logp, key, max_depth, width,
-                                   children_mode)
+        verdict = verify_rejection(tree, target_log_probs(logits, sampling), draft_logp, key,
+                                   max_depth, width, children_mode)
     return verdict, cache, finite
 
 

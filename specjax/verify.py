@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.errors import InvalidArgumentError
-from specjax.sampling import top_k
+from specjax.sampling import first_argmax, top_k
 from specjax.tree import Tree, ancestor_mask, children_table, depths
 
 CHILDREN_MODES = ("with_replacement", "without_replacement", "deterministic")
@@ -130,8 +130,14 @@ def verify_greedy_or_coupled(tree: Tree, target_scores: jax.Array, max_depth: in
     Returns:
       The :class:`Verdict`.
     """
-    choice = jnp.argmax(target_scores, axis=-1).astype(jnp.int32)
-    return _walk_choices(tree, choice, max_depth)
+    return _walk_choices(tree, first_argmax(target_scores), max_depth)
+
+
+def verify_choices(tree: Tree, choice: jax.Array, max_depth: int) -> Verdict:
+    """:func:`verify_greedy_or_coupled` from the target's token after each node, int32
+    [N] (e.g. :func:`specjax.sampling.sample_tokens` of the tree's logits at positions + 1,
+    which skips materialising the [N, V] scores)."""
+    return _walk_choices(tree, choice.astype(jnp.int32), max_depth)
 
 
 def verify_match(tree: Tree, target_logp: jax.Array, key: jax.Array, max_depth: int) -> Verdict:
@@ -152,7 +158,7 @@ def verify_match(tree: Tree, target_logp: jax.Array, key: jax.Array, max_depth: 
       The :class:`Verdict`.
     """
     noise = jax.random.gumbel(key, target_logp.shape, jnp.float32)
-    choice = jnp.argmax(target_logp + noise, axis=-1).astype(jnp.int32)
+    choice = first_argmax(target_logp + noise)
     return _walk_choices(tree, choice, max_depth)
 
 
@@ -275,8 +281,8 @@ def verify_rejection(tree: Tree, target_logp: jax.Array, draft_logp: jax.Array |
             jnp.int32(1), jnp.zeros((vocab,), jnp.float32))
     _, _, path, count, final = jax.lax.fori_loop(0, max_depth + 1, step, init)
     # Gumbel-max; log(0) = -inf excludes tokens outside the residual's support.
-    next_token = jnp.argmax(jnp.log(final) + gumbel)
-    return Verdict(path=path, count=count, next_token=next_token.astype(jnp.int32))
+    next_token = first_argmax(jnp.log(final) + gumbel)
+    return Verdict(path=path, count=count, next_token=next_token)
 
 
 def sample_draft_children(key: jax.Array, draft_logp: jax.Array, width: int,

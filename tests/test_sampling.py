@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specjax.errors import InvalidArgumentError
-from specjax.sampling import (gumbel_noise, make_sampling_params, sample_tokens, top_k,
-                              target_log_probs)
+from specjax.sampling import (first_argmax, gumbel_noise, make_sampling_params,
+                              perturbed_scores, sample_tokens, target_log_probs, top_k)
 
 SAMPLES = 100_000
 LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, -3.0, 0.9], np.float32)
@@ -117,3 +117,26 @@ def test_top_k_matches_lax_top_k(rows, vocab, k, levels, neg_inf, seed):
     values, index = top_k(jnp.asarray(x), k)
     np.testing.assert_array_equal(np.asarray(index), np.asarray(want_index))
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([-np.inf, -1.0, 0.0, 0.5, 2.0, np.inf]), min_size=1,
+                         max_size=9), min_size=1, max_size=4).filter(
+                             lambda rows: len({len(r) for r in rows}) == 1))
+def test_first_argmax_is_numpy_argmax_with_the_lowest_index_on_ties(rows):
+    x = np.asarray(rows, np.float32)  # few distinct values: ties and infinities are common
+    assert np.array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+
+
+def test_sample_tokens_is_the_argmax_of_log_p_plus_the_position_noise():
+    """The unnormalised shortcut picks the token the definition picks (temperature, top-k
+    and top-p included); a shortcut that dropped the temperature or the truncation fails."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (16, 300)) * 3.0
+    positions = jnp.arange(16) + 40
+    for temperature, k, p in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.3, 0, 1.0), (2.5, 0, 1.0),
+                              (1.0, 5, 1.0), (1.0, 0, 0.6), (0.8, 20, 0.9)):
+        params = make_sampling_params(temperature, k, p, seed=11)
+        expected = jnp.argmax(perturbed_scores(target_log_probs(logits, params), params,
+                                               positions), axis=-1)
+        assert np.array_equal(np.asarray(sample_tokens(logits, params, positions)),
+                              np.asarray(expected)), (temperature, k, p)
