@@ -113,6 +113,15 @@ def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
     return jnp.where(scaled >= threshold, scaled, NEG_INF)
 
 
+def _scaled(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """``logits / temperature`` with top-k and top-p applied (masked -> -inf), for T > 0;
+    the sort runs only when a truncation is set."""
+    scaled = logits / jnp.maximum(params.temperature, 1e-6)
+    needs_sort = (params.top_k > 0) | (params.top_p < 1.0)
+    return jax.lax.cond(needs_sort, lambda s: _truncate(s, params.top_k, params.top_p),
+                        lambda s: s, scaled)
+
+
 def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """log p~ [N, V] from float32 logits [N, V] (see the module docstring).
 
@@ -122,11 +131,7 @@ def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     logits = logits.astype(jnp.float32)
 
     def sampled(x):
-        scaled = x / jnp.maximum(params.temperature, 1e-6)
-        needs_sort = (params.top_k > 0) | (params.top_p < 1.0)
-        scaled = jax.lax.cond(needs_sort, lambda s: _truncate(s, params.top_k, params.top_p),
-                              lambda s: s, scaled)
-        return jax.nn.log_softmax(scaled, axis=-1)
+        return jax.nn.log_softmax(_scaled(x, params), axis=-1)
 
     def greedy(x):
         hot = first_argmax(x)[..., None] == jnp.arange(x.shape[-1], dtype=jnp.int32)
@@ -165,10 +170,7 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, positions: jax.Arra
     logits = logits.astype(jnp.float32)
 
     def sampled(x):
-        scaled = x / jnp.maximum(params.temperature, 1e-6)
-        needs_sort = (params.top_k > 0) | (params.top_p < 1.0)
-        scaled = jax.lax.cond(needs_sort, lambda s: _truncate(s, params.top_k, params.top_p),
-                              lambda s: s, scaled)
-        return first_argmax(scaled + gumbel_noise(params.seed, positions, x.shape[-1]))
+        return first_argmax(_scaled(x, params) + gumbel_noise(params.seed, positions,
+                                                               x.shape[-1]))
 
     return jax.lax.cond(params.temperature > 0, sampled, first_argmax, logits)
