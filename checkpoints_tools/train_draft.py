@@ -4,6 +4,11 @@ The draft is a standard Llama-family model (the target's config with fewer layer
 also exports to a Hugging Face directory and runs as ``assistant_model`` in transformers.
 It starts from a subset of the target's blocks (``init_layers``, e.g. the first two) and
 shares the target's embedding, final norm and head, so only a few blocks have to learn.
+Training runs it through :class:`specjax.flax_modules.LinenCausalLM`, the module a Flax
+pipeline of one's own would train: the trained parameters are that module's ``params``
+(and an :class:`~specjax.flax_modules.NNXCausalLM`'s state, via
+:func:`~specjax.flax_modules.to_flax`), so a draft trained here and one trained elsewhere
+are the same kind of object.
 
 Loss, per token position of the corpus (all positions of each window):
 
@@ -169,14 +174,13 @@ def make_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
     import jax.numpy as jnp
     import optax
 
-    from specjax import models
-
-    def logits_of(params, config, tokens):
-        positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        return models.forward(params, config, tokens, positions, attn_impl="reference")[0]
+    from specjax.flax_modules import LinenCausalLM
 
     def batched(params, config, windows):
-        return jax.vmap(lambda w: logits_of(params, config, w))(windows)
+        """Logits [B, T, V] of windows [B, T] through the Flax module a user's own
+        pipeline trains (:mod:`specjax.flax_modules`): the same forward, the same tree."""
+        return LinenCausalLM(config, attn_impl="reference").apply({"params": params},
+                                                                  windows)[0]
 
     def loss_fn(trainable, frozen, target_params, windows):
         inputs, labels = windows[:, :-1], windows[:, 1:]

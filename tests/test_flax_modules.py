@@ -256,3 +256,34 @@ def test_conversion_errors():
         to_flax(model)(jnp.zeros((1, 2, 3), jnp.int32))
     with pytest.raises(InvalidArgumentError, match="rngs"):
         NNXCausalLM(model.config)
+
+
+def test_train_draft_runs_through_the_module():
+    """train-draft's steps compute what the former vmap of models.forward computed."""
+    from specjax.checkpoints_tools import train_draft
+
+    target = tiny_pair("llama-gqa", seed=8)[1]
+    cfg = train_draft.TrainConfig(init_layers=(0, 2), steps=2, batch_size=2, seq_len=8,
+                                  warmup_steps=1)
+    config, params = train_draft.draft_from_target(target.config, target.params, (0, 2))
+    trainable, frozen = train_draft.split_trainable(params, train_embeddings=False)
+    _, eval_step = train_draft.make_steps(target.config, config, cfg,
+                                          train_draft.make_optimizer(cfg))
+    windows = jnp.asarray([random_prompt(s, 9) for s in range(2)], jnp.int32)
+    agreement, kl = eval_step(trainable, frozen, target.params, windows)
+
+    @jax.jit
+    def reference(draft_params, target_params, inputs):
+        def logits(p, c):
+            return jax.vmap(lambda w: models.forward(
+                p, c, w, jnp.arange(w.shape[0], dtype=jnp.int32), attn_impl="reference")[0])(
+                    inputs)
+        log_p = jax.nn.log_softmax(logits(target_params, target.config), -1)
+        log_q = jax.nn.log_softmax(logits(draft_params, config), -1)
+        return (jnp.mean(jnp.argmax(log_p, -1) == jnp.argmax(log_q, -1)),
+                jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)))
+
+    want_agreement, want_kl = reference(params, target.params, windows[:, :-1])
+    assert float(agreement) == float(want_agreement)
+    np.testing.assert_allclose(float(kl), float(want_kl), rtol=1e-6)
+    assert float(kl) > 0
