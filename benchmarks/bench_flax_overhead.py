@@ -1,7 +1,7 @@
 """What calling the model through a Flax module costs inside a jitted ``ar`` step.
 
 One decode step (one-token forward at a fixed cache length + argmax, cache donated, as in
-``bench_ar.py``'s bare step) compiled four ways over the same weights:
+``bench_ar.py``'s bare step) compiled five ways over the same weights:
 
 * ``function``: ``specjax.models.forward(params, config, ...)`` under ``jax.jit``;
 * ``nnx``: ``nnx.merge(graphdef, state)(...)`` under ``jax.jit`` (an
@@ -15,9 +15,12 @@ One decode step (one-token forward at a fixed cache length + argmax, cache donat
   is passed as a pytree; only changed variables come back).
 
 The variants run interleaved in ``--rounds`` rounds of ``--steps`` steps each (in an order
-that rotates every round), so machine drift hits all alike; the JSON reports each variant's median step time, its ratio to
-``function``, the median of per-round ratios, whether the optimized HLO of each variant
-equals the function's (after dropping names and source metadata), and the load average.
+that rotates every round), so machine drift hits all alike; ``nnx_jit`` runs afterwards,
+alternating with the function (its weight copies would slow its neighbours). The JSON
+reports each variant's median step time, its ratio to ``function``, the median of
+per-round ratios (each round against the function's round beside it), whether the
+optimized HLO of each variant equals the function's (after dropping names and source
+metadata), and the load average.
 
     python benchmarks/bench_flax_overhead.py --json benchmarks/results/flax_overhead_cpu.json
 """
@@ -100,6 +103,9 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
+    parser.add_argument("--default-nnx-jit-rounds", type=int, default=6,
+                        help="rounds of 2 steps of the default nnx.jit step, each after 2 "
+                             "steps of the function")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
@@ -125,27 +131,42 @@ def main(argv=None) -> int:
         jax.block_until_ready(out)
         compile_seconds[name] = time.perf_counter() - start
 
+    def timed(name: str, count: int) -> list[float]:
+        step, weights = steps[name]
+        seconds = []
+        for _ in range(count):
+            begin = time.perf_counter()
+            out, caches[name] = step(weights, caches[name], token, position)
+            jax.block_until_ready(out)
+            seconds.append(time.perf_counter() - begin)
+        return seconds
+
+    # The default nnx.jit step copies the weights on every call (~10x a step): it is timed
+    # on its own afterwards, so that its memory traffic does not slow its neighbours.
+    names = [name for name in steps if name != "nnx_jit"]
     times = {name: [] for name in steps}
     round_medians = {name: [] for name in steps}
-    names = list(steps)
     for index in range(args.rounds):
         shift = index % len(names)  # rotate the order: no variant always runs first
         for name in names[shift:] + names[:shift]:
-            step, weights = steps[name]
-            this_round = []
-            for _ in range(args.steps):
-                begin = time.perf_counter()
-                out, caches[name] = step(weights, caches[name], token, position)
-                jax.block_until_ready(out)
-                this_round.append(time.perf_counter() - begin)
+            this_round = timed(name, args.steps)
             times[name] += this_round
             round_medians[name].append(statistics.median(this_round))
+    for _ in range(args.default_nnx_jit_rounds):
+        for name in ("function", "nnx_jit"):
+            this_round = timed(name, 2)
+            round_medians[name].append(statistics.median(this_round))
+            if name == "nnx_jit":
+                times[name] += this_round
 
     base = statistics.median(times["function"])
     variants = {}
     for name in steps:
         median = statistics.median(times[name])
-        per_round = [m / f for m, f in zip(round_medians[name], round_medians["function"])]
+        # Per-round ratios pair each round with the function's round next to it in time.
+        reference = round_medians["function"][-len(round_medians[name]):] if (
+            name == "nnx_jit") else round_medians["function"][:args.rounds]
+        per_round = [m / f for m, f in zip(round_medians[name], reference)]
         variants[name] = {
             "median_step_ms": 1e3 * median,
             "min_step_ms": 1e3 * min(times[name]),
@@ -159,6 +180,7 @@ def main(argv=None) -> int:
         "benchmark": "flax_overhead",
         "model": args.model, "dtype": args.dtype, "cache_length": args.cache_length,
         "capacity": args.capacity, "rounds": args.rounds, "steps_per_round": args.steps,
+        "default_nnx_jit_rounds": args.default_nnx_jit_rounds,
         "machine": info, "load_average_end": os.getloadavg(), "variants": variants,
     }
     text = json.dumps(result, indent=2)
