@@ -21,9 +21,9 @@ from specjax.flax_modules import (LinenCausalLM, NNXCausalLM, flax_params, model
 
 from conftest import TINY_VOCAB, random_prompt, tiny_pair
 
-# gpt2: learned positions, biases, tied head; llama-gqa: RoPE, GQA, tied head;
-# qwen2: qkv biases, one kv head, separate head.
-KINDS = ["gpt2", "llama-gqa", "qwen2"]
+# gpt2: learned positions, biases, tied head; llama-gqa: RoPE, GQA, tied head (SmolLM2's
+# shape). qwen2 (qkv biases, one kv head, separate head) runs in the batched test.
+KINDS = ["gpt2", "llama-gqa"]
 
 
 def _paths(model):
@@ -88,7 +88,7 @@ def test_modules_give_bit_identical_logits(kind):
                                                            models.causal_mask(7))[0][6]))
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("kind", ["qwen2"])
 def test_batched_call_matches_each_row(kind):
     """Tokens [B, T] (training batches) run the function on every row (vmap)."""
     model = tiny_pair(kind, seed=4)[1]
