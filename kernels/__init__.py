@@ -82,18 +82,22 @@ def select_variant(variant: str | None = None) -> tuple[str, bool]:
 
 
 def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-                     fallback=None, variant: str | None = None, block_sizes=None):
+                     fallback=None, variant: str | None = None, block_sizes=None, layer=None):
     """Tree/decode attention by a Pallas kernel; see :func:`specjax.attention.attention`.
 
     Args:
-      q: [T, H, D] queries; k_new, v_new: [T, K, D]; k_cache, v_cache: [S, K, D] or ``None``;
-      length: int32 [] committed slots; mask: bool [T, T]; scratch_mask: bool [T, M] or ``None``.
+      q: [T, H, D] queries; k_new, v_new: [T, K, D]; k_cache, v_cache: [S, K, D],
+      [L, S, K, D] (with ``layer``) or ``None``; length: int32 [] committed slots;
+      mask: bool [T, T]; scratch_mask: bool [T, M] or ``None``.
       fallback: an implementation with the same positional signature, used where no
         kernel runs natively or the kernel does not take the shapes (``impl="auto"``);
         ``None`` (``impl="kernel"``) forces the kernel, interpreted off GPU/TPU.
       variant: ``"gpu"`` or ``"tpu"`` to pick a kernel explicitly (interpreted unless it
         matches the backend); ``None`` chooses as the module docstring says.
       block_sizes: optional :class:`GpuBlockSizes` / :class:`TpuBlockSizes` for the variant.
+      layer: int32 [] layer of [L, S, K, D] caches. A kernel module that reads the layer in
+        place says so with ``TAKES_LAYER_INDEX = True``; for the others the layer is
+        sliced out here (a copy of [S, K, D] per call).
     Returns:
       [T, H, D] in the dtype of ``q``.
     Raises:
@@ -102,13 +106,22 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
     args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
     variant, interpret = select_variant(variant)
     if fallback is not None and interpret:
-        return fallback(*args)  # "auto" never interprets: the reference is faster
+        # "auto" never interprets: the reference is faster.
+        return fallback(*args) if layer is None else fallback(*args, layer=layer)
     module = _kernel_module(variant)
     options = {} if block_sizes is None else {"block_sizes": block_sizes}
+    if layer is not None and k_cache is not None:
+        if getattr(module, "TAKES_LAYER_INDEX", False):
+            options["layer"] = layer
+        else:
+            k_cache, v_cache = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)
+                                for c in (k_cache, v_cache))
+            args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
+            layer = None
     if fallback is not None:
         try:
             module.check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
-                                   **options)
+                                   **{k: v for k, v in options.items() if k != "layer"})
         except InvalidArgumentError:
-            return fallback(*args)
+            return fallback(*args) if layer is None else fallback(*args, layer=layer)
     return getattr(module, f"verify_attention_{variant}")(*args, interpret=interpret, **options)

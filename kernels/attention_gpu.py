@@ -12,8 +12,9 @@ Two ``pallas_call`` invocations:
    each program loops over its run only (a ``fori_loop`` with traced bounds, so no block
    at or past ``length`` is read) and keeps an online softmax ``(m, l, acc)`` for its
    ``block_rows`` query rows, which it writes out unnormalised. K/V are read in place from
-   the ``[S, K, D]`` cache with masked loads; the last block's slots past ``length`` load
-   as zeros and score ``MASK_VALUE``.
+   the cache (one layer ``[S, K, D]``, or layer ``layer`` of the stacked ``[L, S, K, D]``:
+   the layer is a traced index, so the model never copies a layer's slots out) with masked
+   loads; the last block's slots past ``length`` load as zeros and score ``MASK_VALUE``.
 2. ``_combine_kernel``, grid ``(K, row blocks)``: scores the tail under its mask, merges
    it with the splits' partials (rescaling each by ``exp(m_split - m)``) and writes the
    normalised output in the query dtype.
@@ -21,6 +22,16 @@ Two ``pallas_call`` invocations:
 Scores, softmax and accumulators are float32; the scale ``1/sqrt(D)`` is applied to the
 float32 scores. Float32 inputs use IEEE float32 dots (``Precision.HIGHEST``; Triton's
 default would be TF32); bf16/fp16 inputs use the tensor cores with float32 accumulation.
+
+Tiling (:class:`GpuBlockSizes`): every call uses the same ``block_rows`` (16 by default)
+whatever the number of query rows, more rows meaning more row blocks in the grid, and the
+number of KV splits depends on the KV heads and the capacity only. So a query row's
+arithmetic (its blocks, splits and merge order) does not depend on how many tree nodes
+share the call. The 16-row tile is also the one the one-token call has always used: on an
+H100 (2026-11-23, float32) calls with 48 rows, which then got a 64-row tile, took ~0.3 ms
+against ~10 us for one-token calls; [64, 64] float32 tiles for q, k, v, the scores and
+the accumulator under IEEE (non-tensor-core) dots on 4 warps very likely spill registers.
+``benchmarks/bench_kernels.py --sweep`` times 16/32/64 rows x 4/8 warps x fp32/bf16.
 
 ``interpret=True`` runs the same kernels with Pallas' generic interpreter on any backend
 (the CPU test path): output buffers start as NaN there, so an element a kernel fails to
@@ -45,6 +56,8 @@ from . import layout
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: Triton tiles must be
 DTYPES = layout.FLOAT_DTYPES
 KERNEL_NAME = "GPU verify-attention kernel"
+DEFAULT_BLOCK_ROWS = 16
+TAKES_LAYER_INDEX = True  # reads layer ``layer`` of an [L, S, K, D] cache in place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +65,12 @@ class GpuBlockSizes:
     """Static tiling of :func:`verify_attention_gpu` (all powers of two >= 16).
 
     Attributes:
-      block_rows: query rows (tree nodes x the group's heads) per program; ``None``: the
-        smallest power of two >= R, at most 64.
+      block_rows: query rows (tree nodes x the group's heads) per program; ``None``:
+        :data:`DEFAULT_BLOCK_ROWS` (16) for every call; more rows mean more row blocks.
       block_kv: cache slots per inner-loop step.
       num_splits: KV splits per (KV head, row block); ``None``: about one program per
-        streaming multiprocessor, with at least two blocks per split at full capacity.
+        streaming multiprocessor for one row block, with at least two blocks per split at
+        full capacity (independent of the number of rows).
       num_warps, num_stages: Triton launch parameters.
     """
 
@@ -67,13 +81,20 @@ class GpuBlockSizes:
     num_stages: int = 2
 
     def resolve(self, rows: int, num_kv_heads: int, capacity: int) -> "GpuBlockSizes":
-        block_rows = self.block_rows or min(64, max(16, layout.next_power_of_2(rows)))
+        """Fills in the ``None`` sizes for a call with ``rows`` query rows per KV head.
+
+        ``block_rows`` defaults to :data:`DEFAULT_BLOCK_ROWS` for every call, and the
+        default ``num_splits`` ignores ``rows``: a row's reduction order is then the same
+        in a one-token step and in a 64-node verify pass (see the module docstring).
+        """
+        del rows  # deliberately: see the docstring
+        block_rows = self.block_rows or DEFAULT_BLOCK_ROWS
         num_splits = self.num_splits
         if num_splits is None:
-            # About one wave of programs, but at least two blocks per split at full capacity:
-            # each split writes float32 partials that the combine reads back.
-            programs = num_kv_heads * layout.round_up(rows, block_rows) // block_rows
-            wanted = layout.next_power_of_2(-(-_multiprocessor_count() // programs))
+            # About one wave of programs for a one-row-block call, but at least two blocks
+            # per split at full capacity: each split writes float32 partials that the
+            # combine reads back.
+            wanted = layout.next_power_of_2(-(-_multiprocessor_count() // num_kv_heads))
             most = 1 << max(0, (capacity // (2 * self.block_kv)).bit_length() - 1)
             num_splits = max(1, min(wanted, most, 256))
         return dataclasses.replace(self, block_rows=block_rows, num_splits=num_splits)
@@ -101,16 +122,17 @@ def _dot(a, b, *, contract_b: int):
                            preferred_element_type=jnp.float32)
 
 
-def _split_kernel(length_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_kv: int,
+def _split_kernel(scalars_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_kv: int,
                   scale: float):
     """Online softmax of one row block over one split of the committed cache slots.
 
-    Refs: length_ref int32 [1]; q_ref [block_rows, D] (one KV head's rows); k_ref, v_ref
-    the whole cache [S, K, D]; outputs acc_ref [block_rows, D], m_ref, l_ref [block_rows].
+    Refs: scalars_ref int32 [2] (length, layer); q_ref [block_rows, D] (one KV head's rows);
+    k_ref, v_ref the whole cache [L, S, K, D]; outputs acc_ref [block_rows, D], m_ref,
+    l_ref [block_rows].
     """
     head, split = pl.program_id(0), pl.program_id(2)
     num_splits = pl.num_programs(2)
-    length = length_ref[0]
+    length, layer = scalars_ref[0], scalars_ref[1]
     num_blocks = pl.cdiv(length, block_kv)
     per_split = pl.cdiv(num_blocks, num_splits)
     first = split * per_split
@@ -123,7 +145,7 @@ def _split_kernel(length_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, blo
         start = pl.multiple_of(block * block_kv, block_kv)
         valid = start + jnp.arange(block_kv, dtype=jnp.int32) < length  # [block_kv]
         load_mask = jnp.broadcast_to(valid[:, None], (block_kv, head_dim))
-        window = (pl.ds(start, block_kv), head, slice(None))
+        window = (layer, pl.ds(start, block_kv), head, slice(None))
         k = plgpu.load(k_ref.at[window], mask=load_mask, other=0)
         v = plgpu.load(v_ref.at[window], mask=load_mask, other=0)
         s = _dot(q, k, contract_b=1) * scale  # [rows, block_kv]
@@ -176,13 +198,27 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
+def _one_layer(cache):
+    """The shape/dtype of one layer of an [S, K, D] or [L, S, K, D] cache (for the checks)."""
+    if cache is None or cache.ndim != 4:
+        return cache
+    return jax.ShapeDtypeStruct(cache.shape[1:], cache.dtype)
+
+
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
                     block_sizes: GpuBlockSizes = GpuBlockSizes()) -> GpuBlockSizes:
     """Raises :class:`InvalidArgumentError` unless the kernel takes these shapes/dtypes.
 
-    Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values). Returns the
-    block sizes resolved for the call.
+    Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values); the caches
+    may be one layer [S, K, D] or all layers [L, S, K, D]. Returns the block sizes resolved
+    for the call.
     """
+    if k_cache is not None and v_cache is not None and (
+            k_cache.ndim == 4 or v_cache.ndim == 4) and k_cache.shape != v_cache.shape:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: k_cache and v_cache must have one shape; got {k_cache.shape} "
+            f"and {v_cache.shape}")
+    k_cache, v_cache = _one_layer(k_cache), _one_layer(v_cache)
     layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                         head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
     num_tokens, num_heads, _ = q.shape
@@ -194,18 +230,32 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
     return config
 
 
+def _window_rows(cache, layer, length, width: int):
+    """(rows [M, K, D] of scratch slots ``length .. length + M - 1`` of layer ``layer`` of an
+    [L, S, K, D] cache, bool [M]: the slot exists). A gather of M rows; the layer itself is
+    never copied."""
+    num_layers, capacity = cache.shape[:2]
+    slots = length + jnp.arange(width, dtype=jnp.int32)
+    index = layer * capacity + jnp.clip(slots, 0, capacity - 1)
+    flat = cache.reshape(num_layers * capacity, *cache.shape[2:])
+    return jnp.take(flat, index, axis=0), slots < capacity
+
+
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-                         block_sizes: GpuBlockSizes = GpuBlockSizes(), interpret: bool = False):
+                         layer=None, block_sizes: GpuBlockSizes = GpuBlockSizes(),
+                         interpret: bool = False):
     """Tree/decode attention on a GPU (Triton); same semantics as ``attention_reference``.
 
     Args:
       q: [T, H, D] queries, 1 <= T <= 128.
       k_new, v_new: [T, K, D] keys/values of the new tokens (H a multiple of K).
-      k_cache, v_cache: [S, K, D] one layer's cache, or ``None``.
+      k_cache, v_cache: [S, K, D] one layer's cache, [L, S, K, D] every layer's (read at
+        ``layer``, in place), or ``None``.
       length: int32 [], committed cache slots visible to every query.
       mask: bool [T, T], visibility among the new tokens (diagonal set).
       scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
+      layer: int32 [] (traced) layer of [L, S, K, D] caches; ``None`` for [S, K, D].
       block_sizes: static :class:`GpuBlockSizes`.
       interpret: run in Pallas' interpreter (any backend) instead of compiling for a GPU.
     Returns:
@@ -219,15 +269,31 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
     has_cache = k_cache is not None
+    if has_cache and (k_cache.ndim == 4) != (layer is not None):
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: pass layer= exactly when the caches are [L, S, K, D] (got caches "
+            f"of rank {k_cache.ndim} and layer={'None' if layer is None else 'an index'})")
+    if has_cache and layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0  # a free reshape
     rows = layout.round_up(num_tokens * group, config.block_rows)
     tail = max(16, layout.next_power_of_2(layout.tail_width(num_tokens, scratch_mask, has_cache)))
     scale = 1.0 / math.sqrt(head_dim)
-    length = jnp.asarray(0 if length is None else length, jnp.int32).reshape(1)
+    length = jnp.asarray(0 if length is None else length, jnp.int32)
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    scalars = jnp.stack([length, layer])
 
     queries = layout.pack_queries(q, num_kv_heads, rows)
+    window_k = window_v = None
+    window_mask = scratch_mask
+    if has_cache and scratch_mask is not None and scratch_mask.shape[1] > 0:
+        # The scratch window as a small cache of its own (M slots from slot 0), so that the
+        # shared packing never slices a layer out of the stacked cache.
+        window_k, exists = _window_rows(k_cache, layer, length, scratch_mask.shape[1])
+        window_v, _ = _window_rows(v_cache, layer, length, scratch_mask.shape[1])
+        window_mask = scratch_mask & exists[None, :]
     tail_k, tail_v, tail_mask = layout.pack_tail(
-        k_new, v_new, k_cache, v_cache, length[0], mask, scratch_mask, group=group, rows=rows,
-        tail=tail, mask_dtype=jnp.int8)
+        k_new, v_new, window_k, window_v, jnp.int32(0), mask, window_mask, group=group,
+        rows=rows, tail=tail, mask_dtype=jnp.int8)
     row_blocks = rows // config.block_rows
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     query_spec = pl.BlockSpec((None, config.block_rows, head_dim), lambda h, i, *_: (h, i, 0))
@@ -254,7 +320,7 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
             compiler_params=params,
             interpret=interpret,
             name="verify_attention_gpu_split",
-        )(length, queries, k_cache, v_cache)
+        )(scalars, queries, k_cache, v_cache)
         partial_specs = [
             pl.BlockSpec((splits, None, config.block_rows, head_dim), lambda h, i: (0, h, i, 0)),
             pl.BlockSpec((splits, None, config.block_rows), lambda h, i: (0, h, i)),

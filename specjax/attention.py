@@ -13,6 +13,17 @@ slot ``length + m`` iff ``scratch_mask[t, m]``: drafters use it to expand a tree
 level, each level attending to the ancestors evaluated before it. ``mask`` is lower-triangular for prefill/decode and the ancestor mask (each
 node sees itself and its ancestors) for tree verification. Every row of ``mask`` must have
 its diagonal set, so no row is empty.
+
+The cache is either one layer's ``[S, K, D]`` or every layer's ``[L, S, K, D]`` with a traced
+``layer`` index: models pass the whole stacked cache and the index of the layer being run,
+so that no implementation needs a copy of the layer's slots (slicing ``[L, S, K, D]`` by a
+traced index inside the layer loop would otherwise materialise ``[S, K, D]`` per layer per
+step; the kernels read the layer in place, the jnp paths slice only what they read).
+
+Precision: float32 products run at ``Precision.HIGHEST`` (IEEE float32; a GPU's default
+for float32 would be TF32, which rounds a verify pass and a one-token step differently),
+narrower dtypes at the default (tensor cores, float32 accumulation). See
+:func:`matmul_precision`.
 """
 
 from __future__ import annotations
@@ -25,6 +36,29 @@ from specjax.errors import InvalidArgumentError
 IMPLEMENTATIONS = ("auto", "reference", "kernel")
 
 
+def matmul_precision(*operands) -> jax.lax.Precision:
+    """``HIGHEST`` when any operand is float32 (or wider), else ``DEFAULT``.
+
+    The precision every matmul/einsum in the models and the jnp attention paths states
+    explicitly, so that ``float32`` means float32 on every backend whatever the global
+    ``jax_default_matmul_precision``; bf16/fp16 products keep the fast default.
+    """
+    wide = any(jnp.dtype(x.dtype).itemsize >= 4 and jnp.issubdtype(x.dtype, jnp.floating)
+               for x in operands)
+    return jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT
+
+
+def _einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(subscripts, a, b, precision=matmul_precision(a, b))
+
+
+def layer_slice(cache: jax.Array | None, layer) -> jax.Array | None:
+    """One layer [S, K, D] of a cache given as [S, K, D] (``layer`` None) or [L, S, K, D]."""
+    if cache is None or layer is None:
+        return cache
+    return jax.lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)
+
+
 def attention_reference(
     q: jax.Array,  # [T, H, D]
     k_new: jax.Array,  # [T, K, D]
@@ -34,8 +68,11 @@ def attention_reference(
     length: jax.Array | int,  # int32 [], committed slots of the cache
     mask: jax.Array,  # bool [T, T]
     scratch_mask: jax.Array | None = None,  # bool [T, M]
+    *,
+    layer: jax.Array | int | None = None,  # int32 [], with [L, S, K, D] caches
 ) -> jax.Array:
     """Pure-jnp attention; returns [T, H, D] in the dtype of ``q``."""
+    k_cache, v_cache = layer_slice(k_cache, layer), layer_slice(v_cache, layer)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
@@ -43,13 +80,13 @@ def attention_reference(
     qg = qg * (1.0 / jnp.sqrt(jnp.float32(head_dim)))
     neg = jnp.float32(-1e30)
 
-    s_new = jnp.einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32))
+    s_new = _einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32))
     s_new = jnp.where(mask[None, None], s_new, neg)
     if k_cache is None:
         probs = jax.nn.softmax(s_new, axis=-1)
-        out = jnp.einsum("kgtu,ukd->tkgd", probs, v_new.astype(jnp.float32))
+        out = _einsum("kgtu,ukd->tkgd", probs, v_new.astype(jnp.float32))
     else:
-        s_old = jnp.einsum("tkgd,skd->kgts", qg, k_cache.astype(jnp.float32))
+        s_old = _einsum("tkgd,skd->kgts", qg, k_cache.astype(jnp.float32))
         slots = jnp.arange(k_cache.shape[0])
         visible = (slots < length)[None, :]  # [1, S]
         if scratch_mask is not None and scratch_mask.shape[1] > 0:
@@ -60,8 +97,8 @@ def attention_reference(
         s_old = jnp.where(visible[None, None], s_old, neg)
         probs = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
         p_old, p_new = probs[..., : k_cache.shape[0]], probs[..., k_cache.shape[0]:]
-        out = (jnp.einsum("kgts,skd->tkgd", p_old, v_cache.astype(jnp.float32))
-               + jnp.einsum("kgtu,ukd->tkgd", p_new, v_new.astype(jnp.float32)))
+        out = (_einsum("kgts,skd->tkgd", p_old, v_cache.astype(jnp.float32))
+               + _einsum("kgtu,ukd->tkgd", p_new, v_new.astype(jnp.float32)))
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
@@ -76,18 +113,22 @@ def attention_blocked(
     scratch_mask: jax.Array | None = None,  # bool [T, M]
     *,
     block: int = 128,
+    layer: jax.Array | int | None = None,  # int32 [], with [L, S, K, D] caches
 ) -> jax.Array:
     """Same result as :func:`attention_reference`, reading only the cache slots in use.
 
     The cache is visited in blocks of ``block`` slots by a loop whose trip count is traced
     (``ceil((length + M) / block)``), with an online softmax, so the cost follows the
     committed length instead of the static capacity, and a prefill over an empty cache
-    reads nothing. This is the CPU path of ``impl="auto"``.
+    reads nothing. This is the CPU path of ``impl="auto"``. With ``layer``, the caches are
+    [L, S, K, D] and each block is sliced straight out of layer ``layer``.
     """
     if k_cache is None:
         return attention_reference(q, k_new, v_new, None, None, length, mask)
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     num_tokens, num_heads, head_dim = q.shape
-    capacity, num_kv_heads, _ = k_cache.shape
+    _, capacity, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block = min(block, capacity)
     window = 0 if scratch_mask is None else scratch_mask.shape[1]
@@ -103,61 +144,67 @@ def attention_blocked(
         first = i * block
         start = jnp.minimum(first, capacity - block)  # dynamic_slice would clamp anyway
         slots = start + jnp.arange(block)
-        k_blk = jax.lax.dynamic_slice_in_dim(k_cache, start, block).astype(jnp.float32)
-        v_blk = jax.lax.dynamic_slice_in_dim(v_cache, start, block).astype(jnp.float32)
+        corner, size = (layer, start, 0, 0), (1, block, num_kv_heads, head_dim)
+        k_blk = jax.lax.dynamic_slice(k_cache, corner, size)[0].astype(jnp.float32)
+        v_blk = jax.lax.dynamic_slice(v_cache, corner, size)[0].astype(jnp.float32)
         visible = ((slots >= first) & (slots < length))[None, :]  # [1, B]
         if window:
             rel = slots - length
             in_window = (slots >= first) & (rel >= 0) & (rel < window)
             seen = jnp.take(scratch_mask, jnp.clip(rel, 0, window - 1), axis=1)
             visible = visible | (seen & in_window[None, :])  # [T, B]
-        s = jnp.einsum("tkgd,bkd->kgtb", qg, k_blk)
+        s = _einsum("tkgd,bkd->kgtb", qg, k_blk)
         s = jnp.where(visible[None, None], s, neg)
         m_new = jnp.maximum(m, s.max(-1))
         scale = jnp.exp(m - m_new)
         # Masked slots must weigh 0 even while a row has seen nothing (m == neg).
         p = jnp.where(visible[None, None], jnp.exp(s - m_new[..., None]), 0.0)
         l = l * scale + p.sum(-1)
-        acc = acc * scale[..., None] + jnp.einsum("kgtb,bkd->kgtd", p, v_blk)
+        acc = acc * scale[..., None] + _einsum("kgtb,bkd->kgtd", p, v_blk)
         return m_new, l, acc
 
     shape = (num_kv_heads, group, num_tokens)
     init = (jnp.full(shape, neg), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
     m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     # The new tokens last; every row sees at least itself, so the final l is > 0.
-    s = jnp.einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32))
+    s = _einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32))
     s = jnp.where(mask[None, None], s, neg)
     m_new = jnp.maximum(m, s.max(-1))
     scale = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[..., None])
     l = l * scale + p.sum(-1)
-    acc = acc * scale[..., None] + jnp.einsum("kgtu,ukd->kgtd", p, v_new.astype(jnp.float32))
+    acc = acc * scale[..., None] + _einsum("kgtu,ukd->kgtd", p, v_new.astype(jnp.float32))
     out = (acc / l[..., None]).transpose(2, 0, 1, 3)  # [T, K, G, D]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-              impl: str = "auto"):
+              impl: str = "auto", layer=None):
     """Dispatches to an attention implementation; see the module docstring for semantics.
 
     Args:
       q: [T, H, D] queries of the new tokens (RoPE already applied).
       k_new, v_new: [T, K, D] keys/values of the new tokens.
-      k_cache, v_cache: [S, K, D] one layer's cache, or ``None`` (no prefix).
+      k_cache, v_cache: [S, K, D] one layer's cache, [L, S, K, D] every layer's (with
+        ``layer``), or ``None`` (no prefix).
       length: int32 [], committed cache slots visible to every query.
       mask: bool [T, T], visibility among the new tokens.
       scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
       impl: ``"auto"``, ``"reference"`` or ``"kernel"`` (static).
+      layer: int32 [] index of the layer to read when the caches are [L, S, K, D].
     Returns:
       [T, H, D] attention output.
     """
     if impl not in IMPLEMENTATIONS:
         raise InvalidArgumentError(f"unknown attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
     if impl == "reference":
-        return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
+        return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
+                                   layer=layer)
     if impl == "auto" and jax.default_backend() == "cpu":
-        return attention_blocked(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
+        return attention_blocked(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
+                                 layer=layer)
     from specjax import kernels  # imported lazily: Pallas is only needed off the CPU
 
     return kernels.verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
-                                    fallback=attention_reference if impl == "auto" else None)
+                                    fallback=attention_reference if impl == "auto" else None,
+                                    layer=layer)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import attention
+from specjax.attention import attention, matmul_precision
 from specjax.cache import KVCache, write_scratch
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, InvalidArgumentError
@@ -85,18 +85,21 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
     x = family.embed(params, config, tokens, positions)
     context = family.position_context(config, positions)
     length = None if cache is None else cache.length
+    k_all, v_all = (None, None) if cache is None else (cache.k, cache.v)
 
-    def layer(x, xs):
-        p, k_prev, v_prev = xs
+    def layer(carry, p):
+        x, index = carry
 
+        # Attention reads layer `index` of the whole [L, S, K, D] cache in place: scanning
+        # over the cache instead would copy each layer's [S, K, D] slots every step.
         def attend(q, k, v):
-            return attention(q, k, v, k_prev, v_prev, length, mask, scratch_mask, impl=attn_impl)
+            return attention(q, k, v, k_all, v_all, length, mask, scratch_mask, impl=attn_impl,
+                             layer=None if k_all is None else index)
 
         x, k, v = family.block(p, config, x, context, attend)
-        return x, (k, v)
+        return (x, index + 1), (k, v)
 
-    xs = (params["layers"], None, None) if cache is None else (params["layers"], cache.k, cache.v)
-    x, (k_new, v_new) = jax.lax.scan(layer, x, xs)
+    (x, _), (k_new, v_new) = jax.lax.scan(layer, (x, jnp.int32(0)), params["layers"])
     if cache is not None:
         offset = 0 if scratch_mask is None else scratch_mask.shape[1]
         cache = write_scratch(cache, k_new, v_new, offset)
@@ -128,18 +131,19 @@ def head_subset_params(params: dict, config: ModelConfig, tokens) -> dict:
 def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits [T, V] in float32 from hidden states [T, d] (see :func:`head_subset_params`
     for parameter trees with a restricted head)."""
+    precision = matmul_precision(hidden)
     if HEAD_SUBSET in params:
         subset = params[HEAD_SUBSET]
         logits = jnp.einsum("td,kd->tk", hidden, subset["weight"].astype(hidden.dtype),
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=jnp.float32, precision=precision)
         floor = jnp.min(logits, axis=-1, keepdims=True)
         full = jnp.broadcast_to(floor, (hidden.shape[0], config.vocab_size))
         return full.at[:, subset["tokens"]].set(logits, unique_indices=True)
     if config.tie_word_embeddings:
         return jnp.einsum("td,vd->tv", hidden, params["embed"].astype(hidden.dtype),
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=jnp.float32, precision=precision)
     return jnp.einsum("td,dv->tv", hidden, params["lm_head"].astype(hidden.dtype),
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.float32, precision=precision)
 
 
 def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,

@@ -2,6 +2,8 @@
 
 All functions are pure and shape-polymorphic over leading axes. Norm statistics are
 computed in float32 and cast back to the input dtype, as the reference implementations do.
+Matmuls state their precision (HIGHEST for float32 operands) rather than relying on the
+global ``jax_default_matmul_precision``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from specjax.attention import matmul_precision
 from specjax.config import ModelConfig
 
 
@@ -69,6 +72,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def dense(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """``x @ weight (+ bias)`` with weight stored [in, out]."""
-    y = jnp.dot(x, weight.astype(x.dtype))
+    """``x @ weight (+ bias)`` with weight stored [in, out], at the precision of the dtype
+    (float32: IEEE float32, never TF32; see :func:`specjax.attention.matmul_precision`)."""
+    weight = weight.astype(x.dtype)
+    y = jnp.dot(x, weight, precision=matmul_precision(x, weight))
     return y if bias is None else y + bias.astype(x.dtype)
