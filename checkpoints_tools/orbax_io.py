@@ -6,6 +6,12 @@ Layout of a checkpoint directory::
                           "specjax_format_version"
     params/               the parameter tree, written by orbax's StandardCheckpointer
     tokenizer.json ...    the tokenizer, when there is one (``save_pretrained`` files)
+    specjax_origin.json   optional: what the checkpoint was made from (a JSON object, e.g.
+                          ``specjax convert``'s {"source", "known_model", "dtype", ...})
+
+The origin lives in a file of its own so that checkpoints without it (written before it
+existed) still read, and specjax versions that do not know it still load checkpoints
+that have it (they would reject an unknown field in the config).
 
 Loading checks the restored tree against the config (shapes, missing and extra leaves),
 so a checkpoint that does not describe the model it claims to is rejected by name.
@@ -29,6 +35,7 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 
 CONFIG_FILE = "specjax_config.json"
 PARAMS_DIR = "params"
+ORIGIN_FILE = "specjax_origin.json"
 FORMAT_VERSION = 1
 _VERSION_KEY = "specjax_format_version"
 
@@ -67,7 +74,7 @@ def _to_numpy(tree):
 
 
 def save_orbax(path: str | os.PathLike, config: ModelConfig, params: dict,
-               tokenizer: Any = None) -> Path:
+               tokenizer: Any = None, origin: dict[str, Any] | None = None) -> Path:
     """Writes a specjax checkpoint directory (see the module docstring).
 
     Args:
@@ -75,10 +82,13 @@ def save_orbax(path: str | os.PathLike, config: ModelConfig, params: dict,
       config: the model config.
       params: parameter tree (numpy or jax arrays), checked against ``config``.
       tokenizer: a transformers tokenizer to save alongside, or ``None``.
+      origin: what the checkpoint was made from, a JSON-serialisable dict stored as
+        ``specjax_origin.json`` (read back by :func:`read_origin`); ``None`` stores none.
     Returns:
       ``path`` as an absolute :class:`~pathlib.Path`.
     Raises:
-      InvalidArgumentError: ``path`` exists and is not an empty directory.
+      InvalidArgumentError: ``path`` exists and is not an empty directory, or ``origin``
+        is not a JSON-serialisable dict.
       CheckpointError: ``params`` does not match ``config``.
     """
     import orbax.checkpoint as ocp
@@ -89,14 +99,45 @@ def save_orbax(path: str | os.PathLike, config: ModelConfig, params: dict,
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise InvalidArgumentError(f"{path} already exists and is not an empty directory")
     check_params(config, params, source="params")
+    origin_text = None if origin is None else _origin_json(origin)
     path.mkdir(parents=True, exist_ok=True)
     record = {_VERSION_KEY: FORMAT_VERSION, **config_to_dict(config)}
     (path / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    if origin_text is not None:
+        (path / ORIGIN_FILE).write_text(origin_text)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path / PARAMS_DIR, _to_numpy(params))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
     return path
+
+
+def _origin_json(origin: dict[str, Any]) -> str:
+    if not isinstance(origin, dict):
+        raise InvalidArgumentError(f"origin must be a dict, got {type(origin).__name__}")
+    try:
+        return json.dumps(origin, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as error:  # a non-JSON value, NaN, a cycle
+        raise InvalidArgumentError(f"origin is not JSON-serialisable ({one_line(error)})"
+                                   ) from error
+
+
+def read_origin(path: str | os.PathLike) -> dict[str, Any] | None:
+    """What the checkpoint directory ``path`` was made from, as given to :func:`save_orbax`.
+
+    Args:
+      path: a checkpoint directory.
+    Returns:
+      the stored dict, or ``None`` when the checkpoint records no origin (one written
+      before origins were stored, or without one).
+    Raises:
+      CheckpointError: ``specjax_origin.json`` exists but is not a readable JSON object
+        (the message names the file).
+    """
+    file = Path(path) / ORIGIN_FILE
+    if not file.exists():
+        return None
+    return read_json_object(file)
 
 
 def read_orbax_config(path: str | os.PathLike) -> ModelConfig:

@@ -306,6 +306,47 @@ def test_failed_overwrite_keeps_the_old_checkpoint(tiny_dirs, tmp_path, monkeypa
     assert resolve_and_load(dst)[0] == load_hf_directory(path)[0]
 
 
+# ----------------------------------------------------------------------------- provenance
+
+
+def test_origin_round_trip_and_checkpoints_without_one(tiny_dirs, tmp_path):
+    _, path = tiny_dirs["llama-mha-tied"]
+    config, params = load_hf_directory(path)
+    origin = {"source": "somewhere", "known_model": "smollm2-135m", "dtype": "float32",
+              "nested": {"steps": [1, 2]}}
+    with_origin = save_orbax(tmp_path / "with", config, params, origin=origin)
+    assert orbax_io.read_origin(with_origin) == origin
+    assert load_orbax(with_origin)[0] == config  # the origin file does not disturb loading
+    # A checkpoint written without an origin (as every one before origins existed).
+    without = save_orbax(tmp_path / "without", config, params)
+    assert orbax_io.read_origin(without) is None
+    assert not (without / orbax_io.ORIGIN_FILE).exists()
+    # The config file keeps the fields every specjax version reads: nothing added to it.
+    record = json.loads((with_origin / orbax_io.CONFIG_FILE).read_text())
+    assert record == json.loads((without / orbax_io.CONFIG_FILE).read_text())
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "\xff\xfe"])
+def test_damaged_origin_is_a_one_line_error_naming_the_file(tiny_dirs, tmp_path, content):
+    _, path = tiny_dirs["gpt2"]
+    config, params = load_hf_directory(path)
+    ckpt = save_orbax(tmp_path / "ckpt", config, params, origin={"source": "x"})
+    origin_file = ckpt / orbax_io.ORIGIN_FILE
+    origin_file.write_bytes(content.encode("latin-1"))
+    with pytest.raises(CheckpointError) as error:
+        orbax_io.read_origin(ckpt)
+    assert str(origin_file) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_origin_must_be_a_json_object(tiny_dirs, tmp_path):
+    _, path = tiny_dirs["gpt2"]
+    config, params = load_hf_directory(path)
+    for bad in ({"when": object()}, {"loss": float("nan")}, ["source"]):
+        with pytest.raises(InvalidArgumentError, match="origin"):
+            save_orbax(tmp_path / "bad", config, params, origin=bad)
+        assert not (tmp_path / "bad").exists()  # rejected before anything is written
+
+
 # ----------------------------------------------------------------------------- resolving
 
 
