@@ -40,6 +40,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from specjax import interrupts
 from specjax.drafters.ngram import NUM_PROBES, NgramTables, save_ngram, trigram_slots
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
 
@@ -548,6 +550,7 @@ def build_ngram_files(out: str | os.PathLike, tokenizer: str, *,
     Raises:
       InvalidArgumentError: bad settings or inputs, ``out`` exists, an empty corpus.
       ModelNotFoundError, CheckpointError: the tokenizer cannot be loaded.
+      KeyboardInterrupt: Ctrl-C; ``out`` is then as it was (absent, or the old file).
     """
     started = time.perf_counter()
     out = Path(out).expanduser().absolute()
@@ -558,21 +561,43 @@ def build_ngram_files(out: str | os.PathLike, tokenizer: str, *,
     if not text and not tokens:
         raise InvalidArgumentError("no corpus: give text files (--text) or token files "
                                    "(--tokens)")
-    files = collect_text_files(text, pattern, exclude)
-    token_sequences = [seq for path in tokens for seq in read_token_file(path)]
-    tok, vocab_size = load_tokenizer(tokenizer)
-    skipped: list[Path] = []
-    sequences = list(tokenize_files(tok, files, progress=progress, skipped=skipped))
-    built = build_ngram(sequences + token_sequences, vocab_size, top_k=top_k,
-                        trigram_top_k=trigram_top_k, trigram_buckets=trigram_buckets,
-                        min_context_count=min_context_count)
-    metadata = {**built.metadata, "built_by": "specjax build-ngram", "tokenizer": str(tokenizer),
-                "text_files": len(files) - len(skipped), "text_files_skipped": len(skipped),
-                "text_inputs": [str(Path(p).expanduser().absolute()) for p in text],
-                "token_files": len(tokens), "pattern": pattern, "exclude": list(exclude),
-                "total_seconds": round(time.perf_counter() - started, 2)}
-    path = save_ngram(out, built.tables, metadata)
-    return path, metadata
+    with interrupts.guard() as interrupt:
+        files = collect_text_files(text, pattern, exclude)
+        token_sequences = [seq for path in tokens for seq in read_token_file(path)]
+        tok, vocab_size = load_tokenizer(tokenizer)
+        skipped: list[Path] = []
+        sequences = list(tokenize_files(tok, files, progress=progress, skipped=skipped))
+        built = build_ngram(sequences + token_sequences, vocab_size, top_k=top_k,
+                            trigram_top_k=trigram_top_k, trigram_buckets=trigram_buckets,
+                            min_context_count=min_context_count)
+        metadata = {**built.metadata, "built_by": "specjax build-ngram",
+                    "tokenizer": str(tokenizer),
+                    "text_files": len(files) - len(skipped), "text_files_skipped": len(skipped),
+                    "text_inputs": [str(Path(p).expanduser().absolute()) for p in text],
+                    "token_files": len(tokens), "pattern": pattern, "exclude": list(exclude),
+                    "total_seconds": round(time.perf_counter() - started, 2)}
+        interrupt.check()  # one that a gc callback swallowed while building
+        with interrupt.deferred():
+            _write_tables(out, built.tables, metadata, interrupt)
+    return out, metadata
+
+
+def _write_tables(out: Path, tables: NgramTables, metadata: dict,
+                  interrupt: interrupts.Interrupt) -> None:
+    """``save_ngram`` into a hidden file beside ``out``, renamed over ``out`` only if no
+    Ctrl-C came meanwhile (inside :meth:`~specjax.interrupts.Interrupt.deferred`)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f".{out.name}.partial-", dir=out.parent)
+    os.close(handle)  # reserves a unique name; save_ngram replaces the empty file
+    staging = Path(name)
+    try:
+        save_ngram(staging, tables, metadata)
+        interrupt.check()
+        os.replace(staging, out)
+    except BaseException:  # Ctrl-C included (raised by check): no partial file left
+        staging.unlink(missing_ok=True)
+        raise
+    interrupt.completed()
 
 
 def add_parser(subparsers) -> None:
@@ -610,13 +635,18 @@ def add_parser(subparsers) -> None:
 
 
 def _run(args) -> int:
-    path, meta = build_ngram_files(
-        args.out, args.tokenizer, text=args.text, tokens=args.tokens, pattern=args.pattern,
-        exclude=args.exclude, top_k=args.top_k, trigram_top_k=args.trigram_top_k,
-        trigram_buckets=args.trigram_buckets, min_context_count=args.min_context_count,
-        overwrite=args.overwrite, progress=sys.stderr.isatty())
-    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {meta['corpus_tokens']} tokens "
-          f"in {meta['corpus_sequences']} sequences, {meta['trigram_contexts_stored']} trigram "
-          f"contexts stored ({meta['trigram_contexts_dropped']} dropped), "
-          f"{meta['total_seconds']:.1f} s", file=sys.stderr)
+    # As `specjax convert`: Ctrl-C ends the process at once until the tables are written
+    # (build_ngram_files holds it back then, and cleans up), and is ignored once they are.
+    with interrupts.command("specjax: interrupted"):
+        path, meta = build_ngram_files(
+            args.out, args.tokenizer, text=args.text, tokens=args.tokens,
+            pattern=args.pattern, exclude=args.exclude, top_k=args.top_k,
+            trigram_top_k=args.trigram_top_k, trigram_buckets=args.trigram_buckets,
+            min_context_count=args.min_context_count, overwrite=args.overwrite,
+            progress=sys.stderr.isatty())
+        print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {meta['corpus_tokens']} "
+              f"tokens in {meta['corpus_sequences']} sequences, "
+              f"{meta['trigram_contexts_stored']} trigram contexts stored "
+              f"({meta['trigram_contexts_dropped']} dropped), {meta['total_seconds']:.1f} s",
+              file=sys.stderr)
     return 0

@@ -37,6 +37,7 @@ Output directory ``OUT``::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -50,6 +51,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from specjax import interrupts
 from specjax.errors import InvalidArgumentError
 
 LOSSES = ("kl", "tvd", "ce", "ce+kl")
@@ -263,12 +265,21 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
       log: called with one-line progress messages.
     Returns:
       A summary dict (steps, final held-out agreement, seconds, paths).
+    Raises:
+      KeyboardInterrupt: Ctrl-C. The run stops at once, except that a checkpoint or file
+        being written is finished first; nothing half-written is left, ``draft`` (and
+        ``draft-hf``) appear only with the run complete, and a rerun resumes.
     """
+    with interrupts.guard() as interrupt:
+        return _train(target, out, cfg, corpus_files, export_hf, progress, log, interrupt)
+
+
+def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
+           corpus_files: Sequence[Path] | None, export_hf: bool, progress: bool, log,
+           interrupt: interrupts.Interrupt) -> dict:
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
-
-    from specjax.checkpoints_tools.orbax_io import save_orbax
 
     if target.tokenizer is None:
         raise InvalidArgumentError(f"target {target.name} has no tokenizer to read the corpus")
@@ -298,8 +309,13 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
                                       heldout_fraction=cfg.heldout_fraction,
                                       separator=separator, progress=progress)
         tmp = corpus_path.with_suffix(".tmp.npz")
-        np.savez(tmp, train=train, heldout=held)
-        os.replace(tmp, corpus_path)
+        with interrupt.deferred():
+            try:
+                np.savez(tmp, train=train, heldout=held)
+                os.replace(tmp, corpus_path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
     log(f"corpus: {train.size} training tokens, {held.size} held-out tokens")
 
     draft_config, draft_params = draft_from_target(target.config, target.params,
@@ -312,87 +328,126 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
 
     manager = ocp.CheckpointManager(out / "train_state",
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
-    start = 0
-    if manager.latest_step() is not None:
-        start = manager.latest_step()
-        restored = manager.restore(start, args=ocp.args.StandardRestore(
-            {"trainable": trainable, "opt_state": opt_state}))
-        trainable, opt_state = restored["trainable"], restored["opt_state"]
-        log(f"resumed from step {start}")
-
-    train_step, eval_step = make_steps(target.config, draft_config, cfg, optimizer)
-    eval_rng = np.random.default_rng(cfg.seed + 1)
-    eval_windows = sample_windows(held, eval_rng, cfg.eval_windows, cfg.seq_len + 1)
-
-    def evaluate(params):
-        agree, kl = eval_step(params, frozen, target_params, jnp.asarray(eval_windows))
-        return float(agree), float(kl)
-
-    log_file = (out / "train_log.jsonl").open("a")
-    if start == 0:  # where the draft starts from
-        agreement, heldout_kl = evaluate(trainable)
-        log_file.write(json.dumps({"step": 0, "heldout_agreement": agreement,
-                                   "heldout_kl": heldout_kl, "time": time.time()}) + "\n")
-        log(f"step 0: held-out top-1 agreement {agreement:.3f}, KL {heldout_kl:.4f}")
-    rng = np.random.default_rng(cfg.seed + start)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start, desc="train-draft", unit="step")
-    began = time.perf_counter()
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    agreement = None
-    window_start, window_first = time.perf_counter(), start  # the first window includes compiling
-    for step in range(start, cfg.steps):
-        windows = jnp.asarray(sample_windows(train, rng, cfg.batch_size, cfg.seq_len + 1))
-        trainable, opt_state, loss, aux = train_step(trainable, opt_state, frozen,
-                                                     target_params, windows)
-        done = step + 1
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            jax.block_until_ready(trainable)
-            elapsed = time.perf_counter() - window_start
-            timed_steps = done - max(window_first, start)
-            agreement, heldout_kl = evaluate(trainable)
-            entry = {"step": done, "loss": float(loss),
-                     **{k: float(v) for k, v in aux.items()},
-                     "heldout_agreement": agreement, "heldout_kl": heldout_kl,
-                     "tokens_per_s": tokens_per_step * timed_steps / max(elapsed, 1e-9),
-                     "time": time.time()}
-            log_file.write(json.dumps(entry) + "\n")
-            log_file.flush()
-            log(f"step {done}: loss {float(loss):.4f}, held-out top-1 agreement {agreement:.3f}")
-            window_start, window_first = time.perf_counter(), done
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            manager.save(done, args=ocp.args.StandardSave(
+    with contextlib.ExitStack() as stack:
+        # On the way out, Ctrl-C included, let orbax finish the save in flight (held back
+        # from a second Ctrl-C): interrupting its threads left a half-written
+        # "N.orbax-checkpoint-tmp" step and a "cannot schedule new futures" traceback.
+        stack.callback(_close_manager, manager, interrupt)
+        start = 0
+        if manager.latest_step() is not None:
+            start = manager.latest_step()
+            restored = manager.restore(start, args=ocp.args.StandardRestore(
                 {"trainable": trainable, "opt_state": opt_state}))
-    manager.wait_until_finished()
-    manager.close()
-    log_file.close()
-    if bar is not None:
-        bar.close()
+            trainable, opt_state = restored["trainable"], restored["opt_state"]
+            log(f"resumed from step {start}")
+
+        train_step, eval_step = make_steps(target.config, draft_config, cfg, optimizer)
+        eval_rng = np.random.default_rng(cfg.seed + 1)
+        eval_windows = sample_windows(held, eval_rng, cfg.eval_windows, cfg.seq_len + 1)
+
+        def evaluate(params):
+            agree, kl = eval_step(params, frozen, target_params, jnp.asarray(eval_windows))
+            return float(agree), float(kl)
+
+        log_file = stack.enter_context((out / "train_log.jsonl").open("a"))
+        if start == 0:  # where the draft starts from
+            agreement, heldout_kl = evaluate(trainable)
+            log_file.write(json.dumps({"step": 0, "heldout_agreement": agreement,
+                                       "heldout_kl": heldout_kl, "time": time.time()}) + "\n")
+            log(f"step 0: held-out top-1 agreement {agreement:.3f}, KL {heldout_kl:.4f}")
+        rng = np.random.default_rng(cfg.seed + start)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = stack.enter_context(tqdm(total=cfg.steps, initial=start, desc="train-draft",
+                                           unit="step"))
+        began = time.perf_counter()
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        agreement = None
+        # The first timing window includes compiling.
+        window_start, window_first = time.perf_counter(), start
+        for step in range(start, cfg.steps):
+            interrupt.check()  # one that a gc callback swallowed during the last step
+            windows = jnp.asarray(sample_windows(train, rng, cfg.batch_size, cfg.seq_len + 1))
+            trainable, opt_state, loss, aux = train_step(trainable, opt_state, frozen,
+                                                         target_params, windows)
+            done = step + 1
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(loss):.3f}")
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                jax.block_until_ready(trainable)
+                elapsed = time.perf_counter() - window_start
+                timed_steps = done - max(window_first, start)
+                agreement, heldout_kl = evaluate(trainable)
+                entry = {"step": done, "loss": float(loss),
+                         **{k: float(v) for k, v in aux.items()},
+                         "heldout_agreement": agreement, "heldout_kl": heldout_kl,
+                         "tokens_per_s": tokens_per_step * timed_steps / max(elapsed, 1e-9),
+                         "time": time.time()}
+                log_file.write(json.dumps(entry) + "\n")
+                log_file.flush()
+                log(f"step {done}: loss {float(loss):.4f}, held-out top-1 agreement "
+                    f"{agreement:.3f}")
+                window_start, window_first = time.perf_counter(), done
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                with interrupt.deferred():  # orbax's save must not be cut half-way
+                    manager.save(done, args=ocp.args.StandardSave(
+                        {"trainable": trainable, "opt_state": opt_state}))
     if agreement is None:
         agreement = evaluate(trainable)[0]
 
     params = jax.tree.map(np.asarray, {**trainable, **frozen})
-    final = out / "draft"
-    staging = out / ".draft.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    save_orbax(staging, draft_config, params, target.tokenizer)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(staging, final)
     summary = {"steps": cfg.steps, "heldout_agreement": agreement,
-               "seconds": time.perf_counter() - began, "draft": str(final)}
+               "seconds": time.perf_counter() - began, "draft": str(out / "draft")}
     if export_hf:
-        from specjax.checkpoints_tools.hf import save_hf_directory
-
-        summary["draft_hf"] = str(save_hf_directory(draft_config, params, out / "draft-hf",
-                                                    target.tokenizer))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary["draft_hf"] = str(out / "draft-hf")
+    with interrupt.deferred():
+        _export(out, draft_config, params, target.tokenizer, export_hf, summary, interrupt)
     return summary
+
+
+def _close_manager(manager, interrupt: interrupts.Interrupt) -> None:
+    with interrupt.deferred():
+        manager.wait_until_finished()
+        manager.close()
+
+
+def _export(out: Path, config, params: dict, tokenizer, export_hf: bool, summary: dict,
+            interrupt: interrupts.Interrupt) -> None:
+    """Writes ``draft`` (and ``draft-hf``) into hidden directories first and moves them
+    into place together, with ``summary.json``, only if no Ctrl-C came meanwhile."""
+    from specjax.checkpoints_tools.hf import save_hf_directory
+    from specjax.checkpoints_tools.orbax_io import save_orbax
+
+    names = ["draft", "draft-hf"] if export_hf else ["draft"]
+    staged = {name: out / f".{name}.tmp" for name in names + ["summary.json"]}
+    try:
+        for path in staged.values():  # left by a run killed outright
+            _remove(path)
+        save_orbax(staged["draft"], config, params, tokenizer)
+        interrupt.check()
+        if export_hf:
+            save_hf_directory(config, params, staged["draft-hf"], tokenizer)
+            interrupt.check()
+        staged["summary.json"].write_text(json.dumps(summary, indent=2) + "\n")
+        for name in names:
+            shutil.rmtree(out / name, ignore_errors=True)  # the previous run's
+        for name, path in staged.items():
+            os.replace(path, out / name)
+    except BaseException:  # Ctrl-C included (raised by check): nothing half-written left
+        for path in staged.values():
+            _remove(path)
+        raise
+    interrupt.completed()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathLike | None = None,
@@ -445,8 +500,10 @@ def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathL
                 subset = frequent_tokens(corpus["train"], head_tokens, target.config.vocab_size)
             provenance["head_tokens_source"] = (
                 f"the {head_tokens} most frequent ids of the run's training corpus")
-        save_draft_asset(asset_dir, target.config, params, target.params["embed"], provenance,
-                         head_tokens=subset)
+        # Ctrl-C waits for the asset's files (then raises): none is left half-written.
+        with interrupts.guard() as interrupt, interrupt.deferred():
+            save_draft_asset(asset_dir, target.config, params, target.params["embed"],
+                             provenance, head_tokens=subset)
         summary["asset"] = str(asset_dir)
     return summary
 
@@ -465,14 +522,21 @@ def main(args) -> int:
     if args.head_tokens is not None and not args.asset:
         raise InvalidArgumentError("--head-tokens needs --asset DIR")
     progress = sys.stderr.isatty()
-    target = specjax.load(args.target, progress=progress)
-    summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
-                          export_hf=args.export_hf, progress=progress,
-                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    if args.asset:
-        summary.update(export_latest(target, args.out, args.asset, head_tokens=args.head_tokens,
-                                     note=args.note))
-    print(json.dumps(summary))
+    # The outcome is decided when the draft is in place, or with --asset when the asset is
+    # written too (a Ctrl-C in the instant between the two is reported, the asset complete).
+    with interrupts.command("specjax: interrupted",
+                            finish_on_completed=not args.asset) as on_interrupt:
+        # Loading writes nothing: Ctrl-C may end the process at once.
+        target = specjax.load(args.target, progress=progress)
+        on_interrupt.exit_at_once = False  # orbax's threads may be writing from here on
+        summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
+                              export_hf=args.export_hf, progress=progress,
+                              log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if args.asset:
+            summary.update(export_latest(target, args.out, args.asset,
+                                         head_tokens=args.head_tokens, note=args.note))
+            on_interrupt.finished()
+        print(json.dumps(summary))
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from specjax.errors import SpecjaxError
@@ -238,17 +239,32 @@ def _generate(args) -> int:
 
 
 def _convert(args) -> int:
+    from specjax import interrupts
     from specjax.checkpoints_tools.convert import convert
 
-    convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite,
-            progress=_progress())
-    print(f"wrote {args.dst}", file=sys.stderr)
+    # Until convert() writes (it holds Ctrl-C back then, and cleans up), nothing needs
+    # cleaning up: Ctrl-C ends the process at once, so that no gc callback or import can
+    # swallow or garble it. Once DST is in place, Ctrl-C is ignored (see interrupts.command).
+    with interrupts.command("specjax: interrupted"):
+        convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite,
+                progress=_progress())
+        print(f"wrote {args.dst}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specjax import interrupts
+
     parser = build_parser()
-    return run_command(args=parser.parse_args(argv))
+    if argv is None:  # run as the program, not called from Python
+        interrupts.run_as_program()
+    status = run_command(args=parser.parse_args(argv))
+    if argv is None:
+        # The outcome is decided and printed. A Ctrl-C while the interpreter shuts down
+        # (it joins threads, runs jax's exit hooks) would otherwise add a KeyboardInterrupt
+        # traceback or change the exit status.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return status
 
 
 def run_command(args) -> int:

@@ -20,9 +20,10 @@ import pytest
 import torch
 import transformers
 
+import specjax
 from helpers_checkpoints import KINDS, PROMPT, hf_logits, save_tiny, tiny_model
 from specjax.checkpoints_tools import keymap, orbax_io, sources
-from specjax.checkpoints_tools.convert import convert
+from specjax.checkpoints_tools.convert import conversion_origin, convert
 from specjax.checkpoints_tools.hf import load_hf_directory, load_hub, save_hf_directory
 from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 from specjax.checkpoints_tools.sources import resolve_and_load
@@ -345,6 +346,42 @@ def test_origin_must_be_a_json_object(tiny_dirs, tmp_path):
         with pytest.raises(InvalidArgumentError, match="origin"):
             save_orbax(tmp_path / "bad", config, params, origin=bad)
         assert not (tmp_path / "bad").exists()  # rejected before anything is written
+
+
+def test_convert_records_its_source_and_dtype(tiny_dirs, tmp_path):
+    _, path = tiny_dirs["llama-gqa-untied"]
+    dst = convert(path, tmp_path / "f32", progress=False)
+    origin = orbax_io.read_origin(dst)
+    assert origin == {"source": str(path), "dtype": "float32",
+                      "converted_by": f"specjax {specjax.__version__}"}
+    assert "known_model" not in origin  # a random HF directory is no known model
+    bf16 = convert(dst, tmp_path / "bf16", dtype="bfloat16", progress=False)
+    assert orbax_io.read_origin(bf16)["dtype"] == "bfloat16"
+
+
+def test_a_known_model_is_recorded_by_name_file_or_converted_checkpoint(tiny_dirs, tmp_path):
+    _, params = load_hf_directory(tiny_dirs["gpt2"][1])
+    name = "smollm2-135m"
+    file = sources.known_model_path(name)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(file)
+    for src in (name, file, str(file), link):
+        origin = conversion_origin(src, params)
+        assert origin["known_model"] == name, src
+        assert origin["source"] == os.fspath(src)
+    # A checkpoint converted from the known model passes the record on when converted again;
+    # one converted from anything else does not.
+    config, _ = load_hf_directory(tiny_dirs["gpt2"][1])
+    converted = save_orbax(tmp_path / "from-known", config, params,
+                           origin={"source": name, "known_model": name})
+    assert conversion_origin(converted, params)["known_model"] == name
+    other = save_orbax(tmp_path / "other", config, params, origin={"source": "x"})
+    assert "known_model" not in conversion_origin(other, params)
+    assert "known_model" not in conversion_origin(tiny_dirs["gpt2"][1], params)
+    # A file that merely has the known model's name is not it.
+    impostor = tmp_path / file.name
+    impostor.write_bytes(b"GGUF")
+    assert "known_model" not in conversion_origin(impostor, params)
 
 
 # ----------------------------------------------------------------------------- resolving

@@ -1,0 +1,215 @@
+"""Ctrl-C at many moments of real ``specjax convert``, ``build-ngram`` and ``train-draft``
+processes: each run either completes (status 0, complete output) or stops with status 130,
+exactly the line ``specjax: interrupted`` on stderr, and no output and nothing partial
+(hidden ``.DST.partial-*`` directories, temporary files, orbax ``*-tmp`` steps) left.
+
+The moments are found by watching the process, not by the clock, so that a slow machine
+moves them to the same phases: while it reads its source (the file appears in
+``/proc/PID/maps``: the loaders map it), while it writes (its partial output appears),
+and at the very end (the output appears). Before that, while Python imports specjax and
+jax, Ctrl-C is out of specjax's hands (``specjax/__init__`` imports jax before any code
+of the command line runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import transformers
+
+from helpers_checkpoints import tiny_vocabulary, write_tiny_gguf
+from specjax.checkpoints_tools.orbax_io import load_orbax
+from specjax.checkpoints_tools.sources import resolve_and_load
+from specjax.drafters.ngram import load_ngram
+
+pytestmark = pytest.mark.slow  # each case runs the command line several times (~3-9 s each)
+
+SPECJAX = Path(sys.executable).with_name("specjax")
+INTERRUPTED = "specjax: interrupted\n"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def tiny_llama_gguf(path: Path, hidden: int, layers: int) -> Path:
+    """A random Llama with the tiny GGUF vocabulary, written as an F32 GGUF file."""
+    tokens, _, _ = tiny_vocabulary()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokens), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+        tie_word_embeddings=False)
+    return write_tiny_gguf(transformers.LlamaForCausalLM(config).eval(), path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sources")
+    # ~20 MB: reading and writing take about a second each, so both can be hit.
+    return {"medium": tiny_llama_gguf(root / "medium.gguf", hidden=256, layers=8),
+            "small": tiny_llama_gguf(root / "small.gguf", hidden=64, layers=2)}
+
+
+# ----------------------------------------------------------------------------- the harness
+
+
+def mapped(path: Path) -> Callable[[int], bool]:
+    """The process has ``path`` mapped into memory (it is reading it)."""
+    def check(pid: int) -> bool:
+        try:
+            return str(path) in Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # the process is ending
+            return False
+    return check
+
+
+def appears(directory: Path, pattern: str) -> Callable[[int], bool]:
+    """Something matching ``pattern`` exists in ``directory``."""
+    return lambda pid: any(directory.glob(pattern))
+
+
+def interrupt_when(argv: list[str], moment: Callable[[int], bool], delay: float
+                   ) -> tuple[int, str, str, bool]:
+    """Runs ``specjax ARGV`` and sends SIGINT ``delay`` seconds after ``moment`` is seen.
+
+    Returns:
+      (exit status, stdout, stderr, whether SIGINT was sent before the process ended).
+    """
+    process = subprocess.Popen([str(SPECJAX), *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while process.poll() is None and not moment(process.pid):
+            assert time.monotonic() < deadline, "the moment never came"
+            time.sleep(0.002)
+        time.sleep(delay)
+        sent = process.poll() is None
+        if sent:
+            process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=300)
+    finally:
+        process.kill()  # only if the test itself failed above
+    return process.returncode, out, err, sent
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Paths under ``directory`` that an interrupted write may leave: hidden or temporary."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                  if p.name.startswith(".") or "tmp" in p.name or "partial" in p.name)
+
+
+# ----------------------------------------------------------------------------- convert
+
+# (moment, delay): while reading the source, while orbax writes the parameters into DST's
+# partial directory (its threads busy), and right when DST appears (the last steps, exit).
+CONVERT_MOMENTS = [("reading", 0.0), ("reading", 0.15), ("writing", 0.0), ("writing", 0.05),
+                   ("writing", 0.5), ("done", 0.0), ("done", 0.05)]
+
+
+def test_convert_is_complete_or_absent_at_every_ctrl_c(models, tmp_path):
+    source = models["medium"]
+    _, expected, _ = resolve_and_load(source)
+    outcomes = {}
+    for i, (moment, delay) in enumerate(CONVERT_MOMENTS):
+        parent = tmp_path / f"run{i}"
+        parent.mkdir()
+        dst = parent / "dst"
+        # save_orbax writes the config, then has orbax write the parameters.
+        writing = appears(parent, ".dst.partial-*/specjax_config.json")
+        watch = {"reading": mapped(source), "writing": writing,
+                 "done": appears(parent, "dst")}[moment]
+        status, out, err, sent = interrupt_when(["convert", str(source), str(dst)], watch,
+                                                delay)
+        where = f"{moment}+{delay}s: status {status}, stderr {err!r}"
+        assert out == "", where
+        if status == 0:
+            assert err == f"wrote {dst}\n", where
+            assert sorted(os.listdir(parent)) == ["dst"], where
+            _, params, _ = load_orbax(dst)
+            np.testing.assert_array_equal(params["embed"], expected["embed"], err_msg=where)
+        else:
+            assert (status, err) == (130, INTERRUPTED), where
+            assert os.listdir(parent) == [], where  # no DST, no .dst.partial-*
+        outcomes[(moment, delay)] = status if sent else "ended first"
+    # The runs must have hit what they aimed at: reading and writing were interrupted.
+    assert outcomes[("reading", 0.0)] == 130, outcomes
+    assert outcomes[("writing", 0.0)] == 130, outcomes
+
+
+# ----------------------------------------------------------------------------- build-ngram
+
+
+def test_build_ngram_is_complete_or_absent_at_every_ctrl_c(models, tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 267, (20, 25_000)))
+    moments = [("reading", 0.0), ("reading", 0.4), ("writing", 0.0), ("done", 0.0)]
+    outcomes = {}
+    for i, (moment, delay) in enumerate(moments):
+        parent = tmp_path / f"run{i}"
+        parent.mkdir()
+        out_file = parent / "tables.npz"
+        watch = {"reading": mapped(models["small"]),
+                 "writing": appears(parent, ".tables.npz.partial-*"),
+                 "done": appears(parent, "tables.npz")}[moment]
+        status, out, err, sent = interrupt_when(
+            ["build-ngram", str(out_file), "--tokenizer", str(models["small"]), "--tokens",
+             str(tokens), "--trigram-buckets", "65536"], watch, delay)
+        where = f"{moment}+{delay}s: status {status}, stderr {err!r}"
+        assert out == "", where
+        if status == 0:
+            assert err.startswith(f"wrote {out_file} (") and err.count("\n") == 1, where
+            assert os.listdir(parent) == ["tables.npz"], where
+            load_ngram(out_file, vocab_size=267)
+        else:
+            assert (status, err) == (130, INTERRUPTED), where
+            assert os.listdir(parent) == [], where
+        outcomes[(moment, delay)] = status if sent else "ended first"
+    assert outcomes[("reading", 0.0)] == 130, outcomes
+    assert outcomes[("writing", 0.0)] == 130, outcomes
+
+
+# ----------------------------------------------------------------------------- train-draft
+
+TRAIN_LOG = ("corpus: ", "step ", "resumed from step ")
+
+
+def test_train_draft_leaves_nothing_half_written_at_any_ctrl_c(models, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "the then in a an er on 1 def return for while if else x y z".split()
+    for i in range(120):  # many files: the held-out split is drawn per file
+        rng = np.random.default_rng(i)
+        (corpus / f"{i}.txt").write_text(" ".join(rng.choice(words, 200)))
+    # (moment, delay): an orbax checkpoint being saved, the final draft being written, the end.
+    moments = [("checkpoint", 0.0), ("export", 0.0), ("done", 0.0)]
+    outcomes = {}
+    for i, (moment, delay) in enumerate(moments):
+        run = tmp_path / f"run{i}"
+        watch = {"checkpoint": appears(run / "train_state", "*"),
+                 "export": appears(run, ".draft.tmp"), "done": appears(run, "draft")}[moment]
+        status, out, err, sent = interrupt_when(
+            ["train-draft", str(run), "--target", str(models["small"]), "--corpus",
+             *map(str, sorted(corpus.iterdir())), "--steps", "6", "--batch-size", "2",
+             "--seq-len", "16", "--checkpoint-every", "2", "--eval-every", "6",
+             "--init-layers", "0"], watch, delay)
+        where = f"{moment}+{delay}s: status {status}, stderr {err!r}"
+        lines = err.splitlines(keepends=True)
+        assert leftovers(run) == [], where  # orbax's N.orbax-checkpoint-tmp, .draft.tmp...
+        if status == 0:
+            assert all(line.startswith(TRAIN_LOG) for line in lines), where
+            assert json.loads(out)["steps"] == 6, where
+            load_orbax(run / "draft")
+        else:
+            assert status == 130 and lines[-1] == INTERRUPTED, where
+            assert all(line.startswith(TRAIN_LOG) for line in lines[:-1]), where
+            assert out == "" and not (run / "draft").exists(), where
+        outcomes[(moment, delay)] = status if sent else "ended first"
+    assert outcomes[("checkpoint", 0.0)] == 130, outcomes
+    assert outcomes[("export", 0.0)] == 130, outcomes
