@@ -13,11 +13,13 @@ of the command line runs).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -27,15 +29,135 @@ import pytest
 import transformers
 
 from helpers_checkpoints import tiny_vocabulary, write_tiny_gguf
+from specjax import interrupts
 from specjax.checkpoints_tools.orbax_io import load_orbax
 from specjax.checkpoints_tools.sources import resolve_and_load
 from specjax.drafters.ngram import load_ngram
 
-pytestmark = pytest.mark.slow  # each case runs the command line several times (~3-9 s each)
-
 SPECJAX = Path(sys.executable).with_name("specjax")
 INTERRUPTED = "specjax: interrupted\n"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+
+
+# ----------------------------------------------------------------------------- the guard
+# In-process, with SIGINT raised by the test itself (signal.raise_signal runs the Python
+# handler before it returns).
+
+
+def test_a_ctrl_c_swallowed_by_a_gc_callback_is_raised_again(capsys):
+    def press_during_collection(phase, info):
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)  # its KeyboardInterrupt is dropped by gc
+
+    gc.callbacks.append(press_during_collection)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts.guard() as interrupt:
+                gc.collect()
+                pending = interrupt.requested  # swallowed, so still pending ...
+                interrupt.check()  # ... and raised here
+    finally:
+        gc.callbacks.remove(press_during_collection)
+    assert pending
+    assert capsys.readouterr().err == ""  # no "Exception ignored in ..." report
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_end_of_the_guard_raises_a_swallowed_ctrl_c():
+    def press_during_collection(phase, info):
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)
+
+    gc.callbacks.append(press_during_collection)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts.guard():
+                gc.collect()
+    finally:
+        gc.callbacks.remove(press_during_collection)
+
+
+def test_deferred_ctrl_c_waits_for_the_block_and_its_clean_up():
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.guard() as interrupt:
+            with interrupt.deferred():
+                signal.raise_signal(signal.SIGINT)
+                steps.append("write")
+                signal.raise_signal(signal.SIGINT)  # a second press changes nothing
+                steps.append("clean up")
+            steps.append("never")
+    assert steps == ["write", "clean up"]
+
+
+def test_check_raises_a_deferred_ctrl_c_between_steps_once():
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.guard() as interrupt:
+            with interrupt.deferred():
+                interrupt.check()  # nothing pending
+                signal.raise_signal(signal.SIGINT)
+                try:
+                    interrupt.check()
+                except KeyboardInterrupt:
+                    interrupt.check()  # acted on already: not raised twice
+                    raise
+
+
+def press_expecting_nothing() -> None:
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C was raised after the output was in place")
+
+
+def test_after_completed_a_ctrl_c_is_dropped():
+    try:
+        with interrupts.guard() as interrupt:
+            with interrupt.deferred():
+                interrupt.completed()
+                press_expecting_nothing()
+            press_expecting_nothing()
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C was raised after the output was in place")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_error_after_a_ctrl_c_is_reported_as_the_ctrl_c():
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with interrupts.guard() as interrupt:
+            with interrupt.deferred():
+                signal.raise_signal(signal.SIGINT)
+                raise ImportError("an import that Ctrl-C broke")
+    assert isinstance(raised.value.__cause__, ImportError)
+
+
+def test_a_command_after_its_output_ignores_ctrl_c_and_otherwise_defers_to_guards():
+    with interrupts.command("specjax: interrupted", exit_at_once=False) as command:
+        with pytest.raises(KeyboardInterrupt):  # not exit_at_once: raised like Python's
+            signal.raise_signal(signal.SIGINT)
+        with interrupts.guard() as interrupt, interrupt.deferred():
+            interrupt.completed()  # the command's output is in place: its outcome too
+        press_expecting_nothing()
+        command.finished()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_outside_the_main_thread_nothing_changes():
+    seen = []
+
+    def work():
+        with interrupts.guard() as interrupt, interrupt.deferred():
+            seen.append(signal.getsignal(signal.SIGINT))
+        with interrupts.command("x"):
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == [signal.default_int_handler] * 2
+
+
+# ----------------------------------------------------------------------------- real processes
 
 
 def tiny_llama_gguf(path: Path, hidden: int, layers: int) -> Path:
@@ -113,6 +235,7 @@ CONVERT_MOMENTS = [("reading", 0.0), ("reading", 0.15), ("writing", 0.0), ("writ
                    ("writing", 0.5), ("done", 0.0), ("done", 0.05)]
 
 
+@pytest.mark.slow  # runs the command line several times (3-9 s each, idle)
 def test_convert_is_complete_or_absent_at_every_ctrl_c(models, tmp_path):
     source = models["medium"]
     _, expected, _ = resolve_and_load(source)
@@ -146,6 +269,7 @@ def test_convert_is_complete_or_absent_at_every_ctrl_c(models, tmp_path):
 # ----------------------------------------------------------------------------- build-ngram
 
 
+@pytest.mark.slow  # runs the command line several times (3-9 s each, idle)
 def test_build_ngram_is_complete_or_absent_at_every_ctrl_c(models, tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 267, (20, 25_000)))
@@ -180,6 +304,7 @@ def test_build_ngram_is_complete_or_absent_at_every_ctrl_c(models, tmp_path):
 TRAIN_LOG = ("corpus: ", "step ", "resumed from step ")
 
 
+@pytest.mark.slow  # runs the command line several times (3-9 s each, idle)
 def test_train_draft_leaves_nothing_half_written_at_any_ctrl_c(models, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
