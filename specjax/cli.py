@@ -76,10 +76,14 @@ def _add_generate(sub) -> None:
 def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a checkpoint to specjax's orbax format",
                        description="Convert SRC (model name, GGUF file, HF directory or hub id) "
-                                   "into an orbax directory DST (config + params + tokenizer). "
-                                   "DST appears only when the conversion succeeded.")
-    p.add_argument("src")
-    p.add_argument("dst")
+                                   "into an orbax directory DST (config + params + tokenizer, "
+                                   "and specjax_origin.json: what it was made from, so that a "
+                                   "converted known model keeps its shipped draft and n-gram "
+                                   "tables). DST appears only when the conversion succeeded: "
+                                   "Ctrl-C at any moment leaves no DST and no partial "
+                                   "directory. On a terminal, shows each phase with its time.")
+    p.add_argument("src", help="model name, GGUF file, HF or specjax directory, or hub id")
+    p.add_argument("dst", help="the checkpoint directory to create")
     p.add_argument("--dtype", default=None, help="store parameters in this dtype (default: as loaded)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_convert)
