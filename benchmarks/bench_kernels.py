@@ -5,15 +5,25 @@ On a GPU (or TPU) machine, from the repository root, installed or not:
     python benchmarks/bench_kernels.py                 # -> benchmarks/results/kernels_<device>.json
 
 It first checks the kernel against ``attention_reference`` on the device (bf16 and fp32,
-trees and a scratch window), then times one layer's attention, kernel vs jitted reference,
-for cache lengths 512/2048/8192 and N = 1/16/64 new tokens (tree nodes) in bf16, on
-SmolLM2-like heads (H=9, K=3, D=64) and Llama-7B-like heads (H=32, K=8 and K=32, D=128).
-Each timing dispatches ``--inner`` calls back to back and blocks on the last (so the
-Python dispatch overlaps device work), divides by ``--inner``, and takes the median over
-``--repeats`` such rounds after a warm-up (compile) call. Bandwidth is the K/V bytes a call
-must read, ``2 * length * K * D * itemsize``, over that time, against the device's peak HBM
+trees and a scratch window, a stacked [L, S, K, D] cache read by layer index), then times
+one layer's attention, kernel vs jitted reference, for cache lengths 512/2048/8192 and
+N = 1/16/64 new tokens (tree nodes) in bf16, on SmolLM2-like heads (H=9, K=3, D=64) and
+Llama-7B-like heads (H=32, K=8 and K=32, D=128).
+
+Timing measures the kernels, not Python dispatch: one jitted program chains ``--inner``
+calls (each call's output is the next call's queries, so XLA can neither merge nor hoist
+them, and no host round trip separates them), its time is divided by ``--inner``, and the
+median over ``--repeats`` runs is taken after a warm-up (compile) run. ``--device-time``
+also reads the device time per call from a :mod:`jax.profiler` trace (the kernels'
+durations summed, launch gaps excluded). Bandwidth is the K/V bytes a call must read,
+``2 * length * K * D * itemsize``, over that time, against the device's peak HBM
 bandwidth where known. The reference scores the whole cache capacity (``--headroom`` slots
 past the length) under a mask, as the model's CPU path does.
+
+``--sweep`` times the GPU kernel's tilings: ``block_rows`` 16/32/64 x ``num_warps`` 4/8 x
+float32/bfloat16 (``--sweep-rows``, ``--sweep-warps``, ``--sweep-dtypes``), each checked
+against the reference first, with the N = 1 call of the same tiling as the baseline of
+each row (``vs_one_token``): the tree call should cost at most ~1.2x the one-token call.
 
 On a CPU, ``--interpret --quick`` runs the same pipeline on tiny sizes with the kernel in
 interpret mode: a smoke test of this script, not a measurement.
@@ -75,6 +85,7 @@ class Problem:
     capacity: int
     dtype: str
     window: int = 0
+    layers: int = 0  # > 0: a stacked [layers, S, K, D] cache, the last layer read
 
 
 def peak_bandwidth(device_kind: str) -> float | None:
@@ -96,12 +107,15 @@ def make_inputs(problem: Problem, seed: int = 0):
     parents = np.asarray(kary_parents(4, 8, t) if t > 2 else np.arange(t) - 1, np.int32)
     mask = ancestor_mask(jnp.asarray(parents), jnp.ones(t, bool))
     scratch = jnp.asarray(rng.random((t, problem.window)) < 0.5) if problem.window else None
-    k_cache, v_cache = normal(problem.capacity, k, d), normal(problem.capacity, k, d)
+    shape = (problem.layers, problem.capacity, k, d) if problem.layers else \
+        (problem.capacity, k, d)
+    k_cache, v_cache = normal(*shape), normal(*shape)
     return (normal(t, h, d), normal(t, k, d), normal(t, k, d), k_cache, v_cache,
             jnp.int32(problem.length), mask, scratch)
 
 
 def kernel_function(variant: str, interpret: bool, block_sizes):
+    """The kernel as ``f(q, k_new, v_new, k_cache, v_cache, length, mask, scratch, *, layer)``."""
     options = {"interpret": interpret}
     if block_sizes is not None:
         options["block_sizes"] = block_sizes
@@ -109,35 +123,79 @@ def kernel_function(variant: str, interpret: bool, block_sizes):
         function = kernels.verify_attention_gpu
     else:
         function = kernels.verify_attention_tpu
-    return jax.jit(lambda *args: function(*args, **options))
+    return lambda *args, layer=None: function(*args, **options, **(
+        {} if layer is None else {"layer": layer}))
+
+
+def reference_function():
+    return lambda *args, layer=None: attention_reference(*args, layer=layer)
 
 
 def check(problem: Problem, kernel, tolerance: float) -> dict:
-    """Max abs error of the kernel vs the reference; slots past the readable ones are NaN."""
+    """Max abs error of the kernel vs the reference; slots past the readable ones are NaN
+    (in every layer of a stacked cache but the one read, all of it is NaN)."""
     args = make_inputs(problem, seed=1)
     readable = problem.length + problem.window
-    poisoned = [c.at[readable:].set(jnp.nan) for c in args[3:5]]
-    clean = [c.at[readable:].set(0) for c in args[3:5]]
-    out = kernel(*args[:3], *poisoned, *args[5:]).astype(jnp.float32)
-    expected = jax.jit(attention_reference)(*args[:3], *clean, *args[5:]).astype(jnp.float32)
+    layer = problem.layers - 1 if problem.layers else None
+    slots = (slice(None), slice(readable, None)) if problem.layers else (slice(readable, None),)
+    poisoned = [c.at[slots].set(jnp.nan) for c in args[3:5]]
+    clean = [c.at[slots].set(0) for c in args[3:5]]
+    if problem.layers:
+        poisoned = [c.at[:layer].set(jnp.nan) for c in poisoned]
+    run = jax.jit(lambda *a: kernel(*a, layer=layer))
+    out = run(*args[:3], *poisoned, *args[5:]).astype(jnp.float32)
+    expected = jax.jit(lambda *a: attention_reference(*a, layer=layer))(
+        *args[:3], *clean, *args[5:]).astype(jnp.float32)
     error = float(jnp.max(jnp.abs(out - expected)))
     ok = bool(jnp.all(jnp.isfinite(out))) and error <= tolerance
     return {**dataclasses.asdict(problem), "max_abs_error": error, "tolerance": tolerance,
             "ok": ok}
 
 
+def chained(function, inner: int):
+    """A jitted program running ``function`` ``inner`` times, each call's output [T, H, D]
+    fed back as the next call's queries (a data dependency: no call can be merged with
+    another or hoisted, and all run back to back on the device with no host in between)."""
+
+    def run(q, *rest):
+        for _ in range(inner):
+            q = function(q, *rest).astype(q.dtype)
+        return q
+
+    return jax.jit(run)
+
+
 def time_call(function, args, inner: int, repeats: int) -> float:
-    """Median seconds per call: ``inner`` calls dispatched back to back per round."""
-    jax.block_until_ready(function(*args))  # compile + warm up
-    jax.block_until_ready(function(*args))
+    """Median seconds per call of ``function``, from ``inner`` chained calls per run."""
+    program = chained(function, inner)
+    jax.block_until_ready(program(*args))  # compile + warm up
+    jax.block_until_ready(program(*args))
     rounds = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(inner - 1):
-            function(*args)
-        jax.block_until_ready(function(*args))
+        jax.block_until_ready(program(*args))
         rounds.append((time.perf_counter() - start) / inner)
     return statistics.median(rounds)
+
+
+def device_time_call(function, args, inner: int) -> dict | None:
+    """Device microseconds per call (kernels summed) and kernels per call, from a trace of
+    one chained run; ``None`` when the trace holds no device kernels (a CPU)."""
+    import tempfile
+
+    import profile_step  # benchmarks/ is this script's directory
+
+    program = chained(function, inner)
+    jax.block_until_ready(program(*args))
+    with tempfile.TemporaryDirectory(prefix="bench-kernels-") as folder:
+        with jax.profiler.trace(folder):
+            jax.block_until_ready(program(*args))
+        kind, events, _ = profile_step.kernel_events(profile_step.read_trace(folder))
+    if kind != "device" or not events:
+        return None
+    summary = profile_step.summarize_kernels(events)
+    return {"device_us": summary["us"] / inner, "kernels_per_call": summary["count"] / inner,
+            "by_kernel_us": {name: us / inner for name, us in summary["by_name"].most_common(5)}}
 
 
 def problems(args) -> tuple[list[Problem], list[Problem]]:
@@ -157,8 +215,61 @@ def problems(args) -> tuple[list[Problem], list[Problem]]:
                 max(lengths) + 64, "bfloat16"),
         Problem(last, h2, k2, d2, small + 1, 5, small + 64, "float32", window=3),
         Problem(first, h, k, d, 0, 3, 64, "float32", window=2),
+        # The model's call: a stacked cache read by layer index, a many-row tree.
+        Problem(first, h, k, d, small + 9, max(nodes), small + 64, "float32", window=3,
+                layers=3),
+        Problem(first, h, k, d, small + 9, 1, small + 64, "bfloat16", layers=3),
     ]
     return checks, timed
+
+
+def sweep(args, variant: str, interpret: bool, peak) -> list[dict]:
+    """Times the GPU kernel's tilings (block_rows x num_warps x dtype) on the first shape.
+
+    Each tiling is checked against the reference first (a failed check is recorded and its
+    timings skipped); each row holds kernel microseconds per call for every N and length,
+    and ``vs_one_token``: the call's time over the N = 1 call of the same tiling and length.
+    """
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    name, (heads, kv_heads, head_dim) = next(iter(shapes.items()))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    nodes = sorted({1, *[int(x) for x in args.nodes.split(",")]})
+    rows = []
+    for dtype in args.sweep_dtypes.split(","):
+        for block_rows in [int(x) for x in args.sweep_rows.split(",")]:
+            for num_warps in [int(x) for x in args.sweep_warps.split(",")]:
+                sizes = kernels.GpuBlockSizes(block_rows=block_rows, num_warps=num_warps,
+                                              block_kv=args.block_kv or 64,
+                                              num_splits=args.num_splits)
+                kernel = kernel_function(variant, interpret, sizes)
+                tile = {"block_rows": block_rows, "num_warps": num_warps, "dtype": dtype}
+                probe = Problem(name, heads, kv_heads, head_dim, min(lengths) - 3, max(nodes),
+                                min(lengths) + 64, dtype, window=2, layers=2)
+                verdict = check(probe, kernel, 1e-4 if dtype == "float32" else 3e-2)
+                print(f"sweep {tile}: check max abs error {verdict['max_abs_error']:.2e} "
+                      f"{'ok' if verdict['ok'] else 'FAILED'}", flush=True)
+                if not verdict["ok"]:
+                    rows.append({**tile, "check": verdict, "timings": []})
+                    continue
+                timings = []
+                for length in lengths:
+                    base = None
+                    for n in nodes:
+                        problem = Problem(name, heads, kv_heads, head_dim, length, n,
+                                          length + args.headroom, dtype)
+                        inputs = make_inputs(problem)
+                        seconds = time_call(kernel, inputs, args.inner, args.repeats)
+                        base = seconds if n == 1 else base
+                        row = {"length": length, "nodes": n, "kernel_us": 1e6 * seconds,
+                               "vs_one_token": seconds / base}
+                        if args.device_time:
+                            row["device"] = device_time_call(kernel, inputs, args.inner)
+                        timings.append(row)
+                        print(f"  {dtype} rows={block_rows} warps={num_warps} len={length} "
+                              f"N={n}: {1e6 * seconds:.1f} us ({seconds / base:.2f}x N=1)",
+                              flush=True)
+                rows.append({**tile, "check": verdict, "timings": timings})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -177,6 +288,15 @@ def main(argv=None) -> int:
     parser.add_argument("--inner", type=int, default=None, help="calls per round (default 10)")
     parser.add_argument("--block-kv", type=int, default=None)
     parser.add_argument("--num-splits", type=int, default=None)
+    parser.add_argument("--block-rows", type=int, default=None)
+    parser.add_argument("--num-warps", type=int, default=None)
+    parser.add_argument("--device-time", action="store_true",
+                        help="also read device time per call from a profiler trace")
+    parser.add_argument("--sweep", action="store_true",
+                        help="GPU kernel: time block_rows x num_warps x dtype tilings")
+    parser.add_argument("--sweep-rows", default="16,32,64")
+    parser.add_argument("--sweep-warps", default="4,8")
+    parser.add_argument("--sweep-dtypes", default="float32,bfloat16")
     parser.add_argument("--json", default=None,
                         help="output path (default benchmarks/results/kernels_<device>.json)")
     args = parser.parse_args(argv)
@@ -203,13 +323,19 @@ def main(argv=None) -> int:
           f"peak HBM: {peak / 1e12 if peak else 'unknown'} TB/s", flush=True)
 
     block_sizes = None
-    if args.block_kv or args.num_splits:
+    if args.block_kv or args.num_splits or args.block_rows or args.num_warps:
         cls = kernels.GpuBlockSizes if variant == "gpu" else kernels.TpuBlockSizes
         defaults = cls()
-        block_sizes = dataclasses.replace(defaults, block_kv=args.block_kv or defaults.block_kv,
-                                          num_splits=args.num_splits or defaults.num_splits)
+        changes = dict(block_kv=args.block_kv or defaults.block_kv,
+                       num_splits=args.num_splits or defaults.num_splits)
+        if variant == "gpu":
+            changes.update(block_rows=args.block_rows or defaults.block_rows,
+                           num_warps=args.num_warps or defaults.num_warps)
+        elif args.block_rows or args.num_warps:
+            parser.error("--block-rows and --num-warps are GPU kernel settings")
+        block_sizes = dataclasses.replace(defaults, **changes)
     kernel = kernel_function(variant, interpret, block_sizes)
-    reference = jax.jit(attention_reference)
+    reference = reference_function()
 
     checks, timed = problems(args)
     check_rows = []
@@ -228,6 +354,7 @@ def main(argv=None) -> int:
         inputs = make_inputs(problem)
         kernel_s = time_call(kernel, inputs, args.inner, args.repeats)
         reference_s = time_call(reference, inputs, args.inner, args.repeats)
+        timing = device_time_call(kernel, inputs, args.inner) if args.device_time else None
         kv_bytes = 2 * problem.length * problem.kv_heads * problem.head_dim * \
             jnp.dtype(problem.dtype).itemsize
         bandwidth = kv_bytes / kernel_s
@@ -235,12 +362,18 @@ def main(argv=None) -> int:
                "reference_us": 1e6 * reference_s, "speedup": reference_s / kernel_s,
                "kv_bytes": kv_bytes, "kernel_bytes_per_s": bandwidth,
                "reference_bytes_per_s": kv_bytes / reference_s,
-               "fraction_of_peak": bandwidth / peak if peak else None}
+               "fraction_of_peak": bandwidth / peak if peak else None, "device": timing}
         rows.append(row)
         fraction = f"{100 * bandwidth / peak:6.1f}" if peak else f"{'-':>6}"
         print(f"{problem.shape:<12} {problem.length:>6} {problem.nodes:>3} "
               f"{row['kernel_us']:>10.1f} {row['reference_us']:>10.1f} {row['speedup']:>8.2f} "
               f"{bandwidth / 1e9:>11.1f} {fraction}", flush=True)
+
+    sweep_rows = []
+    if args.sweep:
+        if variant != "gpu":
+            parser.error("--sweep times the GPU kernel's tilings (--variant gpu)")
+        sweep_rows = sweep(args, variant, interpret, peak)
 
     device_name = re.sub(r"[^A-Za-z0-9]+", "_", device.device_kind).strip("_").lower()
     path = Path(args.json or ROOT / "benchmarks" / "results" / f"kernels_{device_name}.json")
@@ -253,12 +386,15 @@ def main(argv=None) -> int:
         "platform": platform.platform(), "python": platform.python_version(),
         "versions": {"jax": jax.__version__, "jaxlib": _jaxlib_version()},
         "config": {k: v for k, v in vars(args).items() if k != "json"},
-        "checks": check_rows, "rows": rows,
+        "timing": f"{args.inner} chained calls in one jitted program per run, median of "
+                  f"{args.repeats} runs",
+        "checks": check_rows, "rows": rows, "sweep": sweep_rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
-    return 0 if all(row["ok"] for row in check_rows) else 1
+    sweep_ok = all(row["check"]["ok"] for row in sweep_rows)
+    return 0 if all(row["ok"] for row in check_rows) and sweep_ok else 1
 
 
 def _jaxlib_version() -> str | None:

@@ -256,3 +256,81 @@ def test_auto_uses_the_fallback_where_the_kernel_does_not_run(monkeypatch):
     assert calls == [(2, 4, 64), (129, 4, 64), (2, 4, 48)]
     with pytest.raises(AssertionError, match="must not run"):
         kernels.verify_attention(*_valid_args(), fallback=fallback)
+
+
+# ----------------------------------------------------------------------------- GPU kernel: the
+# stacked cache, tiling that ignores the row count
+
+
+@pytest.mark.parametrize("dtype,nodes,window", [(jnp.float32, 6, 3), (jnp.bfloat16, 1, 0)])
+def test_gpu_kernel_reads_one_layer_of_a_stacked_cache(dtype, nodes, window):
+    """Models pass the whole [L, S, K, D] cache and a traced layer index: the kernel must
+    read that layer in place and nothing else (every other layer, and the chosen layer's
+    slots past the readable ones, hold NaN)."""
+    case = Case("stacked", nodes, 6, 2, 64, 80, 45, window=window, tree=nodes > 2,
+                dtype=dtype, block_sizes=GpuBlockSizes(block_kv=16, num_splits=2))
+    args, reference_args = make_inputs(case, seed=41)
+    layers, layer = 3, 1
+
+    def stack(one_layer, fill):
+        return jnp.stack([jnp.full_like(one_layer, fill)] * layer + [one_layer]
+                         + [jnp.full_like(one_layer, fill)] * (layers - layer - 1))
+
+    stacked = [stack(c, jnp.nan) for c in args[3:5]]
+    out = verify_attention_gpu(*args[:3], *stacked, *args[5:], layer=jnp.int32(layer),
+                               block_sizes=case.block_sizes, interpret=True)
+    expected = reference(*reference_args)
+    assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               rtol=tol, atol=tol)
+    # The same through the dispatcher, as models call it (impl="kernel").
+    clean = [stack(c, 0) for c in reference_args[3:5]]
+    via = attention(*args[:3], *stacked, *args[5:], impl="kernel", layer=jnp.int32(layer))
+    np.testing.assert_allclose(np.asarray(via, np.float32), np.asarray(expected, np.float32),
+                               rtol=tol, atol=tol)
+    from specjax.attention import attention_blocked
+    blocked = attention_blocked(*reference_args[:3], *clean, *reference_args[5:], block=16,
+                                layer=jnp.int32(layer))
+    np.testing.assert_allclose(np.asarray(blocked, np.float32),
+                               np.asarray(expected, np.float32), rtol=tol, atol=tol)
+
+
+def test_gpu_tiling_ignores_the_number_of_rows():
+    """16-row tiles for every call (64-row float32 tiles were ~30x slower on an H100), and
+    KV splits chosen from the KV heads and capacity only."""
+    for capacity in (256, 8192):
+        resolved = {rows: GpuBlockSizes().resolve(rows, 3, capacity) for rows in (3, 48, 192)}
+        assert {r.block_rows for r in resolved.values()} == {16}
+        assert len({r.num_splits for r in resolved.values()}) == 1
+    assert GpuBlockSizes(block_rows=64).resolve(3, 3, 256).block_rows == 64
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_row_arithmetic_does_not_depend_on_the_call(dtype, monkeypatch):
+    """A query row's output is bitwise the same alone (a one-token step) and as one node of a
+    16-node call, in another row block: the blocks, KV splits and merge order of a row do
+    not depend on how many rows share the call. (With splits chosen per call, e.g. from
+    the number of programs, a 4-SM device would split the one-token call 4 ways and the
+    tree call 2 ways.) The node sees only itself among the new tokens, as a padding node or
+    a root does."""
+    monkeypatch.setattr(attention_gpu, "_multiprocessor_count", lambda: 4)
+    rng = np.random.default_rng(3)
+    heads, kv_heads, dim, capacity, length, nodes, node = 6, 2, 64, 512, 300, 16, 9
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    q, k_new, v_new = normal(nodes, heads, dim), normal(nodes, kv_heads, dim), \
+        normal(nodes, kv_heads, dim)
+    k_cache, v_cache = normal(capacity, kv_heads, dim), normal(capacity, kv_heads, dim)
+    mask = jnp.tril(jnp.ones((nodes, nodes), bool)).at[node].set(
+        jnp.arange(nodes) == node)
+    sizes = GpuBlockSizes(block_kv=16)
+    together = verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, jnp.int32(length),
+                                    mask, block_sizes=sizes, interpret=True)
+    alone = verify_attention_gpu(q[node:node + 1], k_new[node:node + 1],
+                                 v_new[node:node + 1], k_cache, v_cache, jnp.int32(length),
+                                 jnp.ones((1, 1), bool), block_sizes=sizes, interpret=True)
+    np.testing.assert_array_equal(np.asarray(together[node], np.float32),
+                                  np.asarray(alone[0], np.float32))
