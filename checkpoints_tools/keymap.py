@@ -157,7 +157,9 @@ def params_from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray
     """
     shapes = param_shapes(config)
     compiled = _compile(rules_for(config))
-    stacked: dict[str, list] = {}
+    # leaf -> {layer: row}; nothing is sized by num_layers before the tensors are seen, so
+    # a config claiming millions of layers costs nothing until it is rejected.
+    stacked: dict[str, dict[int, np.ndarray]] = {}
     flat: dict[str, np.ndarray] = {}
     seen: dict[str, str] = {}
     for raw_name, value in tensors.items():
@@ -189,22 +191,22 @@ def params_from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray
             if layer is None:
                 flat[leaf] = part
             else:
-                stacked.setdefault(leaf, [None] * config.num_layers)[layer] = part
+                stacked.setdefault(leaf, {})[layer] = part
     leaf_rules = {leaf: rule for _, rule in compiled for leaf in rule.leaves}
     for leaf, rule in leaf_rules.items():
         if "{i}" in rule.hf_name:
-            rows = stacked.get(leaf, [None] * config.num_layers)
-            missing = [i for i, row in enumerate(rows) if row is None]
-            if missing:
+            rows = stacked.get(leaf, {})
+            if len(rows) < config.num_layers:  # the first missing layer is <= len(rows)
+                missing = min(set(range(len(rows) + 1)) - set(rows))
                 raise CheckpointError(
-                    f"{source}: missing tensor {rule.hf_name.format(i=missing[0])!r}")
+                    f"{source}: missing tensor {rule.hf_name.format(i=missing)!r}")
         elif leaf not in flat:
             raise CheckpointError(f"{source}: missing tensor {rule.hf_name!r}")
     params: dict = {"layers": {}}
     for leaf, value in flat.items():
         params[leaf] = value
     for leaf, rows in stacked.items():
-        params["layers"][leaf.split("/", 1)[1]] = np.stack(rows)
+        params["layers"][leaf.split("/", 1)[1]] = np.stack([rows[i] for i in range(len(rows))])
     if dtype is not None:
         params = {k: ({kk: vv.astype(dtype) for kk, vv in v.items()} if isinstance(v, dict)
                       else v.astype(dtype)) for k, v in params.items()}
