@@ -12,16 +12,27 @@ which rejects any unmapped, duplicated, missing or mis-shaped tensor. Every prob
 the files is a :class:`~specjax.errors.CheckpointError` whose one-line message names the
 file or tensor. Parameters come back as numpy arrays (bf16 as ``ml_dtypes.bfloat16``);
 the caller moves them to a device.
+
+The files are data, never code: a safetensors header is checked against the file's size
+before anything is read for it; a shard index may only name files inside the checkpoint
+directory; a model whose ``config.json`` asks for its own Python code (``auto_map``) is
+refused, and ``trust_remote_code`` is never turned on; a chat template that reaches for
+Python internals is refused when the tokenizer loads (transformers renders templates in
+jinja2's sandbox, which refuses them again at run time).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import jinja2.ext
 import ml_dtypes
 import numpy as np
 
@@ -81,22 +92,165 @@ def as_numpy_dtype(dtype) -> np.dtype | None:
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
-    """The :class:`ModelConfig` of the HF directory ``path`` (from its ``config.json``)."""
+    """The :class:`ModelConfig` of the HF directory ``path`` (from its ``config.json``).
+
+    Raises:
+      ModelNotFoundError: no ``config.json``.
+      CheckpointError: the file is unreadable, malformed, or asks for custom code.
+      InvalidArgumentError: the model type is not supported.
+    """
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ModelNotFoundError(f"{path}: no config.json, so not a Hugging Face model directory")
-    return from_hf_config(read_json_object(file))
+    raw = read_json_object(file)
+    refuse_custom_code(raw, file)
+    try:
+        return from_hf_config(raw)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{file}: {error}") from None
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError,
+            OverflowError) as error:  # a missing or mistyped field
+        raise CheckpointError(f"{file}: invalid model config ({one_line(error)})") from error
+
+
+def refuse_custom_code(raw: dict, file: Path) -> None:
+    """Raises when a ``config.json`` asks for the model's own Python code (``auto_map``).
+
+    Such a model's architecture is defined by code shipped with the checkpoint, which
+    specjax never runs (and would not match the architectures it implements anyway).
+    """
+    auto_map = raw.get("auto_map")
+    if not isinstance(auto_map, dict):
+        return
+    classes = {key: value for key, value in auto_map.items()
+               if isinstance(key, str) and (key == "AutoConfig" or key.startswith("AutoModel"))}
+    if classes:
+        key, value = next(iter(classes.items()))
+        raise CheckpointError(
+            f"{file}: this model needs its own Python code (auto_map {key} -> {value!r:.80}); "
+            "specjax never runs code from a checkpoint (trust_remote_code stays off), so it "
+            "cannot load it")
+
+
+# JSON metadata files (config, shard index, draft record) are small; anything bigger than
+# this is not one, and is refused before it is read into memory.
+MAX_JSON_BYTES = 64 << 20
 
 
 def read_json_object(file: Path) -> dict:
     """Parses a JSON object file; any failure is a one-line :class:`CheckpointError`."""
     try:
-        raw = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        size = file.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{file}: {size} bytes is too large for a JSON metadata file "
+                                  f"(at most {MAX_JSON_BYTES})")
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise CheckpointError(f"{file}: unreadable ({one_line(error)})") from error
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: expected a JSON object")
     return raw
+
+
+# safetensors dtype -> bytes per item (the types numpy and ml_dtypes can hold).
+_SAFETENSORS_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2,
+                           "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+                           "I64": 8, "U64": 8, "F64": 8}
+_MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own limit
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:80]!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _natural(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_safetensors_header(file: Path) -> dict[str, dict]:
+    """Validates a safetensors file's header against its size; returns the tensor entries.
+
+    The header must be a JSON object no longer than the file, naming each tensor once, with
+    a known dtype, a shape of non-negative integers and ``data_offsets`` whose span holds
+    exactly that shape; the spans must tile the data section (no overlap, no gap, nothing
+    past the end), as the format requires. Only the header is read.
+
+    Raises:
+      CheckpointError: naming the file and the first problem found.
+    """
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{file}: {size} bytes is too short for a safetensors "
+                                      "file (truncated?)")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(size - 8, _MAX_SAFETENSORS_HEADER):
+                raise CheckpointError(
+                    f"{file}: the safetensors header claims {length} bytes, but the file has "
+                    f"{size - 8} after the length field and headers are at most "
+                    f"{_MAX_SAFETENSORS_HEADER} (truncated or corrupt)")
+            raw = handle.read(length)
+    except OSError as error:
+        raise CheckpointError(f"{file}: unreadable ({one_line(error)})") from error
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise CheckpointError(f"{file}: the safetensors header is not valid JSON "
+                              f"({one_line(error)})") from error
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+            isinstance(value, str) for value in metadata.values()):
+        raise CheckpointError(f"{file}: __metadata__ must map strings to strings")
+    data_size = size - 8 - length
+    spans = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointError(f"{file}: the entry of tensor {name!r:.80} is not "
+                                  "{dtype, shape, data_offsets}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        item_bytes = _SAFETENSORS_ITEM_BYTES.get(dtype) if isinstance(dtype, str) else None
+        if item_bytes is None:
+            raise CheckpointError(f"{file}: tensor {name!r:.80} has unsupported dtype "
+                                  f"{dtype!r:.40}")
+        if not isinstance(shape, list) or not all(_natural(n) for n in shape):
+            raise CheckpointError(f"{file}: tensor {name!r:.80} has a malformed shape "
+                                  f"{shape!r:.80}")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_natural(n) for n in offsets) or offsets[0] > offsets[1]):
+            raise CheckpointError(f"{file}: tensor {name!r:.80} has malformed data_offsets "
+                                  f"{offsets!r:.80}")
+        begin, end = offsets
+        if end > data_size:
+            raise CheckpointError(
+                f"{file}: tensor {name!r:.80} data_offsets [{begin}, {end}] run past the "
+                f"{data_size} data bytes of the file (truncated or corrupt)")
+        needed = math.prod(shape) * item_bytes
+        if needed != end - begin:
+            raise CheckpointError(
+                f"{file}: tensor {name!r:.80} is {dtype} {shape} ({needed} bytes) but its "
+                f"data_offsets span {end - begin} bytes")
+        spans.append((begin, end, name))
+    spans.sort()
+    covered, previous = 0, None
+    for begin, end, name in spans:
+        if begin < covered:
+            raise CheckpointError(f"{file}: tensors {previous!r:.80} and {name!r:.80} overlap")
+        if begin > covered:
+            raise CheckpointError(f"{file}: data bytes {covered}..{begin} belong to no tensor")
+        covered, previous = end, name
+    if covered != data_size:
+        raise CheckpointError(f"{file}: the tensors cover {covered} of the {data_size} data "
+                              "bytes")
+    return header
 
 
 def _read_safetensors(file: Path, into: dict[str, np.ndarray], origin: dict[str, str],
@@ -104,6 +258,7 @@ def _read_safetensors(file: Path, into: dict[str, np.ndarray], origin: dict[str,
     """Adds every tensor of one safetensors file to ``into``; rejects names seen before."""
     from safetensors import SafetensorError, safe_open
 
+    check_safetensors_header(file)
     try:
         # framework="numpy" yields bf16 tensors as ml_dtypes.bfloat16 arrays.
         with safe_open(str(file), framework="numpy") as handle:
@@ -156,21 +311,50 @@ def _read_torch(file: Path, into: dict[str, np.ndarray], origin: dict[str, str],
             bar.update(1)
 
 
+def _shard_file(index: Path, shard: str) -> Path:
+    """The file a shard index names, which must lie inside the checkpoint directory.
+
+    A name is a relative path without ``..``; the file it names, links followed, must stay
+    inside the directory. The one exception is the Hugging Face cache, whose snapshot
+    directories hold links into their repository's ``blobs/``.
+    """
+    if not shard:
+        raise CheckpointError(f"{index}: a shard name is empty")
+    if Path(shard).is_absolute() or ".." in Path(shard).parts or "\\" in shard:
+        raise CheckpointError(f"{index}: shard {shard!r:.80} is outside the checkpoint "
+                              "directory; an index may only name files inside it")
+    root = index.parent.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    file = index.parent / shard
+    try:
+        real = file.resolve()
+    except (OSError, RuntimeError) as error:  # a link loop
+        raise CheckpointError(f"{index}: shard {shard!r:.80} cannot be resolved "
+                              f"({one_line(error)})") from error
+    if not any(real.is_relative_to(place) for place in allowed):
+        raise CheckpointError(f"{index}: shard {shard!r:.80} links to {real}, outside the "
+                              "checkpoint directory; copy the file into the directory")
+    if not real.is_file():
+        raise CheckpointError(f"{index}: shard {shard} is missing")
+    return file
+
+
 def _read_sharded(index: Path, reader, bar=None) -> dict[str, np.ndarray]:
     """Reads the shards an ``*.index.json`` names and checks them against its weight map."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{index}: unreadable shard index ({one_line(error)})") from error
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: unreadable shard index (no weight_map object)")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{index}: tensor {name!r:.80} is mapped to {shard!r:.80}, "
+                                  "not a file name")
+    files = {shard: _shard_file(index, shard) for shard in set(weight_map.values())}
     tensors: dict[str, np.ndarray] = {}
     origin: dict[str, str] = {}
-    for shard in sorted(set(weight_map.values())):
-        file = index.parent / shard
-        if not file.is_file():
-            raise CheckpointError(f"{index}: shard {shard} is missing")
-        reader(file, tensors, origin, bar)
+    for shard in sorted(files):
+        reader(files[shard], tensors, origin, bar)
     for name, shard in weight_map.items():
         if origin.get(name) != shard:
             where = f"found in {origin[name]}" if name in origin else "not found in any shard"
@@ -178,27 +362,38 @@ def _read_sharded(index: Path, reader, bar=None) -> dict[str, np.ndarray]:
     return tensors
 
 
+def weights_file(path: str | os.PathLike) -> Path:
+    """The file that holds (or, for an index, lists) the weights of the HF directory ``path``.
+
+    Raises:
+      CheckpointError: the directory has none of the weight files.
+    """
+    path = Path(path)
+    for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX, TORCH_FILE, TORCH_INDEX):
+        if (path / name).is_file():
+            return path / name
+    raise CheckpointError(
+        f"{path}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or "
+        f"{TORCH_FILE})")
+
+
 def read_hf_tensors(path: str | os.PathLike, progress: bool = False) -> dict[str, np.ndarray]:
     """Every weight tensor of the HF directory ``path``, by HF name, as numpy arrays."""
     from tqdm.auto import tqdm
 
-    path = Path(path)
+    file = weights_file(path)
     tensors: dict[str, np.ndarray] = {}
     origin: dict[str, str] = {}
     with tqdm(desc="reading tensors", unit="tensor", disable=not progress) as bar:
-        if (path / SAFETENSORS_FILE).is_file():
-            _read_safetensors(path / SAFETENSORS_FILE, tensors, origin, bar)
-            return tensors
-        if (path / SAFETENSORS_INDEX).is_file():
-            return _read_sharded(path / SAFETENSORS_INDEX, _read_safetensors, bar)
-        if (path / TORCH_FILE).is_file():
-            _read_torch(path / TORCH_FILE, tensors, origin, bar)
-            return tensors
-        if (path / TORCH_INDEX).is_file():
-            return _read_sharded(path / TORCH_INDEX, _read_torch, bar)
-    raise CheckpointError(
-        f"{path}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or "
-        f"{TORCH_FILE})")
+        if file.name == SAFETENSORS_FILE:
+            _read_safetensors(file, tensors, origin, bar)
+        elif file.name == SAFETENSORS_INDEX:
+            tensors = _read_sharded(file, _read_safetensors, bar)
+        elif file.name == TORCH_FILE:
+            _read_torch(file, tensors, origin, bar)
+        else:
+            tensors = _read_sharded(file, _read_torch, bar)
+    return tensors
 
 
 def load_hf_directory(path: str | os.PathLike, dtype=None, progress: bool = False
@@ -221,7 +416,8 @@ def load_hf_directory(path: str | os.PathLike, dtype=None, progress: bool = Fals
     """
     config = read_hf_config(path)
     tensors = read_hf_tensors(path, progress=progress)
-    params = keymap.params_from_hf_tensors(config, tensors, source=str(path),
+    # a tensor problem names the weight file (or the index that lists the shards)
+    params = keymap.params_from_hf_tensors(config, tensors, source=str(weights_file(path)),
                                            dtype=as_numpy_dtype(dtype))
     return config, params
 
@@ -232,15 +428,102 @@ def has_tokenizer(path: str | os.PathLike) -> bool:
 
 
 def load_hf_tokenizer(path: str | os.PathLike):
-    """The tokenizer saved in ``path`` (``AutoTokenizer``), or ``None`` when there is none."""
+    """The tokenizer saved in ``path`` (``AutoTokenizer``), or ``None`` when there is none.
+
+    ``trust_remote_code=False`` is passed explicitly: left unset, transformers asks on the
+    terminal whether to run a tokenizer's own code. Chat templates are checked with
+    :func:`check_chat_template`.
+
+    Raises:
+      CheckpointError: the tokenizer files are unreadable, or a chat template reaches for
+        Python internals.
+    """
     if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as error:  # transformers raises OSError, ValueError, JSON errors...
+        if _tokenizer_asks_for_code(Path(path)):
+            raise CheckpointError(
+                f"{path}: this tokenizer needs its own Python code (auto_map in "
+                "tokenizer_config.json); specjax never runs code from a checkpoint "
+                "(trust_remote_code stays off), so it cannot load it") from error
         raise CheckpointError(f"{path}: unreadable tokenizer ({one_line(error)})") from error
+    templates = getattr(tokenizer, "chat_template", None)
+    if isinstance(templates, dict):  # several named templates
+        for name, template in templates.items():
+            check_chat_template(template, f"{path}: chat template {name!r:.40}")
+    elif templates is not None:
+        check_chat_template(templates, f"{path}: chat template")
+    return tokenizer
+
+
+def _tokenizer_asks_for_code(path: Path) -> bool:
+    try:
+        return "auto_map" in read_json_object(path / "tokenizer_config.json")
+    except CheckpointError:
+        return False
+
+
+def check_chat_template(template: Any, source: str) -> None:
+    """Refuses a chat template that reaches for Python internals, before anything renders it.
+
+    A chat template is data from the checkpoint. transformers renders templates in
+    jinja2's ``ImmutableSandboxedEnvironment``, which refuses any attribute whose name
+    starts with ``_`` when the template runs. This check finds such access when the model
+    loads (``x.__class__``, ``x._private``, ``x['__globals__']``, ``x|attr('__init__')``),
+    so the load fails in one line naming the file, not the first chat prompt. A name built
+    at run time (``x['__cla' ~ 'ss__']``) passes here and is refused by the sandbox; a
+    template that does not parse is left for the renderer to report.
+
+    Args:
+      template: the template text.
+      source: where it came from, for the message (file and field).
+    Raises:
+      CheckpointError: the template is not a string or reads an underscore attribute.
+    """
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not isinstance(template, str):
+        raise CheckpointError(f"{source} is {type(template).__name__}, not a string")
+    environment = ImmutableSandboxedEnvironment(
+        extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
+    try:
+        tree = environment.parse(template)
+    except jinja2.TemplateSyntaxError:
+        return
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Filter)):
+        if isinstance(node, nodes.Getattr):
+            name = node.attr
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            name = node.arg.value if _is_dunder(node.arg.value) else None
+        elif isinstance(node, nodes.Filter) and node.name == "attr" and node.args and \
+                isinstance(node.args[0], nodes.Const):
+            name = node.args[0].value
+        else:
+            continue
+        if isinstance(name, str) and name.startswith("_"):
+            raise CheckpointError(
+                f"{source} reads {name!r:.40} (line {node.lineno}), a Python internal; "
+                "templates are data, not code, so this one is refused")
+
+
+def _is_dunder(value) -> bool:
+    return isinstance(value, str) and value.startswith("__")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """Parses transformers' ``{% generation %}...{% endgeneration %}`` as a plain block."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 # ----------------------------------------------------------------------------- hub
