@@ -1,6 +1,8 @@
 """GGUF files (llama.cpp): model config, dequantized weights and tokenizer, without torch.
 
-A GGUF file carries three things, all read here with the ``gguf`` package:
+A GGUF file carries three things. :func:`read_gguf` parses the file itself, checking every
+count, length and offset against the file's size first (see "reading" below); the ``gguf``
+package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``) that becomes a
   :class:`~specjax.config.ModelConfig`;
@@ -13,8 +15,8 @@ A GGUF file carries three things, all read here with the ``gguf`` package:
 
 Two layout facts matter (DESIGN.md section 8):
 
-- ``gguf`` lists a tensor's shape fastest-axis first (``[in, out]``), but the arrays it
-  returns are numpy row-major ``[out, in]``: the HF ``nn.Linear`` layout.
+- GGUF lists a tensor's shape fastest-axis first (``[in, out]``), but the arrays read
+  from it are numpy row-major ``[out, in]``: the HF ``nn.Linear`` layout.
 - llama.cpp's converter permutes the rows of Q and K (weights and biases) of ``llama``
   models so that its RoPE can rotate adjacent pairs; HF models rotate the two halves of a
   head. :func:`unpermute_rope_rows` undoes that. ``qwen2`` files are stored unpermuted.
@@ -22,17 +24,21 @@ Two layout facts matter (DESIGN.md section 8):
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from specjax.checkpoints_tools import keymap
-from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
+from specjax.checkpoints_tools.hf import as_numpy_dtype, check_chat_template, one_line
 from specjax.config import ModelConfig, RopeScaling
-from specjax.errors import CheckpointError, ModelNotFoundError
+from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False}
@@ -98,38 +104,273 @@ def unpermute_rope_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- reading
+#
+# The header is parsed here rather than by ``gguf.GGUFReader``: the reader trusts every
+# count and length in the file (a crafted array count makes it loop for hours, and it keeps
+# one numpy view per array element, about 150x the bytes it reads), and it fails with
+# whatever exception a bad byte happens to cause. This parser checks every length against
+# the bytes left in the file before it reads or allocates anything, so a damaged or hostile
+# file fails in one line, in time and memory proportional to its size.
+
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_NESTING = 3  # arrays of arrays of arrays
+# Metadata strings in one file (each costs a Python object). Real vocabularies hold fewer
+# than 300k tokens and as many merges; the cap bounds a file of empty strings to seconds.
+_MAX_STRINGS = 1 << 22
+_DEFAULT_ALIGNMENT = 32
+
+_STRING, _ARRAY = 8, 9
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}  # GGUF value type -> struct code (little-endian)
+_SCALAR_DTYPES = {0: np.uint8, 1: np.int8, 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
+                  7: np.bool_, 10: "<u8", 11: "<i8", 12: "<f8"}
+# Tensor types the file stores as plain items (the rest are blocks of bytes), as gguf's
+# dequantize expects them.
+_ITEM_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "i1", "I16": "<i2",
+                "I32": "<i4", "I64": "<i8"}
 
 
-def open_gguf(path: str | os.PathLike):
-    """A ``gguf.GGUFReader`` over ``path``.
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file.
+
+    Attributes:
+      name: the GGUF tensor name (``blk.0.attn_q.weight``).
+      tensor_type: its ``gguf.GGMLQuantizationType``.
+      shape: dimensions as the file lists them, fastest axis first (``[in, out]``).
+      data: a read-only view of the file: items ``[out, in]`` for F32/F16/..., bytes
+        ``[out, row bytes]`` for block-quantized types (what ``gguf.quants.dequantize``
+        takes).
+    """
+
+    name: str
+    tensor_type: Any
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclasses.dataclass
+class GGUFFile:
+    """A parsed GGUF file: metadata values by key, and tensors in file order.
+
+    Metadata scalars are Python values, strings ``str``, numeric arrays numpy arrays and
+    string arrays lists of ``str``. ``data_offset`` is where the tensor data section starts
+    (everything before it is header).
+    """
+
+    path: Path
+    fields: dict[str, Any]
+    tensors: list[GGUFTensor]
+    data_offset: int
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a byte buffer, checking every length first."""
+
+    def __init__(self, buffer, source: str):
+        self.buffer = buffer
+        self.size = len(buffer)
+        self.offset = 0
+        self.source = source
+        self.strings = 0
+
+    def fail(self, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {message}")
+
+    def need(self, count: int, what: str) -> None:
+        if count > self.size - self.offset:
+            raise self.fail(f"{what} at byte {self.offset} needs {count} bytes but the file has "
+                            f"{self.size - self.offset} left (truncated or corrupt)")
+
+    def scalar(self, code: str, what: str):
+        width = struct.calcsize("<" + code)
+        self.need(width, what)
+        (value,) = struct.unpack_from("<" + code, self.buffer, self.offset)
+        self.offset += width
+        return value
+
+    def string(self, what: str) -> str:
+        length = self.scalar("Q", f"length of {what}")
+        self.need(length, what)
+        self.strings += 1
+        if self.strings > _MAX_STRINGS:
+            raise self.fail(f"more than {_MAX_STRINGS} metadata strings")
+        raw = bytes(self.buffer[self.offset:self.offset + length])
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise self.fail(f"{what} at byte {self.offset} is not UTF-8") from error
+        self.offset += length
+        return text
+
+    def value(self, kind: int, what: str, depth: int = 0):
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind], what)
+        if kind == _STRING:
+            return self.string(what)
+        if kind != _ARRAY:
+            raise self.fail(f"{what} has unknown value type {kind}")
+        if depth >= _MAX_NESTING:
+            raise self.fail(f"{what} nests arrays more than {_MAX_NESTING} deep")
+        item_kind = self.scalar("I", f"element type of {what}")
+        count = self.scalar("Q", f"element count of {what}")
+        if item_kind in _SCALARS:
+            dtype = np.dtype(_SCALAR_DTYPES[item_kind])
+            self.need(count * dtype.itemsize, f"{count} elements of {what}")
+            array = np.frombuffer(self.buffer, dtype, count, self.offset)
+            array = array.astype(dtype.newbyteorder("="))  # a native-order copy
+            self.offset += count * dtype.itemsize
+            return array
+        # strings take at least 8 bytes (their length), arrays at least 12 (type, count)
+        smallest = {_STRING: 8, _ARRAY: 12}.get(item_kind)
+        if smallest is None:
+            raise self.fail(f"{what} has unknown element type {item_kind}")
+        self.need(count * smallest, f"{count} elements of {what}")
+        return [self.value(item_kind, what, depth + 1) for _ in range(count)]
+
+
+def _tensor_info(cursor: _Cursor, index: int):
+    name = cursor.string(f"name of tensor {index}")
+    what = f"tensor {name!r}"
+    num_dims = cursor.scalar("I", f"dimension count of {what}")
+    if not 1 <= num_dims <= _MAX_DIMS:
+        raise cursor.fail(f"{what} has {num_dims} dimensions; GGUF allows 1 to {_MAX_DIMS}")
+    shape = tuple(cursor.scalar("Q", f"dimensions of {what}") for _ in range(num_dims))
+    code = cursor.scalar("I", f"type of {what}")
+    try:
+        tensor_type = GGMLQuantizationType(code)
+        block, block_bytes = GGML_QUANT_SIZES[tensor_type]
+    except (ValueError, KeyError):
+        raise cursor.fail(f"{what} has unknown tensor type code {code}") from None
+    offset = cursor.scalar("Q", f"data offset of {what}")
+    if shape[0] % block:
+        raise cursor.fail(f"{what} has rows of {shape[0]} values, not a multiple of the "
+                          f"{tensor_type.name} block size {block}")
+    num_bytes = math.prod(shape) // block * block_bytes
+    return name, tensor_type, shape, offset, num_bytes
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parses a GGUF file (version 2 or 3, little-endian): metadata and tensor views.
+
+    Every count, length, type code, offset and size is checked against the file before it
+    is used, so a truncated, damaged or crafted file is rejected before anything is
+    allocated for it. Tensor data is memory-mapped, not read.
 
     Raises:
       ModelNotFoundError: no such file.
-      CheckpointError: the file is not GGUF, or is truncated or corrupt.
+      CheckpointError: naming the file and the first problem found.
     """
-    from gguf import GGUFReader
-
     path = Path(path)
+    source = str(path)
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such GGUF file")
+    size = path.stat().st_size
+    if size < 24:
+        raise CheckpointError(f"{path}: {size} bytes is too short for a GGUF file (truncated?)")
     try:
-        return GGUFReader(str(path))
-    except Exception as error:  # the reader raises ValueError, IndexError, KeyError...
-        raise CheckpointError(
-            f"{path}: not a valid GGUF file, or truncated ({one_line(error)})") from error
+        buffer = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable ({one_line(error)})") from error
+    cursor = _Cursor(buffer, source)
+    magic = bytes(buffer[:4])
+    if magic != b"GGUF":
+        raise CheckpointError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    cursor.offset = 4
+    version = cursor.scalar("I", "version")
+    if version not in (2, 3):
+        if version & 0xFFFF == 0:  # 2 or 3 written in the other byte order
+            raise CheckpointError(f"{path}: big-endian GGUF files are not supported")
+        raise CheckpointError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    tensor_count = cursor.scalar("Q", "tensor count")
+    kv_count = cursor.scalar("Q", "metadata count")
+    # the smallest metadata entry takes 13 bytes, the smallest tensor description 24
+    cursor.need(kv_count * 13 + tensor_count * 24, f"{kv_count} metadata entries and "
+                f"{tensor_count} tensor descriptions")
+    fields: dict[str, Any] = {}
+    for index in range(kv_count):
+        key = cursor.string(f"key of metadata entry {index}")
+        if key in fields:
+            raise cursor.fail(f"metadata key {key!r} appears twice")
+        kind = cursor.scalar("I", f"value type of metadata {key!r}")
+        fields[key] = cursor.value(kind, f"metadata {key!r}")
+    infos = []
+    names = set()
+    for index in range(tensor_count):
+        info = _tensor_info(cursor, index)
+        if info[0] in names:
+            raise cursor.fail(f"duplicated tensor {info[0]!r}")
+        names.add(info[0])
+        infos.append(info)
+    alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1
+            or alignment & (alignment - 1)):
+        raise CheckpointError(f"{path}: general.alignment {alignment!r} is not a power of two")
+    data_start = -(-cursor.offset // alignment) * alignment
+    spans = []
+    for name, tensor_type, shape, offset, num_bytes in infos:
+        if offset % alignment:
+            raise CheckpointError(f"{path}: tensor {name!r} data offset {offset} is not a "
+                                  f"multiple of the alignment {alignment}")
+        start = data_start + offset
+        if start + num_bytes > size:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ({tensor_type.name}, shape {list(shape)}) needs bytes "
+                f"{start}..{start + num_bytes} but the file has {size} (truncated or corrupt)")
+        spans.append((start, start + num_bytes, name))
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise CheckpointError(f"{path}: tensors {first!r} and {second!r} overlap in the file")
+    tensors = []
+    for name, tensor_type, shape, offset, num_bytes in infos:
+        rows = tuple(reversed(shape))  # numpy order: slowest axis first
+        dtype = _ITEM_DTYPES.get(tensor_type.name)
+        if dtype is None:  # blocks of bytes: [..., row bytes]
+            block, block_bytes = GGML_QUANT_SIZES[tensor_type]
+            rows, dtype = (*rows[:-1], rows[-1] // block * block_bytes), np.uint8
+        data = np.ndarray(rows, np.dtype(dtype), buffer=buffer, offset=data_start + offset)
+        tensors.append(GGUFTensor(name, tensor_type, shape, data))
+    return GGUFFile(path, fields, tensors, data_start)
 
 
-def _field(reader, key: str, default: Any = None, *, required: bool = False, source: str = ""):
-    field = reader.fields.get(key)
-    if field is None:
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """The parsed GGUF file ``path`` (see :func:`read_gguf`)."""
+    return read_gguf(path)
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+          list: "an array"}
+
+
+def _field(reader: GGUFFile, key: str, default: Any = None, *, required: bool = False,
+           source: str = "", kind: type | None = None):
+    """The metadata value ``key``, checked to be of ``kind`` (int, float, str, bool, list)."""
+    if key not in reader.fields:
         if required:
             raise CheckpointError(f"{source}: GGUF metadata {key!r} is missing")
         return default
-    try:
-        return field.contents()
-    except Exception as error:
-        raise CheckpointError(f"{source}: GGUF metadata {key!r} is unreadable "
-                              f"({one_line(error)})") from error
+    value = reader.fields[key]
+    if kind is None:
+        return value
+    if kind is list:
+        ok = isinstance(value, (list, np.ndarray)) and np.ndim(value) == 1
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise CheckpointError(f"{source}: GGUF metadata {key!r} should be {_KINDS[kind]}, "
+                              f"found {_describe(value)}")
+    return value
+
+
+def _describe(value) -> str:
+    if isinstance(value, np.ndarray):
+        return f"an array of {value.dtype}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
 def _float32_value(value) -> float:
@@ -138,62 +379,74 @@ def _float32_value(value) -> float:
     return float(str(np.float32(value)))
 
 
-def config_from_gguf(reader, source: str = "gguf") -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
     """Builds the :class:`ModelConfig` described by a GGUF file's metadata.
 
     Raises:
-      CheckpointError: the architecture is not supported or a needed key is missing.
+      CheckpointError: the architecture is not supported, or a needed key is missing, of
+        the wrong type or out of range.
     """
-    arch = _field(reader, "general.architecture", required=True, source=source)
+    arch = _field(reader, "general.architecture", required=True, source=source, kind=str)
     if arch not in _ARCHITECTURES:
         raise CheckpointError(
             f"{source}: GGUF architecture {arch!r} is not supported; expected one of "
             f"{sorted(_ARCHITECTURES)}")
 
-    def meta(key, default=None, required=True):
-        return _field(reader, f"{arch}.{key}", default,
-                      required=required and default is None, source=source)
+    def meta(key, default=None, kind=int):
+        value = _field(reader, f"{arch}.{key}", default, required=default is None,
+                       source=source, kind=kind)
+        if kind is int and value is not None and value < 0:
+            raise CheckpointError(f"{source}: GGUF metadata '{arch}.{key}' is negative ({value})")
+        return value
 
     names = {tensor.name for tensor in reader.tensors}
     if "rope_freqs.weight" in names:
         raise CheckpointError(
             f"{source}: tensor 'rope_freqs.weight' (per-frequency RoPE scaling, Llama 3.1 "
             "style) is not supported; load the model from its HF directory instead")
-    hidden = int(meta("embedding_length"))
-    heads = int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // heads))
+    hidden = meta("embedding_length")
+    heads = meta("attention.head_count")
+    if heads == 0:
+        raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' is 0")
+    head_dim = meta("attention.key_length", hidden // heads)
     rope_dims = meta("rope.dimension_count", head_dim)
-    if int(rope_dims) != head_dim:
+    if rope_dims != head_dim:
         raise CheckpointError(
             f"{source}: partial RoPE ({arch}.rope.dimension_count={rope_dims}, head dim "
             f"{head_dim}) is not supported")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = _field(reader, "tokenizer.ggml.tokens", source=source, kind=list)
     vocab = len(tokens) if tokens is not None else meta("vocab_size")
     scaling = None
-    scaling_type = meta("rope.scaling.type", "none")
+    scaling_type = meta("rope.scaling.type", "none", kind=str)
     if scaling_type == "linear":
-        scaling = RopeScaling("linear", _float32_value(meta("rope.scaling.factor")))
-    elif scaling_type not in ("none", None):
+        scaling = RopeScaling("linear", _float32_value(meta("rope.scaling.factor", kind=float)))
+    elif scaling_type != "none":
         raise CheckpointError(f"{source}: RoPE scaling {scaling_type!r} is not supported")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+
+    def token_id(key):
+        return _field(reader, f"tokenizer.ggml.{key}", source=source, kind=int)
+
+    eos_ids = tuple(dict.fromkeys(t for t in (token_id("eos_token_id"), token_id("eot_token_id"))
+                                  if t is not None))
+    bos = token_id("bos_token_id")
     window = meta("attention.sliding_window", 0)
-    return ModelConfig(
-        architecture="llama", vocab_size=int(vocab), hidden_size=hidden,
-        num_layers=int(meta("block_count")), num_heads=heads,
-        num_kv_heads=int(meta("attention.head_count_kv", heads)), head_dim=head_dim,
-        intermediate_size=int(meta("feed_forward_length")),
-        max_position_embeddings=int(meta("context_length")),
-        norm_eps=_float32_value(meta("attention.layer_norm_rms_epsilon")),
-        rope_theta=_float32_value(meta("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names, out_bias="blk.0.attn_output.bias" in names,
-        mlp_bias="blk.0.ffn_gate.bias" in names, eos_token_ids=eos_ids,
-        bos_token_id=None if bos is None else int(bos),
-        sliding_window=int(window) if window else None,
-    )
+    try:
+        return ModelConfig(
+            architecture="llama", vocab_size=vocab, hidden_size=hidden,
+            num_layers=meta("block_count"), num_heads=heads,
+            num_kv_heads=meta("attention.head_count_kv", heads), head_dim=head_dim,
+            intermediate_size=meta("feed_forward_length"),
+            max_position_embeddings=meta("context_length"),
+            norm_eps=_float32_value(meta("attention.layer_norm_rms_epsilon", kind=float)),
+            rope_theta=_float32_value(meta("rope.freq_base", 10000.0, kind=float)),
+            rope_scaling=scaling, tie_word_embeddings="output.weight" not in names,
+            qkv_bias="blk.0.attn_q.bias" in names, out_bias="blk.0.attn_output.bias" in names,
+            mlp_bias="blk.0.ffn_gate.bias" in names, eos_token_ids=eos_ids,
+            bos_token_id=bos, sliding_window=window or None,
+        )
+    except InvalidArgumentError as error:
+        raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
+                              ) from None
 
 
 def _gguf_names_in_message(message: str) -> str:
@@ -217,6 +470,9 @@ def _dequantize(tensor, source: str) -> np.ndarray:
     except Exception as error:
         raise CheckpointError(
             f"{source}: tensor {tensor.name!r} is corrupt ({one_line(error)})") from error
+    if not np.issubdtype(array.dtype, np.floating):
+        raise CheckpointError(f"{source}: tensor {tensor.name!r} has type "
+                              f"{tensor.tensor_type.name}; weights must be floating-point")
     expected = tuple(int(n) for n in reversed(tensor.shape))  # gguf lists fastest axis first
     if array.shape != expected:
         raise CheckpointError(
@@ -225,7 +481,7 @@ def _dequantize(tensor, source: str) -> np.ndarray:
     return array
 
 
-def params_from_gguf(reader, config: ModelConfig, source: str = "gguf", dtype=None,
+def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf", dtype=None,
                      progress: bool = False) -> dict:
     """Dequantized parameter tree (numpy) of a GGUF file; see the module docstring."""
     arch = _field(reader, "general.architecture")
@@ -239,12 +495,12 @@ def params_from_gguf(reader, config: ModelConfig, source: str = "gguf", dtype=No
     for tensor in items:
         name = hf_name(tensor.name)
         array = _dequantize(tensor, source)
+        heads = (config.num_heads if ".self_attn.q_proj." in (name or "") else
+                 config.num_kv_heads if ".self_attn.k_proj." in (name or "") else None)
         if name is None:
             name = tensor.name  # keymap reports it as unmapped
-        elif permuted and ".self_attn.q_proj." in name:
-            array = unpermute_rope_rows(array, config.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            array = unpermute_rope_rows(array, config.num_kv_heads)
+        elif permuted and heads and array.shape[0] == heads * config.head_dim:
+            array = unpermute_rope_rows(array, heads)  # other shapes: keymap names them
         tensors[name] = array
     try:
         return keymap.params_from_hf_tensors(config, tensors, source=source,
@@ -292,7 +548,7 @@ def _byte_alphabet() -> dict[int, str]:
     return spelling
 
 
-def tokenizer_from_gguf(reader, source: str = "gguf", model_max_length: int | None = None,
+def tokenizer_from_gguf(reader: GGUFFile, source: str = "gguf", model_max_length: int | None = None,
                         *, split_digits: bool = False):
     """A ``transformers.PreTrainedTokenizerFast`` rebuilt from ``tokenizer.ggml.*`` fields.
 
@@ -303,7 +559,7 @@ def tokenizer_from_gguf(reader, source: str = "gguf", model_max_length: int | No
     tokens, so both stay whole.
 
     Args:
-      reader: a ``gguf.GGUFReader`` (see :func:`open_gguf`).
+      reader: a parsed file (see :func:`read_gguf`).
       source: a name for error messages.
       model_max_length: recorded on the tokenizer (the model's context length).
       split_digits: for SmolLM/StarCoder-style files (``tokenizer.ggml.pre`` "smollm",
@@ -311,33 +567,67 @@ def tokenizer_from_gguf(reader, source: str = "gguf", model_max_length: int | No
         tokenizers do; transformers does not (see ``_DIGIT_PRE_TOKENIZERS``).
 
     Raises:
-      CheckpointError: the file has no tokenizer, or one of a kind not supported here.
+      CheckpointError: the file has no tokenizer, one of a kind not supported here, fields
+        of the wrong type, or a chat template that reaches for Python internals.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    def get(key, default=None):
-        return _field(reader, f"tokenizer.{key}", default, source=source)
+    def get(key, default=None, kind=None):
+        return _field(reader, f"tokenizer.{key}", default, source=source, kind=kind)
 
-    kind = get("ggml.model")
+    def strings(key):
+        values = get(key, [], kind=list)
+        if not all(isinstance(value, str) for value in values):
+            raise CheckpointError(f"{source}: GGUF metadata 'tokenizer.{key}' should be an "
+                                  "array of strings")
+        return list(values)
+
+    kind = get("ggml.model", kind=str)
     if kind is None:
         raise CheckpointError(f"{source}: the GGUF file has no tokenizer (tokenizer.ggml.model)")
     if kind != "gpt2":
         raise CheckpointError(
             f"{source}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
             "'gpt2'); load the model's HF directory for its tokenizer")
-    pre = get("ggml.pre", "default")
+    pre = get("ggml.pre", "default", kind=str)
     if pre not in _PRE_TOKENIZER_SPLITS:
         raise CheckpointError(
             f"{source}: GGUF pre-tokenizer {pre!r} is not supported; expected one of "
             f"{sorted(_PRE_TOKENIZER_SPLITS)}")
-    tokens = list(get("ggml.tokens", []))
-    token_types = list(get("ggml.token_type", [1] * len(tokens)))
-    merges = get("ggml.merges")
+    tokens = strings("ggml.tokens")
+    token_types = get("ggml.token_type", np.ones(len(tokens), np.int32), kind=list)
+    if not isinstance(token_types, np.ndarray) or token_types.dtype.kind not in "iu":
+        raise CheckpointError(f"{source}: GGUF metadata 'tokenizer.ggml.token_type' should be "
+                              "an array of integers")
+    token_types = token_types.tolist()
+    merges = strings("ggml.merges") if "tokenizer.ggml.merges" in reader.fields else None
     if not tokens or merges is None or len(token_types) != len(tokens):
         raise CheckpointError(f"{source}: GGUF tokenizer fields are incomplete "
                               "(tokens, token_type and merges are needed)")
+    pair_list = []
+    for merge in merges:
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise CheckpointError(f"{source}: malformed GGUF merge {merge[:40]!r}")
+        pair_list.append((parts[0], parts[1]))
+
+    def special(key):
+        index = get(f"ggml.{key}", kind=int)
+        if index is None:
+            return None
+        if not 0 <= index < len(tokens):
+            raise CheckpointError(f"{source}: tokenizer.ggml.{key} {index} is out of range")
+        return tokens[index]
+
+    bos, eos = special("bos_token_id"), special("eos_token_id")
+    unknown, padding = special("unknown_token_id"), special("padding_token_id")
+    add_bos = get("ggml.add_bos_token", False, kind=bool) and bos is not None
+    add_eos = get("ggml.add_eos_token", False, kind=bool) and eos is not None
+    chat_template = get("chat_template", kind=str)
+    if chat_template is not None:
+        check_chat_template(chat_template, f"{source}: tokenizer.chat_template")
 
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
@@ -350,54 +640,39 @@ def tokenizer_from_gguf(reader, source: str = "gguf", model_max_length: int | No
         return "".join(spelling[b] for b in token.encode("utf-8"))
 
     vocab = {spelled(token): index for index, token in enumerate(tokens)}
-    pair_list = []
-    for merge in merges:
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise CheckpointError(f"{source}: malformed GGUF merge {merge!r}")
-        pair_list.append((parts[0], parts[1]))
     regexes = [_PRE_TOKENIZER_SPLITS[pre]]
     if split_digits and pre in _DIGIT_PRE_TOKENIZERS:
         regexes.insert(0, r"\p{N}")
-    backend = Tokenizer(models.BPE(vocab, pair_list, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens fit the byte alphabet in a well-formed file; a token marked control
-    # that does not is a mislabel and would be cut, not matched whole: leave it to BPE.
-    backend.add_special_tokens([
-        AddedToken(token, normalized=False, special=True)
-        for token, token_kind in zip(tokens, token_types)
-        if token_kind == _CONTROL and set(token) <= alphabet])
-    backend.add_tokens([
-        AddedToken(token, normalized=False, special=False)
-        for token, token_kind in zip(tokens, token_types)
-        if token_kind == _USER_DEFINED and token in vocab])
-
-    def special(key):
-        index = get(f"ggml.{key}")
-        if index is None:
-            return None
-        if not 0 <= int(index) < len(tokens):
-            raise CheckpointError(f"{source}: tokenizer.ggml.{key} {index} is out of range")
-        return tokens[int(index)]
-
-    bos, eos = special("bos_token_id"), special("eos_token_id")
-    add_bos = bool(get("ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(get("ggml.add_eos_token", False)) and eos is not None
-    template = ([bos] if add_bos else []) + ["$A"] + ([eos] if add_eos else [])
-    backend.post_processor = processors.TemplateProcessing(
-        single=template, pair=template + ["$B:1"],
-        special_tokens=[(t, vocab[spelled(t)]) for t in {bos, eos} if t is not None])
-    kwargs = {}
-    if model_max_length is not None:
-        kwargs["model_max_length"] = model_max_length
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=bos, eos_token=eos,
-        unk_token=special("unknown_token_id"), pad_token=special("padding_token_id"),
-        chat_template=get("chat_template"), add_bos_token=add_bos, add_eos_token=add_eos,
-        **kwargs)
+    try:  # the tokenizers library rejects, e.g., a merge of tokens not in the vocabulary
+        backend = Tokenizer(models.BPE(vocab, pair_list, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens fit the byte alphabet in a well-formed file; a token marked control
+        # that does not is a mislabel and would be cut, not matched whole: leave it to BPE.
+        backend.add_special_tokens([
+            AddedToken(token, normalized=False, special=True)
+            for token, token_kind in zip(tokens, token_types)
+            if token_kind == _CONTROL and set(token) <= alphabet])
+        backend.add_tokens([
+            AddedToken(token, normalized=False, special=False)
+            for token, token_kind in zip(tokens, token_types)
+            if token_kind == _USER_DEFINED and token in vocab])
+        template = ([bos] if add_bos else []) + ["$A"] + ([eos] if add_eos else [])
+        backend.post_processor = processors.TemplateProcessing(
+            single=template, pair=template + ["$B:1"],
+            special_tokens=[(t, vocab[spelled(t)]) for t in {bos, eos} if t is not None])
+        kwargs = {}
+        if model_max_length is not None:
+            kwargs["model_max_length"] = model_max_length
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token=unknown,
+            pad_token=padding, chat_template=chat_template, add_bos_token=add_bos,
+            add_eos_token=add_eos, **kwargs)
+    except Exception as error:  # tokenizers/transformers raise Exception, ValueError...
+        raise CheckpointError(f"{source}: the GGUF tokenizer cannot be built "
+                              f"({one_line(error)})") from error
 
 
 # ----------------------------------------------------------------------------- public
@@ -416,12 +691,14 @@ def load_gguf(path: str | os.PathLike, dtype=None, progress: bool = False
       :mod:`specjax.models`; tokenizer is a ``transformers.PreTrainedTokenizerFast``.
     Raises:
       ModelNotFoundError: no such file.
-      CheckpointError: the file is truncated or corrupt, its architecture, quantization or
-        tokenizer is not supported, or a tensor is unmapped, missing or mis-shaped.
+      CheckpointError: the file is truncated, corrupt or crafted (a count, length or offset
+        the file cannot hold, see :func:`read_gguf`), its architecture, quantization or
+        tokenizer is not supported, a metadata value has the wrong type, its chat template
+        reaches for Python internals, or a tensor is unmapped, missing or mis-shaped.
     """
     source = str(path)
-    reader = open_gguf(path)
+    reader = read_gguf(path)
     config = config_from_gguf(reader, source)
-    params = params_from_gguf(reader, config, source, dtype=dtype, progress=progress)
     tokenizer = tokenizer_from_gguf(reader, source, model_max_length=config.max_position_embeddings)
+    params = params_from_gguf(reader, config, source, dtype=dtype, progress=progress)
     return config, params, tokenizer
