@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from specjax.checkpoints_tools.hf import (as_numpy_dtype, has_tokenizer, load_hf_tokenizer, one_line,
@@ -181,6 +183,14 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
     _silence_late_loop_errors()
     try:
         with ocp.StandardCheckpointer() as checkpointer:
+            stored = checkpointer.metadata(params_dir)
+    except Exception as error:  # orbax/tensorstore raise many types for damaged files
+        raise CheckpointError(
+            f"{params_dir}: corrupt or incomplete orbax checkpoint ({one_line(error)})") from error
+    item = getattr(stored, "item_metadata", stored)  # orbax >= 0.12 wraps the tree
+    _check_stored_arrays(getattr(item, "tree", item), config, params_dir)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(params_dir)
     except Exception as error:  # orbax/tensorstore raise many types for damaged files
         raise CheckpointError(
@@ -195,6 +205,39 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
         params = _cast(params, target)
     tokenizer = load_hf_tokenizer(path) if has_tokenizer(path) else None
     return config, params, tokenizer
+
+
+# Stored arrays may declare this many times the bytes params/ holds on disk (compression,
+# chunks of zeros that tensorstore does not write) plus a fixed allowance; more would
+# allocate memory that the files do not justify.
+_MAX_DECLARED_RATIO = 64
+_DECLARED_ALLOWANCE = 256 << 20
+
+
+def _check_stored_arrays(tree, config: ModelConfig, params_dir: Path) -> None:
+    """Checks the arrays a checkpoint declares (shapes, dtypes, total size) before any is
+    restored: restoring allocates each declared array first."""
+    from specjax.models import check_params
+
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{params_dir}: corrupt or incomplete orbax checkpoint (its "
+                              f"metadata holds {type(tree).__name__}, not a parameter tree)")
+    check_params(config, tree, source=str(params_dir))
+    declared = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        try:
+            dtype = np.dtype(leaf.dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
+            raise CheckpointError(f"{params_dir}: parameter {jax.tree_util.keystr(path)} has "
+                                  f"dtype {getattr(leaf, 'dtype', None)}, not floating-point")
+        declared += math.prod(leaf.shape) * dtype.itemsize
+    on_disk = sum(file.stat().st_size for file in params_dir.rglob("*") if file.is_file())
+    if declared > _MAX_DECLARED_RATIO * on_disk + _DECLARED_ALLOWANCE:
+        raise CheckpointError(
+            f"{params_dir}: the stored arrays declare {declared} bytes but the directory holds "
+            f"{on_disk}; refusing to allocate memory the files do not justify")
 
 
 def _is_closed_loop_error(exc) -> bool:
