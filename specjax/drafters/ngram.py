@@ -62,8 +62,10 @@ The stage-2 proposal tree (:func:`propose`) merges these lists with context look
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -436,21 +438,71 @@ def load_ngram(path: str | os.PathLike, vocab_size: int | None = None) -> NgramT
     return tables
 
 
+# Deflate expands data at most ~1032 times; a member claiming more than this is not what
+# save_ngram wrote, whatever its header says.
+_MAX_DEFLATE_RATIO = 1100
+
+
+def _check_archive(path, source: str) -> None:
+    """Checks each array of the ``.npz`` against its stored size before numpy reads it.
+
+    numpy allocates the shape an ``.npy`` header declares before reading the data, so a
+    header claiming 10^12 elements would allocate first and fail later. Here every member
+    must be one of the expected arrays, hold no Python objects, and declare exactly the
+    bytes it stores, and its stored size must be one deflate can produce.
+    """
+    expected = {f"{name}.npy" for name in (*NgramTables._fields, "metadata")}
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            names = [member.filename for member in members]
+            _check(len(set(names)) == len(names), source, "an array appears twice")
+            for name in sorted(set(names) - expected):
+                raise CheckpointError(f"{source}: not valid n-gram tables (unexpected member "
+                                      f"{name[:60]!r})")
+            for member in members:
+                ratio = 1 if member.compress_type == zipfile.ZIP_STORED else _MAX_DEFLATE_RATIO
+                _check(member.file_size <= member.compress_size * ratio + 4096, source,
+                       f"{member.filename} claims {member.file_size} bytes from "
+                       f"{member.compress_size} compressed")
+                with archive.open(member) as stream:
+                    version = np.lib.format.read_magic(stream)
+                    _check(version in ((1, 0), (2, 0)), source,
+                           f"{member.filename} is .npy version {version}")
+                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read_header(stream)
+                    header_bytes = stream.tell()
+                _check(not dtype.hasobject, source, f"{member.filename} holds Python objects "
+                       "(pickled), which are never loaded")
+                declared = math.prod(shape) * dtype.itemsize
+                _check(declared == member.file_size - header_bytes, source,
+                       f"{member.filename} declares {dtype} {shape} ({declared} bytes) but "
+                       f"stores {member.file_size - header_bytes}")
+    except CheckpointError:
+        raise
+    except Exception as error:  # zipfile, zlib, ValueError, EOFError... for damaged files
+        raise CheckpointError(f"{source}: unreadable n-gram file, corrupt or truncated "
+                              f"({type(error).__name__}: {' '.join(str(error).split())[:200]})"
+                              ) from error
+
+
 def _read(path) -> tuple[NgramTables, dict[str, Any]]:
     source = str(path)
     if not Path(path).is_file():
         raise ModelNotFoundError(f"{source}: no such n-gram file")
+    _check_archive(path, source)
     try:
         with np.load(path, allow_pickle=False) as archive:
             stored = {name: archive[name] for name in archive.files}
     except Exception as error:  # zipfile, zlib, ValueError, EOFError... for damaged files
-        text = " ".join(str(error).split())
+        text = " ".join(str(error).split())[:200]
         raise CheckpointError(f"{source}: unreadable n-gram file, corrupt or truncated "
                               f"({type(error).__name__}: {text})") from error
     _check("metadata" in stored, source, "no metadata")
     try:
         meta = json.loads(stored.pop("metadata").tobytes().decode())
-    except (UnicodeDecodeError, ValueError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise CheckpointError(f"{source}: n-gram metadata is not JSON") from error
     _check(isinstance(meta, dict) and meta.get("format") == FORMAT_NAME, source,
            f"format is not {FORMAT_NAME!r}")
@@ -464,11 +516,14 @@ def _read(path) -> tuple[NgramTables, dict[str, Any]]:
     arrays = {}
     for name in NgramTables._fields:
         value = stored[name]
+        # the dtypes save_ngram writes: a wider integer could wrap around into a valid id
+        allowed = (("f2", "f4") if name in _SCORE_FIELDS else ("u2", "i4")
+                   if name in _TOKEN_FIELDS else ("i4",))
+        _check(f"{value.dtype.kind}{value.dtype.itemsize}" in allowed, source,
+               f"{name} is {value.dtype}, expected {' or '.join(allowed)}")
         if name in _SCORE_FIELDS:
-            _check(value.dtype.kind == "f", source, f"{name} is not floating-point")
             arrays[name] = value.astype(np.float32)
         else:
-            _check(value.dtype.kind in "iu", source, f"{name} is not an integer array")
             arrays[name] = _from_disk_tokens(value)
     tables = NgramTables(**arrays)
     _check_shapes(tables, meta, source)
@@ -488,9 +543,11 @@ def _check_shapes(t: NgramTables, meta: dict, source: str) -> None:
         "trigram_keys": (buckets, 2), "trigram_tokens": (buckets, k3),
         "trigram_scores": (buckets, k3), "trigram_log_alpha": (buckets,),
     }
+    _check(rows >= 1, source, f"bigram_tokens has shape {t.bigram_tokens.shape}, expected "
+           f"(rows >= 1, {k})")
     for name, want in expected.items():
         got = getattr(t, name).shape
-        _check(got == want and rows >= 1, source, f"{name} has shape {got}, expected {want}")
+        _check(got == want, source, f"{name} has shape {got}, expected {want}")
     for name in _TOKEN_FIELDS:
         value = getattr(t, name)
         _check(bool(np.all((value >= -1) & (value < vocab))), source,
