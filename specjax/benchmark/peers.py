@@ -10,8 +10,10 @@ Three peers, each a name on the command line:
 The target and draft are written with
 :func:`specjax.checkpoints_tools.hf.save_hf_directory` from *our* parameters (in float32)
 and loaded with ``AutoModelForCausalLM``, so both sides compute with the same weights
-whatever the source checkpoint (GGUF, HF, orbax). PyTorch runs float32 on the CPU, bfloat16
-on a CUDA GPU when JAX runs on a GPU. Stop tokens are disabled on both sides: every system
+whatever the source checkpoint (GGUF, HF, orbax). PyTorch runs on the GPU in bfloat16
+whenever it sees one (``torch.cuda.is_available()``), else on the CPU in float32
+(:func:`choose_device`); the JSON records where and why (a CPU-only torch build on a GPU
+machine shows up there, instead of silently comparing a GPU with a CPU). Stop tokens are disabled on both sides: every system
 generates exactly ``max_new_tokens`` tokens. At temperature > 0 transformers samples with
 its own random numbers: its tokens are not expected to equal ours.
 
@@ -52,6 +54,18 @@ def parse_peers(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def choose_device(torch) -> tuple[str, str, str]:
+    """(device, dtype, reason) for the transformers peers: ``cuda``/``bfloat16`` when torch
+    sees a CUDA GPU, else ``cpu``/``float32`` (the reason says which torch build and why)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return "cuda", "bfloat16", f"torch.cuda.is_available(): {name}"
+    build = getattr(torch.version, "cuda", None)
+    why = ("a CPU-only torch build" if not build
+           else f"torch built for CUDA {build} sees no GPU")
+    return "cpu", "float32", f"torch.cuda.is_available() is False ({why})"
+
+
 def _float32_params(params) -> dict:
     return jax.tree.map(lambda a: np.asarray(a, np.float32), params)
 
@@ -61,7 +75,8 @@ class TransformersPeers:
 
     Attributes:
       status: peer name -> ``{"status": "ok" | "unavailable", "reason": str | None}``.
-      device, dtype: where and in which dtype PyTorch runs.
+      device, dtype: where and in which dtype PyTorch runs (:func:`choose_device`), and
+        device_reason: why.
     """
 
     def __init__(self, names: Sequence[str], target, draft=None, torch_threads: int = 0):
@@ -76,6 +91,7 @@ class TransformersPeers:
         self.names = list(names)
         self.status = {name: {"status": "ok", "reason": None} for name in self.names}
         self.device, self.dtype = "cpu", "float32"
+        self.device_reason = "no peers requested"
         self.thread_candidates = ([torch_threads] if torch_threads
                                   else sorted({1, os.cpu_count() or 1}))
         self.threads_probe: dict[int, float] = {}
@@ -86,10 +102,10 @@ class TransformersPeers:
             import torch
             import transformers  # noqa: F401
         except ImportError as err:
+            self.device_reason = f"{err.name or 'torch'} is not installed"
             return self._disable(self.names, f"{err.name or 'torch'} is not installed "
                                              "(pip install 'specjax[bench]')")
-        if jax.default_backend() == "gpu" and torch.cuda.is_available():
-            self.device, self.dtype = "cuda", "bfloat16"
+        self.device, self.dtype, self.device_reason = choose_device(torch)
         if "hf-assisted" in self.names and draft is None:
             self._disable(["hf-assisted"], "no draft model (--draft)")
         try:
@@ -136,7 +152,8 @@ class TransformersPeers:
 
     def describe(self) -> dict:
         """What the JSON records about the peers."""
-        return {"device": self.device, "dtype": self.dtype,
+        return {"device": self.device, "dtype": self.dtype, "device_reason": self.device_reason,
+                "jax_backend": jax.default_backend(),
                 "torch_thread_candidates": self.thread_candidates,
                 "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
                 "peers": {name: dict(self.status[name]) for name in self.names}}
