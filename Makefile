@@ -1,10 +1,11 @@
-# Quick start: `make demo` (set up and generate), `make test` (set up and run the suite).
+# Quick start: `make demo` (set up and generate), `make test` (set up and run the suite but
+# the tests marked slow), `make test-all` (everything: what CI runs).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-all bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +21,30 @@ demo: install
 	$(BIN)/specjax generate "def fibonacci(n):" --max-new-tokens 64
 
 test: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: install
 	$(BIN)/python -m pytest -q
 
 bench: install
 	$(BIN)/python benchmarks/bench_ar.py
+
+# The TPU compiler (the libtpu pinned by the `tpu` extra) goes beside the environment, not
+# into it: installed, it would start in every JAX process here and log to stderr. The TPU
+# compile tests (tests/test_tpu_compile.py) load it in a subprocess; `make test` runs them
+# once it is installed, `make test-tpu` installs it and runs them (CI).
+.PHONY: tpu-compiler test-tpu
+TPU_COMPILER := $(VENV)/tpu-compiler
+
+$(TPU_COMPILER)/.installed: pyproject.toml | $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(TPU_COMPILER) \
+		"$$($(BIN)/python tests/tpu_aot.py --requirement)"
+	touch $@
+
+tpu-compiler: $(TPU_COMPILER)/.installed
+
+test-tpu: install tpu-compiler
+	SPECJAX_REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q -m "not slow" tests/test_tpu_compile.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     target = specjax.load(args.model)
-    draft = specjax.api.default_draft(target)
+    draft = specjax.loading.resolve_draft(target)  # the shipped draft
     full = specjax.Model(draft.config, {k: v for k, v in draft.params.items()
                                         if k != models.HEAD_SUBSET}, draft.tokenizer)
 

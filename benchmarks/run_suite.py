@@ -9,7 +9,7 @@ The same flags as ``specjax bench`` (see ``--help`` and benchmarks/README.md), e
 
 import sys
 
-from specjax.benchmark.cli import main
+from specjax import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.main(["bench", *sys.argv[1:]]))

@@ -78,9 +78,7 @@ def main(argv=None) -> int:
 
     model = specjax.load(args.model)
     if args.draft_asset:
-        from specjax.checkpoints_tools.sources import load_bundled_draft
-
-        draft = load_bundled_draft(model, directory=args.draft_asset)
+        draft = specjax.loading.resolve_draft(model, args.draft_asset)
         for options in configs.values():
             if options["method"] == "staged":
                 options["draft"] = draft

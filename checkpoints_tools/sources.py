@@ -14,16 +14,26 @@ saved as ``./smollm2-135m`` is what it says.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes  # jax's own dependency: numpy dtypes for bfloat16
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+import specjax
+from specjax.checkpoints_tools import orbax_io
+from specjax.checkpoints_tools.gguf_loader import load_gguf
 from specjax.checkpoints_tools.hf import (as_numpy_dtype, hub_snapshot, load_hf_directory,
                                           load_hf_tokenizer)
 from specjax.config import ModelConfig
-from specjax.errors import ModelNotFoundError
+from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
+from specjax.model import Model
 from specjax.models import HEAD_SUBSET
 
 
@@ -74,21 +84,17 @@ def known_model_path(name: str) -> Path:
 
 
 def _load_directory(path: Path, dtype, progress: bool) -> tuple[ModelConfig, dict, Any]:
-    from specjax.checkpoints_tools.orbax_io import CONFIG_FILE, load_orbax
-
-    if (path / CONFIG_FILE).is_file():
-        return load_orbax(path, dtype=dtype)
+    if (path / orbax_io.CONFIG_FILE).is_file():
+        return orbax_io.load_orbax(path, dtype=dtype)
     if (path / "config.json").is_file():
         config, params = load_hf_directory(path, dtype=dtype, progress=progress)
         return config, params, load_hf_tokenizer(path)
     raise ModelNotFoundError(
-        f"{path}: neither a specjax checkpoint ({CONFIG_FILE}) nor a Hugging Face model "
+        f"{path}: neither a specjax checkpoint ({orbax_io.CONFIG_FILE}) nor a Hugging Face model "
         "directory (config.json)")
 
 
 def _load_path(path: Path, dtype, progress: bool) -> tuple[ModelConfig, dict, Any]:
-    from specjax.checkpoints_tools.gguf_loader import load_gguf
-
     if path.is_dir():
         return _load_directory(path, dtype, progress)
     if path.suffix.lower() == ".gguf":
@@ -115,17 +121,58 @@ def resolve_and_load(name_or_path: str | os.PathLike, dtype=None, progress: bool
       CheckpointError: the files found are corrupt or do not match.
     """
     as_numpy_dtype(dtype)  # reject a bad dtype before any slow loading
+    kind = classify_model_argument(name_or_path)
     text = os.fspath(name_or_path)
-    path = Path(text).expanduser()
-    if path.exists():
-        return _load_path(path, dtype, progress)
-    if text in KNOWN_MODELS:
+    if kind == "path":
+        return _load_path(Path(text).expanduser(), dtype, progress)
+    if kind == "known":
         return _load_path(known_model_path(text), dtype, progress)
+    return _load_directory(hub_snapshot(text), dtype, progress)
+
+
+def classify_model_argument(name_or_path: str | os.PathLike) -> str:
+    """``"path"``, ``"known"`` or ``"hub"``: what a model argument names, without loading
+    anything (see the module docstring for the order).
+
+    Raises:
+      ModelNotFoundError: it is none of them.
+    """
+    text = os.fspath(name_or_path)
+    if Path(text).expanduser().exists():
+        return "path"
+    if text in KNOWN_MODELS:
+        return "known"
     if _HUB_ID.match(text):
-        return _load_directory(hub_snapshot(text), dtype, progress)
+        return "hub"
     raise ModelNotFoundError(
         f"no model {text!r}: not an existing path, a known name ({', '.join(KNOWN_MODELS)}) "
         "or a hub id (owner/name)")
+
+
+def known_origin(name_or_path: str | os.PathLike) -> str | None:
+    """The known model (:data:`KNOWN_MODELS`) that ``name_or_path`` is or was made from,
+    without loading it: its name, its file, or a checkpoint ``specjax convert`` made from
+    one (the conversion records its origin). ``None`` otherwise.
+
+    Shipped assets (draft, n-gram tables) of that model apply to it; the draft is still
+    checked against the weights by fingerprint when it loads.
+    """
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if not path.exists():
+        return text if text in KNOWN_MODELS else None
+    if path.is_dir():
+        if not (path / orbax_io.CONFIG_FILE).is_file():
+            return None
+        name = (orbax_io.read_origin(path) or {}).get("known_model")
+        return name if name in KNOWN_MODELS else None
+    for name in KNOWN_MODELS:
+        try:
+            if path.resolve() == known_model_path(name).resolve():
+                return name
+        except ModelNotFoundError:
+            continue
+    return None
 
 
 # ----------------------------------------------------------------------------- shipped drafts
@@ -135,21 +182,29 @@ DRAFT_CONFIG = "draft.json"
 HEAD_TOKENS = "head_tokens"
 
 
-def _assets_dir() -> Path:
-    """``specjax/assets`` of the installed package (works for wheel and editable installs)."""
-    import specjax
+FINGERPRINT_DTYPES = ("float32", "bfloat16", "float16")
 
+
+def assets_dir() -> Path:
+    """``specjax/assets`` of the installed package (works for wheel and editable installs)."""
     return Path(specjax.__file__).resolve().parent / "assets"
 
 
 def embed_fingerprint(embed) -> str:
-    """A short fingerprint of an embedding matrix (the weights a shipped draft shares)."""
-    import hashlib
-
-    import numpy as np
-
+    """A short fingerprint of an embedding matrix (the weights a shipped draft shares),
+    taken of its values as float32."""
     array = np.ascontiguousarray(np.asarray(embed, np.float32))
     return hashlib.sha256(array.tobytes()).hexdigest()[:16]
+
+
+def embed_fingerprints(embed) -> dict[str, str]:
+    """Fingerprints of ``embed`` (float32 values) after a cast to each dtype a target may
+    be loaded in (:data:`FINGERPRINT_DTYPES`): a shipped draft then recognises the target's
+    weights in float32 and in bfloat16 alike, and nothing else."""
+    array = np.asarray(embed, np.float32)
+    casts = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    return {name: embed_fingerprint(array.astype(casts[name]).astype(np.float32))
+            for name in FINGERPRINT_DTYPES}
 
 
 def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, params: dict,
@@ -162,11 +217,6 @@ def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, p
     ``head_tokens`` (ids, optional) is stored as ``head_tokens`` (int32): the loaded draft
     then scores only those tokens (:meth:`specjax.Model.with_head_subset`).
     """
-    import json
-
-    import numpy as np
-    from safetensors.numpy import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     own = {k: v for k, v in params.items() if k not in ("embed", "lm_head")}
@@ -180,6 +230,7 @@ def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, p
     os.replace(tmp, directory / DRAFT_TENSORS)
     record = {"num_layers": int(next(iter(_flatten(params["layers"]).values())).shape[0]),
               "embed_fingerprint": embed_fingerprint(target_embed),
+              "embed_fingerprints": embed_fingerprints(target_embed),
               "head_tokens": None if head_tokens is None else int(tensors[HEAD_TOKENS].size),
               "base_config": {"hidden_size": target_config.hidden_size,
                               "vocab_size": target_config.vocab_size},
@@ -188,55 +239,72 @@ def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, p
     return directory
 
 
-def load_bundled_draft(model, directory: str | os.PathLike | None = None):
-    """The draft shipped for ``model`` (``specjax/assets/<name>/draft.*``) as a Model.
-
-    ``directory`` overrides where the asset is read from.
+def load_bundled_draft(model: Model, directory: str | os.PathLike | None = None) -> Model:
+    """The draft shipped for ``model`` (``specjax/assets/<model.assets>/draft.*``), or the
+    draft asset in ``directory``, as a Model sharing the target's embedding and head.
 
     Raises:
       InvalidArgumentError: no draft is shipped for this model, or the model's embedding
         is not the one the draft was trained with.
       CheckpointError: the asset is damaged.
     """
-    import json
-
-    import numpy as np
-
-    from specjax.api import Model
-    from specjax.errors import CheckpointError, InvalidArgumentError
-
-    directory = _assets_dir() / str(model.name) if directory is None else Path(directory)
+    if directory is None:
+        if model.assets is None or not (assets_dir() / model.assets / DRAFT_TENSORS).is_file():
+            raise InvalidArgumentError(
+                f"no draft is shipped for model {model.name!r}: pass draft=... (--draft), e.g. "
+                "one trained with 'specjax train-draft'")
+        directory = assets_dir() / model.assets
+    directory = Path(directory)
     if not (directory / DRAFT_TENSORS).is_file():
-        raise InvalidArgumentError(
-            f"no draft is shipped for model {model.name!r}: pass draft=... (--draft), e.g. "
-            "one trained with 'specjax train-draft'")
+        raise ModelNotFoundError(f"{directory}: not a draft asset ({DRAFT_TENSORS} is missing)")
     try:
         record = json.loads((directory / DRAFT_CONFIG).read_text())
-        from safetensors.numpy import load_file
-
         tensors = load_file(str(directory / DRAFT_TENSORS))
     except Exception as error:  # json / safetensors errors on a damaged asset
         raise CheckpointError(f"{directory}: damaged draft asset ({error})") from error
-    if record.get("embed_fingerprint") != embed_fingerprint(model.params["embed"]):
-        raise InvalidArgumentError(
-            f"the draft shipped for {model.name!r} was trained with another embedding "
-            "(different weights or dtype); pass draft=... explicitly")
-    config = dataclasses.replace(model.config, num_layers=int(record["num_layers"]))
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{directory / DRAFT_CONFIG}: expected a JSON object")
+    _check_fingerprint(model, record, directory)
+    try:
+        config = dataclasses.replace(model.config, num_layers=int(record["num_layers"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{directory / DRAFT_CONFIG}: invalid num_layers "
+                              f"({error})") from error
     dtype = np.asarray(model.params["embed"][:1]).dtype
     head_tokens = tensors.pop(HEAD_TOKENS, None)
     own = _unflatten({k: v.astype(dtype) for k, v in tensors.items()})
     params = {**own, "embed": model.params["embed"]}
     if "lm_head" in model.params:
         params["lm_head"] = model.params["lm_head"]
-    draft = Model.from_params(config, params, model.tokenizer, name=f"{model.name}-draft")
+    name = f"{model.assets}-draft" if model.assets else f"{model.name}-draft"
+    try:
+        draft = Model.from_params(config, params, model.tokenizer, name=name)
+    except CheckpointError as error:
+        raise CheckpointError(f"{directory}: draft asset does not fit {model.name!r} "
+                              f"({error})") from error
     return draft if head_tokens is None else draft.with_head_subset(head_tokens)
+
+
+def _check_fingerprint(model: Model, record: dict, directory: Path) -> None:
+    """The draft shares the target's embedding: refuse a target with other weights."""
+    dtype = np.dtype(model.dtype).name
+    recorded = record.get("embed_fingerprints") or {}
+    expected = recorded.get(dtype)
+    if expected is None and dtype == "float32":
+        expected = record.get("embed_fingerprint")
+    if expected is None:
+        raise InvalidArgumentError(
+            f"the draft in {directory} records no fingerprint for a {dtype} target; load the "
+            "target in float32 or bfloat16")
+    if expected != embed_fingerprint(model.params["embed"]):
+        raise InvalidArgumentError(
+            f"the draft in {directory} was trained with another embedding than "
+            f"{model.name!r}'s: pass a draft trained for this model (draft=..., --draft)")
 
 
 def frequent_tokens(tokens, k: int, vocab_size: int):
     """The ``k`` most frequent ids of a token array (ties: lower id first), sorted: the
     default head subset of a shipped draft, counted on its training corpus."""
-    import numpy as np
-
     counts = np.bincount(np.asarray(tokens, np.int64).ravel(), minlength=vocab_size)
     return np.sort(np.argsort(-counts, kind="stable")[: int(k)]).astype(np.int32)
 

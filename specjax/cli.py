@@ -6,70 +6,75 @@ Errors in user input print one line, ``specjax: error: ...``, and exit with stat
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import sys
+from pathlib import Path
 
-from specjax.errors import SpecjaxError
+import jax
+
+from specjax import api, loading, progress
+from specjax.benchmark import cli as bench_cli
+from specjax.checkpoints_tools import ngram_build, sources, train_draft
+from specjax.errors import InvalidArgumentError, SpecjaxError
+from specjax.methods import METHODS, MethodOptions
+from specjax.methods.flags import add_method_arguments, method_from_args
+from specjax.model import resolve_dtype
+from specjax.sampling import make_sampling_params
 
 DEFAULT_MODEL = "smollm2-135m"
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt",
-                       description="Generate a continuation of PROMPT. Text streams to stdout; "
-                                   "a one-line summary (tokens/s, compile time apart) goes to stderr.")
+    p = sub.add_parser(
+        "generate", help="generate text from a prompt",
+        description="Generate a continuation of PROMPT. Text streams to stdout; a one-line "
+                    "summary (tokens/s, compile time apart) goes to stderr. Progress (load, "
+                    "compile) shows on a terminal.",
+        epilog=f"By default {DEFAULT_MODEL} decodes with "
+               f"{loading.describe_defaults(DEFAULT_MODEL)}; a model without shipped assets "
+               "decodes with ar. spec and tree use the shipped draft too when the model has "
+               "one.")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL,
-                   help=f"model name, GGUF file, HF or orbax directory, or hub id (default: {DEFAULT_MODEL})")
-    p.add_argument("--method", default=None, choices=("ar", "spec", "tree", "ngram", "staged"),
-                   help="ar: autoregressive; spec: draft chain (Leviathan/Chen); tree: draft "
-                        "token tree verified in one target pass; staged: draft model helped by "
-                        "n-gram tables and context lookup (Spector & Re); ngram: n-gram + "
-                        "context-lookup trees, no draft model (default: staged when the model "
-                        "ships a draft and n-gram tables, as smollm2-135m does; else ar)")
-    p.add_argument("--draft", default=None, help="draft model for spec/tree/staged (name, path or "
-                                                 "hub id; must share the target's tokenizer; "
-                                                 "staged defaults to the shipped draft)")
-    p.add_argument("--ngram", default=None,
+                   help=f"model name, GGUF file, HF or orbax directory, or hub id (default: "
+                        f"{DEFAULT_MODEL})")
+    p.add_argument("--method", default=None, choices=tuple(METHODS),
+                   help="; ".join(f"{name}: {cls.summary}" for name, cls in METHODS.items())
+                        + " (default: staged when the model ships a draft and n-gram tables, "
+                          "as smollm2-135m does; else ar)")
+    p.add_argument("--draft", default=None,
+                   help="spec/tree/staged: draft model: a shipped draft's name ("
+                        + (", ".join(loading.shipped_draft_names()) or "none") + "), "
+                        "first-layers:K (the target's first K layers, untrained), a draft "
+                        "asset folder (specjax train-draft), or a model name/path/hub id "
+                        "sharing the target's tokenizer (default: the model's shipped draft)")
+    p.add_argument("--ngram", default=None, metavar="PATH",
                    help="staged/ngram: n-gram tables from 'specjax build-ngram' (default: the "
                         "tables shipped for the model)")
-    p.add_argument("--tree-budget", type=int, default=None,
-                   help="tree/staged: nodes verified per target pass, root included (default: tree 16, staged 6)")
-    p.add_argument("--draft-depth", type=int, default=None,
-                   help="spec/tree: drafted levels per step (default: 4)")
-    p.add_argument("--draft-rounds", type=int, default=None,
-                   help="staged: draft passes per step, the first also catching the draft up "
-                        "(default: 1)")
-    p.add_argument("--proposal", default=None,
-                   help="staged/ngram: stage-2 proposal shape, candidates per level, e.g. "
-                        "12,7,4,1,1,1 (default: 2,1,1,1,1,1 staged; 2,1,1,1,1,1,1,1 ngram)")
-    p.add_argument("--no-lookup", action="store_true",
-                   help="staged/ngram: n-gram proposals only, no context lookup")
-    p.add_argument("--stage2-prior", default=None, metavar="LOOKUP,NGRAM",
-                   help="staged: probabilities flooring the draft's score of lookup / n-gram "
-                        "proposals (ranking only; default: 0.7,0.3)")
+    add_method_arguments(p)
     p.add_argument("--show-origin", action="store_true",
                    help="colour each streamed token by the stage that proposed it (n-gram, "
                         "lookup, draft, target) and count them in the summary")
-    p.add_argument("--draft-width", type=int, default=None,
-                   help="tree/staged: children per expanded node and frontier size (default: tree 4, staged 1)")
-    p.add_argument("--topology", default=None, choices=("dynamic", "kary"),
-                   help="tree: dynamic (best nodes by draft score) or a fixed k-ary tree (default: dynamic)")
-    p.add_argument("--verify", default=None, choices=("coupled", "greedy", "match", "rejection"),
-                   help="acceptance rule: coupled (default; exact same tokens as ar with the same seed), "
-                        "greedy (temperature 0 only), match (sample-then-match), rejection "
-                        "(residual rejection sampling)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens to generate at most (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 disables (default: 1)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="keep the k most likely tokens; 0 disables (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus mass in (0, 1]; 1 disables (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
-    p.add_argument("--dtype", default="float32", help="parameter dtype: float32 or bfloat16 (default: float32)")
+    p.add_argument("--chat", action="store_true",
+                   help="apply the model's chat template to the prompt")
+    p.add_argument("--dtype", default="float32",
+                   help="parameter dtype: float32, bfloat16, or auto = bfloat16 on GPU/TPU, "
+                        "float32 on CPU (default: float32)")
     p.add_argument("--attn-impl", default="auto", choices=("auto", "reference", "kernel"),
-                   help="attention implementation (default: auto = kernel on GPU/TPU, reference on CPU)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+                   help="attention implementation (default: auto = kernel on GPU/TPU, "
+                        "reference on CPU)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of streaming text")
     p.set_defaults(func=_generate)
 
 
@@ -101,14 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
-    from specjax.checkpoints_tools import train_draft
-
     train_draft.add_parser(sub)
-    from specjax.checkpoints_tools import ngram_build
-
     ngram_build.add_parser(sub)
-    from specjax.benchmark import cli as bench_cli
-
     bench_cli.add_parser(sub)
     return parser
 
@@ -126,18 +125,33 @@ def _progress() -> bool:
     return sys.stderr.isatty()
 
 
-def _check_generate_args(args) -> None:
-    """Rejects bad settings before the (slow) model load, with the library's own checks."""
-    from specjax import api
-    from specjax.errors import InvalidArgumentError
-    from specjax.sampling import make_sampling_params
+def _resolve_dtype(name: str) -> str:
+    if name == "auto":
+        return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
+    resolve_dtype(name)
+    return name
 
+
+def check_generate_args(args) -> tuple[MethodOptions, str]:
+    """Every setting of ``specjax generate``, checked before anything loads.
+
+    Returns:
+      (the method's options, the parameter dtype).
+    """
     if not args.prompt:
         raise InvalidArgumentError("prompt is empty")
     if args.max_new_tokens < 1:
-        raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
+        raise InvalidArgumentError(
+            f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
+    method = args.method or loading.default_method(sources.known_origin(args.model))
+    options = method_from_args(args, method)
     make_sampling_params(args.temperature, args.top_k, args.top_p, args.seed)
-    api.resolve_dtype(args.dtype)
+    options.check_sampling(args.temperature)
+    loading.check_resources(options, args.draft, args.ngram)
+    loading.check_draft_spec(args.draft)
+    if args.ngram is not None and not Path(args.ngram).expanduser().is_file():
+        raise InvalidArgumentError(f"--ngram {args.ngram}: no such file")
+    return options, _resolve_dtype(args.dtype)
 
 
 # ANSI colours of token origins for --show-origin (the paper's Figure 3 in a terminal).
@@ -146,73 +160,70 @@ ORIGIN_COLOURS = {"ngram": "\033[32m", "lookup": "\033[36m", "draft": "\033[33m"
 _RESET = "\033[0m"
 
 
-def _parse_numbers(text: str, flag: str, kind=int) -> tuple:
-    from specjax.errors import InvalidArgumentError
-
-    try:
-        return tuple(kind(part) for part in text.split(","))
-    except ValueError:
-        example = "12,7,4,1,1,1" if kind is int else "0.4,0.1"
-        raise InvalidArgumentError(
-            f"{flag} must be comma-separated numbers such as {example}, got {text!r}") from None
-
-
-def _parse_proposal(text: str | None):
-    return None if text is None else _parse_numbers(text, "--proposal")
-
-
-def _default_method(model) -> str:
-    """``staged`` when the model ships a draft and n-gram tables, else ``ar``."""
-    from specjax import api
-
-    try:
-        api.load_ngram_tables(model)
-        api.default_draft(model)
-    except SpecjaxError:
-        return "ar"
-    return "staged"
-
-
 def _generate(args) -> int:
-    from specjax import api
+    options, dtype = check_generate_args(args)
+    with progress.phases(enabled=not args.json) as shown:
+        with shown.phase(f"loading {args.model}"):
+            model = loading.load(args.model, dtype=dtype, progress=shown.enabled)
+        kwargs = dict(method=options, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      seed=args.seed, chat=args.chat, attn_impl=args.attn_impl,
+                      ngram=args.ngram)
+        if options.uses_draft:
+            with shown.phase(f"loading draft {args.draft or '(shipped)'}"):
+                kwargs["draft"] = loading.resolve_draft(model, args.draft,
+                                                        progress=shown.enabled)
+        if args.json:
+            result = api.generate(model, args.prompt, **kwargs)
+            record = {"text": result.text, "tokens": result.tokens, "method": options.name,
+                      "stats": result.stats}
+            if args.show_origin:
+                record["origins"] = result.origins or ["target"] * len(result.tokens)
+            print(json.dumps(record))
+            return 0
+        stream = api.stream_generate(model, args.prompt, origins=True, **kwargs)
+        with shown.phase("compiling and prefilling"):
+            first = next(stream)
+    from specjax import interrupts
 
-    _check_generate_args(args)
-    proposal = _parse_proposal(args.proposal)
-    model = api.load(args.model, dtype=args.dtype, progress=_progress() and not args.json)
-    method = args.method or _default_method(model)
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, method=method,
-                   chat=args.chat, attn_impl=args.attn_impl, tree_budget=args.tree_budget,
-                   draft_depth=args.draft_depth, draft_width=args.draft_width,
-                   verify=args.verify, topology=args.topology)
-    if method in ("staged", "ngram"):
-        options.update(ngram=args.ngram, draft_rounds=args.draft_rounds, proposal=proposal,
-                       use_lookup=not args.no_lookup)
-        if args.stage2_prior is not None:
-            options["stage2_prior"] = _parse_numbers(args.stage2_prior, "--stage2-prior", float)
-    elif ((args.ngram, args.draft_rounds, proposal, args.stage2_prior) != (None,) * 4
-          or args.no_lookup):
-        raise SpecjaxError(f"--ngram, --draft-rounds, --proposal, --stage2-prior and "
-                           f"--no-lookup apply to methods staged and ngram, not {method}")
-    if args.draft is not None:
-        options["draft"] = api.load(args.draft, dtype=args.dtype,
-                                     progress=_progress() and not args.json)
-    if args.json:
-        result = api.generate(model, args.prompt, **options)
-        record = {"text": result.text, "tokens": result.tokens, "method": method,
-                  "stats": result.stats}
-        if args.show_origin:
-            record["origins"] = result.origins or ["target"] * len(result.tokens)
-        print(json.dumps(record))
-        return 0
+    # A Ctrl-C that a garbage-collector callback swallows still stops the stream.
+    with interrupts.guard() as interrupt:
+        _print_stream(model, itertools.chain([first], stream), args.show_origin,
+                      interrupt.check)
+    return 0
+
+
+def _print_stream(model, stream, show_origin: bool, check=lambda: None) -> None:
+    """Prints the streamed text to stdout and the summary to stderr. On Ctrl-C (or an
+    error) the text printed so far stays, ended by a newline, so that the one line
+    :func:`run_command` prints starts a line of its own; ``check`` runs after every
+    chunk (it raises a pending Ctrl-C)."""
     tokens: list[int] = []
+    try:
+        stats = _print_tokens(model, stream, show_origin, check, tokens)
+    except BaseException:
+        if tokens:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
+    print(_summary(stats), file=sys.stderr)
+    if show_origin:
+        counts = stats["tokens_by_origin"]
+        legend = ", ".join(f"{name} {counts.get(name, 0)}" for name in ORIGIN_COLOURS)
+        print(f"tokens by origin: {legend}", file=sys.stderr)
+
+
+def _print_tokens(model, stream, show_origin: bool, check, tokens: list[int]) -> dict:
+    """Writes the stream's text to stdout as it comes, appending to ``tokens``; returns
+    the stats."""
     printed = ""
     stats = None
-    colour = args.show_origin and sys.stdout.isatty()
-    for new, names, stats in api.stream_generate(model, args.prompt, origins=True, **options):
+    colour = show_origin and sys.stdout.isatty()
+    for new, names, stats in stream:
+        check()
         if not new:
             continue
-        if args.show_origin:
+        if show_origin:
             # Token by token, so each piece carries its origin's colour.
             for token, origin in zip(new, names):
                 tokens.append(token)
@@ -230,16 +241,12 @@ def _generate(args) -> int:
             sys.stdout.write(stable[len(printed):])
             sys.stdout.flush()
             printed = stable
-    if not args.show_origin:
+    if not show_origin:
         text = api.decode_text(model, tokens)  # the end: what was held back, U+FFFD included
         sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")
     sys.stdout.write("\n")
-    print(_summary(stats), file=sys.stderr)
-    if args.show_origin:
-        counts = stats["tokens_by_origin"]
-        legend = ", ".join(f"{name} {counts.get(name, 0)}" for name in ORIGIN_COLOURS)
-        print(f"tokens by origin: {legend}", file=sys.stderr)
-    return 0
+    sys.stdout.flush()
+    return stats
 
 
 def _convert(args) -> int:

@@ -7,7 +7,8 @@ The rule that keeps jit fast (DESIGN.md section 4):
   tree shape (budget, depth, width), number of stop-token slots.
 * **Traced** -- arrays; changing them never recompiles: prompt tokens and length,
   max_new_tokens, temperature, top-k, top-p, seed (:class:`SamplingParams`), stop tokens,
-  and everything in :class:`DecodeState`.
+  the method's :class:`Resources` (draft weights, n-gram tables) and everything in
+  :class:`DecodeState`.
 
 Prompts are padded to power-of-two buckets (at least 16) and the cache capacity is
 rounded up to a power of two, so new prompts and budgets reuse compiled programs.
@@ -26,8 +27,9 @@ and step from Python and yields tokens as they are produced.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,7 @@ from flax import struct
 from specjax import models
 from specjax.cache import KVCache, advance, init_cache
 from specjax.config import ModelConfig
+from specjax.drafters.ngram import NgramTables
 from specjax.errors import InvalidArgumentError
 from specjax.sampling import SamplingParams, sample_tokens
 
@@ -49,6 +52,35 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+@struct.dataclass
+class Resources:
+    """What a method decodes with besides the target (traced arrays, passed to every
+    step; ``None`` where the method takes none)."""
+
+    draft_params: dict | None = None  # the draft model's parameter tree
+    tables: NgramTables | None = None  # stage-2 n-gram tables
+
+
+class Method(Protocol):
+    """A decoding method: a hashable static object (it sits in :class:`DecodeLoop`).
+
+    ``init`` runs once after the target prefill (e.g. the draft's prefill); ``step`` runs
+    one target pass and appends at least one token. Both are traced inside one program.
+    """
+
+    name: str
+
+    @property
+    def scratch(self) -> int:
+        """Cache slots past the committed prefix one step may write."""
+
+    def init(self, params, loop: "DecodeLoop", state: "DecodeState",
+             resources: Resources) -> "DecodeState": ...
+
+    def step(self, params, loop: "DecodeLoop", state: "DecodeState",
+             resources: Resources) -> "DecodeState": ...
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeLoop:
     """Static description of a compiled generation program (hashable).
@@ -58,17 +90,15 @@ class DecodeLoop:
       capacity: S, cache slots and sequence-buffer length.
       prompt_bucket: P, padded prompt length.
       attn_impl: attention implementation (``auto``, ``reference``, ``kernel``).
-      scratch: slots one step writes past the committed prefix (1 for ``ar``; the tree
-        budget for speculative methods). ``capacity`` must hold the longest sequence plus
-        this.
+      method: the :class:`Method` (``ar`` by default); ``capacity`` must hold the longest
+        sequence plus its ``scratch``.
     """
 
     config: ModelConfig
     capacity: int
     prompt_bucket: int
     attn_impl: str = "auto"
-    scratch: int = 1
-    method: "object" = None  # hashable method object with init/step; None means ar
+    method: Method = None  # None: Autoregressive()
 
     def __post_init__(self):
         if self.method is None:
@@ -85,12 +115,15 @@ class DecodeState:
     prompt_length: jax.Array  # int32 []
     max_length: jax.Array  # int32 [] prompt_length + max_new_tokens
     done: jax.Array  # bool []
-    nonfinite: jax.Array  # bool [] a step saw NaN/inf logits
+    nonfinite: jax.Array  # bool [] a step saw NaN/inf target logits (and stopped)
+    # int32 [] sequence position of the token the first such step was to produce; -1: none
+    nonfinite_position: jax.Array
     target_calls: jax.Array  # int32 [] target forward passes after prefill
     draft_calls: jax.Array  # int32 [] draft forward passes
     stop_tokens: jax.Array  # int32 [MAX_STOP_TOKENS], -1 padded
     sampling: SamplingParams
-    aux: dict | None = None  # method-specific state (draft cache, acceptance counts)
+    draft_cache: KVCache | None = None  # the draft's cache (methods with a draft model)
+    tally: Any = None  # per-step statistics (speculative methods: methods.common.Tally)
 
 
 def plan_capacity(prompt_length: int, max_new_tokens: int, scratch: int,
@@ -135,9 +168,19 @@ def append_tokens(state: DecodeState, new_tokens: jax.Array, count: jax.Array) -
     return state.replace(tokens=tokens, length=length, done=done)
 
 
+def flag_nonfinite(state: DecodeState, finite: jax.Array) -> DecodeState:
+    """Stops generation at a step whose target logits were not all finite (``finite``:
+    bool []) and records the position of the token that step was to produce. The step
+    must then append nothing: no token sampled from such logits enters the sequence."""
+    bad = ~finite
+    position = jnp.where(state.nonfinite, state.nonfinite_position,
+                         jnp.where(bad, state.length, -1))
+    return state.replace(nonfinite=state.nonfinite | bad, nonfinite_position=position,
+                         done=state.done | bad)
+
+
 def _check_finite(state: DecodeState, logits: jax.Array) -> DecodeState:
-    bad = ~jnp.all(jnp.isfinite(logits))
-    return state.replace(nonfinite=state.nonfinite | bad, done=state.done | bad)
+    return flag_nonfinite(state, jnp.all(jnp.isfinite(logits)))
 
 
 def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Array,
@@ -159,11 +202,12 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
     state = DecodeState(
         cache=cache, tokens=tokens, length=prompt_length, prompt_length=prompt_length,
         max_length=prompt_length + max_new_tokens, done=jnp.bool_(False),
-        nonfinite=jnp.bool_(False), target_calls=jnp.int32(0), draft_calls=jnp.int32(0),
-        stop_tokens=stop_tokens, sampling=sampling,
+        nonfinite=jnp.bool_(False), nonfinite_position=jnp.int32(-1),
+        target_calls=jnp.int32(0), draft_calls=jnp.int32(0), stop_tokens=stop_tokens,
+        sampling=sampling,
     )
     state = _check_finite(state, last)
-    return append_tokens(state, first, jnp.int32(1))
+    return append_tokens(state, first, (~state.nonfinite).astype(jnp.int32))
 
 
 def ar_step(params, loop: DecodeLoop, state: DecodeState) -> DecodeState:
@@ -175,48 +219,53 @@ def ar_step(params, loop: DecodeLoop, state: DecodeState) -> DecodeState:
     state = state.replace(cache=advance(cache, 1), target_calls=state.target_calls + 1)
     state = _check_finite(state, logits)
     new = sample_tokens(logits, state.sampling, state.length[None])
-    return append_tokens(state, new, jnp.int32(1))
+    return append_tokens(state, new, (~state.nonfinite).astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
 class Autoregressive:
-    """The ``ar`` method: one target pass per token. Methods are hashable static objects
-    with ``init`` (set up ``state.aux`` after the target prefill) and ``step``."""
+    """The ``ar`` method: one target pass per token."""
 
     name: str = "ar"
+    scratch: int = 1
 
-    def init(self, params, loop: DecodeLoop, state: DecodeState, *extra) -> DecodeState:
-        del params, loop, extra
+    def init(self, params, loop: DecodeLoop, state: DecodeState,
+             resources: Resources) -> DecodeState:
+        del params, loop, resources
         return state
 
-    def step(self, params, loop: DecodeLoop, state: DecodeState, *extra) -> DecodeState:
-        del extra
+    def step(self, params, loop: DecodeLoop, state: DecodeState,
+             resources: Resources) -> DecodeState:
+        del resources
         return ar_step(params, loop, state)
 
 
 def run_to_completion(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens,
-                      sampling, stop_tokens, *extra) -> DecodeState:
+                      sampling, stop_tokens, resources: Resources) -> DecodeState:
     """Prefill, then ``lax.while_loop`` over the method's step until done: one XLA program."""
     state = _start(params, loop, prompt, prompt_length, max_new_tokens, sampling, stop_tokens,
-                   *extra)
+                   resources)
     return jax.lax.while_loop(lambda s: ~s.done,
-                              lambda s: loop.method.step(params, loop, s, *extra), state)
+                              lambda s: loop.method.step(params, loop, s, resources), state)
 
 
 def _start(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
-           stop_tokens, *extra) -> DecodeState:
+           stop_tokens, resources: Resources) -> DecodeState:
     state = prefill(params, loop, prompt, prompt_length, max_new_tokens, sampling, stop_tokens)
-    return loop.method.init(params, loop, state, *extra)
+    return loop.method.init(params, loop, state, resources)
 
 
-def _step(params, loop: DecodeLoop, state: DecodeState, *extra) -> DecodeState:
-    return loop.method.step(params, loop, state, *extra)
+def _step(params, loop: DecodeLoop, state: DecodeState, resources: Resources) -> DecodeState:
+    return loop.method.step(params, loop, state, resources)
 
 
 # ----------------------------------------------------------------------------- compiled programs
 
 
 _EXECUTABLES: dict = {}
+# Held while compiling: threads that need the same new program compile it once (the
+# others wait and reuse it); a thread whose program is cached never takes it.
+_COMPILE_LOCK = threading.Lock()
 
 
 def _signature(args) -> tuple:
@@ -232,22 +281,30 @@ def clear_compiled() -> None:
 
 def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = ()):
     """Returns (executable, compile seconds, or 0.0 when cached) of ``fn(params, loop, *rest)``
-    for ``args = (params, *rest)``. Executables are cached per (fn, loop, argument shapes)."""
+    for ``args = (params, *rest)``. Executables are cached per (fn, loop, argument shapes).
+
+    Thread-safe: concurrent callers needing the same new program compile it once (see
+    ``_COMPILE_LOCK``; compilations are serialised)."""
     key = (fn, loop, donate, _signature(args))
     hit = _EXECUTABLES.get(key)
     if hit is not None:
         return hit, 0.0
-    start = time.perf_counter()
-    jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate)
-    executable = jitted.lower(*args).compile()
-    _EXECUTABLES[key] = executable
-    return executable, time.perf_counter() - start
+    with _COMPILE_LOCK:
+        hit = _EXECUTABLES.get(key)
+        if hit is not None:  # another thread compiled it while this one waited
+            return hit, 0.0
+        start = time.perf_counter()
+        jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate)
+        executable = jitted.lower(*args).compile()
+        _EXECUTABLES[key] = executable
+        return executable, time.perf_counter() - start
 
 
 def run_program(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
-                stop_tokens, *extra) -> tuple[DecodeState, float, float]:
+                stop_tokens, resources: Resources = Resources()
+                ) -> tuple[DecodeState, float, float]:
     """Compiles (once) and runs the whole generation; returns (state, compile s, run s)."""
-    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, *extra)
+    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, resources)
     executable, compile_seconds = compiled(run_to_completion, loop, args)
     start = time.perf_counter()
     state = executable(*args)
@@ -256,16 +313,17 @@ def run_program(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens,
 
 
 def stream(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
-           stop_tokens, *extra) -> Iterator[tuple[list[int], DecodeState, float]]:
+           stop_tokens, resources: Resources = Resources()
+           ) -> Iterator[tuple[list[int], DecodeState, float]]:
     """Python-driven generation over the same jitted prefill and step.
 
     Yields (new token ids, state, compile seconds spent before this yield) after the
     prefill and after every step, until done.
     """
-    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, *extra)
+    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, resources)
     start_exec, compile_seconds = compiled(_start, loop, args)
     state = start_exec(*args)
-    step_exec, step_compile = compiled(_step, loop, (params, state, *extra), donate=(1,))
+    step_exec, step_compile = compiled(_step, loop, (params, state, resources), donate=(1,))
     compile_seconds += step_compile
     emitted = int(state.prompt_length)
     while True:
@@ -276,4 +334,4 @@ def stream(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, samp
         compile_seconds = 0.0
         if bool(state.done):
             return
-        state = step_exec(params, state, *extra)
+        state = step_exec(params, state, resources)

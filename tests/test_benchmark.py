@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from specjax import api, cli
+from specjax import api, cli, loading
 from specjax.benchmark import humaneval, metrics, peers, plots, report, runner
 
 from conftest import random_prompt, tiny_pair
@@ -33,7 +33,10 @@ def served(monkeypatch, models):
     """``specjax bench -m tiny --draft tiny-draft`` gets the tiny models; the suite's prompts
     are PROMPTS."""
     served = dict(zip(("tiny", "tiny-draft"), models))
-    monkeypatch.setattr(api, "load", lambda name, dtype=None, *, progress=False: served[name])
+    monkeypatch.setattr(loading, "load", lambda name, dtype=None, *, progress=False: served[name])
+    real_check = loading.check_draft_spec
+    monkeypatch.setattr(loading, "check_draft_spec",
+                        lambda draft: None if draft in served else real_check(draft))
     monkeypatch.setattr(humaneval, "suite_prompts", lambda suite, limit: PROMPTS[:limit])
     return served
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import specjax
-from specjax import api, cli
+from specjax import api, cli, loading
 
 from helpers_checkpoints import gguf_llama, save_tiny, tiny_model, write_tiny_gguf
 
@@ -46,15 +46,16 @@ def assert_one_line_error(status: int, out: str, err: str, *fragments: str) -> N
 
 @pytest.fixture
 def served(monkeypatch, smollm2):
-    """``api.load("smollm2-135m")`` returns the session model; other sources load for real."""
-    real_load = api.load
+    """``loading.load("smollm2-135m")`` returns the session model; other sources load for
+    real."""
+    real_load = loading.load
 
     def load(name_or_path, dtype=None, *, progress=False):
         if str(name_or_path) == "smollm2-135m" and dtype in (None, "float32"):
             return smollm2
         return real_load(name_or_path, dtype, progress=progress)
 
-    monkeypatch.setattr(api, "load", load)
+    monkeypatch.setattr(loading, "load", load)
     return smollm2
 
 
@@ -64,7 +65,7 @@ def no_load(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(api, "load", load)
+    monkeypatch.setattr(loading, "load", load)
 
 
 @pytest.fixture(scope="module")
@@ -216,12 +217,42 @@ def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
     ([PROMPT, "--top-p", "0"], "top_p"),
     ([PROMPT, "--top-p", "1.5"], "top_p"),
     ([PROMPT, "--top-k", "-1"], "top_k"),
-    ([PROMPT, "--max-new-tokens", "0"], "max_new_tokens"),
+    ([PROMPT, "--max-new-tokens", "0"], "max-new-tokens"),
     ([PROMPT, "--dtype", "int8"], "dtype"),
     ([PROMPT, "--seed", "-1"], "seed"),
+    # Method settings, for the default method (staged for smollm2-135m) and named ones.
+    ([PROMPT, "--tree-budget", "0"], "tree_budget must be an integer >= 1"),
+    ([PROMPT, "--verify", "greedy", "--temperature", "1"], "needs temperature 0"),
+    ([PROMPT, "--draft-depth", "0"], "--draft-depth does not apply to method 'staged'"),
+    ([PROMPT, "--draft-depth", "-1"], "--draft-depth does not apply to method 'staged'"),
+    ([PROMPT, "--method", "spec", "--draft-depth", "0"], "draft_depth must be"),
+    ([PROMPT, "--method", "ar", "--tree-budget", "0"],
+     "--tree-budget does not apply to method 'ar'"),
+    ([PROMPT, "--method", "ar", "--no-lookup"], "--no-lookup does not apply to method 'ar'"),
+    ([PROMPT, "--method", "ar", "--draft", "smollm2-135m-draft"], "takes no draft"),
+    ([PROMPT, "--method", "ngram", "--draft-rounds", "2"], "does not apply to method 'ngram'"),
+    ([PROMPT, "--method", "staged", "--tree-budget", "99"], "exceeds the"),
+    ([PROMPT, "--method", "staged", "--stage2-prior", "1,0"], "stage2_prior"),
+    ([PROMPT, "--method", "tree", "--topology", "0,1"], "parent"),
+    ([PROMPT, "--method", "spec", "--draft", "other-draft"], "not a shipped draft"),
+    ([PROMPT, "--method", "spec", "--draft", "first-layers:two"], "first-layers:K"),
+    ([PROMPT, "--method", "ngram", "--ngram", "/no/such/tables.npz"], "no such file"),
 ])
 def test_bad_settings_fail_before_loading_the_model(capsys, no_load, argv, fragment):
+    """Every setting is checked before the (slow) load: the ``no_load`` fixture fails the
+    test if a model loads first, so a check that fires late fails here."""
     assert_one_line_error(*run_cli(capsys, "generate", *argv), fragment)
+
+
+def test_settings_are_checked_before_a_model_path_is_read(capsys, tmp_path):
+    """A model directory whose loading would fail (not a checkpoint) loses to a bad setting:
+    the error names the setting, not the directory."""
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(broken),
+                                   "--method", "tree", "--tree-budget", "0"), "tree_budget")
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(broken)),
+                          "neither a specjax checkpoint")
 
 
 @pytest.mark.parametrize("argv, fragment", [

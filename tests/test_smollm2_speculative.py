@@ -1,8 +1,12 @@
 """The real target with a tiny draft: speculative output equals ``ar`` token for token."""
 
+import jax.numpy as jnp
 import pytest
 
 import specjax
+from specjax import loading
+from specjax.checkpoints_tools import sources
+from specjax.checkpoints_tools.convert import convert
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +34,44 @@ def test_greedy_and_coupled_equal_ar_on_smollm2(smollm2, tiny_draft, kwargs):
             assert out.tokens == expected, (kwargs["method"], sampling)
             if kwargs["method"] in ("staged", "ngram") and not sampling:
                 assert out.stats["mean_accepted"] > 1.0
+
+
+# ----------------------------------------------------------------------------- shipped draft
+
+
+@pytest.mark.parametrize("method", ["spec", "tree", "staged"])
+@pytest.mark.parametrize("draft", [None, "smollm2-135m-draft", "asset-folder"])
+def test_the_shipped_draft_by_default_by_name_and_by_folder(smollm2, method, draft):
+    if draft == "asset-folder":
+        draft = str(sources.assets_dir() / "smollm2-135m")
+    expected = specjax.generate(smollm2, PROMPTS[0], max_new_tokens=12, method="ar").tokens
+    out = specjax.generate(smollm2, PROMPTS[0], max_new_tokens=12, method=method, draft=draft)
+    assert out.tokens == expected
+    assert out.stats["draft_calls"] > 0
+    assert loading.resolve_draft(smollm2, draft).name == "smollm2-135m-draft"
+
+
+def test_the_shipped_draft_loads_under_a_bfloat16_target_and_refuses_other_weights(smollm2):
+    bf16 = specjax.Model.from_params(smollm2.config, smollm2.params, smollm2.tokenizer,
+                                     name="bf16", dtype="bfloat16", assets=smollm2.assets)
+    draft = loading.resolve_draft(bf16)
+    assert draft.dtype == jnp.bfloat16 and draft.config.num_layers == 2
+    nudged = dict(smollm2.params, embed=smollm2.params["embed"] * 1.001)
+    other = specjax.Model.from_params(smollm2.config, nudged, smollm2.tokenizer,
+                                      name="other", assets=smollm2.assets)
+    with pytest.raises(specjax.InvalidArgumentError, match="another embedding"):
+        loading.resolve_draft(other)
+
+
+@pytest.mark.slow
+def test_a_converted_checkpoint_keeps_its_shipped_draft_and_tables(smollm2, tmp_path):
+    """``specjax convert smollm2-135m DIR`` records its origin: ``-m DIR`` then defaults to
+    staged with the shipped draft (fingerprint-checked) and tables."""
+    dst = convert("smollm2-135m", tmp_path / "converted", progress=False)
+    assert sources.known_origin(dst) == "smollm2-135m"
+    model = specjax.load(dst)
+    assert model.assets == "smollm2-135m"
+    out = specjax.generate(model, PROMPTS[1], max_new_tokens=16)
+    assert out.stats["method"] == "staged" and out.stats["draft_calls"] > 0
+    assert out.tokens == specjax.generate(smollm2, PROMPTS[1], max_new_tokens=16,
+                                          method="ar").tokens

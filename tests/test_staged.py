@@ -157,7 +157,7 @@ def test_subset_head_draft_is_exact_and_still_helps(target, drafts, tables):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(method="staged", stage2_prior=(1.0, 0.0)), "lookup_prior"),
+    (dict(method="staged", stage2_prior=(1.0, 0.0)), "stage2_prior"),
     (dict(method="staged", stage2_prior=(0.1,)), "stage2_prior"),
     (dict(method="staged", proposal=(0,)), "proposal"),
     (dict(method="staged", proposal=()), "proposal"),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import decode, models, speculative, verify
+from specjax import decode, models, verify
 from specjax.checkpoints_tools.ngram_build import build_ngram
 from specjax.sampling import make_sampling_params, target_log_probs
 
@@ -89,14 +89,14 @@ def test_the_same_test_catches_a_wrong_rule(setup, monkeypatch):
     """WRONG on purpose: rejection sampling told the draft is uniform (q = 1/V), so it
     accepts drafted tokens with min(1, p V) -- nearly always."""
     target, tables, marginal = setup
+    real_rejection = verify.verify_rejection
 
     def uniform_q_rejection(tree, log_p, draft_logp, key, max_depth, width, children_mode):
         del draft_logp, children_mode
         uniform = jnp.full(log_p.shape, -np.log(log_p.shape[-1]), jnp.float32)
-        return verify.verify_rejection(tree, log_p, uniform, key, max_depth, width,
-                                       "with_replacement")
+        return real_rejection(tree, log_p, uniform, key, max_depth, width, "with_replacement")
 
-    monkeypatch.setattr(speculative, "verify_rejection", uniform_q_rejection)
+    monkeypatch.setattr(verify, "verify_rejection", uniform_q_rejection)
     counts = _second_tokens(target, tables, draft=target, verify="rejection", **STAGED)
     statistic, dof = _pooled_chi2(counts, marginal)
     assert statistic > chi2_threshold(dof), (statistic, dof)

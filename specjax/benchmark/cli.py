@@ -23,10 +23,19 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
+from specjax import loading
+from specjax.benchmark import environment, humaneval, plots
+from specjax.benchmark import report as reporting
+from specjax.benchmark.peers import parse_peers
+from specjax.benchmark.runner import SuiteConfig, needs_draft, run_suite
 from specjax.errors import InvalidArgumentError
+from specjax.methods.options import all_option_fields, describe_defaults
+from specjax.model import resolve_dtype
+from specjax.methods.flags import add_method_arguments
 
 DEFAULT_MODEL = "smollm2-135m"
-FIRST_LAYERS = "first-layers:"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,33 +57,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=DEFAULT_MODEL,
                    help=f"target model (default: {DEFAULT_MODEL})")
     p.add_argument("--draft", default=None,
-                   help="draft model (name, path or hub id); 'first-layers:K': the target's "
-                        "first K layers (untrained: exact but slow; for smoke tests); 'none'. "
-                        "Default: the draft shipped for the target when a method takes one")
+                   help="draft model: a shipped draft's name (e.g. smollm2-135m-draft), "
+                        "first-layers:K (the target's first K layers: untrained, exact but "
+                        "slow; for smoke tests), a draft asset folder, a model name/path/hub "
+                        "id, or 'none'. Default: the draft shipped for the target when a "
+                        "method takes one")
     p.add_argument("--dtype", default="auto",
                    help="parameter dtype: float32, bfloat16, or auto = bfloat16 on GPU/TPU, "
                         "float32 on CPU (default: auto)")
     budgets = p.add_mutually_exclusive_group()
-    budgets.add_argument("--tree-budget", type=int, default=None,
-                         help="tree nodes per target pass for methods that take one")
+    budgets.add_argument("--tree-budget", type=int, default=None, metavar="N",
+                         help=f"{all_option_fields()['tree_budget'].metadata['help']}, for "
+                              f"the methods that take one (default: "
+                              f"{describe_defaults('tree_budget')})")
     budgets.add_argument("--tree-budgets", default=None,
                          help="comma-separated budgets to sweep, e.g. 8,16,32 (one system "
                               "per budget: tree@8, tree@16, ...)")
-    p.add_argument("--draft-depth", type=int, default=None, help="drafted levels per step")
-    p.add_argument("--draft-width", type=int, default=None, help="tree width")
-    p.add_argument("--draft-rounds", type=int, default=None, help="staged: draft passes per step")
-    p.add_argument("--proposal", default=None,
-                   help="staged/ngram: stage-2 candidates per level, e.g. 4,2,2,1,1,1")
     p.add_argument("--ngram", default=None, metavar="PATH",
                    help="staged/ngram: n-gram tables (default: those shipped for the target)")
-    p.add_argument("--no-lookup", action="store_true",
-                   help="staged/ngram: no context lookup in the proposals")
-    p.add_argument("--stage2-prior", default=None, metavar="LOOKUP,NGRAM",
-                   help="staged: probabilities flooring the draft's score of lookup / n-gram "
-                        "proposals (ranking only)")
-    p.add_argument("--verify", default=None, choices=("coupled", "greedy", "match", "rejection"),
-                   help="acceptance rule (default: coupled); outputs are checked against ar "
-                        "at T=0 and, with coupled, at every temperature")
+    # The method options' flags, shared with `specjax generate` (one help text each); in a
+    # suite each applies to the methods that take it.
+    add_method_arguments(p, budget_flag=False)
     p.add_argument("--attn-impl", default="auto", choices=("auto", "reference", "kernel"))
     p.add_argument("--peers", default="none",
                    help="transformers peers: none, all, or a subset of hf,hf-assisted,hf-lookup "
@@ -121,11 +124,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
         raise InvalidArgumentError(f"--{name} must be comma-separated integers, got {text!r}") from None
 
 
-def suite_config(args):
+def suite_config(args) -> SuiteConfig:
     """The :class:`~specjax.benchmark.runner.SuiteConfig` for parsed flags (validated)."""
-    from specjax.benchmark.peers import parse_peers
-    from specjax.benchmark.runner import SuiteConfig
-
     budgets = (_ints(args.tree_budgets, "tree-budgets") if args.tree_budgets
                else (args.tree_budget,))
     return SuiteConfig(
@@ -133,58 +133,33 @@ def suite_config(args):
         temperatures=_floats(args.temperatures, "temperatures"),
         max_new_tokens=args.max_new_tokens, limit=args.limit, seed=args.seed, top_k=args.top_k,
         top_p=args.top_p, tree_budgets=budgets, draft_depth=args.draft_depth,
-        draft_width=args.draft_width, draft_rounds=args.draft_rounds,
-        proposal=_ints(args.proposal, "proposal") if args.proposal else None,
-        ngram=args.ngram, use_lookup=not args.no_lookup, verify=args.verify,
-        stage2_prior=(_floats(args.stage2_prior, "stage2-prior") if args.stage2_prior
-                      else None),
-        attn_impl=args.attn_impl,
+        draft_width=args.draft_width, draft_rounds=args.draft_rounds, proposal=args.proposal,
+        ngram=args.ngram, use_lookup=args.use_lookup is not False, verify=args.verify,
+        stage2_prior=args.stage2_prior, topology=args.topology, attn_impl=args.attn_impl,
         peers=tuple(parse_peers(args.peers)), repeats=args.repeats,
         warmup_tokens=args.warmup_tokens, torch_threads=args.torch_threads)
 
 
-def _dtype(name: str):
-    import jax
-
-    from specjax import api
-
+def _dtype(name: str) -> str:
     if name == "auto":
         return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
-    api.resolve_dtype(name)
+    resolve_dtype(name)
     return name
 
 
-def _first_layers(spec: str) -> int:
-    try:
-        return int(spec[len(FIRST_LAYERS):])
-    except ValueError:
-        raise InvalidArgumentError(
-            f"--draft {spec!r}: expected first-layers:K with an integer K") from None
-
-
 def load_models(args, dtype: str, want_draft: str = "no"):
-    """(target, draft or None) for the flags: ``--draft`` MODEL, ``first-layers:K`` (a
-    slice of the target), ``none``, or by default the target's shipped draft when
-    ``want_draft`` is ``"required"`` (a method takes one) or ``"optional"`` (only the
-    ``hf-assisted`` peer would use it)."""
-    from specjax import api
-
+    """(target, draft or None) for the flags: ``--draft`` (anything
+    :func:`specjax.loading.resolve_draft` accepts), ``none``, or by default the target's
+    shipped draft when ``want_draft`` is ``"required"`` (a method takes one) or
+    ``"optional"`` (only the ``hf-assisted`` peer would use it)."""
     progress = sys.stderr.isatty()
-    target = api.load(args.model, dtype=dtype, progress=progress)
+    target = loading.load(args.model, dtype=dtype, progress=progress)
     if args.draft == "none" or (args.draft is None and want_draft == "no"):
         return target, None
-    if args.draft is None:
-        try:
-            return target, api.default_draft(target)
-        except Exception as err:  # no draft shipped for this target
-            if want_draft == "optional":
-                return target, None
-            raise InvalidArgumentError(
-                f"no draft model is shipped for {target.name!r} ({err}): pass --draft MODEL "
-                f"or --draft first-layers:K") from None
-    if args.draft.startswith(FIRST_LAYERS):
-        return target, target.first_layers(_first_layers(args.draft))
-    return target, api.load(args.draft, dtype=dtype, progress=progress)
+    if args.draft is None and want_draft == "optional" \
+            and loading.shipped_draft_name(target.assets) is None:
+        return target, None
+    return target, loading.resolve_draft(target, args.draft, progress=progress)
 
 
 def _command() -> str:
@@ -197,13 +172,10 @@ def run(args) -> int:
     """Runs the suite (or ``--report``) for parsed flags; returns the exit status."""
     if args.report:
         return report(args)
-    from specjax.benchmark import environment, humaneval, plots, report as reporting
-    from specjax.benchmark.runner import needs_draft, run_suite
-
     config = suite_config(args)
     dtype = _dtype(args.dtype)
-    if args.draft is not None and args.draft.startswith(FIRST_LAYERS):
-        _first_layers(args.draft)
+    if args.draft not in (None, "none"):
+        loading.check_draft_spec(args.draft)
     missing = [m for m in config.methods if needs_draft(m)]
     if missing and args.draft == "none":
         raise InvalidArgumentError(
@@ -245,8 +217,6 @@ def run(args) -> int:
 
 def report(args) -> int:
     """``--report``: print the text summary or Markdown of saved results; plot them."""
-    from specjax.benchmark import plots, report as reporting
-
     results = [reporting.read_result(path) for path in args.report]
     if args.markdown:
         print(reporting.render_markdown(results))
@@ -260,14 +230,3 @@ def report(args) -> int:
             for written in plots.write_plots(result, folder):
                 print(f"wrote {written}", file=sys.stderr)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``benchmarks/run_suite.py``: the same flags as ``specjax bench``."""
-    from specjax.cli import run_command
-
-    parser = argparse.ArgumentParser(prog="run_suite.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    args.func = run
-    return run_command(args)

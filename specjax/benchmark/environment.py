@@ -8,7 +8,10 @@ import subprocess
 import time
 
 import jax
+import jaxlib
 import numpy as np
+
+import specjax
 
 
 def git_commit() -> dict:
@@ -27,10 +30,6 @@ def git_commit() -> dict:
 
 def versions() -> dict:
     """Versions of Python and the libraries a benchmark depends on (those installed)."""
-    import jaxlib
-
-    import specjax
-
     out = {"python": platform.python_version(), "jax": jax.__version__,
            "jaxlib": jaxlib.__version__, "numpy": np.__version__,
            "specjax": specjax.__version__}

@@ -25,24 +25,27 @@ import sys
 from typing import Any, Callable, Sequence
 
 import jax
+from tqdm.auto import tqdm
 
 from specjax import api
 from specjax.benchmark import metrics
 from specjax.benchmark.peers import PEERS, TransformersPeers, one_line
 from specjax.errors import InvalidArgumentError
+from specjax.loading import resolve_ngram
+from specjax.methods import METHODS
+from specjax.methods import method_options as build_options
+from specjax.methods.options import default_value, methods_taking
+from specjax.model import check_draft_compatible
+from specjax.models import HEAD_SUBSET
 
-# The generate() options each method takes; the only place that knows them. A method not
-# listed gets every option the suite was given (the draft included when there is one).
-METHOD_OPTIONS = {
-    "ar": (),
-    "spec": ("draft", "draft_depth", "verify"),
-    "tree": ("draft", "tree_budget", "draft_depth", "draft_width", "verify"),
-    "staged": ("draft", "ngram", "tree_budget", "draft_rounds", "draft_width", "proposal",
-               "verify", "use_lookup", "stage2_prior"),
-    "ngram": ("ngram", "proposal", "verify", "use_lookup"),
-}
-ALL_OPTIONS = ("draft", "ngram", "tree_budget", "draft_depth", "draft_rounds", "draft_width",
-               "proposal", "verify", "use_lookup", "stage2_prior")
+def _suite_options(cls) -> tuple[str, ...]:
+    resources = (("draft",) if cls.uses_draft else ()) + (("ngram",) if cls.uses_ngram else ())
+    return resources + cls.option_names()
+
+
+# The generate() options each method takes (its resources, then its options class's
+# fields: specjax.methods.options owns them).
+METHOD_OPTIONS = {name: _suite_options(cls) for name, cls in METHODS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,7 @@ class SuiteConfig:
     use_lookup: bool = True
     stage2_prior: tuple[float, float] | None = None
     verify: str | None = None
+    topology: Any = None
     attn_impl: str = "auto"
     peers: tuple[str, ...] = ()
     repeats: int = 1
@@ -102,8 +106,47 @@ class SuiteConfig:
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
             raise InvalidArgumentError(f"unknown peer {unknown[0]!r}; expected one of {PEERS}")
-        if self.verify == "greedy" and any(t > 0 for t in self.temperatures):
-            raise InvalidArgumentError("verify 'greedy' needs temperature 0; use 'coupled'")
+        self.method_options()  # every method's options, validated before anything loads
+
+    def given_options(self) -> dict[str, Any]:
+        """The method options set for the suite (not their defaults)."""
+        given = {name: getattr(self, name) for name in
+                 ("draft_depth", "draft_width", "draft_rounds", "proposal", "stage2_prior",
+                  "verify", "topology") if getattr(self, name) is not None}
+        if not self.use_lookup:
+            given["use_lookup"] = False
+        return given
+
+    def method_options(self) -> dict[tuple[str, int | None], Any]:
+        """``{(method, tree budget): options}`` for every system the suite runs.
+
+        Raises:
+          InvalidArgumentError: an unknown method, an invalid value, or an option that
+            none of the methods takes.
+        """
+        methods = ["ar", *self.methods]
+        for method in methods:
+            method_options(method)
+        given = self.given_options()
+        if self.tree_budgets != (None,):
+            given["tree_budget"] = self.tree_budgets[0]
+        for name in given:
+            if not any(name in METHODS[m].option_names() for m in methods):
+                raise InvalidArgumentError(
+                    f"{name} applies to {', '.join(methods_taking(name))}, none of the methods "
+                    f"run ({', '.join(dict.fromkeys(methods))})")
+        out = {}
+        for method in dict.fromkeys(methods):
+            cls = METHODS[method]
+            own = {k: v for k, v in given.items() if k in cls.option_names()}
+            budgets = self.tree_budgets if "tree_budget" in cls.option_names() else (None,)
+            for budget in budgets:
+                own = dict(own, tree_budget=budget) if budget is not None else own
+                options = build_options(method, **own)
+                for temperature in self.temperatures:
+                    options.check_sampling(temperature)
+                out[method, budget] = options
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,18 +164,20 @@ class System:
 
 
 def method_options(method: str) -> tuple[str, ...]:
-    return METHOD_OPTIONS.get(method, ALL_OPTIONS)
+    if method not in METHOD_OPTIONS:
+        raise InvalidArgumentError(f"unknown method {method!r}; expected one of "
+                                   f"{', '.join(METHOD_OPTIONS)}")
+    return METHOD_OPTIONS[method]
 
 
 def needs_draft(method: str) -> bool:
     """Whether the suite must be given a draft model for ``method`` (so that its weight
     traffic is counted and the ``hf-assisted`` peer can use the same draft)."""
-    return "draft" in METHOD_OPTIONS.get(method, ())
+    return "draft" in method_options(method)
 
 
 def default_tree_budget(method: str) -> int | None:
-    defaults = {**api.SPECULATIVE_DEFAULTS, "staged": getattr(api, "STAGED_DEFAULTS", {})}
-    return defaults.get(method, {}).get("budget")
+    return default_value(method, "tree_budget")
 
 
 def build_systems(config: SuiteConfig, draft=None, ngram=None) -> list[System]:
@@ -143,25 +188,19 @@ def build_systems(config: SuiteConfig, draft=None, ngram=None) -> list[System]:
       draft: the draft :class:`~specjax.Model` (required by methods that take one).
       ngram: n-gram tables to pass instead of ``config.ngram`` (loaded once).
     """
-    methods = ["ar"] + [m for m in dict.fromkeys(config.methods) if m != "ar"]
     sweep = len(config.tree_budgets) > 1
     systems = []
-    for method in methods:
-        names = method_options(method)
+    for (method, budget), options in config.method_options().items():
         if needs_draft(method) and draft is None:
             raise InvalidArgumentError(f"method {method!r} needs a draft model (--draft)")
-        budgets = config.tree_budgets if "tree_budget" in names else (None,)
-        for budget in budgets:
-            values = {"draft": draft, "tree_budget": budget, "draft_depth": config.draft_depth,
-                      "draft_width": config.draft_width, "draft_rounds": config.draft_rounds,
-                      "proposal": config.proposal,
-                      "ngram": config.ngram if ngram is None else ngram,
-                      "use_lookup": config.use_lookup, "verify": config.verify,
-                      "stage2_prior": config.stage2_prior}
-            options = tuple((k, values[k]) for k in names if values[k] is not None)
-            budget = budget if budget is not None else default_tree_budget(method)
-            label = f"{method}@{budget}" if sweep and "tree_budget" in names else method
-            systems.append(System(label, "specjax", method, budget, options))
+        given = dict(config.given_options(), tree_budget=budget)
+        values = {"draft": draft, "ngram": config.ngram if ngram is None else ngram,
+                  **{k: getattr(options, k) for k in options.option_names() if k in given}}
+        pairs = tuple((k, v) for k, v in values.items()
+                      if k in method_options(method) and v is not None)
+        budget = getattr(options, "tree_budget", None)
+        label = f"{method}@{budget}" if sweep and budget is not None else method
+        systems.append(System(label, "specjax", method, budget, pairs))
     return systems
 
 
@@ -180,8 +219,6 @@ def weight_bytes(model) -> int:
     """Bytes of the parameter arrays one forward pass reads at batch 1: all of them,
     except that with a restricted head (:meth:`specjax.Model.with_head_subset`) the
     embedding is only gathered (a few rows), and the head reads the subset's rows."""
-    from specjax.models import HEAD_SUBSET
-
     params = model.params
     if HEAD_SUBSET in params:
         params = {k: v for k, v in params.items() if k != "embed"}
@@ -210,8 +247,6 @@ class _Progress:
         self.mode, self.log, self.total = mode, log, total
         self.bar = None
         if mode == "bar":
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total, unit="prompt", desc="bench", file=sys.stderr)
 
     def update(self, done: int, summary: str) -> None:
@@ -282,10 +317,10 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
     ids = [api.encode_prompt(target, p) for p in prompts]
     ngram = None
     if any("ngram" in METHOD_OPTIONS.get(m, ()) for m in config.methods):
-        ngram = api.load_ngram_tables(target, config.ngram)  # once, not per generation
+        ngram = resolve_ngram(target, config.ngram)  # once, not per generation
     systems = build_systems(config, draft, ngram)
     if draft is not None:
-        api.check_draft_compatible(target, draft)
+        check_draft_compatible(target, draft)
     target_bytes = weight_bytes(target)
     draft_bytes = weight_bytes(draft) if draft is not None else 0
     peers = TransformersPeers(config.peers, target, draft, config.torch_threads)

@@ -76,14 +76,12 @@ import numpy as np
 
 from specjax.drafters.lookup import lookup_continuation
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
+from specjax.origins import ORIGIN_LOOKUP, ORIGIN_NGRAM
 
 FORMAT_NAME = "specjax-ngram"
 FORMAT_VERSION = 1
 NUM_PROBES = 2
 HASH_NAME = "murmur3-fmix32-pair-2probe"
-
-ORIGIN_NGRAM = 0
-ORIGIN_LOOKUP = 1
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 

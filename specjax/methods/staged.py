@@ -1,6 +1,9 @@
 """Staged speculative decoding (Spector & Re 2023): a draft model sped up by stage 2.
 
-Two methods, both hashable static objects run by the drivers in :mod:`specjax.decode`:
+Two methods, both hashable static objects (built from their options,
+:class:`~specjax.methods.options.StagedOptions` and
+:class:`~specjax.methods.options.NgramOptions`) run by the drivers in
+:mod:`specjax.decode`:
 
 * :class:`Staged` (``method="staged"``): the draft model builds the target's tree, helped
   by a stage-2 drafter (n-gram tables + context lookup, :mod:`specjax.drafters`);
@@ -40,7 +43,8 @@ context, so ``rejection`` runs in ``deterministic`` children mode.
 
 Token origins: each emitted token is counted as proposed by the n-gram tables, context
 lookup, the draft model, or the target (the token the target adds after the accepted
-path). ``state.aux["origins"]`` holds the origin of every generated token.
+path). ``state.tally`` (:class:`~specjax.methods.common.Tally`) holds the origin of every
+generated token.
 """
 
 from __future__ import annotations
@@ -52,38 +56,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import models
-from specjax.cache import advance, commit_path
+from specjax.cache import advance
 from specjax.config import ModelConfig
-from specjax.decode import DecodeLoop, DecodeState, append_tokens
-from specjax.drafters.ngram import ORIGIN_LOOKUP, ORIGIN_NGRAM, propose
-from specjax.errors import InvalidArgumentError
-from specjax.sampling import perturbed_scores, target_log_probs, top_k
-from specjax.speculative import VERIFY_RULES, draft_prefill, verify_tree
+from specjax.decode import DecodeLoop, DecodeState, Resources
+from specjax.drafters.ngram import propose
+from specjax.methods.common import commit_step, init_tally, rank_children, step_key
+from specjax.methods.options import NgramOptions, StagedOptions
+from specjax.methods.speculative import draft_prefill
+from specjax.origins import ORIGIN_DRAFT, ORIGIN_LOOKUP, ORIGIN_TARGET
+from specjax.sampling import top_k
 from specjax.tree import Tree, ancestor_mask, select_top_indices, select_top_nodes
-from specjax.verify import Verdict, emitted_tokens
+from specjax.verify import verify_tree
 
-# Origin codes of emitted tokens (stats and ``--show-origin``).
-ORIGIN_DRAFT = 2
-ORIGIN_TARGET = 3
-ORIGIN_NAMES = {ORIGIN_NGRAM: "ngram", ORIGIN_LOOKUP: "lookup", ORIGIN_DRAFT: "draft",
-                ORIGIN_TARGET: "target"}
 _KEY_TAG = 0x57A6
 
 
 def _log(probability: float) -> float:
     return float(np.log(probability)) if probability > 0 else -np.inf
-
-
-def _check_shape(proposal: tuple[int, ...]) -> None:
-    if not proposal or any(not isinstance(n, int) or n < 1 for n in proposal):
-        raise InvalidArgumentError(
-            f"proposal shape must be a non-empty tuple of integers >= 1, got {proposal!r}")
-
-
-def _check_verify(verify: str) -> None:
-    if verify not in VERIFY_RULES:
-        raise InvalidArgumentError(
-            f"unknown verify rule {verify!r}; expected one of {VERIFY_RULES}")
 
 
 def _static_parents(proposal: tuple[int, ...]) -> np.ndarray:
@@ -107,58 +96,19 @@ def _proposal_depths(proposal: tuple[int, ...]) -> np.ndarray:
     return np.concatenate([np.full(n, level + 1, np.int32) for level, n in enumerate(proposal)])
 
 
-def _commit(state: DecodeState, loop_aux: dict, tree: Tree, tree_origin: jax.Array,
-            verdict: Verdict, target_cache, finite, draft_calls: int) -> DecodeState:
-    """Commits the accepted path, appends the emitted tokens and records their origins."""
-    tokens = emitted_tokens(tree, verdict)
-    slots = jnp.arange(tokens.shape[0])
-    path_origin = tree_origin[jnp.concatenate([verdict.path[1:],
-                                               jnp.zeros((1,), verdict.path.dtype)])]
-    origin = jnp.where(slots == verdict.count - 1, ORIGIN_TARGET, path_origin).astype(jnp.int8)
-    start = state.length
-    state = state.replace(
-        cache=commit_path(target_cache, verdict.path, verdict.count),
-        target_calls=state.target_calls + 1,
-        draft_calls=state.draft_calls + draft_calls,
-        nonfinite=state.nonfinite | ~finite, done=state.done | ~finite)
-    state = append_tokens(state, tokens, verdict.count)
-    kept = state.length - start  # after stop tokens and max_length
-    origins = jax.lax.dynamic_update_slice(state.aux["origins"],
-                                           jnp.where(slots < kept, origin, -1).astype(jnp.int8),
-                                           (start,))
-    counts = state.aux["origin_counts"] + jnp.sum(
-        (origin[None, :] == jnp.arange(4, dtype=jnp.int8)[:, None]) & (slots < kept)[None, :],
-        axis=1).astype(jnp.int32)
-    accepted = state.aux["accepted"].at[verdict.count - 1].add(1)
-    return state.replace(aux={**state.aux, **loop_aux, "origins": origins,
-                              "origin_counts": counts, "accepted": accepted})
-
-
-def _origin_aux(loop: DecodeLoop, max_depth: int) -> dict:
-    return {"origins": jnp.full((loop.capacity,), -1, jnp.int8),
-            "origin_counts": jnp.zeros((4,), jnp.int32),
-            "accepted": jnp.zeros((max_depth + 1,), jnp.int32)}
-
-
 @dataclasses.dataclass(frozen=True)
 class NgramOnly:
     """``method="ngram"``: the stage-2 proposal (n-gram + context lookup) verified directly
-    by the target, no draft model. The target tree has ``1 + sum(proposal)`` nodes.
+    by the target, no draft model. The target tree has ``1 + sum(proposal)`` nodes; the
+    ``rejection`` rule runs in ``deterministic`` children mode."""
 
-    Attributes:
-      proposal: per-level candidate counts of the proposal tree (static).
-      verify: acceptance rule; ``rejection`` runs in ``deterministic`` children mode.
-      use_lookup: merge context lookup into the proposals.
-    """
+    options: NgramOptions = NgramOptions()
 
-    proposal: tuple[int, ...] = (2, 1, 1, 1, 1, 1, 1, 1)
-    verify: str = "coupled"
-    use_lookup: bool = True
-    name: str = "ngram"
+    name = "ngram"
 
-    def __post_init__(self):
-        _check_shape(self.proposal)
-        _check_verify(self.verify)
+    @property
+    def proposal(self) -> tuple[int, ...]:
+        return self.options.proposal
 
     @property
     def max_depth(self) -> int:
@@ -173,25 +123,25 @@ class NgramOnly:
         """Cache slots past the committed prefix one step may write."""
         return max(self.budget, self.max_depth + 1) + 1
 
-    def init(self, params, loop: DecodeLoop, state: DecodeState, tables) -> DecodeState:
-        del params, tables
-        return state.replace(aux=_origin_aux(loop, self.max_depth))
+    def init(self, params, loop: DecodeLoop, state: DecodeState,
+             resources: Resources) -> DecodeState:
+        del params, loop, resources
+        return state.replace(tally=init_tally(state, self.max_depth))
 
-    def step(self, params, loop: DecodeLoop, state: DecodeState, tables) -> DecodeState:
-        key = jax.random.fold_in(jax.random.fold_in(
-            jax.random.PRNGKey(state.sampling.seed), state.length), _KEY_TAG)
-        prop = propose(tables, state.tokens, state.length, self.proposal,
-                       use_lookup=self.use_lookup)
+    def step(self, params, loop: DecodeLoop, state: DecodeState,
+             resources: Resources) -> DecodeState:
+        key = step_key(state.sampling, state.length, _KEY_TAG)
+        prop = propose(resources.tables, state.tokens, state.length, self.proposal,
+                       use_lookup=self.options.use_lookup)
         root = state.tokens[state.length - 1]
         tree = Tree(tokens=jnp.concatenate([root[None], prop.tokens]),
                     parents=jnp.concatenate([jnp.array([-1], jnp.int32),
                                              jnp.where(prop.parents < 0, 0, prop.parents + 1)]),
                     valid=jnp.concatenate([jnp.array([True]), prop.valid]))
         origin = jnp.concatenate([jnp.array([ORIGIN_TARGET], jnp.int8), prop.origin])
-        width = max(self.proposal)
-        verdict, cache, finite = verify_tree(params, loop, state, tree, self.max_depth, width,
-                                              self.verify, key)
-        return _commit(state, {}, tree, origin, verdict, cache, finite, 0)
+        verdict, cache, finite = verify_tree(params, loop, state, tree, self.max_depth,
+                                             max(self.proposal), self.options.verify, key)
+        return commit_step(state, tree, origin, verdict, cache, finite, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,62 +149,38 @@ class Staged:
     """``method="staged"``: draft model + stage 2 (see the module docstring).
 
     Attributes:
+      options: the :class:`~specjax.methods.options.StagedOptions`: ``tree_budget`` (N,
+        target tree nodes per target pass, root included), ``draft_rounds`` (R, draft
+        passes per step, the first also catching the draft up), ``proposal`` (per-level
+        candidates of each stage-2 proposal tree), ``draft_width`` (W, children recorded
+        per spine node), ``verify``, ``use_lookup``, and ``stage2_prior``: floors, as
+        probabilities in [0, 1), of the per-token score of a proposal node that came from
+        context lookup / the n-gram tables (its score is ``log max(q~(token), prior)``; a
+        weak draft would otherwise veto good stage-2 proposals; ranking only).
       draft_config: the draft model's config.
-      budget: N, target tree nodes verified per target pass (root included).
-      rounds: R, draft passes per step (the first also catches the draft up).
-      proposal: per-level candidate counts of each stage-2 proposal tree.
-      width: W, children recorded per spine node (the draft's top-W).
-      verify: acceptance rule.
-      use_lookup: merge context lookup into the stage-2 proposals.
-      lookup_prior, ngram_prior: floors, as probabilities in [0, 1), of the per-token
-        score of a proposal node that came from context lookup / the n-gram tables: its
-        score is ``log max(q~(token), prior)``. A weak draft would otherwise veto good
-        stage-2 proposals (lookup copies identifiers the draft rates low); 0 disables.
-        Ranking only: exactness never depends on it.
     """
 
+    options: StagedOptions
     draft_config: ModelConfig
-    budget: int = 4
-    rounds: int = 1
-    proposal: tuple[int, ...] = (2, 1, 1, 1)
-    width: int = 1
-    verify: str = "coupled"
-    use_lookup: bool = True
-    lookup_prior: float = 0.0
-    ngram_prior: float = 0.0
-    name: str = "staged"
 
-    def __post_init__(self):
-        _check_shape(self.proposal)
-        _check_verify(self.verify)
-        for name in ("lookup_prior", "ngram_prior"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise InvalidArgumentError(f"{name} must be a probability in [0, 1), got "
-                                           f"{value!r}")
-        for name in ("budget", "rounds", "width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.budget > self.num_candidates:
-            raise InvalidArgumentError(
-                f"tree budget {self.budget} exceeds the {self.num_candidates} candidates that "
-                f"{self.rounds} rounds x width {self.width} can draft")
+    name = "staged"
 
-    @property
-    def pass_size(self) -> int:
-        """Tokens in one later round's draft pass: the draft's own token + the proposal."""
-        return 1 + sum(self.proposal)
+    # Shorthands for the options the step reads.
+    budget = property(lambda self: self.options.tree_budget)
+    rounds = property(lambda self: self.options.draft_rounds)
+    width = property(lambda self: self.options.draft_width)
+    proposal = property(lambda self: self.options.proposal)
+    verify = property(lambda self: self.options.verify)
+    use_lookup = property(lambda self: self.options.use_lookup)
+    lookup_prior = property(lambda self: self.options.stage2_prior[0])
+    ngram_prior = property(lambda self: self.options.stage2_prior[1])
+    pass_size = property(lambda self: self.options.pass_size)
+    num_candidates = property(lambda self: self.options.num_candidates)
 
     @property
     def max_spine(self) -> int:
         """Most spine nodes (root included) one step can build."""
         return 1 + len(self.proposal) + (self.rounds - 1) * (1 + len(self.proposal))
-
-    @property
-    def num_candidates(self) -> int:
-        return (1 + self.width + sum(self.proposal) * (1 + self.width)
-                + (self.rounds - 1) * self.pass_size * (1 + self.width))
 
     @property
     def max_depth(self) -> int:
@@ -276,31 +202,19 @@ class Staged:
         """Cache slots past the committed prefix one step may write (target or draft)."""
         return max(self.budget, self.window, self.max_depth + 1) + 1
 
-    # ------------------------------------------------------------------ ranking
+    # ------------------------------------------------------------------ method protocol
 
     def _rank(self, logits, sampling, child_positions):
         """Ranking log-scores [E, V] for the children of E evaluated nodes."""
+        return rank_children(logits, sampling, child_positions, self.verify)
 
-        def sampled(_):
-            log_q = target_log_probs(logits, sampling)
-            if self.verify in ("greedy", "coupled"):
-                log_q = perturbed_scores(log_q, sampling, child_positions)
-            return jax.nn.log_softmax(log_q, axis=-1)
-
-        def greedy(_):
-            return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-
-        return jax.lax.cond(sampling.temperature > 0, sampled, greedy, None)
-
-    # ------------------------------------------------------------------ method protocol
-
-    def init(self, params, loop: DecodeLoop, state: DecodeState, draft_params,
-             tables) -> DecodeState:
+    def init(self, params, loop: DecodeLoop, state: DecodeState,
+             resources: Resources) -> DecodeState:
         """Prefills the draft cache with the prompt."""
-        del params, tables
-        aux = {"draft_cache": draft_prefill(draft_params, self.draft_config, loop, state),
-               **_origin_aux(loop, self.max_depth)}
-        return state.replace(aux=aux, draft_calls=state.draft_calls + 1)
+        del params
+        return state.replace(
+            draft_cache=draft_prefill(resources.draft_params, self.draft_config, loop, state),
+            tally=init_tally(state, self.max_depth), draft_calls=state.draft_calls + 1)
 
     def _pass_candidates(self, pass_tokens, pass_valid, pass_origin, rank, first_parent,
                          first_score, base: int):
@@ -364,15 +278,15 @@ class Staged:
             matched = matched + alive.astype(jnp.int32)
         return node, matched, history, visible
 
-    def step(self, params, loop: DecodeLoop, state: DecodeState, draft_params,
-             tables) -> DecodeState:
+    def step(self, params, loop: DecodeLoop, state: DecodeState,
+             resources: Resources) -> DecodeState:
         sampling, config = state.sampling, self.draft_config
+        draft_params, tables = resources.draft_params, resources.tables
         width, size, depth_p = self.width, self.pass_size, len(self.proposal)
         chunk, n_prop = self.chunk, sum(self.proposal)
         root_position = state.length - 1
-        key = jax.random.fold_in(jax.random.fold_in(
-            jax.random.PRNGKey(sampling.seed), state.length), _KEY_TAG)
-        cache = state.aux["draft_cache"]
+        key = step_key(sampling, state.length, _KEY_TAG)
+        cache = state.draft_cache
         fresh = state.length - cache.length  # tokens the draft lags by, root included
         proposal_depth = _proposal_depths(self.proposal)
         proposal_parents = _static_parents(self.proposal)
@@ -462,5 +376,5 @@ class Staged:
         # 4. Verify and commit.
         verdict, target_cache, finite = verify_tree(params, loop, state, tree, self.max_depth,
                                                      width, self.verify, key)
-        return _commit(state, {"draft_cache": cache}, tree, tree_origin, verdict, target_cache,
-                       finite, self.rounds)
+        return commit_step(state, tree, tree_origin, verdict, target_cache, finite,
+                           self.rounds, draft_cache=cache)

@@ -1,8 +1,10 @@
 """Draft-model speculative decoding: one jitted step (draft -> pack -> verify -> commit).
 
-A :class:`Speculative` method is a hashable static object (it sits in the
-:class:`~specjax.decode.DecodeLoop`) with ``init`` and ``step``; the drivers in
-:mod:`specjax.decode` run it exactly like ``ar``. One step:
+A :class:`Speculative` method (``spec`` or ``tree``) is a hashable static object built
+from its options (:class:`~specjax.methods.options.SpecOptions`,
+:class:`~specjax.methods.options.TreeOptions`) and the draft's config; it sits in the
+:class:`~specjax.decode.DecodeLoop` and the drivers in :mod:`specjax.decode` run it exactly
+like ``ar``. One step:
 
 1. **Draft catch-up.** The draft cache lags the sequence by the tokens accepted in the
    previous step; one draft pass over a fixed chunk of ``depth + 1`` tokens brings it up to
@@ -40,16 +42,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import models
-from specjax.cache import advance, commit_path, init_cache
+from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig
-from specjax.decode import DecodeLoop, DecodeState, append_tokens
+from specjax.decode import DecodeLoop, DecodeState, Resources
 from specjax.errors import InvalidArgumentError
-from specjax.sampling import (SamplingParams, perturbed_scores, sample_tokens,
-                              target_log_probs, top_k)
-from specjax.tree import Tree, ancestor_mask, depths, select_top_nodes, validate_parents
-from specjax.verify import emitted_tokens, verify_choices, verify_match, verify_rejection
+from specjax.methods.common import commit_step, init_tally, rank_children, step_key
+from specjax.methods.options import SpecOptions, TreeOptions, fixed_topology_shape
+from specjax.origins import ORIGIN_DRAFT, ORIGIN_TARGET
+from specjax.sampling import target_log_probs, top_k
+from specjax.tree import Tree, chain_parents, select_top_nodes
+from specjax.verify import verify_tree
 
-VERIFY_RULES = ("greedy", "coupled", "match", "rejection")
 _KEY_TAG = 0x5EC
 
 
@@ -79,34 +82,6 @@ class TreeShape:
     def scratch(self) -> int:
         """Cache slots past the committed prefix that one step may write."""
         return max(self.budget, self.depth + 1, self.width * self.depth + 1) + 1
-
-
-def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_depth: int,
-                width: int, verify: str, key, draft_logp=None,
-                children_mode: str = "deterministic"):
-    """One target pass over ``tree`` (rooted at the pending last token) and the rule.
-
-    Returns:
-      (verdict, target cache with the tree's K/V in scratch, whether the logits of the
-      valid nodes were all finite).
-    """
-    sampling = state.sampling
-    node_depths = depths(tree.parents, max_depth)
-    mask = ancestor_mask(tree.parents, tree.valid, max_depth)
-    positions = state.length - 1 + node_depths
-    logits, cache = models.forward(params, loop.config, tree.tokens, positions, state.cache,
-                                   mask, attn_impl=loop.attn_impl)
-    finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])
-    if verify in ("greedy", "coupled"):
-        # The target's coupled token after every node: what `ar` would sample there.
-        verdict = verify_choices(tree, sample_tokens(logits, sampling, positions + 1),
-                                 max_depth)
-    elif verify == "match":
-        verdict = verify_match(tree, target_log_probs(logits, sampling), key, max_depth)
-    else:
-        verdict = verify_rejection(tree, target_log_probs(logits, sampling), draft_logp, key,
-                                   max_depth, width, children_mode)
-    return verdict, cache, finite
 
 
 def draft_prefill(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
@@ -189,23 +164,40 @@ class Speculative:
     """A draft-model speculative method (``spec`` = chain, ``tree``); hashable, static.
 
     Attributes:
-      name: ``"spec"`` or ``"tree"``.
+      options: the method's options (validated).
       draft_config: the draft model's config.
-      shape: the static :class:`TreeShape`.
-      verify: acceptance rule, one of :data:`VERIFY_RULES`.
     """
 
-    name: str
+    options: SpecOptions | TreeOptions
     draft_config: ModelConfig
-    shape: TreeShape
-    verify: str = "coupled"
 
-    def __post_init__(self):
-        if self.verify not in VERIFY_RULES:
-            raise InvalidArgumentError(
-                f"unknown verify rule {self.verify!r}; expected one of {VERIFY_RULES}")
-        if self.shape.topology is not None:
-            validate_parents(np.asarray(self.shape.topology, np.int32), self.shape.width)
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    @property
+    def verify(self) -> str:
+        return self.options.verify
+
+    @property
+    def shape(self) -> TreeShape:
+        """The static tree shape the options describe."""
+        options = self.options
+        if options.name == "spec":
+            depth = options.draft_depth
+            return TreeShape(budget=depth + 1, depth=depth, width=1,
+                             topology=tuple(int(p) for p in chain_parents(depth + 1)))
+        parents = options.fixed_parents
+        if parents is None:
+            return TreeShape(budget=options.tree_budget, depth=options.draft_depth,
+                             width=options.draft_width)
+        depth, width = fixed_topology_shape(parents)
+        return TreeShape(budget=len(parents), depth=max(depth, 1), width=max(width, 1),
+                         topology=parents)
+
+    @property
+    def scratch(self) -> int:
+        return self.shape.scratch
 
     # ------------------------------------------------------------------ helpers
 
@@ -220,24 +212,13 @@ class Speculative:
         """How the drafted children relate to ``q~`` (for the rejection rule)."""
         return "without_replacement" if self.shape.topology is not None else "deterministic"
 
-    def _rank(self, logits: jax.Array, sampling: SamplingParams, child_positions: jax.Array,
-              key: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(ranking log-scores [E, V], log q~ [E, V]) for drafting children of E nodes."""
-        log_q = target_log_probs(logits, sampling)
-
-        def sampled(_):
-            if self.verify in ("greedy", "coupled"):
-                scores = perturbed_scores(log_q, sampling, child_positions)
-            elif self.verify == "rejection" and self.shape.topology is not None:
-                scores = log_q + jax.random.gumbel(key, log_q.shape)
-            else:
-                scores = log_q
-            return jax.nn.log_softmax(scores, axis=-1)
-
-        def greedy(_):
-            return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-
-        return jax.lax.cond(sampling.temperature > 0, sampled, greedy, None), log_q
+    def _rank(self, logits: jax.Array, sampling, child_positions: jax.Array,
+              key: jax.Array) -> jax.Array:
+        """Ranking log-scores [E, V] for drafting children of E nodes: a fixed topology
+        under ``rejection`` samples children without replacement (a fresh perturbation)."""
+        fresh = self.verify == "rejection" and self.shape.topology is not None
+        return rank_children(logits, sampling, child_positions, self.verify,
+                             key if fresh else None)
 
     def _draft_pass(self, draft_params, loop: DecodeLoop, cache, tokens, positions,
                     scratch_mask):
@@ -248,46 +229,39 @@ class Speculative:
 
     # ------------------------------------------------------------------ method protocol
 
-    def init(self, params, loop: DecodeLoop, state: DecodeState, draft_params) -> DecodeState:
+    def init(self, params, loop: DecodeLoop, state: DecodeState,
+             resources: Resources) -> DecodeState:
         """Prefills the draft cache with the prompt."""
         del params
-        aux = {"draft_cache": draft_prefill(draft_params, self.draft_config, loop, state),
-               "accepted": jnp.zeros((self.shape.depth + 1,), jnp.int32)}
-        return state.replace(aux=aux, draft_calls=state.draft_calls + 1)
+        return state.replace(
+            draft_cache=draft_prefill(resources.draft_params, self.draft_config, loop, state),
+            tally=init_tally(state, self.shape.depth), draft_calls=state.draft_calls + 1)
 
-    def step(self, params, loop: DecodeLoop, state: DecodeState, draft_params) -> DecodeState:
-        shape, sampling = self.shape, state.sampling
+    def step(self, params, loop: DecodeLoop, state: DecodeState,
+             resources: Resources) -> DecodeState:
+        shape, sampling, draft_params = self.shape, state.sampling, resources.draft_params
         root_position = state.length - 1
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(sampling.seed),
-                                                    state.length), _KEY_TAG)
-        draft_key, verify_key = jax.random.split(key)
+        draft_key, verify_key = jax.random.split(step_key(sampling, state.length, _KEY_TAG))
 
         # 1. Catch the draft cache up to the root.
         cache, root_logits = draft_catch_up(draft_params, self.draft_config, loop, state,
-                                            state.aux["draft_cache"], shape.depth + 1)
+                                            state.draft_cache, shape.depth + 1)
         root_token = state.tokens[root_position]
 
         # 2. Draft the tree.
         build = self._draft_fixed if shape.topology is not None else self._draft_dynamic
         tree, draft_logp, cache = build(draft_params, loop, cache, root_token, root_logits,
                                         root_position, sampling, draft_key)
-        draft_calls = shape.depth  # catch-up + one pass per expanded level
 
         # 3. Verify with one target pass.
         verdict, target_cache, finite = verify_tree(
             params, loop, state, tree, shape.depth, shape.width, self.verify, verify_key,
             draft_logp, self.children_mode)
 
-        # 4. Commit.
-        state = state.replace(
-            cache=commit_path(target_cache, verdict.path, verdict.count),
-            target_calls=state.target_calls + 1,
-            draft_calls=state.draft_calls + draft_calls,
-            nonfinite=state.nonfinite | ~finite, done=state.done | ~finite,
-            aux={"draft_cache": cache,
-                 "accepted": state.aux["accepted"].at[verdict.count - 1].add(1)},
-        )
-        return append_tokens(state, emitted_tokens(tree, verdict), verdict.count)
+        # 4. Commit (catch-up + one draft pass per expanded level = depth passes).
+        origin = jnp.full((tree.size,), ORIGIN_DRAFT, jnp.int8).at[0].set(ORIGIN_TARGET)
+        return commit_step(state, tree, origin, verdict, target_cache, finite, shape.depth,
+                           draft_cache=cache)
 
     # ------------------------------------------------------------------ tree builders
 
@@ -295,7 +269,7 @@ class Speculative:
                        root_position, sampling, key):
         width, depth = self.shape.width, self.shape.depth
         keys = jax.random.split(key, depth)
-        rank, _ = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
+        rank = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
         top_scores, top_tokens = top_k(rank[0], width)
         cand_tokens = [root_token[None], top_tokens]
         cand_parents = [jnp.array([-1], jnp.int32), jnp.zeros((width,), jnp.int32)]
@@ -307,7 +281,7 @@ class Speculative:
             positions = jnp.full((width,), root_position + level, jnp.int32)
             logits, cache = self._draft_pass(draft_params, loop, cache, frontier_tokens,
                                              positions, ancestry)
-            rank, _ = self._rank(logits, sampling, positions + 1, keys[level])
+            rank = self._rank(logits, sampling, positions + 1, keys[level])
             child_scores, child_tokens = top_k(rank, width)  # [W, W]
             child_scores = frontier_scores[:, None] + child_scores
             base = 1 + width + (level - 1) * width * width
@@ -332,9 +306,9 @@ class Speculative:
         fixed = self._fixed
         width, n = self.shape.width, len(fixed.parents)
         keys = jax.random.split(key, len(fixed.levels))
-        rank, log_q = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
+        rank = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
         ranked = [top_k(rank[0], width)[1][None]]  # per evaluated row: [rows, W]
-        dists = [log_q]
+        dists = [target_log_probs(root_logits, sampling)]  # log q~ (the rejection rule's)
         tokens = jnp.zeros((n,), jnp.int32).at[0].set(root_token)
         for level in range(1, len(fixed.levels)):
             nodes = np.asarray(fixed.levels[level])
@@ -347,9 +321,9 @@ class Speculative:
             positions = jnp.full((len(evaluated),), root_position + level, jnp.int32)
             logits, cache = self._draft_pass(draft_params, loop, cache, tokens[evaluated],
                                              positions, jnp.asarray(fixed.scratch_masks[level]))
-            rank, log_q = self._rank(logits, sampling, positions + 1, keys[level])
+            rank = self._rank(logits, sampling, positions + 1, keys[level])
             ranked.append(top_k(rank, width)[1])
-            dists.append(log_q)
+            dists.append(target_log_probs(logits, sampling))
         dists = jnp.concatenate(dists)
         draft_logp = dists[np.maximum(fixed.row, 0)]
         tree = Tree(tokens=tokens, parents=jnp.asarray(fixed.parents),

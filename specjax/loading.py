@@ -1,0 +1,197 @@
+"""Loading models and the resources methods decode with: drafts and n-gram tables.
+
+* :func:`load` -- a model by name, path or hub id.
+* :func:`resolve_draft` -- what ``draft=`` / ``--draft`` accept: a :class:`Model`, a
+  shipped draft by name (``smollm2-135m-draft``), ``first-layers:K``, a draft asset
+  folder, or any model :func:`load` accepts.
+* :func:`resolve_ngram` -- n-gram tables: given, a path, or those shipped for the model.
+* :func:`default_method` -- ``staged`` for a model with shipped assets, else ``ar``; the
+  API and the CLI share it.
+
+A known model (``smollm2-135m``) ships a draft and n-gram tables in ``specjax/assets``;
+a model loaded from it, from its file, or from a checkpoint converted from it carries
+``Model.assets`` naming them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from specjax.checkpoints_tools import sources
+from specjax.drafters import ngram as ngram_lib
+from specjax.errors import InvalidArgumentError, ModelNotFoundError
+from specjax.methods import MethodOptions
+from specjax.model import Model, check_draft_compatible, resolve_dtype
+
+DRAFT_SUFFIX = "-draft"
+FIRST_LAYERS = "first-layers:"
+
+
+def load(name_or_path: str | os.PathLike, dtype=None, *, progress: bool = False) -> Model:
+    """Loads a model by name, path or hub id.
+
+    Args:
+      name_or_path: ``smollm2-135m`` (the embedded default), a GGUF file, a Hugging Face
+        directory, an orbax directory written by ``specjax convert``, or a hub id.
+      dtype: parameter dtype (``"float32"``, ``"bfloat16"`` or a jnp dtype); default:
+        float32.
+      progress: show a progress bar while reading weights.
+    Returns:
+      A :class:`Model`; ``model.assets`` names the known model whose shipped draft and
+      n-gram tables apply to it, if any.
+    """
+    dtype = resolve_dtype(dtype) or jnp.float32
+    config, params, tokenizer = sources.resolve_and_load(name_or_path, dtype=None,
+                                                         progress=progress)
+    return Model.from_params(config, params, tokenizer, name=os.fspath(name_or_path),
+                             dtype=dtype, assets=sources.known_origin(name_or_path))
+
+
+# ----------------------------------------------------------------------------- shipped assets
+
+
+def shipped_assets(assets: str | None) -> Path | None:
+    """The asset folder of a known model, or ``None``."""
+    if assets is None:
+        return None
+    folder = sources.assets_dir() / assets
+    return folder if folder.is_dir() else None
+
+
+def shipped_draft_name(assets: str | None) -> str | None:
+    """The name of the draft shipped for a known model (``smollm2-135m-draft``), or None."""
+    folder = shipped_assets(assets)
+    if folder is None or not (folder / sources.DRAFT_TENSORS).is_file():
+        return None
+    return assets + DRAFT_SUFFIX
+
+
+def has_shipped_ngram(assets: str | None) -> bool:
+    folder = shipped_assets(assets)
+    return folder is not None and (folder / "ngram.npz").is_file()
+
+
+def shipped_draft_names() -> list[str]:
+    """Every shipped draft's name."""
+    return [name for name in map(shipped_draft_name, sources.KNOWN_MODELS) if name]
+
+
+def default_method(assets: str | None) -> str:
+    """``staged`` when a draft and n-gram tables are shipped for the model, else ``ar``.
+
+    Args:
+      assets: ``Model.assets`` (or :func:`sources.known_origin` of a model argument, so
+        that the CLI decides before loading).
+    """
+    if shipped_draft_name(assets) and has_shipped_ngram(assets):
+        return "staged"
+    return "ar"
+
+
+def describe_defaults(assets: str | None) -> str:
+    """One line on what a model decodes with by default (for ``--help`` and errors)."""
+    draft = shipped_draft_name(assets)
+    if draft is None:
+        return "ar (no shipped draft or n-gram tables)"
+    return (f"{default_method(assets)}, with the shipped draft {draft!r} and the shipped "
+            f"n-gram tables ({shipped_assets(assets)})")
+
+
+# ----------------------------------------------------------------------------- resources
+
+
+def check_draft_spec(draft) -> None:
+    """Rejects a ``draft`` argument that cannot name a draft, without loading anything
+    (the CLI checks it before the target loads)."""
+    if draft is None or isinstance(draft, Model):
+        return
+    text = os.fspath(draft)
+    if text.startswith(FIRST_LAYERS):
+        if not text[len(FIRST_LAYERS):].isdigit():
+            raise InvalidArgumentError(f"draft {text!r}: expected {FIRST_LAYERS}K with an "
+                                       "integer K")
+    elif text in shipped_draft_names() or Path(text).expanduser().exists():
+        return
+    else:
+        try:
+            sources.classify_model_argument(text)
+        except ModelNotFoundError:
+            shipped = ", ".join(shipped_draft_names()) or "none"
+            raise InvalidArgumentError(
+                f"no draft {text!r}: not a shipped draft ({shipped}), {FIRST_LAYERS}K, an "
+                f"existing path, a known model or a hub id") from None
+
+
+def resolve_draft(model: Model, draft=None, *, dtype=None, progress: bool = False) -> Model:
+    """The draft model for ``model``.
+
+    Args:
+      model: the target.
+      draft: ``None`` (the draft shipped for the target), a :class:`Model`, a shipped
+        draft's name (``smollm2-135m-draft``), ``first-layers:K`` (the target's first K
+        layers: untrained, exact but slow; for tests), a draft asset folder (``draft.json``
+        + ``draft.safetensors``, e.g. written by ``specjax train-draft``), or anything
+        :func:`load` accepts.
+      dtype: dtype of a draft loaded from a path (default: the target's).
+    Returns:
+      The draft, checked to share the target's tokenizer.
+    Raises:
+      InvalidArgumentError: no draft given and none shipped; a draft that does not fit.
+    """
+    if draft is not None and not isinstance(draft, Model):
+        check_draft_spec(draft)
+    if draft is None:
+        draft = sources.load_bundled_draft(model)
+    elif isinstance(draft, str) and draft.startswith(FIRST_LAYERS):
+        draft = model.first_layers(int(draft[len(FIRST_LAYERS):]))
+    elif isinstance(draft, str) and draft in shipped_draft_names() \
+            and not Path(draft).exists():
+        draft = sources.load_bundled_draft(model, shipped_assets(draft[: -len(DRAFT_SUFFIX)]))
+    elif isinstance(draft, (str, os.PathLike)):
+        path = Path(draft).expanduser()
+        if path.is_dir() and (path / sources.DRAFT_CONFIG).is_file():
+            draft = sources.load_bundled_draft(model, path)
+        else:
+            draft = load(draft, dtype=dtype or model.dtype, progress=progress)
+    elif not isinstance(draft, Model):
+        raise InvalidArgumentError(f"draft must be a Model, a name or a path, got "
+                                   f"{type(draft).__name__}")
+    check_draft_compatible(model, draft)
+    return draft
+
+
+def resolve_ngram(model: Model, ngram=None) -> ngram_lib.NgramTables:
+    """N-gram tables for ``model``: ``ngram`` (tables or a path), else the shipped ones.
+
+    Returns:
+      The tables as device arrays, checked against the model's vocabulary.
+    """
+    if ngram is None:
+        if not has_shipped_ngram(model.assets):
+            raise InvalidArgumentError(
+                f"no n-gram tables are shipped for model {model.name!r}: pass ngram=PATH "
+                "(--ngram), built with 'specjax build-ngram'")
+        ngram = shipped_assets(model.assets) / "ngram.npz"
+    if isinstance(ngram, ngram_lib.NgramTables):
+        tables = ngram
+        if tables.vocab_size != model.config.vocab_size:
+            raise InvalidArgumentError(
+                f"n-gram tables have vocabulary size {tables.vocab_size}, the model "
+                f"{model.config.vocab_size}")
+    else:
+        tables = ngram_lib.load_ngram(ngram, vocab_size=model.config.vocab_size)
+    return jax.tree.map(jnp.asarray, tables)
+
+
+def check_resources(options: MethodOptions, draft=None, ngram=None) -> None:
+    """Rejects a draft or tables given to a method that takes none (before any loading)."""
+    if draft is not None and not options.uses_draft:
+        raise InvalidArgumentError(f"method {options.name!r} takes no draft model "
+                                   f"(methods with a draft: spec, tree, staged)")
+    if ngram is not None and not options.uses_ngram:
+        raise InvalidArgumentError(f"method {options.name!r} takes no n-gram tables "
+                                   f"(methods with tables: ngram, staged)")

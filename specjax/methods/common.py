@@ -1,0 +1,124 @@
+"""What every speculative method shares: per-step statistics, keys, ranking, commit.
+
+* :class:`Tally` -- the typed per-step statistics a method carries in
+  :attr:`specjax.decode.DecodeState.tally` (accepted-count histogram, origin of every
+  token); :func:`specjax.api.generate` turns it into ``stats``.
+* :func:`step_key` -- the PRNG key of one step (fresh per position, never per call).
+* :func:`rank_children` -- how a draft ranks the children it proposes, per verify rule.
+* :func:`commit_step` -- keep the accepted path's K/V, append the emitted tokens, count
+  them by origin.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.cache import commit_path
+from specjax.decode import DecodeState, append_tokens, flag_nonfinite
+from specjax.origins import NUM_ORIGINS, ORIGIN_TARGET
+from specjax.sampling import SamplingParams, perturbed_scores, target_log_probs
+from specjax.tree import Tree
+from specjax.verify import Verdict, emitted_tokens
+
+
+@struct.dataclass
+class Tally:
+    """Per-step statistics of a speculative method (all traced)."""
+
+    accepted: jax.Array  # int32 [max_depth + 1]; [c]: steps that accepted c drafted tokens
+    origins: jax.Array  # int8 [S]; origin code of every generated token, -1 elsewhere
+    origin_counts: jax.Array  # int32 [NUM_ORIGINS]; emitted tokens per origin
+
+
+def init_tally(state: DecodeState, max_depth: int) -> Tally:
+    """An empty tally, with the token the prefill sampled counted as the target's."""
+    capacity = state.tokens.shape[0]
+    first = state.prompt_length
+    return Tally(accepted=jnp.zeros((max_depth + 1,), jnp.int32),
+                 origins=jnp.full((capacity,), -1, jnp.int8).at[first].set(ORIGIN_TARGET),
+                 origin_counts=jnp.zeros((NUM_ORIGINS,), jnp.int32).at[ORIGIN_TARGET].set(1))
+
+
+def step_key(sampling: SamplingParams, length: jax.Array, tag: int) -> jax.Array:
+    """The key of the step that starts at sequence length ``length``. It depends on (seed,
+    length, method tag) only, so a step's randomness is reproducible from the request."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(sampling.seed), length),
+                              tag)
+
+
+def rank_children(logits: jax.Array, sampling: SamplingParams, child_positions: jax.Array,
+                  verify: str, sample_key: jax.Array | None = None):
+    """How a draft ranks the children of E evaluated nodes; exactness never depends on it.
+
+    ``greedy``/``coupled`` rank by ``log q~ + g_position`` (the Gumbel noise the target
+    uses at that position, so at T > 0 the draft's best child is its guess of the target's
+    coupled token), ``match`` and ``rejection`` by ``log q~``; with ``sample_key`` (the
+    ``rejection`` rule over a fixed topology) by a fresh Gumbel perturbation, which makes
+    the top children a sample without replacement. At temperature 0 by the logits.
+
+    Args:
+      logits: [E, V] draft logits.
+      sampling: the request's sampling settings.
+      child_positions: int32 [E], absolute positions of the children.
+      verify: the verify rule.
+      sample_key: key of a fresh perturbation (see above), or ``None``.
+    Returns:
+      log-scores [E, V] (normalised per row).
+    """
+
+    def sampled(_):
+        log_q = target_log_probs(logits, sampling)
+        if verify in ("greedy", "coupled"):
+            scores = perturbed_scores(log_q, sampling, child_positions)
+        elif sample_key is not None:
+            scores = log_q + jax.random.gumbel(sample_key, log_q.shape)
+        else:
+            scores = log_q
+        return jax.nn.log_softmax(scores, axis=-1)
+
+    def greedy(_):
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+    return jax.lax.cond(sampling.temperature > 0, sampled, greedy, None)
+
+
+def commit_step(state: DecodeState, tree: Tree, tree_origin: jax.Array, verdict: Verdict,
+                target_cache, finite: jax.Array, draft_calls: int,
+                **method_state) -> DecodeState:
+    """Ends a speculative step: commits the accepted path, appends the emitted tokens (cut
+    at a stop token and ``max_length``) and tallies them.
+
+    Args:
+      state: the state the step started from.
+      tree: the verified tree; ``tree_origin`` int8 [N] the origin of each node's token.
+      verdict: the verify rule's verdict.
+      target_cache: the target cache holding the tree's K/V in scratch.
+      finite: bool [], whether the valid nodes' target logits were all finite; if not,
+        the step appends nothing and generation stops (:func:`decode.flag_nonfinite`).
+      draft_calls: draft passes this step ran (static).
+      **method_state: other state fields the step updates (e.g. ``draft_cache``).
+    """
+    tokens = emitted_tokens(tree, verdict)
+    slots = jnp.arange(tokens.shape[0])
+    path_origin = tree_origin[jnp.concatenate([verdict.path[1:],
+                                               jnp.zeros((1,), verdict.path.dtype)])]
+    origin = jnp.where(slots == verdict.count - 1, ORIGIN_TARGET, path_origin).astype(jnp.int8)
+    start = state.length
+    state = state.replace(
+        cache=commit_path(target_cache, verdict.path, verdict.count),
+        target_calls=state.target_calls + 1,
+        draft_calls=state.draft_calls + draft_calls, **method_state)
+    state = flag_nonfinite(state, finite)
+    state = append_tokens(state, tokens, jnp.where(finite, verdict.count, 0))
+    kept = slots < state.length - start  # after stop tokens and max_length
+    tally = state.tally
+    origins = jax.lax.dynamic_update_slice(tally.origins,
+                                           jnp.where(kept, origin, -1).astype(jnp.int8),
+                                           (start,))
+    counts = tally.origin_counts + jnp.sum(
+        (origin[None, :] == jnp.arange(NUM_ORIGINS, dtype=jnp.int8)[:, None]) & kept[None, :],
+        axis=1).astype(jnp.int32)
+    accepted = tally.accepted.at[verdict.count - 1].add(1)
+    return state.replace(tally=Tally(accepted=accepted, origins=origins, origin_counts=counts))

@@ -1,0 +1,346 @@
+"""Method options: one frozen dataclass per method, the only place its settings live.
+
+Each class owns its defaults, its validation (in ``__post_init__``, so an invalid object
+cannot exist) and the help text of every setting (field metadata, read by the CLI and
+``specjax bench``). The options say *how* a method decodes; the resources it decodes with
+(the draft model, the n-gram tables) are arguments of :func:`specjax.generate`.
+
+>>> StagedOptions(tree_budget=8)                  # what generate(method=...) takes
+>>> method_options("staged", tree_budget=8)       # the same, from a name and keywords
+>>> method_options("spec", tree_budget=8)         # InvalidArgumentError: does not apply
+
+Option names are the keyword arguments of :func:`specjax.generate` and, with dashes, the
+flags of ``specjax generate`` and ``specjax bench``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+
+from specjax.errors import InvalidArgumentError
+from specjax.tree import kary_parents, measure_topology, validate_parents
+
+VERIFY_RULES = ("coupled", "greedy", "match", "rejection")
+TOPOLOGIES = ("dynamic", "kary")
+
+
+def _option(default, help: str, **cli):
+    """A dataclass field with its help text (and CLI spelling, when it is not the
+    default ``--name-with-dashes VALUE``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **cli})
+
+
+def check_verify_rule(verify: str, temperature: float | None = None) -> str:
+    """Raises unless ``verify`` names a rule that can run at ``temperature`` (when given).
+
+    Returns:
+      ``verify``.
+    """
+    if verify not in VERIFY_RULES:
+        raise InvalidArgumentError(f"unknown verify rule {verify!r}; expected one of "
+                                   f"{', '.join(VERIFY_RULES)}")
+    if verify == "greedy" and temperature is not None and temperature > 0:
+        raise InvalidArgumentError("verify 'greedy' needs temperature 0; use 'coupled'")
+    return verify
+
+
+def _positive(owner: str, name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise InvalidArgumentError(f"{owner}: {name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _shape(owner: str, name: str, value) -> tuple[int, ...]:
+    try:
+        shape = tuple(value)
+    except TypeError:
+        shape = ()
+    if not shape or any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1
+                        for n in shape):
+        raise InvalidArgumentError(f"{owner}: {name} must be a non-empty list of integers "
+                                   f">= 1 (candidates per level), got {value!r}")
+    return tuple(int(n) for n in shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodOptions:
+    """Base of the per-method options (never used directly)."""
+
+    name: ClassVar[str] = ""
+    #: The method runs a draft model (``draft=``; a known model's shipped draft by default).
+    uses_draft: ClassVar[bool] = False
+    #: The method reads n-gram tables (``ngram=``; a known model's shipped ones by default).
+    uses_ngram: ClassVar[bool] = False
+    summary: ClassVar[str] = ""
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+
+    def check_sampling(self, temperature: float) -> None:
+        """Raises if these options cannot decode at ``temperature``."""
+        del temperature
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def replace(self, **changes) -> "MethodOptions":
+        """A copy with ``changes`` applied (validated; unknown names are an error)."""
+        _check_names(type(self), changes)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"method": name, option: value, ...}`` (JSON-ready)."""
+        out: dict[str, Any] = {"method": self.name}
+        for key, value in dataclasses.asdict(self).items():
+            out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ArOptions(MethodOptions):
+    """``ar``: autoregressive decoding, one target pass per token (the reference)."""
+
+    name: ClassVar[str] = "ar"
+    summary: ClassVar[str] = "autoregressive, one target pass per token"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verified(MethodOptions):
+    verify: str = _option(
+        "coupled", "acceptance rule: coupled (the same tokens as ar with the same seed; "
+        "greedy at temperature 0), greedy (temperature 0 only), match (sample-then-match) "
+        "or rejection (residual rejection sampling)", choices=VERIFY_RULES)
+
+    def __post_init__(self):
+        check_verify_rule(self.verify)
+
+    def check_sampling(self, temperature: float) -> None:
+        check_verify_rule(self.verify, temperature)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions(_Verified):
+    """``spec``: the draft proposes a chain, the target verifies it in one pass
+    (Leviathan et al. / Chen et al.)."""
+
+    name: ClassVar[str] = "spec"
+    uses_draft: ClassVar[bool] = True
+    summary: ClassVar[str] = "draft chain verified in one target pass (Leviathan/Chen)"
+    draft_depth: int = _option(4, "drafted levels per step")
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._set("draft_depth", _positive(self.name, "draft_depth", self.draft_depth))
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeOptions(_Verified):
+    """``tree``: the draft proposes a token tree, verified in one target pass."""
+
+    name: ClassVar[str] = "tree"
+    uses_draft: ClassVar[bool] = True
+    summary: ClassVar[str] = "draft token tree verified in one target pass"
+    tree_budget: int = _option(16, "nodes verified per target pass, root included")
+    draft_depth: int = _option(4, "drafted levels per step")
+    draft_width: int = _option(4, "children per expanded node and frontier size")
+    topology: Any = _option(
+        "dynamic", "dynamic (the best nodes by draft score), kary (a fixed k-ary tree of "
+        "draft_width children per node), or a fixed parents list such as -1,0,0,1",
+        parse="topology")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for field in ("tree_budget", "draft_depth", "draft_width"):
+            self._set(field, _positive(self.name, field, getattr(self, field)))
+        topology = self.topology
+        if topology is None:
+            topology = "dynamic"
+        if not isinstance(topology, str):
+            try:
+                parents = np.asarray(topology, np.int64)
+            except (TypeError, ValueError):
+                parents = None
+            if parents is None or parents.ndim != 1:
+                raise InvalidArgumentError(
+                    f"tree: topology must be 'dynamic', 'kary' or a list of parent indices, "
+                    f"got {self.topology!r}")
+            validate_parents(parents.astype(np.int32))
+            topology = tuple(int(p) for p in parents)
+        elif topology not in TOPOLOGIES:
+            raise InvalidArgumentError(f"tree: topology must be 'dynamic', 'kary' or a list "
+                                       f"of parent indices, got {topology!r}")
+        self._set("topology", topology)
+
+    @property
+    def fixed_parents(self) -> tuple[int, ...] | None:
+        """The parents of a fixed topology, or ``None`` for a dynamic tree."""
+        if self.topology == "dynamic":
+            return None
+        if self.topology == "kary":
+            return tuple(int(p) for p in kary_parents(self.draft_width, self.draft_depth,
+                                                      self.tree_budget))
+        return self.topology
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramOptions(_Verified):
+    """``ngram``: stage-2 trees (n-gram tables + context lookup) verified directly by the
+    target; no draft model."""
+
+    name: ClassVar[str] = "ngram"
+    uses_ngram: ClassVar[bool] = True
+    summary: ClassVar[str] = "n-gram + context-lookup trees, no draft model"
+    proposal: tuple[int, ...] = _option(
+        (2, 1, 1, 1, 1, 1, 1, 1), "stage-2 proposal shape, candidates per level, e.g. "
+        "12,7,4,1,1,1", parse="ints")
+    use_lookup: bool = _option(True, "merge context lookup into the stage-2 proposals",
+                               flag="--no-lookup",
+                               flag_help="n-gram proposals only, no context lookup")
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._set("proposal", _shape(self.name, "proposal", self.proposal))
+        if not isinstance(self.use_lookup, (bool, np.bool_)):
+            raise InvalidArgumentError(f"{self.name}: use_lookup must be True or False, got "
+                                       f"{self.use_lookup!r}")
+        self._set("use_lookup", bool(self.use_lookup))
+
+
+# Staged defaults: the best settings measured with benchmarks/tune_staged.py
+# (benchmarks/results/tune_staged_cpu_*.json) on the 2-core CPU, smollm2-135m + its
+# shipped draft, greedy and T = 1 on HumanEval prompts 5-13. On this CPU a tree pass is
+# compute-bound beyond a few nodes, so trees of ~6 nodes win. The stage-2 priors suit a
+# weak draft (35% agreement): with a strong one, lower them (0, 0 lets the draft alone
+# rank the tree).
+@dataclasses.dataclass(frozen=True)
+class StagedOptions(NgramOptions):
+    """``staged`` (Spector & Re 2023): the draft model builds the target's tree, helped by
+    stage 2 (n-gram tables + context lookup); see :mod:`specjax.methods.staged`."""
+
+    name: ClassVar[str] = "staged"
+    uses_draft: ClassVar[bool] = True
+    summary: ClassVar[str] = ("draft model helped by n-gram tables and context lookup "
+                              "(Spector & Re)")
+    proposal: tuple[int, ...] = _option(
+        (2, 1, 1, 1, 1, 1), "stage-2 proposal shape, candidates per level, e.g. "
+        "12,7,4,1,1,1", parse="ints")
+    tree_budget: int = _option(6, "nodes verified per target pass, root included")
+    draft_rounds: int = _option(1, "draft passes per step, the first also catching the "
+                                   "draft up")
+    draft_width: int = _option(1, "children recorded per spine node (the draft's top-W)")
+    stage2_prior: tuple[float, float] = _option(
+        (0.7, 0.3), "probabilities (lookup, ngram) flooring the draft's score of stage-2 "
+        "proposals from each source; ranking only, never exactness", parse="floats",
+        metavar="LOOKUP,NGRAM")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for field in ("tree_budget", "draft_rounds", "draft_width"):
+            self._set(field, _positive(self.name, field, getattr(self, field)))
+        try:
+            prior = tuple(float(p) for p in self.stage2_prior)
+        except (TypeError, ValueError):
+            prior = ()
+        if len(prior) != 2 or not all(0.0 <= p < 1.0 for p in prior):
+            raise InvalidArgumentError(f"staged: stage2_prior must be two probabilities in "
+                                       f"[0, 1) (lookup, ngram), got {self.stage2_prior!r}")
+        self._set("stage2_prior", prior)
+        if self.tree_budget > self.num_candidates:
+            raise InvalidArgumentError(
+                f"staged: tree_budget {self.tree_budget} exceeds the {self.num_candidates} "
+                f"candidates that {self.draft_rounds} round(s) x draft_width "
+                f"{self.draft_width} with proposal {list(self.proposal)} can draft")
+
+    @property
+    def pass_size(self) -> int:
+        """Tokens in one later round's draft pass: the draft's own token + the proposal."""
+        return 1 + sum(self.proposal)
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidate nodes one step drafts (the target tree is chosen among them)."""
+        width = self.draft_width
+        return (1 + width + sum(self.proposal) * (1 + width)
+                + (self.draft_rounds - 1) * self.pass_size * (1 + width))
+
+
+METHODS: dict[str, type[MethodOptions]] = {
+    cls.name: cls for cls in (ArOptions, SpecOptions, TreeOptions, NgramOptions, StagedOptions)}
+
+
+def all_option_fields() -> dict[str, dataclasses.Field]:
+    """Every option name of every method, with its field (first definition wins: the
+    help text is the same wherever a name appears)."""
+    out: dict[str, dataclasses.Field] = {}
+    for cls in METHODS.values():
+        for field in dataclasses.fields(cls):
+            out.setdefault(field.name, field)
+    return out
+
+
+def methods_taking(option: str) -> list[str]:
+    return [name for name, cls in METHODS.items() if option in cls.option_names()]
+
+
+def _check_names(cls: type[MethodOptions], names) -> None:
+    for key in names:
+        if key in cls.option_names():
+            continue
+        takers = methods_taking(key)
+        if not takers:
+            raise InvalidArgumentError(f"unknown option {key!r}")
+        own = ", ".join(cls.option_names()) or "none"
+        raise InvalidArgumentError(
+            f"option {key!r} does not apply to method {cls.name!r} (it applies to "
+            f"{', '.join(takers)}; {cls.name}'s options: {own})")
+
+
+def method_options(method: str | MethodOptions = "ar", **overrides) -> MethodOptions:
+    """The options object for ``method`` (a name or an options object) with ``overrides``.
+
+    Args:
+      method: a method name (:data:`METHODS`) or a :class:`MethodOptions` instance.
+      **overrides: option values; ``None`` values are ignored (they mean "default").
+    Returns:
+      A validated, frozen options object.
+    Raises:
+      InvalidArgumentError: an unknown method, an option the method does not take, or an
+        invalid value (the message names the option and the method).
+    """
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(method, MethodOptions):
+        return method.replace(**overrides) if overrides else method
+    if not isinstance(method, str) or method not in METHODS:
+        raise InvalidArgumentError(f"unknown method {method!r}; expected one of "
+                                   f"{', '.join(METHODS)}")
+    cls = METHODS[method]
+    _check_names(cls, overrides)
+    return cls(**overrides)
+
+
+def default_value(method: str, option: str):
+    """The default of ``option`` for ``method`` (``None`` if the method lacks it)."""
+    for field in dataclasses.fields(METHODS[method]):
+        if field.name == option:
+            return field.default
+    return None
+
+
+def describe_defaults(option: str) -> str:
+    """``"tree 16, staged 6"``: the option's default per method that takes it."""
+    values = {}
+    for method in methods_taking(option):
+        value = default_value(method, option)
+        values[method] = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    if len(set(values.values())) == 1:
+        return next(iter(values.values()))
+    return "; ".join(f"{method} {value}" for method, value in values.items())
+
+
+def fixed_topology_shape(parents) -> tuple[int, int]:
+    """(depth, width) of a fixed parents list (see :func:`specjax.tree.measure_topology`)."""
+    return measure_topology(np.asarray(parents, np.int32))

@@ -1,0 +1,129 @@
+"""The method layer: options objects own defaults and validation; names and objects are
+interchangeable; the API and the CLI agree on the default method."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+import specjax
+from specjax import api, cli, loading
+from specjax.errors import InvalidArgumentError
+from specjax.methods import (METHODS, NgramOptions, SpecOptions, StagedOptions, TreeOptions,
+                             build, method_options)
+from specjax.methods.flags import add_method_arguments, method_from_args
+from specjax.methods.options import all_option_fields, describe_defaults
+
+from conftest import random_prompt
+
+
+def test_every_method_has_an_options_class_with_validated_defaults():
+    assert set(METHODS) == {"ar", "spec", "tree", "ngram", "staged"}
+    for name, cls in METHODS.items():
+        options = cls()
+        assert options.name == name
+        assert method_options(name) == options
+        assert options.to_dict()["method"] == name
+
+
+@pytest.mark.parametrize("method, changes, fragment", [
+    ("tree", dict(tree_budget=0), "tree_budget must be an integer >= 1"),
+    ("tree", dict(draft_width=True), "draft_width must be an integer"),
+    ("spec", dict(draft_depth=-1), "draft_depth"),
+    ("spec", dict(verify="bogus"), "unknown verify rule"),
+    ("staged", dict(proposal=()), "proposal"),
+    ("staged", dict(proposal=(2, 0)), "proposal"),
+    ("staged", dict(stage2_prior=(1.0, 0.0)), "stage2_prior"),
+    ("staged", dict(stage2_prior=(0.5,)), "stage2_prior"),
+    ("staged", dict(tree_budget=500), "exceeds the"),
+    ("ngram", dict(use_lookup="yes"), "use_lookup"),
+    ("tree", dict(topology="binary"), "topology"),
+    ("tree", dict(topology=(0, 1)), "parent"),
+    ("spec", dict(tree_budget=4), "'tree_budget' does not apply to method 'spec'"),
+    ("ar", dict(verify="coupled"), "'verify' does not apply to method 'ar'"),
+    ("ngram", dict(draft_rounds=2), "does not apply to method 'ngram'"),
+    ("staged", dict(beam_width=2), "unknown option 'beam_width'"),
+    ("beam", {}, "unknown method"),
+])
+def test_invalid_options_are_rejected_naming_the_option(method, changes, fragment):
+    with pytest.raises(InvalidArgumentError, match=fragment):
+        method_options(method, **changes)
+
+
+def test_options_are_frozen_hashable_and_normalised():
+    options = StagedOptions(proposal=[3, 1], stage2_prior=[0, 0])
+    assert options.proposal == (3, 1) and options.stage2_prior == (0.0, 0.0)
+    assert hash(options) == hash(StagedOptions(proposal=(3, 1), stage2_prior=(0.0, 0.0)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.tree_budget = 3
+    assert options.replace(tree_budget=4).tree_budget == 4
+    with pytest.raises(InvalidArgumentError, match="draft_depth"):
+        options.replace(draft_depth=2)
+
+
+def test_an_options_object_and_a_name_with_keywords_are_one_method(spec_target):
+    assert method_options("staged", tree_budget=8) == StagedOptions(tree_budget=8)
+    assert method_options(StagedOptions(tree_budget=8), draft_rounds=2) == StagedOptions(
+        tree_budget=8, draft_rounds=2)
+    assert method_options("tree", topology="kary").fixed_parents is not None
+    # The static method object is built from the options: one source of truth.
+    assert build(SpecOptions(draft_depth=3), spec_target.config).shape.budget == 4
+    assert build(StagedOptions(tree_budget=5), spec_target.config).budget == 5
+
+
+def test_generate_takes_an_options_object_or_a_name(spec_target, spec_drafts):
+    prompt = random_prompt(5, 9)
+    draft = spec_drafts["weak"]
+    by_object = specjax.generate(spec_target, prompt, max_new_tokens=12, draft=draft,
+                                 method=TreeOptions(tree_budget=6, draft_width=2))
+    by_name = specjax.generate(spec_target, prompt, max_new_tokens=12, draft=draft,
+                               method="tree", tree_budget=6, draft_width=2)
+    reference = specjax.generate(spec_target, prompt, max_new_tokens=12, method="ar")
+    assert by_object.tokens == by_name.tokens == reference.tokens
+    assert by_object.stats["options"] == by_name.stats["options"] == dict(
+        TreeOptions(tree_budget=6, draft_width=2).to_dict())
+
+
+def test_generate_rejects_an_option_the_method_does_not_take(spec_target):
+    with pytest.raises(InvalidArgumentError, match="'draft_rounds' does not apply to "
+                                                   "method 'tree'"):
+        specjax.generate(spec_target, [1, 2], max_new_tokens=2, method="tree", draft_rounds=2)
+    with pytest.raises(InvalidArgumentError, match="takes no draft"):
+        specjax.generate(spec_target, [1, 2], max_new_tokens=2, method="ngram",
+                         draft=spec_target)
+
+
+def test_stream_generate_has_generate_s_defaults_and_rejects_unknown_arguments(spec_target):
+    prompt = random_prompt(6, 5)
+    streamed = [t for new, stats in specjax.stream_generate(spec_target, prompt) for t in new]
+    assert streamed == specjax.generate(spec_target, prompt).tokens
+    with pytest.raises(InvalidArgumentError, match="unexpected keyword argument 'temprature'"):
+        next(specjax.stream_generate(spec_target, prompt, temprature=1.0))
+
+
+def test_cli_flags_come_from_the_options_classes():
+    parser = argparse.ArgumentParser()
+    add_method_arguments(parser)
+    helps = {a.dest: a.help for a in parser._actions}
+    for name, field in all_option_fields().items():
+        assert field.metadata.get("flag_help", field.metadata["help"]) in helps[name]
+    assert describe_defaults("tree_budget") in helps["tree_budget"]
+    args = parser.parse_args(["--tree-budget", "8", "--proposal", "3,1", "--no-lookup"])
+    options = method_from_args(args, "staged")
+    assert options == StagedOptions(tree_budget=8, proposal=(3, 1), use_lookup=False)
+    with pytest.raises(InvalidArgumentError, match="--tree-budget does not apply to method "
+                                                   "'ngram'"):
+        method_from_args(args, "ngram")
+    assert method_from_args(parser.parse_args([]), "ngram") == NgramOptions()
+
+
+def test_api_and_cli_default_to_the_same_method(spec_target, smollm2, tmp_path):
+    assert api.resolve_method(spec_target).name == "ar"  # no shipped assets
+    assert api.resolve_method(smollm2).name == "staged"
+    args = cli.build_parser().parse_args(["generate", "x", "-m", "smollm2-135m"])
+    assert cli.check_generate_args(args)[0] == api.resolve_method(smollm2)
+    # A model without shipped assets: ar for both (the CLI decides without loading it).
+    broken = tmp_path / "model"
+    broken.mkdir()
+    args = cli.build_parser().parse_args(["generate", "x", "-m", str(broken)])
+    assert cli.check_generate_args(args)[0] == api.resolve_method(spec_target)
