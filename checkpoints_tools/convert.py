@@ -30,9 +30,9 @@ import numpy as np
 import specjax
 from specjax import interrupts, progress as progress_lib
 from specjax.checkpoints_tools.hf import as_numpy_dtype
-from specjax.checkpoints_tools.orbax_io import CONFIG_FILE, read_origin, save_orbax
-from specjax.checkpoints_tools.sources import KNOWN_MODELS, known_model_path, resolve_and_load
-from specjax.errors import InvalidArgumentError, ModelNotFoundError
+from specjax.checkpoints_tools.orbax_io import save_orbax
+from specjax.checkpoints_tools.sources import known_origin, resolve_and_load
+from specjax.errors import InvalidArgumentError
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype=None, progress: bool = True,
@@ -95,28 +95,10 @@ def conversion_origin(src: str | os.PathLike, params: dict) -> dict[str, Any]:
     dtypes = sorted({str(np.asarray(leaf).dtype) for leaf in jax.tree_util.tree_leaves(params)})
     origin: dict[str, Any] = {"source": os.fspath(src), "dtype": ",".join(dtypes),
                               "converted_by": f"specjax {specjax.__version__}"}
-    known = _known_model(os.fspath(src))
+    known = known_origin(src)
     if known is not None:
         origin["known_model"] = known
     return origin
-
-
-def _known_model(text: str) -> str | None:
-    """The known model that the source ``text`` names, is the file of, or was made from."""
-    path = Path(text).expanduser()
-    if not path.exists():  # resolve_and_load: an existing path wins over a name
-        return text if text in KNOWN_MODELS else None
-    if path.is_dir():
-        origin = read_origin(path) if (path / CONFIG_FILE).is_file() else None
-        name = (origin or {}).get("known_model")
-        return name if name in KNOWN_MODELS else None
-    for name in KNOWN_MODELS:
-        try:
-            if path.resolve() == known_model_path(name).resolve():
-                return name
-        except ModelNotFoundError:  # its package is not installed: src cannot be its file
-            continue
-    return None
 
 
 def _move_into_place(staging: Path, dst: Path, overwrite: bool,

@@ -28,6 +28,7 @@ from safetensors.numpy import load_file, save_file
 
 import specjax
 from specjax.checkpoints_tools import orbax_io
+from specjax.checkpoints_tools.assets import check_draft_asset
 from specjax.checkpoints_tools.gguf_loader import load_gguf
 from specjax.checkpoints_tools.hf import (as_numpy_dtype, hub_snapshot, load_hf_directory,
                                           load_hf_tokenizer)
@@ -262,14 +263,9 @@ def load_bundled_draft(model: Model, directory: str | os.PathLike | None = None)
         tensors = load_file(str(directory / DRAFT_TENSORS))
     except Exception as error:  # json / safetensors errors on a damaged asset
         raise CheckpointError(f"{directory}: damaged draft asset ({error})") from error
-    if not isinstance(record, dict):
-        raise CheckpointError(f"{directory / DRAFT_CONFIG}: expected a JSON object")
+    check_draft_asset(directory, record, tensors, model.config)
     _check_fingerprint(model, record, directory)
-    try:
-        config = dataclasses.replace(model.config, num_layers=int(record["num_layers"]))
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(f"{directory / DRAFT_CONFIG}: invalid num_layers "
-                              f"({error})") from error
+    config = dataclasses.replace(model.config, num_layers=int(record["num_layers"]))
     dtype = np.asarray(model.params["embed"][:1]).dtype
     head_tokens = tensors.pop(HEAD_TOKENS, None)
     own = _unflatten({k: v.astype(dtype) for k, v in tensors.items()})
@@ -277,11 +273,7 @@ def load_bundled_draft(model: Model, directory: str | os.PathLike | None = None)
     if "lm_head" in model.params:
         params["lm_head"] = model.params["lm_head"]
     name = f"{model.assets}-draft" if model.assets else f"{model.name}-draft"
-    try:
-        draft = Model.from_params(config, params, model.tokenizer, name=name)
-    except CheckpointError as error:
-        raise CheckpointError(f"{directory}: draft asset does not fit {model.name!r} "
-                              f"({error})") from error
+    draft = Model.from_params(config, params, model.tokenizer, name=name)
     return draft if head_tokens is None else draft.with_head_subset(head_tokens)
 
 
