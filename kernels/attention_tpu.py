@@ -7,27 +7,38 @@ in :mod:`specjax.kernels.layout`.
 Two ``pallas_call`` invocations, both with TPU-legal blocks (the last two block dims equal the
 array's or are multiples of (8, 128)):
 
-1. ``_split_kernel``, grid ``(splits, steps)`` with semantics (parallel, arbitrary): the
-   committed slots are cut into ``splits`` runs of whole ``block_kv`` blocks, sized from
-   the *traced* length (scalar-prefetched into SMEM). Step ``i`` of split ``j`` reads the
-   cache block ``[block_kv, K, D]`` (every KV head at once, so the cache is read in place
-   in its ``[S, K, D]`` layout, once); the index map clamps the block index to the run's
-   last valid block, so steps past ``length`` fetch nothing new and ``pl.when`` skips their
-   compute. For each KV head it updates an online softmax (VMEM scratch) for all of that
-   head's query rows (group heads x tree nodes in one tile) and writes the unnormalised
-   ``(acc, m, l)`` at the split's last step; ``m`` and ``l`` are kept broadcast over 128
-   lanes, the layout Mosaic handles best.
-2. ``_combine_kernel``, grid ``(K,)``: scores the tail under its mask, merges the splits'
-   partials and writes the normalised output in the query dtype.
+1. ``_split_kernel``, grid ``(row_tiles, splits, steps)`` with semantics (parallel, parallel,
+   arbitrary): the committed slots are cut into ``splits`` runs of whole ``block_kv`` blocks,
+   sized from the *traced* length (scalar-prefetched into SMEM). Step ``i`` of split ``j``
+   reads the cache block ``[block_kv, K, D]`` (every KV head at once, so the cache is read
+   in place in its ``[S, K, D]`` layout; the head is picked by a static index inside the
+   kernel, never by a dynamic one, which Mosaic cannot prove aligned for bfloat16); the
+   index map clamps the block index to the run's last valid block, so steps past
+   ``length`` fetch nothing new and ``pl.when`` skips their compute. For each KV head it
+   updates an online softmax for one tile of that head's query rows (group heads x tree
+   nodes), accumulating straight into the split's output block ``(acc, m, l)``, which
+   stays in VMEM across the steps; ``m`` and ``l`` are kept broadcast over 128 lanes, the
+   layout Mosaic handles best.
+2. ``_combine_kernel``, grid ``(K, row_tiles)``: scores the tail under its mask, merges the
+   splits' partials and writes the normalised output in the query dtype.
+
+VMEM: the query rows are tiled so that both kernels' estimated VMEM (:func:`vmem_plan`,
+from the block sizes, counting double buffering and the (8, 128) tile padding) stays
+under :data:`VMEM_BUDGET`, which fits the smallest VMEM of the generations we compile for
+(TPU v4: 16 MiB per core; v5e/v6e: 128 MiB; v5p/v7x: 64 MiB). One tile holds all of a
+head's rows unless the tree is large and the group wide (e.g. 128 nodes x 8 query heads per
+KV head with head_dim 128); each further tile reads the committed cache once more.
+``tests/test_tpu_compile.py`` compiles both kernels for real TPU targets and checks the
+estimate against the VMEM the compiler allocates.
 
 Float32 inputs use ``Precision.HIGHEST`` dots; bf16 inputs use the MXU with float32
 accumulation. Softmax and accumulators are float32.
 
 Interpret mode: ``interpret=True`` runs the kernels in the TPU interpreter
 (``pltpu.InterpretParams``: memory spaces, DMAs and grid semantics simulated on the CPU,
-uninitialised buffers filled with NaN), which is how the CPU tests check this kernel.
-This kernel has been checked in that interpreter only; a real TPU compiles the Mosaic
-code further (vector layouts), which no machine of this project could run yet.
+uninitialised buffers filled with NaN), which is how the CPU tests check the numerics.
+Compiled for TPU v4, v5e and v6e in the test suite (Mosaic and XLA run to the end, no
+device needed); not yet run or timed on TPU hardware.
 """
 
 from __future__ import annotations
@@ -49,7 +60,16 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 KERNEL_NAME = "TPU verify-attention kernel"
 LANES = 128
-VMEM_BUDGET = 48 * 2**20  # the most this kernel asks for (v7x has 64 MiB per core)
+MiB = 2**20
+# Each kernel's estimated VMEM stays under this, so that it fits TPU v4's 16 MiB per core
+# with room for Mosaic's internal scratch; the scoped limit asked of the compiler is v4's
+# whole VMEM (every later generation has more).
+VMEM_BUDGET = 12 * MiB
+VMEM_LIMIT = 16 * MiB
+# Score-sized float32 temporaries ([rows, keys]) live at once in a head's update: scores,
+# probabilities, their exponentials and masks, and what the compiler spills of them.
+_SCORE_TEMPORARIES = 8
+_INTERNAL_SCRATCH = 64 * 1024  # Mosaic's own scratch per kernel (36 KiB in its reports)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,21 +77,142 @@ class TpuBlockSizes:
     """Static tiling of :func:`verify_attention_tpu`.
 
     Attributes:
-      block_kv: cache slots per grid step, a multiple of 128.
+      block_kv: cache slots per grid step, a multiple of 128; ``None``: 256, or 128 where
+        that saves a row tile (many KV heads: the block holds all of them).
       num_splits: KV splits run in parallel (2 feeds both TensorCores of a megacore chip).
-      vmem_limit_bytes: scoped VMEM limit; ``None``: twice the estimate, at least 32 MiB.
+      block_rows: query rows (tree nodes x query heads of one KV head) per tile, a multiple
+        of the dtype's sublane tile (8 for float32, 16 for bfloat16); ``None``: the most
+        that fit :data:`VMEM_BUDGET`.
+      vmem_limit_bytes: scoped VMEM limit; ``None``: :data:`VMEM_LIMIT`.
     """
 
-    block_kv: int = 256
+    block_kv: int | None = None
     num_splits: int = 2
+    block_rows: int | None = None
     vmem_limit_bytes: int | None = None
 
     def check(self) -> None:
-        if self.block_kv < LANES or self.block_kv % LANES:
+        if self.block_kv is not None and (self.block_kv < LANES or self.block_kv % LANES):
             raise InvalidArgumentError(
                 f"{KERNEL_NAME}: block_kv={self.block_kv} must be a positive multiple of {LANES}")
         if self.num_splits < 1:
             raise InvalidArgumentError(f"{KERNEL_NAME}: num_splits={self.num_splits} must be >= 1")
+        if self.block_rows is not None and (self.block_rows < 8 or self.block_rows % 8):
+            raise InvalidArgumentError(
+                f"{KERNEL_NAME}: block_rows={self.block_rows} must be a positive multiple of 8")
+
+
+@dataclasses.dataclass(frozen=True)
+class VmemPlan:
+    """Tiling and estimated VMEM of one call (see :func:`vmem_plan`).
+
+    Attributes:
+      block_kv: cache slots per step; block_rows: query rows per tile; row_tiles: tiles per
+        KV head; tail: tail keys after padding (P).
+      split_bytes: estimated VMEM of the split kernel (0 without a cache).
+      combine_bytes: estimated VMEM of the combine kernel.
+    """
+
+    block_kv: int
+    block_rows: int
+    row_tiles: int
+    tail: int
+    split_bytes: int
+    combine_bytes: int
+
+    @property
+    def rows(self) -> int:
+        """R, query rows per KV head after padding."""
+        return self.block_rows * self.row_tiles
+
+    @property
+    def estimate(self) -> int:
+        return max(self.split_bytes, self.combine_bytes)
+
+
+def _split_vmem(block_rows, num_kv_heads, head_dim, block_kv, itemsize) -> int:
+    """Bytes of VMEM the split kernel needs for a tile of ``block_rows`` rows."""
+    lanes = layout.round_up(head_dim, LANES)  # head_dim 64 still fills 128 lanes
+    kv_sublanes = layout.round_up(num_kv_heads, 32 // itemsize)  # K tiles [block_kv, K, D]
+    windows = (num_kv_heads * block_rows * lanes * itemsize  # queries
+               + 2 * block_kv * kv_sublanes * lanes * itemsize  # k, v
+               + num_kv_heads * block_rows * (lanes + 2 * LANES) * 4)  # acc, m, l
+    # The heads' loop is unrolled and the compiler keeps each head's strided K load live
+    # ([block_kv, D] apiece; its VMEM report shows them as spills).
+    temporaries = (_SCORE_TEMPORARIES * block_rows * block_kv * 4
+                   + num_kv_heads * block_kv * lanes * 4)
+    return 2 * windows + temporaries + _INTERNAL_SCRATCH  # windows are double-buffered
+
+
+def _combine_vmem(block_rows, head_dim, tail, num_splits, itemsize) -> int:
+    """Bytes of VMEM the combine kernel needs for a tile of ``block_rows`` rows."""
+    lanes = layout.round_up(head_dim, LANES)
+    windows = (2 * block_rows * lanes * itemsize  # queries, output
+               + 2 * tail * lanes * itemsize  # tail keys, values
+               + block_rows * tail * 4  # tail mask (int32)
+               + num_splits * block_rows * (lanes + 2 * LANES) * 4)  # partials
+    temporaries = _SCORE_TEMPORARIES * block_rows * tail * 4 + block_rows * lanes * 4
+    return 2 * windows + temporaries + _INTERNAL_SCRATCH
+
+
+def vmem_plan(q, k_new, scratch_mask, has_cache: bool,
+              block_sizes: TpuBlockSizes | None = None) -> VmemPlan:
+    """Tiling and VMEM estimate for these shapes (arrays or ``ShapeDtypeStruct``).
+
+    Among the allowed ``block_kv`` values, takes the one needing the fewest row tiles (each
+    tile reads the cache again), then the largest; each tile's rows are the most that keep
+    both kernels' estimates under :data:`VMEM_BUDGET`.
+
+    Raises:
+      InvalidArgumentError: not even one sublane tile of rows fits the budget.
+    """
+    block_sizes = block_sizes or TpuBlockSizes()
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    itemsize = jnp.dtype(q.dtype).itemsize
+    sublanes = 32 // itemsize  # row tile of the query/output blocks: 8 f32, 16 bf16
+    needed = layout.round_up(num_tokens * (num_heads // num_kv_heads), sublanes)
+    tail = layout.round_up(layout.tail_width(num_tokens, scratch_mask, has_cache), LANES)
+    splits = block_sizes.num_splits if has_cache else 0
+    if block_sizes.block_rows is not None and block_sizes.block_rows % sublanes:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: block_rows={block_sizes.block_rows} must be a multiple of "
+            f"{sublanes} for {jnp.dtype(q.dtype).name}")
+
+    def bytes_for(block_kv, rows):
+        split = (_split_vmem(rows, num_kv_heads, head_dim, block_kv, itemsize)
+                 if has_cache else 0)
+        return split, _combine_vmem(rows, head_dim, tail, splits, itemsize)
+
+    def plan_for(block_kv):
+        if block_sizes.block_rows is not None:
+            largest = block_sizes.block_rows
+        else:
+            # Both estimates grow linearly in the rows: the largest tile that fits.
+            largest = needed
+            for base, step in zip(bytes_for(block_kv, 0), bytes_for(block_kv, sublanes)):
+                if step > base:
+                    largest = min(largest,
+                                  max(VMEM_BUDGET - base, 0) // (step - base) * sublanes)
+        largest = min(largest, needed)
+        if largest < sublanes:
+            return None
+        row_tiles = -(-needed // largest)
+        block_rows = layout.round_up(-(-needed // row_tiles), sublanes)  # least padding
+        return VmemPlan(block_kv, block_rows, row_tiles, tail, *bytes_for(block_kv, block_rows))
+
+    choices = (block_sizes.block_kv,) if block_sizes.block_kv else (256, LANES)
+    plans = [p for p in map(plan_for, choices) if p is not None and p.estimate <= VMEM_BUDGET]
+    if not plans:
+        smallest = plan_for(choices[-1]) or VmemPlan(choices[-1], sublanes, 1, tail,
+                                                     *bytes_for(choices[-1], sublanes))
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: {num_kv_heads} KV heads x head_dim {head_dim} "
+            f"({jnp.dtype(q.dtype).name}) with block_kv={choices[-1]} and "
+            f"{smallest.block_rows} query rows per tile need ~{smallest.estimate / MiB:.1f} "
+            f"MiB of VMEM (budget {VMEM_BUDGET // MiB} MiB); use a smaller block_kv or "
+            "block_rows")
+    return min(plans, key=lambda p: (p.row_tiles, -p.block_kv))
 
 
 def _dot(a, b, *, contract_b: int):
@@ -88,7 +229,7 @@ def _run(length, num_splits: int, block_kv: int):
 
 
 def _kv_index_map(num_splits: int, block_kv: int):
-    def index_map(split, step, length_ref):
+    def index_map(tile, split, step, length_ref):
         per_split, num_blocks = _run(length_ref[0], num_splits, block_kv)
         block = split * per_split + jnp.minimum(step, jnp.maximum(per_split - 1, 0))
         # Past the run's end the index repeats, so the pipeline fetches nothing new.
@@ -97,65 +238,61 @@ def _kv_index_map(num_splits: int, block_kv: int):
     return index_map
 
 
-def _split_kernel(length_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, acc_scratch,
-                  m_scratch, l_scratch, *, block_kv: int, num_splits: int, scale: float):
-    """Online softmax of every query row over one split of the committed slots.
+def _split_kernel(length_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_kv: int,
+                  num_splits: int, scale: float):
+    """Online softmax of one tile of query rows over one split of the committed slots.
 
-    Refs: length_ref int32 [1] (SMEM); q_ref [K, R, D]; k_ref, v_ref [block_kv, K, D];
-    outputs acc_ref [K, R, D], m_ref, l_ref [K, R, 128]; scratch of the same shapes.
+    Refs: length_ref int32 [1] (SMEM); q_ref [K, rows, D]; k_ref, v_ref [block_kv, K, D];
+    outputs (resident across the steps, so they are the running state) acc_ref [K, rows, D],
+    m_ref, l_ref [K, rows, 128].
     """
-    split, step = pl.program_id(0), pl.program_id(1)
+    split, step = pl.program_id(1), pl.program_id(2)
     length = length_ref[0]
     per_split, num_blocks = _run(length, num_splits, block_kv)
     block = split * per_split + step
-    num_kv_heads, rows, _ = q_ref.shape
+    num_kv_heads = q_ref.shape[0]
 
     @pl.when(step == 0)
     def _init():
-        acc_scratch[...] = jnp.zeros(acc_scratch.shape, jnp.float32)
-        m_scratch[...] = jnp.full(m_scratch.shape, layout.MASK_VALUE, jnp.float32)
-        l_scratch[...] = jnp.zeros(l_scratch.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
     @pl.when((step < per_split) & (block < num_blocks))
     def _accumulate():
         start = block * block_kv
         slots_by_column = start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         slots_by_row = start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
-        for head in range(num_kv_heads):
+        for head in range(num_kv_heads):  # static index: a strided load Mosaic can align
             k = k_ref[:, head, :]  # [block_kv, D]
             # Slots past the cache's end hold whatever the edge block's padding holds.
             v = jnp.where(slots_by_row < length, v_ref[:, head, :], 0)
-            s = _dot(q_ref[head], k, contract_b=1) * scale  # [R, block_kv]
+            s = _dot(q_ref[head], k, contract_b=1) * scale  # [rows, block_kv]
             s = jnp.where(slots_by_column < length, s, layout.MASK_VALUE)
-            m_prev = m_scratch[head]  # [R, 128], all lanes equal
+            m_prev = m_ref[head]  # [rows, 128], all lanes equal
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             correction = jnp.exp(m_prev - m_next)
             p = jnp.exp(s - m_next[:, :1])
-            l_scratch[head] = correction * l_scratch[head] + jnp.sum(p, axis=1, keepdims=True)
-            m_scratch[head] = m_next
-            acc_scratch[head] = (correction[:, :1] * acc_scratch[head]
-                                 + _dot(p.astype(v.dtype), v, contract_b=0))
-
-    @pl.when(step == pl.num_programs(1) - 1)
-    def _write():
-        acc_ref[...] = acc_scratch[...]
-        m_ref[...] = m_scratch[...]
-        l_ref[...] = l_scratch[...]
+            l_ref[head] = correction * l_ref[head] + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[head] = m_next
+            acc_ref[head] = (correction[:, :1] * acc_ref[head]
+                             + _dot(p.astype(v.dtype), v, contract_b=0))
 
 
 def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: float,
                     num_splits: int):
-    """Tail attention merged with the splits' partials, for one KV head.
+    """Tail attention merged with the splits' partials, for one KV head and row tile.
 
-    Refs: q_ref [R, D]; tail_k_ref, tail_v_ref [P, D]; tail_mask_ref int32 [R, P]; then
-    (with a cache) acc_ref [splits, R, D], m_ref, l_ref [splits, R, 128]; o_ref [R, D].
+    Refs: q_ref [rows, D]; tail_k_ref, tail_v_ref [P, D]; tail_mask_ref int32 [rows, P];
+    then (with a cache) acc_ref [splits, rows, D], m_ref, l_ref [splits, rows, 128];
+    o_ref [rows, D].
     """
     *partials, o_ref = refs
     tail_v = tail_v_ref[...]
     visible = tail_mask_ref[...] != 0
-    s = _dot(q_ref[...], tail_k_ref[...], contract_b=1) * scale  # [R, P]
+    s = _dot(q_ref[...], tail_k_ref[...], contract_b=1) * scale  # [rows, P]
     s = jnp.where(visible, s, layout.MASK_VALUE)
-    m = jnp.max(s, axis=1, keepdims=True)  # [R, 1]
+    m = jnp.max(s, axis=1, keepdims=True)  # [rows, 1]
     if partials:
         acc_ref, m_ref, l_ref = partials
         for split in range(num_splits):
@@ -172,44 +309,18 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
-def _vmem_estimate(num_kv_heads, rows, head_dim, block_kv, tail, itemsize) -> int:
-    sublanes = layout.round_up(num_kv_heads, 32 // itemsize)  # K is tiled on sublanes
-    kv_blocks = 2 * 2 * block_kv * sublanes * head_dim * itemsize  # k, v; double-buffered
-    queries = 2 * num_kv_heads * rows * head_dim * itemsize
-    state = 3 * num_kv_heads * rows * (head_dim + 2 * LANES) * 4  # scratch + outputs
-    scores = 4 * rows * max(block_kv, tail) * 4
-    return kv_blocks + queries + state + scores
-
-
-def _padded_sizes(q, k_new, scratch_mask, has_cache: bool) -> tuple[int, int]:
-    """(rows, tail): R padded to the sublane tiling, M + T padded to whole lanes."""
-    num_tokens, num_heads, _ = q.shape
-    group = num_heads // k_new.shape[1]
-    rows = layout.round_up(num_tokens * group, 32 // jnp.dtype(q.dtype).itemsize)
-    tail = layout.round_up(layout.tail_width(num_tokens, scratch_mask, has_cache), LANES)
-    return rows, tail
-
-
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
                     block_sizes: TpuBlockSizes = TpuBlockSizes()) -> int:
     """Raises :class:`InvalidArgumentError` unless the kernel takes these shapes/dtypes.
 
     Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values). Returns the
-    kernel's estimated VMEM use in bytes.
+    kernel's estimated VMEM use in bytes (the larger of its two ``pallas_call``; see
+    :func:`vmem_plan`).
     """
     layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                         head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
     block_sizes.check()
-    num_kv_heads, head_dim = k_new.shape[1:]
-    rows, tail = _padded_sizes(q, k_new, scratch_mask, k_cache is not None)
-    estimate = _vmem_estimate(num_kv_heads, rows, head_dim, block_sizes.block_kv, tail,
-                              jnp.dtype(q.dtype).itemsize)
-    if estimate > VMEM_BUDGET:
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: {num_kv_heads} KV heads x {rows} query rows x head_dim {head_dim} "
-            f"need ~{estimate >> 20} MiB of VMEM (budget {VMEM_BUDGET >> 20} MiB); "
-            "use fewer tree nodes or a smaller block_kv")
-    return estimate
+    return vmem_plan(q, k_new, scratch_mask, k_cache is not None, block_sizes).estimate
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -232,14 +343,14 @@ def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
       InvalidArgumentError: shapes, head_dim, dtype or sizes the kernel cannot take.
     """
     config = block_sizes
-    estimate = check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
-                               block_sizes=config)
+    check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask, block_sizes=config)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
     has_cache = k_cache is not None
-    rows, tail = _padded_sizes(q, k_new, scratch_mask, has_cache)
-    vmem_limit = config.vmem_limit_bytes or min(max(2 * estimate, 32 * 2**20), VMEM_BUDGET)
+    plan = vmem_plan(q, k_new, scratch_mask, has_cache, config)
+    rows, block_rows, tiles, tail = plan.rows, plan.block_rows, plan.row_tiles, plan.tail
+    vmem_limit = config.vmem_limit_bytes or VMEM_LIMIT
     scale = 1.0 / math.sqrt(head_dim)
     length = jnp.asarray(0 if length is None else length, jnp.int32).reshape(1)
     interpret = pltpu.InterpretParams() if interpret else False
@@ -254,51 +365,48 @@ def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     splits = config.num_splits
     if has_cache:
         capacity = k_cache.shape[0]
-        steps = pl.cdiv(pl.cdiv(capacity, config.block_kv), splits)
-        kv_spec = pl.BlockSpec((config.block_kv, num_kv_heads, head_dim),
-                               _kv_index_map(splits, config.block_kv))
-        state_shape = (num_kv_heads, rows)
-        whole = lambda *shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
-        per_split = lambda *shape: pl.BlockSpec(  # noqa: E731
-            (None, *shape), lambda split, step, length_ref: (split,) + (0,) * len(shape))
+        block_kv = plan.block_kv
+        steps = pl.cdiv(pl.cdiv(capacity, block_kv), splits)
+        kv_spec = pl.BlockSpec((block_kv, num_kv_heads, head_dim),
+                               _kv_index_map(splits, block_kv))
+        query_spec = pl.BlockSpec((num_kv_heads, block_rows, head_dim),
+                                  lambda tile, split, step, length_ref: (0, tile, 0))
+        state_spec = lambda width: pl.BlockSpec(  # noqa: E731
+            (None, num_kv_heads, block_rows, width),
+            lambda tile, split, step, length_ref: (split, 0, tile, 0))
+        state_shape = lambda width: jax.ShapeDtypeStruct(  # noqa: E731
+            (splits, num_kv_heads, rows, width), jnp.float32)
         partials = pl.pallas_call(
-            functools.partial(_split_kernel, block_kv=config.block_kv, num_splits=splits,
+            functools.partial(_split_kernel, block_kv=block_kv, num_splits=splits,
                               scale=scale),
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=1,
-                grid=(splits, steps),
-                in_specs=[whole(num_kv_heads, rows, head_dim), kv_spec, kv_spec],
-                out_specs=[per_split(*state_shape, head_dim), per_split(*state_shape, LANES),
-                           per_split(*state_shape, LANES)],
-                scratch_shapes=[pltpu.VMEM((*state_shape, head_dim), jnp.float32),
-                                pltpu.VMEM((*state_shape, LANES), jnp.float32),
-                                pltpu.VMEM((*state_shape, LANES), jnp.float32)],
+                grid=(tiles, splits, steps),
+                in_specs=[query_spec, kv_spec, kv_spec],
+                out_specs=[state_spec(head_dim), state_spec(LANES), state_spec(LANES)],
             ),
-            out_shape=[
-                jax.ShapeDtypeStruct((splits, *state_shape, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((splits, *state_shape, LANES), jnp.float32),
-                jax.ShapeDtypeStruct((splits, *state_shape, LANES), jnp.float32),
-            ],
+            out_shape=[state_shape(head_dim), state_shape(LANES), state_shape(LANES)],
             compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit),
+                dimension_semantics=("parallel", "parallel", "arbitrary"),
+                vmem_limit_bytes=vmem_limit),
             interpret=interpret,
             name="verify_attention_tpu_split",
         )(length, queries, k_cache, v_cache)
-        partial_specs = [
-            pl.BlockSpec((splits, None, rows, head_dim), lambda h: (0, h, 0, 0)),
-            pl.BlockSpec((splits, None, rows, LANES), lambda h: (0, h, 0, 0)),
-            pl.BlockSpec((splits, None, rows, LANES), lambda h: (0, h, 0, 0)),
-        ]
+        partial_spec = lambda width: pl.BlockSpec(  # noqa: E731
+            (splits, None, block_rows, width), lambda head, tile: (0, head, tile, 0))
+        partial_specs = [partial_spec(head_dim), partial_spec(LANES), partial_spec(LANES)]
 
-    head_spec = lambda *shape: pl.BlockSpec((None, *shape), lambda h: (h, 0, 0))  # noqa: E731
+    rows_spec = pl.BlockSpec((None, block_rows, head_dim), lambda head, tile: (head, tile, 0))
+    tail_spec = pl.BlockSpec((None, tail, head_dim), lambda head, tile: (head, 0, 0))
     out = pl.pallas_call(
         functools.partial(_combine_kernel, scale=scale, num_splits=splits if has_cache else 0),
-        grid=(num_kv_heads,),
-        in_specs=[head_spec(rows, head_dim), head_spec(tail, head_dim), head_spec(tail, head_dim),
-                  pl.BlockSpec((rows, tail), lambda h: (0, 0)), *partial_specs],
-        out_specs=head_spec(rows, head_dim),
+        grid=(num_kv_heads, tiles),
+        in_specs=[rows_spec, tail_spec, tail_spec,
+                  pl.BlockSpec((block_rows, tail), lambda head, tile: (tile, 0)),
+                  *partial_specs],
+        out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, rows, head_dim), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name="verify_attention_tpu_combine",
