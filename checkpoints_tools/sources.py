@@ -28,10 +28,12 @@ from safetensors.numpy import load_file, save_file
 
 import specjax
 from specjax.checkpoints_tools import orbax_io
-from specjax.checkpoints_tools.assets import check_draft_asset
+from specjax.checkpoints_tools.assets import (DRAFT_CONFIG, DRAFT_TENSORS, HEAD_TOKENS,
+                                              check_draft_asset)
 from specjax.checkpoints_tools.gguf_loader import load_gguf
-from specjax.checkpoints_tools.hf import (as_numpy_dtype, hub_snapshot, load_hf_directory,
-                                          load_hf_tokenizer)
+from specjax.checkpoints_tools.hf import (as_numpy_dtype, check_safetensors_header,
+                                          hub_snapshot, load_hf_directory, load_hf_tokenizer,
+                                          one_line, read_json_object)
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 from specjax.model import Model
@@ -178,9 +180,6 @@ def known_origin(name_or_path: str | os.PathLike) -> str | None:
 
 # ----------------------------------------------------------------------------- shipped drafts
 
-DRAFT_TENSORS = "draft.safetensors"
-DRAFT_CONFIG = "draft.json"
-HEAD_TOKENS = "head_tokens"
 
 
 FINGERPRINT_DTYPES = ("float32", "bfloat16", "float16")
@@ -258,11 +257,13 @@ def load_bundled_draft(model: Model, directory: str | os.PathLike | None = None)
     directory = Path(directory)
     if not (directory / DRAFT_TENSORS).is_file():
         raise ModelNotFoundError(f"{directory}: not a draft asset ({DRAFT_TENSORS} is missing)")
+    record = read_json_object(directory / DRAFT_CONFIG)
+    check_safetensors_header(directory / DRAFT_TENSORS)
     try:
-        record = json.loads((directory / DRAFT_CONFIG).read_text())
         tensors = load_file(str(directory / DRAFT_TENSORS))
-    except Exception as error:  # json / safetensors errors on a damaged asset
-        raise CheckpointError(f"{directory}: damaged draft asset ({error})") from error
+    except Exception as error:  # safetensors errors on a damaged data section
+        raise CheckpointError(f"{directory / DRAFT_TENSORS}: damaged draft asset "
+                              f"({one_line(error)})") from error
     check_draft_asset(directory, record, tensors, model.config)
     _check_fingerprint(model, record, directory)
     config = dataclasses.replace(model.config, num_layers=int(record["num_layers"]))

@@ -18,6 +18,7 @@ import time
 from typing import Any, Iterator, Sequence
 
 import jax.numpy as jnp
+import jinja2
 import numpy as np
 
 from specjax import decode, methods
@@ -62,8 +63,14 @@ def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False)
         if chat:
             if not getattr(model.tokenizer, "chat_template", None):
                 raise InvalidArgumentError(f"model {model.name!r} has no chat template")
-            ids = model.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+            try:
+                ids = model.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                    tokenize=True)
+            except jinja2.TemplateError as error:  # a sandbox refusal or a broken template
+                message = " ".join(str(error).split())
+                raise InvalidArgumentError(f"model {model.name!r}: its chat template "
+                                           f"failed ({message})") from None
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
         else:

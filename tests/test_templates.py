@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import fnmatch
 import json
 import os
@@ -23,10 +24,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import jinja2
 import pytest
 
+import specjax
+
 from specjax.checkpoints_tools.gguf_loader import load_gguf, read_gguf
 from specjax.checkpoints_tools.hf import (HUB_PATTERNS, check_chat_template, load_hf_directory,
                                           load_hf_tokenizer)
-from specjax.errors import CheckpointError
+from specjax.errors import CheckpointError, InvalidArgumentError
+
+from conftest import tiny_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 CANARY = "specjax-template-canary"
@@ -149,6 +154,12 @@ def test_names_built_at_run_time_are_refused_by_the_sandbox(tmp_path):
     tokenizer = load_hf_tokenizer(directory)
     with pytest.raises(jinja2.exceptions.SecurityError) as info:
         tokenizer.apply_chat_template([{"role": "user", "content": "a"}], tokenize=False)
+    assert "\n" not in str(info.value)
+    # Through the API, the refusal is specjax's one-line error naming the model.
+    model = dataclasses.replace(tiny_pair("llama-gqa")[1], tokenizer=tokenizer, name="hostile")
+    with pytest.raises(InvalidArgumentError, match="'hostile': its chat template failed") \
+            as info:
+        specjax.generate(model, "hi", chat=True, max_new_tokens=1)
     assert "\n" not in str(info.value)
 
 
