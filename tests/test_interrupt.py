@@ -227,6 +227,40 @@ def leftovers(directory: Path) -> list[str]:
                   if p.name.startswith(".") or "tmp" in p.name or "partial" in p.name)
 
 
+# ----------------------------------------------------------------------------- start-up
+
+STARTUP_DELAYS = (0.0, 0.05, 0.2, 0.5)
+
+
+def importing_jaxlib(pid: int) -> bool:
+    """The process is loading jaxlib's extension (``specjax.launch`` is then in charge:
+    only Python's own start-up, before any program code runs, comes earlier)."""
+    try:
+        return "jaxlib" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_ctrl_c_while_the_command_imports_jax_is_one_line(models, tmp_path):
+    """Ctrl-C while Python imports jax and specjax (a second or two): one line and status
+    130, never a traceback, an ImportError or a crash."""
+    outcomes = []
+    for i, delay in enumerate(STARTUP_DELAYS):
+        parent = tmp_path / f"run{i}"
+        parent.mkdir()
+        status, out, err, sent = interrupt_when(
+            ["convert", str(models["small"]), str(parent / "dst")], importing_jaxlib, delay)
+        where = f"+{delay}s: status {status}, stderr {err!r}"
+        if status == 0:
+            assert sorted(os.listdir(parent)) == ["dst"], where
+        else:
+            assert (status, out, err) == (130, "", INTERRUPTED), where
+            assert os.listdir(parent) == [], where
+        outcomes.append(status if sent else "ended first")
+    # Importing takes longer than the first delays: those runs were interrupted there.
+    assert outcomes[:2] == [130, 130], outcomes
+
+
 # ----------------------------------------------------------------------------- convert
 
 # (moment, delay): while reading the source, while orbax writes the parameters into DST's
