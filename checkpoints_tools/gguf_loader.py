@@ -491,7 +491,7 @@ def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf"
     if progress:
         from tqdm.auto import tqdm
 
-        items = tqdm(items, desc="dequantizing GGUF tensors", unit="tensor")
+        items = tqdm(items, desc="dequantizing GGUF tensors", unit="tensor", leave=False)
     for tensor in items:
         name = hf_name(tensor.name)
         array = _dequantize(tensor, source)

@@ -384,7 +384,7 @@ def read_hf_tensors(path: str | os.PathLike, progress: bool = False) -> dict[str
     file = weights_file(path)
     tensors: dict[str, np.ndarray] = {}
     origin: dict[str, str] = {}
-    with tqdm(desc="reading tensors", unit="tensor", disable=not progress) as bar:
+    with tqdm(desc="reading tensors", unit="tensor", disable=not progress, leave=False) as bar:
         if file.name == SAFETENSORS_FILE:
             _read_safetensors(file, tensors, origin, bar)
         elif file.name == SAFETENSORS_INDEX:
