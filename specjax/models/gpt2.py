@@ -39,7 +39,12 @@ def param_shapes(config: ModelConfig) -> dict:
 
 def embed(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array):
     del config
-    x = jnp.take(params["embed"], tokens, axis=0) + jnp.take(params["pos_embed"], positions, axis=0)
+    # Positions past the table occur only for rows that are never kept (prompt padding up
+    # to its bucket, speculative nodes past max_length at the position limit). jnp.take's
+    # default fills them with NaN, and a NaN value row poisons every query of the pass
+    # (a masked slot still contributes 0 * NaN); clipping keeps them finite.
+    x = (jnp.take(params["embed"], tokens, axis=0)
+         + jnp.take(params["pos_embed"], positions, axis=0, mode="clip"))
     return x
 
 
