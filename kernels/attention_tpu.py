@@ -9,9 +9,10 @@ array's or are multiples of (8, 128)):
 
 1. ``_split_kernel``, grid ``(row_tiles, splits, steps)`` with semantics (parallel, parallel,
    arbitrary): the committed slots are cut into ``splits`` runs of whole ``block_kv`` blocks,
-   sized from the *traced* length (scalar-prefetched into SMEM). Step ``i`` of split ``j``
-   reads the cache block ``[block_kv, K, D]`` (every KV head at once, so the cache is read
-   in place in its ``[S, K, D]`` layout; the head is picked by a static index inside the
+   sized from the *traced* length (scalar-prefetched into SMEM with the traced layer).
+   Step ``i`` of split ``j`` reads the cache block ``[block_kv, K, D]`` of that layer
+   (every KV head at once, so the cache is read in place in its ``[L, S, K, D]`` or
+   ``[S, K, D]`` layout, never copied; the head is picked by a static index inside the
    kernel, never by a dynamic one, which Mosaic cannot prove aligned for bfloat16); the
    index map clamps the block index to the run's last valid block, so steps past
    ``length`` fetch nothing new and ``pl.when`` skips their compute. For each KV head it
@@ -59,6 +60,7 @@ from . import layout
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 KERNEL_NAME = "TPU verify-attention kernel"
+TAKES_LAYER_INDEX = True  # reads layer ``layer`` of an [L, S, K, D] cache in place
 LANES = 128
 MiB = 2**20
 # Each kernel's estimated VMEM stays under this, so that it fits TPU v4's 16 MiB per core
@@ -229,25 +231,26 @@ def _run(length, num_splits: int, block_kv: int):
 
 
 def _kv_index_map(num_splits: int, block_kv: int):
-    def index_map(tile, split, step, length_ref):
-        per_split, num_blocks = _run(length_ref[0], num_splits, block_kv)
+    def index_map(tile, split, step, scalars_ref):
+        per_split, num_blocks = _run(scalars_ref[0], num_splits, block_kv)
         block = split * per_split + jnp.minimum(step, jnp.maximum(per_split - 1, 0))
         # Past the run's end the index repeats, so the pipeline fetches nothing new.
-        return jnp.maximum(jnp.minimum(block, num_blocks - 1), 0), 0, 0
+        return scalars_ref[1], jnp.maximum(jnp.minimum(block, num_blocks - 1), 0), 0, 0
 
     return index_map
 
 
-def _split_kernel(length_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_kv: int,
+def _split_kernel(scalars_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_kv: int,
                   num_splits: int, scale: float):
     """Online softmax of one tile of query rows over one split of the committed slots.
 
-    Refs: length_ref int32 [1] (SMEM); q_ref [K, rows, D]; k_ref, v_ref [block_kv, K, D];
+    Refs: scalars_ref int32 [2] (SMEM: length, layer); q_ref [K, rows, D]; k_ref, v_ref
+    [block_kv, K, D] (of the layer);
     outputs (resident across the steps, so they are the running state) acc_ref [K, rows, D],
     m_ref, l_ref [K, rows, 128].
     """
     split, step = pl.program_id(1), pl.program_id(2)
-    length = length_ref[0]
+    length = scalars_ref[0]
     per_split, num_blocks = _run(length, num_splits, block_kv)
     block = split * per_split + step
     num_kv_heads = q_ref.shape[0]
@@ -309,14 +312,37 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
+def _one_layer(cache):
+    """The shape/dtype of one layer of an [S, K, D] or [L, S, K, D] cache (for the checks)."""
+    if cache is None or cache.ndim != 4:
+        return cache
+    return jax.ShapeDtypeStruct(cache.shape[1:], cache.dtype)
+
+
+def _window_rows(cache, layer, length, width: int):
+    """(rows [M, K, D] of scratch slots ``length .. length + M - 1`` of layer ``layer`` of an
+    [L, S, K, D] cache, bool [M]: the slot exists). A gather of M rows, not of the layer."""
+    num_layers, capacity = cache.shape[:2]
+    slots = length + jnp.arange(width, dtype=jnp.int32)
+    index = layer * capacity + jnp.clip(slots, 0, capacity - 1)
+    flat = cache.reshape(num_layers * capacity, *cache.shape[2:])
+    return jnp.take(flat, index, axis=0), slots < capacity
+
+
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
                     block_sizes: TpuBlockSizes = TpuBlockSizes()) -> int:
     """Raises :class:`InvalidArgumentError` unless the kernel takes these shapes/dtypes.
 
-    Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values). Returns the
-    kernel's estimated VMEM use in bytes (the larger of its two ``pallas_call``; see
-    :func:`vmem_plan`).
+    Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values); the caches
+    may be one layer [S, K, D] or all layers [L, S, K, D]. Returns the kernel's estimated
+    VMEM use in bytes (the larger of its two ``pallas_call``; see :func:`vmem_plan`).
     """
+    if k_cache is not None and v_cache is not None and (
+            k_cache.ndim == 4 or v_cache.ndim == 4) and k_cache.shape != v_cache.shape:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: k_cache and v_cache must have one shape; got {k_cache.shape} "
+            f"and {v_cache.shape}")
+    k_cache, v_cache = _one_layer(k_cache), _one_layer(v_cache)
     layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                         head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
     block_sizes.check()
@@ -325,16 +351,19 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-                         block_sizes: TpuBlockSizes = TpuBlockSizes(), interpret: bool = False):
+                         layer=None, block_sizes: TpuBlockSizes = TpuBlockSizes(),
+                         interpret: bool = False):
     """Tree/decode attention on a TPU (Mosaic); same semantics as ``attention_reference``.
 
     Args:
       q: [T, H, D] queries, 1 <= T <= 128, D in (64, 128, 256).
       k_new, v_new: [T, K, D] keys/values of the new tokens (H a multiple of K).
-      k_cache, v_cache: [S, K, D] one layer's cache, or ``None``.
+      k_cache, v_cache: [S, K, D] one layer's cache, [L, S, K, D] every layer's (read at
+        ``layer``, in place), or ``None``.
       length: int32 [], committed cache slots visible to every query.
       mask: bool [T, T], visibility among the new tokens (diagonal set).
       scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
+      layer: int32 [] (traced) layer of [L, S, K, D] caches; ``None`` for [S, K, D].
       block_sizes: static :class:`TpuBlockSizes`.
       interpret: run in the TPU interpreter (``pltpu.InterpretParams``) on any backend.
     Returns:
@@ -348,32 +377,48 @@ def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
     has_cache = k_cache is not None
+    if has_cache and (k_cache.ndim == 4) != (layer is not None):
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: pass layer= exactly when the caches are [L, S, K, D] (got caches "
+            f"of rank {k_cache.ndim} and layer={'None' if layer is None else 'an index'})")
+    if has_cache and layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0  # a free reshape
     plan = vmem_plan(q, k_new, scratch_mask, has_cache, config)
     rows, block_rows, tiles, tail = plan.rows, plan.block_rows, plan.row_tiles, plan.tail
     vmem_limit = config.vmem_limit_bytes or VMEM_LIMIT
     scale = 1.0 / math.sqrt(head_dim)
-    length = jnp.asarray(0 if length is None else length, jnp.int32).reshape(1)
+    length = jnp.asarray(0 if length is None else length, jnp.int32)
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    scalars = jnp.stack([length, layer])
     interpret = pltpu.InterpretParams() if interpret else False
 
     queries = layout.pack_queries(q, num_kv_heads, rows)
+    window_k = window_v = None
+    window_mask = scratch_mask
+    if has_cache and scratch_mask is not None and scratch_mask.shape[1] > 0:
+        # The scratch window as a small cache of its own (M slots from slot 0), so that the
+        # shared packing never slices a layer out of the stacked cache.
+        window_k, exists = _window_rows(k_cache, layer, length, scratch_mask.shape[1])
+        window_v, _ = _window_rows(v_cache, layer, length, scratch_mask.shape[1])
+        window_mask = scratch_mask & exists[None, :]
     tail_k, tail_v, tail_mask = layout.pack_tail(
-        k_new, v_new, k_cache, v_cache, length[0], mask, scratch_mask, group=group, rows=rows,
-        tail=tail, mask_dtype=jnp.int32)
+        k_new, v_new, window_k, window_v, jnp.int32(0), mask, window_mask, group=group,
+        rows=rows, tail=tail, mask_dtype=jnp.int32)
 
     partials = []
     partial_specs = []
     splits = config.num_splits
     if has_cache:
-        capacity = k_cache.shape[0]
+        capacity = k_cache.shape[1]
         block_kv = plan.block_kv
         steps = pl.cdiv(pl.cdiv(capacity, block_kv), splits)
-        kv_spec = pl.BlockSpec((block_kv, num_kv_heads, head_dim),
+        kv_spec = pl.BlockSpec((None, block_kv, num_kv_heads, head_dim),
                                _kv_index_map(splits, block_kv))
         query_spec = pl.BlockSpec((num_kv_heads, block_rows, head_dim),
-                                  lambda tile, split, step, length_ref: (0, tile, 0))
+                                  lambda tile, split, step, scalars_ref: (0, tile, 0))
         state_spec = lambda width: pl.BlockSpec(  # noqa: E731
             (None, num_kv_heads, block_rows, width),
-            lambda tile, split, step, length_ref: (split, 0, tile, 0))
+            lambda tile, split, step, scalars_ref: (split, 0, tile, 0))
         state_shape = lambda width: jax.ShapeDtypeStruct(  # noqa: E731
             (splits, num_kv_heads, rows, width), jnp.float32)
         partials = pl.pallas_call(
@@ -391,7 +436,7 @@ def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
                 vmem_limit_bytes=vmem_limit),
             interpret=interpret,
             name="verify_attention_tpu_split",
-        )(length, queries, k_cache, v_cache)
+        )(scalars, queries, k_cache, v_cache)
         partial_spec = lambda width: pl.BlockSpec(  # noqa: E731
             (splits, None, block_rows, width), lambda head, tile: (0, head, tile, 0))
         partial_specs = [partial_spec(head_dim), partial_spec(LANES), partial_spec(LANES)]
