@@ -1,0 +1,282 @@
+"""The TPU kernels and whole generation programs compile for real TPU generations.
+
+libtpu compiles for a TPU generation named by a topology (``v4:2x2x1``, ``v5e:2x2``,
+``v6e:2x2``) on this CPU: XLA's TPU backend and Mosaic, the Pallas TPU compiler, run to
+the end and raise what they would raise on the device (unprovable alignment, VMEM
+exhaustion, unsupported layouts). The compiles run in a subprocess (``tests/tpu_aot.py``,
+``JAX_PLATFORMS=cpu``) so that the rest of the suite never loads libtpu. Compiling is not
+running: numerics are checked by the interpreter tests (``tests/test_kernels.py``).
+
+Without libtpu these tests are skipped with the reason shown by ``pytest -ra``;
+``make test-tpu`` installs the pinned one beside the environment and runs them, and with
+``SPECJAX_REQUIRE_TPU_COMPILER=1`` (set by that target, which CI runs) a missing compiler
+is a failure instead.
+
+Default run (one worker, ~1-2.5 min on 2 CPU cores): two canaries (a Mosaic error and a
+VMEM limit the compiler must refuse), the verify-attention kernel over shapes the models
+use (GQA groups 1/3/4/8, head_dim 64/128, 1..128 tree nodes, float32 and bfloat16, with and
+without a scratch window, and a prefill without a cache) for each of the three
+generations, each kernel's VMEM (as the compiler reports it) against the kernel's estimate
+and the generation's VMEM, and the whole ``ar`` program for v5e. ``slow``: the ``tree`` and
+``staged`` programs (greedy and coupled acceptance) and ar/staged on v6e and v4, and a
+wider kernel sweep (both take tens of minutes; ``benchmarks/tpu_compile_report.py``
+records the same compiles with their times).
+
+Also here, without libtpu (the TPU interpreter): the kernel's row tiles and its reading of
+one layer of a stacked cache against the reference, and every model shape's tiling plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+import tpu_aot
+from conftest import random_prompt, tiny_pair
+from specjax import kernels
+from specjax.attention import attention_reference
+from specjax.errors import InvalidArgumentError
+from specjax.kernels import TpuBlockSizes, attention_tpu, verify_attention_tpu
+from test_kernels import Case, check_against_reference, make_inputs
+
+COMPILER_PATH, MISSING = tpu_aot.find_compiler()
+REQUIRE_ENV = "SPECJAX_REQUIRE_TPU_COMPILER"
+needs_compiler = pytest.mark.skipif(COMPILER_PATH is None and os.environ.get(REQUIRE_ENV) != "1",
+                                    reason=MISSING)
+TARGETS = ("v5e:2x2", "v6e:2x2", "v4:2x2x1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One verify-attention call: H query heads, K KV heads, D head_dim, T tree nodes,
+    M scratch slots, S cache slots (0: no cache, a prefill)."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tokens: int
+    dtype: str
+    window: int = 0
+    capacity: int = 4096
+
+    def job(self, target: str, **extra) -> dict:
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "name"}
+        return dict(kind="kernel", target=target, **fields, **extra)
+
+
+# The models' head shapes: SmolLM2-135M (9/3 x 64, G=3), GPT-2 (MHA, G=1), Llama-3.2-1B
+# (32/8 x 64, G=4), Llama-3-8B (32/8 x 128, G=4), Qwen2-like G=8.
+KERNEL_SHAPES = [
+    Shape("smollm2-decode", 9, 3, 64, 1, "bfloat16"),
+    Shape("smollm2-draft-level-window", 9, 3, 64, 6, "bfloat16", window=12),
+    Shape("smollm2-tree-f32", 9, 3, 64, 36, "float32", capacity=2048),
+    Shape("gpt2-mha-window-f32", 12, 12, 64, 16, "float32", window=16, capacity=1024),
+    Shape("llama8b-g4-d128-128-nodes-window", 32, 8, 128, 128, "bfloat16", window=128),
+    Shape("g8-d128-64-nodes", 32, 4, 128, 64, "bfloat16", capacity=8192),
+    Shape("g8-d64-128-nodes-window-f32", 16, 2, 64, 128, "float32", window=16, capacity=2048),
+    Shape("smollm2-prefill-no-cache", 9, 3, 64, 128, "bfloat16", capacity=0),
+]
+# v4 has 16 MiB of VMEM: every shape compiles there too (the VMEM-heavy ones matter most).
+FAST_KERNELS = [(target, shape) for target in TARGETS for shape in KERNEL_SHAPES]
+# A large tree with the VMEM limit set far below what it needs: the compiler must refuse.
+VMEM_CANARY = KERNEL_SHAPES[4].job("v5e:2x2", vmem_limit_bytes=2 * tpu_aot.MiB)
+CANARIES = [dict(kind="canary", target="v5e:2x2", dtype=dtype)
+            for dtype in ("bfloat16", "float32")]
+FAST_PROGRAMS = [dict(kind="program", target="v5e:2x2", method="ar")]
+SLOW_PROGRAMS = ([dict(kind="program", target=target, method=method, verify=verify)
+                  for target in ("v5e:2x2",) for method in ("tree", "staged")
+                  for verify in ("greedy", "coupled")]
+                 + [dict(kind="program", target=target, method=method, verify="coupled")
+                    for target in ("v6e:2x2", "v4:2x2x1") for method in ("ar", "staged")])
+# Slow sweep: every model head shape x dtype at 1, 16 and 128 nodes (the last two with a
+# scratch window of the same size) on every generation.
+HEADS = [(12, 12, 64), (16, 16, 128), (9, 3, 64), (24, 8, 128), (32, 8, 64), (32, 8, 128),
+         (16, 2, 64), (32, 4, 128)]
+SWEEP = [(target, Shape(f"h{h}-k{k}-d{d}-t{t}-m{m}-{dtype}", h, k, d, t, dtype, window=m))
+         for target in TARGETS for (h, k, d), dtype, (t, m) in itertools.product(
+             HEADS, ("float32", "bfloat16"), ((1, 0), (16, 16), (128, 128)))]
+
+
+def _key(job: dict) -> str:
+    return "-".join(str(job.get(k)) for k in ("kind", "target", "method", "verify", "dtype",
+                                              "num_heads", "num_kv_heads", "head_dim",
+                                              "tokens", "window", "capacity",
+                                              "vmem_limit_bytes"))
+
+
+def _run(jobs: list[dict]) -> dict[str, dict]:
+    records = tpu_aot.run_worker(jobs, vmem_report=True)
+    return {_key(record): record for record in records}
+
+
+@pytest.fixture(scope="module")
+def fast_records():
+    jobs = (CANARIES + [VMEM_CANARY] + [shape.job(target) for target, shape in FAST_KERNELS]
+            + FAST_PROGRAMS)
+    return _run(jobs)
+
+
+@pytest.fixture(scope="module")
+def slow_records():
+    return _run([shape.job(target) for target, shape in SWEEP] + SLOW_PROGRAMS)
+
+
+def _compiled(record: dict) -> None:
+    assert record["ok"], f"{record['target']}: {record['error']}\n{record.get('traceback', '')}"
+
+
+# ----------------------------------------------------------------------------- canaries
+
+
+@needs_compiler
+def test_mosaic_errors_reach_the_test(fast_records):
+    """A middle-axis load at a dynamic index is unprovable for bfloat16's packed tiles
+    (E2003) but fine for float32: if this passed silently, nothing here would be checked."""
+    bf16, f32 = (fast_records[_key(job)] for job in CANARIES)
+    assert not bf16["ok"] and "E2003" in bf16["error"], bf16["error"]
+    _compiled(f32)
+
+
+@needs_compiler
+def test_the_compiler_enforces_the_vmem_limit(fast_records):
+    """The same kernel that fits its default limit fails when the limit is below its use:
+    the VMEM we ask for is checked at compile time, as on the device."""
+    record = fast_records[_key(VMEM_CANARY)]
+    assert not record["ok"] and "vmem" in record["error"].lower(), record["error"]
+    _compiled(fast_records[_key(KERNEL_SHAPES[4].job("v5e:2x2"))])
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def check_kernel(record: dict) -> None:
+    """Compiled, and the VMEM the compiler gave each kernel is within the kernel's own
+    estimate, which is within the budget, which is within the generation's VMEM."""
+    _compiled(record)
+    capacity = tpu_aot.TARGETS[record["target"]]
+    assert record["vmem_capacity"] == capacity, "the compiler reports another VMEM size"
+    has_cache = record["capacity"] > 0
+    assert record["tpu_kernels"]["verify_attention_tpu_combine"] > 0
+    assert (record["tpu_kernels"]["verify_attention_tpu_split"] > 0) == has_cache
+    estimates = {"verify_attention_tpu_split": record["split_bytes"],
+                 "verify_attention_tpu_combine": record["combine_bytes"]}
+    assert set(record["vmem_used"]) == {k for k, v in estimates.items() if v > 0}
+    for kernel, used in record["vmem_used"].items():
+        assert 0 < used <= estimates[kernel] <= attention_tpu.VMEM_BUDGET < capacity, (
+            f"{kernel}: compiler {used / 2**20:.2f} MiB, estimate "
+            f"{estimates[kernel] / 2**20:.2f} MiB, budget {attention_tpu.VMEM_BUDGET >> 20} MiB")
+
+
+@needs_compiler
+@pytest.mark.parametrize("target,shape", FAST_KERNELS,
+                         ids=[f"{t}-{s.name}" for t, s in FAST_KERNELS])
+def test_kernel_compiles_within_vmem(fast_records, target, shape):
+    check_kernel(fast_records[_key(shape.job(target))])
+
+
+@needs_compiler
+@pytest.mark.slow
+@pytest.mark.parametrize("target,shape", SWEEP, ids=[f"{t}-{s.name}" for t, s in SWEEP])
+def test_kernel_sweep_compiles_within_vmem(slow_records, target, shape):
+    check_kernel(slow_records[_key(shape.job(target))])
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+def check_program(record: dict) -> None:
+    """The whole generation (prefill + while loop) compiled, with the TPU kernels in it."""
+    _compiled(record)
+    assert all(count > 0 for count in record["tpu_kernels"].values()), record["tpu_kernels"]
+
+
+@needs_compiler
+@pytest.mark.parametrize("job", FAST_PROGRAMS, ids=_key)
+def test_generation_program_compiles(fast_records, job):
+    check_program(fast_records[_key(job)])
+
+
+@needs_compiler
+@pytest.mark.slow
+@pytest.mark.parametrize("job", SLOW_PROGRAMS, ids=_key)
+def test_every_generation_program_compiles(slow_records, job):
+    check_program(slow_records[_key(job)])
+
+
+# ----------------------------------------------------------------------------- tiling (no libtpu)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_row_tiles_match_the_reference(dtype):
+    """Several row tiles per KV head (block_rows below the rows) compute the same as one:
+    the TPU interpreter against the reference, as in tests/test_kernels.py."""
+    rows = 16 if dtype == jnp.bfloat16 else 8
+    case = Case(f"row-tiles-{jnp.dtype(dtype).name}", 7, 8, 2, 64, 300, 170, window=3,
+                dtype=dtype, block_sizes=TpuBlockSizes(block_kv=128, block_rows=rows))
+    q, k_new, *_, scratch_mask = (a for a in case_inputs(case))
+    plan = attention_tpu.vmem_plan(q, k_new, scratch_mask, True, case.block_sizes)
+    assert plan.row_tiles > 1  # 7 nodes x 4 heads = 28 rows
+    check_against_reference(verify_attention_tpu, case, seed=5)
+
+
+def case_inputs(case: Case):
+    return make_inputs(case, seed=0)[0]
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_layer_of_a_stacked_cache_is_read_in_place(window):
+    """[L, S, K, D] caches with a traced layer: the kernel reads that layer (the others hold
+    NaN, so a read of the wrong layer or a copy of the whole cache shows) and equals the
+    reference on it."""
+    case = Case("layer", 5, 6, 2, 64, 300, 170, window=window, dtype=jnp.float32,
+                block_sizes=TpuBlockSizes(block_kv=128))
+    args, reference_args = make_inputs(case, seed=11)
+    poison = jnp.full_like(args[3], jnp.nan)
+    stacked = [jnp.stack([poison, cache, poison]) for cache in args[3:5]]
+    out = jax.jit(lambda layer: verify_attention_tpu(
+        *args[:3], *stacked, *args[5:], layer=layer, block_sizes=case.block_sizes,
+        interpret=True))(jnp.int32(1))
+    expected = jax.jit(attention_reference)(*reference_args)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(InvalidArgumentError, match="pass layer= exactly"):
+        verify_attention_tpu(*args[:3], *stacked, *args[5:], interpret=True)
+
+
+def test_generate_with_the_tpu_kernel_equals_reference(monkeypatch):
+    """Through the dispatcher (which hands the TPU kernel the stacked cache and the layer):
+    greedy ``ar`` with the TPU kernel in the interpreter gives the reference's tokens."""
+    monkeypatch.setenv(kernels.INTERPRET_ENV, "tpu")
+    # H=4, K=2, D=64 (the kernel takes head_dim 64, 128, 256).
+    target = tiny_pair("llama-gqa", seed=31, num_hidden_layers=2, hidden_size=256)[1]
+    prompt = random_prompt(5, 11)
+    expected = specjax.generate(target, prompt, max_new_tokens=4, attn_impl="reference")
+    got = specjax.generate(target, prompt, max_new_tokens=4, attn_impl="kernel")
+    assert got.tokens == expected.tokens
+
+
+def test_every_model_shape_has_a_plan_within_budget():
+    """Every head shape, 1..128 nodes, both dtypes, with and without a window: the kernel
+    accepts it with the default block sizes and its estimate stays under the budget (the
+    compile tests check the estimate against the compiler on a representative subset)."""
+    for (h, k, d), dtype, tokens, window in itertools.product(
+            HEADS, (jnp.float32, jnp.bfloat16), range(1, 129), (0, 128)):
+        q = jax.ShapeDtypeStruct((tokens, h, d), dtype)  # the plan reads shapes only
+        k_new = jax.ShapeDtypeStruct((tokens, k, d), dtype)
+        scratch = jax.ShapeDtypeStruct((tokens, window), bool) if window else None
+        plan = attention_tpu.vmem_plan(q, k_new, scratch, True)
+        assert plan.estimate <= attention_tpu.VMEM_BUDGET
+        assert plan.rows >= tokens * (h // k) and plan.row_tiles <= 4, (h, k, d, tokens)
+
+
+def test_a_block_that_cannot_fit_is_refused():
+    q = k_new = jax.ShapeDtypeStruct((128, 32, 128), jnp.float32)
+    with pytest.raises(InvalidArgumentError, match="MiB of VMEM"):
+        attention_tpu.vmem_plan(q, k_new, None, True, TpuBlockSizes(block_kv=1024))

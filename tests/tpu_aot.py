@@ -1,0 +1,358 @@
+"""Ahead-of-time compilation for real TPU targets on a machine without a TPU.
+
+libtpu (the ``tpu`` extra's pin) holds the whole TPU compiler: XLA's TPU backend and Mosaic,
+the compiler of Pallas TPU kernels. With a topology description
+(``jax.experimental.topologies.get_topology_desc``) a jitted function lowers and compiles
+for that TPU generation on the CPU; ``.compile()`` raises what the TPU compiler raises
+(Mosaic's E2003 unproven alignment, VMEM exhaustion, ...). Compiling is not running:
+numerics stay with the interpreter tests (``tests/test_kernels.py``).
+
+This module is the worker the compile tests (``tests/test_tpu_compile.py``) and
+``benchmarks/tpu_compile_report.py`` run in a subprocess with ``JAX_PLATFORMS=cpu`` and
+libtpu importable, so that the rest of the suite never loads libtpu::
+
+    python tests/tpu_aot.py JOBS.json OUT.json [--vmem-report]
+    python tests/tpu_aot.py --requirement     # the pinned libtpu, for pip
+
+``JOBS.json`` is a list of jobs (see :func:`run_job`), ``OUT.json`` gets one record per
+job: whether it compiled, the compiler's error, the lower and compile seconds and, with
+``--vmem-report``, the VMEM the compiler allocated to each Pallas kernel (read from the
+VMEM report libtpu writes when asked to dump it) next to the kernel's own estimate.
+The parent (:func:`run_worker`) finds libtpu and sets the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where `make tpu-compiler` installs libtpu (pip --target), outside the main environment:
+# a venv with libtpu initialises the TPU backend in every JAX process, which logs warnings
+# to stderr on a machine without a TPU (the CLI promises one summary line there).
+COMPILER_DIR_ENV = "SPECJAX_TPU_COMPILER"
+DEFAULT_COMPILER_DIR = ROOT / ".venv" / "tpu-compiler"
+
+MiB = 2**20
+# The TPU generations we compile for, with the VMEM per core the compiler reports for them.
+TARGETS = {"v4:2x2x1": 16 * MiB, "v5e:2x2": 128 * MiB, "v6e:2x2": 128 * MiB,
+           "v5p:2x2x1": 64 * MiB}
+KERNEL_PREFIXES = ("verify_attention_tpu_split", "verify_attention_tpu_combine")
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+def tpu_requirements() -> dict[str, str]:
+    """{"jax": version, "libtpu": version} pinned by the ``tpu`` extra in pyproject.toml."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["tpu"]
+    pins = {}
+    for requirement in extra:
+        name, _, version = requirement.partition("==")
+        pins[name.split("[")[0].strip()] = version.strip()
+    return pins
+
+
+def find_compiler() -> tuple[str | None, str]:
+    """(a PYTHONPATH entry holding libtpu, or "" when the environment has it; None when
+    absent, with the reason)."""
+    candidates = [os.environ.get(COMPILER_DIR_ENV), str(DEFAULT_COMPILER_DIR)]
+    for path in filter(None, candidates):
+        if (Path(path) / "libtpu" / "libtpu.so").is_file():
+            return path, ""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is not None:
+        return "", ""
+    return None, (f"libtpu (the TPU compiler) is not installed: `make tpu-compiler` puts the "
+                  f"pinned one in {DEFAULT_COMPILER_DIR.relative_to(ROOT)} (or set "
+                  f"{COMPILER_DIR_ENV}); `make test-tpu` installs it and runs these tests")
+
+
+def run_worker(jobs: list[dict], *, vmem_report: bool = False, timeout: float = 1800
+               ) -> list[dict]:
+    """Runs ``jobs`` in one subprocess (``JAX_PLATFORMS=cpu``, libtpu on the path).
+
+    Raises:
+      RuntimeError: libtpu is missing, or the worker died (its output tail is included).
+    """
+    path, reason = find_compiler()
+    if path is None:
+        raise RuntimeError(reason)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="specjax-tpu-aot-") as tmp:
+        jobs_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
+        jobs_file.write_text(json.dumps(jobs))
+        command = [sys.executable, str(Path(__file__)), str(jobs_file), str(out_file)]
+        if vmem_report:
+            command.append("--vmem-report")
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+        if done.returncode != 0 or not out_file.is_file():
+            tail = (done.stdout + done.stderr)[-4000:]
+            raise RuntimeError(f"TPU compile worker failed (status {done.returncode}):\n{tail}")
+        return json.loads(out_file.read_text())
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _sharding(target: str):
+    import jax
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(topology_name=target, platform="tpu")
+    return jax.sharding.SingleDeviceSharding(topology.devices[0])
+
+
+def _abstract(tree, sharding):
+    """Every array leaf as a ``ShapeDtypeStruct`` placed on the target device."""
+    import jax
+    import numpy as np
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding),
+                        tree)
+
+
+def kernel_args(job: dict, sharding):
+    """Abstract arguments of ``verify_attention_tpu`` for a kernel job.
+
+    Job keys: num_heads (H), num_kv_heads (K), head_dim (D), tokens (T), dtype, window (M
+    scratch slots, 0 for none), capacity (S cache slots, 0 for no cache: a prefill).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    t, h, k, d = job["tokens"], job["num_heads"], job["num_kv_heads"], job["head_dim"]
+    dtype, s, m = jnp.dtype(job["dtype"]), job["capacity"], job["window"]
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    cache = (sds((s, k, d), dtype), sds((s, k, d), dtype)) if s else (None, None)
+    return (sds((t, h, d), dtype), sds((t, k, d), dtype), sds((t, k, d), dtype), *cache,
+            sds((), jnp.int32), sds((t, t), jnp.bool_),
+            sds((t, m), jnp.bool_) if (m and s) else None)
+
+
+def kernel_estimate(job: dict) -> dict:
+    """The kernel's own plan for the job's shapes: tiling and estimated VMEM per kernel."""
+    from specjax.kernels import attention_tpu
+
+    q, k_new, _, k_cache, _, _, _, scratch_mask = kernel_args(job, None)
+    plan = attention_tpu.vmem_plan(q, k_new, scratch_mask, k_cache is not None)
+    return dict(dataclasses.asdict(plan), estimate=plan.estimate)
+
+
+def build_generation_program(method: str, *, verify: str | None = None,
+                             dtype: str = "bfloat16", prompt_tokens: int = 16,
+                             max_new_tokens: int = 64, attn_impl: str = "kernel"):
+    """(jitted function, example arguments) of one whole generation, as ``generate`` runs it.
+
+    The target has SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads of 64) with
+    abstract parameters (never materialised); the draft for ``tree``/``staged`` is two
+    layers of the same shapes (the shipped draft's depth, full head); ``staged`` uses the
+    shipped n-gram tables. The only place that knows how ``specjax.generate`` assembles its
+    program: adapt it here when the API changes.
+
+    Args:
+      method: ``ar``, ``tree``, ``staged`` (or ``spec``, ``ngram``).
+      verify: the acceptance rule (``coupled``, ``greedy``, ...); ``None`` for ``ar``.
+      dtype: parameter and cache dtype.
+    Returns:
+      (fn, args): ``fn(*args)`` is the program; args hold concrete small arrays and
+      ``ShapeDtypeStruct`` parameters (map them to the target with :func:`_abstract`).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from specjax import api, config as config_lib, decode, models
+    from specjax.model import Model
+
+    key = jax.random.key(0)
+    config = config_lib.smollm2_135m()
+
+    def abstract_model(cfg, name, assets=None):
+        params = jax.eval_shape(lambda: models.init_params(cfg, key, jnp.dtype(dtype)))
+        return Model(config=cfg, params=params, name=name, assets=assets)
+
+    target = abstract_model(config, "smollm2-135m-shaped", assets="smollm2-135m")
+    draft = None
+    if method in ("spec", "tree", "staged"):
+        draft = abstract_model(dataclasses.replace(config, num_layers=2), "draft-2-layers")
+    options = {} if verify is None else {"verify": verify}
+    request = api._prepare(target, list(range(1, prompt_tokens + 1)), method=method,
+                           max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
+                           seed=0, draft=draft, ngram=None, stop_tokens=None, chat=False,
+                           attn_impl=attn_impl, options=options)
+    loop = request.loop
+    fn = jax.jit(lambda params, *rest: decode.run_to_completion(params, loop, *rest))
+    return fn, request.args
+
+
+def canary(job: dict, sharding):
+    """A kernel Mosaic must reject in bfloat16: a middle-axis load at a *dynamic* index
+    (E2003, unprovable alignment). It compiles in float32. Proves errors reach us."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    def kernel(index_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[:, index_ref[0], :].astype(jnp.float32)
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    call = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((256, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec((256, 8, 128), lambda i, index: (0, 0, 0))],
+            out_specs=pl.BlockSpec((256, 128), lambda i, index: (0, 0))))
+    dtype = jnp.dtype(job["dtype"])
+    args = (jax.ShapeDtypeStruct((1,), jnp.int32, sharding=sharding),
+            jax.ShapeDtypeStruct((256, 8, 128), dtype, sharding=sharding))
+    return jax.jit(call), args
+
+
+def _read_vmem_reports(folder: str) -> tuple[dict[str, int], int | None]:
+    """({kernel name prefix: the most VMEM bytes any instance got}, VMEM capacity) from the
+    VMEM reports libtpu dumped into ``folder`` since the last call (then deleted)."""
+    used: dict[str, int] = {}
+    capacity = None
+    for path in glob.glob(os.path.join(folder, "*vmem_report*")):
+        text = Path(path).read_text()
+        start = text.index("const DATA =") + len("const DATA =")
+        data, _ = json.JSONDecoder().raw_decode(text[start:].lstrip())
+        capacity = int(data["global_info"]["vmem_capacity"])
+        for name, entry in data["hlo_breakdowns"].items():
+            for prefix in KERNEL_PREFIXES:
+                if name.startswith(prefix):
+                    # What the kernel allocates: its windows, scratch, Mosaic's internal
+                    # scratch and register spills (inside a larger program XLA may also
+                    # reserve a scoped region around the kernel; that is not counted).
+                    size = sum(int(a["size"]) for block in entry["blocks"]
+                               for a in block["allocations"])
+                    used[prefix] = max(used.get(prefix, 0), size)
+    for path in glob.glob(os.path.join(folder, "*")):
+        os.remove(path)
+    return used, capacity
+
+
+def _compile_kernels_for_tpu() -> None:
+    """Makes ``attn_impl="kernel"`` pick the TPU kernel, compiled (not interpreted).
+
+    The kernel dispatcher (:func:`specjax.kernels.select_variant`) chooses from
+    ``jax.default_backend()``, which is the CPU in this process although the program is
+    compiled for a TPU; on a TPU backend it returns exactly this.
+    """
+    from specjax import kernels
+
+    kernels.select_variant = lambda variant=None: ("tpu", False)
+
+
+def run_job(job: dict, dump_dir: str | None) -> dict:
+    """Lowers and compiles one job for its target; never raises.
+
+    Jobs: ``{"kind": "kernel", "target", **kernel_args keys}``,
+    ``{"kind": "program", "target", "method", "verify", "dtype"}``,
+    ``{"kind": "canary", "target", "dtype"}``; a kernel job may set ``vmem_limit_bytes``.
+    """
+    import jax
+
+    record = dict(job, ok=False, error=None)
+    try:
+        sharding = _sharding(job["target"])
+        if job["kind"] == "kernel":
+            from specjax.kernels import TpuBlockSizes, verify_attention_tpu
+
+            record.update(kernel_estimate(job))
+            fn = verify_attention_tpu
+            options = {}
+            if job.get("vmem_limit_bytes"):
+                options["block_sizes"] = TpuBlockSizes(vmem_limit_bytes=job["vmem_limit_bytes"])
+            args = kernel_args(job, sharding)
+            start = time.perf_counter()
+            lowered = fn.lower(*args, **options)
+        elif job["kind"] == "program":
+            _compile_kernels_for_tpu()
+            fn, args = build_generation_program(job["method"], verify=job.get("verify"),
+                                                dtype=job.get("dtype", "bfloat16"))
+            start = time.perf_counter()
+            lowered = fn.lower(*_abstract(args, sharding))
+        elif job["kind"] == "canary":
+            fn, args = canary(job, sharding)
+            start = time.perf_counter()
+            lowered = fn.lower(*args)
+        else:
+            raise ValueError(f"unknown job kind {job['kind']!r}")
+        record["lower_s"] = round(time.perf_counter() - start, 3)
+        start, cpu = time.perf_counter(), time.process_time()
+        compiled = lowered.compile()
+        record["compile_s"] = round(time.perf_counter() - start, 3)
+        # CPU seconds of every thread: on a shared machine wall time also measures the others.
+        record["compile_cpu_s"] = round(time.process_time() - cpu, 3)
+        # Mosaic kernels in the compiled program, by name (a program with attn_impl="kernel"
+        # must contain the TPU kernels, not the CPU fallback or an interpreted kernel).
+        text = compiled.as_text()
+        record["tpu_kernels"] = {prefix: text.count(prefix) for prefix in KERNEL_PREFIXES}
+        record["ok"] = True
+    except Exception as error:  # noqa: BLE001 -- the record carries it to the test
+        record["error"] = f"{type(error).__name__}: {error}"
+        if not isinstance(error, jax.errors.JaxRuntimeError):
+            record["traceback"] = traceback.format_exc()[-3000:]
+    if dump_dir is not None:
+        record["vmem_used"], record["vmem_capacity"] = _read_vmem_reports(dump_dir)
+    return record
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--requirement"]:  # for `make tpu-compiler`
+        print(f"libtpu=={tpu_requirements()['libtpu']}")
+        return 0
+    jobs_file, out_file = argv[:2]
+    dump_dir = None
+    if "--vmem-report" in argv:
+        # libtpu reads its flags once, when the TPU backend starts: set them before that.
+        # Dump only the VMEM report (a JSON table per compiled module, per HLO op).
+        dump_dir = tempfile.mkdtemp(prefix="specjax-vmem-")
+        flags = (f"--xla_jf_dump_to={dump_dir} "
+                 "--xla_jf_dump_llo_pass_label_regex=^vmem_report$")
+        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flags}"
+    import jax
+    import importlib.metadata
+
+    versions = {"jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu")}
+    pins = tpu_requirements()
+    if versions != {"jax": pins["jax"], "libtpu": pins["libtpu"]}:
+        # A libtpu is built for one jax/jaxlib; another pairing may fail in obscure ways.
+        print(f"installed: jax {versions['jax']}, libtpu {versions['libtpu']}; the tpu extra "
+              f"pins jax {pins['jax']} with libtpu {pins['libtpu']}: install the pinned pair "
+              "(make tpu-compiler) or update the pins together", file=sys.stderr)
+        return 3
+    records = []
+    try:
+        for job in json.loads(Path(jobs_file).read_text()):
+            record = run_job(job, dump_dir)
+            record["versions"] = versions
+            records.append(record)
+            print(json.dumps({k: record.get(k) for k in ("kind", "target", "ok", "compile_s")}),
+                  flush=True)
+    finally:
+        if dump_dir is not None:
+            shutil.rmtree(dump_dir, ignore_errors=True)
+    Path(out_file).write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
