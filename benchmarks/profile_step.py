@@ -87,8 +87,9 @@ def model_configs() -> dict:
     return configs
 
 
-def random_model(name: str, dtype: str, seed: int = 0):
-    """A :class:`specjax.Model` with random weights of the named config (no tokenizer)."""
+def random_model(name: str, dtype: str, seed: int = 0, fused: bool = False):
+    """A :class:`specjax.Model` with random weights of the named config (no tokenizer);
+    ``fused``: with fused q|k|v and gate|up projections (:func:`specjax.models.fuse_projections`)."""
     import specjax
     from specjax import models
 
@@ -97,6 +98,8 @@ def random_model(name: str, dtype: str, seed: int = 0):
         raise SystemExit(f"unknown model {name!r}; expected one of {', '.join(configs)}")
     config = configs[name]
     params = models.init_params(config, jax.random.PRNGKey(seed), jnp.dtype(dtype))
+    if fused:
+        params = models.fuse_projections(config, params)
     # Not a known model's name: nothing shipped (draft, n-gram tables) is looked up for it.
     return specjax.Model(config, params, None, f"random-{name}")
 
@@ -745,6 +748,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs, fastest kept")
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--attn-impl", default="auto", choices=["auto", "reference", "kernel"])
+    parser.add_argument("--fused-projections", action="store_true",
+                        help="fuse q|k|v and gate|up weights (models.fuse_projections)")
     parser.add_argument("--no-trace", action="store_true", help="skip the profiler traces")
     parser.add_argument("--hlo-dir", default=None, help="also write each program's HLO text")
     parser.add_argument("--top", type=int, default=15, help="top kernels listed")
@@ -771,7 +776,7 @@ def main(argv=None) -> int:
     tables = random_ngram_tables(vocab) if any(m in NGRAM_METHODS for m in methods) else None
     prompt = np.random.default_rng(1).integers(3, vocab, args.prompt_length).tolist()
     for dtype in dtypes:
-        model = random_model(args.model, dtype)
+        model = random_model(args.model, dtype, fused=args.fused_projections)
         for method in methods:
             options_note = f"{method} {dtype}"
             started = time.perf_counter()

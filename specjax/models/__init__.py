@@ -31,9 +31,44 @@ from specjax.models import gpt2, llama
 _FAMILIES = {"llama": llama, "gpt2": gpt2}
 
 
-def param_shapes(config: ModelConfig) -> dict:
-    """Nested dict of parameter shapes for ``config``."""
-    return _FAMILIES[config.architecture].param_shapes(config)
+def param_shapes(config: ModelConfig, fused: bool = False) -> dict:
+    """Nested dict of parameter shapes for ``config`` (``fused``: with fused projections,
+    :func:`fuse_projections`)."""
+    family = _FAMILIES[config.architecture]
+    if fused:
+        if not hasattr(family, "fuse_layers"):
+            raise InvalidArgumentError(
+                f"{config.architecture} models have no fused-projection layout")
+        return family.param_shapes(config, fused=True)
+    return family.param_shapes(config)
+
+
+def projections_fused(params: dict) -> bool:
+    """Whether ``params`` holds fused projections (:func:`fuse_projections`)."""
+    return any(name in params.get("layers", {}) for name in ("w_qkv", "w_gate_up"))
+
+
+def fuse_projections(config: ModelConfig, params: dict) -> dict:
+    """``params`` with each layer's q|k|v and gate|up matrices (and biases) concatenated
+    along their output axis: one matmul instead of three, and two, per layer.
+
+    Call it once, outside ``jit`` (it concatenates every layer's weights: inside a jitted
+    step it would copy them every step). :func:`forward` takes either layout; checkpoint
+    loaders and exporters use the separate one (:func:`unfuse_projections` restores it
+    exactly). Families without such projections (GPT-2 for now) are returned unchanged.
+    """
+    family = _FAMILIES[config.architecture]
+    if not hasattr(family, "fuse_layers") or projections_fused(params):
+        return params
+    return {**params, "layers": family.fuse_layers(params["layers"])}
+
+
+def unfuse_projections(config: ModelConfig, params: dict) -> dict:
+    """Inverse of :func:`fuse_projections`: the separate, checkpoint layout."""
+    if not projections_fused(params):
+        return params
+    family = _FAMILIES[config.architecture]
+    return {**params, "layers": family.unfuse_layers(config, params["layers"])}
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -55,9 +90,12 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
 
 
 def check_params(config: ModelConfig, params: dict, source: str = "checkpoint") -> None:
-    """Raises :class:`CheckpointError` naming the first missing, extra or mis-shaped tensor."""
+    """Raises :class:`CheckpointError` naming the first missing, extra or mis-shaped tensor
+    (of the separate layout, or of the fused one when ``params`` holds fused projections)."""
+    fused = projections_fused(params) and hasattr(_FAMILIES[config.architecture],
+                                                  "fuse_layers")
     expected = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(
-        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]}
+        param_shapes(config, fused), is_leaf=lambda x: isinstance(x, tuple))[0]}
     got = {jax.tree_util.keystr(p): tuple(a.shape)
            for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
     for name in expected:

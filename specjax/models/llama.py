@@ -13,19 +13,76 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
     layers/b_gate [L, F]     layers/b_up [L, F]     layers/b_down [L, d]   (mlp_bias)
     final_norm  [d]
     lm_head     [d, V]   (absent when the head is tied to ``embed``)
+
+Fused projections (:func:`fuse_layers`, done once after loading, outside any jit): the
+layer's q/k/v matrices concatenated along their output axis into ``w_qkv [L, d,
+(H+2K)*D]`` (``b_qkv`` likewise) and gate/up into ``w_gate_up [L, d, 2F]`` (``b_gate_up``):
+one matmul where there were three, and two, per layer. :func:`block` takes either layout;
+checkpoints and their strict key mapping keep the separate matrices
+(:func:`unfuse_layers` restores them exactly).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.models.layers import apply_rope, dense, rms_norm, rope_tables
 
 
-def param_shapes(config: ModelConfig) -> dict:
-    """The parameter tree of ``config`` with shapes as leaves."""
+# fused name -> the separate parameters it concatenates, in order, along the last axis.
+FUSED_GROUPS = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"),
+                "w_gate_up": ("w_gate", "w_up"), "b_gate_up": ("b_gate", "b_up")}
+
+
+def param_shapes(config: ModelConfig, fused: bool = False) -> dict:
+    """The parameter tree of ``config`` with shapes as leaves (``fused``: the fused
+    projections' layout, see the module docstring)."""
+    shapes = _param_shapes(config)
+    if fused:
+        shapes["layers"] = fuse_layers(shapes["layers"],
+                                       concat=lambda parts: parts[0][:-1] + (
+                                           sum(p[-1] for p in parts),))
+    return shapes
+
+
+def fuse_layers(layers: dict, concat=None) -> dict:
+    """The layer parameters with q|k|v and gate|up concatenated (see the module docstring).
+
+    Args:
+      layers: the ``layers`` subtree (stacked [L, ...] arrays), separate layout.
+      concat: how to join a group (default: ``jnp.concatenate`` along the last axis).
+    """
+    concat = concat or (lambda parts: jnp.concatenate(parts, axis=-1))
+    out = dict(layers)
+    for name, parts in FUSED_GROUPS.items():
+        if all(part in out for part in parts):
+            out[name] = concat([out.pop(part) for part in parts])
+    return out
+
+
+def unfuse_layers(config: ModelConfig, layers: dict) -> dict:
+    """Inverse of :func:`fuse_layers` (exact: a split of the concatenated arrays)."""
+    widths = _group_widths(config)
+    out = dict(layers)
+    for name, parts in FUSED_GROUPS.items():
+        if name in out:
+            pieces = jnp.split(out.pop(name), np.cumsum(widths[name])[:-1], axis=-1)
+            out.update(zip(parts, pieces))
+    return out
+
+
+def _group_widths(config: ModelConfig) -> dict:
+    q_width = config.num_heads * config.head_dim
+    kv_width = config.num_kv_heads * config.head_dim
+    f = config.intermediate_size
+    return {"w_qkv": (q_width, kv_width, kv_width), "b_qkv": (q_width, kv_width, kv_width),
+            "w_gate_up": (f, f), "b_gate_up": (f, f)}
+
+
+def _param_shapes(config: ModelConfig) -> dict:
     d, L = config.hidden_size, config.num_layers
     q_width = config.num_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
@@ -59,19 +116,31 @@ def position_context(config: ModelConfig, positions: jax.Array):
 
 
 def block(p, config: ModelConfig, x: jax.Array, rope, attend):
-    """One decoder block. ``attend(q, k, v)`` runs attention; returns (x, k, v)."""
+    """One decoder block (separate or fused projections). ``attend(q, k, v)`` runs
+    attention; returns (x, k, v)."""
     cos, sin = rope
     t = x.shape[0]
+    widths = _group_widths(config)
     h = rms_norm(x, p["attn_norm"], config.norm_eps)
-    q = dense(h, p["wq"], p.get("bq")).reshape(t, config.num_heads, config.head_dim)
-    k = dense(h, p["wk"], p.get("bk")).reshape(t, config.num_kv_heads, config.head_dim)
-    v = dense(h, p["wv"], p.get("bv")).reshape(t, config.num_kv_heads, config.head_dim)
+    if "w_qkv" in p:
+        q, k, v = jnp.split(dense(h, p["w_qkv"], p.get("b_qkv")),
+                            np.cumsum(widths["w_qkv"])[:-1], axis=-1)
+    else:
+        q, k, v = (dense(h, p["wq"], p.get("bq")), dense(h, p["wk"], p.get("bk")),
+                   dense(h, p["wv"], p.get("bv")))
+    q = q.reshape(t, config.num_heads, config.head_dim)
+    k = k.reshape(t, config.num_kv_heads, config.head_dim)
+    v = v.reshape(t, config.num_kv_heads, config.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v).reshape(t, config.num_heads * config.head_dim)
     x = x + dense(a, p["wo"], p.get("bo"))
     h = rms_norm(x, p["mlp_norm"], config.norm_eps)
-    gate = jax.nn.silu(dense(h, p["w_gate"], p.get("b_gate")))
-    x = x + dense(gate * dense(h, p["w_up"], p.get("b_up")), p["w_down"], p.get("b_down"))
+    if "w_gate_up" in p:
+        gate, up = jnp.split(dense(h, p["w_gate_up"], p.get("b_gate_up")),
+                             np.cumsum(widths["w_gate_up"])[:-1], axis=-1)
+    else:
+        gate, up = dense(h, p["w_gate"], p.get("b_gate")), dense(h, p["w_up"], p.get("b_up"))
+    x = x + dense(jax.nn.silu(gate) * up, p["w_down"], p.get("b_down"))
     return x, k, v
 
 
