@@ -46,3 +46,28 @@ def test_the_peers_record_their_device(monkeypatch):
     assert described["peers"]["hf"]["status"] == "unavailable"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert peers.TransformersPeers(["hf"], target=object()).describe()["device"] == "cpu"
+
+
+def test_a_model_with_fused_projections_exports_in_the_checkpoint_layout(monkeypatch):
+    """The peers write our weights as a Hugging Face directory: a target running with fused
+    q|k|v and gate|up weights is written with the separate ones, which transformers loads."""
+    import numpy as np
+
+    from conftest import tiny_pair
+    from specjax import models
+
+    hf_model, model = tiny_pair("llama-gqa", seed=4)
+    fused = dataclasses_replace(model, models.fuse_projections(model.config, model.params))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    group = peers.TransformersPeers(["hf"], target=fused)
+    assert group.available("hf"), group.describe()
+    loaded = group._models["target"].state_dict()
+    expected = hf_model.state_dict()
+    name = "model.layers.0.self_attn.k_proj.weight"
+    np.testing.assert_array_equal(loaded[name].numpy(), expected[name].numpy())
+
+
+def dataclasses_replace(model, params):
+    import dataclasses
+
+    return dataclasses.replace(model, params=params)

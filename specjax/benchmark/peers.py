@@ -128,13 +128,16 @@ class TransformersPeers:
         import torch
         import transformers
 
+        from specjax import models
         from specjax.checkpoints_tools.hf import save_hf_directory
 
         bars = transformers.utils.logging.is_progress_bar_enabled()
         transformers.utils.logging.disable_progress_bar()  # keep the benchmark's own output
         try:
             with tempfile.TemporaryDirectory(prefix="specjax-peer-") as folder:
-                save_hf_directory(model.config, _float32_params(model.params), folder)
+                # The checkpoint layout: a model may run with fused projections.
+                separate = models.unfuse_projections(model.config, model.params)
+                save_hf_directory(model.config, _float32_params(separate), folder)
                 hf_model = transformers.AutoModelForCausalLM.from_pretrained(
                     folder, dtype=getattr(torch, self.dtype))
         finally:
