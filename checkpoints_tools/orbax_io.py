@@ -19,8 +19,10 @@ so a checkpoint that does not describe the model it claims to is rejected by nam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -182,7 +184,9 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
         raise CheckpointError(f"{path}: the parameter directory {PARAMS_DIR}/ is missing")
     _silence_late_loop_errors()
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
+        # orbax logs a warning of its own when the metadata is unreadable; the error below
+        # says it in one line.
+        with _quiet_absl(), ocp.StandardCheckpointer() as checkpointer:
             stored = checkpointer.metadata(params_dir)
     except Exception as error:  # orbax/tensorstore raise many types for damaged files
         raise CheckpointError(
@@ -238,6 +242,18 @@ def _check_stored_arrays(tree, config: ModelConfig, params_dir: Path) -> None:
         raise CheckpointError(
             f"{params_dir}: the stored arrays declare {declared} bytes but the directory holds "
             f"{on_disk}; refusing to allocate memory the files do not justify")
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Hides absl's (orbax's) log records below ERROR for the duration of the block."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _is_closed_loop_error(exc) -> bool:

@@ -97,7 +97,7 @@ def test_stream_generate_has_generate_s_defaults_and_rejects_unknown_arguments(s
     prompt = random_prompt(6, 5)
     streamed = [t for new, stats in specjax.stream_generate(spec_target, prompt) for t in new]
     assert streamed == specjax.generate(spec_target, prompt).tokens
-    with pytest.raises(InvalidArgumentError, match="unexpected keyword argument 'temprature'"):
+    with pytest.raises(InvalidArgumentError, match="unknown option 'temprature'"):
         next(specjax.stream_generate(spec_target, prompt, temprature=1.0))
 
 
