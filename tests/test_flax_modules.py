@@ -148,6 +148,7 @@ def _next_token_loss(logits, windows):
     return -jnp.mean(jnp.take_along_axis(log_q, windows[:, 1:, None], axis=-1))
 
 
+@pytest.mark.slow  # compiles spec, tree and staged programs (~1-2 min)
 def test_models_trained_in_flax_loops_decode_speculatively(spec_target, spec_drafts):
     """A target fine-tuned with nnx.Optimizer and a draft with a linen TrainState decode
     with spec / tree / staged; greedy output equals ar of the fine-tuned target."""

@@ -188,6 +188,7 @@ def test_smollm2_config_is_the_preset(smollm2_ours):
     assert config == smollm2_135m()
 
 
+@pytest.mark.slow  # transformers loads the GGUF through torch (~45 s)
 def test_smollm2_logits_match_transformers_gguf_load(smollm2_ours, humaneval_prompts):
     config, params, tokenizer = smollm2_ours
     tokens = tokenizer(humaneval_prompts[0]).input_ids[:20]

@@ -174,7 +174,7 @@ def tiny_models():
     return target, draft, expected
 
 
-@pytest.mark.parametrize("method", ["ar", "tree"])
+@pytest.mark.parametrize("method", ["ar", pytest.param("tree", marks=pytest.mark.slow)])
 def test_generate_with_kernel_equals_reference(tiny_models, method):
     """Greedy output with the kernel equals ``ar`` with the reference (speculation is
     lossless, so this is also what ``tree`` with the reference gives; one compile less)."""

@@ -114,6 +114,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2, gguf_location, p
         assert smollm2.tokenizer.decode(ids) == prompt
 
 
+@pytest.mark.slow  # transformers generates 8 x 64 tokens first (~1-3 min)
 @pytest.mark.parametrize("index", range(NUM_PROMPTS))
 def test_greedy_equals_transformers_generate(smollm2, hf_smollm2, prompt_ids, generations,
                                              index):

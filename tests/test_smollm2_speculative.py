@@ -19,11 +19,12 @@ PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"
            "from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"]
 
 
-@pytest.mark.parametrize("kwargs", [dict(method="spec", draft_depth=3),
-                                    dict(method="tree", tree_budget=8, draft_depth=3,
-                                         draft_width=2),
-                                    dict(method="staged"),  # the shipped draft and tables
-                                    dict(method="ngram")])
+@pytest.mark.parametrize("kwargs", [
+    pytest.param(dict(method="spec", draft_depth=3), marks=pytest.mark.slow),
+    pytest.param(dict(method="tree", tree_budget=8, draft_depth=3, draft_width=2),
+                 marks=pytest.mark.slow),
+    dict(method="staged"),  # the shipped draft and tables
+    pytest.param(dict(method="ngram"), marks=pytest.mark.slow)])
 def test_greedy_and_coupled_equal_ar_on_smollm2(smollm2, tiny_draft, kwargs):
     if kwargs["method"] in ("spec", "tree"):
         kwargs = dict(kwargs, draft=tiny_draft)
@@ -39,8 +40,8 @@ def test_greedy_and_coupled_equal_ar_on_smollm2(smollm2, tiny_draft, kwargs):
 # ----------------------------------------------------------------------------- shipped draft
 
 
-@pytest.mark.parametrize("method", ["spec", "tree", "staged"])
-@pytest.mark.parametrize("draft", [None, "smollm2-135m-draft", "asset-folder"])
+@pytest.mark.parametrize("draft, method", [(None, "spec"), ("smollm2-135m-draft", "tree"),
+                                           ("asset-folder", "staged")])
 def test_the_shipped_draft_by_default_by_name_and_by_folder(smollm2, method, draft):
     if draft == "asset-folder":
         draft = str(sources.assets_dir() / "smollm2-135m")

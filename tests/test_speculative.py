@@ -38,7 +38,10 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+# deep-narrow and kary-fixed also run in the coupled test below; make test-all runs them here.
+@pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.slow)
+                                   if s in ("deep-narrow", "kary-fixed") else s
+                                   for s in SHAPES])
 def test_greedy_speculation_equals_ar(target, drafts, shape):
     for seed in (0, 1):
         prompt = random_prompt(seed, 7 + 5 * seed)
@@ -105,6 +108,7 @@ def test_streaming_speculation_equals_while_loop(target, drafts):
     assert streamed == full.tokens
 
 
+@pytest.mark.slow  # ~1-2 min: 10 random trees, each compiled
 @settings(max_examples=10, deadline=None)
 @given(st.data())
 def test_tree_attention_equals_causal_paths(data):

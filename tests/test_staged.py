@@ -54,7 +54,10 @@ def _run(target, prompt, shape, draft, tables, **kwargs):
     return specjax.generate(target, prompt, max_new_tokens=NEW, **options)
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+# The two widest staged shapes (a minute each) also run in the coupled test below.
+@pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.slow)
+                                   if s in ("staged-wide-no-lookup", "staged-priors-two-rounds")
+                                   else s for s in SHAPES])
 def test_greedy_equals_ar(target, drafts, tables, shape):
     if SHAPES[shape]["method"] == "ngram":
         names = ["none"]
@@ -131,6 +134,7 @@ def test_streaming_equals_while_loop_with_origins(target, drafts, tables):
     assert stats["tokens_by_origin"] == full.stats["tokens_by_origin"]
 
 
+@pytest.mark.slow  # about a minute
 def test_subset_head_draft_is_exact_and_still_helps(target, drafts, tables):
     """A draft scoring a third of the vocabulary (the target's own head restricted)
     proposes only subset tokens; outputs stay those of ar, greedy and coupled."""

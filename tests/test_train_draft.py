@@ -69,6 +69,7 @@ def _cfg(**overrides):
     return train_draft.TrainConfig(**{**base, **overrides})
 
 
+@pytest.mark.slow  # trains, resumes and exports (~40 s)
 def test_distillation_learns_resumes_and_exports(tiny_target, corpus_files, tmp_path):
     out = tmp_path / "run"
     summary = train_draft.train_draft(tiny_target, out, _cfg(), corpus_files=corpus_files,

@@ -26,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -248,6 +250,39 @@ def _read_vmem_reports(folder: str) -> tuple[dict[str, int], int | None]:
     return used, capacity
 
 
+def _large_copies(text: str, min_elements: int = 2**20) -> list[str]:
+    """Copies and transposes of at least ``min_elements`` elements in compiled HLO text,
+    marked ``(in loop)`` when they sit in a while loop's body or in what it calls: memory
+    traffic the compile succeeds with (a relayout of the weights or of the KV cache, a
+    loop carrying a copy) that a TPU would pay once per call, or once per step in a loop."""
+    computation, calls, copies, bodies = None, {}, [], set()
+    pattern = r"= \(?(\w+)\[([\d,]+)\]\{[^}]*\}[^=]*? (copy-start|copy|transpose)\("
+    for line in text.splitlines():
+        header = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header and not line.startswith(" "):
+            computation = header.group(1)
+            calls[computation] = set()
+            continue
+        if computation is None:
+            continue
+        calls[computation].update(re.findall(
+            r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line))
+        if "branch_computations={" in line:
+            branches = line.split("branch_computations={")[1].split("}")[0]
+            calls[computation].update(re.findall(r"%?([\w.\-]+)", branches))
+        bodies.update(re.findall(r"body=%?([\w.\-]+)", line))
+        match = re.search(pattern, line)
+        if match and math.prod(int(d) for d in match.group(2).split(",")) >= min_elements:
+            copies.append((computation, f"{match.group(3)} {match.group(1)}[{match.group(2)}]"))
+    in_loop, frontier = set(), list(bodies)
+    while frontier:
+        name = frontier.pop()
+        if name not in in_loop:
+            in_loop.add(name)
+            frontier.extend(calls.get(name, ()))
+    return [f"{copy} (in loop)" if where in in_loop else copy for where, copy in copies]
+
+
 def _compile_kernels_for_tpu() -> None:
     """Makes ``attn_impl="kernel"`` pick the TPU kernel, compiled (not interpreted).
 
@@ -305,6 +340,7 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
         # must contain the TPU kernels, not the CPU fallback or an interpreted kernel).
         text = compiled.as_text()
         record["tpu_kernels"] = {prefix: text.count(prefix) for prefix in KERNEL_PREFIXES}
+        record["large_copies"] = _large_copies(text)
         record["ok"] = True
     except Exception as error:  # noqa: BLE001 -- the record carries it to the test
         record["error"] = f"{type(error).__name__}: {error}"
