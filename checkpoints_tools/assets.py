@@ -27,6 +27,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, InvalidArgumentError
+from specjax.models import param_shapes
 
 DRAFT_TENSORS = "draft.safetensors"
 DRAFT_CONFIG = "draft.json"
@@ -40,20 +41,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def flatten_tree(tree: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": x}}`` -> ``{"a.b": x}``: the tensor names a draft asset stores."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten_tree(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def expected_draft_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a draft asset stores for a draft of ``config``."""
-    from specjax.models import param_shapes
-
-    def flatten(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                out.update(flatten(value, f"{prefix}{key}."))
-            else:
-                out[f"{prefix}{key}"] = tuple(value)
-        return out
-
-    return {name: shape for name, shape in flatten(param_shapes(config)).items()
+    return {name: tuple(shape) for name, shape in flatten_tree(param_shapes(config)).items()
             if name not in SHARED}
 
 

@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 import specjax
 from specjax.checkpoints_tools import orbax_io
 from specjax.checkpoints_tools.assets import (DRAFT_CONFIG, DRAFT_TENSORS, HEAD_TOKENS,
-                                              check_draft_asset)
+                                              check_draft_asset, flatten_tree)
 from specjax.checkpoints_tools.gguf_loader import load_gguf
 from specjax.checkpoints_tools.hf import (as_numpy_dtype, check_safetensors_header,
                                           hub_snapshot, load_hf_directory, load_hf_tokenizer,
@@ -221,14 +221,14 @@ def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, p
     directory.mkdir(parents=True, exist_ok=True)
     own = {k: v for k, v in params.items() if k not in ("embed", "lm_head")}
     own.pop(HEAD_SUBSET, None)
-    tensors = {k: np.asarray(v, np.float16) for k, v in _flatten(own).items()}
+    tensors = {k: np.asarray(v, np.float16) for k, v in flatten_tree(own).items()}
     if head_tokens is not None:
         tensors[HEAD_TOKENS] = np.unique(np.asarray(head_tokens, np.int32))
     tmp = directory / (DRAFT_TENSORS + ".tmp")
     save_file(tensors, str(tmp))
     os.chmod(tmp, 0o644)
     os.replace(tmp, directory / DRAFT_TENSORS)
-    record = {"num_layers": int(next(iter(_flatten(params["layers"]).values())).shape[0]),
+    record = {"num_layers": int(next(iter(flatten_tree(params["layers"]).values())).shape[0]),
               "embed_fingerprint": embed_fingerprint(target_embed),
               "embed_fingerprints": embed_fingerprints(target_embed),
               "head_tokens": None if head_tokens is None else int(tensors[HEAD_TOKENS].size),
@@ -300,16 +300,6 @@ def frequent_tokens(tokens, k: int, vocab_size: int):
     default head subset of a shipped draft, counted on its training corpus."""
     counts = np.bincount(np.asarray(tokens, np.int64).ravel(), minlength=vocab_size)
     return np.sort(np.argsort(-counts, kind="stable")[: int(k)]).astype(np.int32)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _unflatten(flat: dict) -> dict:
