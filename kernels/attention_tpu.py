@@ -62,6 +62,10 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 KERNEL_NAME = "TPU verify-attention kernel"
 TAKES_LAYER_INDEX = True  # reads layer ``layer`` of an [L, S, K, D] cache in place
 LANES = 128
+# block_kv values tried, largest first. Below 128 the score tiles leave lanes idle, but
+# every KV head shares a cache block, so many-head MHA models fit v4's VMEM only so.
+BLOCK_KV_CHOICES = (256, 128, 64, 32)
+MIN_BLOCK_KV = 32
 MiB = 2**20
 # Each kernel's estimated VMEM stays under this, so that it fits TPU v4's 16 MiB per core
 # with room for Mosaic's internal scratch; the scoped limit asked of the compiler is v4's
@@ -72,6 +76,13 @@ VMEM_LIMIT = 16 * MiB
 # probabilities, their exponentials and masks, and what the compiler spills of them.
 _SCORE_TEMPORARIES = 8
 _INTERNAL_SCRATCH = 64 * 1024  # Mosaic's own scratch per kernel (36 KiB in its reports)
+# Float32 values per KV head that the split kernel keeps live at once (the heads' loop is
+# unrolled and the compiler overlaps the heads): [block_kv, D]-sized ones (its K and V
+# loads, the masked V, their float32 forms) and [rows, 128]-sized ones (scores, the
+# running max and sum, the accumulator update). Fitted to the compiler's VMEM reports
+# (spills: up to 4.7 block-sized per head with 16 KV heads; 2 row-sized at block_kv 32).
+_HEAD_TEMPORARIES = 5
+_HEAD_ROW_TEMPORARIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +90,8 @@ class TpuBlockSizes:
     """Static tiling of :func:`verify_attention_tpu`.
 
     Attributes:
-      block_kv: cache slots per grid step, a multiple of 128; ``None``: 256, or 128 where
-        that saves a row tile (many KV heads: the block holds all of them).
+      block_kv: cache slots per grid step, a multiple of 32; ``None``: the largest of
+        :data:`BLOCK_KV_CHOICES` among those needing the fewest row tiles.
       num_splits: KV splits run in parallel (2 feeds both TensorCores of a megacore chip).
       block_rows: query rows (tree nodes x query heads of one KV head) per tile, a multiple
         of the dtype's sublane tile (8 for float32, 16 for bfloat16); ``None``: the most
@@ -94,9 +105,11 @@ class TpuBlockSizes:
     vmem_limit_bytes: int | None = None
 
     def check(self) -> None:
-        if self.block_kv is not None and (self.block_kv < LANES or self.block_kv % LANES):
+        if self.block_kv is not None and (self.block_kv < MIN_BLOCK_KV
+                                          or self.block_kv % MIN_BLOCK_KV):
             raise InvalidArgumentError(
-                f"{KERNEL_NAME}: block_kv={self.block_kv} must be a positive multiple of {LANES}")
+                f"{KERNEL_NAME}: block_kv={self.block_kv} must be a positive multiple of "
+                f"{MIN_BLOCK_KV}")
         if self.num_splits < 1:
             raise InvalidArgumentError(f"{KERNEL_NAME}: num_splits={self.num_splits} must be >= 1")
         if self.block_rows is not None and (self.block_rows < 8 or self.block_rows % 8):
@@ -139,10 +152,9 @@ def _split_vmem(block_rows, num_kv_heads, head_dim, block_kv, itemsize) -> int:
     windows = (num_kv_heads * block_rows * lanes * itemsize  # queries
                + 2 * block_kv * kv_sublanes * lanes * itemsize  # k, v
                + num_kv_heads * block_rows * (lanes + 2 * LANES) * 4)  # acc, m, l
-    # The heads' loop is unrolled and the compiler keeps each head's strided K load live
-    # ([block_kv, D] apiece; its VMEM report shows them as spills).
-    temporaries = (_SCORE_TEMPORARIES * block_rows * block_kv * 4
-                   + num_kv_heads * block_kv * lanes * 4)
+    temporaries = (_SCORE_TEMPORARIES * block_rows * layout.round_up(block_kv, LANES) * 4
+                   + num_kv_heads * 4 * (_HEAD_TEMPORARIES * block_kv * lanes
+                                         + _HEAD_ROW_TEMPORARIES * block_rows * LANES))
     return 2 * windows + temporaries + _INTERNAL_SCRATCH  # windows are double-buffered
 
 
@@ -203,7 +215,7 @@ def vmem_plan(q, k_new, scratch_mask, has_cache: bool,
         block_rows = layout.round_up(-(-needed // row_tiles), sublanes)  # least padding
         return VmemPlan(block_kv, block_rows, row_tiles, tail, *bytes_for(block_kv, block_rows))
 
-    choices = (block_sizes.block_kv,) if block_sizes.block_kv else (256, LANES)
+    choices = (block_sizes.block_kv,) if block_sizes.block_kv else BLOCK_KV_CHOICES
     plans = [p for p in map(plan_for, choices) if p is not None and p.estimate <= VMEM_BUDGET]
     if not plans:
         smallest = plan_for(choices[-1]) or VmemPlan(choices[-1], sublanes, 1, tail,

@@ -228,8 +228,8 @@ def test_bad_block_sizes_and_variant_are_refused(monkeypatch):
     args = _valid_args()
     with pytest.raises(InvalidArgumentError, match="block_kv=24 must be a power of two"):
         verify_attention_gpu(*args, block_sizes=GpuBlockSizes(block_kv=24), interpret=True)
-    with pytest.raises(InvalidArgumentError, match="block_kv=64 must be a positive multiple"):
-        verify_attention_tpu(*args, block_sizes=TpuBlockSizes(block_kv=64), interpret=True)
+    with pytest.raises(InvalidArgumentError, match="block_kv=48 must be a positive multiple"):
+        verify_attention_tpu(*args, block_sizes=TpuBlockSizes(block_kv=48), interpret=True)
     with pytest.raises(InvalidArgumentError, match="dtype float16 is not supported"):
         verify_attention_tpu(*_valid_args(dtype=jnp.float16), interpret=True)
     monkeypatch.setenv(kernels.INTERPRET_ENV, "cuda")

@@ -72,13 +72,14 @@ class Shape:
         return dict(kind="kernel", target=target, **fields, **extra)
 
 
-# The models' head shapes: SmolLM2-135M (9/3 x 64, G=3), GPT-2 (MHA, G=1), Llama-3.2-1B
-# (32/8 x 64, G=4), Llama-3-8B (32/8 x 128, G=4), Qwen2-like G=8.
+# The models' head shapes: SmolLM2-135M (9/3 x 64, G=3), GPT-2 (MHA, G=1; XL: 25 heads),
+# Llama-3.2-1B (32/8 x 64, G=4), Llama-3-8B (32/8 x 128, G=4), Qwen2-like G=8.
 KERNEL_SHAPES = [
     Shape("smollm2-decode", 9, 3, 64, 1, "bfloat16"),
     Shape("smollm2-draft-level-window", 9, 3, 64, 6, "bfloat16", window=12),
     Shape("smollm2-tree-f32", 9, 3, 64, 36, "float32", capacity=2048),
     Shape("gpt2-mha-window-f32", 12, 12, 64, 16, "float32", window=16, capacity=1024),
+    Shape("gpt2-xl-mha-36-nodes-f32", 25, 25, 64, 36, "float32", capacity=1024),
     Shape("llama8b-g4-d128-128-nodes-window", 32, 8, 128, 128, "bfloat16", window=128),
     Shape("g8-d128-64-nodes", 32, 4, 128, 64, "bfloat16", capacity=8192),
     Shape("g8-d64-128-nodes-window-f32", 16, 2, 64, 128, "float32", window=16, capacity=2048),
@@ -87,7 +88,8 @@ KERNEL_SHAPES = [
 # v4 has 16 MiB of VMEM: every shape compiles there too (the VMEM-heavy ones matter most).
 FAST_KERNELS = [(target, shape) for target in TARGETS for shape in KERNEL_SHAPES]
 # A large tree with the VMEM limit set far below what it needs: the compiler must refuse.
-VMEM_CANARY = KERNEL_SHAPES[4].job("v5e:2x2", vmem_limit_bytes=2 * tpu_aot.MiB)
+LARGE_TREE = KERNEL_SHAPES[5]
+VMEM_CANARY = LARGE_TREE.job("v5e:2x2", vmem_limit_bytes=2 * tpu_aot.MiB)
 CANARIES = [dict(kind="canary", target="v5e:2x2", dtype=dtype)
             for dtype in ("bfloat16", "float32")]
 FAST_PROGRAMS = [dict(kind="program", target="v5e:2x2", method="ar")]
@@ -97,9 +99,11 @@ SLOW_PROGRAMS = ([dict(kind="program", target=target, method=method, verify=veri
                  + [dict(kind="program", target=target, method=method, verify="coupled")
                     for target in ("v6e:2x2", "v4:2x2x1") for method in ("ar", "staged")])
 # Slow sweep: every model head shape x dtype at 1, 16 and 128 nodes (the last two with a
-# scratch window of the same size) on every generation.
-HEADS = [(12, 12, 64), (16, 16, 128), (9, 3, 64), (24, 8, 128), (32, 8, 64), (32, 8, 128),
-         (16, 2, 64), (32, 4, 128)]
+# scratch window of the same size) on every generation. (H, K, D): GPT-2 small, medium
+# with head_dim 128, XL; Llama-2-7B (MHA); SmolLM2; Llama-3.2-3B; Llama-3.2-1B;
+# Llama-3-8B; G=8 at head_dim 64 and 128.
+HEADS = [(12, 12, 64), (16, 16, 128), (25, 25, 64), (32, 32, 128), (9, 3, 64), (24, 8, 128),
+         (32, 8, 64), (32, 8, 128), (16, 2, 64), (32, 4, 128)]
 SWEEP = [(target, Shape(f"h{h}-k{k}-d{d}-t{t}-m{m}-{dtype}", h, k, d, t, dtype, window=m))
          for target in TARGETS for (h, k, d), dtype, (t, m) in itertools.product(
              HEADS, ("float32", "bfloat16"), ((1, 0), (16, 16), (128, 128)))]
@@ -151,7 +155,7 @@ def test_the_compiler_enforces_the_vmem_limit(fast_records):
     the VMEM we ask for is checked at compile time, as on the device."""
     record = fast_records[_key(VMEM_CANARY)]
     assert not record["ok"] and "vmem" in record["error"].lower(), record["error"]
-    _compiled(fast_records[_key(KERNEL_SHAPES[4].job("v5e:2x2"))])
+    _compiled(fast_records[_key(LARGE_TREE.job("v5e:2x2"))])
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -225,6 +229,13 @@ def test_row_tiles_match_the_reference(dtype):
     plan = attention_tpu.vmem_plan(q, k_new, scratch_mask, True, case.block_sizes)
     assert plan.row_tiles > 1  # 7 nodes x 4 heads = 28 rows
     check_against_reference(verify_attention_tpu, case, seed=5)
+
+
+def test_small_kv_blocks_match_the_reference():
+    """block_kv below 128 (what many-head MHA models get) with three splits, some empty."""
+    case = Case("kv32-3splits-bf16", 5, 6, 2, 64, 300, 170, window=4, dtype=jnp.bfloat16,
+                block_sizes=TpuBlockSizes(block_kv=32, num_splits=3))
+    check_against_reference(verify_attention_tpu, case, seed=9)
 
 
 def case_inputs(case: Case):
