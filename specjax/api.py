@@ -209,6 +209,11 @@ def generate(model: Model, prompt: str | Sequence[int], *,
              attn_impl: str = "auto", **options) -> GenerationResult:
     """Generates a continuation as one compiled program on the device.
 
+    Threads may call it (and :func:`stream_generate`) on one shared :class:`Model` at
+    once: a program several threads need for the first time is compiled once, the others
+    wait for it (``tests/test_reliability.py``). Non-finite target logits raise
+    :class:`~specjax.errors.NumericalError` naming the position where generation stopped.
+
     Args:
       model: a :class:`Model` from :func:`load` (or :meth:`Model.from_params`).
       prompt: a string (tokenized with the model's tokenizer) or a list of token ids.
