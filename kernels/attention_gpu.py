@@ -230,17 +230,6 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
     return config
 
 
-def _window_rows(cache, layer, length, width: int):
-    """(rows [M, K, D] of scratch slots ``length .. length + M - 1`` of layer ``layer`` of an
-    [L, S, K, D] cache, bool [M]: the slot exists). A gather of M rows; the layer itself is
-    never copied."""
-    num_layers, capacity = cache.shape[:2]
-    slots = length + jnp.arange(width, dtype=jnp.int32)
-    index = layer * capacity + jnp.clip(slots, 0, capacity - 1)
-    flat = cache.reshape(num_layers * capacity, *cache.shape[2:])
-    return jnp.take(flat, index, axis=0), slots < capacity
-
-
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
                          layer=None, block_sizes: GpuBlockSizes = GpuBlockSizes(),
@@ -288,9 +277,8 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     if has_cache and scratch_mask is not None and scratch_mask.shape[1] > 0:
         # The scratch window as a small cache of its own (M slots from slot 0), so that the
         # shared packing never slices a layer out of the stacked cache.
-        window_k, exists = _window_rows(k_cache, layer, length, scratch_mask.shape[1])
-        window_v, _ = _window_rows(v_cache, layer, length, scratch_mask.shape[1])
-        window_mask = scratch_mask & exists[None, :]
+        window_k, window_v, window_mask = layout.scratch_window(k_cache, v_cache, layer,
+                                                               length, scratch_mask)
     tail_k, tail_v, tail_mask = layout.pack_tail(
         k_new, v_new, window_k, window_v, jnp.int32(0), mask, window_mask, group=group,
         rows=rows, tail=tail, mask_dtype=jnp.int8)

@@ -167,3 +167,19 @@ def tail_width(num_tokens: int, scratch_mask, has_cache: bool) -> int:
     """M + T, the number of tail keys before padding."""
     window = scratch_mask.shape[1] if (has_cache and scratch_mask is not None) else 0
     return window + num_tokens
+
+
+def scratch_window(k_cache, v_cache, layer, length, scratch_mask):
+    """The scratch window as a small cache of its own: (K rows [M, K, D], V rows, mask
+    [N, M] with slots past the capacity hidden), from layer ``layer`` of the stacked
+    [L, S, K, D] caches, slots ``length .. length + M - 1`` (M = ``scratch_mask.shape[1]``).
+    A gather of M rows: the layer itself is never sliced out (shared by the GPU and TPU
+    kernels' wrappers)."""
+    num_layers, capacity = k_cache.shape[:2]
+    slots = length + jnp.arange(scratch_mask.shape[1], dtype=jnp.int32)
+    index = layer * capacity + jnp.clip(slots, 0, capacity - 1)
+
+    def rows(cache):
+        return jnp.take(cache.reshape(num_layers * capacity, *cache.shape[2:]), index, axis=0)
+
+    return rows(k_cache), rows(v_cache), scratch_mask & (slots < capacity)[None, :]
