@@ -14,9 +14,10 @@ from pathlib import Path
 
 import jax
 
-from specjax import api, loading, progress
+from specjax import api, interrupts, loading, progress
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import ngram_build, sources, train_draft
+from specjax.checkpoints_tools.convert import convert
 from specjax.errors import InvalidArgumentError, SpecjaxError
 from specjax.methods import METHODS, MethodOptions
 from specjax.methods.flags import add_method_arguments, method_from_args
@@ -184,8 +185,6 @@ def _generate(args) -> int:
         stream = api.stream_generate(model, args.prompt, origins=True, **kwargs)
         with shown.phase("compiling and prefilling"):
             first = next(stream)
-    from specjax import interrupts
-
     # A Ctrl-C that a garbage-collector callback swallows still stops the stream.
     with interrupts.guard() as interrupt:
         _print_stream(model, itertools.chain([first], stream), args.show_origin,
@@ -250,9 +249,6 @@ def _print_tokens(model, stream, show_origin: bool, check, tokens: list[int]) ->
 
 
 def _convert(args) -> int:
-    from specjax import interrupts
-    from specjax.checkpoints_tools.convert import convert
-
     # Until convert() writes (it holds Ctrl-C back then, and cleans up), nothing needs
     # cleaning up: Ctrl-C ends the process at once, so that no gc callback or import can
     # swallow or garble it. Once DST is in place, Ctrl-C is ignored (see interrupts.command).
@@ -264,8 +260,6 @@ def _convert(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specjax import interrupts
-
     parser = build_parser()
     if argv is None:  # run as the program, not called from Python
         interrupts.run_as_program()
