@@ -92,7 +92,10 @@ def run_worker(jobs: list[dict], *, vmem_report: bool = False, timeout: float = 
     path, reason = find_compiler()
     if path is None:
         raise RuntimeError(reason)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # Only compiling: no TPU is touched, so the lock libtpu takes against a second process
+    # using the same TPU (/tmp/libtpu_lockfile) would only make concurrent runs (two
+    # checkouts, CI beside a developer) fail with "ABORTED ... libtpu multi-process lockfile".
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     if path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="specjax-tpu-aot-") as tmp:
