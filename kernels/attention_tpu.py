@@ -26,11 +26,11 @@ array's or are multiples of (8, 128)):
 VMEM: the query rows are tiled so that both kernels' estimated VMEM (:func:`vmem_plan`,
 from the block sizes, counting double buffering and the (8, 128) tile padding) stays
 under :data:`VMEM_BUDGET`, which fits the smallest VMEM of the generations we compile for
-(TPU v4: 16 MiB per core; v5e/v6e: 128 MiB; v5p/v7x: 64 MiB). One tile holds all of a
-head's rows unless the tree is large and the group wide (e.g. 128 nodes x 8 query heads per
-KV head with head_dim 128); each further tile reads the committed cache once more.
-``tests/test_tpu_compile.py`` compiles both kernels for real TPU targets and checks the
-estimate against the VMEM the compiler allocates.
+(TPU v4: 16 MiB per core; v5e/v6e: 128 MiB; v5p/v7x: 64 MiB), and ``block_kv`` (256 down
+to 32 slots) is the largest among those needing the fewest tiles. Every supported model
+shape takes one tile up to 36 tree nodes and at most 4 at 128 (each further tile reads
+the committed cache once more). ``tests/test_tpu_compile.py`` compiles both kernels for
+real TPU targets and checks the estimate against the VMEM the compiler allocates.
 
 Float32 inputs use ``Precision.HIGHEST`` dots; bf16 inputs use the MXU with float32
 accumulation. Softmax and accumulators are float32.
