@@ -198,13 +198,6 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
-def _one_layer(cache):
-    """The shape/dtype of one layer of an [S, K, D] or [L, S, K, D] cache (for the checks)."""
-    if cache is None or cache.ndim != 4:
-        return cache
-    return jax.ShapeDtypeStruct(cache.shape[1:], cache.dtype)
-
-
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
                     block_sizes: GpuBlockSizes = GpuBlockSizes()) -> GpuBlockSizes:
     """Raises :class:`InvalidArgumentError` unless the kernel takes these shapes/dtypes.
@@ -213,12 +206,7 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
     may be one layer [S, K, D] or all layers [L, S, K, D]. Returns the block sizes resolved
     for the call.
     """
-    if k_cache is not None and v_cache is not None and (
-            k_cache.ndim == 4 or v_cache.ndim == 4) and k_cache.shape != v_cache.shape:
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: k_cache and v_cache must have one shape; got {k_cache.shape} "
-            f"and {v_cache.shape}")
-    k_cache, v_cache = _one_layer(k_cache), _one_layer(v_cache)
+    k_cache, v_cache = layout.one_layer_caches(k_cache, v_cache, KERNEL_NAME)
     layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                         head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
     num_tokens, num_heads, _ = q.shape

@@ -183,3 +183,24 @@ def scratch_window(k_cache, v_cache, layer, length, scratch_mask):
         return jnp.take(cache.reshape(num_layers * capacity, *cache.shape[2:]), index, axis=0)
 
     return rows(k_cache), rows(v_cache), scratch_mask & (slots < capacity)[None, :]
+
+
+def one_layer_caches(k_cache, v_cache, kernel: str):
+    """(K, V) as one layer's shape/dtype, from [S, K, D] or stacked [L, S, K, D] caches,
+    for the kernels' input checks; stacked caches must share one shape.
+
+    Raises:
+      InvalidArgumentError: stacked K and V caches of different shapes.
+    """
+    if k_cache is not None and v_cache is not None and (
+            k_cache.ndim == 4 or v_cache.ndim == 4) and k_cache.shape != v_cache.shape:
+        raise InvalidArgumentError(
+            f"{kernel}: k_cache and v_cache must have one shape; got {k_cache.shape} "
+            f"and {v_cache.shape}")
+
+    def one(cache):
+        if cache is None or cache.ndim != 4:
+            return cache
+        return jax.ShapeDtypeStruct(cache.shape[1:], cache.dtype)
+
+    return one(k_cache), one(v_cache)
