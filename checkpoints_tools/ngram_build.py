@@ -33,11 +33,18 @@ model to draft samples at temperature 1.5) are fed in::
 
     specjax build-ngram ngram.npz --tokenizer smollm2-135m --text corpus/ --pattern '*.py'
     specjax build-ngram ngram.npz --tokenizer smollm2-135m --tokens samples.npy
+
+or sampled here (:func:`build_ngram_from_draft`, on device, see
+:mod:`specjax.checkpoints_tools.sample_corpus`), optionally mixed with text and token files::
+
+    specjax build-ngram ngram.npz --target smollm2-135m --from-draft DRAFT \\
+        --samples 2000000 --temperature 1.5 --samples-out samples.npy
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import sys
 import tempfile
@@ -527,7 +534,9 @@ def tokenize_files(tokenizer, files: Sequence[Path], progress: bool = False,
 def build_ngram_files(out: str | os.PathLike, tokenizer: str, *,
                       text: Sequence[str | os.PathLike] = (),
                       tokens: Sequence[str | os.PathLike] = (), pattern: str = "*",
-                      exclude: Sequence[str] = (), top_k: int = DEFAULT_TOP_K,
+                      exclude: Sequence[str] = (),
+                      sequences: Sequence[np.ndarray] = (), sources: dict | None = None,
+                      top_k: int = DEFAULT_TOP_K,
                       trigram_top_k: int = DEFAULT_TRIGRAM_TOP_K,
                       trigram_buckets: int = DEFAULT_TRIGRAM_BUCKETS,
                       min_context_count: int = DEFAULT_MIN_CONTEXT_COUNT,
@@ -542,6 +551,9 @@ def build_ngram_files(out: str | os.PathLike, tokenizer: str, *,
         file.
       tokens: ``.npy`` token files (see :func:`read_token_file`), e.g. draft samples.
       pattern, exclude: directory filtering for ``text``.
+      sequences: token sequences already in memory (e.g. :func:`build_ngram_from_draft`'s
+        samples; negative ids separate).
+      sources: extra metadata describing ``sequences`` (stored in the file).
       top_k, trigram_top_k, trigram_buckets, min_context_count: see :func:`build_ngram`.
       overwrite: replace ``out`` if it exists.
       progress: show a progress bar while tokenizing.
@@ -558,28 +570,142 @@ def build_ngram_files(out: str | os.PathLike, tokenizer: str, *,
     if out.exists() and not overwrite:
         raise InvalidArgumentError(f"{out} already exists; pass overwrite=True (--overwrite) "
                                    "to replace it")
-    if not text and not tokens:
-        raise InvalidArgumentError("no corpus: give text files (--text) or token files "
-                                   "(--tokens)")
+    if not text and not tokens and not len(sequences):
+        raise InvalidArgumentError("no corpus: give text files (--text), token files "
+                                   "(--tokens) or draft samples (--from-draft)")
     with interrupts.guard() as interrupt:
         files = collect_text_files(text, pattern, exclude)
         token_sequences = [seq for path in tokens for seq in read_token_file(path)]
         tok, vocab_size = load_tokenizer(tokenizer)
         skipped: list[Path] = []
-        sequences = list(tokenize_files(tok, files, progress=progress, skipped=skipped))
-        built = build_ngram(sequences + token_sequences, vocab_size, top_k=top_k,
-                            trigram_top_k=trigram_top_k, trigram_buckets=trigram_buckets,
+        texts = list(tokenize_files(tok, files, progress=progress, skipped=skipped))
+        built = build_ngram(texts + token_sequences + list(sequences), vocab_size,
+                            top_k=top_k, trigram_top_k=trigram_top_k, trigram_buckets=trigram_buckets,
                             min_context_count=min_context_count)
         metadata = {**built.metadata, "built_by": "specjax build-ngram",
                     "tokenizer": str(tokenizer),
                     "text_files": len(files) - len(skipped), "text_files_skipped": len(skipped),
                     "text_inputs": [str(Path(p).expanduser().absolute()) for p in text],
                     "token_files": len(tokens), "pattern": pattern, "exclude": list(exclude),
+                    **(sources or {}),
                     "total_seconds": round(time.perf_counter() - started, 2)}
         interrupt.check()  # one that a gc callback swallowed while building
         with interrupt.deferred():
             _write_tables(out, built.tables, metadata, interrupt)
     return out, metadata
+
+
+DEFAULT_SAMPLE_TEMPERATURE = 1.5  # the paper's
+DEFAULT_SAMPLE_BATCH = 32
+DEFAULT_SAMPLE_SEQ_LEN = 256
+
+
+def build_ngram_from_draft(out: str | os.PathLike, target, draft, num_samples: int, *,
+                           temperature: float = DEFAULT_SAMPLE_TEMPERATURE, seed: int = 0,
+                           batch_size: int = DEFAULT_SAMPLE_BATCH,
+                           seq_len: int = DEFAULT_SAMPLE_SEQ_LEN,
+                           prompt_text: Sequence[str | os.PathLike] | None = None,
+                           samples_out: str | os.PathLike | None = None,
+                           progress: bool = False, log=None, **corpus) -> tuple[Path, dict]:
+    """``specjax build-ngram --from-draft``: tables fitted to tokens sampled from a draft.
+
+    Samples ``num_samples`` tokens from ``draft`` with
+    :func:`~specjax.checkpoints_tools.sample_corpus.draft_samples` (rows of ``seq_len``,
+    prompts: the separator plus 0-16 tokens at a random offset of a file of
+    ``prompt_text``, default 256 files of the standard library), then builds through
+    :func:`build_ngram_files`, mixed with the text and token files given in ``corpus``.
+
+    Args:
+      out: the ``.npz`` file to write.
+      target: the target's name or path (its tokenizer and vocabulary index the tables,
+        and the draft must fit it).
+      draft: anything :func:`specjax.loading.resolve_draft` accepts (an asset folder, a
+        shipped draft's name, a model path).
+      num_samples: tokens to sample (``>= 1``).
+      temperature, seed, batch_size, seq_len: the sampling (see
+        :func:`~specjax.checkpoints_tools.sample_corpus.sample_continuations`).
+      prompt_text: text files or directories for the prompts (``*.py`` in directories).
+      samples_out: also save the samples as a 2-D ``.npy`` (``-1`` padded; reusable with
+        ``--tokens``), written atomically before the tables.
+      progress, log: progress bars; ``log`` is called with one-line messages.
+      corpus: ``text``, ``tokens``, ``pattern``, ``exclude``, the table settings and
+        ``overwrite``, as for :func:`build_ngram_files`.
+    Returns:
+      (path written, metadata stored).
+    Raises:
+      InvalidArgumentError: bad settings, ``out`` (or ``samples_out``) exists.
+      KeyboardInterrupt: Ctrl-C; nothing half-written is left (see build_ngram_files).
+    """
+    import specjax
+    from specjax.checkpoints_tools import sample_corpus
+
+    started = time.perf_counter()
+    out = Path(out).expanduser().absolute()
+    overwrite = corpus.get("overwrite", False)
+    for path in [out] + ([Path(samples_out).expanduser()] if samples_out else []):
+        if path.exists() and not overwrite:
+            raise InvalidArgumentError(f"{path} already exists; pass overwrite=True "
+                                       "(--overwrite) to replace it")
+    if not num_samples >= 1 or int(num_samples) != num_samples:
+        raise InvalidArgumentError(f"the number of samples must be an integer >= 1, got "
+                                   f"{num_samples}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise InvalidArgumentError(f"the sampling temperature must be > 0 (the paper: 1.5), "
+                                   f"got {temperature}")
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not value >= 1:
+            raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+    _check_settings(1, *(corpus.get(name, default) for name, default in (
+        ("top_k", DEFAULT_TOP_K), ("trigram_top_k", DEFAULT_TRIGRAM_TOP_K),
+        ("trigram_buckets", DEFAULT_TRIGRAM_BUCKETS),
+        ("min_context_count", DEFAULT_MIN_CONTEXT_COUNT))))
+    model = target if isinstance(target, specjax.Model) else specjax.load(target)
+    draft_model = specjax.loading.resolve_draft(model, draft)
+    files = (collect_text_files(prompt_text, "*.py", ()) if prompt_text is not None
+             else None)
+    streams = sample_corpus.prompt_streams(model.tokenizer, files, seed=seed)
+    if log:
+        log(f"sampling {num_samples} tokens from {draft_model.name} at temperature "
+            f"{temperature} ({batch_size} rows x {seq_len} per batch)")
+    began = time.perf_counter()
+    samples = sample_corpus.draft_samples(draft_model, num_samples, temperature=temperature,
+                                          seed=seed, batch_size=batch_size, seq_len=seq_len,
+                                          streams=streams)
+    seconds = time.perf_counter() - began
+    if samples_out:
+        _save_samples(Path(samples_out).expanduser().absolute(), samples)
+    sources = {"draft_samples": {
+        "draft": str(draft) if not isinstance(draft, specjax.Model) else draft.name,
+        "target": model.name, "tokens": int(num_samples),
+        "tokens_kept": int((samples >= 0).sum()), "rows": int(samples.shape[0]),
+        "temperature": float(temperature), "seed": int(seed), "batch_size": int(batch_size),
+        "seq_len": int(seq_len), "prompt_files": len(streams),
+        "prompts": "separator + 0-16 tokens at a random offset of a prompt file",
+        "sampling_seconds": round(seconds, 2),
+        "tokens_per_second": round(num_samples / max(seconds, 1e-9), 1),
+        "samples_file": str(samples_out) if samples_out else None}}
+    tokenizer = corpus.pop("tokenizer", None) or os.fspath(target if isinstance(target, str)
+                                                           else model.name)
+    path, metadata = build_ngram_files(out, tokenizer, sequences=list(samples),
+                                       sources=sources, progress=progress, **corpus)
+    metadata["total_seconds"] = round(time.perf_counter() - started, 2)
+    return path, metadata
+
+
+def _save_samples(path: Path, samples: np.ndarray) -> None:
+    """Writes ``samples`` to ``path`` (.npy) atomically (complete or absent on Ctrl-C)."""
+    with interrupts.guard() as interrupt, interrupt.deferred():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent,
+                                        suffix=".npy")
+        os.close(handle)
+        try:
+            np.save(name, samples)
+            interrupt.check()
+            os.replace(name, path)
+        except BaseException:
+            Path(name).unlink(missing_ok=True)
+            raise
 
 
 def _write_tables(out: Path, tables: NgramTables, metadata: dict,
@@ -609,8 +735,12 @@ def add_parser(subparsers) -> None:
                     "(1-D: one sequence; 2-D: one per row; negative ids separate), e.g. "
                     "samples generated by a draft model.")
     p.add_argument("out", help="the .npz file to write")
-    p.add_argument("--tokenizer", required=True,
-                   help="model whose tokenizer and vocabulary to use (name, path or hub id)")
+    p.add_argument("--tokenizer", default=None,
+                   help="model whose tokenizer and vocabulary to use (name, path or hub id; "
+                        "default: --target)")
+    p.add_argument("--target", default=None,
+                   help="with --from-draft: the target the draft serves (its tokenizer and "
+                        "vocabulary index the tables)")
     p.add_argument("--text", nargs="+", default=[], metavar="PATH",
                    help="text files, or directories searched recursively for --pattern")
     p.add_argument("--tokens", nargs="+", default=[], metavar="FILE.npy",
@@ -631,19 +761,81 @@ def add_parser(subparsers) -> None:
                    help="store trigram contexts seen at least this often "
                         f"(default: {DEFAULT_MIN_CONTEXT_COUNT})")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    g = p.add_argument_group(
+        "draft samples", "fit the tables to tokens sampled from a draft model, as the paper "
+        "did (120M tokens at temperature 1.5); mixed with --text/--tokens when given")
+    g.add_argument("--from-draft", default=None, metavar="DRAFT",
+                   help="draft to sample: an asset folder (specjax train-draft --asset), a "
+                        "shipped draft's name or a model path")
+    g.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="with --from-draft: tokens to sample (required)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature (default: {DEFAULT_SAMPLE_TEMPERATURE})")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: 0)")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help=f"rows sampled at once (default: {DEFAULT_SAMPLE_BATCH})")
+    g.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per row (default: {DEFAULT_SAMPLE_SEQ_LEN})")
+    g.add_argument("--prompt-text", nargs="+", default=None, metavar="PATH",
+                   help="files/directories (*.py) whose random short windows start the rows "
+                        "(default: 256 files of the Python standard library)")
+    g.add_argument("--samples-out", default=None, metavar="FILE.npy",
+                   help="also save the samples (reusable with --tokens)")
     p.set_defaults(func=_run)
+
+
+_SAMPLING_FLAGS = ("samples", "temperature", "seed", "batch_size", "seq_len", "prompt_text",
+                   "samples_out")
+
+
+def _check_flags(args) -> None:
+    """One-line errors for flag combinations argparse cannot express."""
+    if args.from_draft is None:
+        given = [f"--{n.replace('_', '-')}" for n in _SAMPLING_FLAGS
+                 if getattr(args, n) is not None]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} only apply with --from-draft DRAFT")
+        if args.target is not None and args.tokenizer is None:
+            args.tokenizer = args.target
+        if args.tokenizer is None:
+            raise InvalidArgumentError("give --tokenizer MODEL (whose vocabulary the tables "
+                                       "index)")
+        return
+    if args.target is None:
+        raise InvalidArgumentError("--from-draft needs --target MODEL (the model the draft "
+                                   "serves)")
+    if args.tokenizer is not None and args.tokenizer != args.target:
+        raise InvalidArgumentError("with --from-draft the tables index the target's "
+                                   "vocabulary: drop --tokenizer (or make it the --target)")
+    if args.samples is None:
+        raise InvalidArgumentError("--from-draft needs --samples N (tokens to sample)")
 
 
 def _run(args) -> int:
     # As `specjax convert`: Ctrl-C ends the process at once until the tables are written
     # (build_ngram_files holds it back then, and cleans up), and is ignored once they are.
+    _check_flags(args)
+    settings = dict(text=args.text, tokens=args.tokens, pattern=args.pattern,
+                    exclude=args.exclude, top_k=args.top_k, trigram_top_k=args.trigram_top_k,
+                    trigram_buckets=args.trigram_buckets,
+                    min_context_count=args.min_context_count, overwrite=args.overwrite)
     with interrupts.command("specjax: interrupted"):
-        path, meta = build_ngram_files(
-            args.out, args.tokenizer, text=args.text, tokens=args.tokens,
-            pattern=args.pattern, exclude=args.exclude, top_k=args.top_k,
-            trigram_top_k=args.trigram_top_k, trigram_buckets=args.trigram_buckets,
-            min_context_count=args.min_context_count, overwrite=args.overwrite,
-            progress=sys.stderr.isatty())
+        if args.from_draft is None:
+            path, meta = build_ngram_files(args.out, args.tokenizer,
+                                           progress=sys.stderr.isatty(), **settings)
+        else:
+            def given(name, default):
+                value = getattr(args, name)
+                return default if value is None else value
+
+            path, meta = build_ngram_from_draft(
+                args.out, args.target, args.from_draft, args.samples,
+                temperature=given("temperature", DEFAULT_SAMPLE_TEMPERATURE),
+                seed=given("seed", 0), batch_size=given("batch_size", DEFAULT_SAMPLE_BATCH),
+                seq_len=given("seq_len", DEFAULT_SAMPLE_SEQ_LEN),
+                prompt_text=args.prompt_text, samples_out=args.samples_out,
+                progress=sys.stderr.isatty(),
+                log=lambda msg: print(msg, file=sys.stderr, flush=True), **settings)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): {meta['corpus_tokens']} "
               f"tokens in {meta['corpus_sequences']} sequences, "
               f"{meta['trigram_contexts_stored']} trigram contexts stored "
