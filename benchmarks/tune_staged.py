@@ -6,6 +6,13 @@ tokens/s over prompts, the ratio to ``ar`` and the median ``mean_accepted``.
 
     python benchmarks/tune_staged.py --limit 3 --max-new-tokens 128 \
         --json benchmarks/results/tune_staged_cpu.json
+
+Besides the named configurations below, ``--configs`` takes ad-hoc ones written
+``method:option=value,...`` with tuple values joined by ``/``, e.g.
+``staged:tree_budget=8,draft_rounds=3,stage2_prior=0/0`` or ``spec:draft_depth=6``. The
+report adds, per configuration, the share of tokens from each origin (draft, lookup,
+n-gram, target) and the draft passes per target pass, which do not depend on the machine's
+load (tokens/s does).
 """
 
 from __future__ import annotations
@@ -48,6 +55,33 @@ CONFIGS = dict([
 ])
 
 
+def _value(text: str):
+    parts = text.split("/")
+    values = []
+    for part in parts:
+        for cast in (int, float):
+            try:
+                values.append(cast(part))
+                break
+            except ValueError:
+                continue
+        else:
+            values.append({"true": True, "false": False}.get(part.lower(), part))
+    return tuple(values) if len(parts) > 1 else values[0]
+
+
+def parse_config(name: str) -> dict:
+    """``method:key=value,...`` -> generate() keywords (see the module docstring)."""
+    method, _, rest = name.partition(":")
+    options = {"method": method}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"configuration {name!r}: {item!r} is not option=value")
+        options[key] = _value(value)
+    return options
+
+
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import specjax
@@ -71,10 +105,15 @@ def main(argv=None) -> int:
     configs = CONFIGS
     if args.configs:
         names = args.configs.split(";")
-        unknown = [n for n in names if n not in CONFIGS]
-        if unknown:
-            parser.error(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
-        configs = {n: CONFIGS[n] for n in ["ar", *names] if n in CONFIGS}
+        configs = {"ar": CONFIGS["ar"]}
+        for n in names:
+            if n in CONFIGS:
+                configs[n] = CONFIGS[n]
+            elif ":" in n:
+                configs[n] = parse_config(n)
+            else:
+                parser.error(f"unknown configuration {n!r}; known: {', '.join(CONFIGS)}, or "
+                             "method:option=value,...")
 
     model = specjax.load(args.model)
     if args.draft_asset:
@@ -83,6 +122,10 @@ def main(argv=None) -> int:
             if options["method"] == "staged":
                 options["draft"] = draft
     prompts = humaneval_prompts(args.limit)[args.skip:]
+    for options in configs.values():  # a bad configuration fails here, before any timing
+        specjax.methods.method_options(options["method"],
+                                       **{k: v for k, v in options.items()
+                                          if k not in ("method", "draft")})
     sampling = dict(temperature=args.temperature, seed=0)
     for options in configs.values():  # compile outside the timed runs
         specjax.generate(model, prompts[0], max_new_tokens=8, **sampling, **options)
@@ -97,18 +140,34 @@ def main(argv=None) -> int:
                          "options": {k: v for k, v in options.items() if k != "draft"},
                          "tokens_per_s": out.stats["tokens_per_s"],
                          "mean_accepted": out.stats["mean_accepted"],
+                         "new_tokens": out.stats["new_tokens"],
+                         "target_calls": out.stats["target_calls"],
+                         "draft_calls": out.stats["draft_calls"],
+                         "tokens_by_origin": out.stats.get("tokens_by_origin"),
                          "same_as_ar": out.tokens == reference})
     ar = statistics.median(r["tokens_per_s"] for r in rows if r["config"] == "ar")
     summary = {}
     for name in configs:
         mine = [r for r in rows if r["config"] == name]
         rate = statistics.median(r["tokens_per_s"] for r in mine)
+        tokens = sum(r["new_tokens"] for r in mine)
+        calls = sum(r["target_calls"] for r in mine)
+        origins = {}
+        for r in mine:
+            for origin, count in (r["tokens_by_origin"] or {}).items():
+                origins[origin] = origins.get(origin, 0) + count
         summary[name] = {"tokens_per_s": rate, "vs_ar": rate / ar,
                          "mean_accepted": statistics.median(r["mean_accepted"] for r in mine),
+                         "accepted_total": tokens / calls,
+                         "draft_calls_per_target_call":
+                             sum(r["draft_calls"] for r in mine) / calls,
+                         "origin_share": {o: c / tokens for o, c in origins.items()},
                          "all_same_as_ar": all(r["same_as_ar"] for r in mine)}
+        share = " ".join(f"{o} {c / tokens:.0%}" for o, c in origins.items() if c)
         print(f"{name:32s} {rate:6.1f} tok/s  x{rate / ar:.2f}  accepted "
-              f"{summary[name]['mean_accepted']:.2f}  same as ar: "
-              f"{summary[name]['all_same_as_ar']}")
+              f"{tokens / calls:.2f}  draft/target "
+              f"{summary[name]['draft_calls_per_target_call']:.2f}  {share}  same as ar: "
+              f"{summary[name]['all_same_as_ar']}", flush=True)
     if args.json:
         record = {"command": " ".join(["python", "benchmarks/tune_staged.py", *sys.argv[1:]]),
                   "machine": machine(), "versions": versions(), "git": git_commit(), "summary": summary, "rows": rows,

@@ -132,6 +132,37 @@ def test_pass_costs_split_the_speedup_into_acceptance_and_pass_cost():
         [{"rows": rows, "aggregates": aggregates}])
 
 
+def test_pass_costs_split_a_step_into_target_draft_and_rest():
+    rows = metrics.derive(synthetic_rows())
+    result = {"rows": rows, "aggregates": metrics.aggregate(rows),
+              "pass_breakdown": {"tree": {"target_nodes": 8, "target_ms": 60.0,
+                                          "draft_passes": [[4, 1], [2, 2]], "draft_ms": 30.0}}}
+    costs = {c["system"]: c for c in report.pass_costs(result)}
+    assert costs["tree"]["rest_ms"] == pytest.approx(2000 / 19 - 90.0)
+    assert costs["tree"]["target_nodes"] == 8 and "rest_ms" not in costs["ar"]
+    markdown = report.render_markdown([result])
+    assert "| `tree` | 0 | 4.00 | 105.3 | 0.45x | 1.58 | 3.50x | 8 | 60.0 | 30.0 | 15.3 |" in markdown
+    assert "| `ar` | 0 | 0.00 | 233.3 | 1.00x | 1.00 | 1.00x | – | – | – | – |" in markdown
+
+
+def test_pass_plans_follow_the_methods_options():
+    from specjax.benchmark.passcost import pass_plan
+    from specjax.methods import method_options
+    _, draft = tiny_pair("llama-gqa")
+    assert pass_plan(method_options("ar"), None).target_nodes == 1
+    spec = pass_plan(method_options("spec", draft_depth=3), draft)
+    assert (spec.target_nodes, spec.draft_passes) == (4, ((4, 1), (1, 1), (1, 1)))
+    tree = pass_plan(method_options("tree", tree_budget=10, draft_depth=3,
+                                            draft_width=2), draft)
+    assert (tree.target_nodes, tree.draft_passes) == (10, ((4, 1), (2, 2), (2, 2)))
+    staged = pass_plan(method_options("staged", tree_budget=8, draft_rounds=3,
+                                              proposal=(2, 1)), draft)
+    # chunk = max_depth + 1 = 1 + 2 + 2 * 3 + 1 = 10; first pass 10 + 3 rows, head on 1 + 3.
+    assert (staged.target_nodes, staged.draft_passes) == (8, ((13, 4), (4, 4), (4, 4)))
+    ngram = pass_plan(method_options("ngram", proposal=(3, 1)), None)
+    assert (ngram.target_nodes, ngram.draft_passes) == (5, ())
+
+
 def test_peer_ratios_pair_each_peer_with_its_counterpart_per_prompt():
     rows = []
     for prompt, (staged_s, assisted_s) in enumerate([(1.0, 2.0), (1.0, 8.0), (2.0, 6.0)]):
@@ -195,6 +226,12 @@ def test_every_method_matches_ar_and_rows_carry_stats(suite_result):
     assert tree["tree_budget"] == 6
     assert {w["system"] for w in suite_result["warmup"]} == {
         "ar", "tree", "hf", "hf-assisted", "hf-lookup"}
+    # The step's passes, timed on their own: tree budget 6, depth 3, default width.
+    parts = suite_result["pass_breakdown"]
+    assert parts["ar"]["target_nodes"] == 1 and parts["ar"]["draft_passes"] == []
+    assert parts["tree"]["target_nodes"] == 6 and parts["tree"]["draft_passes"][0] == [4, 1]
+    assert len(parts["tree"]["draft_passes"]) == 3
+    assert all(p["target_ms"] > 0 for p in parts.values()) and parts["tree"]["draft_ms"] > 0
 
 
 def test_peers_run_on_the_same_weights(suite_result):

@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="interleaved rounds per prompt; rows keep the fastest (default: 1)")
     p.add_argument("--warmup-tokens", type=int, default=4,
                    help="new tokens of each warm-up generation (default: 4)")
+    p.add_argument("--no-pass-breakdown", dest="pass_breakdown", action="store_false",
+                   help="skip timing each method's target and draft passes on their own "
+                        "after the prompts (the report's target / draft / rest split)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     p.add_argument("--allow-mismatch", action="store_true",
@@ -137,7 +140,8 @@ def suite_config(args) -> SuiteConfig:
         ngram=args.ngram, use_lookup=args.use_lookup is not False, verify=args.verify,
         stage2_prior=args.stage2_prior, topology=args.topology, attn_impl=args.attn_impl,
         peers=tuple(parse_peers(args.peers)), repeats=args.repeats,
-        warmup_tokens=args.warmup_tokens, torch_threads=args.torch_threads)
+        warmup_tokens=args.warmup_tokens, torch_threads=args.torch_threads,
+        pass_breakdown=args.pass_breakdown)
 
 
 def _dtype(name: str) -> str:

@@ -158,20 +158,35 @@ def render_markdown(results: Sequence[dict]) -> str:
             out.append("")
         costs = pass_costs(result)
         if any(c["system"] != "ar" for c in costs):
-            out.append("| system | T | draft passes / target pass | ms / target pass "
-                       "| vs `ar` step | accepted | speedup (totals) |")
-            out.append("|---|---|---|---|---|---|---|")
+            split = any(c.get("target_ms") is not None for c in costs)
+            head = ("| system | T | draft passes / target pass | ms / target pass "
+                    "| vs `ar` step | accepted | speedup (totals) |")
+            if split:
+                head += " nodes | target pass ms | draft ms | rest ms |"
+            out.append(head)
+            out.append("|" + "---|" * (head.count("|") - 1))
             for c in costs:
-                out.append(f"| `{c['system']}` | {c['temperature']:g} | "
-                           f"{_number(c['draft_passes_per_target_pass'], 2)} | "
-                           f"{_number(c['ms_per_target_pass'], 1)} | "
-                           f"{_number(c['vs_ar_step'], 2, 'x')} | "
-                           f"{_number(c['accepted'], 2)} | {_number(c['speedup'], 2, 'x')} |")
+                line = (f"| `{c['system']}` | {c['temperature']:g} | "
+                        f"{_number(c['draft_passes_per_target_pass'], 2)} | "
+                        f"{_number(c['ms_per_target_pass'], 1)} | "
+                        f"{_number(c['vs_ar_step'], 2, 'x')} | "
+                        f"{_number(c['accepted'], 2)} | {_number(c['speedup'], 2, 'x')} |")
+                if split:
+                    line += (f" {c.get('target_nodes', '–')} | {_number(c.get('target_ms'), 1)} "
+                             f"| {_number(c.get('draft_ms'), 1)} | "
+                             f"{_number(c.get('rest_ms'), 1)} |")
+                out.append(line)
             out.append("")
             out.append("ms / target pass: total seconds / total target passes, i.e. one target "
                        "pass with the drafting (draft passes, stage 2) and bookkeeping around "
                        "it; vs `ar` step: that over `ar`'s ms per token at the same "
-                       "temperature; speedup (totals) = accepted / vs `ar` step.")
+                       "temperature; speedup (totals) = accepted / vs `ar` step."
+                       + (" The last columns split a step: the target pass over `nodes` query "
+                          "rows and the step's draft passes, each timed on its own after the "
+                          "suite (jitted, cache of 256 tokens, median of 10), and the rest "
+                          "(stage-2 proposals, lookup, ranking, tree selection, acceptance, "
+                          "commit, loop) = ms / target pass - target - draft."
+                          if split else ""))
             out.append("")
         ratios = peer_ratios(result)
         if ratios:
@@ -226,7 +241,10 @@ def pass_costs(result: dict) -> list[dict]:
     its pass (the target over the tree, the draft passes, stage 2) costs. Returns one dict
     per (specjax system, temperature) with target passes: ``system``, ``temperature``,
     ``draft_passes_per_target_pass``, ``ms_per_target_pass``, ``vs_ar_step``,
-    ``accepted`` and ``speedup`` (totals; ``None`` where ``ar`` did not run).
+    ``accepted`` and ``speedup`` (totals; ``None`` where ``ar`` did not run); where the
+    result has a ``pass_breakdown`` (:mod:`specjax.benchmark.passcost`), also
+    ``target_nodes``, ``target_ms``, ``draft_ms`` and ``rest_ms`` (the step's time outside
+    those passes).
     """
     totals: dict[tuple, list[float]] = {}
     for row in result["rows"]:
@@ -237,16 +255,23 @@ def pass_costs(result: dict) -> list[dict]:
             t[2] += row.get("draft_calls") or 0
             t[3] += row["seconds"]
     out = []
+    breakdown = result.get("pass_breakdown") or {}
     for (system, temperature), (tokens, passes, draft_passes, seconds) in totals.items():
         ms = 1000 * seconds / passes
         ar = totals.get(("ar", temperature))
         ar_ms = 1000 * ar[3] / ar[0] if ar else None
         relative = ms / ar_ms if ar_ms else None
-        out.append({"system": system, "temperature": temperature,
-                    "draft_passes_per_target_pass": draft_passes / passes,
-                    "ms_per_target_pass": ms, "vs_ar_step": relative,
-                    "accepted": tokens / passes,
-                    "speedup": tokens / passes / relative if relative else None})
+        row = {"system": system, "temperature": temperature,
+               "draft_passes_per_target_pass": draft_passes / passes,
+               "ms_per_target_pass": ms, "vs_ar_step": relative,
+               "accepted": tokens / passes,
+               "speedup": tokens / passes / relative if relative else None}
+        parts = breakdown.get(system)
+        if parts:
+            row.update(target_nodes=parts["target_nodes"], target_ms=parts["target_ms"],
+                       draft_ms=parts["draft_ms"],
+                       rest_ms=ms - parts["target_ms"] - parts["draft_ms"])
+        out.append(row)
     return out
 
 

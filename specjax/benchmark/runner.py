@@ -9,7 +9,11 @@ Order of work (so that machine drift and background load hit every system alike)
 2. **For each prompt**, for each temperature, ``repeats`` rounds of *every* system (specjax
    methods, then peers); each row keeps the fastest round (other processes only ever add
    time). PyTorch's thread count is re-probed before each prompt's peers.
-3. **Output check**: each specjax row's tokens are compared with ``ar``'s for the same
+3. **Pass breakdown** (``pass_breakdown``, on by default): after the prompts, each specjax
+   system's target pass and draft passes are timed on their own
+   (:func:`specjax.benchmark.passcost.step_breakdown`), so the report can split a step
+   into target, draft and the rest.
+4. **Output check**: each specjax row's tokens are compared with ``ar``'s for the same
    prompt, temperature and seed. They must be equal at temperature 0 and, at temperature
    > 0, under the coupled rule; peers are compared at temperature 0 for information.
 
@@ -28,7 +32,7 @@ import jax
 from tqdm.auto import tqdm
 
 from specjax import api
-from specjax.benchmark import metrics
+from specjax.benchmark import metrics, passcost
 from specjax.benchmark.peers import PEERS, TransformersPeers, one_line
 from specjax.errors import InvalidArgumentError
 from specjax.loading import resolve_ngram
@@ -63,6 +67,8 @@ class SuiteConfig:
       repeats: rounds per prompt; each row keeps its fastest.
       warmup_tokens: new tokens of each warm-up generation.
       torch_threads: PyTorch CPU threads (0: probe 1 and all cores, keep the faster).
+      pass_breakdown: time each system's target and draft passes on their own after the
+        prompts (:mod:`specjax.benchmark.passcost`).
     """
 
     suite: str = "humaneval"
@@ -88,6 +94,7 @@ class SuiteConfig:
     repeats: int = 1
     warmup_tokens: int = 4
     torch_threads: int = 0
+    pass_breakdown: bool = True
 
     def __post_init__(self):
         if not self.methods or any(not m or not m.replace("_", "").isalnum()
@@ -405,6 +412,14 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
     finally:
         bar.close()
 
+    breakdown = {}
+    if config.pass_breakdown:
+        for system in systems:
+            options = build_options(system.method, **{k: v for k, v in system.options
+                                                      if k not in ("draft", "ngram")})
+            breakdown[system.label] = passcost.step_breakdown(
+                target, draft if needs_draft(system.method) else None, options,
+                attn_impl=config.attn_impl)
     metrics.derive(rows)
     failed = metrics.mismatches(rows)
     return {
@@ -418,6 +433,7 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
         "warmup": warmup,
         "rows": rows,
         "aggregates": metrics.aggregate(rows),
+        "pass_breakdown": breakdown,
         "mismatches": [{k: r.get(k) for k in ("prompt", "system", "temperature",
                                               "first_mismatch")} for r in failed],
         "all_outputs_match": not failed,

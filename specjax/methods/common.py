@@ -7,9 +7,12 @@
 * :func:`rank_children` -- how a draft ranks the children it proposes, per verify rule.
 * :func:`commit_step` -- keep the accepted path's K/V, append the emitted tokens, count
   them by origin.
+* :class:`PassPlan` -- the forward passes one step runs (for cost breakdowns).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +33,21 @@ class Tally:
     accepted: jax.Array  # int32 [max_depth + 1]; [c]: steps that accepted c drafted tokens
     origins: jax.Array  # int8 [S]; origin code of every generated token, -1 elsewhere
     origin_counts: jax.Array  # int32 [NUM_ORIGINS]; emitted tokens per origin
+
+
+@dataclasses.dataclass(frozen=True)
+class PassPlan:
+    """The forward passes one step of a method runs, by size (static; read by the
+    benchmarks to split a step's time into target pass, draft passes and the rest).
+
+    Attributes:
+      target_nodes: query rows of the step's one target pass (1 for ``ar``).
+      draft_passes: one ``(rows, head_rows)`` per draft pass: query rows through the
+        draft's blocks and rows through its head.
+    """
+
+    target_nodes: int = 1
+    draft_passes: tuple[tuple[int, int], ...] = ()
 
 
 def init_tally(state: DecodeState, max_depth: int) -> Tally:

@@ -46,7 +46,7 @@ from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig
 from specjax.decode import DecodeLoop, DecodeState, Resources
 from specjax.errors import InvalidArgumentError
-from specjax.methods.common import commit_step, init_tally, rank_children, step_key
+from specjax.methods.common import PassPlan, commit_step, init_tally, rank_children, step_key
 from specjax.methods.options import SpecOptions, TreeOptions, fixed_topology_shape
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_TARGET
 from specjax.sampling import target_log_probs, top_k
@@ -198,6 +198,21 @@ class Speculative:
     @property
     def scratch(self) -> int:
         return self.shape.scratch
+
+    @property
+    def pass_plan(self) -> PassPlan:
+        """Catch-up (``depth + 1`` rows, head on the root's), then one pass per drafted
+        level below the root: ``width`` frontier rows (dynamic) or the level's expanded
+        nodes (fixed topology)."""
+        shape = self.shape
+        passes = [(shape.depth + 1, 1)]
+        if shape.topology is None:
+            passes += [(shape.width, shape.width)] * (shape.depth - 1)
+        else:
+            fixed = self._fixed
+            passes += [(len(fixed.evaluated[level]), len(fixed.evaluated[level]))
+                       for level in range(1, len(fixed.levels)) if len(fixed.evaluated[level])]
+        return PassPlan(target_nodes=shape.budget, draft_passes=tuple(passes))
 
     # ------------------------------------------------------------------ helpers
 

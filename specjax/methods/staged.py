@@ -60,7 +60,7 @@ from specjax.cache import advance
 from specjax.config import ModelConfig
 from specjax.decode import DecodeLoop, DecodeState, Resources
 from specjax.drafters.ngram import propose
-from specjax.methods.common import commit_step, init_tally, rank_children, step_key
+from specjax.methods.common import PassPlan, commit_step, init_tally, rank_children, step_key
 from specjax.methods.options import NgramOptions, StagedOptions
 from specjax.methods.speculative import draft_prefill
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_LOOKUP, ORIGIN_TARGET
@@ -122,6 +122,10 @@ class NgramOnly:
     def scratch(self) -> int:
         """Cache slots past the committed prefix one step may write."""
         return max(self.budget, self.max_depth + 1) + 1
+
+    @property
+    def pass_plan(self) -> PassPlan:
+        return PassPlan(target_nodes=self.budget)
 
     def init(self, params, loop: DecodeLoop, state: DecodeState,
              resources: Resources) -> DecodeState:
@@ -201,6 +205,15 @@ class Staged:
     def scratch(self) -> int:
         """Cache slots past the committed prefix one step may write (target or draft)."""
         return max(self.budget, self.window, self.max_depth + 1) + 1
+
+    @property
+    def pass_plan(self) -> PassPlan:
+        """The first pass (catch-up chunk + proposal; head on the root and the proposal),
+        then ``rounds - 1`` passes of the draft's own token + a proposal."""
+        n_prop = sum(self.proposal)
+        passes = [(self.chunk + n_prop, 1 + n_prop)]
+        passes += [(self.pass_size, self.pass_size)] * (self.rounds - 1)
+        return PassPlan(target_nodes=self.budget, draft_passes=tuple(passes))
 
     # ------------------------------------------------------------------ method protocol
 

@@ -1,0 +1,96 @@
+"""Where a speculative step's time goes: target pass, draft passes, and the rest.
+
+A suite measures each system's wall time per target pass (one step: drafting, one target
+pass, acceptance and commit). This module times the step's forward passes on their own,
+by the sizes the method declares (:class:`~specjax.methods.common.PassPlan`): the target
+over ``target_nodes`` query rows under a tree mask, and every draft pass (its rows through
+the blocks, its head rows through the head), each jitted and timed after a warm-up at a
+cache of ``prefix`` committed tokens. What a step costs beyond those passes (stage-2
+proposals, context lookup, ranking, tree selection, acceptance, cache commit, the loop)
+is the *rest*: ``ms per target pass - target - draft`` (see
+:func:`specjax.benchmark.report.pass_costs`).
+
+    from specjax.benchmark.passcost import step_breakdown
+    parts = step_breakdown(target, draft, specjax.method_options("staged"))
+    # keys: target_nodes, target_ms, draft_passes ([rows, head_rows] each), draft_ms, ...
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import methods, models
+from specjax.cache import init_cache
+from specjax.methods.common import PassPlan
+from specjax.model import Model
+from specjax.tree import ancestor_mask, depths, kary_parents
+
+
+def pass_plan(options, draft: Model | None) -> PassPlan:
+    """The :class:`PassPlan` of the method ``options`` describe (``ar``: one node)."""
+    method = methods.build(options, None if draft is None else draft.config)
+    return getattr(method, "pass_plan", PassPlan())
+
+
+def _median_ms(call, repeats: int) -> float:
+    call()  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _pass(model: Model, rows: int, head_rows: int, prefix: int, attn_impl: str,
+          tree: bool):
+    """A blocking call running one forward pass of ``rows`` query rows (a 2-ary tree mask
+    when ``tree``, else causal) over a cache of ``prefix`` tokens, head on ``head_rows``."""
+    config = model.config
+    capacity = 1 << int(prefix + rows + 1).bit_length()
+    cache = init_cache(config, capacity, model.params["embed"].dtype).replace(
+        length=jnp.int32(prefix))
+    if tree and rows > 1:
+        parents = jnp.asarray(kary_parents(2, rows, rows), jnp.int32)
+        mask = ancestor_mask(parents, jnp.ones(rows, bool))
+        positions = prefix + depths(parents)
+    else:
+        mask = models.causal_mask(rows)
+        positions = prefix + jnp.arange(rows, dtype=jnp.int32)
+    ids = jnp.asarray(np.arange(rows) % config.vocab_size, jnp.int32)
+
+    @jax.jit
+    def run(params, cache, ids, positions, mask):
+        hidden, _ = models.hidden_states(params, config, ids, positions, cache, mask,
+                                         attn_impl=attn_impl)
+        return models.lm_head(params, config, hidden[:head_rows])
+
+    return lambda: jax.block_until_ready(run(model.params, cache, ids, positions, mask))
+
+
+def step_breakdown(target: Model, draft: Model | None, options, *, prefix: int = 256,
+                   attn_impl: str = "auto", repeats: int = 10) -> dict[str, Any]:
+    """Times the forward passes of one step of the method ``options`` describe.
+
+    Returns ``{"target_nodes", "target_ms", "draft_passes": [[rows, head_rows], ...],
+    "draft_ms" (their sum), "prefix", "repeats"}``; medians over ``repeats`` calls.
+    """
+    plan = pass_plan(options, draft)
+    target_ms = _median_ms(_pass(target, plan.target_nodes, plan.target_nodes, prefix,
+                                 attn_impl, tree=True), repeats)
+    draft_ms = 0.0
+    timed: dict[tuple[int, int], float] = {}
+    for rows, head_rows in plan.draft_passes:
+        if (rows, head_rows) not in timed:
+            timed[rows, head_rows] = _median_ms(
+                _pass(draft, rows, head_rows, prefix, attn_impl, tree=False), repeats)
+        draft_ms += timed[rows, head_rows]
+    return {"target_nodes": plan.target_nodes, "target_ms": target_ms,
+            "draft_passes": [list(p) for p in plan.draft_passes], "draft_ms": draft_ms,
+            "prefix": prefix, "repeats": repeats}
