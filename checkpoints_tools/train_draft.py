@@ -25,11 +25,31 @@ and held-out sets by a hash of their path, and the held-out set measures **top-1
 agreement**: how often the draft's argmax equals the target's, the quantity that drives
 greedy acceptance.
 
+Self-distillation corpus (``--corpus-from-target N``): a draft must imitate what the
+target writes (on HumanEval: code, then markdown, explanations and test calls), which
+library source does not show it. The target itself then generates ``N`` tokens
+(:mod:`~specjax.checkpoints_tools.sample_corpus`: batched rows under ``jax.vmap``, one
+jitted program, seed varied per row, temperature ``--target-temperature``, rows of
+``--target-gen-len`` tokens cut at the end-of-text token) from HumanEval-shaped prompts:
+the signature and docstring of functions found in the training files
+(:func:`~specjax.checkpoints_tools.sample_corpus.docstring_prompts`), never HumanEval's
+own (its package is not a source, and functions named like its problems are left out).
+A further ``heldout_fraction`` of generations (at least ``eval_windows`` windows' worth)
+comes from held-out files' prompts under other seeds: agreement on them is logged as
+``heldout_target_agreement``. Each document is prompt + generation. Mixing rule: every
+training batch takes ``round(target_corpus_fraction * batch_size)`` windows from the
+generations and the rest from the file corpus. The generations are cached in
+``target_corpus.npz`` and reused by a rerun.
+
+``--init-draft ASSET`` starts from a trained draft asset (e.g. continue the shipped draft
+on the target's own text) instead of the target's blocks ``init_layers``.
+
 Output directory ``OUT``::
 
     train_state/     orbax CheckpointManager (step, trainable params, optimizer state);
                      a rerun with the same OUT resumes from the latest step
     corpus.npz       the tokenized corpus (train/held-out token streams), reused on resume
+    target_corpus.npz  with --corpus-from-target: the target's generations (train/held-out)
     train_log.jsonl  one JSON object per logged step (loss, tokens/s, agreement)
     draft/           the final draft as a specjax (orbax) checkpoint with tokenizer
     draft-hf/        the same draft as a Hugging Face directory (with ``--export-hf``)
@@ -76,6 +96,13 @@ class TrainConfig:
     checkpoint_every: int = 100
     max_corpus_tokens: int = 20_000_000
     heldout_fraction: float = 0.02
+    # Self-distillation (module docstring); recorded in train_config.json only when used.
+    target_corpus_tokens: int = 0
+    target_corpus_fraction: float = 0.5
+    target_temperature: float = 1.0
+    target_gen_len: int = 256
+    target_batch_size: int = 16
+    init_draft: str | None = None
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -91,6 +118,34 @@ class TrainConfig:
         if not 0 < self.heldout_fraction < 1:
             raise InvalidArgumentError(
                 f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if self.target_corpus_tokens < 0:
+            raise InvalidArgumentError(
+                f"target_corpus_tokens must be >= 0, got {self.target_corpus_tokens}")
+        if self.target_corpus_tokens:
+            if not 0 < self.target_corpus_fraction <= 1:
+                raise InvalidArgumentError("target_corpus_fraction must be in (0, 1], got "
+                                           f"{self.target_corpus_fraction}")
+            if not (self.target_temperature >= 0 and np.isfinite(self.target_temperature)):
+                raise InvalidArgumentError("target_temperature must be a finite number >= 0, "
+                                           f"got {self.target_temperature}")
+            for name in ("target_gen_len", "target_batch_size"):
+                if getattr(self, name) < 1:
+                    raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def record(self) -> dict:
+        """The settings as stored in ``train_config.json``: fields of features not used
+        are left out, so runs made before those features existed still resume."""
+        record = dataclasses.asdict(self)
+        if not self.target_corpus_tokens:
+            for name in _TARGET_CORPUS_FIELDS:
+                record.pop(name)
+        if self.init_draft is None:
+            record.pop("init_draft")
+        return record
+
+
+_TARGET_CORPUS_FIELDS = ("target_corpus_tokens", "target_corpus_fraction",
+                         "target_temperature", "target_gen_len", "target_batch_size")
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -143,6 +198,92 @@ def tokenize_corpus(files: Sequence[Path], tokenizer, *, max_tokens: int, heldou
     return np.concatenate(train), np.concatenate(held)
 
 
+def _generation_rows(target, prompts: list[str], rows: int, cfg: "TrainConfig", seed: int,
+                     separator: int, progress) -> np.ndarray:
+    """``rows`` documents (prompt + generation + separator), joined as one int32 stream."""
+    from specjax.checkpoints_tools import sample_corpus
+
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    texts = [prompts[order[i % len(prompts)]] for i in range(rows)]  # cycled: seeds differ
+    encoded = [target.tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]
+               for t in texts]
+    generated = sample_corpus.sample_continuations(
+        target.params, target.config, encoded, num_new_tokens=cfg.target_gen_len,
+        temperature=cfg.target_temperature, seed=seed, batch_size=cfg.target_batch_size,
+        stop_tokens=tuple(target.config.eos_token_ids) or (separator,), progress=progress)
+    documents = []
+    for prompt, row in zip(encoded, generated):
+        row = row[row >= 0]
+        if row.size and row[-1] in target.config.eos_token_ids:
+            row = row[:-1]
+        documents.append(np.asarray(list(prompt) + row.tolist() + [separator], np.int32))
+    return np.concatenate(documents)
+
+
+def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
+                           separator: int, log=print,
+                           progress: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The self-distillation corpus (see the module docstring): (train, held-out) int32
+    streams of documents written by ``target``, and a description of how they were made.
+
+    Args:
+      target: a :class:`specjax.Model` with a tokenizer.
+      files: the file corpus; its functions with docstrings become prompts (training
+        files for training generations, held-out files for held-out ones).
+      cfg: ``target_corpus_tokens`` generated positions for training (rows of
+        ``target_gen_len``), ``target_temperature``, ``target_batch_size``, ``seed``;
+        ``heldout_fraction`` more (at least ``eval_windows`` windows) for held-out.
+      separator: the token that ends each document.
+    Raises:
+      InvalidArgumentError: the files hold no function with a docstring in either split.
+    """
+    from specjax.checkpoints_tools import sample_corpus
+
+    exclude = sample_corpus.humaneval_entry_points()
+    train_files = [f for f in files if not _is_heldout(f, cfg.heldout_fraction)]
+    held_files = [f for f in files if _is_heldout(f, cfg.heldout_fraction)]
+    train_prompts = sample_corpus.docstring_prompts(train_files, exclude_names=exclude)
+    held_prompts = sample_corpus.docstring_prompts(held_files, exclude_names=exclude)
+    if not train_prompts or not held_prompts:
+        raise InvalidArgumentError(
+            "--corpus-from-target needs functions with docstrings (the prompts) in both the "
+            f"training and held-out files; found {len(train_prompts)} and {len(held_prompts)}")
+    rows = -(-cfg.target_corpus_tokens // cfg.target_gen_len)
+    window_rows = -(-cfg.eval_windows * (cfg.seq_len + 1) // cfg.target_gen_len)
+    held_rows = max(int(np.ceil(rows * cfg.heldout_fraction)), window_rows, 1)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=rows + held_rows, desc="target corpus", unit="row")
+    done = [0]
+
+    def advance(count, offset):
+        if bar is not None:
+            bar.update(offset + count - done[0])
+            done[0] = offset + count
+
+    log(f"target corpus: generating {rows} + {held_rows} held-out rows of "
+        f"{cfg.target_gen_len} tokens at temperature {cfg.target_temperature} from "
+        f"{len(train_prompts)} + {len(held_prompts)} docstring prompts")
+    began = time.perf_counter()
+    try:
+        train = _generation_rows(target, train_prompts, rows, cfg, cfg.seed, separator,
+                                 lambda n: advance(n, 0))
+        held = _generation_rows(target, held_prompts, held_rows, cfg,
+                                cfg.seed + 1_000_003, separator, lambda n: advance(n, rows))
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - began
+    info = {"rows": rows, "heldout_rows": held_rows, "prompts": len(train_prompts),
+            "heldout_prompts": len(held_prompts), "humaneval_names_excluded": len(exclude),
+            "seconds": round(seconds, 1),
+            "generated_tokens_per_s": round((rows + held_rows) * cfg.target_gen_len
+                                            / max(seconds, 1e-9), 1)}
+    return train, held, info
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -160,6 +301,23 @@ def draft_from_target(target_config, target_params, init_layers: Sequence[int]):
               "layers": layers}
     config = dataclasses.replace(target_config, num_layers=len(init_layers))
     return config, params
+
+
+def initial_draft(target, cfg: "TrainConfig"):
+    """(config, params) the run starts from: the target's blocks ``cfg.init_layers``, or
+    the draft asset ``cfg.init_draft`` (its own tensors, full head)."""
+    if cfg.init_draft is None:
+        return draft_from_target(target.config, target.params, cfg.init_layers)
+    from specjax import models
+    from specjax.checkpoints_tools.sources import load_bundled_draft
+
+    draft = load_bundled_draft(target, cfg.init_draft)
+    params = {k: np.asarray(v) if k != "layers" else v for k, v in draft.params.items()
+              if k != models.HEAD_SUBSET}  # training scores the full vocabulary
+    import jax
+
+    params["layers"] = jax.tree.map(np.asarray, params["layers"])
+    return draft.config, params
 
 
 def split_trainable(params: dict, train_embeddings: bool) -> tuple[dict, dict]:
@@ -247,6 +405,19 @@ def sample_windows(stream: np.ndarray, rng: np.random.Generator, batch: int,
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
 
 
+def mixed_windows(stream: np.ndarray, target_stream: np.ndarray | None,
+                  rng: np.random.Generator, batch: int, length: int,
+                  num_target: int) -> np.ndarray:
+    """A batch of ``batch`` windows: the last ``num_target`` from ``target_stream`` (the
+    target's generations), the others from ``stream`` (the file corpus)."""
+    parts = []
+    if num_target < batch:
+        parts.append(sample_windows(stream, rng, batch - num_target, length))
+    if num_target:
+        parts.append(sample_windows(target_stream, rng, num_target, length))
+    return np.concatenate(parts)
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -288,38 +459,51 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
                                    f"{target.config.architecture}")
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    record = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    record = json.dumps(cfg.record(), sort_keys=True)
     run_file = out / "train_config.json"
     if run_file.exists() and run_file.read_text().strip() != record:
         raise InvalidArgumentError(
             f"{out} holds a run with different settings ({run_file}); use a new directory")
     run_file.write_text(record + "\n")
 
+    def corpus_file_list() -> list[Path]:
+        files = stdlib_files() if corpus_files is None else [Path(f) for f in corpus_files]
+        for f in files:
+            if not f.is_file():
+                raise InvalidArgumentError(f"corpus file {f} does not exist")
+        return files
+
+    separator = (target.config.eos_token_ids or (0,))[0]
     corpus_path = out / "corpus.npz"
     if corpus_path.exists():
         with np.load(corpus_path) as data:
             train, held = data["train"], data["heldout"]
     else:
-        files = stdlib_files() if corpus_files is None else [Path(f) for f in corpus_files]
-        for f in files:
-            if not f.is_file():
-                raise InvalidArgumentError(f"corpus file {f} does not exist")
-        separator = (target.config.eos_token_ids or (0,))[0]
-        train, held = tokenize_corpus(files, target.tokenizer, max_tokens=cfg.max_corpus_tokens,
+        train, held = tokenize_corpus(corpus_file_list(), target.tokenizer,
+                                      max_tokens=cfg.max_corpus_tokens,
                                       heldout_fraction=cfg.heldout_fraction,
                                       separator=separator, progress=progress)
-        tmp = corpus_path.with_suffix(".tmp.npz")
-        with interrupt.deferred():
-            try:
-                np.savez(tmp, train=train, heldout=held)
-                os.replace(tmp, corpus_path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+        _save_npz(corpus_path, interrupt, train=train, heldout=held)
     log(f"corpus: {train.size} training tokens, {held.size} held-out tokens")
+    target_train = target_held = None
+    if cfg.target_corpus_tokens:
+        target_path = out / "target_corpus.npz"
+        if target_path.exists():
+            with np.load(target_path) as data:
+                target_train, target_held = data["train"], data["heldout"]
+            log("target corpus: reusing " + str(target_path))
+        else:
+            target_train, target_held, info = generate_target_corpus(
+                target, corpus_file_list(), cfg, separator=separator, log=log,
+                progress=progress)
+            _save_npz(target_path, interrupt, train=target_train, heldout=target_held,
+                      info=np.frombuffer(json.dumps(info).encode(), np.uint8))
+            log(f"target corpus: {info['seconds']} s, {info['generated_tokens_per_s']} "
+                "generated tokens/s")
+        log(f"target corpus: {target_train.size} training tokens, {target_held.size} "
+            "held-out tokens")
 
-    draft_config, draft_params = draft_from_target(target.config, target.params,
-                                                   cfg.init_layers)
+    draft_config, draft_params = initial_draft(target, cfg)
     trainable, frozen = split_trainable(draft_params, cfg.train_embeddings)
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(trainable)
@@ -344,17 +528,40 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         train_step, eval_step = make_steps(target.config, draft_config, cfg, optimizer)
         eval_rng = np.random.default_rng(cfg.seed + 1)
         eval_windows = sample_windows(held, eval_rng, cfg.eval_windows, cfg.seq_len + 1)
+        target_windows = None if target_held is None else sample_windows(
+            target_held, eval_rng, cfg.eval_windows, cfg.seq_len + 1)
+        num_target = 0 if target_train is None else int(
+            round(cfg.target_corpus_fraction * cfg.batch_size))
 
         def evaluate(params):
             agree, kl = eval_step(params, frozen, target_params, jnp.asarray(eval_windows))
             return float(agree), float(kl)
 
+        def evaluate_all(params) -> dict:
+            agree, kl = evaluate(params)
+            entry = {"heldout_agreement": agree, "heldout_kl": kl}
+            if target_windows is not None:
+                t_agree, t_kl = eval_step(params, frozen, target_params,
+                                          jnp.asarray(target_windows))
+                entry.update(heldout_target_agreement=float(t_agree),
+                             heldout_target_kl=float(t_kl))
+            return entry
+
+        def describe(entry) -> str:
+            text = f"held-out top-1 agreement {entry['heldout_agreement']:.3f}"
+            if "heldout_target_agreement" in entry:
+                text += f" (on target generations {entry['heldout_target_agreement']:.3f})"
+            return text
+
+        def batch_windows(rng):
+            return mixed_windows(train, target_train, rng, cfg.batch_size, cfg.seq_len + 1,
+                                 num_target)
+
         log_file = stack.enter_context((out / "train_log.jsonl").open("a"))
         if start == 0:  # where the draft starts from
-            agreement, heldout_kl = evaluate(trainable)
-            log_file.write(json.dumps({"step": 0, "heldout_agreement": agreement,
-                                       "heldout_kl": heldout_kl, "time": time.time()}) + "\n")
-            log(f"step 0: held-out top-1 agreement {agreement:.3f}, KL {heldout_kl:.4f}")
+            entry = evaluate_all(trainable)
+            log_file.write(json.dumps({"step": 0, **entry, "time": time.time()}) + "\n")
+            log(f"step 0: {describe(entry)}, KL {entry['heldout_kl']:.4f}")
         rng = np.random.default_rng(cfg.seed + start)
         bar = None
         if progress:
@@ -364,12 +571,12 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
                                            unit="step"))
         began = time.perf_counter()
         tokens_per_step = cfg.batch_size * cfg.seq_len
-        agreement = None
+        agreement = target_agreement = None
         # The first timing window includes compiling.
         window_start, window_first = time.perf_counter(), start
         for step in range(start, cfg.steps):
             interrupt.check()  # one that a gc callback swallowed during the last step
-            windows = jnp.asarray(sample_windows(train, rng, cfg.batch_size, cfg.seq_len + 1))
+            windows = jnp.asarray(batch_windows(rng))
             trainable, opt_state, loss, aux = train_step(trainable, opt_state, frozen,
                                                          target_params, windows)
             done = step + 1
@@ -380,32 +587,48 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
                 jax.block_until_ready(trainable)
                 elapsed = time.perf_counter() - window_start
                 timed_steps = done - max(window_first, start)
-                agreement, heldout_kl = evaluate(trainable)
+                scores = evaluate_all(trainable)
+                agreement = scores["heldout_agreement"]
                 entry = {"step": done, "loss": float(loss),
-                         **{k: float(v) for k, v in aux.items()},
-                         "heldout_agreement": agreement, "heldout_kl": heldout_kl,
+                         **{k: float(v) for k, v in aux.items()}, **scores,
                          "tokens_per_s": tokens_per_step * timed_steps / max(elapsed, 1e-9),
                          "time": time.time()}
                 log_file.write(json.dumps(entry) + "\n")
                 log_file.flush()
-                log(f"step {done}: loss {float(loss):.4f}, held-out top-1 agreement "
-                    f"{agreement:.3f}")
+                log(f"step {done}: loss {float(loss):.4f}, {describe(scores)}")
+                target_agreement = scores.get("heldout_target_agreement")
                 window_start, window_first = time.perf_counter(), done
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 with interrupt.deferred():  # orbax's save must not be cut half-way
                     manager.save(done, args=ocp.args.StandardSave(
                         {"trainable": trainable, "opt_state": opt_state}))
     if agreement is None:
-        agreement = evaluate(trainable)[0]
+        scores = evaluate_all(trainable)
+        agreement = scores["heldout_agreement"]
+        target_agreement = scores.get("heldout_target_agreement")
 
     params = jax.tree.map(np.asarray, {**trainable, **frozen})
     summary = {"steps": cfg.steps, "heldout_agreement": agreement,
                "seconds": time.perf_counter() - began, "draft": str(out / "draft")}
+    if target_held is not None:
+        summary["heldout_target_agreement"] = target_agreement
     if export_hf:
         summary["draft_hf"] = str(out / "draft-hf")
     with interrupt.deferred():
         _export(out, draft_config, params, target.tokenizer, export_hf, summary, interrupt)
     return summary
+
+
+def _save_npz(path: Path, interrupt: interrupts.Interrupt, **arrays) -> None:
+    """``np.savez`` to ``path`` atomically (complete or absent, Ctrl-C held back)."""
+    tmp = path.with_suffix(".tmp.npz")
+    with interrupt.deferred():
+        try:
+            np.savez(tmp, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def _close_manager(manager, interrupt: interrupts.Interrupt) -> None:
@@ -471,7 +694,7 @@ def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathL
     raw = json.loads(run_file.read_text())
     raw["init_layers"] = tuple(raw["init_layers"])
     cfg = TrainConfig(**raw)
-    draft_config, draft_params = draft_from_target(target.config, target.params, cfg.init_layers)
+    draft_config, draft_params = initial_draft(target, cfg)
     trainable, frozen = split_trainable(draft_params, cfg.train_embeddings)
     opt_state = make_optimizer(cfg).init(trainable)
     with ocp.CheckpointManager(out / "train_state") as manager:
@@ -518,7 +741,22 @@ def main(args) -> int:
                       warmup_steps=args.warmup_steps, train_embeddings=args.train_embeddings,
                       seed=args.seed, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every,
-                      max_corpus_tokens=args.max_corpus_tokens)
+                      max_corpus_tokens=args.max_corpus_tokens,
+                      target_corpus_tokens=args.corpus_from_target or 0,
+                      **{name: value for name, value in (
+                          ("target_corpus_fraction", args.target_corpus_fraction),
+                          ("target_temperature", args.target_temperature),
+                          ("target_gen_len", args.target_gen_len),
+                          ("target_batch_size", args.target_batch_size))
+                         if value is not None},
+                      init_draft=(str(Path(args.init_draft).expanduser().absolute())
+                                  if args.init_draft else None))
+    if not args.corpus_from_target:
+        given = [f"--{name.replace('_', '-')}" for name in _TARGET_CORPUS_FIELDS[1:]
+                 if getattr(args, name) is not None]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} only apply with "
+                                       "--corpus-from-target N")
     if args.head_tokens is not None and not args.asset:
         raise InvalidArgumentError("--head-tokens needs --asset DIR")
     progress = sys.stderr.isatty()
@@ -564,6 +802,24 @@ def add_parser(subparsers) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--max-corpus-tokens", type=int, default=20_000_000)
+    p.add_argument("--init-draft", default=None, metavar="ASSET",
+                   help="start from this draft asset (specjax train-draft --asset) instead "
+                        "of the target blocks --init-layers")
+    g = p.add_argument_group(
+        "self-distillation", "train on text the target writes itself (see the module "
+        "docstring of specjax.checkpoints_tools.train_draft)")
+    g.add_argument("--corpus-from-target", type=int, default=None, metavar="N",
+                   help="generate N tokens with the target from docstring prompts of the "
+                        "corpus files (cached in OUT/target_corpus.npz) and mix them in")
+    g.add_argument("--target-corpus-fraction", type=float, default=None,
+                   help="fraction of each batch's windows taken from the target's "
+                        "generations (default: 0.5)")
+    g.add_argument("--target-temperature", type=float, default=None,
+                   help="sampling temperature of the generations (default: 1.0; 0: greedy)")
+    g.add_argument("--target-gen-len", type=int, default=None,
+                   help="tokens generated per prompt (default: 256)")
+    g.add_argument("--target-batch-size", type=int, default=None,
+                   help="generations run at once (default: 16)")
     p.add_argument("--export-hf", action="store_true",
                    help="also write OUT/draft-hf, loadable by transformers")
     p.add_argument("--asset", default=None, metavar="DIR",

