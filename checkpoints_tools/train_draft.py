@@ -38,8 +38,10 @@ A further ``heldout_fraction`` of generations (at least ``eval_windows`` windows
 comes from held-out files' prompts under other seeds: agreement on them is logged as
 ``heldout_target_agreement``. Each document is prompt + generation. Mixing rule: every
 training batch takes ``round(target_corpus_fraction * batch_size)`` windows from the
-generations and the rest from the file corpus. The generations are cached in
-``target_corpus.npz`` and reused by a rerun.
+generations and the rest from the file corpus (a fraction of 0 trains on none of them:
+a control run that still measures agreement on them). The generations are cached in
+``target_corpus.npz`` and reused by a rerun, or by another run whose ``OUT`` the file is
+copied into (so that runs compare on the same held-out generations).
 
 ``--init-draft ASSET`` starts from a trained draft asset (e.g. continue the shipped draft
 on the target's own text) instead of the target's blocks ``init_layers``.
@@ -122,8 +124,8 @@ class TrainConfig:
             raise InvalidArgumentError(
                 f"target_corpus_tokens must be >= 0, got {self.target_corpus_tokens}")
         if self.target_corpus_tokens:
-            if not 0 < self.target_corpus_fraction <= 1:
-                raise InvalidArgumentError("target_corpus_fraction must be in (0, 1], got "
+            if not 0 <= self.target_corpus_fraction <= 1:
+                raise InvalidArgumentError("target_corpus_fraction must be in [0, 1], got "
                                            f"{self.target_corpus_fraction}")
             if not (self.target_temperature >= 0 and np.isfinite(self.target_temperature)):
                 raise InvalidArgumentError("target_temperature must be a finite number >= 0, "
@@ -813,7 +815,7 @@ def add_parser(subparsers) -> None:
                         "corpus files (cached in OUT/target_corpus.npz) and mix them in")
     g.add_argument("--target-corpus-fraction", type=float, default=None,
                    help="fraction of each batch's windows taken from the target's "
-                        "generations (default: 0.5)")
+                        "generations (default: 0.5; 0: only measure agreement on them)")
     g.add_argument("--target-temperature", type=float, default=None,
                    help="sampling temperature of the generations (default: 1.0; 0: greedy)")
     g.add_argument("--target-gen-len", type=int, default=None,

@@ -187,7 +187,7 @@ def test_record_leaves_unused_features_out():
 
 @pytest.mark.parametrize("overrides,message", [
     (dict(target_corpus_tokens=-1), "target_corpus_tokens must be"),
-    (dict(target_corpus_tokens=8, target_corpus_fraction=0.0), "target_corpus_fraction"),
+    (dict(target_corpus_tokens=8, target_corpus_fraction=1.5), "target_corpus_fraction"),
     (dict(target_corpus_tokens=8, target_temperature=-1.0), "target_temperature"),
     (dict(target_corpus_tokens=8, target_gen_len=0), "target_gen_len"),
 ])
