@@ -17,6 +17,7 @@ import inspect
 import time
 from typing import Any, Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import jinja2
 import numpy as np
@@ -110,8 +111,21 @@ def resolve_method(model: Model, method: str | MethodOptions | None = None,
     return methods.method_options(method, **options)
 
 
-def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k, top_p,
-             seed, draft, ngram, stop_tokens, chat, attn_impl, options) -> _Request:
+@dataclasses.dataclass
+class _Settings:
+    """Everything of a request but its prompts, checked and loaded."""
+
+    options: MethodOptions
+    sampling: Any  # SamplingParams (scalars)
+    stop: Any  # int32 [MAX_STOP_TOKENS]
+    method: decode.Method
+    draft_model: Model | None
+    resources: decode.Resources
+    max_new_tokens: int
+
+
+def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
+              draft, ngram, stop_tokens, attn_impl, options) -> _Settings:
     # Every setting is checked before anything loads (the draft, the tables).
     if not isinstance(model, Model):
         raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
@@ -127,27 +141,221 @@ def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k
     if attn_impl not in ("auto", "reference", "kernel"):
         raise InvalidArgumentError(f"attn_impl must be auto, reference or kernel, got "
                                    f"{attn_impl!r}")
-    ids = encode_prompt(model, prompt, chat)
     stop = _stop_array(model, stop_tokens)
+    return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens))
 
+
+def _load_resources(model: Model, settings: _Settings, draft, ngram) -> None:
+    opts = settings.options
     draft_model = resolve_draft(model, draft) if opts.uses_draft else None
     tables = resolve_ngram(model, ngram) if opts.uses_ngram else None
-    method_obj = methods.build(opts, None if draft_model is None else draft_model.config)
-    prompt_bucket, capacity = decode.plan_capacity(len(ids), int(max_new_tokens),
-                                                   method_obj.scratch, model.config)
-    if draft_model is not None:
-        decode.plan_capacity(len(ids), int(max_new_tokens), method_obj.scratch,
-                             draft_model.config)
+    settings.method = methods.build(opts, None if draft_model is None else draft_model.config)
+    settings.draft_model = draft_model
+    settings.resources = decode.Resources(
+        draft_params=None if draft_model is None else draft_model.params, tables=tables)
+
+
+def _plan(model: Model, settings: _Settings, prompt_length: int) -> tuple[int, int]:
+    """(prompt_bucket, capacity) for the longest prompt, checked against both models."""
+    plan = decode.plan_capacity(prompt_length, settings.max_new_tokens,
+                                settings.method.scratch, model.config)
+    if settings.draft_model is not None:
+        decode.plan_capacity(prompt_length, settings.max_new_tokens, settings.method.scratch,
+                             settings.draft_model.config)
+    return plan
+
+
+def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k, top_p,
+             seed, draft, ngram, stop_tokens, chat, attn_impl, options) -> _Request:
+    settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         draft=draft, ngram=ngram, stop_tokens=stop_tokens,
+                         attn_impl=attn_impl, options=options)
+    ids = encode_prompt(model, prompt, chat)
+    _load_resources(model, settings, draft, ngram)
+    prompt_bucket, capacity = _plan(model, settings, len(ids))
     loop = decode.DecodeLoop(config=model.config, capacity=capacity,
                              prompt_bucket=prompt_bucket, attn_impl=attn_impl,
-                             method=method_obj)
+                             method=settings.method)
     padded = np.zeros(prompt_bucket, np.int32)
     padded[: len(ids)] = ids
-    resources = decode.Resources(
-        draft_params=None if draft_model is None else draft_model.params, tables=tables)
     args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new_tokens),
-            sampling, stop, resources)
-    return _Request(loop, args, len(ids), opts)
+            settings.sampling, settings.stop, settings.resources)
+    return _Request(loop, args, len(ids), settings.options)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One compiled batch program's rows: ``rows`` are indices into the prompt list."""
+
+    loop: decode.DecodeLoop
+    args: tuple  # as decode.run_batch's, with [B] / [B, ...] per-row arrays
+    rows: list[int]
+    prompt_lengths: list[int]
+    options: MethodOptions
+
+
+def is_batch(prompt) -> bool:
+    """Whether ``prompt`` is a list of prompts (strings or token-id lists) rather than one
+    prompt (a string or a list of token ids)."""
+    if isinstance(prompt, str) or not isinstance(prompt, (list, tuple)):
+        return False
+    return len(prompt) == 0 or all(isinstance(p, (str, list, tuple, np.ndarray))
+                                   for p in prompt)
+
+
+def _row_seeds(seed, rows: int) -> list[int]:
+    if isinstance(seed, (list, tuple, np.ndarray)):
+        seeds = list(seed)
+        if len(seeds) != rows:
+            raise InvalidArgumentError(f"seed: got {len(seeds)} seeds for {rows} prompts; give "
+                                       f"one seed per prompt, or one int for every prompt")
+    else:
+        seeds = [seed] * rows
+    for value in seeds:
+        make_sampling_params(seed=value)  # the one-line error for a bad seed
+    return [int(value) for value in seeds]
+
+
+def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature, top_k,
+                   top_p, seed, draft, ngram, stop_tokens, chat, attn_impl, batch_size,
+                   options) -> list[_Batch]:
+    if len(prompts) == 0:
+        raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
+    limit = decode.MAX_BATCH_SIZE
+    if batch_size is None:
+        if len(prompts) > limit:
+            raise InvalidArgumentError(
+                f"{len(prompts)} prompts exceed the maximum batch size {limit}: pass "
+                f"batch_size=B (at most {limit}) to run them in batches of B")
+        batch_size = len(prompts)
+    if isinstance(batch_size, bool) or int(batch_size) != batch_size \
+            or not 1 <= batch_size <= limit:
+        raise InvalidArgumentError(f"batch_size must be an integer in [1, {limit}], got "
+                                   f"{batch_size!r}")
+    seeds = _row_seeds(seed, len(prompts))
+    settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[0],
+                         draft=draft, ngram=ngram, stop_tokens=stop_tokens,
+                         attn_impl=attn_impl, options=options)
+    encoded = []
+    for index, prompt in enumerate(prompts):
+        try:
+            encoded.append(encode_prompt(model, prompt, chat))
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"prompts[{index}]: {error}") from None
+    _load_resources(model, settings, draft, ngram)
+    batches = []
+    for first in range(0, len(prompts), int(batch_size)):
+        rows = list(range(first, min(first + int(batch_size), len(prompts))))
+        lengths = [len(encoded[row]) for row in rows]
+        prompt_bucket, capacity = _plan(model, settings, max(lengths))
+        loop = decode.DecodeLoop(config=model.config, capacity=capacity,
+                                 prompt_bucket=prompt_bucket, attn_impl=attn_impl,
+                                 method=settings.method)
+        size = decode.batch_bucket(len(rows))
+        # Padding rows: one token, one new token: done at prefill, then held.
+        padded = np.zeros((size, prompt_bucket), np.int32)
+        prompt_lengths = np.ones(size, np.int32)
+        budgets = np.ones(size, np.int32)
+        row_seeds = np.zeros(size, np.uint32)
+        for slot, row in enumerate(rows):
+            padded[slot, : lengths[slot]] = encoded[row]
+            prompt_lengths[slot] = lengths[slot]
+            budgets[slot] = settings.max_new_tokens
+            row_seeds[slot] = seeds[row]
+        stop = jnp.broadcast_to(settings.stop, (size, decode.MAX_STOP_TOKENS))
+        args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
+                jnp.asarray(budgets), decode.batch_sampling(settings.sampling, row_seeds),
+                stop, settings.resources)
+        batches.append(_Batch(loop, args, rows, lengths, settings.options))
+    return batches
+
+
+def _host_rows(state: decode.DecodeState, count: int) -> list[decode.DecodeState]:
+    """The first ``count`` rows of a batched state, on the host (caches left out)."""
+    host = jax.device_get(state.replace(cache=None, draft_cache=None))
+    return [jax.tree_util.tree_map(lambda x, i=i: x[i] if np.ndim(x) else x, host)
+            for i in range(count)]
+
+
+def _row_request(batch: _Batch, slot: int) -> _Request:
+    return _Request(batch.loop, (), batch.prompt_lengths[slot], batch.options)
+
+
+def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
+                 compile_seconds: float) -> list[dict[str, Any]]:
+    total = sum(counts)
+    all_stats = []
+    for slot, row in enumerate(batch.rows):
+        try:
+            stats = _stats(rows_state[slot], _row_request(batch, slot), counts[slot], seconds,
+                           compile_seconds)
+        except NumericalError as error:
+            raise NumericalError(f"prompts[{row}]: {error}") from None
+        stats["batch"] = {
+            "row": row, "rows": len(batch.rows),
+            "compiled_rows": int(batch.args[1].shape[0]),
+            "new_tokens": total,
+            "tokens_per_s": total / seconds if seconds > 0 else None,
+        }
+        all_stats.append(stats)
+    return all_stats
+
+
+def _generate_batch(model: Model, batches: list[_Batch]) -> list[GenerationResult]:
+    results = []
+    for batch in batches:
+        state, compile_seconds, seconds = decode.run_batch(batch.args[0], batch.loop,
+                                                           *batch.args[1:])
+        rows_state = _host_rows(state, len(batch.rows))
+        tokens = [np.asarray(r.tokens)[int(r.prompt_length): int(r.length)].tolist()
+                  for r in rows_state]
+        stats = _batch_stats(rows_state, batch, [len(t) for t in tokens], seconds,
+                             compile_seconds)
+        for slot in range(len(batch.rows)):
+            results.append(GenerationResult(
+                text=decode_text(model, tokens[slot]), tokens=tokens[slot], stats=stats[slot],
+                origins=token_origins(rows_state[slot])))
+    return results
+
+
+def _stream_batch(model: Model, batches: list[_Batch], total_rows: int, origins: bool):
+    del model
+    all_stats: list = [None] * total_rows
+    for batch in batches:
+        compile_total, state = 0.0, None
+        counts = [0] * len(batch.rows)
+        start = time.perf_counter()
+        for new, state, compile_seconds in decode.stream_batch(batch.args[0], batch.loop,
+                                                               *batch.args[1:]):
+            compile_total += compile_seconds
+            rows_new: list[list[int]] = [[] for _ in range(total_rows)]
+            for slot, row in enumerate(batch.rows):
+                rows_new[row] = new[slot]
+                counts[slot] += len(new[slot])
+            if not any(rows_new):
+                continue
+            if origins:
+                rows_state = _host_rows(state, len(batch.rows))
+                names: list[list[str]] = [[] for _ in range(total_rows)]
+                for slot, row in enumerate(batch.rows):
+                    if new[slot]:
+                        known = token_origins(rows_state[slot])
+                        names[row] = (["target"] * len(new[slot]) if known is None else
+                                      known[counts[slot] - len(new[slot]):counts[slot]])
+                yield rows_new, names, None
+            else:
+                yield rows_new, None
+        seconds = time.perf_counter() - start - compile_total
+        rows_state = _host_rows(state, len(batch.rows))
+        for slot, stats in enumerate(_batch_stats(rows_state, batch, counts, seconds,
+                                                  compile_total)):
+            all_stats[batch.rows[slot]] = stats
+    yield ([], [], all_stats) if origins else ([], all_stats)
 
 
 def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, seconds: float,
@@ -201,13 +409,20 @@ def decode_text(model: Model, tokens: list[int]) -> str:
     return model.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def generate(model: Model, prompt: str | Sequence[int], *,
+def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], *,
              method: str | MethodOptions | None = None, max_new_tokens: int = 128,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             draft: Model | str | None = None, ngram=None,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int | Sequence[int] = 0, draft: Model | str | None = None, ngram=None,
              stop_tokens: Sequence[int] | None = None, chat: bool = False,
-             attn_impl: str = "auto", **options) -> GenerationResult:
+             attn_impl: str = "auto", batch_size: int | None = None,
+             **options) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation as one compiled program on the device.
+
+    A list of prompts is a batch: the rows decode together in one program (weights read
+    once per step for all rows), each with its own length, cache cursor, accepted count
+    per step and stop condition, and each row's tokens are exactly those of its own
+    batch-1 call with the same settings and seed. The result is a list, one
+    :class:`GenerationResult` per prompt, in order.
 
     Threads may call it (and :func:`stream_generate`) on one shared :class:`Model` at
     once: a program several threads need for the first time is compiled once, the others
@@ -216,7 +431,9 @@ def generate(model: Model, prompt: str | Sequence[int], *,
 
     Args:
       model: a :class:`Model` from :func:`load` (or :meth:`Model.from_params`).
-      prompt: a string (tokenized with the model's tokenizer) or a list of token ids.
+      prompt: a string (tokenized with the model's tokenizer) or a list of token ids;
+        or a list of such prompts (a batch; at most ``MAX_BATCH_SIZE`` = 64 unless
+        ``batch_size`` is given).
       method: a method name -- ``"ar"`` (autoregressive), ``"spec"`` (draft chain,
         Leviathan/Chen), ``"tree"`` (draft token tree verified in one target pass),
         ``"staged"`` (draft model helped by n-gram tables and context lookup) or
@@ -227,7 +444,9 @@ def generate(model: Model, prompt: str | Sequence[int], *,
       temperature: 0 for greedy; otherwise sampling temperature (traced).
       top_k: keep the k most likely tokens; 0 disables (traced).
       top_p: nucleus mass in (0, 1]; 1 disables (traced).
-      seed: sampling seed; the noise of token t depends only on (seed, t) (traced).
+      seed: sampling seed; the noise of token t depends only on (seed, t) (traced). For
+        a batch: one int used by every row (so a row's output does not depend on its
+        place in the list), or a list with one seed per prompt.
       draft: ``spec``/``tree``/``staged``: a :class:`Model`, a shipped draft's name
         (``"smollm2-135m-draft"``), ``"first-layers:K"``, a draft asset folder or any
         model :func:`load` accepts; default: the draft shipped for the model. It must
@@ -238,14 +457,30 @@ def generate(model: Model, prompt: str | Sequence[int], *,
       stop_tokens: ids that end generation (default: the model's EOS ids).
       chat: wrap a string prompt in the model's chat template.
       attn_impl: ``"auto"``, ``"reference"`` or ``"kernel"``.
+      batch_size: a batch only: rows per compiled program, in [1, 64]; a longer list
+        runs as consecutive batches of this size. Default: the whole list in one batch.
+        The program's row count is rounded up to a power of two (padding rows are
+        discarded), so batches of 5 to 8 rows share one compiled program.
       **options: the method's options by name (see its options class: e.g.
         ``tree_budget``, ``draft_depth``, ``draft_width``, ``draft_rounds``,
         ``proposal``, ``use_lookup``, ``stage2_prior``, ``topology``, ``verify``). An
         option the method does not take is an error naming both.
     Returns:
       :class:`GenerationResult` with ``text``, ``tokens``, ``stats`` and, for the
-      speculative methods, ``origins``.
+      speculative methods, ``origins``; for a batch a list of them, whose ``stats`` also
+      hold ``"batch"``: ``row`` (index in the list), ``rows`` and ``compiled_rows`` (this
+      program's real and padded row counts), ``new_tokens`` and ``tokens_per_s`` (all rows
+      of the program together; ``seconds`` is the program's time, shared by its rows).
     """
+    if is_batch(prompt):
+        batches = _prepare_batch(model, prompt, method=method, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, draft=draft, ngram=ngram, stop_tokens=stop_tokens,
+                                 chat=chat, attn_impl=attn_impl, batch_size=batch_size,
+                                 options=options)
+        return _generate_batch(model, batches)
+    if batch_size is not None:
+        raise InvalidArgumentError("batch_size applies to a list of prompts only")
     request = _prepare(model, prompt, method=method, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        draft=draft, ngram=ngram, stop_tokens=stop_tokens, chat=chat,
@@ -269,6 +504,11 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
     ``(new_token_ids, None)`` as tokens are produced, then ``([], stats)`` once. With
     ``origins=True`` it yields ``(new_token_ids, new_token_origins, None)`` and then
     ``([], [], stats)``; origins are ``"ngram"``, ``"lookup"``, ``"draft"`` or ``"target"``.
+
+    A list of prompts streams as a batch: each yield holds one list per prompt (in order,
+    ``len(prompts)`` lists, empty for rows with nothing new), ``(rows_new_token_ids,
+    None)`` (or ``(rows_new_token_ids, rows_new_token_origins, None)``), and the last one
+    is ``([], stats_list)`` (or ``([], [], stats_list)``), one stats dict per prompt.
     """
     try:
         bound = _GENERATE_SIGNATURE.bind(model, prompt, **kwargs)
@@ -277,6 +517,13 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
     bound.apply_defaults()
     settings = dict(bound.arguments)
     settings.pop("model"), settings.pop("prompt")
+    batch_size = settings.pop("batch_size")
+    if is_batch(prompt):
+        batches = _prepare_batch(model, prompt, batch_size=batch_size, **settings)
+        yield from _stream_batch(model, batches, len(prompt), origins)
+        return
+    if batch_size is not None:
+        raise InvalidArgumentError("batch_size applies to a list of prompts only")
     request = _prepare(model, prompt, **settings)
     compile_total, count, state = 0.0, 0, None
     start = time.perf_counter()

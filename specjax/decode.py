@@ -22,6 +22,17 @@ sequence has position id ``t`` and, when sampled, Gumbel noise ``g_t``
 Drivers: :func:`run_to_completion` compiles prefill plus a ``lax.while_loop`` over steps as
 one program (no host round trip per token); :func:`stream` calls the same jitted prefill
 and step from Python and yields tokens as they are produced.
+
+Batches (B rows, :func:`run_batch`, :func:`stream_batch`): the per-row program is
+``jax.vmap``-ed over the rows' prompt [B, P], prompt length [B], max_new_tokens [B],
+seed [B] and stop tokens [B, MAX_STOP_TOKENS]; the parameters, the :class:`Resources` and
+the other sampling settings (temperature, top-k, top-p: one per batch, so their
+``lax.cond`` s stay branches) are shared. Every field of :class:`DecodeState` gains a
+leading batch axis, so each row keeps its own cache cursor, tree, accepted count and stop
+condition (ragged acceptance). One ``lax.while_loop`` runs until every row is done; a
+step leaves a finished row as it was (:func:`hold_finished`), so rows never affect each
+other and a row's tokens are those of its batch-1 run. The batch size is static (a shape):
+callers pad it to :func:`batch_bucket` with rows that finish at prefill.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import models
+from specjax import models, sharding
 from specjax.cache import KVCache, advance, init_cache
 from specjax.config import ModelConfig
 from specjax.drafters.ngram import NgramTables
@@ -45,11 +56,19 @@ from specjax.sampling import SamplingParams, sample_tokens
 
 MIN_BUCKET = 16
 MAX_STOP_TOKENS = 8
+# The most rows one compiled batch program takes (callers split longer lists).
+MAX_BATCH_SIZE = 64
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     """Smallest power of two >= max(n, minimum)."""
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def batch_bucket(rows: int) -> int:
+    """Rows of the compiled program for a batch of ``rows``: the smallest power of two
+    >= ``rows`` (1, 2, 4, 8, ...)."""
+    return bucket(rows, minimum=1)
 
 
 @struct.dataclass
@@ -189,7 +208,7 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
     """Runs the target over the padded prompt [P] and samples the first new token."""
     config = loop.config
     dtype = params["embed"].dtype
-    cache = init_cache(config, loop.capacity, dtype)
+    cache = sharding.constrain_cache(init_cache(config, loop.capacity, dtype), config)
     positions = jnp.arange(loop.prompt_bucket, dtype=jnp.int32)
     hidden, cache = models.hidden_states(params, config, prompt, positions, cache,
                                          attn_impl=loop.attn_impl)
@@ -269,9 +288,11 @@ _COMPILE_LOCK = threading.Lock()
 
 
 def _signature(args) -> tuple:
+    # The placement is part of a program: an executable compiled for one device takes no
+    # arrays sharded over a mesh (specjax.sharding), and the other way round.
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple((np.shape(x), str(getattr(x, "dtype", None) or np.result_type(x)))
-                          for x in leaves)
+    return treedef, tuple((np.shape(x), str(getattr(x, "dtype", None) or np.result_type(x)),
+                           getattr(x, "sharding", None)) for x in leaves)
 
 
 def clear_compiled() -> None:
@@ -295,7 +316,8 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = ()):
             return hit, 0.0
         start = time.perf_counter()
         jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate)
-        executable = jitted.lower(*args).compile()
+        with sharding.tracing(sharding.mesh_of(args[0])):  # parameters on a mesh: see there
+            executable = jitted.lower(*args).compile()
         _EXECUTABLES[key] = executable
         return executable, time.perf_counter() - start
 
@@ -305,11 +327,131 @@ def run_program(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens,
                 ) -> tuple[DecodeState, float, float]:
     """Compiles (once) and runs the whole generation; returns (state, compile s, run s)."""
     args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, resources)
+    args = sharding.place_arguments(args)  # replicated over the mesh of params, if any
     executable, compile_seconds = compiled(run_to_completion, loop, args)
     start = time.perf_counter()
     state = executable(*args)
     jax.block_until_ready(state.length)
     return state, compile_seconds, time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- batches
+
+# vmap axes of a batch's SamplingParams: one seed per row, the rest shared.
+ROW_SAMPLING = SamplingParams(temperature=None, top_k=None, top_p=None, seed=0)
+
+
+def batch_sampling(sampling: SamplingParams, seeds) -> SamplingParams:
+    """``sampling`` (scalars) with one seed per row: uint32 [B]."""
+    return sampling.replace(seed=jnp.asarray(seeds, jnp.uint32).reshape(-1))
+
+
+def _state_axes() -> DecodeState:
+    """vmap axes of a batched :class:`DecodeState`: 0 everywhere but the shared sampling
+    settings."""
+    return DecodeState(cache=0, tokens=0, length=0, prompt_length=0, max_length=0, done=0,
+                       nonfinite=0, nonfinite_position=0, target_calls=0, draft_calls=0,
+                       stop_tokens=0, sampling=ROW_SAMPLING, draft_cache=0, tally=0)
+
+
+def hold_finished(old: DecodeState, new: DecodeState) -> DecodeState:
+    """One row's state after a step: ``new``, or ``old`` when the row was already done.
+
+    The K/V buffers of the caches are taken from ``new`` either way: a step writes them only
+    at and past the committed cursor (:mod:`specjax.cache`), which is restored, so a
+    finished row's committed prefix is untouched and no copy of its cache is made.
+    """
+    def pick(before, after):
+        return jnp.where(old.done, before, after)
+
+    held = jax.tree_util.tree_map(pick, old.replace(sampling=None), new.replace(sampling=None))
+    held = held.replace(sampling=new.sampling,
+                        cache=held.cache.replace(k=new.cache.k, v=new.cache.v))
+    if new.draft_cache is not None:
+        held = held.replace(draft_cache=held.draft_cache.replace(k=new.draft_cache.k,
+                                                                 v=new.draft_cache.v))
+    return held
+
+
+def _start_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens, sampling,
+                 stop_tokens, resources: Resources) -> DecodeState:
+    def start_row(prompt, prompt_length, max_new, row_sampling, stop):
+        return _start(params, loop, prompt, prompt_length, max_new, row_sampling, stop,
+                      resources)
+
+    return jax.vmap(start_row, in_axes=(0, 0, 0, ROW_SAMPLING, 0), out_axes=_state_axes())(
+        prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens)
+
+
+def _step_batch(params, loop: DecodeLoop, state: DecodeState,
+                resources: Resources) -> DecodeState:
+    def step_row(row):
+        return hold_finished(row, loop.method.step(params, loop, row, resources))
+
+    axes = _state_axes()
+    return jax.vmap(step_row, in_axes=(axes,), out_axes=axes)(state)
+
+
+def run_batch_to_completion(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
+                            sampling, stop_tokens, resources: Resources) -> DecodeState:
+    """Prefill every row, then one ``lax.while_loop`` of batched steps until every row is
+    done (finished rows held): one XLA program. Arguments as :func:`run_batch`."""
+    state = _start_batch(params, loop, prompts, prompt_lengths, max_new_tokens, sampling,
+                         stop_tokens, resources)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                              lambda s: _step_batch(params, loop, s, resources), state)
+
+
+def run_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens, sampling,
+              stop_tokens, resources: Resources = Resources()
+              ) -> tuple[DecodeState, float, float]:
+    """Compiles (once per loop and batch shape) and runs a batch's whole generation.
+
+    Args:
+      params: the target's parameters (shared by every row).
+      loop: the static program; ``prompt_bucket`` and ``capacity`` must fit every row.
+      prompts: int32 [B, P] padded prompts.
+      prompt_lengths: int32 [B].
+      max_new_tokens: int32 [B].
+      sampling: :class:`SamplingParams` with scalar temperature, top-k, top-p and a
+        uint32 [B] seed (:func:`batch_sampling`).
+      stop_tokens: int32 [B, MAX_STOP_TOKENS], -1 padded.
+      resources: shared by every row.
+    Returns:
+      (state with a leading [B] axis on every field but the shared sampling settings,
+      compile seconds or 0.0 when cached, run seconds).
+    """
+    args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens, resources)
+    executable, compile_seconds = compiled(run_batch_to_completion, loop, args)
+    start = time.perf_counter()
+    state = executable(*args)
+    jax.block_until_ready(state.length)
+    return state, compile_seconds, time.perf_counter() - start
+
+
+def stream_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens, sampling,
+                 stop_tokens, resources: Resources = Resources()
+                 ) -> Iterator[tuple[list[list[int]], DecodeState, float]]:
+    """:func:`stream` for a batch (arguments as :func:`run_batch`): yields (new token ids
+    per row, a list of B lists, some empty; the batched state; compile seconds spent before
+    this yield) after the prefill and after every batched step, until every row is done."""
+    args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens, resources)
+    start_exec, compile_seconds = compiled(_start_batch, loop, args)
+    state = start_exec(*args)
+    step_exec, step_compile = compiled(_step_batch, loop, (params, state, resources),
+                                       donate=(1,))
+    compile_seconds += step_compile
+    emitted = np.asarray(state.prompt_length).copy()
+    while True:
+        lengths = np.asarray(state.length)
+        tokens = np.asarray(state.tokens)
+        new = [tokens[row, emitted[row]:lengths[row]].tolist() for row in range(len(lengths))]
+        emitted = lengths.copy()
+        yield new, state, compile_seconds
+        compile_seconds = 0.0
+        if bool(np.all(np.asarray(state.done))):
+            return
+        state = step_exec(params, state, resources)
 
 
 def stream(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
@@ -321,6 +463,8 @@ def stream(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, samp
     prefill and after every step, until done.
     """
     args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, resources)
+    args = sharding.place_arguments(args)  # replicated over the mesh of params, if any
+    resources = args[-1]
     start_exec, compile_seconds = compiled(_start, loop, args)
     state = start_exec(*args)
     step_exec, step_compile = compiled(_step, loop, (params, state, resources), donate=(1,))

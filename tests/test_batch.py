@@ -1,0 +1,212 @@
+"""Batched generation: a list of prompts decodes as one program whose rows are independent.
+
+The invariant: each row's tokens equal its own batch-1 output (same settings, same seed),
+for every method, greedy and coupled sampling, whatever the other rows do (different
+prompt lengths, early stops, padding rows). Plus: the compiled program is shared by
+every batch of one bucket, the stochastic rules keep the target distribution with many
+rows, and bad input is a one-line error.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax import decode
+from specjax.checkpoints_tools.ngram_build import build_ngram
+from specjax.errors import InvalidArgumentError
+
+from conftest import TINY_VOCAB, random_prompt
+
+# Mixed lengths; the 19-token prompt pads to a 32-token bucket, the others to 16.
+PROMPTS = [random_prompt(40 + i, n) for i, n in enumerate([5, 19, 3, 11, 8])]
+NEW = 14
+SAMPLINGS = {"greedy": dict(), "coupled": dict(temperature=1.0, top_k=20)}
+SEEDS = [3, 17, 5, 2, 9]
+
+
+@pytest.fixture(scope="module")
+def tables(spec_target):
+    corpus = [specjax.generate(spec_target, random_prompt(200 + s, 6), max_new_tokens=32).tokens
+              for s in range(6)]
+    return build_ngram(corpus, TINY_VOCAB, top_k=8, trigram_top_k=4, trigram_buckets=256,
+                       min_context_count=1).tables
+
+
+def _method(name, spec_drafts, tables):
+    weak = spec_drafts["weak"]
+    return {"ar": dict(method="ar"),
+            "spec": dict(method="spec", draft=weak, draft_depth=3),
+            "tree": dict(method="tree", draft=weak, tree_budget=6, draft_width=2),
+            "ngram": dict(method="ngram", ngram=tables),
+            "staged": dict(method="staged", draft=weak, ngram=tables, tree_budget=6)}[name]
+
+
+def _singles(target, prompts, seeds, **kwargs):
+    return [specjax.generate(target, p, seed=s, **kwargs) for p, s in zip(prompts, seeds)]
+
+
+@pytest.mark.parametrize("method, sizes", [("ar", (1, 2, 3, 5)), ("spec", (2, 5)),
+                                           ("tree", (3,)), ("ngram", (5,)),
+                                           ("staged", (2, 5))])
+def test_each_row_equals_its_batch_1_output(spec_target, spec_drafts, tables, method, sizes):
+    kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[])
+    for name, sampling in SAMPLINGS.items():
+        singles = _singles(spec_target, PROMPTS, SEEDS, **kwargs, **sampling)
+        for size in sizes:
+            outs = specjax.generate(spec_target, PROMPTS[:size], seed=SEEDS[:size], **kwargs,
+                                    **sampling)
+            assert [o.tokens for o in outs] == [s.tokens for s in singles[:size]], \
+                (method, name, size)
+            for row, (out, single) in enumerate(zip(outs, singles)):
+                assert out.stats["batch"]["row"] == row
+                assert out.stats["batch"]["compiled_rows"] == decode.batch_bucket(size)
+                # Ragged acceptance: each row keeps its own step count and histogram.
+                assert out.stats["target_calls"] == single.stats["target_calls"]
+                assert out.stats.get("accepted_histogram") == \
+                    single.stats.get("accepted_histogram")
+                assert out.origins == single.origins
+
+
+@pytest.mark.parametrize("method, verify_rule", [("tree", "rejection"), ("spec", "match")])
+def test_stochastic_rules_equal_batch_1_with_per_row_seeds(spec_target, spec_drafts, tables,
+                                                           method, verify_rule):
+    kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[],
+                  temperature=1.0, verify=verify_rule)
+    singles = _singles(spec_target, PROMPTS[:3], SEEDS[:3], **kwargs)
+    outs = specjax.generate(spec_target, PROMPTS[:3], seed=SEEDS[:3], **kwargs)
+    assert [o.tokens for o in outs] == [s.tokens for s in singles]
+
+
+def test_an_int_seed_is_every_row_s_seed(spec_target):
+    kwargs = dict(max_new_tokens=NEW, temperature=1.0, stop_tokens=[], seed=11)
+    outs = specjax.generate(spec_target, [PROMPTS[0], PROMPTS[0], PROMPTS[2]], **kwargs)
+    assert outs[0].tokens == outs[1].tokens
+    assert outs[2].tokens == specjax.generate(spec_target, PROMPTS[2], **kwargs).tokens
+
+
+@pytest.mark.parametrize("method", ["ar", "staged"])
+def test_rows_stop_on_their_own_stop_tokens(spec_target, spec_drafts, tables, method):
+    kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW)
+    free = _singles(spec_target, PROMPTS[:3], [0] * 3, stop_tokens=[], **kwargs)
+    # Row 0 stops at its third token, row 1 maybe later or never, row 2 as it may.
+    stop = [free[0].tokens[2]]
+    singles = _singles(spec_target, PROMPTS[:3], [0] * 3, stop_tokens=stop, **kwargs)
+    outs = specjax.generate(spec_target, PROMPTS[:3], stop_tokens=stop, **kwargs)
+    assert [o.tokens for o in outs] == [s.tokens for s in singles]
+    assert len(outs[0].tokens) <= 3 and outs[0].tokens[-1] == stop[0]
+    assert max(len(o.tokens) for o in outs) > len(outs[0].tokens)  # the others went on
+
+
+def test_batch_size_splits_a_long_list_into_programs(spec_target):
+    kwargs = dict(max_new_tokens=6, stop_tokens=[])
+    whole = specjax.generate(spec_target, PROMPTS, **kwargs)
+    split = specjax.generate(spec_target, PROMPTS, batch_size=2, **kwargs)
+    assert [o.tokens for o in split] == [o.tokens for o in whole]
+    assert [o.stats["batch"]["rows"] for o in split] == [2, 2, 2, 2, 1]
+    assert [o.stats["batch"]["row"] for o in split] == list(range(5))
+
+
+def test_one_compiled_program_per_batch_bucket(spec_target):
+    """Batches of 3 and 4 rows (bucket 4), other prompts of the same prompt bucket, other
+    seeds and budgets of the same capacity: no new compilation."""
+    kwargs = dict(max_new_tokens=NEW, temperature=1.0, stop_tokens=[])
+    specjax.generate(spec_target, PROMPTS[2:5], seed=[1, 2, 3], **kwargs)
+    before = len(decode._EXECUTABLES)
+    others = [random_prompt(90 + i, n) for i, n in enumerate([4, 12, 7, 9])]
+    for rows, seeds in ((others, [4, 5, 6, 7]), (others[:3], 8)):
+        outs = specjax.generate(spec_target, rows, seed=seeds, **dict(kwargs, max_new_tokens=9))
+        assert all(o.stats["compile_seconds"] == 0.0 for o in outs)
+    assert len(decode._EXECUTABLES) == before
+
+
+def test_stream_generate_yields_per_row_tokens(spec_target, spec_drafts, tables):
+    kwargs = dict(_method("staged", spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[])
+    expected = specjax.generate(spec_target, PROMPTS[:3], **kwargs)
+    rows, origins = [[] for _ in range(3)], [[] for _ in range(3)]
+    *steps, (last_tokens, last_origins, stats) = specjax.stream_generate(
+        spec_target, PROMPTS[:3], origins=True, **kwargs)
+    for new, names, nothing in steps:
+        assert len(new) == len(names) == 3 and nothing is None
+        for row in range(3):
+            rows[row] += new[row]
+            origins[row] += names[row]
+    assert last_tokens == last_origins == []
+    assert rows == [o.tokens for o in expected]
+    assert origins == [o.origins for o in expected]
+    assert [s["new_tokens"] for s in stats] == [len(o.tokens) for o in expected]
+
+
+def test_the_pallas_kernel_batches_under_vmap(spec_target):
+    """``attn_impl="kernel"`` (interpret mode on CPU) gives each row its batch-1 tokens."""
+    kwargs = dict(max_new_tokens=4, stop_tokens=[])
+    outs = specjax.generate(spec_target, PROMPTS[:2], attn_impl="kernel", **kwargs)
+    assert [o.tokens for o in outs] == [
+        specjax.generate(spec_target, p, attn_impl="reference", **kwargs).tokens
+        for p in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("prompts, kwargs, fragment", [
+    ([], {}, "the list of prompts is empty"),
+    ([[1, 2], []], {}, r"prompts\[1\]: prompt is empty"),
+    ([[1, 2]] * (decode.MAX_BATCH_SIZE + 1), {}, "exceed the maximum batch size 64"),
+    ([[1, 2]] * 3, dict(batch_size=decode.MAX_BATCH_SIZE + 1), "batch_size must be"),
+    ([[1, 2]] * 3, dict(batch_size=0), "batch_size must be"),
+    ([[1, 2]] * 3, dict(seed=[1, 2]), "got 2 seeds for 3 prompts"),
+    ([[1, 2]] * 2, dict(seed=[1, -1]), "seed must be an integer"),
+    ([1, 2], dict(batch_size=2), "batch_size applies to a list of prompts only"),
+    ([[1, 2], [1, TINY_VOCAB]], {}, r"prompts\[1\]: prompt token id"),
+])
+def test_bad_batches_are_one_line_errors(spec_target, prompts, kwargs, fragment):
+    for call in (lambda: specjax.generate(spec_target, prompts, max_new_tokens=2, **kwargs),
+                 lambda: next(specjax.stream_generate(spec_target, prompts, max_new_tokens=2,
+                                                      **kwargs))):
+        with pytest.raises(InvalidArgumentError, match=fragment) as error:
+            call()
+        assert "\n" not in str(error.value)
+
+
+# ----------------------------------------------------------------------------- distribution
+
+
+def test_staged_rejection_samples_the_target_distribution_with_many_rows(spec_target,
+                                                                         tables):
+    """The second new token of many rows (one seed each, 64 rows per program) follows the
+    exact marginal of the target (test_staged_distribution's check, batched)."""
+    import test_staged_distribution as dist
+
+    marginal = dist._second_token_marginal(spec_target)
+    seeds = list(range(dist.SEEDS))
+    tokens = []
+    for first in range(0, len(seeds), decode.MAX_BATCH_SIZE):
+        chunk = seeds[first: first + decode.MAX_BATCH_SIZE]
+        outs = specjax.generate(spec_target, [dist.PROMPT] * len(chunk), seed=chunk,
+                                max_new_tokens=2, stop_tokens=[], ngram=tables,
+                                draft=spec_target, verify="rejection", **dist.SAMPLING,
+                                **dist.STAGED)
+        tokens += [o.tokens[1] for o in outs]
+    statistic, dof = dist._pooled_chi2(np.bincount(tokens, minlength=TINY_VOCAB), marginal)
+    assert statistic < dist.chi2_threshold(dof), (statistic, dof)
+
+
+# ----------------------------------------------------------------------------- real model
+
+HUMANEVAL = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+             "from typing import List\n\n\ndef has_close_elements(numbers: List[float], "
+             "threshold: float) -> bool:\n",
+             "def is_palindrome(text: str) -> bool:\n"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ar", "staged"])
+def test_smollm2_rows_equal_batch_1(smollm2, method):
+    for sampling in (dict(), dict(temperature=1.0, seed=[7, 8, 9])):
+        seeds = sampling.get("seed", [0, 0, 0])
+        outs = specjax.generate(smollm2, HUMANEVAL, method=method, max_new_tokens=24,
+                                **sampling)
+        for prompt, seed, out in zip(HUMANEVAL, seeds, outs):
+            single = specjax.generate(smollm2, prompt, method=method, max_new_tokens=24,
+                                      **dict(sampling, seed=seed))
+            assert out.tokens == single.tokens, (method, sampling)
+            assert out.text == single.text
+    jax.clear_caches()
