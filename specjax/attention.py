@@ -203,8 +203,13 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
     if impl == "auto" and jax.default_backend() == "cpu":
         return attention_blocked(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
                                  layer=layer)
-    from specjax import kernels  # imported lazily: Pallas is only needed off the CPU
+    from specjax import kernels, sharding  # imported lazily: Pallas is only needed off the CPU
 
-    return kernels.verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
-                                    fallback=attention_reference if impl == "auto" else None,
-                                    layer=layer)
+    def kernel(*args, layer):
+        return kernels.verify_attention(*args, layer=layer,
+                                        fallback=attention_reference if impl == "auto" else None)
+
+    # Over a device mesh, once per shard of the heads (a Pallas call is opaque to XLA's
+    # partitioner); directly otherwise.
+    return sharding.attention_per_shard(kernel, q, k_new, v_new, k_cache, v_cache, length, mask,
+                                        scratch_mask, layer=layer)

@@ -1,0 +1,273 @@
+"""Sharded generation over 8 simulated CPU devices equals one device's.
+
+The checks run in ONE subprocess (``python tests/test_sharding.py``) started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``, so this process and the rest of
+the suite keep their single CPU device; the subprocess prints one JSON report and the
+tests below read it. Tiny random Llama models whose head counts divide 8 (GQA: 16 query
+heads over 8 KV heads) and a one-layer draft; every configuration runs greedy and coupled
+sampling (temperature 1, the same seed) and must give the single-device tokens:
+
+* ``ar`` on tensor-parallel meshes of 2, 4 and 8 devices and data x model 2x4 and 4x2;
+* ``tree`` (draft sharded like the target) on model=4 and 2x4;
+* ``staged`` (draft replicated, n-gram tables) on model=8 and 4x2;
+* the Pallas kernel (``attn_impl="kernel"``, interpret mode) per shard under ``shard_map``
+  on 2x4, for ``ar`` and ``tree``;
+* GPT-2 (``ar``) on model=4;
+* streaming (the Python-driven step) on 2x4.
+
+A model whose KV heads do not divide the ``model`` axis is a one-line error naming the
+parameter and the sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+DEVICES = 8
+NEW_TOKENS = 10
+# (name, mesh (data, model), method, attn_impl): every one is run greedy and coupled.
+CASES = [
+    ("ar-tp2", (1, 2), "ar", "auto"),
+    ("ar-tp4", (1, 4), "ar", "auto"),
+    ("ar-tp8", (1, 8), "ar", "auto"),
+    ("ar-dp2-tp4", (2, 4), "ar", "auto"),
+    ("ar-dp4-tp2", (4, 2), "ar", "auto"),
+    ("tree-dp2-tp4", (2, 4), "tree", "auto"),
+    ("staged-dp4-tp2", (4, 2), "staged", "auto"),
+    ("ar-kernel-dp2-tp4", (2, 4), "ar", "kernel"),
+]
+# Run by `make test-all` only (a second subprocess, about a minute more).
+SLOW_CASES = [
+    ("tree-tp4", (1, 4), "tree", "auto"),
+    ("staged-tp8", (1, 8), "staged", "auto"),
+    ("tree-kernel-dp2-tp4", (2, 4), "tree", "kernel"),
+    ("gpt2-ar-tp4", (1, 4), "gpt2-ar", "auto"),
+]
+TEMPERATURES = (0.0, 1.0)
+METHOD_OPTIONS = {
+    "ar": {},
+    "tree": dict(tree_budget=6, draft_depth=2, draft_width=2),
+    "staged": dict(tree_budget=6, draft_rounds=1, draft_width=2, proposal=(2, 1)),
+}
+
+
+# ----------------------------------------------------------------------------- the subprocess
+
+
+def _models():
+    import jax
+
+    import specjax
+    from specjax import models
+    from specjax.config import ModelConfig
+
+    def tiny(seed, **overrides):
+        fields = dict(architecture="llama", vocab_size=97, hidden_size=64, num_layers=2,
+                      num_heads=16, num_kv_heads=8, head_dim=16, intermediate_size=128,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+        config = ModelConfig(**{**fields, **overrides})
+        params = models.init_params(config, jax.random.key(seed))
+        # Matrices at 0.2 instead of 0.02: diverse, far-from-tied logits (as conftest's).
+        params = jax.tree.map(lambda a: a * 10 if a.ndim > 1 else a, params)
+        return specjax.Model.from_params(config, params, name=f"tiny-{seed}")
+
+    target = tiny(0)
+    draft = tiny(1, num_layers=1, num_heads=8)
+    gpt2 = tiny(2, architecture="gpt2", num_heads=8, num_kv_heads=8, num_layers=2,
+                tie_word_embeddings=True)
+    return target, draft, gpt2
+
+
+def _run_checks(cases: list) -> dict:
+    import jax
+    import numpy as np
+
+    import specjax
+    from specjax import models, sharding
+    from specjax.checkpoints_tools.ngram_build import build_ngram
+    from specjax.errors import InvalidArgumentError
+
+    assert len(jax.devices()) == DEVICES, jax.devices()
+    target, draft, gpt2 = _models()
+    prompt = np.random.default_rng(0).integers(0, 97, 7).tolist()
+    corpus = [specjax.generate(target, np.random.default_rng(s).integers(0, 97, 5).tolist(),
+                               max_new_tokens=24, method="ar").tokens for s in range(4)]
+    tables = build_ngram(corpus, 97, top_k=4, trigram_top_k=2, trigram_buckets=64,
+                         min_context_count=1).tables
+
+    def generate(model, method, temperature, attn_impl, draft_model, **extra):
+        method = method.removeprefix("gpt2-")
+        resources = {}
+        if method in ("tree", "staged"):
+            resources["draft"] = draft_model
+        if method == "staged":
+            resources["ngram"] = tables
+        return specjax.generate(model, prompt, max_new_tokens=NEW_TOKENS, method=method,
+                                temperature=temperature, seed=3, attn_impl=attn_impl,
+                                **METHOD_OPTIONS[method], **resources, **extra)
+
+    report = {"cases": {}, "errors": {}}
+    references = {}
+    for name, (data, model_size), method, attn_impl in cases:
+        start = time.perf_counter()
+        one = gpt2 if method.startswith("gpt2") else target
+        mesh = sharding.make_mesh(data=data, model=model_size,
+                                  devices=jax.devices()[: data * model_size])
+        sharded = sharding.shard_model(one, mesh)
+        # The tree's draft is sharded like the target; staged's stays replicated.
+        sharded_draft = (sharding.shard_model(draft, mesh) if method == "tree"
+                         else sharding.shard_model(draft, mesh, replicate=True))
+        outcome = {}
+        for temperature in TEMPERATURES:
+            key = (method, temperature)
+            if key not in references:  # one device, the jnp path
+                references[key] = generate(one, method, temperature, "auto", draft).tokens
+            got = generate(sharded, method, temperature, attn_impl, sharded_draft).tokens
+            outcome[str(temperature)] = {"reference": references[key], "sharded": got}
+        report["cases"][name] = dict(outcome, seconds=time.perf_counter() - start)
+        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+    if cases is SLOW_CASES:
+        return report
+    # Streaming drives the same step from Python.
+    mesh = sharding.make_mesh(data=2, model=4)
+    sharded = sharding.shard_model(target, mesh)
+    streamed = [t for new, stats in specjax.stream_generate(
+        sharded, prompt, max_new_tokens=NEW_TOKENS, method="ar", temperature=1.0, seed=3)
+        for t in new]
+    report["stream"] = {"reference": references[("ar", 1.0)], "sharded": streamed}
+    # Parameters and the cache really are split (not silently replicated).
+    report["specs"] = {k: v for k, v in sharding.describe(sharded.params).items()
+                       if k in ("layers/wk", "layers/wo", "layers/w_down", "embed")}
+
+    # Sizes that do not divide the mesh.
+    bad_kv = sharding.make_mesh(data=1, model=8)
+    for label, call in {
+        "gqa_kv_heads": lambda: sharding.shard_params(
+            _with(target.config, num_kv_heads=2, num_heads=8), _params(
+                _with(target.config, num_kv_heads=2, num_heads=8)), bad_kv),
+        "fused": lambda: sharding.shard_params(target.config, models.fuse_projections(
+            target.config, target.params), bad_kv),
+        "mesh_size": lambda: sharding.make_mesh(data=3, model=2),
+    }.items():
+        try:
+            call()
+            report["errors"][label] = None
+        except InvalidArgumentError as error:
+            report["errors"][label] = str(error)
+    return report
+
+
+def _with(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def _params(config):
+    import jax
+
+    from specjax import models
+
+    return models.init_params(config, jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def _subprocess_report(which: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+               JAX_PLATFORMS="cpu")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, __file__, which], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode != 0:
+        pytest.fail(f"the sharding subprocess failed ({done.returncode}):\n"
+                    f"{done.stderr[-6000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["wall_seconds"] = time.perf_counter() - start
+    print(f"sharding subprocess ({which}): {result['wall_seconds']:.1f} s")
+    return result
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _subprocess_report("fast")
+
+
+@pytest.fixture(scope="module")
+def slow_report():
+    return _subprocess_report("slow")
+
+
+def _check_case(outcome: dict, case: str) -> None:
+    for temperature in map(str, TEMPERATURES):
+        assert len(outcome[temperature]["reference"]) == NEW_TOKENS
+        assert outcome[temperature]["sharded"] == outcome[temperature]["reference"], (
+            case, temperature)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_sharded_tokens_equal_one_device(report, case):
+    _check_case(report["cases"][case], case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c[0] for c in SLOW_CASES])
+def test_more_sharded_configurations_equal_one_device(slow_report, case):
+    _check_case(slow_report["cases"][case], case)
+
+
+def test_streaming_sharded_equals_one_device(report):
+    assert report["stream"]["sharded"] == report["stream"]["reference"]
+
+
+def test_parameters_are_split_over_the_model_axis(report):
+    from jax.sharding import PartitionSpec as P
+
+    assert report["specs"] == {"embed": str(P()),
+                               "layers/wk": str(P(None, None, "model")),
+                               "layers/wo": str(P(None, "model", None)),
+                               "layers/w_down": str(P(None, "model", None))}
+
+
+def test_sizes_that_do_not_divide_the_mesh_are_one_line_errors(report):
+    errors = report["errors"]
+    message = errors["gqa_kv_heads"]
+    assert message is not None and "\n" not in message
+    assert "layers/wk" in message and "num_kv_heads=2" in message and "size 8" in message
+    assert "fused projections" in errors["fused"] and "\n" not in errors["fused"]
+    assert errors["mesh_size"] == "a mesh of data=3 x model=2 needs 6 devices, got 8"
+
+
+def test_mesh_and_specs_without_devices():
+    """In this (single-device) process: mesh validation and the spec table."""
+    from jax.sharding import PartitionSpec as P
+
+    from specjax import models, sharding
+    from specjax.errors import InvalidArgumentError
+
+    mesh = sharding.make_mesh()
+    assert dict(mesh.shape) == {"data": 1, "model": 1}
+    with pytest.raises(InvalidArgumentError, match="mesh axes must be"):
+        sharding.check_mesh(__import__("jax").sharding.Mesh(mesh.devices, ("x", "y")))
+    with pytest.raises(InvalidArgumentError, match="'model' must be a positive integer"):
+        sharding.make_mesh(model=0)
+    target, _, gpt2 = _models()
+    specs = sharding.param_specs(gpt2.config, gpt2.params)
+    assert specs["layers"]["w_fc"] == P(None, None, "model")
+    assert specs["layers"]["b_fc"] == P(None, "model")
+    assert specs["layers"]["w_proj"] == P(None, "model", None)
+    assert specs["pos_embed"] == P()
+    fused = models.fuse_projections(target.config, target.params)
+    assert sharding.param_specs(target.config, fused)["layers"]["w_qkv"] == P()
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_checks(SLOW_CASES if sys.argv[1:] == ["slow"] else CASES)))
