@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from specjax import api, interrupts, loading, progress
+from specjax import api, decode, interrupts, loading, progress
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import ngram_build, sources, train_draft
 from specjax.checkpoints_tools.convert import convert
@@ -25,6 +25,7 @@ from specjax.model import resolve_dtype
 from specjax.sampling import make_sampling_params
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_BATCH_SIZE = 8
 
 
 def _add_generate(sub) -> None:
@@ -37,7 +38,19 @@ def _add_generate(sub) -> None:
                f"{loading.describe_defaults(DEFAULT_MODEL)}; a model without shipped assets "
                "decodes with ar. spec and tree use the shipped draft too when the model has "
                "one.")
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt text (or give --prompts-file)")
+    p.add_argument("--prompts-file", default=None, metavar="PATH",
+                   help="generate for every prompt of a JSONL file, in batches, writing one "
+                        "JSON object per prompt (id, index, prompt, text, tokens, stats) to "
+                        "--output or stdout. Each line is a JSON object with a \"prompt\" "
+                        "(a string, or a list of token ids) and optionally an \"id\" and a "
+                        "\"seed\" (default: --seed), or just a JSON string")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help=f"with --prompts-file: prompts decoded together per compiled program, "
+                        f"1 to {decode.MAX_BATCH_SIZE} (default: {DEFAULT_BATCH_SIZE})")
+    p.add_argument("--output", default=None, metavar="PATH",
+                   help="with --prompts-file: write the JSONL results here (default: stdout)")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL,
                    help=f"model name, GGUF file, HF or orbax directory, or hub id (default: "
                         f"{DEFAULT_MODEL})")
@@ -101,6 +114,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"specjax: error: {message} (see '{self.prog} --help')\n")
 
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if getattr(parsed, "command", None) == "generate" and parsed.prompt is None \
+                and parsed.prompts_file is None:
+            self.error("the following arguments are required: prompt (or --prompts-file)")
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specjax", description="Lossless speculative decoding in JAX.")
@@ -139,13 +159,24 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
     Returns:
       (the method's options, the parameter dtype).
     """
-    if not args.prompt:
-        raise InvalidArgumentError("prompt is empty")
+    if args.prompts_file is not None:
+        if args.prompt is not None:
+            raise InvalidArgumentError("give a prompt or --prompts-file, not both")
+        size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
+        if not 1 <= size <= decode.MAX_BATCH_SIZE:
+            raise InvalidArgumentError(f"--batch-size must be in [1, {decode.MAX_BATCH_SIZE}], "
+                                       f"got {size}")
+    else:
+        for flag, value in (("--batch-size", args.batch_size), ("--output", args.output)):
+            if value is not None:
+                raise InvalidArgumentError(f"{flag} applies to --prompts-file only")
+        if not args.prompt:
+            raise InvalidArgumentError("prompt is empty")
     if args.max_new_tokens < 1:
         raise InvalidArgumentError(
             f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
     method = args.method or loading.default_method(sources.known_origin(args.model))
-    options = method_from_args(args, method)
+    options = method_from_args(args, method, jax.default_backend())
     make_sampling_params(args.temperature, args.top_k, args.top_p, args.seed)
     options.check_sampling(args.temperature)
     loading.check_resources(options, args.draft, args.ngram)
@@ -161,8 +192,94 @@ ORIGIN_COLOURS = {"ngram": "\033[32m", "lookup": "\033[36m", "draft": "\033[33m"
 _RESET = "\033[0m"
 
 
+def read_prompts_file(path: str) -> list[dict]:
+    """The prompts of a ``--prompts-file``: one ``{"id", "prompt", "seed"}`` per line.
+
+    Each non-blank line is a JSON object with a ``"prompt"`` (a string or a list of token
+    ids) and optionally an ``"id"`` (any JSON value; default: the line's 0-based prompt
+    index) and a ``"seed"`` (an int; default: ``--seed``), or a JSON string (the prompt).
+
+    Raises:
+      InvalidArgumentError: a missing or empty file, a line that is not such JSON
+        (naming its line number).
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise InvalidArgumentError(f"--prompts-file {path}: no such file")
+    rows = []
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"--prompts-file {path}, line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise InvalidArgumentError(f"{where}: not JSON ({error.msg})") from None
+        if isinstance(item, str):
+            item = {"prompt": item}
+        if not isinstance(item, dict) or "prompt" not in item:
+            raise InvalidArgumentError(f"{where}: expected an object with a \"prompt\" field "
+                                       f"or a string")
+        prompt = item["prompt"]
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+            raise InvalidArgumentError(f"{where}: \"prompt\" must be a string or a list of "
+                                       f"token ids")
+        seed = item.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InvalidArgumentError(f"{where}: \"seed\" must be an integer")
+        rows.append({"id": item.get("id", len(rows)), "prompt": prompt, "seed": seed})
+    if not rows:
+        raise InvalidArgumentError(f"--prompts-file {path}: no prompts in it")
+    return rows
+
+
+def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
+    """Generates for every prompt of ``rows`` in batches of ``--batch-size`` and writes
+    one JSON line per prompt as each batch ends; prints a summary line to stderr."""
+    size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
+    for row in rows:
+        if row["seed"] is None:
+            row["seed"] = args.seed
+    sink = sys.stdout if args.output is None else open(args.output, "w", encoding="utf-8")
+    tokens = seconds = compile_seconds = 0.0
+    try:
+        for first in range(0, len(rows), size):
+            chunk = rows[first: first + size]
+            try:
+                results = api.generate(model, [row["prompt"] for row in chunk],
+                                       **dict(kwargs, seed=[row["seed"] for row in chunk]))
+            except InvalidArgumentError as error:  # name the line, not the batch's row
+                message = str(error)
+                if message.startswith("prompts["):
+                    index = first + int(message[len("prompts["): message.index("]")])
+                    message = f"prompt {index} (id {rows[index]['id']!r})" + \
+                        message[message.index("]") + 1:]
+                raise InvalidArgumentError(message) from None
+            for offset, (row, result) in enumerate(zip(chunk, results)):
+                record = {"id": row["id"], "index": first + offset, "prompt": row["prompt"],
+                          "text": result.text, "tokens": result.tokens,
+                          "method": result.stats["method"], "stats": result.stats}
+                if args.show_origin:
+                    record["origins"] = result.origins or ["target"] * len(result.tokens)
+                sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            tokens += sum(len(r.tokens) for r in results)
+            seconds += results[0].stats["seconds"]
+            compile_seconds += results[0].stats["compile_seconds"]
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    rate = f"{tokens / seconds:.1f} tok/s" if seconds > 0 else "too fast to time"
+    print(f"[{kwargs['method'].name}] {len(rows)} prompts in batches of {size}: "
+          f"{int(tokens)} tokens in {seconds:.2f} s ({rate} in total), compile "
+          f"{compile_seconds:.1f} s", file=sys.stderr)
+    return 0
+
+
 def _generate(args) -> int:
     options, dtype = check_generate_args(args)
+    rows = None if args.prompts_file is None else read_prompts_file(args.prompts_file)
     with progress.phases(enabled=not args.json) as shown:
         with shown.phase(f"loading {args.model}"):
             model = loading.load(args.model, dtype=dtype, progress=shown.enabled)
@@ -174,6 +291,8 @@ def _generate(args) -> int:
             with shown.phase(f"loading draft {args.draft or '(shipped)'}"):
                 kwargs["draft"] = loading.resolve_draft(model, args.draft,
                                                         progress=shown.enabled)
+        if rows is not None:
+            return _generate_file(args, model, rows, kwargs)
         if args.json:
             result = api.generate(model, args.prompt, **kwargs)
             record = {"text": result.text, "tokens": result.tokens, "method": options.name,

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import jax
 
-from specjax import loading
+from specjax import decode, loading
 from specjax.benchmark import environment, humaneval, plots
 from specjax.benchmark import report as reporting
 from specjax.benchmark.peers import parse_peers
-from specjax.benchmark.runner import SuiteConfig, needs_draft, run_suite
+from specjax.benchmark.runner import (SuiteConfig, needs_draft, render_batch_text,
+                                     run_batch_suite, run_suite)
 from specjax.errors import InvalidArgumentError
 from specjax.methods.options import all_option_fields, describe_defaults
 from specjax.model import resolve_dtype
@@ -92,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pass-breakdown", dest="pass_breakdown", action="store_false",
                    help="skip timing each method's target and draft passes on their own "
                         "after the prompts (the report's target / draft / rest split)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="decode the prompts in batches of B rows per compiled program and "
+                        "report tokens/s of all rows together and per row (no peers, no "
+                        "pass breakdown; default: one prompt at a time, the full report)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     p.add_argument("--allow-mismatch", action="store_true",
@@ -185,6 +190,16 @@ def run(args) -> int:
         raise InvalidArgumentError(
             f"method {missing[0]!r} needs a draft model: pass --draft MODEL (or "
             f"first-layers:K), or leave it out of --methods")
+    batch_size = getattr(args, "batch_size", None)
+    if batch_size is not None:
+        if not 1 <= batch_size <= decode.MAX_BATCH_SIZE:
+            raise InvalidArgumentError(f"--batch-size must be in [1, {decode.MAX_BATCH_SIZE}], "
+                                       f"got {batch_size}")
+        if config.peers:
+            raise InvalidArgumentError("--peers run at batch 1 only: drop them with "
+                                       "--batch-size")
+        if args.plot:
+            raise InvalidArgumentError("--plot does not apply to --batch-size runs")
     if args.plot:
         plots._pyplot()  # fail before the run, not after it
     machine = environment.machine()
@@ -194,6 +209,8 @@ def run(args) -> int:
     target, draft = load_models(args, dtype, want_draft)
     load_seconds = time.perf_counter() - start
     prompts = humaneval.suite_prompts(config.suite, config.limit)
+    if batch_size is not None:
+        return _run_batches(args, config, target, draft, prompts, machine, load_seconds)
     result = run_suite(config, target, draft, prompts)
     result = {"benchmark": "suite", "command": _command(), **machine,
               "load_average_end": os.getloadavg(),
@@ -215,6 +232,25 @@ def run(args) -> int:
                   f"{m['system']} prompt {m['prompt']} T={m['temperature']:g} "
                   f"at token {m['first_mismatch']}" for m in failed[:10])
               + (" ..." if len(failed) > 10 else ""), file=sys.stderr)
+        return 0 if args.allow_mismatch else 1
+    return 0
+
+
+def _run_batches(args, config, target, draft, prompts, machine, load_seconds) -> int:
+    result = run_batch_suite(config, target, draft, prompts, args.batch_size)
+    result = {"benchmark": "batch", "command": _command(), **machine,
+              "load_average_end": os.getloadavg(),
+              "flags": {k: v for k, v in vars(args).items() if k != "func"},
+              "model_load_seconds": load_seconds, **result}
+    print(render_batch_text(result))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    if not result["all_outputs_match"]:
+        print(f"specjax bench: MISMATCH: {len(result['mismatches'])} row(s) differ from ar "
+              f"where they must be equal", file=sys.stderr)
         return 0 if args.allow_mismatch else 1
     return 0
 
