@@ -379,7 +379,8 @@ def _start_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_toke
         return _start(params, loop, prompt, prompt_length, max_new, row_sampling, stop,
                       resources)
 
-    return jax.vmap(start_row, in_axes=(0, 0, 0, ROW_SAMPLING, 0), out_axes=_state_axes())(
+    return jax.vmap(start_row, in_axes=(0, 0, 0, ROW_SAMPLING, 0), out_axes=_state_axes(),
+                    spmd_axis_name=sharding.batch_axis(prompts.shape[0]))(
         prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens)
 
 
@@ -389,7 +390,8 @@ def _step_batch(params, loop: DecodeLoop, state: DecodeState,
         return hold_finished(row, loop.method.step(params, loop, row, resources))
 
     axes = _state_axes()
-    return jax.vmap(step_row, in_axes=(axes,), out_axes=axes)(state)
+    return jax.vmap(step_row, in_axes=(axes,), out_axes=axes,
+                    spmd_axis_name=sharding.batch_axis(state.length.shape[0]))(state)
 
 
 def run_batch_to_completion(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
@@ -422,6 +424,8 @@ def run_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
       compile seconds or 0.0 when cached, run seconds).
     """
     args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens, resources)
+    # Over a mesh: rows split over 'data', the rest replicated (specjax.sharding).
+    args = sharding.place_arguments(args, rows=prompts.shape[0])
     executable, compile_seconds = compiled(run_batch_to_completion, loop, args)
     start = time.perf_counter()
     state = executable(*args)
@@ -436,6 +440,9 @@ def stream_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_toke
     per row, a list of B lists, some empty; the batched state; compile seconds spent before
     this yield) after the prefill and after every batched step, until every row is done."""
     args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens, resources)
+    # Over a mesh: rows split over 'data', the rest replicated (specjax.sharding).
+    args = sharding.place_arguments(args, rows=prompts.shape[0])
+    resources = args[-1]
     start_exec, compile_seconds = compiled(_start_batch, loop, args)
     state = start_exec(*args)
     step_exec, step_compile = compiled(_step_batch, loop, (params, state, resources),

@@ -11,10 +11,12 @@ A specjax mesh is a :class:`jax.sharding.Mesh` with two axes, ``("data", "model"
   the models specjax targets, and a vocabulary rarely divides a mesh axis). Every
   parameter is replicated over ``data``.
 * **KV caches** (:func:`cache_spec`): ``[L, S, K, D]`` split by KV head over ``model``; a
-  batched cache's rows over ``data``.
-* **Inputs** (prompts, sampling settings, stop tokens, n-gram tables) are replicated
-  (:func:`place_arguments`); a draft not already on the mesh is replicated too (load it
-  with ``mesh=`` to shard it like the target).
+  batch program's ``[B, L, S, K, D]`` also by row over ``data``.
+* **Inputs** (:func:`place_arguments`): a batch's per-row arrays (prompts, lengths,
+  budgets, seeds, stop tokens) are split by row over ``data`` (data parallel: each
+  ``data`` group decodes B/data rows with its own copy of the model); everything else
+  (sampling settings, n-gram tables) is replicated. A draft not already on the mesh is
+  replicated too (load it with ``mesh=`` to shard it like the target).
 
 Each device then holds ``H/m`` query heads, ``K/m`` KV heads and ``F/m`` MLP columns
 (``m`` = the ``model`` axis size). The heads of a GQA group stay on one device because a
@@ -187,7 +189,7 @@ def param_specs(config: ModelConfig, params: dict, mesh=None) -> dict:
                 raise InvalidArgumentError(
                     f"parameter layers/{keys[1]} holds fused projections, which do not "
                     f"split by head over 'model': shard the separate layout "
-                    f"(specjax.models.unfuse_projections) and fuse nothing")
+                    f"(specjax.models.unfuse_projections)")
             if keys[1] in split:
                 axis, _ = split[keys[1]]
                 parts = [None] * np.ndim(leaf)
@@ -240,15 +242,42 @@ def replicate_onto(tree, mesh: Mesh):
     return jax.tree.map(one, tree)
 
 
-def place_arguments(args: tuple) -> tuple:
+def place_arguments(args: tuple, rows: int | None = None) -> tuple:
     """``args = (params, *rest)`` of a generation program with ``rest`` (prompt, lengths,
-    sampling settings, stop tokens, resources) replicated on the mesh of ``params``;
-    unchanged when ``params`` are on no mesh. Needed with several processes (every
-    argument of a program over a global mesh must be a global array)."""
+    sampling settings, stop tokens, resources) placed on the mesh of ``params``; unchanged
+    when ``params`` are on no mesh. Needed with several processes (every argument of a
+    program over a global mesh must be a global array).
+
+    Args:
+      args: the program's arguments, ``args[-1]`` its :class:`~specjax.decode.Resources`.
+      rows: a batch program's row count B: arrays of the per-row arguments with a leading
+        axis B are split over ``data`` (when B divides by it), so each ``data`` group
+        decodes its own rows. Everything else is replicated.
+    """
     mesh = mesh_of(args[0])
     if mesh is None:
         return args
-    return replicate_onto(args, mesh)
+    placed = replicate_onto(args, mesh)
+    if rows is None or rows % axis_size(mesh, DATA) or axis_size(mesh, DATA) == 1:
+        return placed
+    by_row = NamedSharding(mesh, P(DATA))
+
+    def split(leaf):
+        if np.ndim(leaf) and np.shape(leaf)[0] == rows:
+            return place(leaf, by_row)
+        return leaf
+
+    return (placed[0], *jax.tree.map(split, placed[1:-1]), placed[-1])
+
+
+def batch_axis(rows: int) -> str | None:
+    """The mesh axis a batch of ``rows`` is split over while tracing (``jax.vmap``'s
+    ``spmd_axis_name``): ``"data"`` when a mesh with a ``data`` axis dividing ``rows`` is
+    active, else ``None``. Constraints and ``shard_map`` inside the vmapped row program
+    then keep each row on its ``data`` group."""
+    mesh = active_mesh()
+    size = axis_size(mesh, DATA)
+    return DATA if mesh is not None and size > 1 and rows % size == 0 else None
 
 
 # ----------------------------------------------------------------------------- inside programs
@@ -271,28 +300,24 @@ def active_mesh():
     return mesh
 
 
-def cache_spec(ndim: int, batched: bool = False) -> P:
-    """The spec of a K or V cache array with ``ndim`` dims: ``[L, S, K, D]`` split by KV
-    head over ``model``; with ``batched``, a leading row axis over ``data``."""
+def cache_spec(ndim: int) -> P:
+    """The spec of a K or V cache array with ``ndim`` dims, ``[L, S, K, D]`` (or one
+    layer's ``[S, K, D]``): split by KV head over ``model``. A batch program's leading row
+    axis goes over ``data`` through ``jax.vmap(..., spmd_axis_name="data")``
+    (:func:`batch_axis`)."""
     parts = [None] * ndim
     parts[-2] = MODEL
-    if batched:
-        parts[0] = DATA
     return P(*parts)
 
 
-def constrain_cache(cache, config: ModelConfig, batched: bool = False):
+def constrain_cache(cache, config: ModelConfig):
     """``cache`` (a :class:`~specjax.cache.KVCache`) constrained to :func:`cache_spec`
     when tracing over a mesh; unchanged otherwise, or when ``config``'s KV heads do not
-    divide the ``model`` axis (a replicated draft's cache stays replicated)."""
+    divide the ``model`` axis."""
     mesh = active_mesh()
-    if mesh is None:
+    if mesh is None or config.num_kv_heads % axis_size(mesh, MODEL):
         return cache
-    if config.num_kv_heads % axis_size(mesh, MODEL):
-        spec = P(DATA) if batched else P()
-    else:
-        spec = cache_spec(cache.k.ndim, batched)
-    sharding = NamedSharding(mesh, spec)
+    sharding = NamedSharding(mesh, cache_spec(cache.k.ndim))
     return cache.replace(k=jax.lax.with_sharding_constraint(cache.k, sharding),
                          v=jax.lax.with_sharding_constraint(cache.v, sharding))
 

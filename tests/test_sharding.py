@@ -41,6 +41,8 @@ CASES = [
     ("tree-dp2-tp4", (2, 4), "tree", "auto"),
     ("staged-dp4-tp2", (4, 2), "staged", "auto"),
     ("ar-kernel-dp2-tp4", (2, 4), "ar", "kernel"),
+    # A batch of 4 prompts of different lengths: rows split over 'data', heads over 'model'.
+    ("batch-ar-dp2-tp4", (2, 4), "batch-ar", "auto"),
 ]
 # Run by `make test-all` only (a second subprocess, about a minute more).
 SLOW_CASES = [
@@ -48,6 +50,8 @@ SLOW_CASES = [
     ("staged-tp8", (1, 8), "staged", "auto"),
     ("tree-kernel-dp2-tp4", (2, 4), "tree", "kernel"),
     ("gpt2-ar-tp4", (1, 4), "gpt2-ar", "auto"),
+    ("batch-ar-dp8", (8, 1), "batch-ar", "auto"),
+    ("batch-tree-dp4-tp2", (4, 2), "batch-tree", "kernel"),
 ]
 TEMPERATURES = (0.0, 1.0)
 METHOD_OPTIONS = {
@@ -101,34 +105,41 @@ def _run_checks(cases: list) -> dict:
     tables = build_ngram(corpus, 97, top_k=4, trigram_top_k=2, trigram_buckets=64,
                          min_context_count=1).tables
 
-    def generate(model, method, temperature, attn_impl, draft_model, **extra):
-        method = method.removeprefix("gpt2-")
+    batch = [np.random.default_rng(s).integers(0, 97, 2 + 3 * s).tolist() for s in range(4)]
+
+    def generate(model, prompts, method, temperature, attn_impl, draft_model):
+        """The new tokens of ``prompts`` (one prompt, or a list: one list per prompt)."""
         resources = {}
         if method in ("tree", "staged"):
             resources["draft"] = draft_model
         if method == "staged":
             resources["ngram"] = tables
-        return specjax.generate(model, prompt, max_new_tokens=NEW_TOKENS, method=method,
-                                temperature=temperature, seed=3, attn_impl=attn_impl,
-                                **METHOD_OPTIONS[method], **resources, **extra)
+        out = specjax.generate(model, prompts, max_new_tokens=NEW_TOKENS, method=method,
+                               temperature=temperature, seed=3, attn_impl=attn_impl,
+                               **METHOD_OPTIONS[method], **resources)
+        return [o.tokens for o in out] if isinstance(out, list) else out.tokens
 
     report = {"cases": {}, "errors": {}}
     references = {}
-    for name, (data, model_size), method, attn_impl in cases:
+    for name, (data, model_size), kind, attn_impl in cases:
         start = time.perf_counter()
-        one = gpt2 if method.startswith("gpt2") else target
+        method = kind.removeprefix("gpt2-").removeprefix("batch-")
+        one = gpt2 if kind.startswith("gpt2-") else target
         mesh = sharding.make_mesh(data=data, model=model_size,
                                   devices=jax.devices()[: data * model_size])
         sharded = sharding.shard_model(one, mesh)
         # The tree's draft is sharded like the target; staged's stays replicated.
-        sharded_draft = (sharding.shard_model(draft, mesh) if method == "tree"
-                         else sharding.shard_model(draft, mesh, replicate=True))
+        sharded_draft = sharding.shard_model(draft, mesh, replicate=method != "tree")
         outcome = {}
         for temperature in TEMPERATURES:
-            key = (method, temperature)
-            if key not in references:  # one device, the jnp path
-                references[key] = generate(one, method, temperature, "auto", draft).tokens
-            got = generate(sharded, method, temperature, attn_impl, sharded_draft).tokens
+            key = (kind, temperature)
+            if key not in references:  # one device, the jnp path, batch-1 calls
+                references[key] = (
+                    [generate(one, p, method, temperature, "auto", draft) for p in batch]
+                    if kind.startswith("batch-")
+                    else generate(one, prompt, method, temperature, "auto", draft))
+            got = generate(sharded, batch if kind.startswith("batch-") else prompt, method,
+                           temperature, attn_impl, sharded_draft)
             outcome[str(temperature)] = {"reference": references[key], "sharded": got}
         report["cases"][name] = dict(outcome, seconds=time.perf_counter() - start)
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
@@ -208,7 +219,9 @@ def slow_report():
 
 def _check_case(outcome: dict, case: str) -> None:
     for temperature in map(str, TEMPERATURES):
-        assert len(outcome[temperature]["reference"]) == NEW_TOKENS
+        reference = outcome[temperature]["reference"]
+        rows = reference if case.startswith("batch-") else [reference]
+        assert [len(row) for row in rows] == [NEW_TOKENS] * len(rows)
         assert outcome[temperature]["sharded"] == outcome[temperature]["reference"], (
             case, temperature)
 
