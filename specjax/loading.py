@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from specjax import sharding
 from specjax.checkpoints_tools import sources
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
@@ -31,7 +32,8 @@ DRAFT_SUFFIX = "-draft"
 FIRST_LAYERS = "first-layers:"
 
 
-def load(name_or_path: str | os.PathLike, dtype=None, *, progress: bool = False) -> Model:
+def load(name_or_path: str | os.PathLike, dtype=None, *, progress: bool = False,
+         mesh=None) -> Model:
     """Loads a model by name, path or hub id.
 
     Args:
@@ -40,15 +42,27 @@ def load(name_or_path: str | os.PathLike, dtype=None, *, progress: bool = False)
       dtype: parameter dtype (``"float32"``, ``"bfloat16"`` or a jnp dtype); default:
         float32.
       progress: show a progress bar while reading weights.
+      mesh: a ``("data", "model")`` :class:`jax.sharding.Mesh`
+        (:func:`specjax.sharding.make_mesh`): the parameters are split over its ``model``
+        axis (tensor parallel) and replicated over ``data``; :func:`specjax.generate` then
+        runs on the mesh. Default: one device.
     Returns:
       A :class:`Model`; ``model.assets`` names the known model whose shipped draft and
       n-gram tables apply to it, if any.
+    Raises:
+      InvalidArgumentError: with ``mesh``, heads or MLP width that do not divide its
+        ``model`` axis.
     """
+    if mesh is not None:
+        sharding.check_mesh(mesh)
     dtype = resolve_dtype(dtype) or jnp.float32
     config, params, tokenizer = sources.resolve_and_load(name_or_path, dtype=None,
                                                          progress=progress)
-    return Model.from_params(config, params, tokenizer, name=os.fspath(name_or_path),
-                             dtype=dtype, assets=sources.known_origin(name_or_path))
+    if mesh is not None:
+        sharding.check_divisible(config, mesh)  # before copying any weight to a device
+    model = Model.from_params(config, params, tokenizer, name=os.fspath(name_or_path),
+                              dtype=dtype, assets=sources.known_origin(name_or_path))
+    return model if mesh is None else sharding.shard_model(model, mesh)
 
 
 # ----------------------------------------------------------------------------- shipped assets

@@ -145,6 +145,19 @@ def _run_checks(cases: list) -> dict:
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     if cases is SLOW_CASES:
+        # The real model through load(mesh=): SmolLM2-135M has 9 heads over 3 KV heads.
+        try:
+            specjax.load("smollm2-135m", mesh=sharding.make_mesh(model=2,
+                                                                 devices=jax.devices()[:2]))
+        except InvalidArgumentError as error:
+            report["errors"]["smollm2_tp2"] = str(error)
+        real = specjax.load("smollm2-135m", mesh=sharding.make_mesh(
+            model=3, devices=jax.devices()[:3]))
+        text = "def fibonacci(n):"
+        report["smollm2_tp3"] = {
+            "sharded": specjax.generate(real, text, max_new_tokens=8, method="ar").tokens,
+            "reference": specjax.generate(specjax.load("smollm2-135m"), text,
+                                          max_new_tokens=8, method="ar").tokens}
         return report
     # Streaming drives the same step from Python.
     mesh = sharding.make_mesh(data=2, model=4)
@@ -235,6 +248,15 @@ def test_sharded_tokens_equal_one_device(report, case):
 @pytest.mark.parametrize("case", [c[0] for c in SLOW_CASES])
 def test_more_sharded_configurations_equal_one_device(slow_report, case):
     _check_case(slow_report["cases"][case], case)
+
+
+@pytest.mark.slow
+def test_load_with_a_mesh_shards_the_real_model(slow_report):
+    assert slow_report["smollm2_tp3"]["sharded"] == slow_report["smollm2_tp3"]["reference"]
+    assert len(slow_report["smollm2_tp3"]["reference"]) == 8
+    assert slow_report["errors"]["smollm2_tp2"] == (
+        "cannot shard parameter layers/wq over mesh axis 'model' of size 2: num_heads=9 is "
+        "not a multiple of 2; choose a 'model' size that divides it (or replicate the model)")
 
 
 def test_streaming_sharded_equals_one_device(report):
