@@ -742,6 +742,7 @@ def main(args) -> int:
                       seq_len=args.seq_len, learning_rate=args.learning_rate,
                       warmup_steps=args.warmup_steps, train_embeddings=args.train_embeddings,
                       seed=args.seed, eval_every=args.eval_every,
+                      eval_windows=args.eval_windows,
                       checkpoint_every=args.checkpoint_every,
                       max_corpus_tokens=args.max_corpus_tokens,
                       target_corpus_tokens=args.corpus_from_target or 0,
@@ -802,6 +803,8 @@ def add_parser(subparsers) -> None:
                    help="also train the (tied) embedding; by default it stays the target's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-windows", type=int, default=16,
+                   help="held-out windows (of --seq-len) agreement is measured on")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--max-corpus-tokens", type=int, default=20_000_000)
     p.add_argument("--init-draft", default=None, metavar="ASSET",
