@@ -379,9 +379,10 @@ def _start_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_toke
         return _start(params, loop, prompt, prompt_length, max_new, row_sampling, stop,
                       resources)
 
-    return jax.vmap(start_row, in_axes=(0, 0, 0, ROW_SAMPLING, 0), out_axes=_state_axes(),
-                    spmd_axis_name=sharding.batch_axis(prompts.shape[0]))(
+    state = jax.vmap(start_row, in_axes=(0, 0, 0, ROW_SAMPLING, 0), out_axes=_state_axes(),
+                     spmd_axis_name=sharding.batch_axis(prompts.shape[0]))(
         prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens)
+    return sharding.readable_by_every_process(state)  # several hosts: all rows to each
 
 
 def _step_batch(params, loop: DecodeLoop, state: DecodeState,
@@ -390,8 +391,9 @@ def _step_batch(params, loop: DecodeLoop, state: DecodeState,
         return hold_finished(row, loop.method.step(params, loop, row, resources))
 
     axes = _state_axes()
-    return jax.vmap(step_row, in_axes=(axes,), out_axes=axes,
-                    spmd_axis_name=sharding.batch_axis(state.length.shape[0]))(state)
+    state = jax.vmap(step_row, in_axes=(axes,), out_axes=axes,
+                     spmd_axis_name=sharding.batch_axis(state.length.shape[0]))(state)
+    return sharding.readable_by_every_process(state)
 
 
 def run_batch_to_completion(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
@@ -400,8 +402,9 @@ def run_batch_to_completion(params, loop: DecodeLoop, prompts, prompt_lengths, m
     done (finished rows held): one XLA program. Arguments as :func:`run_batch`."""
     state = _start_batch(params, loop, prompts, prompt_lengths, max_new_tokens, sampling,
                          stop_tokens, resources)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              lambda s: _step_batch(params, loop, s, resources), state)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                               lambda s: _step_batch(params, loop, s, resources), state)
+    return sharding.readable_by_every_process(state)
 
 
 def run_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens, sampling,

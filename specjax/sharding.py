@@ -300,6 +300,22 @@ def active_mesh():
     return mesh
 
 
+def readable_by_every_process(state, keep: tuple[str, ...] = ("cache", "draft_cache")):
+    """``state`` (a flax struct) with every field but ``keep`` constrained to be
+    replicated, when tracing over a mesh that spans several processes; unchanged
+    otherwise. A batch split by row over ``data`` leaves each process only its own rows'
+    tokens and counts, and the host reads every row: the fields it reads are small (the
+    caches, kept split, are not read)."""
+    mesh = active_mesh()
+    if mesh is None or jax.process_count() == 1:
+        return state
+    replicated = NamedSharding(mesh, P())
+    kept = {name: getattr(state, name) for name in keep}
+    small = state.replace(**dict.fromkeys(keep))
+    small = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), small)
+    return small.replace(**kept)
+
+
 def cache_spec(ndim: int) -> P:
     """The spec of a K or V cache array with ``ndim`` dims, ``[L, S, K, D]`` (or one
     layer's ``[S, K, D]``): split by KV head over ``model``. A batch program's leading row
