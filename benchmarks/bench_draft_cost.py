@@ -7,6 +7,10 @@ the head on the root row and the proposal rows) with its restricted head and wit
 vocabulary head.
 
     .venv/bin/python benchmarks/bench_draft_cost.py --json benchmarks/results/draft_cost_cpu.json
+
+``--layers 2,3,4`` adds drafts of the target's first K blocks with the shipped draft's head
+subset (the cost of a larger draft's pass; its weights are untrained, which does not change
+the cost), for choosing ``train-draft --init-layers``.
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--proposal", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--layers", default="",
+                        help="comma-separated block counts of extra drafts to time")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    layers = [int(k) for k in args.layers.split(",") if k.strip()]
 
     target = specjax.load(args.model)
     draft = specjax.loading.resolve_draft(target)  # the shipped draft
@@ -73,6 +80,12 @@ def main(argv=None) -> int:
     calls = {"target_one_token": prepare(target, 1, 1),
              "draft_first_pass_subset_head": prepare(draft, size, 1 + args.proposal),
              "draft_first_pass_full_head": prepare(full, size, 1 + args.proposal)}
+    subset = draft.params[models.HEAD_SUBSET]["tokens"]
+    for k in layers:
+        deeper = specjax.loading.resolve_draft(target, f"first-layers:{k}").with_head_subset(
+            subset)
+        calls[f"draft{k}_first_pass_subset_head"] = prepare(deeper, size, 1 + args.proposal)
+        calls[f"draft{k}_one_token_subset_head"] = prepare(deeper, 1, 1)
     ms = {name: [] for name in calls}
     for _ in range(2):  # interleaved rounds; the faster kept
         for name, call in calls.items():

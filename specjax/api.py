@@ -108,7 +108,18 @@ def resolve_method(model: Model, method: str | MethodOptions | None = None,
     model) with ``options`` applied; see :func:`specjax.methods.method_options`."""
     if method is None:
         method = default_method(model.assets)
-    return methods.method_options(method, **options)
+    return methods.method_options(method, backend=model_backend(model), **options)
+
+
+def model_backend(model: Model) -> str:
+    """Whose method defaults the model gets: ``cpu``, ``gpu`` or ``tpu``, from the device
+    its weights are on (:func:`specjax.methods.options.backend_of`)."""
+    return methods.options.backend_of(_platform(jax.tree_util.tree_leaves(model.params)[0]))
+
+
+def _platform(array) -> str:
+    devices = getattr(array, "devices", None)
+    return next(iter(devices())).platform if callable(devices) else jax.default_backend()
 
 
 @dataclasses.dataclass
@@ -370,6 +381,8 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
     stats = {
         "method": request.options.name,
         "options": request.options.to_dict(),
+        # whose defaults a method name gets here (methods.options.BACKEND_DEFAULTS)
+        "backend": methods.options.backend_of(_platform(state.length)),
         "new_tokens": new_tokens,
         "seconds": seconds,
         "tokens_per_s": new_tokens / seconds if seconds > 0 else None,  # None: too fast to time

@@ -127,3 +127,26 @@ def test_api_and_cli_default_to_the_same_method(spec_target, smollm2, tmp_path):
     broken.mkdir()
     args = cli.build_parser().parse_args(["generate", "x", "-m", str(broken)])
     assert cli.check_generate_args(args)[0] == api.resolve_method(spec_target)
+
+
+def test_backend_defaults_apply_to_method_names_and_are_reported(spec_target, monkeypatch):
+    from specjax.methods import options as opts
+    assert opts.backend_of("cuda") == opts.backend_of("rocm") == opts.backend_of("gpu") == "gpu"
+    assert opts.backend_of("tpu") == "tpu" and opts.backend_of("cpu") == "cpu"
+    for backend, per_method in opts.BACKEND_DEFAULTS.items():  # the shipped table validates
+        for method, values in per_method.items():
+            built = method_options(method, backend=backend)
+            assert {k: getattr(built, k) for k in values} == values
+    monkeypatch.setitem(opts.BACKEND_DEFAULTS, "gpu", {"tree": {"tree_budget": 32}})
+    assert method_options("tree", backend="cuda").tree_budget == 32
+    assert method_options("tree", backend="cuda", tree_budget=4).tree_budget == 4  # explicit
+    assert method_options("tree", backend="cpu") == TreeOptions()
+    assert method_options(TreeOptions(), backend="cuda") == TreeOptions()  # objects as given
+    assert "tree 16 (gpu: 32)" in describe_defaults("tree_budget")
+    out = specjax.generate(spec_target, [1, 2, 3], max_new_tokens=2, method="ar")
+    assert out.stats["backend"] == "cpu"  # the test machine's weights are on the CPU
+    monkeypatch.setattr(api, "model_backend", lambda model: "gpu")
+    assert api.resolve_method(spec_target, "tree").tree_budget == 32
+    args = argparse.ArgumentParser()
+    add_method_arguments(args)
+    assert method_from_args(args.parse_args([]), "tree", "cuda").tree_budget == 32

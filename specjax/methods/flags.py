@@ -60,9 +60,9 @@ def add_method_arguments(p: argparse.ArgumentParser, *, budget_flag: bool = True
                        metavar=metavar, help=help_text)
 
 
-def method_from_args(args, method: str) -> MethodOptions:
-    """The options of ``method`` from parsed flags; a flag it does not take is an error
-    naming the flag and the method."""
+def method_from_args(args, method: str, backend: str = "cpu") -> MethodOptions:
+    """The options of ``method`` from parsed flags (the ``backend``'s defaults for the
+    rest); a flag it does not take is an error naming the flag and the method."""
     cls = METHODS[method]
     given = {name: getattr(args, name) for name in all_option_fields()
              if getattr(args, name, None) is not None}
@@ -71,4 +71,4 @@ def method_from_args(args, method: str) -> MethodOptions:
             raise InvalidArgumentError(
                 f"{flag_of(name)} does not apply to method {method!r} (it applies to "
                 f"{', '.join(methods_taking(name))})")
-    return method_options(method, **given)
+    return method_options(method, backend=backend, **given)

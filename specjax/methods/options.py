@@ -11,6 +11,12 @@ cannot exist) and the help text of every setting (field metadata, read by the CL
 
 Option names are the keyword arguments of :func:`specjax.generate` and, with dashes, the
 flags of ``specjax generate`` and ``specjax bench``.
+
+Defaults depend on the backend (:data:`BACKEND_DEFAULTS`): the dataclass defaults are the
+CPU's, where a verify pass is compute-bound beyond a few nodes; on a GPU or TPU a pass over
+tens of nodes costs about one token's, so bigger trees win. :func:`method_options` applies
+them for a method *name* (``generate(method="staged")`` on a GPU model gets the GPU
+defaults); an options object is taken as it is.
 """
 
 from __future__ import annotations
@@ -272,6 +278,14 @@ METHODS: dict[str, type[MethodOptions]] = {
     cls.name: cls for cls in (ArOptions, SpecOptions, TreeOptions, NgramOptions, StagedOptions)}
 
 
+# Defaults on accelerators (the CPU's are the dataclass defaults). Chosen from acceptance
+# measured on the CPU (greedy acceptance does not depend on the device) and the pass costs
+# measured on an H100 (a verify pass over N nodes vs one token: 1.01x at 4, 1.07x at 16,
+# 1.24x at 64; ../shared/measurements/h100-2026-11-23): see benchmarks/README.md,
+# "Defaults per backend".
+BACKEND_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {"gpu": {}, "tpu": {}}
+
+
 def all_option_fields() -> dict[str, dataclasses.Field]:
     """Every option name of every method, with its field (first definition wins: the
     help text is the same wherever a name appears)."""
@@ -284,6 +298,20 @@ def all_option_fields() -> dict[str, dataclasses.Field]:
 
 def methods_taking(option: str) -> list[str]:
     return [name for name, cls in METHODS.items() if option in cls.option_names()]
+
+
+def backend_of(platform: str) -> str:
+    """The defaults family of a jax platform name: ``gpu`` (cuda, rocm), ``tpu`` or
+    ``cpu`` (anything else)."""
+    platform = str(platform).lower()
+    if platform in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    return "tpu" if platform == "tpu" else "cpu"
+
+
+def backend_defaults(method: str, backend: str = "cpu") -> dict[str, Any]:
+    """The options of ``method`` whose default differs on ``backend`` from the CPU's."""
+    return dict(BACKEND_DEFAULTS.get(backend_of(backend), {}).get(method, {}))
 
 
 def _check_names(cls: type[MethodOptions], names) -> None:
@@ -299,11 +327,14 @@ def _check_names(cls: type[MethodOptions], names) -> None:
             f"{', '.join(takers)}; {cls.name}'s options: {own})")
 
 
-def method_options(method: str | MethodOptions = "ar", **overrides) -> MethodOptions:
+def method_options(method: str | MethodOptions = "ar", *, backend: str = "cpu",
+                   **overrides) -> MethodOptions:
     """The options object for ``method`` (a name or an options object) with ``overrides``.
 
     Args:
       method: a method name (:data:`METHODS`) or a :class:`MethodOptions` instance.
+      backend: whose defaults a method name gets (:data:`BACKEND_DEFAULTS`; a jax platform
+        name such as ``cuda`` works too). Ignored for an options object.
       **overrides: option values; ``None`` values are ignored (they mean "default").
     Returns:
       A validated, frozen options object.
@@ -319,7 +350,7 @@ def method_options(method: str | MethodOptions = "ar", **overrides) -> MethodOpt
                                    f"{', '.join(METHODS)}")
     cls = METHODS[method]
     _check_names(cls, overrides)
-    return cls(**overrides)
+    return cls(**{**backend_defaults(method, backend), **overrides})
 
 
 def default_value(method: str, option: str):
@@ -330,12 +361,25 @@ def default_value(method: str, option: str):
     return None
 
 
+def _show(value) -> str:
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) if isinstance(
+        value, tuple) else str(value)
+
+
 def describe_defaults(option: str) -> str:
-    """``"tree 16, staged 6"``: the option's default per method that takes it."""
+    """``"tree 16, staged 6"``: the option's default per method that takes it (the CPU's,
+    then any backend whose default differs: ``"staged 6 (gpu, tpu: 16)"``)."""
     values = {}
     for method in methods_taking(option):
-        value = default_value(method, option)
-        values[method] = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        text = _show(default_value(method, option))
+        others: dict[str, list[str]] = {}
+        for backend in BACKEND_DEFAULTS:
+            own = backend_defaults(method, backend)
+            if option in own and own[option] != default_value(method, option):
+                others.setdefault(_show(own[option]), []).append(backend)
+        if others:
+            text += " (" + "; ".join(f"{', '.join(b)}: {v}" for v, b in others.items()) + ")"
+        values[method] = text
     if len(set(values.values())) == 1:
         return next(iter(values.values()))
     return "; ".join(f"{method} {value}" for method, value in values.items())
