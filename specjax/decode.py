@@ -300,13 +300,18 @@ def clear_compiled() -> None:
     _EXECUTABLES.clear()
 
 
-def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = ()):
+def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
+             carry: int | None = None):
     """Returns (executable, compile seconds, or 0.0 when cached) of ``fn(params, loop, *rest)``
     for ``args = (params, *rest)``. Executables are cached per (fn, loop, argument shapes).
 
+    ``carry``: the index in ``args`` of the state ``fn`` returns updated (a step). With
+    parameters on a device mesh the result is then placed like that argument, so that the
+    step runs again on its own output (XLA may otherwise choose other shardings for it).
+
     Thread-safe: concurrent callers needing the same new program compile it once (see
     ``_COMPILE_LOCK``; compilations are serialised)."""
-    key = (fn, loop, donate, _signature(args))
+    key = (fn, loop, donate, carry, _signature(args))
     hit = _EXECUTABLES.get(key)
     if hit is not None:
         return hit, 0.0
@@ -315,8 +320,13 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = ()):
         if hit is not None:  # another thread compiled it while this one waited
             return hit, 0.0
         start = time.perf_counter()
-        jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate)
-        with sharding.tracing(sharding.mesh_of(args[0])):  # parameters on a mesh: see there
+        mesh = sharding.mesh_of(args[0])
+        placement = {}
+        if carry is not None and mesh is not None:
+            placement["out_shardings"] = jax.tree.map(lambda x: x.sharding, args[carry])
+        jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate,
+                         **placement)
+        with sharding.tracing(mesh):  # parameters on a mesh: see there
             executable = jitted.lower(*args).compile()
         _EXECUTABLES[key] = executable
         return executable, time.perf_counter() - start
@@ -448,7 +458,7 @@ def stream_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_toke
     resources = args[-1]
     start_exec, compile_seconds = compiled(_start_batch, loop, args)
     state = start_exec(*args)
-    step_exec, step_compile = compiled(_step_batch, loop, (params, state, resources),
+    step_exec, step_compile = compiled(_step_batch, loop, (params, state, resources), carry=1,
                                        donate=(1,))
     compile_seconds += step_compile
     emitted = np.asarray(state.prompt_length).copy()
@@ -477,7 +487,8 @@ def stream(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, samp
     resources = args[-1]
     start_exec, compile_seconds = compiled(_start, loop, args)
     state = start_exec(*args)
-    step_exec, step_compile = compiled(_step, loop, (params, state, resources), donate=(1,))
+    step_exec, step_compile = compiled(_step, loop, (params, state, resources), donate=(1,),
+                                       carry=1)
     compile_seconds += step_compile
     emitted = int(state.prompt_length)
     while True:

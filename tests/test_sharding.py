@@ -1,22 +1,26 @@
 """Sharded generation over 8 simulated CPU devices equals one device's.
 
-The checks run in ONE subprocess (``python tests/test_sharding.py``) started with
+The checks run in a subprocess (``python tests/test_sharding.py [fast|slow]``) started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, so this process and the rest of
 the suite keep their single CPU device; the subprocess prints one JSON report and the
 tests below read it. Tiny random Llama models whose head counts divide 8 (GQA: 16 query
-heads over 8 KV heads) and a one-layer draft; every configuration runs greedy and coupled
-sampling (temperature 1, the same seed) and must give the single-device tokens:
+heads over 8 KV heads, head_dim 16) and a one-layer draft; every configuration runs greedy
+and with coupled sampling (temperature 1, one seed) and must give the single-device
+tokens (batches: each row its own batch-1 tokens). The fast tier (:data:`CASES`):
 
 * ``ar`` on tensor-parallel meshes of 2, 4 and 8 devices and data x model 2x4 and 4x2;
-* ``tree`` (draft sharded like the target) on model=4 and 2x4;
-* ``staged`` (draft replicated, n-gram tables) on model=8 and 4x2;
+* ``tree`` (draft sharded like the target) on 2x4, ``staged`` (draft replicated, n-gram
+  tables) on 4x2;
 * the Pallas kernel (``attn_impl="kernel"``, interpret mode) per shard under ``shard_map``
-  on 2x4, for ``ar`` and ``tree``;
-* GPT-2 (``ar``) on model=4;
-* streaming (the Python-driven step) on 2x4.
+  on 2x4;
+* a batch of 4 prompts of different lengths on 2x4 (rows over ``data``);
+* streaming (the Python-driven step) on 2x4; the parameter specs; one-line errors for a
+  model whose KV heads do not divide the ``model`` axis, fused projections and a mesh
+  that does not fit the devices.
 
-A model whose KV heads do not divide the ``model`` axis is a one-line error naming the
-parameter and the sizes.
+The slow tier (:data:`SLOW_CASES`, ``make test-all``) adds ``tree`` on model=4,
+``staged`` on model=8, the kernel under ``tree``, GPT-2, pure data parallel over 8, a
+batched ``tree`` with the kernel on 4x2, and SmolLM2-135M through ``load(mesh=)``.
 """
 
 from __future__ import annotations
@@ -145,6 +149,16 @@ def _run_checks(cases: list) -> dict:
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     if cases is SLOW_CASES:
+        # A streamed batch over 2x4: rows over 'data', every step read by the host.
+        mesh = sharding.make_mesh(data=2, model=4)
+        rows = [[] for _ in batch]
+        for item in specjax.stream_generate(sharding.shard_model(target, mesh), batch,
+                                            max_new_tokens=NEW_TOKENS, method="ar",
+                                            temperature=1.0, seed=3):
+            for row, new in zip(rows, item[0]):
+                row.extend(new)
+        report["stream_batch"] = {"sharded": rows, "reference": [
+            generate(target, p, "ar", 1.0, "auto", draft) for p in batch]}
         # The real model through load(mesh=): SmolLM2-135M has 9 heads over 3 KV heads.
         try:
             specjax.load("smollm2-135m", mesh=sharding.make_mesh(model=2,
@@ -205,9 +219,17 @@ def _params(config):
 # ----------------------------------------------------------------------------- the tests
 
 
+# The fast tier compiles with XLA's CPU backend optimisations off: about a third less
+# compile time, and the SPMD partitioning under test (HLO passes) is the same; the slow
+# tier compiles as users do.
+FAST_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def _subprocess_report(which: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
-               JAX_PLATFORMS="cpu")
+    flags = f"--xla_force_host_platform_device_count={DEVICES}"
+    if which == "fast":
+        flags += " " + FAST_FLAGS
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     start = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, which], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -257,6 +279,11 @@ def test_load_with_a_mesh_shards_the_real_model(slow_report):
     assert slow_report["errors"]["smollm2_tp2"] == (
         "cannot shard parameter layers/wq over mesh axis 'model' of size 2: num_heads=9 is "
         "not a multiple of 2; choose a 'model' size that divides it (or replicate the model)")
+
+
+@pytest.mark.slow
+def test_streaming_a_sharded_batch_equals_one_device(slow_report):
+    assert slow_report["stream_batch"]["sharded"] == slow_report["stream_batch"]["reference"]
 
 
 def test_streaming_sharded_equals_one_device(report):
