@@ -13,10 +13,13 @@ A specjax mesh is a :class:`jax.sharding.Mesh` with two axes, ``("data", "model"
 * **KV caches** (:func:`cache_spec`): ``[L, S, K, D]`` split by KV head over ``model``; a
   batch program's ``[B, L, S, K, D]`` also by row over ``data``.
 * **Inputs** (:func:`place_arguments`): a batch's per-row arrays (prompts, lengths,
-  budgets, seeds, stop tokens) are split by row over ``data`` (data parallel: each
-  ``data`` group decodes B/data rows with its own copy of the model); everything else
-  (sampling settings, n-gram tables) is replicated. A draft not already on the mesh is
-  replicated too (load it with ``mesh=`` to shard it like the target).
+  budgets, seeds, stop tokens) are split by row over ``data`` when B divides by its size
+  (data parallel: each ``data`` group decodes B/data rows on its own copy of the model,
+  itself split over ``model``); everything else (sampling settings, n-gram tables) is
+  replicated. A draft is used as placed (:func:`shard_model`: split like the target, or
+  ``replicate=True``); one on no mesh is replicated at each call.
+* **Several processes**: batch programs return the state the host reads (tokens,
+  lengths, counts; not the caches) replicated (:func:`readable_by_every_process`).
 
 Each device then holds ``H/m`` query heads, ``K/m`` KV heads and ``F/m`` MLP columns
 (``m`` = the ``model`` axis size). The heads of a GQA group stay on one device because a
