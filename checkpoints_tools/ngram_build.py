@@ -580,7 +580,8 @@ def build_ngram_files(out: str | os.PathLike, tokenizer: str, *,
         skipped: list[Path] = []
         texts = list(tokenize_files(tok, files, progress=progress, skipped=skipped))
         built = build_ngram(texts + token_sequences + list(sequences), vocab_size,
-                            top_k=top_k, trigram_top_k=trigram_top_k, trigram_buckets=trigram_buckets,
+                            top_k=top_k, trigram_top_k=trigram_top_k,
+                            trigram_buckets=trigram_buckets,
                             min_context_count=min_context_count)
         metadata = {**built.metadata, "built_by": "specjax build-ngram",
                     "tokenizer": str(tokenizer),

@@ -310,16 +310,15 @@ def initial_draft(target, cfg: "TrainConfig"):
     the draft asset ``cfg.init_draft`` (its own tensors, full head)."""
     if cfg.init_draft is None:
         return draft_from_target(target.config, target.params, cfg.init_layers)
+    import jax
+
     from specjax import models
     from specjax.checkpoints_tools.sources import load_bundled_draft
 
     draft = load_bundled_draft(target, cfg.init_draft)
-    params = {k: np.asarray(v) if k != "layers" else v for k, v in draft.params.items()
-              if k != models.HEAD_SUBSET}  # training scores the full vocabulary
-    import jax
-
-    params["layers"] = jax.tree.map(np.asarray, params["layers"])
-    return draft.config, params
+    # Training scores the full vocabulary: the asset's head subset is a decoding speed-up.
+    params = {k: v for k, v in draft.params.items() if k != models.HEAD_SUBSET}
+    return draft.config, jax.tree.map(np.asarray, params)
 
 
 def split_trainable(params: dict, train_embeddings: bool) -> tuple[dict, dict]:
