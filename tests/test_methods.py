@@ -137,16 +137,16 @@ def test_backend_defaults_apply_to_method_names_and_are_reported(spec_target, mo
         for method, values in per_method.items():
             built = method_options(method, backend=backend)
             assert {k: getattr(built, k) for k in values} == values
-    monkeypatch.setitem(opts.BACKEND_DEFAULTS, "gpu", {"tree": {"tree_budget": 32}})
-    assert method_options("tree", backend="cuda").tree_budget == 32
+    monkeypatch.setitem(opts.BACKEND_DEFAULTS, "gpu", {"tree": {"tree_budget": 24}})
+    assert method_options("tree", backend="cuda").tree_budget == 24
     assert method_options("tree", backend="cuda", tree_budget=4).tree_budget == 4  # explicit
     assert method_options("tree", backend="cpu") == TreeOptions()
     assert method_options(TreeOptions(), backend="cuda") == TreeOptions()  # objects as given
-    assert "tree 16 (gpu: 32)" in describe_defaults("tree_budget")
+    assert "tree 16 (gpu: 24; tpu: 32)" in describe_defaults("tree_budget")
     out = specjax.generate(spec_target, [1, 2, 3], max_new_tokens=2, method="ar")
     assert out.stats["backend"] == "cpu"  # the test machine's weights are on the CPU
     monkeypatch.setattr(api, "model_backend", lambda model: "gpu")
-    assert api.resolve_method(spec_target, "tree").tree_budget == 32
+    assert api.resolve_method(spec_target, "tree").tree_budget == 24
     args = argparse.ArgumentParser()
     add_method_arguments(args)
-    assert method_from_args(args.parse_args([]), "tree", "cuda").tree_budget == 32
+    assert method_from_args(args.parse_args([]), "tree", "cuda").tree_budget == 24

@@ -216,12 +216,15 @@ class NgramOptions(_Verified):
         self._set("use_lookup", bool(self.use_lookup))
 
 
-# Staged defaults: the best settings measured with benchmarks/tune_staged.py
-# (benchmarks/results/tune_staged_cpu_*.json) on the 2-core CPU, smollm2-135m + its
-# shipped draft, greedy and T = 1 on HumanEval prompts 5-13. On this CPU a tree pass is
-# compute-bound beyond a few nodes, so trees of ~6 nodes win. The stage-2 priors suit a
-# weak draft (35% agreement): with a strong one, lower them (0, 0 lets the draft alone
-# rank the tree).
+# Staged defaults (CPU): measured with benchmarks/tune_staged.py on the 2-core CPU,
+# smollm2-135m. With the weak draft (35% agreement; prompts 5-13,
+# benchmarks/results/tune_staged_cpu_*.json) budget 6, one round and priors (0.7, 0.3) won.
+# With the shipped strong draft (69%; prompts 20-27, greedy,
+# benchmarks/results/cpu/tune_staged_strong_draft_t0.json) they still give the most tokens
+# per unit of CPU time: priors (0, 0) accept about as many tokens per pass (2.59 vs 2.64),
+# and each extra round adds ~0.3 then ~0.05 tokens per pass for a draft pass of 1 + 7 rows
+# (0.12-0.15x a target step here), while the target pass grows with the budget
+# (compute-bound: 8 nodes 1.23x one token, 16 nodes 1.58x). Accelerators: BACKEND_DEFAULTS.
 @dataclasses.dataclass(frozen=True)
 class StagedOptions(NgramOptions):
     """``staged`` (Spector & Re 2023): the draft model builds the target's tree, helped by
@@ -283,7 +286,20 @@ METHODS: dict[str, type[MethodOptions]] = {
 # measured on an H100 (a verify pass over N nodes vs one token: 1.01x at 4, 1.07x at 16,
 # 1.24x at 64; ../shared/measurements/h100-2026-11-23): see benchmarks/README.md,
 # "Defaults per backend".
-BACKEND_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {"gpu": {}, "tpu": {}}
+# Tokens per target pass, greedy, HumanEval prompts 20-27 x 128 tokens, smollm2-135m with
+# its shipped draft (benchmarks/results/cpu/tune_staged_strong_draft_t0*.json): staged at
+# the CPU defaults 2.64, at the settings below 3.96 (the draft's share 7% -> 15%); tree
+# 2.67 at budget 8, 3.27 below; ngram 2.76 -> 2.98. On the GPU the bigger trees cost a
+# verify pass of ~1.1x one token and three more draft passes of 2 of 30 blocks each. The
+# TPU takes the GPU's (not measured on TPU hardware).
+_ACCELERATOR = {
+    "staged": dict(tree_budget=32, draft_rounds=4, draft_width=2, stage2_prior=(0.3, 0.1),
+                   proposal=(4, 2, 1, 1, 1, 1)),
+    "tree": dict(tree_budget=32, draft_depth=6, draft_width=4),
+    "ngram": dict(proposal=(4, 2, 1, 1, 1, 1, 1, 1, 1, 1)),
+}
+BACKEND_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {"gpu": _ACCELERATOR,
+                                                         "tpu": _ACCELERATOR}
 
 
 def all_option_fields() -> dict[str, dataclasses.Field]:
