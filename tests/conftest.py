@@ -56,6 +56,20 @@ def tiny_pair(kind: str, seed: int = 0, **overrides):
     return hf_model, specjax.Model.from_params(config, params, name=f"tiny-{kind}-{seed}")
 
 
+def serve_models(monkeypatch, served: dict, prompts) -> dict:
+    """Makes ``specjax`` commands load the models in ``served`` by name (``-m tiny --draft
+    tiny-draft``) and run the benchmark suite on ``prompts``; returns ``served``."""
+    from specjax import loading
+    from specjax.benchmark import humaneval
+
+    monkeypatch.setattr(loading, "load", lambda name, dtype=None, *, progress=False: served[name])
+    real_check = loading.check_draft_spec
+    monkeypatch.setattr(loading, "check_draft_spec",
+                        lambda draft: None if draft in served else real_check(draft))
+    monkeypatch.setattr(humaneval, "suite_prompts", lambda suite, limit: prompts[:limit])
+    return served
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,

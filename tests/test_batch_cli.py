@@ -10,9 +10,8 @@ import pytest
 
 import specjax
 from specjax import api, cli, loading
-from specjax.benchmark import humaneval
 
-from conftest import random_prompt, tiny_pair
+from conftest import random_prompt, serve_models, tiny_pair
 from helpers_checkpoints import gguf_llama, write_tiny_gguf
 from test_cli import assert_one_line_error, run_cli
 
@@ -105,13 +104,7 @@ PROMPTS = [random_prompt(0, 9), random_prompt(1, 14), random_prompt(2, 4)]
 def served(monkeypatch):
     target = tiny_pair("llama-mha", seed=21)[1]
     draft = tiny_pair("llama-mha", seed=22, num_hidden_layers=1)[1]
-    served = {"tiny": target, "tiny-draft": draft}
-    monkeypatch.setattr(loading, "load", lambda name, dtype=None, *, progress=False: served[name])
-    real_check = loading.check_draft_spec
-    monkeypatch.setattr(loading, "check_draft_spec",
-                        lambda draft: None if draft in served else real_check(draft))
-    monkeypatch.setattr(humaneval, "suite_prompts", lambda suite, limit: PROMPTS[:limit])
-    return served
+    return serve_models(monkeypatch, {"tiny": target, "tiny-draft": draft}, PROMPTS)
 
 
 def test_bench_batch_size_reports_total_and_per_row_rates(capsys, tmp_path, served):

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from specjax import api, cli, loading
-from specjax.benchmark import humaneval, metrics, peers, plots, report, runner
+from specjax import api, cli
+from specjax.benchmark import metrics, peers, plots, report, runner
 
-from conftest import random_prompt, tiny_pair
+from conftest import random_prompt, serve_models, tiny_pair
 
 PROMPTS = [random_prompt(0, 9), random_prompt(1, 14)]
 NEW = 8
@@ -32,13 +32,7 @@ def models():
 def served(monkeypatch, models):
     """``specjax bench -m tiny --draft tiny-draft`` gets the tiny models; the suite's prompts
     are PROMPTS."""
-    served = dict(zip(("tiny", "tiny-draft"), models))
-    monkeypatch.setattr(loading, "load", lambda name, dtype=None, *, progress=False: served[name])
-    real_check = loading.check_draft_spec
-    monkeypatch.setattr(loading, "check_draft_spec",
-                        lambda draft: None if draft in served else real_check(draft))
-    monkeypatch.setattr(humaneval, "suite_prompts", lambda suite, limit: PROMPTS[:limit])
-    return served
+    return serve_models(monkeypatch, dict(zip(("tiny", "tiny-draft"), models)), PROMPTS)
 
 
 # The tree shape every run here uses, so that its program compiles once for the file.
