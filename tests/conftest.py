@@ -70,6 +70,43 @@ def serve_models(monkeypatch, served: dict, prompts) -> dict:
     return served
 
 
+def tiny_target_with_tokenizer(tokenizer, vocab_size: int, max_positions: int = 256,
+                               **overrides) -> specjax.Model:
+    """A 3-layer random Llama over a real tokenizer's vocabulary (for the tools that
+    tokenize text: train-draft, build-ngram); ``overrides`` go to the LlamaConfig."""
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        tie_word_embeddings=True, initializer_range=0.2, **overrides)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    config = from_hf_config(hf_config)
+    params = params_from_hf_tensors(
+        config, {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}, source="tiny")
+    return specjax.Model.from_params(config, params, tokenizer, name="tiny-target")
+
+
+def write_corpus(root, texts) -> list:
+    """Writes ``texts`` as ``module_<i>.py`` files under ``root``; returns their paths."""
+    files = []
+    for i, text in enumerate(texts):
+        path = root / f"module_{i}.py"
+        path.write_text(text)
+        files.append(path)
+    return files
+
+
+def fitted_tables(model, seeds, max_new_tokens: int):
+    """Stage-2 n-gram tables fitted to ``model``'s own greedy text (one 6-token random
+    prompt per seed), so that stage 2 proposes tokens the model will accept."""
+    from specjax.checkpoints_tools.ngram_build import build_ngram
+
+    corpus = [specjax.generate(model, random_prompt(s, 6), max_new_tokens=max_new_tokens).tokens
+              for s in seeds]
+    return build_ngram(corpus, TINY_VOCAB, top_k=8, trigram_top_k=4, trigram_buckets=256,
+                       min_context_count=1).tables
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,

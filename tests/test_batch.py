@@ -13,10 +13,9 @@ import pytest
 
 import specjax
 from specjax import decode
-from specjax.checkpoints_tools.ngram_build import build_ngram
 from specjax.errors import InvalidArgumentError
 
-from conftest import TINY_VOCAB, random_prompt
+from conftest import TINY_VOCAB, fitted_tables, random_prompt
 
 # Mixed lengths; the 19-token prompt pads to a 32-token bucket, the others to 16.
 PROMPTS = [random_prompt(40 + i, n) for i, n in enumerate([5, 19, 3, 11, 8])]
@@ -27,10 +26,7 @@ SEEDS = [3, 17, 5, 2, 9]
 
 @pytest.fixture(scope="module")
 def tables(spec_target):
-    corpus = [specjax.generate(spec_target, random_prompt(200 + s, 6), max_new_tokens=32).tokens
-              for s in range(6)]
-    return build_ngram(corpus, TINY_VOCAB, top_k=8, trigram_top_k=4, trigram_buckets=256,
-                       min_context_count=1).tables
+    return fitted_tables(spec_target, range(200, 206), 32)
 
 
 def _method(name, spec_drafts, tables):

@@ -7,15 +7,13 @@ import json
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import specjax
 from specjax import cli
 from specjax.checkpoints_tools import ngram_build, sample_corpus, train_draft
-from specjax.checkpoints_tools.keymap import params_from_hf_tensors
-from specjax.config import from_hf_config
 from specjax.errors import InvalidArgumentError
+
+from conftest import tiny_target_with_tokenizer, write_corpus
 
 MODULE = '''"""A module."""
 import math
@@ -44,27 +42,14 @@ def undocumented_{i}(x):
 @pytest.fixture(scope="module")
 def tiny_target():
     tokenizer = ngram_build.load_tokenizer("smollm2-135m")[0]
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, initializer_range=0.2, eos_token_id=2, bos_token_id=1)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
-    config = from_hf_config(hf_config)
-    params = params_from_hf_tensors(
-        config, {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}, source="t")
-    return specjax.Model.from_params(config, params, tokenizer, name="tiny-target")
+    return tiny_target_with_tokenizer(tokenizer, 49152, max_positions=512, eos_token_id=2,
+                                      bos_token_id=1)
 
 
 @pytest.fixture(scope="module")
 def corpus_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    files = []
-    for i in range(40):  # enough files that the hash split puts some in held-out
-        path = root / f"module_{i}.py"
-        path.write_text(MODULE.format(i=i))
-        files.append(path)
-    return files
+    # 40 files: enough that the hash split puts some in held-out
+    return write_corpus(tmp_path_factory.mktemp("corpus"), [MODULE.format(i=i) for i in range(40)])
 
 
 def _cfg(**overrides):

@@ -4,10 +4,9 @@ exactness against ``ar``, token origins, compilation count, errors."""
 import pytest
 
 import specjax
-from specjax.checkpoints_tools.ngram_build import build_ngram
 from specjax.errors import InvalidArgumentError
 
-from conftest import TINY_VOCAB, random_prompt, tiny_pair
+from conftest import TINY_VOCAB, fitted_tables, random_prompt, tiny_pair
 
 NEW = 24
 
@@ -25,10 +24,7 @@ def drafts(spec_drafts):
 @pytest.fixture(scope="module")
 def tables(target):
     """Tables fitted to the target's own greedy text, so stage 2 proposes useful tokens."""
-    corpus = [specjax.generate(target, random_prompt(100 + s, 6), max_new_tokens=48).tokens
-              for s in range(8)]
-    return build_ngram(corpus, TINY_VOCAB, top_k=8, trigram_top_k=4, trigram_buckets=256,
-                       min_context_count=1).tables
+    return fitted_tables(target, range(100, 108), 48)
 
 
 SHAPES = {

@@ -11,9 +11,9 @@ import transformers
 
 import specjax
 from specjax.checkpoints_tools import sources, train_draft
-from specjax.checkpoints_tools.keymap import params_from_hf_tensors
-from specjax.config import from_hf_config
 from specjax.errors import InvalidArgumentError
+
+from conftest import tiny_target_with_tokenizer, write_corpus
 
 CORPUS = '''
 def fibonacci(n):
@@ -38,28 +38,15 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def tiny_target(smollm2):
-    """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer."""
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=smollm2.config.vocab_size, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.2)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
-    config = from_hf_config(hf_config)
-    params = params_from_hf_tensors(
-        config, {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}, source="tiny")
-    return specjax.Model.from_params(config, params, smollm2.tokenizer, name="tiny-target")
+    """A 3-layer random Llama with SmolLM2's vocabulary and tokenizer."""
+    return tiny_target_with_tokenizer(smollm2.tokenizer, smollm2.config.vocab_size)
 
 
 @pytest.fixture(scope="module")
 def corpus_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    files = []
-    for i in range(40):  # enough files that the hash split puts some in held-out
-        path = root / f"module_{i}.py"
-        path.write_text(CORPUS.replace("fibonacci", f"fib_{i}"))
-        files.append(path)
-    return files
+    # 40 files: enough that the hash split puts some in held-out
+    return write_corpus(tmp_path_factory.mktemp("corpus"),
+                        [CORPUS.replace("fibonacci", f"fib_{i}") for i in range(40)])
 
 
 def _cfg(**overrides):
