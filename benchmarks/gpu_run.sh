@@ -14,6 +14,7 @@
 #        profile_<model>.json  benchmarks/profile_step.py, per method and dtype: ms per
 #                       target pass, kernels, memcpys, top kernels (jax.profiler) and the
 #                       compiled step's HLO counts; HLO texts in hlo/
+#        profile_fused_<model>.json  the same with --attn-impl fused --fused-projections
 #        kernels.json   benchmarks/bench_kernels.py --device-time --sweep (checks fp32 and
 #                       bf16, then the kernel's tilings)
 #      then, if the default model's file is there (the smollm2-135m GGUF ships inside the
@@ -113,6 +114,13 @@ for model in ${PROFILE_MODELS:-smollm2-135m}; do
         --dtypes "${PROFILE_DTYPES:-float32,bfloat16}" \
         --methods "${PROFILE_METHODS:-ar,ngram,spec,tree,staged}" \
         --json "$DIR/profile_$model.json" --hlo-dir "$DIR/hlo/$model"
+    # The same step with every projection in the row-tiled Pallas kernel (attn_impl=fused,
+    # q|k|v and gate|up fused at load): kernels per layer, device ms, against the above.
+    step "profile-fused-$model" "$PY" benchmarks/profile_step.py --model "$model" \
+        --dtypes "${PROFILE_DTYPES:-float32,bfloat16}" \
+        --methods "${PROFILE_METHODS:-ar,ngram,spec,tree,staged}" \
+        --attn-impl fused --fused-projections \
+        --json "$DIR/profile_fused_$model.json" --hlo-dir "$DIR/hlo/fused-$model"
 done
 step kernels "$PY" benchmarks/bench_kernels.py --device-time --sweep --json "$DIR/kernels.json"
 if [ "${PROFILE_ONLY:-0}" = 1 ]; then

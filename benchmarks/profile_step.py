@@ -747,7 +747,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs, fastest kept")
     parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--attn-impl", default="auto", choices=["auto", "reference", "kernel"])
+    parser.add_argument("--attn-impl", default="auto",
+                        choices=["auto", "reference", "kernel", "fused"],
+                        help="fused: the row-tiled Pallas kernels for every projection too")
     parser.add_argument("--fused-projections", action="store_true",
                         help="fuse q|k|v and gate|up weights (models.fuse_projections)")
     parser.add_argument("--no-trace", action="store_true", help="skip the profiler traces")

@@ -27,6 +27,11 @@ Which kernel runs (``variant=None``):
   variable ``SPECJAX_KERNEL_INTERPRET=tpu`` is set (default ``gpu``). Interpret mode is
   exact but slow: it is for tests, not for speed.
 
+:func:`fused_linear` is the row-tiled projection kernel of :mod:`.linear_gpu` (RMSNorm,
+bias, SwiGLU and residual folded into one matmul launch) that ``attn_impl="fused"`` uses
+for every projection of the Llama family; it has a GPU (Triton) kernel only, interpreted
+off GPU like the attention kernels.
+
 With a ``fallback``, shapes the chosen kernel does not take (more than 128 new tokens, an
 unsupported head_dim or dtype, ...) go to the fallback; without one they raise
 :class:`specjax.errors.InvalidArgumentError`.
@@ -41,7 +46,8 @@ import jax
 
 from specjax.errors import InvalidArgumentError
 
-__all__ = ["GpuBlockSizes", "TpuBlockSizes", "verify_attention", "verify_attention_gpu",
+__all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "TpuBlockSizes", "fused_linear",
+           "fused_linear_gpu", "verify_attention", "verify_attention_gpu",
            "verify_attention_tpu", "select_variant", "INTERPRET_ENV"]
 
 INTERPRET_ENV = "SPECJAX_KERNEL_INTERPRET"
@@ -51,7 +57,8 @@ _MODULES = {"gpu": "attention_gpu", "tpu": "attention_tpu"}
 # safe to import: run from the repository root, this directory is also importable as a
 # top-level ``kernels``, and transformers imports that name when it probes for HF kernels.
 _LAZY = {"GpuBlockSizes": "attention_gpu", "verify_attention_gpu": "attention_gpu",
-         "TpuBlockSizes": "attention_tpu", "verify_attention_tpu": "attention_tpu"}
+         "TpuBlockSizes": "attention_tpu", "verify_attention_tpu": "attention_tpu",
+         "GpuLinearBlockSizes": "linear_gpu", "fused_linear_gpu": "linear_gpu"}
 
 
 def __getattr__(name: str):
@@ -125,3 +132,33 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
         except InvalidArgumentError:
             return fallback(*args) if layer is None else fallback(*args, layer=layer)
     return getattr(module, f"verify_attention_{variant}")(*args, interpret=interpret, **options)
+
+
+def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
+                 fallback: bool = False, **kwargs):
+    """``residual + act(rms_norm(x) @ W + b)`` by the row-tiled Pallas kernel; see
+    :func:`specjax.kernels.linear_gpu.fused_linear_gpu` for the arguments.
+
+    Runs the GPU kernel natively on a GPU and in interpret mode on the CPU (tests). With
+    ``fallback``, shapes the kernel does not take (a width that is not a multiple of 16,
+    such as a 50257-token vocabulary) run :func:`~.linear_gpu.fused_linear_reference`.
+    Raises:
+      InvalidArgumentError: on a TPU (no TPU kernel yet), or, without ``fallback``, for
+        shapes the kernel does not take.
+    """
+    variant, interpret = select_variant(variant)
+    if variant != "gpu":
+        raise InvalidArgumentError(
+            "the fused linear kernel exists for GPUs only (no TPU kernel yet): use "
+            "attn_impl='kernel' on a TPU")
+    module = importlib.import_module(f"{__name__}.linear_gpu")
+    options = {} if block_sizes is None else {"block_sizes": block_sizes}
+    if fallback:
+        try:
+            module.check_supported(
+                x, weights, stacked=kwargs.get("layer") is not None,
+                **{k: kwargs[k] for k in ("offsets", "width", "transposed") if k in kwargs},
+                **options)
+        except InvalidArgumentError:
+            return module.fused_linear_reference(x, tuple(weights), **kwargs)
+    return module.fused_linear_gpu(x, tuple(weights), interpret=interpret, **options, **kwargs)

@@ -23,6 +23,7 @@ import jinja2
 import numpy as np
 
 from specjax import decode, methods
+from specjax.attention import IMPLEMENTATIONS
 from specjax.errors import InvalidArgumentError, NumericalError
 from specjax.loading import (check_resources, default_method, load, resolve_draft,
                              resolve_ngram)
@@ -149,9 +150,9 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
             or max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got "
                                    f"{max_new_tokens}")
-    if attn_impl not in ("auto", "reference", "kernel"):
-        raise InvalidArgumentError(f"attn_impl must be auto, reference or kernel, got "
-                                   f"{attn_impl!r}")
+    if attn_impl not in IMPLEMENTATIONS:
+        raise InvalidArgumentError(f"attn_impl must be one of {', '.join(IMPLEMENTATIONS)}, "
+                                   f"got {attn_impl!r}")
     stop = _stop_array(model, stop_tokens)
     return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens))
 
@@ -469,7 +470,9 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         shipped for the model.
       stop_tokens: ids that end generation (default: the model's EOS ids).
       chat: wrap a string prompt in the model's chat template.
-      attn_impl: ``"auto"``, ``"reference"`` or ``"kernel"``.
+      attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (the Pallas
+        kernels for attention and, Llama family, every projection: row-tiled, so a
+        verify pass reproduces the one-token step bit for bit; GPU).
       batch_size: a batch only: rows per compiled program, in [1, 64]; a longer list
         runs as consecutive batches of this size. Default: the whole list in one batch.
         The program's row count is rounded up to a power of two (padding rows are

@@ -4,6 +4,8 @@ Models call :func:`attention` only; it dispatches to an implementation by name:
 
 * ``"reference"`` -- pure ``jax.numpy`` over the whole static cache; the ground truth;
 * ``"kernel"`` -- the Pallas kernels in :mod:`specjax.kernels` (GPU/TPU);
+* ``"fused"`` -- the same kernels here; the models also run their projections through
+  the row-tiled linear kernel (:func:`specjax.models.hidden_states`);
 * ``"auto"`` -- the kernel on GPU/TPU when one exists for the shapes; on CPU
   :func:`attention_blocked`, pure ``jax.numpy`` that reads only the slots in use.
 
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 
 from specjax.errors import InvalidArgumentError
 
-IMPLEMENTATIONS = ("auto", "reference", "kernel")
+IMPLEMENTATIONS = ("auto", "reference", "kernel", "fused")
 
 
 def matmul_precision(*operands) -> jax.lax.Precision:
@@ -190,7 +192,8 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
       length: int32 [], committed cache slots visible to every query.
       mask: bool [T, T], visibility among the new tokens.
       scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
-      impl: ``"auto"``, ``"reference"`` or ``"kernel"`` (static).
+      impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (static; the last is
+        ``"kernel"`` here).
       layer: int32 [] index of the layer to read when the caches are [L, S, K, D].
     Returns:
       [T, H, D] attention output.

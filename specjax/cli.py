@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 
 from specjax import api, decode, interrupts, loading, progress
+from specjax.attention import IMPLEMENTATIONS
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import ngram_build, sources, train_draft
 from specjax.checkpoints_tools.convert import convert
@@ -84,9 +85,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="float32",
                    help="parameter dtype: float32, bfloat16, or auto = bfloat16 on GPU/TPU, "
                         "float32 on CPU (default: float32)")
-    p.add_argument("--attn-impl", default="auto", choices=("auto", "reference", "kernel"),
+    p.add_argument("--attn-impl", default="auto", choices=IMPLEMENTATIONS,
                    help="attention implementation (default: auto = kernel on GPU/TPU, "
-                        "reference on CPU)")
+                        "reference on CPU); fused: the kernels for the projections too (GPU)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of streaming text")
     p.set_defaults(func=_generate)

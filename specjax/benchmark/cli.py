@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 
 from specjax import decode, loading
+from specjax.attention import IMPLEMENTATIONS
 from specjax.benchmark import environment, humaneval, plots
 from specjax.benchmark import report as reporting
 from specjax.benchmark.peers import parse_peers
@@ -79,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # The method options' flags, shared with `specjax generate` (one help text each); in a
     # suite each applies to the methods that take it.
     add_method_arguments(p, budget_flag=False)
-    p.add_argument("--attn-impl", default="auto", choices=("auto", "reference", "kernel"))
+    p.add_argument("--attn-impl", default="auto", choices=IMPLEMENTATIONS)
     p.add_argument("--peers", default="none",
                    help="transformers peers: none, all, or a subset of hf,hf-assisted,hf-lookup "
                         "(default: none)")

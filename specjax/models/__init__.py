@@ -18,6 +18,8 @@ family module documents its tree and gives ``param_shapes``, which drives
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,9 +116,27 @@ def causal_mask(num_tokens: int) -> jax.Array:
     return jnp.tril(jnp.ones((num_tokens, num_tokens), jnp.bool_))
 
 
-def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache | None = None,
-                  mask=None, scratch_mask=None, *, attn_impl: str = "auto"):
-    """Final-normed hidden states [T, d] and the cache with scratch slots written."""
+# ``attn_impl="fused"`` runs the projections through the row-tiled linear kernel for calls
+# of at most this many new tokens (decode steps, verify passes, draft levels); longer calls
+# (prefill) take the reference layers. Both methods being compared share the prefill.
+FUSED_MAX_TOKENS = 128
+
+
+def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> bool:
+    """Whether a call over ``num_tokens`` new tokens runs the fused-kernel layers.
+
+    Then every projection and the head are one :func:`specjax.kernels.fused_linear` call
+    each (a projection whose shape the kernel does not take, e.g. a width that is not a
+    multiple of 16, runs its jnp reference instead), attention is the Pallas kernel, and a
+    row's arithmetic does not depend on how many rows share the call.
+    """
+    return (attn_impl == "fused" and num_tokens <= FUSED_MAX_TOKENS
+            and hasattr(_FAMILIES[config.architecture], "block_fused"))
+
+
+def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask,
+                     scratch_mask, attn_impl: str):
+    """The blocks' output [T, d] before the final norm, and the cache with scratch written."""
     family = _FAMILIES[config.architecture]
     if mask is None:
         mask = causal_mask(tokens.shape[0])
@@ -124,24 +144,51 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
     context = family.position_context(config, positions)
     length = None if cache is None else cache.length
     k_all, v_all = (None, None) if cache is None else (cache.k, cache.v)
+    fused = uses_fused_layers(config, tokens.shape[0], attn_impl)
+    attn_impl = ("kernel" if fused else "auto") if attn_impl == "fused" else attn_impl
 
-    def layer(carry, p):
-        x, index = carry
-
+    def attend_at(index):
         # Attention reads layer `index` of the whole [L, S, K, D] cache in place: scanning
         # over the cache instead would copy each layer's [S, K, D] slots every step.
         def attend(q, k, v):
             return attention(q, k, v, k_all, v_all, length, mask, scratch_mask, impl=attn_impl,
                              layer=None if k_all is None else index)
+        return attend
 
-        x, k, v = family.block(p, config, x, context, attend)
-        return (x, index + 1), (k, v)
+    if fused:
+        from specjax import kernels  # Pallas: imported only when the kernels run
 
-    (x, _), (k_new, v_new) = jax.lax.scan(layer, (x, jnp.int32(0)), params["layers"])
+        layers = params["layers"]
+
+        def fused_layer(carry, _):
+            x, index = carry
+            x, k, v = family.block_fused(layers, index, config, x, context, attend_at(index),
+                                         functools.partial(kernels.fused_linear, fallback=True))
+            return (x, index + 1), (k, v)
+
+        # No per-layer slices of the weights as scan inputs: the kernels read the stacked
+        # [L, ...] weights at the traced index (a slice feeding a custom call is a copy).
+        (x, _), (k_new, v_new) = jax.lax.scan(fused_layer, (x, jnp.int32(0)), None,
+                                              length=config.num_layers)
+    else:
+        def layer(carry, p):
+            x, index = carry
+            x, k, v = family.block(p, config, x, context, attend_at(index))
+            return (x, index + 1), (k, v)
+
+        (x, _), (k_new, v_new) = jax.lax.scan(layer, (x, jnp.int32(0)), params["layers"])
     if cache is not None:
         offset = 0 if scratch_mask is None else scratch_mask.shape[1]
         cache = write_scratch(cache, k_new, v_new, offset)
-    return family.final_norm(params, config, x), cache
+    return x, cache
+
+
+def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache | None = None,
+                  mask=None, scratch_mask=None, *, attn_impl: str = "auto"):
+    """Final-normed hidden states [T, d] and the cache with scratch slots written."""
+    x, cache = _residual_stream(params, config, tokens, positions, cache, mask, scratch_mask,
+                                attn_impl)
+    return _FAMILIES[config.architecture].final_norm(params, config, x), cache
 
 
 HEAD_SUBSET = "head_subset"
@@ -198,10 +245,23 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
       mask: bool [T, T] visibility among the new tokens; ``None`` means causal.
       scratch_mask: optional bool [T, M]: the new tokens also see scratch slot
         ``length + m`` where set, and are written after those M slots (tree drafting).
-      attn_impl: ``"auto"``, ``"reference"`` or ``"kernel"`` (static).
+      attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (static; the
+        last also runs the Llama family's projections and head through the row-tiled
+        kernel, :func:`uses_fused_layers`).
     Returns:
       (logits float32 [T, V], cache with the new K/V in its scratch slots or ``None``).
     """
+    if uses_fused_layers(config, tokens.shape[0], attn_impl) and HEAD_SUBSET not in params:
+        from specjax import kernels
+
+        x, cache = _residual_stream(params, config, tokens, positions, cache, mask,
+                                    scratch_mask, attn_impl)
+        # Final norm and head in one kernel call, row-tiled like the layers.
+        tied = config.tie_word_embeddings
+        head = params["embed"] if tied else params["lm_head"]
+        return kernels.fused_linear(x, (head,), norm=params["final_norm"], transposed=tied,
+                                    eps=config.norm_eps, float32_out=True,
+                                    fallback=True), cache
     hidden, cache = hidden_states(params, config, tokens, positions, cache, mask, scratch_mask,
                                   attn_impl=attn_impl)
     return lm_head(params, config, hidden), cache

@@ -144,5 +144,56 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     return x, k, v
 
 
+def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, attend,
+                linear):
+    """:func:`block` with each projection one call of ``linear`` (the row-tiled kernels of
+    :mod:`specjax.kernels.linear_gpu`, or their reference): RMSNorm folded into the q|k|v
+    and gate|up calls, SwiGLU into gate|up, the residual adds into the o and down calls.
+
+    ``layers`` are the stacked [L, ...] parameters (separate or fused projections), read at
+    the traced ``index`` inside the kernels, so no layer's matrices are copied out.
+    ``linear(x, weights, norm=, biases=, residual=, layer=, offsets=, width=, eps=)`` has
+    the signature of :func:`specjax.kernels.fused_linear`. Returns (x, k, v).
+    """
+    cos, sin = rope
+    t = x.shape[0]
+    eps = config.norm_eps
+    q_width = config.num_heads * config.head_dim
+    kv_width = config.num_kv_heads * config.head_dim
+    f = config.intermediate_size
+
+    def project(name, offset, width, bias_name, **kwargs):
+        bias = layers.get(bias_name)
+        return linear(x, (layers[name],), biases=(bias,), layer=index, offsets=(offset,),
+                      width=width, eps=eps, **kwargs)
+
+    norm = layers["attn_norm"]
+    if "w_qkv" in layers:
+        q, k, v = (project("w_qkv", offset, width, "b_qkv", norm=norm)
+                   for offset, width in ((0, q_width), (q_width, kv_width),
+                                         (q_width + kv_width, kv_width)))
+    else:
+        q, k, v = (project(w, 0, width, b, norm=norm) for w, b, width in (
+            ("wq", "bq", q_width), ("wk", "bk", kv_width), ("wv", "bv", kv_width)))
+    q = q.reshape(t, config.num_heads, config.head_dim)
+    k = k.reshape(t, config.num_kv_heads, config.head_dim)
+    v = v.reshape(t, config.num_kv_heads, config.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    a = attend(q, k, v).reshape(t, q_width)
+    x = linear(a, (layers["wo"],), biases=(layers.get("bo"),), residual=x, layer=index,
+               eps=eps)
+    if "w_gate_up" in layers:
+        pair, biases, offsets = ((layers["w_gate_up"],) * 2, (layers.get("b_gate_up"),) * 2,
+                                 (0, f))
+    else:
+        pair, biases, offsets = ((layers["w_gate"], layers["w_up"]),
+                                 (layers.get("b_gate"), layers.get("b_up")), (0, 0))
+    h = linear(x, pair, norm=layers["mlp_norm"], biases=biases, layer=index, offsets=offsets,
+               width=f, eps=eps)
+    x = linear(h, (layers["w_down"],), biases=(layers.get("b_down"),), residual=x,
+               layer=index, eps=eps)
+    return x, k, v
+
+
 def final_norm(params, config: ModelConfig, x: jax.Array) -> jax.Array:
     return rms_norm(x, params["final_norm"], config.norm_eps)

@@ -1,0 +1,352 @@
+"""Row-tiled fused linear layers for GPUs: Pallas with the Triton lowering.
+
+One kernel computes, for a few query rows (a decode token, or the nodes of a verify pass)::
+
+    y = residual + act(rms_norm(x) @ W + b)        # every part but the matmul optional
+
+* ``rms_norm`` (``norm=``): the RMSNorm before a projection (attention, MLP, final norm),
+  recomputed per tile from the rows in registers, never written to memory;
+* ``W`` one matrix, or two column ranges whose outputs feed SwiGLU (``silu(gate) * up``),
+  from one fused ``w_gate_up`` (the same array twice, at column offsets 0 and F) or from
+  separate ``w_gate``/``w_up``;
+* ``residual=``: the skip connection, added in the epilogue;
+* weights stacked over layers ``[L, K, N]`` are read in place at a traced ``layer`` (the
+  layer loop never copies a layer's matrices out); ``transposed=True`` reads ``[.., N, K]``
+  (a tied embedding used as the output head).
+
+This replaces, per projection, the norm's reduction and scaling, the matmul, the bias add,
+the activation and the residual add (separate XLA ops, most of them separate kernels on a
+GPU) by one launch.
+
+**Row independence.** The row tile (``block_rows``, 16), the column block and the
+reduction chunk (``block_k``) depend on the matrix shape only, never on the number of rows;
+the reduction over K runs chunk by chunk in a fixed order; a row's norm uses only that
+row. So a row's arithmetic is the same whether it is alone (a one-token step, padded to
+one 16-row tile) or one of 64 tree nodes: a verify pass reproduces the one-token step's
+logits bit for bit (``tests/test_linear_kernel.py`` checks this for whole models).
+
+Numerics follow :mod:`specjax.models.layers`: float32 accumulation; float32 products at
+``Precision.HIGHEST`` (never TF32); the norm in float32, cast back to the input dtype
+before the norm weight, as the reference does. :func:`fused_linear_reference` is the same
+computation in ``jax.numpy`` (the ground truth the tests compare against).
+
+``interpret=True`` runs the kernel in Pallas' generic interpreter on any backend (the CPU
+test path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from specjax.errors import InvalidArgumentError
+from . import layout
+
+KERNEL_NAME = "GPU fused linear kernel"
+DTYPES = layout.FLOAT_DTYPES
+MAX_ROWS = 4096  # rows per call; more (a long prefill) goes to the reference path
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuLinearBlockSizes:
+    """Static tiling of :func:`fused_linear_gpu` (powers of two >= 16).
+
+    Attributes:
+      block_rows: rows per program (16: the smallest Triton dot; a one-token call pads to it).
+      block_n: output columns per program; ``None``: the largest power of two <= 128 that
+        divides the output width while giving at least about two programs per streaming
+        multiprocessor for one row tile.
+      block_k: reduction chunk; ``None``: the largest power of two <= 128 dividing K.
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_rows: int = 16
+    block_n: int | None = None
+    block_k: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def resolve(self, in_features: int, out_features: int) -> "GpuLinearBlockSizes":
+        """The sizes for a [K=in_features] -> [N=out_features] matrix: a function of the
+        shape only (see the module docstring), never of the row count."""
+        block_k = self.block_k or _power_of_2_divisor(in_features, 128)
+        block_n = self.block_n
+        if block_n is None:
+            wanted = max(16, 1 << max(0, (out_features // (2 * _multiprocessor_count()))
+                                      .bit_length() - 1))
+            block_n = min(_power_of_2_divisor(out_features, 128), wanted)
+            block_n = max(block_n, min(16, _power_of_2_divisor(out_features, 16)))
+        return dataclasses.replace(self, block_n=block_n, block_k=block_k)
+
+    def check(self) -> None:
+        for name in ("block_rows", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value & (value - 1)):
+                raise InvalidArgumentError(
+                    f"{KERNEL_NAME}: {name}={value} must be a power of two >= 16")
+
+
+def _power_of_2_divisor(value: int, cap: int) -> int:
+    """The largest power of two <= cap dividing value (1 when value is odd)."""
+    return min(value & -value, cap) if value > 0 else 1
+
+
+def _multiprocessor_count() -> int:
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 132)  # 132: an H100 SXM
+
+
+def _dot(a, b, *, transposed: bool):
+    """a @ b (b [K, N]) or a @ b.T (b [N, K]) with float32 accumulation."""
+    precision = lax.Precision.HIGHEST if jnp.float32 in (a.dtype, b.dtype) else \
+        lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((1,), (1 if transposed else 0,)), ((), ())),
+                           precision=(precision, precision),
+                           preferred_element_type=jnp.float32)
+
+
+def _epilogue(parts, biases, residual, *, dtype, float32_out: bool):
+    """From the float32 products of the 1-2 column ranges to the output, as the
+    reference rounds: product in ``dtype`` (+ bias), SwiGLU, + residual."""
+    if float32_out:
+        y = parts[0]
+        for bias in biases[:1]:
+            if bias is not None:
+                y = y + bias.astype(jnp.float32)
+        return y
+    outs = []
+    for part, bias in zip(parts, biases):
+        y = part.astype(dtype)
+        if bias is not None:
+            y = y + bias.astype(dtype)
+        outs.append(y)
+    if len(outs) == 2:
+        gate = outs[0].astype(jnp.float32)
+        y = (gate * (1.0 / (1.0 + jnp.exp(-gate)))).astype(dtype) * outs[1]
+    else:
+        y = outs[0]
+    if residual is not None:
+        y = residual + y
+    return y
+
+
+def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, offsets: tuple, has_norm: bool,
+                   has_bias: tuple, has_residual: bool, transposed: bool, block_rows: int,
+                   block_n: int, block_k: int, num_k: int, eps: float, float32_out: bool):
+    """One (row tile, column block) program.
+
+    Refs: layer_ref int32 [1]; x_ref the whole padded input [R, K]; then ``num_parts``
+    weight refs (whole, [L, K, N] or [L, N, K]); the norm weight [L, K] if any; a bias
+    [L, N] per part that has one; the residual block [block_rows, block_n] if any; last
+    the output block [block_rows, block_n].
+    """
+    refs = list(refs)
+    weight_refs = [refs.pop(0) for _ in range(num_parts)]
+    norm_ref = refs.pop(0) if has_norm else None
+    bias_refs = [refs.pop(0) if flag else None for flag in has_bias]
+    residual_ref = refs.pop(0) if has_residual else None
+    (o_ref,) = refs
+    layer = layer_ref[0]
+    row0 = pl.multiple_of(pl.program_id(0) * block_rows, block_rows)
+    col0 = pl.multiple_of(pl.program_id(1) * block_n, block_n)
+    rows = pl.ds(row0, block_rows)
+    dtype = x_ref.dtype
+
+    inv_rms = None
+    if has_norm:
+        def sum_squares(chunk, total):
+            xc = x_ref[rows, pl.ds(pl.multiple_of(chunk * block_k, block_k), block_k)]
+            xc = xc.astype(jnp.float32)
+            return total + jnp.sum(xc * xc, axis=1)
+
+        total = lax.fori_loop(0, num_k, sum_squares, jnp.zeros((block_rows,), jnp.float32))
+        inv_rms = lax.rsqrt(total / (num_k * block_k) + eps)
+
+    def accumulate(chunk, accs):
+        k0 = pl.multiple_of(chunk * block_k, block_k)
+        xc = x_ref[rows, pl.ds(k0, block_k)]
+        if has_norm:
+            scale = norm_ref[layer, pl.ds(k0, block_k)]
+            xc = (scale.astype(dtype)[None, :]
+                  * (xc.astype(jnp.float32) * inv_rms[:, None]).astype(dtype))
+        out = []
+        for acc, weight_ref, offset in zip(accs, weight_refs, offsets):
+            cols = pl.ds(col0 + offset, block_n)
+            w = weight_ref[layer, cols, pl.ds(k0, block_k)] if transposed else \
+                weight_ref[layer, pl.ds(k0, block_k), cols]
+            out.append(acc + _dot(xc, w.astype(dtype), transposed=transposed))
+        return tuple(out)
+
+    init = tuple(jnp.zeros((block_rows, block_n), jnp.float32) for _ in range(num_parts))
+    parts = lax.fori_loop(0, num_k, accumulate, init)
+    biases = [None if ref is None else ref[layer, pl.ds(col0 + offset, block_n)]
+              for ref, offset in zip(bias_refs, offsets)]
+    residual = None if residual_ref is None else residual_ref[...]
+    y = _epilogue(parts, biases, residual, dtype=dtype, float32_out=float32_out)
+    o_ref[...] = y.astype(o_ref.dtype)
+
+
+def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
+                    transposed: bool = False, stacked: bool = False,
+                    block_sizes: GpuLinearBlockSizes = GpuLinearBlockSizes()
+                    ) -> tuple[GpuLinearBlockSizes, int]:
+    """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call.
+
+    Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values). Returns
+    (the resolved block sizes, the output width N).
+    """
+    if x.ndim != 2:
+        raise InvalidArgumentError(f"{KERNEL_NAME}: x must be [T, K], got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in DTYPES:
+        raise InvalidArgumentError(f"{KERNEL_NAME}: dtype {x.dtype} is not supported")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: {x.shape[0]} rows; the kernel takes 1 to {MAX_ROWS}")
+    if len(weights) not in (1, 2) or len(offsets) != len(weights):
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: one or two weights with one column offset each, got "
+            f"{len(weights)} weights and offsets {offsets}")
+    rank = 3 if stacked else 2
+    k_axis, n_axis = (-1, -2) if transposed else (-2, -1)
+    in_features = x.shape[1]
+    if width is None:
+        width = weights[0].shape[n_axis] - offsets[0]
+    for w, offset in zip(weights, offsets):
+        if w.ndim != rank:
+            raise InvalidArgumentError(
+                f"{KERNEL_NAME}: weights must have rank {rank}, got shape {w.shape}")
+        if w.shape[k_axis] != in_features:
+            raise InvalidArgumentError(
+                f"{KERNEL_NAME}: weight {w.shape} does not take {in_features} input features")
+        if offset < 0 or offset + width > w.shape[n_axis]:
+            raise InvalidArgumentError(
+                f"{KERNEL_NAME}: columns {offset}..{offset + width} are outside weight "
+                f"{w.shape}")
+    block_sizes.check()
+    if in_features % 16 or width % 16:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: K={in_features} and N={width} must be multiples of 16 (the "
+            f"smallest Triton tile)")
+    config = block_sizes.resolve(in_features, width)
+    config.check()
+    if in_features % config.block_k or width % config.block_n or any(
+            offset % config.block_n for offset in offsets):
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: K={in_features}, N={width} (offsets {offsets}) are not "
+            f"multiples of the blocks {config.block_k} x {config.block_n}")
+    return config, width
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "offsets", "width", "transposed", "eps", "float32_out", "block_sizes", "interpret"))
+def fused_linear_gpu(x, weights, *, norm=None, biases=None, residual=None, layer=None,
+                     offsets=(0,), width: int | None = None, transposed: bool = False,
+                     eps: float = 1e-6, float32_out: bool = False,
+                     block_sizes: GpuLinearBlockSizes = GpuLinearBlockSizes(),
+                     interpret: bool = False):
+    """``residual + act(rms_norm(x) @ W + b)`` for a few rows; see the module docstring.
+
+    Args:
+      x: [T, K] input rows.
+      weights: tuple of one or two matrices, [K, N'] or, with ``layer``, [L, K, N']
+        ([.., N', K] when ``transposed``). Two matrices (possibly the same array) give
+        SwiGLU: ``silu(x W0[:, o0:o0+N]) * (x W1[:, o1:o1+N])``.
+      norm: optional RMSNorm weight [K] ([L, K] with ``layer``) applied to x first.
+      biases: optional tuple, one bias [N'] ([L, N']) or ``None`` per weight.
+      residual: optional [T, N] added to the result.
+      layer: int32 [] traced layer of stacked weights; ``None`` for unstacked ones.
+      offsets: static first output column of each weight's range.
+      width: static output width N (default: the first weight's columns after its offset).
+      transposed: weights are stored [.., N', K].
+      eps: the norm's epsilon.
+      float32_out: return the float32 product (+ bias) without rounding to x's dtype (the
+        logits head).
+      block_sizes: static :class:`GpuLinearBlockSizes`.
+      interpret: run in Pallas' interpreter (any backend) instead of compiling for a GPU.
+    Returns:
+      [T, N] in x's dtype (float32 with ``float32_out``).
+    """
+    weights = tuple(weights)
+    stacked = layer is not None
+    config, width = check_supported(x, weights, offsets=tuple(offsets), width=width,
+                                    transposed=transposed, stacked=stacked,
+                                    block_sizes=block_sizes)
+    if not stacked:
+        weights = tuple(w[None] for w in weights)
+        norm = None if norm is None else norm[None]
+        biases = None if biases is None else tuple(None if b is None else b[None]
+                                                  for b in biases)
+    biases = tuple(biases) if biases is not None else (None,) * len(weights)
+    num_rows, in_features = x.shape
+    rows = layout.round_up(num_rows, config.block_rows)
+    x_padded = jnp.pad(x, ((0, rows - num_rows), (0, 0)))
+    layer_index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    out_dtype = jnp.float32 if float32_out else x.dtype
+    block = pl.BlockSpec((config.block_rows, config.block_n), lambda i, j: (i, j))
+    inputs = [layer_index, x_padded, *weights]
+    specs = [pl.no_block_spec] * (2 + len(weights))
+    if norm is not None:
+        inputs.append(norm)
+        specs.append(pl.no_block_spec)
+    for bias in biases:
+        if bias is not None:
+            inputs.append(bias)
+            specs.append(pl.no_block_spec)
+    if residual is not None:
+        inputs.append(jnp.pad(residual.astype(x.dtype), ((0, rows - num_rows), (0, 0))))
+        specs.append(block)
+    kernel = functools.partial(
+        _linear_kernel, num_parts=len(weights), offsets=tuple(offsets),
+        has_norm=norm is not None, has_bias=tuple(b is not None for b in biases),
+        has_residual=residual is not None, transposed=transposed,
+        block_rows=config.block_rows, block_n=config.block_n, block_k=config.block_k,
+        num_k=in_features // config.block_k, eps=float(eps), float32_out=float32_out)
+    out = pl.pallas_call(
+        kernel,
+        grid=(rows // config.block_rows, width // config.block_n),
+        in_specs=specs,
+        out_specs=block,
+        out_shape=jax.ShapeDtypeStruct((rows, width), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="fused_linear_gpu",
+    )(*inputs)
+    return out[:num_rows]
+
+
+def fused_linear_reference(x, weights, *, norm=None, biases=None, residual=None, layer=None,
+                           offsets=(0,), width: int | None = None, transposed: bool = False,
+                           eps: float = 1e-6, float32_out: bool = False):
+    """The same computation as :func:`fused_linear_gpu` in ``jax.numpy`` (the models'
+    reference layers: :func:`specjax.models.layers.rms_norm` and ``dense``)."""
+    from specjax.models.layers import rms_norm  # models import kernels lazily, not back
+
+    weights = tuple(weights)
+    pick = (lambda a: a) if layer is None else (
+        lambda a: None if a is None else lax.dynamic_index_in_dim(a, layer, keepdims=False))
+    n_axis = 0 if transposed else 1
+    if width is None:
+        width = pick(weights[0]).shape[n_axis] - offsets[0]
+    h = x if norm is None else rms_norm(x, pick(norm), eps)
+    biases = tuple(biases) if biases is not None else (None,) * len(weights)
+    parts, part_biases = [], []
+    for w, b, offset in zip(weights, biases, offsets):
+        w = lax.slice_in_dim(pick(w), offset, offset + width, axis=n_axis)
+        w = w.T if transposed else w
+        parts.append(jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32,
+                             precision=_dot_precision(h)))
+        part_biases.append(None if b is None else
+                           lax.slice_in_dim(pick(b), offset, offset + width, axis=0))
+    res = None if residual is None else residual.astype(x.dtype)
+    return _epilogue(parts, part_biases, res, dtype=x.dtype, float32_out=float32_out)
+
+
+def _dot_precision(x):
+    return lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
