@@ -27,6 +27,10 @@ Which kernel runs (``variant=None``):
   variable ``SPECJAX_KERNEL_INTERPRET=tpu`` is set (default ``gpu``). Interpret mode is
   exact but slow: it is for tests, not for speed.
 
+:func:`ordered_attention` (:mod:`.attention_ordered_gpu`) sums each query's keys in an
+order fixed by absolute position, so that a tree node reproduces the one-token step bit for
+bit; ``attn_impl="fused"`` uses it for every call without a scratch window.
+
 :func:`fused_linear` is the row-tiled projection kernel of :mod:`.linear_gpu` (RMSNorm,
 bias, SwiGLU and residual folded into one matmul launch) that ``attn_impl="fused"`` uses
 for every projection of the Llama family; it has a GPU (Triton) kernel only, interpreted
@@ -46,8 +50,9 @@ import jax
 
 from specjax.errors import InvalidArgumentError
 
-__all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "TpuBlockSizes", "fused_linear",
-           "fused_linear_gpu", "verify_attention", "verify_attention_gpu",
+__all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes", "TpuBlockSizes",
+           "fused_linear", "fused_linear_gpu", "ordered_attention", "ordered_attention_gpu",
+           "verify_attention", "verify_attention_gpu",
            "verify_attention_tpu", "select_variant", "INTERPRET_ENV"]
 
 INTERPRET_ENV = "SPECJAX_KERNEL_INTERPRET"
@@ -58,7 +63,9 @@ _MODULES = {"gpu": "attention_gpu", "tpu": "attention_tpu"}
 # top-level ``kernels``, and transformers imports that name when it probes for HF kernels.
 _LAZY = {"GpuBlockSizes": "attention_gpu", "verify_attention_gpu": "attention_gpu",
          "TpuBlockSizes": "attention_tpu", "verify_attention_tpu": "attention_tpu",
-         "GpuLinearBlockSizes": "linear_gpu", "fused_linear_gpu": "linear_gpu"}
+         "GpuLinearBlockSizes": "linear_gpu", "fused_linear_gpu": "linear_gpu",
+         "GpuOrderedBlockSizes": "attention_ordered_gpu",
+         "ordered_attention_gpu": "attention_ordered_gpu"}
 
 
 def __getattr__(name: str):
@@ -162,3 +169,26 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
         except InvalidArgumentError:
             return module.fused_linear_reference(x, tuple(weights), **kwargs)
     return module.fused_linear_gpu(x, tuple(weights), interpret=interpret, **options, **kwargs)
+
+
+def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
+                      variant: str | None = None, layer=None):
+    """Position-ordered attention (:mod:`.attention_ordered_gpu`); a call it does not take
+    (a drafting call with a scratch window, a capacity that is not a multiple of its block)
+    runs :func:`verify_attention` with the kernel forced. Same arguments as that function.
+
+    Raises:
+      InvalidArgumentError: on a TPU (no TPU kernel yet).
+    """
+    variant, interpret = select_variant(variant)
+    if variant != "gpu":
+        raise InvalidArgumentError(
+            "the position-ordered attention kernel exists for GPUs only (no TPU kernel yet): "
+            "use attn_impl='kernel' on a TPU")
+    module = importlib.import_module(f"{__name__}.attention_ordered_gpu")
+    args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
+    try:
+        module.check_supported(*args[:5], mask, scratch_mask)
+    except InvalidArgumentError:
+        return verify_attention(*args, variant=variant, layer=layer)
+    return module.ordered_attention_gpu(*args, layer=layer, interpret=interpret)

@@ -4,8 +4,9 @@ Models call :func:`attention` only; it dispatches to an implementation by name:
 
 * ``"reference"`` -- pure ``jax.numpy`` over the whole static cache; the ground truth;
 * ``"kernel"`` -- the Pallas kernels in :mod:`specjax.kernels` (GPU/TPU);
-* ``"fused"`` -- the same kernels here; the models also run their projections through
-  the row-tiled linear kernel (:func:`specjax.models.hidden_states`);
+* ``"fused"`` -- the position-ordered kernel (:func:`specjax.kernels.ordered_attention`;
+  the split kernel for drafting calls with a scratch window); the models also run their
+  projections through the row-tiled linear kernel (:func:`specjax.models.hidden_states`);
 * ``"auto"`` -- the kernel on GPU/TPU when one exists for the shapes; on CPU
   :func:`attention_blocked`, pure ``jax.numpy`` that reads only the slots in use.
 
@@ -192,8 +193,7 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
       length: int32 [], committed cache slots visible to every query.
       mask: bool [T, T], visibility among the new tokens.
       scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
-      impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (static; the last is
-        ``"kernel"`` here).
+      impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (static).
       layer: int32 [] index of the layer to read when the caches are [L, S, K, D].
     Returns:
       [T, H, D] attention output.
@@ -209,6 +209,8 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
     from specjax import kernels, sharding  # imported lazily: Pallas is only needed off the CPU
 
     def kernel(*args, layer):
+        if impl == "fused":
+            return kernels.ordered_attention(*args, layer=layer)
         return kernels.verify_attention(*args, layer=layer,
                                         fallback=attention_reference if impl == "auto" else None)
 

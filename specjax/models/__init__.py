@@ -127,8 +127,10 @@ def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> b
 
     Then every projection and the head are one :func:`specjax.kernels.fused_linear` call
     each (a projection whose shape the kernel does not take, e.g. a width that is not a
-    multiple of 16, runs its jnp reference instead), attention is the Pallas kernel, and a
-    row's arithmetic does not depend on how many rows share the call.
+    multiple of 16, runs its jnp reference instead) and attention is
+    :func:`specjax.kernels.ordered_attention`: a row's arithmetic depends neither on how
+    many rows share the call nor on whether its context is committed or in the tree, so a
+    verify pass reproduces the one-token steps bit for bit.
     """
     return (attn_impl == "fused" and num_tokens <= FUSED_MAX_TOKENS
             and hasattr(_FAMILIES[config.architecture], "block_fused"))
@@ -145,7 +147,8 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
     length = None if cache is None else cache.length
     k_all, v_all = (None, None) if cache is None else (cache.k, cache.v)
     fused = uses_fused_layers(config, tokens.shape[0], attn_impl)
-    attn_impl = ("kernel" if fused else "auto") if attn_impl == "fused" else attn_impl
+    if attn_impl == "fused" and not fused:
+        attn_impl = "auto"  # a long prefill, or a family without fused layers
 
     def attend_at(index):
         # Attention reads layer `index` of the whole [L, S, K, D] cache in place: scanning

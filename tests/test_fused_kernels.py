@@ -1,6 +1,8 @@
-"""The row-tiled fused linear kernel (``kernels/linear_gpu.py``) and ``attn_impl="fused"``.
+"""The kernels of ``attn_impl="fused"``: the row-tiled fused linear kernel
+(``kernels/linear_gpu.py``) and the position-ordered attention kernel
+(``kernels/attention_ordered_gpu.py``), and the path as a whole.
 
-The kernel runs under Pallas' generic interpreter on the CPU (which fills output elements
+The kernels run under Pallas' generic interpreter on the CPU (which fills output elements
 a kernel never writes with NaN). Checked here:
 
 * against :func:`fused_linear_reference` (the models' jnp layers) for every form the models
@@ -10,11 +12,16 @@ a kernel never writes with NaN). Checked here:
 * row independence: each row of a 5/16/17/64-row call is bitwise the row computed alone,
   and a deliberately row-dependent tiling (a reduction chunk that changes with the row
   count, the bug the design rules out) is caught by the same comparison;
-* whole models: ``attn_impl="fused"`` logits equal the reference's within tolerance, and
-  a tree root's logits in an N-node verify pass are bitwise the one-token step's;
-* generation: ``ar``, ``spec`` and ``staged`` under ``"fused"`` give the reference's
-  greedy tokens, batch 1 and 2;
-* the Triton lowering accepts the model shapes (SmolLM2, Llama-7B) without a GPU;
+* the ordered attention against ``attention_reference`` (GQA 1-4, trees, causal prefill
+  without a cache, lengths off the block, fp32/bf16, NaN in every slot it must not read);
+* whole models: ``attn_impl="fused"`` logits equal the reference's within tolerance; a
+  tree root's logits in an N-node verify pass are bitwise the one-token step's; and every
+  node on a root-to-leaf path of a 17-node tree is bitwise the one-token step that ``ar``
+  runs at that position after committing the path before it, while a KV blocking that
+  changes with the number of new tokens (the deliberately wrong variant) is caught;
+* generation: ``ar`` (batch of two) and ``tree`` under ``"fused"`` give the reference's
+  greedy tokens;
+* the Triton lowering accepts both kernels at the model shapes (SmolLM2, Llama-7B);
 * bad input: one-line errors.
 """
 
@@ -30,11 +37,13 @@ from specjax import kernels, models
 from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
+from specjax.kernels.attention_ordered_gpu import GpuOrderedBlockSizes, ordered_attention_gpu
 from specjax.kernels.linear_gpu import (GpuLinearBlockSizes, check_supported,
                                         fused_linear_gpu, fused_linear_reference)
 from specjax.tree import ancestor_mask
 
 from conftest import random_prompt
+from test_kernels import Case, make_inputs, reference
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 L, K_IN, N_OUT = 3, 64, 96
@@ -178,6 +187,57 @@ def test_kernel_lowers_for_triton():
         assert "triton" in lowered.as_text()
 
 
+def test_ordered_attention_lowers_for_triton():
+    sds = jax.ShapeDtypeStruct
+    # SmolLM2 decode and a 64-node verify; a Llama-7B (MHA, D=128) verify.
+    for t, h, k, d, s, layers, dtype in [(1, 9, 3, 64, 2048, 30, jnp.bfloat16),
+                                         (64, 9, 3, 64, 2048, 30, jnp.float32),
+                                         (64, 32, 32, 128, 4096, 32, jnp.bfloat16)]:
+        lowered = ordered_attention_gpu.trace(
+            sds((t, h, d), dtype), sds((t, k, d), dtype), sds((t, k, d), dtype),
+            sds((layers, s, k, d), dtype), sds((layers, s, k, d), dtype), sds((), jnp.int32),
+            sds((t, t), jnp.bool_), layer=sds((), jnp.int32),
+        ).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
+
+
+# --- position-ordered attention ---------------------------------------------------------
+
+ORDERED_CASES = [
+    Case("decode-g1-f32", 1, 2, 2, 64, 64, 37, tree=False),
+    Case("tree-g3-bf16", 7, 6, 2, 64, 96, 77, dtype=jnp.bfloat16),
+    Case("tree-g4-d128-aligned-f32", 20, 8, 2, 128, 64, 32),  # length on a block edge
+    Case("tree-g2-length0-f32", 5, 4, 2, 32, 48, 0),
+    Case("prefill-no-cache-f32", 19, 4, 1, 64, None, 0, tree=False),
+]
+
+
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=lambda c: c.name)
+def test_ordered_attention_matches_reference(case):
+    args, reference_args = make_inputs(case, seed=ORDERED_CASES.index(case))
+    out = ordered_attention_gpu(*args, interpret=True)
+    expected = reference(*reference_args)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))), "unwritten or poisoned output"
+    tol = TOLERANCE[case.dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def test_ordered_attention_refuses_what_it_does_not_order():
+    q = jnp.zeros((2, 2, 64))
+    kv = jnp.zeros((2, 2, 64))
+    cache = jnp.zeros((50, 2, 64))  # capacity not a multiple of the 16-slot block
+    mask = jnp.eye(2, dtype=bool)
+    with pytest.raises(InvalidArgumentError, match="not a multiple of block_kv") as info:
+        ordered_attention_gpu(q, kv, kv, cache, cache, jnp.int32(3), mask, interpret=True)
+    assert "\n" not in str(info.value)
+    window = jnp.ones((2, 1), bool)
+    with pytest.raises(InvalidArgumentError, match="scratch window"):
+        ordered_attention_gpu(q, kv, kv, cache[:48], cache[:48], jnp.int32(3), mask, window,
+                              interpret=True)
+
+
 # --- whole models ---------------------------------------------------------------------
 
 def _tiny_config(**overrides) -> ModelConfig:
@@ -208,7 +268,8 @@ MODEL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+@pytest.mark.parametrize("case", [
+    "gqa-tied", pytest.param("mha-untied-bias-fused-projections", marks=pytest.mark.slow)])
 def test_fused_model_matches_reference_and_root_is_bitwise(case):
     overrides, fused = MODEL_CASES[case]
     config = _tiny_config(**overrides)
@@ -235,23 +296,80 @@ def test_fused_model_matches_reference_and_root_is_bitwise(case):
         np.testing.assert_array_equal(fused_logits[0], one[0])  # bit for bit
 
 
-def test_fused_generation_equals_reference():
-    """Greedy ``ar``, ``spec`` and ``staged`` (its draft-of-draft tables absent: lookup
-    only) under ``attn_impl="fused"`` give the reference ``ar`` tokens; batch of two."""
+TREE_PARENTS = [-1, 0, 0, 1, 3, 2, 0, 6, 7, 7, 1, 4, 11, 12, 5, 2, 15]  # 17 nodes, depth 6
+
+
+def _path_versus_tree(config, params, prompt_length):
+    """For the two deepest leaves of :data:`TREE_PARENTS`: per node on the root-to-leaf
+    path, whether ``ar``'s one-token step (after committing the path before it) gives
+    bitwise the logits of that node in the one verify pass over the whole tree."""
+    cache = _prefilled(config, params, prompt_length)
+    depth = []
+    for p in TREE_PARENTS:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (len(depth),), 0, config.vocab_size)
+    positions = prompt_length + jnp.asarray(depth, jnp.int32)
+    mask = ancestor_mask(jnp.asarray(TREE_PARENTS, jnp.int32), jnp.ones(len(depth), bool))
+    tree = jax.jit(lambda c: models.forward(params, config, tokens, positions, c, mask,
+                                            attn_impl="fused")[0])(cache)
+    step = jax.jit(lambda c, t, p: models.forward(params, config, t[None], p[None], c,
+                                                  attn_impl="fused"))
+    same = []
+    for leaf in (13, 16):
+        path, node = [], leaf
+        while node >= 0:
+            path.insert(0, node)
+            node = TREE_PARENTS[node]
+        c = cache
+        for node in path:
+            logits, c = step(c, tokens[node], positions[node])
+            c = advance(c, 1)
+            same.append(bool(jnp.all(logits[0] == tree[node])))
+    return same
+
+
+# The tree starting mid-block, and on a block edge.
+@pytest.mark.parametrize("prompt_length", [12, pytest.param(16, marks=pytest.mark.slow)])
+def test_every_node_on_a_path_is_bitwise_the_ar_step(prompt_length):
+    config = _tiny_config()
+    assert all(_path_versus_tree(config, _params(config), prompt_length))
+
+
+def test_a_row_count_dependent_blocking_is_caught(monkeypatch):
+    """The same comparison fails for the ordered kernel with its KV block chosen from the
+    number of new tokens (16 slots for a one-token step, 32 for a verify pass): the bug the
+    fixed blocking rules out."""
+    def blocked_by_row_count(q, *args, layer):
+        sizes = GpuOrderedBlockSizes(block_kv=16 if q.shape[0] == 1 else 32)
+        return ordered_attention_gpu(q, *args, layer=layer, block_sizes=sizes, interpret=True)
+
+    monkeypatch.setattr(kernels, "ordered_attention", blocked_by_row_count)
+    config = _tiny_config()
+    assert not all(_path_versus_tree(config, _params(config), 12))
+
+
+@pytest.mark.parametrize("method", ["tree", pytest.param("ar-batch", marks=pytest.mark.slow)])
+def test_fused_generation_equals_reference(method):
+    """Greedy ``tree`` and ``ar`` over a batch of two under ``attn_impl="fused"`` give the
+    reference ``ar`` tokens."""
     config = _tiny_config(num_layers=2)
     target = specjax.Model.from_params(config, _params(config, seed=5), name="fused-target")
-    draft_config = _tiny_config(num_layers=1)
-    draft = specjax.Model.from_params(draft_config, _params(draft_config, seed=6),
-                                      name="fused-draft")
     prompts = [random_prompt(7, 9, vocab=config.vocab_size),
                random_prompt(8, 5, vocab=config.vocab_size)]
     expected = [specjax.generate(target, p, max_new_tokens=5, attn_impl="reference").tokens
                 for p in prompts]
-    got = specjax.generate(target, prompts, max_new_tokens=5, attn_impl="fused")
-    assert [r.tokens for r in got] == expected
-    spec = specjax.generate(target, prompts[0], max_new_tokens=5, attn_impl="fused",
-                            method="spec", draft=draft, draft_depth=2)
-    assert spec.tokens == expected[0] and spec.stats["draft_calls"] > 0
+    if method == "ar-batch":
+        got = specjax.generate(target, prompts, max_new_tokens=5, attn_impl="fused")
+        assert [r.tokens for r in got] == expected
+        return
+    draft_config = _tiny_config(num_layers=1)
+    draft = specjax.Model.from_params(draft_config, _params(draft_config, seed=6),
+                                      name="fused-draft")
+    # The draft's levels attend through a scratch window (the split kernel's calls).
+    tree = specjax.generate(target, prompts[0], max_new_tokens=5, attn_impl="fused",
+                            method="tree", draft=draft, tree_budget=6, draft_depth=3,
+                            draft_width=2)
+    assert tree.tokens == expected[0] and tree.stats["draft_calls"] > 0
 
 
 def test_unknown_attention_implementation_is_one_line():

@@ -1,0 +1,245 @@
+"""Position-ordered verify/decode attention for GPUs (Pallas, Triton lowering): a query's
+arithmetic is the same in a one-token step and in a tree verification pass.
+
+:mod:`.attention_gpu` reads the committed cache in splits and merges the new tokens (the
+"tail") in a combine step; a one-token step at position ``p`` reads its context
+``[0, p)`` from the cache, but a tree node at the same position reads its ancestors from
+the tail, so the two sum the same terms in different orders and can differ in the last
+bit. This kernel sums in an order fixed by *absolute position* alone:
+
+* a query row (one tree node, one query head) sees the keys at positions ``0 .. its own``:
+  ``[0, length)`` from the cache, then one new token per depth (its ancestors, then
+  itself: the new tokens a row sees form a chain, as in prefill, decode and tree
+  verification). They are laid out as one virtual sequence, the new tokens at
+  ``length + depth``;
+* the sequence is read in blocks of ``block_kv`` positions aligned at absolute position 0,
+  one online-softmax update per block, in order, no splits. A block's keys come from the
+  cache where ``position < length`` and from the row's own ancestor chain past it (a per-row
+  block: the chains are gathered per node beforehand);
+* scores and the P @ V sums are elementwise products reduced over fixed tile shapes
+  ``[block_rows, block_kv, D]``, not tensor-core dots, so a row's sums never depend on
+  other rows or on the tile's row count;
+* blocks past a row's own position (other rows in its tile are deeper) are fully masked:
+  the update is then an exact identity (max unchanged, correction ``exp(0) = 1``, zero
+  probabilities), so the trip count does not change the result.
+
+By induction over depth (a node's keys/values come from projections that are themselves
+row-independent, :mod:`.linear_gpu`), a verify pass then reproduces the one-token steps bit
+for bit. The price: the cache is read once per *query* head (no GQA sharing) and no split
+over the KV length; ``attn_impl="fused"`` uses it, the default path does not.
+
+Drafting calls with a scratch window (``scratch_mask``) are not ordered this way; the
+dispatcher sends them to :mod:`.attention_gpu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from specjax.errors import InvalidArgumentError
+from . import layout
+
+KERNEL_NAME = "GPU position-ordered attention kernel"
+HEAD_DIMS = (16, 32, 64, 128)
+DTYPES = layout.FLOAT_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuOrderedBlockSizes:
+    """Static tiling of :func:`ordered_attention_gpu` (powers of two >= 16). Fixed per call
+    shape family: never derived from the number of tokens or the cache length."""
+
+    block_rows: int = 16
+    block_kv: int = 16
+    num_warps: int = 8
+    num_stages: int = 1
+
+    def check(self) -> None:
+        for name in ("block_rows", "block_kv"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise InvalidArgumentError(
+                    f"{KERNEL_NAME}: {name}={value} must be a power of two >= 16")
+
+
+def ancestor_chains(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(chain [T, T] int32, depth [T] int32) from the visibility mask among new tokens.
+
+    ``depth[u]`` is the number of new tokens u sees besides itself; ``chain[t, j]`` is the
+    new token at depth ``j`` that row t sees (0 past ``depth[t]``).
+    """
+    depth = jnp.sum(mask, axis=1, dtype=jnp.int32) - 1
+    levels = jnp.arange(mask.shape[0], dtype=jnp.int32)
+    at_level = mask[:, None, :] & (depth[None, None, :] == levels[None, :, None])  # [t, j, u]
+    return jnp.argmax(at_level, axis=2).astype(jnp.int32), depth
+
+
+def _block_update(carry, q, keys, values, valid, *, scale: float):
+    """One online-softmax step over a [rows, block_kv] block (the only arithmetic on scores
+    and values; every block, cache or chain, goes through it)."""
+    m, l, acc = carry
+    s = jnp.sum(q[:, None, :] * keys, axis=2) * scale  # [rows, block_kv]
+    s = jnp.where(valid, s, layout.MASK_VALUE)
+    m_next = jnp.maximum(m, jnp.max(s, axis=1))
+    correction = jnp.exp(m - m_next)
+    p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
+    l = l * correction + jnp.sum(p, axis=1)
+    acc = acc * correction[:, None] + jnp.sum(p[:, :, None] * values, axis=1)
+    return m_next, l, acc
+
+
+def _ordered_kernel(scalars_ref, q_ref, depth_ref, k_ref, v_ref, chain_k_ref, chain_v_ref,
+                    o_ref, *, group: int, block_rows: int, block_kv: int, scale: float):
+    """One (query head, row tile) program.
+
+    Refs: scalars_ref int32 [2] (length, layer); q_ref [block_rows, D] (one head's rows,
+    one node each); depth_ref int32 [block_rows] (-1 for padding rows); k_ref, v_ref the
+    whole cache [L, S, K, D]; chain_k_ref, chain_v_ref the whole per-node chains
+    [rows, block_kv + C + block_kv, K, D] (chain slot ``block_kv + j`` = depth j, zeros
+    around); output o_ref [block_rows, D].
+    """
+    head, tile = pl.program_id(0), pl.program_id(1)
+    kv_head = head // group
+    length, layer = scalars_ref[0], scalars_ref[1]
+    q = q_ref[...].astype(jnp.float32)
+    rows, head_dim = q.shape
+    depth = depth_ref[...]
+    last = length + depth  # each row's own position; padding rows: length - 1
+    end = length + jnp.max(depth) + 1
+    row0 = tile * block_rows
+    offsets = jnp.arange(block_kv, dtype=jnp.int32)
+
+    def cache_block(start, valid_slots):
+        window = (layer, pl.ds(start, block_kv), kv_head, slice(None))
+        mask = jnp.broadcast_to(valid_slots[:, None], (block_kv, head_dim))
+        keys = plgpu.load(k_ref.at[window], mask=mask, other=0).astype(jnp.float32)
+        values = plgpu.load(v_ref.at[window], mask=mask, other=0).astype(jnp.float32)
+        return keys, values
+
+    def committed(block, carry):
+        start = pl.multiple_of(block * block_kv, block_kv)
+        positions = start + offsets
+        keys, values = cache_block(start, positions < length)
+        valid = positions[None, :] <= last[:, None]
+        keys = jnp.broadcast_to(keys[None], (rows, block_kv, head_dim))
+        values = jnp.broadcast_to(values[None], (rows, block_kv, head_dim))
+        return _block_update(carry, q, keys, values, valid, scale=scale)
+
+    def boundary(block, carry):
+        start = pl.multiple_of(block * block_kv, block_kv)
+        positions = start + offsets
+        in_cache = positions < length
+        keys, values = cache_block(start, in_cache)
+        # Chain slots for positions >= length: slot block_kv + (position - length) >= 1.
+        chain_start = start - length + block_kv
+        chain_valid = jnp.broadcast_to((~in_cache)[None, :, None], (rows, block_kv, head_dim))
+        window = (pl.ds(row0, block_rows), pl.ds(chain_start, block_kv), kv_head, slice(None))
+        chain_keys = plgpu.load(chain_k_ref.at[window], mask=chain_valid, other=0)
+        chain_values = plgpu.load(chain_v_ref.at[window], mask=chain_valid, other=0)
+        keys = jnp.where(in_cache[None, :, None], keys[None], chain_keys.astype(jnp.float32))
+        values = jnp.where(in_cache[None, :, None], values[None],
+                           chain_values.astype(jnp.float32))
+        valid = positions[None, :] <= last[:, None]
+        return _block_update(carry, q, keys, values, valid, scale=scale)
+
+    init = (jnp.full((rows,), layout.MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    # Blocks wholly before `length` read only the cache; the rest (at most the chain's
+    # length in blocks, plus one) also read the chains. Both updates are _block_update on
+    # identical values, so which loop a block falls in does not change its arithmetic.
+    first_boundary = length // block_kv
+    carry = lax.fori_loop(0, first_boundary, committed, init)
+    carry = lax.fori_loop(first_boundary, pl.cdiv(end, block_kv), boundary, carry)
+    _, l, acc = carry
+    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+
+def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
+                    block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes()) -> None:
+    """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call."""
+    k_cache, v_cache = layout.one_layer_caches(k_cache, v_cache, KERNEL_NAME)
+    layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                        head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
+    if scratch_mask is not None and scratch_mask.shape[1] > 0:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: no scratch window (drafting calls use the split kernel)")
+    block_sizes.check()
+    if k_cache is not None and k_cache.shape[0] % block_sizes.block_kv:
+        # The block holding `length` is read whole from the cache.
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: cache capacity {k_cache.shape[0]} is not a multiple of "
+            f"block_kv={block_sizes.block_kv}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None,
+                          *, layer=None,
+                          block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes(),
+                          interpret: bool = False):
+    """Attention with a position-ordered reduction; same semantics as
+    :func:`specjax.attention.attention_reference` for calls whose rows see chains of new
+    tokens (prefill, decode, tree verification); see the module docstring.
+
+    Args:
+      q: [T, H, D]; k_new, v_new: [T, K, D]; k_cache, v_cache: [S, K, D], [L, S, K, D]
+        (with ``layer``) or ``None``; length: int32 []; mask: bool [T, T] (ancestors and
+        self); scratch_mask: ``None`` or an empty [T, 0].
+      layer: int32 [] layer of stacked caches.
+      block_sizes: static :class:`GpuOrderedBlockSizes`.
+      interpret: Pallas' interpreter instead of a GPU compile.
+    Returns:
+      [T, H, D] in q's dtype.
+    """
+    check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                    block_sizes=block_sizes)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    if k_cache is None:  # no prefix: a zero-length cache of one block
+        k_cache = v_cache = jnp.zeros((1, block_sizes.block_kv, num_kv_heads, head_dim),
+                                      k_new.dtype)
+        length, layer = 0, 0
+    elif layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    rows = layout.round_up(num_tokens, block_sizes.block_rows)
+    chain, depth = ancestor_chains(mask)
+    # Per-node chains [rows, block_kv + T' + block_kv, K, D], T' = T rounded up to the
+    # block; slot block_kv + j holds the node's ancestor at depth j. The zero blocks on both
+    # sides keep every block the kernel loads inside the array.
+    width = layout.round_up(num_tokens, block_sizes.block_kv)
+    index = jnp.pad(chain, ((0, rows - num_tokens), (0, width - num_tokens)))
+    in_chain = jnp.arange(width)[None, :] <= jnp.pad(depth, (0, rows - num_tokens),
+                                                     constant_values=-1)[:, None]
+
+    def chains(new):
+        gathered = jnp.where(in_chain[..., None, None], jnp.take(new, index, axis=0), 0)
+        return jnp.pad(gathered, ((0, 0), (block_sizes.block_kv,) * 2, (0, 0), (0, 0)))
+
+    chain_k, chain_v = chains(k_new), chains(v_new)
+    depth = jnp.pad(depth, (0, rows - num_tokens), constant_values=-1)
+    queries = jnp.pad(q.transpose(1, 0, 2), ((0, 0), (0, rows - num_tokens), (0, 0)))
+    scalars = jnp.stack([jnp.asarray(length, jnp.int32), jnp.asarray(layer, jnp.int32)])
+    query_spec = pl.BlockSpec((None, block_sizes.block_rows, head_dim), lambda h, i: (h, i, 0))
+    out = pl.pallas_call(
+        functools.partial(_ordered_kernel, group=num_heads // num_kv_heads,
+                          block_rows=block_sizes.block_rows, block_kv=block_sizes.block_kv,
+                          scale=1.0 / math.sqrt(head_dim)),
+        grid=(num_heads, rows // block_sizes.block_rows),
+        in_specs=[pl.no_block_spec, query_spec,
+                  pl.BlockSpec((block_sizes.block_rows,), lambda h, i: (i,)),
+                  pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
+        out_specs=query_spec,
+        out_shape=jax.ShapeDtypeStruct((num_heads, rows, head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
+                                             num_stages=block_sizes.num_stages),
+        interpret=interpret,
+        name="ordered_attention_gpu",
+    )(scalars, queries, depth, k_cache, v_cache, chain_k, chain_v)
+    return out[:, :num_tokens].transpose(1, 0, 2)
