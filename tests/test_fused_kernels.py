@@ -255,7 +255,7 @@ def _params(config, seed=0, fused=False):
 
 def _prefilled(config, params, prompt_length=12, capacity=64):
     prompt = jax.random.randint(jax.random.PRNGKey(1), (prompt_length,), 0, config.vocab_size)
-    cache = init_cache(config, capacity)
+    cache = init_cache(config, capacity, params["embed"].dtype)
     _, cache = models.forward(params, config, prompt, jnp.arange(prompt_length), cache,
                               attn_impl="reference")
     return advance(cache, prompt_length)
@@ -328,11 +328,14 @@ def _path_versus_tree(config, params, prompt_length):
     return same
 
 
-# The tree starting mid-block, and on a block edge.
-@pytest.mark.parametrize("prompt_length", [12, pytest.param(16, marks=pytest.mark.slow)])
-def test_every_node_on_a_path_is_bitwise_the_ar_step(prompt_length):
+# The tree starting mid-block, and on a block edge; fp32 and bf16.
+@pytest.mark.parametrize("prompt_length,dtype", [
+    (12, jnp.float32), (12, jnp.bfloat16),
+    pytest.param(16, jnp.float32, marks=pytest.mark.slow)])
+def test_every_node_on_a_path_is_bitwise_the_ar_step(prompt_length, dtype):
     config = _tiny_config()
-    assert all(_path_versus_tree(config, _params(config), prompt_length))
+    params = jax.tree.map(lambda a: a.astype(dtype), _params(config))
+    assert all(_path_versus_tree(config, params, prompt_length))
 
 
 def test_a_row_count_dependent_blocking_is_caught(monkeypatch):
