@@ -45,6 +45,9 @@ copied into (so that runs compare on the same held-out generations).
 
 ``--init-draft ASSET`` starts from a trained draft asset (e.g. continue the shipped draft
 on the target's own text) instead of the target's blocks ``init_layers``.
+``--add-layers 2,3`` grows the starting draft by copies of those target blocks with their
+output projections zeroed (:func:`grow_draft`): a 3-4-layer draft that starts out equal to
+the 2-layer one and trains from there.
 
 Output directory ``OUT``::
 
@@ -105,6 +108,7 @@ class TrainConfig:
     target_gen_len: int = 256
     target_batch_size: int = 16
     init_draft: str | None = None
+    add_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -115,6 +119,9 @@ class TrainConfig:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.init_layers:
             raise InvalidArgumentError("init_layers must name at least one target layer")
+        if any(int(i) < 0 for i in self.add_layers):
+            raise InvalidArgumentError(f"add_layers must be target layer indices >= 0, got "
+                                       f"{tuple(self.add_layers)}")
         if not self.learning_rate > 0:
             raise InvalidArgumentError(f"learning_rate must be > 0, got {self.learning_rate}")
         if not 0 < self.heldout_fraction < 1:
@@ -143,6 +150,8 @@ class TrainConfig:
                 record.pop(name)
         if self.init_draft is None:
             record.pop("init_draft")
+        if not self.add_layers:
+            record.pop("add_layers")
         return record
 
 
@@ -307,18 +316,57 @@ def draft_from_target(target_config, target_params, init_layers: Sequence[int]):
 
 def initial_draft(target, cfg: "TrainConfig"):
     """(config, params) the run starts from: the target's blocks ``cfg.init_layers``, or
-    the draft asset ``cfg.init_draft`` (its own tensors, full head)."""
+    the draft asset ``cfg.init_draft`` (its own tensors, full head); then grown by the
+    target blocks ``cfg.add_layers`` (:func:`grow_draft`)."""
     if cfg.init_draft is None:
-        return draft_from_target(target.config, target.params, cfg.init_layers)
+        config, params = draft_from_target(target.config, target.params, cfg.init_layers)
+    else:
+        import jax
+
+        from specjax import models
+        from specjax.checkpoints_tools.sources import load_bundled_draft
+
+        draft = load_bundled_draft(target, cfg.init_draft)
+        # Training scores the full vocabulary: the asset's head subset is a decoding speed-up.
+        params = {k: v for k, v in draft.params.items() if k != models.HEAD_SUBSET}
+        config, params = draft.config, jax.tree.map(np.asarray, params)
+    if cfg.add_layers:
+        config, params = grow_draft(config, params, target.config, target.params,
+                                    cfg.add_layers)
+    return config, params
+
+
+# The parameters through which a Llama block writes to the residual stream.
+_BLOCK_OUTPUTS = ("wo", "bo", "w_down", "b_down")
+
+
+def grow_draft(config, params: dict, target_config, target_params: dict,
+               target_layers: Sequence[int]):
+    """(config, params) of a deeper draft: ``params``' blocks, then copies of the target
+    blocks ``target_layers`` whose residual-stream outputs (``wo``, ``w_down`` and their
+    biases) are zero. Each new block then adds exactly zero, so the grown draft computes
+    exactly what the draft did, and training starts from it rather than from scratch (a
+    3-4-layer draft that keeps what a trained 2-layer one learned)."""
     import jax
 
-    from specjax import models
-    from specjax.checkpoints_tools.sources import load_bundled_draft
-
-    draft = load_bundled_draft(target, cfg.init_draft)
-    # Training scores the full vocabulary: the asset's head subset is a decoding speed-up.
-    params = {k: v for k, v in draft.params.items() if k != models.HEAD_SUBSET}
-    return draft.config, jax.tree.map(np.asarray, params)
+    if config.architecture != "llama":
+        raise InvalidArgumentError(
+            f"growing a draft needs a Llama-family draft, not {config.architecture}")
+    num = target_config.num_layers
+    if any(not 0 <= i < num for i in target_layers):
+        raise InvalidArgumentError(f"add_layers {tuple(target_layers)} out of range for a "
+                                   f"{num}-layer target")
+    index = np.asarray(target_layers)
+    new = {name: np.array(np.asarray(value)[index])
+           for name, value in target_params["layers"].items()}
+    for name in _BLOCK_OUTPUTS:
+        if name in new:
+            new[name] = np.zeros_like(new[name])
+    layers = {name: np.concatenate([np.asarray(params["layers"][name]),
+                                    new[name].astype(np.asarray(params["layers"][name]).dtype)])
+              for name in params["layers"]}
+    config = dataclasses.replace(config, num_layers=config.num_layers + len(index))
+    return config, {**params, "layers": jax.tree.map(np.asarray, layers)}
 
 
 def split_trainable(params: dict, train_embeddings: bool) -> tuple[dict, dict]:
@@ -752,7 +800,9 @@ def main(args) -> int:
                           ("target_batch_size", args.target_batch_size))
                          if value is not None},
                       init_draft=(str(Path(args.init_draft).expanduser().absolute())
-                                  if args.init_draft else None))
+                                  if args.init_draft else None),
+                      add_layers=tuple(int(x) for x in args.add_layers.split(","))
+                      if args.add_layers else ())
     if not args.corpus_from_target:
         given = [f"--{name.replace('_', '-')}" for name in _TARGET_CORPUS_FIELDS[1:]
                  if getattr(args, name) is not None]
@@ -809,6 +859,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--init-draft", default=None, metavar="ASSET",
                    help="start from this draft asset (specjax train-draft --asset) instead "
                         "of the target blocks --init-layers")
+    p.add_argument("--add-layers", default=None, metavar="LAYERS",
+                   help="grow the starting draft by these target blocks (comma-separated), "
+                        "their output projections zeroed: the grown draft starts out "
+                        "computing exactly the starting draft (a deeper draft that keeps "
+                        "what --init-draft learned)")
     g = p.add_argument_group(
         "self-distillation", "train on text the target writes itself (see the module "
         "docstring of specjax.checkpoints_tools.train_draft)")

@@ -139,3 +139,39 @@ def test_bad_settings(overrides, match):
 def test_init_layers_out_of_range(tiny_target):
     with pytest.raises(InvalidArgumentError, match="out of range"):
         train_draft.draft_from_target(tiny_target.config, tiny_target.params, (0, 9))
+
+
+def test_grown_draft_starts_out_computing_the_draft(tiny_target):
+    """``--add-layers``: the appended target blocks have zero output projections, so the
+    grown draft's logits equal the starting draft's exactly; its new blocks are the
+    target's otherwise, and training moves them (the zeroed projections get gradients)."""
+    config, params = train_draft.draft_from_target(tiny_target.config, tiny_target.params,
+                                                   (0,))
+    grown_config, grown = train_draft.grow_draft(config, params, tiny_target.config,
+                                                 tiny_target.params, (1, 2))
+    assert grown_config.num_layers == 3
+    tokens = jax.numpy.asarray([5, 17, 300, 2, 99], jax.numpy.int32)
+    positions = jax.numpy.arange(5, dtype=jax.numpy.int32)
+    before = specjax.models.forward(params, config, tokens, positions)[0]
+    after = specjax.models.forward(grown, grown_config, tokens, positions)[0]
+    np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+    target_layers = tiny_target.params["layers"]
+    np.testing.assert_array_equal(grown["layers"]["wq"][2], np.asarray(target_layers["wq"][2]))
+    assert not np.any(grown["layers"]["wo"][1:]) and not np.any(grown["layers"]["w_down"][1:])
+
+    def loss(layers):
+        logits = specjax.models.forward({**grown, "layers": layers}, grown_config, tokens,
+                                        positions)[0]
+        return jax.numpy.mean(logits ** 2)
+
+    gradient = jax.grad(loss)(grown["layers"])
+    assert float(jax.numpy.abs(gradient["wo"][1:]).max()) > 0
+
+
+def test_grow_draft_refuses_layers_the_target_lacks(tiny_target):
+    config, params = train_draft.draft_from_target(tiny_target.config, tiny_target.params,
+                                                   (0,))
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        train_draft.grow_draft(config, params, tiny_target.config, tiny_target.params, (3,))
+    with pytest.raises(InvalidArgumentError, match="add_layers"):
+        _cfg(add_layers=(-1,))
