@@ -12,6 +12,9 @@ Two rates per point:
 * ``decode_tokens_per_s``: (new tokens - B) / (that time - the time of the same batch
   with ``max_new_tokens=1``, i.e. prefill and the first token): the decoding loop alone.
 
+``--compaction on,off`` times every point with and without moving the live rows to
+smaller programs as rows finish (rows of speculative methods finish at different steps).
+
 Usage::
 
     .venv/bin/python benchmarks/bench_batch.py --json benchmarks/results/cpu/bench_batch.json
@@ -41,9 +44,10 @@ def _median_run(model, prompts, repeats: int, **kwargs) -> tuple[float, list]:
     return statistics.median(times), outs
 
 
-def measure(model, prompts, method: str, max_new_tokens: int, repeats: int) -> dict:
+def measure(model, prompts, method: str, max_new_tokens: int, repeats: int,
+            compact_rows: bool = True) -> dict:
     """One point: ``method`` on the batch ``prompts``."""
-    common = dict(method=method, stop_tokens=[], temperature=0.0)
+    common = dict(method=method, stop_tokens=[], temperature=0.0, compact_rows=compact_rows)
     seconds, outs = _median_run(model, prompts, repeats, max_new_tokens=max_new_tokens,
                                 **common)
     prefill, _ = _median_run(model, prompts, repeats, max_new_tokens=1, **common)
@@ -74,8 +78,15 @@ def main(argv=None) -> int:
                         help="the B shortest of the first POOL HumanEval prompts are used")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compaction", default="on",
+                        help="on, off or on,off: live rows gathered into smaller programs "
+                             "as rows finish (generate's compact_rows); with on,off "
+                             "every point runs both ways, one after the other")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
+    settings = [x.strip() for x in args.compaction.split(",") if x.strip()]
+    if not settings or set(settings) - {"on", "off"}:
+        parser.error(f"--compaction takes on, off or on,off, got {args.compaction!r}")
 
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     compare = [int(x) for x in args.compare_batch_sizes.split(",") if x]
@@ -89,23 +100,28 @@ def main(argv=None) -> int:
     for method, batch in [("ar", b) for b in sorted(set(sizes) | set(compare))] + \
             [(m, b) for b in compare for m in methods]:
         chosen = sorted(order[:batch])
-        start = time.perf_counter()
-        point = measure(model, [pool[i] for i in chosen], method, args.max_new_tokens,
-                        args.repeats)
-        point["prompt_indices"] = chosen
-        point["prompt_tokens"] = [lengths[i] for i in chosen]
-        points.append(point)
-        print(f"{method:>7} B={batch:<3} {point['tokens_per_s']:7.1f} tok/s total "
-              f"({point['tokens_per_s_per_row']:6.2f}/row), decode "
-              f"{point['decode_tokens_per_s'] or 0:7.1f} tok/s, accepted "
-              f"{statistics.mean(point['mean_accepted']):.2f}, load "
-              f"{point['load_average'][0]:.1f} [{time.perf_counter() - start:.0f} s]",
-              file=sys.stderr, flush=True)
-    ar = {p["batch_size"]: p for p in points if p["method"] == "ar"}
+        for setting in settings:
+            start = time.perf_counter()
+            point = measure(model, [pool[i] for i in chosen], method, args.max_new_tokens,
+                            args.repeats, compact_rows=setting == "on")
+            point["compaction"] = setting
+            point["prompt_indices"] = chosen
+            point["prompt_tokens"] = [lengths[i] for i in chosen]
+            points.append(point)
+            print(f"{method:>7} B={batch:<3} compaction {setting:<3} "
+                  f"{point['tokens_per_s']:7.1f} tok/s total "
+                  f"({point['tokens_per_s_per_row']:6.2f}/row), decode "
+                  f"{point['decode_tokens_per_s'] or 0:7.1f} tok/s, accepted "
+                  f"{statistics.mean(point['mean_accepted']):.2f}, load "
+                  f"{point['load_average'][0]:.1f} [{time.perf_counter() - start:.0f} s]",
+                  file=sys.stderr, flush=True)
+    ar = {(p["batch_size"], p["compaction"]): p for p in points if p["method"] == "ar"}
+    smallest = min(b for b, _ in ar)
     for point in points:
-        base = ar[point["batch_size"]]
+        base = ar[point["batch_size"], point["compaction"]]
+        point["vs_ar_batch_1"] = point["tokens_per_s"] / ar[
+            smallest, point["compaction"]]["tokens_per_s"]
         point["vs_ar_same_batch"] = point["tokens_per_s"] / base["tokens_per_s"]
-        point["vs_ar_batch_1"] = point["tokens_per_s"] / ar[min(ar)]["tokens_per_s"]
     result = {"benchmark": "batch", "command": " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
               **machine, "load_average_end": os.getloadavg(), "flags": vars(args),
               "points": points}

@@ -208,6 +208,7 @@ class _Batch:
     rows: list[int]
     prompt_lengths: list[int]
     options: MethodOptions
+    compact: bool = True  # live rows move to smaller programs as rows finish
 
 
 def is_batch(prompt) -> bool:
@@ -234,7 +235,7 @@ def _row_seeds(seed, rows: int) -> list[int]:
 
 def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature, top_k,
                    top_p, seed, draft, ngram, stop_tokens, chat, attn_impl, batch_size,
-                   options) -> list[_Batch]:
+                   options, compact_rows: bool = True) -> list[_Batch]:
     if len(prompts) == 0:
         raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
     limit = decode.MAX_BATCH_SIZE
@@ -248,6 +249,8 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
             or not 1 <= batch_size <= limit:
         raise InvalidArgumentError(f"batch_size must be an integer in [1, {limit}], got "
                                    f"{batch_size!r}")
+    if not isinstance(compact_rows, bool):
+        raise InvalidArgumentError(f"compact_rows must be True or False, got {compact_rows!r}")
     seeds = _row_seeds(seed, len(prompts))
     settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[0],
@@ -283,7 +286,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
                 jnp.asarray(budgets), decode.batch_sampling(settings.sampling, row_seeds),
                 stop, settings.resources)
-        batches.append(_Batch(loop, args, rows, lengths, settings.options))
+        batches.append(_Batch(loop, args, rows, lengths, settings.options, compact_rows))
     return batches
 
 
@@ -322,7 +325,8 @@ def _generate_batch(model: Model, batches: list[_Batch]) -> list[GenerationResul
     results = []
     for batch in batches:
         state, compile_seconds, seconds = decode.run_batch(batch.args[0], batch.loop,
-                                                           *batch.args[1:])
+                                                           *batch.args[1:],
+                                                           compact=batch.compact)
         rows_state = _host_rows(state, len(batch.rows))
         tokens = [np.asarray(r.tokens)[int(r.prompt_length): int(r.length)].tolist()
                   for r in rows_state]
@@ -343,7 +347,8 @@ def _stream_batch(model: Model, batches: list[_Batch], total_rows: int, origins:
         counts = [0] * len(batch.rows)
         start = time.perf_counter()
         for new, state, compile_seconds in decode.stream_batch(batch.args[0], batch.loop,
-                                                               *batch.args[1:]):
+                                                               *batch.args[1:],
+                                                               compact=batch.compact):
             compile_total += compile_seconds
             rows_new: list[list[int]] = [[] for _ in range(total_rows)]
             for slot, row in enumerate(batch.rows):
@@ -429,6 +434,7 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
              seed: int | Sequence[int] = 0, draft: Model | str | None = None, ngram=None,
              stop_tokens: Sequence[int] | None = None, chat: bool = False,
              attn_impl: str = "auto", batch_size: int | None = None,
+             compact_rows: bool = True,
              **options) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation as one compiled program on the device.
 
@@ -477,6 +483,10 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         runs as consecutive batches of this size. Default: the whole list in one batch.
         The program's row count is rounded up to a power of two (padding rows are
         discarded), so batches of 5 to 8 rows share one compiled program.
+      compact_rows: a batch only: once at most half of a program's rows are still
+        generating, move them to a program of the next smaller power of two, so that
+        finished rows stop costing work (compiles up to log2(B) more programs, once per
+        process each; no effect on any row's tokens, nor over a device mesh).
       **options: the method's options by name (see its options class: e.g.
         ``tree_budget``, ``draft_depth``, ``draft_width``, ``draft_rounds``,
         ``proposal``, ``use_lookup``, ``stage2_prior``, ``topology``, ``verify``). An
@@ -493,7 +503,7 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
                                  temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, draft=draft, ngram=ngram, stop_tokens=stop_tokens,
                                  chat=chat, attn_impl=attn_impl, batch_size=batch_size,
-                                 options=options)
+                                 options=options, compact_rows=compact_rows)
         return _generate_batch(model, batches)
     if batch_size is not None:
         raise InvalidArgumentError("batch_size applies to a list of prompts only")
@@ -534,8 +544,10 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
     settings = dict(bound.arguments)
     settings.pop("model"), settings.pop("prompt")
     batch_size = settings.pop("batch_size")
+    compact_rows = settings.pop("compact_rows")
     if is_batch(prompt):
-        batches = _prepare_batch(model, prompt, batch_size=batch_size, **settings)
+        batches = _prepare_batch(model, prompt, batch_size=batch_size,
+                                 compact_rows=compact_rows, **settings)
         yield from _stream_batch(model, batches, len(prompt), origins)
         return
     if batch_size is not None:

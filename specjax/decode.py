@@ -29,10 +29,13 @@ seed [B] and stop tokens [B, MAX_STOP_TOKENS]; the parameters, the :class:`Resou
 the other sampling settings (temperature, top-k, top-p: one per batch, so their
 ``lax.cond`` s stay branches) are shared. Every field of :class:`DecodeState` gains a
 leading batch axis, so each row keeps its own cache cursor, tree, accepted count and stop
-condition (ragged acceptance). One ``lax.while_loop`` runs until every row is done; a
-step leaves a finished row as it was (:func:`hold_finished`), so rows never affect each
-other and a row's tokens are those of its batch-1 run. The batch size is static (a shape):
-callers pad it to :func:`batch_bucket` with rows that finish at prefill.
+condition (ragged acceptance). A ``lax.while_loop`` of batched steps runs while rows are
+live; a step leaves a finished row as it was (:func:`hold_finished`), so rows never affect
+each other and a row's tokens are those of its batch-1 run. The batch size is static (a
+shape): callers pad it to :func:`batch_bucket` with rows that finish at prefill. Once at
+most half the rows are live, the drivers gather the live ones into a program of the next
+smaller bucket (:func:`take_rows`; not over a device mesh), so finished rows stop costing
+work.
 """
 
 from __future__ import annotations
@@ -412,15 +415,107 @@ def run_batch_to_completion(params, loop: DecodeLoop, prompts, prompt_lengths, m
     done (finished rows held): one XLA program. Arguments as :func:`run_batch`."""
     state = _start_batch(params, loop, prompts, prompt_lengths, max_new_tokens, sampling,
                          stop_tokens, resources)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                               lambda s: _step_batch(params, loop, s, resources), state)
+    state = _steps_while_busy(params, loop, state, resources, compact=False)
     return sharding.readable_by_every_process(state)
 
 
+def _steps_while_busy(params, loop: DecodeLoop, state: DecodeState, resources: Resources, *,
+                      compact: bool) -> DecodeState:
+    """Batched steps until every row is done or (``compact``) at most half the rows are
+    live, at which point the driver moves the live rows to a smaller program."""
+    rows = state.length.shape[0]
+    most_live_to_stop = rows // 2 if compact and rows > 1 else 0
+
+    def busy(s):
+        live = jnp.sum(~s.done)
+        return (live > 0) & (live > most_live_to_stop)
+
+    return jax.lax.while_loop(busy, lambda s: _step_batch(params, loop, s, resources), state)
+
+
+def _start_batch_and_steps(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
+                           sampling, stop_tokens, resources: Resources) -> DecodeState:
+    state = _start_batch(params, loop, prompts, prompt_lengths, max_new_tokens, sampling,
+                         stop_tokens, resources)
+    return _steps_while_busy(params, loop, state, resources, compact=True)
+
+
+def _more_steps(params, loop: DecodeLoop, state: DecodeState,
+                resources: Resources) -> DecodeState:
+    return _steps_while_busy(params, loop, state, resources, compact=True)
+
+
+def take_rows(state: DecodeState, rows) -> DecodeState:
+    """The batched ``state`` restricted to ``rows`` (int32 [B'], in that order): every
+    per-row field (caches included), the shared sampling settings unchanged."""
+    rows = jnp.asarray(rows, jnp.int32)
+
+    def take(axis, subtree):
+        if axis is None:
+            return subtree
+        return jax.tree.map(lambda leaf: jnp.take(leaf, rows, axis=0), subtree)
+
+    return jax.tree_util.tree_map(take, _state_axes(), state, is_leaf=lambda x: x is None)
+
+
+_take_rows = jax.jit(take_rows)
+
+
+class _RowBook:
+    """Host-side record of a batch whose live rows move to smaller programs as others
+    finish (:func:`run_batch`, :func:`stream_batch`): which original row each compiled row
+    holds, and every row's latest non-cache fields (what results are read from)."""
+
+    def __init__(self, state: DecodeState):
+        self.order = np.arange(state.length.shape[0])
+        self.view = jax.device_get(state.replace(cache=None, draft_cache=None))
+
+    def update(self, state: DecodeState) -> None:
+        host = jax.device_get(state.replace(cache=None, draft_cache=None))
+
+        def put(axis, full, part):
+            if axis is None:
+                return part
+            return jax.tree.map(lambda f, p: _scatter(f, self.order, p), full, part)
+
+        self.view = jax.tree_util.tree_map(put, _state_axes(), self.view, host,
+                                           is_leaf=lambda x: x is None)
+
+    def compact(self, state: DecodeState) -> DecodeState | None:
+        """The live rows of ``state`` in a smaller bucket (filled with finished rows), or
+        ``None`` when that would not shrink the program."""
+        done = np.asarray(jax.device_get(state.done))
+        live = np.flatnonzero(~done)
+        size = batch_bucket(max(len(live), 1))
+        if size >= len(done):
+            return None
+        keep = np.concatenate([live, np.flatnonzero(done)[: size - len(live)]])
+        self.order = self.order[keep]
+        return _take_rows(state, keep)
+
+
+def _scatter(full: np.ndarray, order: np.ndarray, part: np.ndarray) -> np.ndarray:
+    full = np.array(full)
+    full[order] = part
+    return full
+
+
+def _compacting(args: tuple, compact: bool) -> bool:
+    """Live rows move to smaller programs when asked, unless the batch is split over a
+    device mesh (whose 'data' axis must keep dividing the rows)."""
+    return compact and sharding.mesh_of(args[0]) is None
+
+
 def run_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens, sampling,
-              stop_tokens, resources: Resources = Resources()
+              stop_tokens, resources: Resources = Resources(), *, compact: bool = True
               ) -> tuple[DecodeState, float, float]:
     """Compiles (once per loop and batch shape) and runs a batch's whole generation.
+
+    With ``compact``, once at most half the rows are live, the live ones move to a program
+    of the next smaller batch bucket (their states gathered, nothing recomputed), so
+    finished rows stop costing work, at the price of compiling up to log2(B) more programs
+    (once per process each); each row's tokens are those of its batch-1 run either way.
+    Over a device mesh, or without ``compact``, the batch keeps its size (one program).
 
     Args:
       params: the target's parameters (shared by every row).
@@ -432,46 +527,72 @@ def run_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
         uint32 [B] seed (:func:`batch_sampling`).
       stop_tokens: int32 [B, MAX_STOP_TOKENS], -1 padded.
       resources: shared by every row.
+      compact: move live rows to smaller programs as rows finish (see above).
     Returns:
-      (state with a leading [B] axis on every field but the shared sampling settings,
-      compile seconds or 0.0 when cached, run seconds).
+      (state with a leading [B] axis on every field but the shared sampling settings, on
+      the host and without caches when rows were moved; compile seconds or 0.0 when
+      cached; run seconds).
     """
     args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens, resources)
     # Over a mesh: rows split over 'data', the rest replicated (specjax.sharding).
     args = sharding.place_arguments(args, rows=prompts.shape[0])
-    executable, compile_seconds = compiled(run_batch_to_completion, loop, args)
+    if not _compacting(args, compact):
+        executable, compile_seconds = compiled(run_batch_to_completion, loop, args)
+        start = time.perf_counter()
+        state = executable(*args)
+        jax.block_until_ready(state.length)
+        return state, compile_seconds, time.perf_counter() - start
+    executable, compile_seconds = compiled(_start_batch_and_steps, loop, args)
     start = time.perf_counter()
     state = executable(*args)
-    jax.block_until_ready(state.length)
-    return state, compile_seconds, time.perf_counter() - start
+    book = _RowBook(state)
+    while not bool(np.all(np.asarray(book.view.done))):
+        smaller = book.compact(state)
+        if smaller is None:
+            smaller = state  # nothing to shrink: run on
+        more, seconds = compiled(_more_steps, loop, (params, smaller, args[-1]), carry=1,
+                                 donate=(1,))
+        compile_seconds += seconds
+        start += seconds  # compile time is not run time
+        state = more(params, smaller, args[-1])
+        book.update(state)
+    return book.view, compile_seconds, time.perf_counter() - start
 
 
 def stream_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens, sampling,
-                 stop_tokens, resources: Resources = Resources()
+                 stop_tokens, resources: Resources = Resources(), *, compact: bool = True
                  ) -> Iterator[tuple[list[list[int]], DecodeState, float]]:
     """:func:`stream` for a batch (arguments as :func:`run_batch`): yields (new token ids
-    per row, a list of B lists, some empty; the batched state; compile seconds spent before
-    this yield) after the prefill and after every batched step, until every row is done."""
+    per row, a list of B lists, some empty; the batch's state, every row's non-cache
+    fields on the host; compile seconds spent before this yield) after the prefill and
+    after every batched step, until every row is done. With ``compact`` live rows move to
+    smaller programs as in :func:`run_batch`."""
     args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens, resources)
     # Over a mesh: rows split over 'data', the rest replicated (specjax.sharding).
     args = sharding.place_arguments(args, rows=prompts.shape[0])
+    compacting = _compacting(args, compact)
     resources = args[-1]
     start_exec, compile_seconds = compiled(_start_batch, loop, args)
     state = start_exec(*args)
-    step_exec, step_compile = compiled(_step_batch, loop, (params, state, resources), carry=1,
-                                       donate=(1,))
-    compile_seconds += step_compile
-    emitted = np.asarray(state.prompt_length).copy()
+    book = _RowBook(state)
+    emitted = np.asarray(book.view.prompt_length).copy()
     while True:
-        lengths = np.asarray(state.length)
-        tokens = np.asarray(state.tokens)
+        lengths = np.asarray(book.view.length)
+        tokens = np.asarray(book.view.tokens)
         new = [tokens[row, emitted[row]:lengths[row]].tolist() for row in range(len(lengths))]
         emitted = lengths.copy()
-        yield new, state, compile_seconds
+        yield new, book.view, compile_seconds
         compile_seconds = 0.0
-        if bool(np.all(np.asarray(state.done))):
+        if bool(np.all(np.asarray(book.view.done))):
             return
+        smaller = book.compact(state) if compacting else None
+        if smaller is not None:
+            state = smaller
+        step_exec, step_compile = compiled(_step_batch, loop, (params, state, resources),
+                                           carry=1, donate=(1,))
+        compile_seconds += step_compile
         state = step_exec(params, state, resources)
+        book.update(state)
 
 
 def stream(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,

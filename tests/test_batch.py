@@ -48,7 +48,10 @@ def _singles(target, prompts, seeds, **kwargs):
                                            ("tree", (5,)), ("ngram", (5,)),
                                            ("staged", (5,))])
 def test_each_row_equals_its_batch_1_output(spec_target, spec_drafts, tables, method, sizes):
-    kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[])
+    # Live-row compaction (its extra programs) for the method that uses every piece;
+    # test_live_rows_move_to_smaller_programs covers ar.
+    kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[],
+                  compact_rows=method == "staged")
     for name, sampling in SAMPLINGS.items():
         singles = _singles(spec_target, PROMPTS, SEEDS, **kwargs, **sampling)
         for size in sizes:
@@ -210,3 +213,38 @@ def test_smollm2_rows_equal_batch_1(smollm2, method):
             assert out.tokens == single.tokens, (method, sampling)
             assert out.text == single.text
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("driver", ["generate", "stream"])
+def test_live_rows_move_to_smaller_programs(spec_target, monkeypatch, driver):
+    """Once at most half the rows are live they are gathered into the next smaller bucket
+    (5 rows in a bucket of 8: three padding rows are done at prefill; row 0 stops at its
+    third token, leaving 4 live), and every row still gets its batch-1 tokens."""
+    kwargs = dict(max_new_tokens=NEW)
+    free = _singles(spec_target, PROMPTS, [0] * 5, stop_tokens=[], **kwargs)
+    stop = [free[0].tokens[2]]
+    singles = _singles(spec_target, PROMPTS, [0] * 5, stop_tokens=stop, **kwargs)
+    sizes = []
+    take = decode._take_rows
+    monkeypatch.setattr(decode, "_take_rows",
+                        lambda state, rows: sizes.append(len(rows)) or take(state, rows))
+    off = specjax.generate(spec_target, PROMPTS, stop_tokens=stop, compact_rows=False,
+                           **kwargs)
+    assert [o.tokens for o in off] == [s.tokens for s in singles] and not sizes
+    if driver == "generate":
+        tokens = [o.tokens for o in specjax.generate(spec_target, PROMPTS, stop_tokens=stop,
+                                                     **kwargs)]
+    else:
+        tokens = [[] for _ in PROMPTS]
+        for new, _ in specjax.stream_generate(spec_target, PROMPTS, stop_tokens=stop,
+                                              **kwargs):
+            for row, ids in enumerate(new):
+                tokens[row] += ids
+    assert tokens == [s.tokens for s in singles]
+    assert sizes and sizes[0] <= 4
+
+
+def test_compact_rows_must_be_a_bool(spec_target):
+    with pytest.raises(InvalidArgumentError, match="compact_rows") as info:
+        specjax.generate(spec_target, PROMPTS[:2], max_new_tokens=2, compact_rows="yes")
+    assert "\n" not in str(info.value)
