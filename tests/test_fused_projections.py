@@ -27,7 +27,7 @@ from specjax.errors import CheckpointError
 from conftest import random_prompt, tiny_pair
 
 KINDS = {"llama-gqa": {}, "llama-mha-biases": dict(mlp_bias=True, attention_bias=True),
-         "qwen2": {}}
+         "qwen2": {}, "gpt2": {}}
 BITWISE_MULTI_ROW = {"llama-gqa", "llama-mha-biases"}
 
 

@@ -57,7 +57,7 @@ def fuse_projections(config: ModelConfig, params: dict) -> dict:
     Call it once, outside ``jit`` (it concatenates every layer's weights: inside a jitted
     step it would copy them every step). :func:`forward` takes either layout; checkpoint
     loaders and exporters use the separate one (:func:`unfuse_projections` restores it
-    exactly). Families without such projections (GPT-2 for now) are returned unchanged.
+    exactly). Llama family: q|k|v and gate|up; GPT-2: q|k|v.
     """
     family = _FAMILIES[config.architecture]
     if not hasattr(family, "fuse_layers") or projections_fused(params):

@@ -11,6 +11,10 @@ also how HF's ``Conv1D`` stores them)::
     layers/w_fc [L, d, F]    layers/b_fc [L, F]
     layers/w_proj [L, F, d]  layers/b_proj [L, d]
     final_norm_scale [d]     final_norm_bias [d]
+
+Fused projections (:func:`fuse_layers`, once after loading, outside any jit): q|k|v as
+``w_qkv [L, d, 3 * H * D]`` and ``b_qkv [L, 3 * H * D]`` (HF's own ``c_attn`` layout), one
+matmul where there were three; :func:`unfuse_layers` restores the separate matrices exactly.
 """
 
 from __future__ import annotations
@@ -19,11 +23,34 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from specjax.models.layers import dense, layer_norm
+from specjax.models.layers import (concat_shapes, dense, fuse_groups, layer_norm,
+                                   unfuse_groups)
+
+# fused name -> the separate parameters it concatenates, in order, along the last axis.
+FUSED_GROUPS = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv")}
 
 
-def param_shapes(config: ModelConfig) -> dict:
-    """The parameter tree of ``config`` with shapes as leaves."""
+def param_shapes(config: ModelConfig, fused: bool = False) -> dict:
+    """The parameter tree of ``config`` with shapes as leaves (``fused``: q|k|v fused)."""
+    shapes = _param_shapes(config)
+    if fused:
+        shapes["layers"] = fuse_layers(shapes["layers"], concat=concat_shapes)
+    return shapes
+
+
+def fuse_layers(layers: dict, concat=None) -> dict:
+    """The layer parameters with q|k|v concatenated (see the module docstring)."""
+    return fuse_groups(layers, FUSED_GROUPS, concat)
+
+
+def unfuse_layers(config: ModelConfig, layers: dict) -> dict:
+    """Inverse of :func:`fuse_layers` (exact)."""
+    width = config.num_heads * config.head_dim
+    return unfuse_groups(layers, FUSED_GROUPS,
+                         {name: (width,) * 3 for name in FUSED_GROUPS})
+
+
+def _param_shapes(config: ModelConfig) -> dict:
     d, L, f = config.hidden_size, config.num_layers, config.intermediate_size
     width = config.num_heads * config.head_dim
     layers = {
@@ -57,9 +84,11 @@ def block(p, config: ModelConfig, x: jax.Array, context, attend):
     del context
     t, heads, dim = x.shape[0], config.num_heads, config.head_dim
     h = layer_norm(x, p["ln1_scale"], p["ln1_bias"], config.norm_eps)
-    q = dense(h, p["wq"], p["bq"]).reshape(t, heads, dim)
-    k = dense(h, p["wk"], p["bk"]).reshape(t, heads, dim)
-    v = dense(h, p["wv"], p["bv"]).reshape(t, heads, dim)
+    if "w_qkv" in p:
+        q, k, v = jnp.split(dense(h, p["w_qkv"], p["b_qkv"]), 3, axis=-1)
+    else:
+        q, k, v = (dense(h, p[w], p[b]) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    q, k, v = (a.reshape(t, heads, dim) for a in (q, k, v))
     x = x + dense(attend(q, k, v).reshape(t, heads * dim), p["wo"], p["bo"])
     h = layer_norm(x, p["ln2_scale"], p["ln2_bias"], config.norm_eps)
     h = jax.nn.gelu(dense(h, p["w_fc"], p["b_fc"]), approximate=True)

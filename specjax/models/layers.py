@@ -77,3 +77,37 @@ def dense(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax
     weight = weight.astype(x.dtype)
     y = jnp.dot(x, weight, precision=matmul_precision(x, weight))
     return y if bias is None else y + bias.astype(x.dtype)
+
+
+def fuse_groups(layers: dict, groups: dict, concat=None) -> dict:
+    """``layers`` with each group of parameters concatenated along the last axis.
+
+    Args:
+      layers: a family's stacked ``layers`` subtree (separate layout).
+      groups: fused name -> the parameter names it concatenates, in order (a group whose
+        parts are not all present is left alone).
+      concat: how to join a group (default ``jnp.concatenate`` along the last axis; the
+        families pass a shape rule to derive fused shapes).
+    """
+    concat = concat or (lambda parts: jnp.concatenate(parts, axis=-1))
+    out = dict(layers)
+    for name, parts in groups.items():
+        if all(part in out for part in parts):
+            out[name] = concat([out.pop(part) for part in parts])
+    return out
+
+
+def unfuse_groups(layers: dict, groups: dict, widths: dict) -> dict:
+    """Inverse of :func:`fuse_groups` (an exact split), ``widths[name]`` giving each part's
+    size along the last axis."""
+    out = dict(layers)
+    for name, parts in groups.items():
+        if name in out:
+            bounds = [sum(widths[name][:i + 1]) for i in range(len(parts) - 1)]
+            out.update(zip(parts, jnp.split(out.pop(name), bounds, axis=-1)))
+    return out
+
+
+def concat_shapes(parts) -> tuple:
+    """The shape of ``parts`` (shapes) concatenated along their last axis."""
+    return tuple(parts[0][:-1]) + (sum(p[-1] for p in parts),)

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.models.layers import apply_rope, dense, rms_norm, rope_tables
+from specjax.models.layers import (apply_rope, concat_shapes, dense, fuse_groups, rms_norm,
+                                   rope_tables, unfuse_groups)
 
 
 # fused name -> the separate parameters it concatenates, in order, along the last axis.
@@ -42,9 +43,7 @@ def param_shapes(config: ModelConfig, fused: bool = False) -> dict:
     projections' layout, see the module docstring)."""
     shapes = _param_shapes(config)
     if fused:
-        shapes["layers"] = fuse_layers(shapes["layers"],
-                                       concat=lambda parts: parts[0][:-1] + (
-                                           sum(p[-1] for p in parts),))
+        shapes["layers"] = fuse_layers(shapes["layers"], concat=concat_shapes)
     return shapes
 
 
@@ -55,23 +54,12 @@ def fuse_layers(layers: dict, concat=None) -> dict:
       layers: the ``layers`` subtree (stacked [L, ...] arrays), separate layout.
       concat: how to join a group (default: ``jnp.concatenate`` along the last axis).
     """
-    concat = concat or (lambda parts: jnp.concatenate(parts, axis=-1))
-    out = dict(layers)
-    for name, parts in FUSED_GROUPS.items():
-        if all(part in out for part in parts):
-            out[name] = concat([out.pop(part) for part in parts])
-    return out
+    return fuse_groups(layers, FUSED_GROUPS, concat)
 
 
 def unfuse_layers(config: ModelConfig, layers: dict) -> dict:
     """Inverse of :func:`fuse_layers` (exact: a split of the concatenated arrays)."""
-    widths = _group_widths(config)
-    out = dict(layers)
-    for name, parts in FUSED_GROUPS.items():
-        if name in out:
-            pieces = jnp.split(out.pop(name), np.cumsum(widths[name])[:-1], axis=-1)
-            out.update(zip(parts, pieces))
-    return out
+    return unfuse_groups(layers, FUSED_GROUPS, _group_widths(config))
 
 
 def _group_widths(config: ModelConfig) -> dict:
