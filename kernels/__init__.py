@@ -141,6 +141,19 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
     return getattr(module, f"verify_attention_{variant}")(*args, interpret=interpret, **options)
 
 
+def _gpu_only_kernel(module_name: str, kernel: str, variant: str | None):
+    """(the module of a kernel that exists for GPUs only, interpret) for this process.
+
+    Raises:
+      InvalidArgumentError: when the variant chosen is not ``"gpu"`` (a TPU).
+    """
+    variant, interpret = select_variant(variant)
+    if variant != "gpu":
+        raise InvalidArgumentError(f"the {kernel} exists for GPUs only (no TPU kernel yet): "
+                                   f"use attn_impl='kernel' on a TPU")
+    return importlib.import_module(f"{__name__}.{module_name}"), interpret
+
+
 def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
                  fallback: bool = False, **kwargs):
     """``residual + act(rms_norm(x) @ W + b)`` by the row-tiled Pallas kernel; see
@@ -153,12 +166,7 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
       InvalidArgumentError: on a TPU (no TPU kernel yet), or, without ``fallback``, for
         shapes the kernel does not take.
     """
-    variant, interpret = select_variant(variant)
-    if variant != "gpu":
-        raise InvalidArgumentError(
-            "the fused linear kernel exists for GPUs only (no TPU kernel yet): use "
-            "attn_impl='kernel' on a TPU")
-    module = importlib.import_module(f"{__name__}.linear_gpu")
+    module, interpret = _gpu_only_kernel("linear_gpu", "fused linear kernel", variant)
     options = {} if block_sizes is None else {"block_sizes": block_sizes}
     if fallback:
         try:
@@ -180,15 +188,11 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
     Raises:
       InvalidArgumentError: on a TPU (no TPU kernel yet).
     """
-    variant, interpret = select_variant(variant)
-    if variant != "gpu":
-        raise InvalidArgumentError(
-            "the position-ordered attention kernel exists for GPUs only (no TPU kernel yet): "
-            "use attn_impl='kernel' on a TPU")
-    module = importlib.import_module(f"{__name__}.attention_ordered_gpu")
+    module, interpret = _gpu_only_kernel("attention_ordered_gpu",
+                                         "position-ordered attention kernel", variant)
     args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
     try:
         module.check_supported(*args[:5], mask, scratch_mask)
     except InvalidArgumentError:
-        return verify_attention(*args, variant=variant, layer=layer)
+        return verify_attention(*args, variant="gpu", layer=layer)
     return module.ordered_attention_gpu(*args, layer=layer, interpret=interpret)
