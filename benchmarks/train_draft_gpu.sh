@@ -24,7 +24,10 @@
 # LR (1.5e-3), WARMUP (150), MAX_TOKENS (30000000 corpus tokens), HEAD (8192 head tokens),
 # TARGET_TOKENS (0: off; N: the target writes N tokens of training text first,
 # --corpus-from-target), TARGET_FRACTION (0.5 of each batch from those when on),
-# INIT_DRAFT (continue from a draft asset instead of LAYERS, e.g. specjax/assets/smollm2-135m).
+# INIT_DRAFT (continue from a draft asset instead of LAYERS, e.g. specjax/assets/smollm2-135m),
+# ADD_LAYERS (grow the starting draft by these target blocks, output projections zeroed,
+# e.g. INIT_DRAFT=specjax/assets/smollm2-135m ADD_LAYERS=2,3 for a 4-layer draft that
+# starts out equal to the shipped one: --add-layers).
 # The asset lands in $OUT/asset (draft.safetensors + draft.json, the shipped format).
 
 set -eu -o pipefail
@@ -41,6 +44,7 @@ HEAD=${HEAD:-8192}
 TARGET_TOKENS=${TARGET_TOKENS:-0}
 TARGET_FRACTION=${TARGET_FRACTION:-0.5}
 INIT_DRAFT=${INIT_DRAFT:-}
+ADD_LAYERS=${ADD_LAYERS:-}
 
 if ! "$PY" -c "import specjax" 2>/dev/null; then
   "$PY" -m pip install --no-build-isolation --no-deps -e . >/dev/null
@@ -66,6 +70,9 @@ if [ -n "$INIT_DRAFT" ]; then
   ARGS+=(--init-draft "$INIT_DRAFT")
 else
   ARGS+=(--init-layers "$LAYERS")
+fi
+if [ -n "$ADD_LAYERS" ]; then
+  ARGS+=(--add-layers "$ADD_LAYERS")
 fi
 if [ "$TARGET_TOKENS" != 0 ]; then
   ARGS+=(--corpus-from-target "$TARGET_TOKENS" --target-corpus-fraction "$TARGET_FRACTION")

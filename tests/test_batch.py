@@ -44,9 +44,10 @@ def _singles(target, prompts, seeds, **kwargs):
 
 # One batch program per speculative method (5 rows: bucket 8, three padding rows); ar,
 # cheap to compile, at several sizes.
-@pytest.mark.parametrize("method, sizes", [("ar", (1, 2, 3, 5)), ("spec", (5,)),
-                                           ("tree", (5,)), ("ngram", (5,)),
-                                           ("staged", (5,))])
+# spec and tree (whose pieces staged also runs) are in the slow tier: CI time.
+@pytest.mark.parametrize("method, sizes", [
+    ("ar", (1, 2, 3, 5)), pytest.param("spec", (5,), marks=pytest.mark.slow),
+    pytest.param("tree", (5,), marks=pytest.mark.slow), ("ngram", (5,)), ("staged", (5,))])
 def test_each_row_equals_its_batch_1_output(spec_target, spec_drafts, tables, method, sizes):
     # Live-row compaction (its extra programs) for the method that uses every piece;
     # test_live_rows_move_to_smaller_programs covers ar.
@@ -101,7 +102,7 @@ def test_rows_stop_on_their_own_stop_tokens(spec_target, spec_drafts, tables, me
 
 
 def test_batch_size_splits_a_long_list_into_programs(spec_target):
-    kwargs = dict(max_new_tokens=6, stop_tokens=[])
+    kwargs = dict(max_new_tokens=6, stop_tokens=[], compact_rows=False)
     whole = specjax.generate(spec_target, PROMPTS, **kwargs)
     split = specjax.generate(spec_target, PROMPTS, batch_size=2, **kwargs)
     assert [o.tokens for o in split] == [o.tokens for o in whole]
@@ -123,7 +124,8 @@ def test_one_compiled_program_per_batch_bucket(spec_target):
 
 
 def test_stream_generate_yields_per_row_tokens(spec_target, spec_drafts, tables):
-    kwargs = dict(_method("ngram", spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[])
+    kwargs = dict(_method("ngram", spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[],
+                  compact_rows=False)  # one program: compaction has its own test
     expected = specjax.generate(spec_target, PROMPTS, **kwargs)
     rows, origins = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
     *steps, (last_tokens, last_origins, stats) = specjax.stream_generate(
@@ -185,8 +187,8 @@ def test_staged_rejection_samples_the_target_distribution_with_many_rows(spec_ta
         chunk = seeds[first: first + decode.MAX_BATCH_SIZE]
         outs = specjax.generate(spec_target, [dist.PROMPT] * len(chunk), seed=chunk,
                                 max_new_tokens=2, stop_tokens=[], ngram=tables,
-                                draft=spec_target, verify="rejection", **dist.SAMPLING,
-                                **dist.STAGED)
+                                draft=spec_target, verify="rejection", compact_rows=False,
+                                **dist.SAMPLING, **dist.STAGED)
         tokens += [o.tokens[1] for o in outs]
     statistic, dof = dist._pooled_chi2(np.bincount(tokens, minlength=TINY_VOCAB), marginal)
     assert statistic < dist.chi2_threshold(dof), (statistic, dof)
