@@ -45,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from specjax.attention import matmul_precision
 from specjax.errors import InvalidArgumentError
 from . import layout
 
@@ -341,12 +342,8 @@ def fused_linear_reference(x, weights, *, norm=None, biases=None, residual=None,
         w = lax.slice_in_dim(pick(w), offset, offset + width, axis=n_axis)
         w = w.T if transposed else w
         parts.append(jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32,
-                             precision=_dot_precision(h)))
+                             precision=matmul_precision(h)))
         part_biases.append(None if b is None else
                            lax.slice_in_dim(pick(b), offset, offset + width, axis=0))
     res = None if residual is None else residual.astype(x.dtype)
     return _epilogue(parts, part_biases, res, dtype=x.dtype, float32_out=float32_out)
-
-
-def _dot_precision(x):
-    return lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
