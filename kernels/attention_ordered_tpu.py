@@ -1,0 +1,317 @@
+"""Position-ordered verify/decode attention for TPUs (Pallas, Mosaic lowering): a query's
+arithmetic is the same in a one-token step and in a tree verification pass.
+
+The contract of :mod:`.attention_ordered_gpu` (read its docstring for why): each query
+row sees the keys at positions ``0 .. its own`` as one virtual sequence (the committed
+cache ``[0, length)``, then the row's ancestor chain at ``length + depth``), read in blocks
+of ``block_kv`` positions aligned at absolute position 0, one online-softmax update per
+block, in position order; scores and P @ V sums are elementwise products reduced over the
+fixed tile shape ``[block_rows, block_kv, D]`` (never an MXU dot, whose operands would
+differ between the two kinds of block); blocks past a row's own position are exact
+identities. So a verify pass reproduces the one-token steps bit for bit.
+
+TPU layout (Mosaic needs the last two block dims to be multiples of (8, 128) or whole):
+
+* grid ``(KV heads, row tiles, steps)``, semantics (parallel, parallel, arbitrary); a step
+  is one block of ``block_kv`` absolute positions; the online-softmax state (m, l, acc)
+  lives in VMEM scratch across the steps;
+* query rows are packed as in :mod:`.layout` (row ``t * G + g``: node t, query head
+  ``k * G + g``) with a unit axis, ``[K, R, 1, D]``, so that a tile is ``[block_rows, 1, D]``
+  and every temporary is a 3-D value whose last two dims Mosaic tiles directly (scores
+  ``[rows, block_kv, 1]``, the state ``[rows, 1, 1]`` and ``[rows, 1, D]``);
+* **committed blocks** (``block < length // block_kv``) come from the cache
+  ``[L, S, K, D]``, block ``(None, block_kv, None, D)`` at (layer, block, head): one layer,
+  one KV head, read in place (the layer is scalar-prefetched; steps outside the committed
+  run repeat the block index, so nothing new is fetched);
+* the **boundary region** (from the block holding ``length`` to the end of the deepest
+  chain: ``ceil((block_kv - 1 + T) / block_kv)`` blocks) is gathered per row by the
+  wrapper, ``[K, R, W, D]``: slots before ``length`` copied from the cache (bitwise the
+  values a committed block would read), then the row's chain (the new tokens at depths
+  0..depth), zeros past it. The kernel reads it in ``[block_rows, block_kv, D]`` blocks,
+  aligned like every other block. This replaces the GPU kernel's masked loads at unaligned
+  chain offsets, which Mosaic cannot do.
+
+``block_kv`` is the largest of 128, 64, 32, 16 that divides the cache capacity and keeps the
+estimated VMEM (:func:`vmem_bytes`) within :data:`~.attention_tpu.VMEM_BUDGET` (shapes
+only, never the token count: SmolLM2 gets 128; Llama-2-7B's 32 KV heads of 128 get 16).
+Calls it refuses (a capacity no multiple of 16 divides) go, like drafting calls with a
+scratch window, to :mod:`.attention_tpu` through the dispatcher.
+
+``interpret=True`` runs the TPU interpreter (``pltpu.InterpretParams``) on any backend.
+Compiled for TPU v5e in the test suite; not yet run or timed on TPU hardware. Cost: every
+row tile reads the committed cache of its KV head once (no split over the KV length), and
+the scores are VPU work, not MXU dots: the price of the fixed order, as on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from specjax.errors import InvalidArgumentError
+from . import layout
+from .attention_ordered_gpu import ancestor_chains
+from .attention_tpu import VMEM_BUDGET, VMEM_LIMIT
+
+KERNEL_NAME = "TPU position-ordered attention kernel"
+HEAD_DIMS = (16, 32, 64, 128, 256)
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+TAKES_LAYER_INDEX = True
+BLOCK_KV_CHOICES = (128, 64, 32, 16)  # multiples of bf16's 16-row sublane tile
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuOrderedBlockSizes:
+    """Static tiling of :func:`ordered_attention_tpu`; fixed per call shape family, never
+    derived from the number of tokens or the cache length.
+
+    Attributes:
+      block_rows: packed query rows per tile (any positive size: a leading dim).
+      block_kv: positions per block, a multiple of 16 dividing the cache capacity;
+        ``None``: the largest of :data:`BLOCK_KV_CHOICES` that divides it and fits the
+        VMEM budget (:meth:`resolve`).
+      vmem_limit_bytes: scoped VMEM limit; ``None``: :data:`~.attention_tpu.VMEM_LIMIT`.
+    """
+
+    block_rows: int = 8
+    block_kv: int | None = None
+    vmem_limit_bytes: int | None = None
+
+    def check(self) -> None:
+        if self.block_rows < 1:
+            raise InvalidArgumentError(f"{KERNEL_NAME}: block_rows={self.block_rows} must be >= 1")
+        if self.block_kv is not None and (self.block_kv < 16 or self.block_kv % 16):
+            raise InvalidArgumentError(
+                f"{KERNEL_NAME}: block_kv={self.block_kv} must be a positive multiple of 16")
+
+    def resolve(self, capacity: int | None, num_kv_heads: int, head_dim: int,
+                itemsize: int) -> int:
+        """``block_kv`` for a cache of ``capacity`` slots (``None``: no cache): the largest
+        allowed block that divides it and keeps :func:`vmem_bytes` within
+        :data:`~.attention_tpu.VMEM_BUDGET` (shapes only, never the token count).
+
+        Raises:
+          InvalidArgumentError: no allowed block divides the capacity and fits.
+        """
+        choices = (self.block_kv,) if self.block_kv is not None else BLOCK_KV_CHOICES
+        dividing = [b for b in choices if capacity is None or capacity % b == 0]
+        if not dividing:
+            raise InvalidArgumentError(
+                f"{KERNEL_NAME}: cache capacity {capacity} is not a multiple of block_kv="
+                f"{choices[-1]}")
+        for block_kv in dividing:
+            if vmem_bytes(self.block_rows, block_kv, num_kv_heads, head_dim,
+                          itemsize) <= VMEM_BUDGET:
+                return block_kv
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: {num_kv_heads} KV heads x head_dim {head_dim} with block_kv="
+            f"{dividing[-1]} and {self.block_rows} rows per tile need ~"
+            f"{vmem_bytes(self.block_rows, dividing[-1], num_kv_heads, head_dim, itemsize) / 2**20:.1f}"
+            f" MiB of VMEM (budget {VMEM_BUDGET >> 20} MiB)")
+
+
+def vmem_bytes(block_rows: int, block_kv: int, num_kv_heads: int, head_dim: int,
+               itemsize: int) -> int:
+    """Estimated VMEM of one call: the double-buffered blocks (region and cache keys and
+    values, queries and output, whose unit axis takes one 32-bit sublane per row), the
+    state scratch and the float32 temporaries: about two [rows, block_kv, D] per KV head,
+    since the compiler overlaps the unrolled heads (Llama-2-7B's 32 heads at block_kv 32
+    took 18.7 MiB on v5e, 8.8 of it temporaries). Errs high: a smaller block only costs
+    grid steps."""
+    lanes = layout.round_up(head_dim, 128)
+    kv_sublanes = layout.round_up(num_kv_heads, 32 // itemsize)
+    windows = (2 * num_kv_heads * block_rows * block_kv * lanes * itemsize  # region k, v
+               + 2 * block_kv * kv_sublanes * lanes * itemsize  # cache k, v
+               + 2 * num_kv_heads * block_rows * lanes * 4)  # queries, output
+    state = num_kv_heads * block_rows * (2 * 128 + lanes) * 4
+    temporaries = 2 * num_kv_heads * block_rows * block_kv * lanes * 4
+    return 2 * windows + state + temporaries + 64 * 1024
+
+
+def _ordered_kernel(scalars_ref, q_ref, last_ref, k_ref, v_ref, region_k_ref, region_v_ref,
+                    o_ref, m_ref, l_ref, acc_ref, *, block_kv: int, num_steps: int,
+                    scale: float):
+    """One (row tile, position block) step, for every KV head.
+
+    Refs: scalars_ref int32 [4] (SMEM: length, layer, first region block, end block);
+    q_ref [K, rows, 1, D]; last_ref int32 [rows, 1, 1] (each row's own position; padding
+    rows: length - 1); k_ref, v_ref the cache block [block_kv, K, D]; region_k_ref,
+    region_v_ref the region block [K, rows, block_kv, D]; o_ref [K, rows, 1, D]; scratch
+    m_ref, l_ref [K, rows, 1, 1], acc_ref [K, rows, 1, D] (float32).
+    """
+    step = pl.program_id(1)
+    first, end = scalars_ref[2], scalars_ref[3]
+    num_kv_heads = q_ref.shape[0]
+
+    @pl.when(step == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def update(head, keys, values):
+        # The only arithmetic on scores and values: every block, cache or region, comes
+        # here with [1 or rows, block_kv, D] float32 keys/values.
+        q = q_ref[head].astype(jnp.float32)  # [rows, 1, D]
+        positions = step * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv, 1), 1)
+        valid = positions <= last_ref[...]  # [rows, block_kv, 1]
+        s = jnp.sum(q * keys, axis=2, keepdims=True) * scale
+        s = jnp.where(valid, s, layout.MASK_VALUE)
+        m_prev = m_ref[head]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.where(valid, jnp.exp(s - m_next), 0.0)
+        l_ref[head] = l_ref[head] * correction + jnp.sum(p, axis=1, keepdims=True)
+        acc_ref[head] = acc_ref[head] * correction + jnp.sum(
+            jnp.where(valid, p * values, 0.0), axis=1, keepdims=True)
+        m_ref[head] = m_next
+
+    @pl.when(step < first)
+    def _committed():
+        for head in range(num_kv_heads):  # static index: a strided load Mosaic can align
+            update(head, k_ref[:, head, :].astype(jnp.float32)[None],
+                   v_ref[:, head, :].astype(jnp.float32)[None])
+
+    @pl.when((step >= first) & (step < end))
+    def _region():
+        for head in range(num_kv_heads):
+            update(head, region_k_ref[head].astype(jnp.float32),
+                   region_v_ref[head].astype(jnp.float32))
+
+    @pl.when(step == num_steps - 1)
+    def _finish():
+        l = l_ref[...]
+        o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+
+
+def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
+                    block_sizes: TpuOrderedBlockSizes = TpuOrderedBlockSizes()) -> int:
+    """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call;
+    returns its ``block_kv``. Reads shapes and dtypes only."""
+    k_cache, v_cache = layout.one_layer_caches(k_cache, v_cache, KERNEL_NAME)
+    layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                        head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
+    if scratch_mask is not None and scratch_mask.shape[1] > 0:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: no scratch window (drafting calls use the split kernel)")
+    block_sizes.check()
+    return block_sizes.resolve(None if k_cache is None else k_cache.shape[0], k_new.shape[1],
+                               q.shape[2], jnp.dtype(q.dtype).itemsize)
+
+
+def _boundary_region(k_new, v_new, k_cache, v_cache, layer, length, chain, depth, *,
+                     block_kv: int, width: int):
+    """Per node, the positions ``base .. base + width`` (base: ``length`` rounded down to
+    the block) of its virtual sequence: [T, width, K, D] keys and values (cache slots
+    before ``length``, then the node's chain, zeros past it)."""
+    num_tokens = k_new.shape[0]
+    num_layers, capacity = k_cache.shape[:2]
+    positions = (length // block_kv) * block_kv + jnp.arange(width, dtype=jnp.int32)
+    in_cache = positions < length
+    relative = positions - length  # depth of the chain entry at each position
+    in_chain = (relative[None, :] >= 0) & (relative[None, :] <= depth[:, None])  # [T, W]
+    index = jnp.take_along_axis(
+        chain, jnp.broadcast_to(jnp.clip(relative, 0, num_tokens - 1), (num_tokens, width)),
+        axis=1)  # [T, W]: the new token at that depth of each node's chain
+    slots = layer * capacity + jnp.clip(positions, 0, capacity - 1)
+
+    def region(new, cache):
+        # A gather of `width` slots of one layer: the layer itself is never sliced out.
+        committed = jnp.take(cache.reshape(num_layers * capacity, *cache.shape[2:]), slots,
+                             axis=0)  # [W, K, D]
+        chained = jnp.take(new, index, axis=0)  # [T, W, K, D]
+        return jnp.where(in_cache[None, :, None, None], committed[None],
+                         jnp.where(in_chain[..., None, None], chained, 0))
+
+    return region(k_new, k_cache), region(v_new, v_cache)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None,
+                          *, layer=None,
+                          block_sizes: TpuOrderedBlockSizes = TpuOrderedBlockSizes(),
+                          interpret: bool = False):
+    """Attention with a position-ordered reduction on a TPU; the arguments and result are
+    those of :func:`specjax.kernels.attention_ordered_gpu.ordered_attention_gpu`, with
+    ``block_sizes`` a static :class:`TpuOrderedBlockSizes` and ``interpret`` running the
+    TPU interpreter.
+
+    Returns:
+      [T, H, D] in q's dtype.
+    """
+    block_kv = check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                               block_sizes=block_sizes)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    group = num_heads // num_kv_heads
+    if k_cache is None:  # no prefix: a zero-length cache of one block
+        k_cache = v_cache = jnp.zeros((1, block_kv, num_kv_heads, head_dim), k_new.dtype)
+        length, layer = 0, 0
+    elif layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0  # free reshapes
+    length = jnp.asarray(length, jnp.int32)
+    layer = jnp.asarray(layer, jnp.int32)
+    block_rows = block_sizes.block_rows
+    rows = layout.round_up(num_tokens * group, block_rows)
+    region_blocks = -(-(block_kv - 1 + num_tokens) // block_kv)
+    num_steps = k_cache.shape[1] // block_kv + region_blocks
+
+    chain, depth = ancestor_chains(mask)
+    region_k, region_v = _boundary_region(k_new, v_new, k_cache, v_cache, layer, length,
+                                          chain, depth, block_kv=block_kv,
+                                          width=region_blocks * block_kv)
+
+    def pack(region):  # [T, W, K, D] -> [K, rows, W, D], row t * G + g
+        packed = jnp.repeat(region.transpose(2, 0, 1, 3), group, axis=1)
+        return jnp.pad(packed, ((0, 0), (0, rows - num_tokens * group), (0, 0), (0, 0)))
+
+    region_k, region_v = pack(region_k), pack(region_v)
+    queries = layout.pack_queries(q, num_kv_heads, rows)[:, :, None, :]  # [K, rows, 1, D]
+    packed_depth = jnp.pad(jnp.repeat(depth, group), (0, rows - num_tokens * group),
+                           constant_values=-1)
+    last = (length + packed_depth).reshape(rows, 1, 1)
+    first = length // block_kv
+    end = -(-(length + jnp.max(depth) + 1) // block_kv)
+    scalars = jnp.stack([length, layer, first, end]).astype(jnp.int32)
+
+    def cache_index(tile, step, scalars_ref):
+        # Past the committed run the index repeats: nothing new is fetched.
+        block = jnp.minimum(step, jnp.maximum(scalars_ref[2] - 1, 0))
+        return scalars_ref[1], block, 0, 0
+
+    def region_index(tile, step, scalars_ref):
+        return 0, tile, jnp.clip(step - scalars_ref[2], 0, region_blocks - 1), 0
+
+    rows_spec = pl.BlockSpec((num_kv_heads, block_rows, 1, head_dim),
+                             lambda tile, step, scalars_ref: (0, tile, 0, 0))
+    cache_spec = pl.BlockSpec((None, block_kv, num_kv_heads, head_dim), cache_index)
+    region_spec = pl.BlockSpec((num_kv_heads, block_rows, block_kv, head_dim), region_index)
+    state = lambda width: pltpu.VMEM((num_kv_heads, block_rows, 1, width), jnp.float32)  # noqa: E731
+    out = pl.pallas_call(
+        functools.partial(_ordered_kernel, block_kv=block_kv, num_steps=num_steps,
+                          scale=1.0 / math.sqrt(head_dim)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(rows // block_rows, num_steps),
+            in_specs=[rows_spec,
+                      pl.BlockSpec((block_rows, 1, 1),
+                                   lambda tile, step, scalars_ref: (tile, 0, 0)),
+                      cache_spec, cache_spec, region_spec, region_spec],
+            out_specs=rows_spec,
+            scratch_shapes=[state(1), state(1), state(head_dim)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((num_kv_heads, rows, 1, head_dim), q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+            vmem_limit_bytes=block_sizes.vmem_limit_bytes or VMEM_LIMIT),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ordered_attention_tpu",
+    )(scalars, queries, last, k_cache, v_cache, region_k, region_v)
+    return layout.unpack_output(out[:, :, 0, :], num_tokens, num_heads)
