@@ -27,14 +27,19 @@ Which kernel runs (``variant=None``):
   variable ``SPECJAX_KERNEL_INTERPRET=tpu`` is set (default ``gpu``). Interpret mode is
   exact but slow: it is for tests, not for speed.
 
-:func:`ordered_attention` (:mod:`.attention_ordered_gpu`) sums each query's keys in an
-order fixed by absolute position, so that a tree node reproduces the one-token step bit for
-bit; ``attn_impl="fused"`` uses it for every call without a scratch window.
+:func:`ordered_attention` sums each query's keys in an order fixed by absolute position,
+so that a tree node reproduces the one-token step bit for bit; ``attn_impl="fused"`` uses
+it for every call without a scratch window. :func:`fused_linear` is the row-tiled
+projection kernel (RMSNorm, bias, SwiGLU and residual folded into one matmul launch) that
+``attn_impl="fused"`` uses for every projection of the Llama family. Each has a GPU and a
+TPU kernel, chosen like :func:`verify_attention`'s (natively on that backend, interpreted
+elsewhere; ``SPECJAX_KERNEL_INTERPRET=tpu`` picks the TPU ones):
 
-:func:`fused_linear` is the row-tiled projection kernel of :mod:`.linear_gpu` (RMSNorm,
-bias, SwiGLU and residual folded into one matmul launch) that ``attn_impl="fused"`` uses
-for every projection of the Llama family; it has a GPU (Triton) kernel only, interpreted
-off GPU like the attention kernels.
+* :func:`ordered_attention_gpu` in :mod:`.attention_ordered_gpu` (Triton;
+  :class:`GpuOrderedBlockSizes`), :func:`ordered_attention_tpu` in
+  :mod:`.attention_ordered_tpu` (Mosaic; :class:`TpuOrderedBlockSizes`);
+* :func:`fused_linear_gpu` in :mod:`.linear_gpu` (Triton; :class:`GpuLinearBlockSizes`),
+  :func:`fused_linear_tpu` in :mod:`.linear_tpu` (Mosaic; :class:`TpuLinearBlockSizes`).
 
 With a ``fallback``, shapes the chosen kernel does not take (more than 128 new tokens, an
 unsupported head_dim or dtype, ...) go to the fallback; without one they raise
@@ -51,13 +56,16 @@ import jax
 from specjax.errors import InvalidArgumentError
 
 __all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes", "TpuBlockSizes",
-           "fused_linear", "fused_linear_gpu", "ordered_attention", "ordered_attention_gpu",
-           "verify_attention", "verify_attention_gpu",
+           "TpuLinearBlockSizes", "TpuOrderedBlockSizes", "fused_linear", "fused_linear_gpu",
+           "fused_linear_tpu", "ordered_attention", "ordered_attention_gpu",
+           "ordered_attention_tpu", "verify_attention", "verify_attention_gpu",
            "verify_attention_tpu", "select_variant", "INTERPRET_ENV"]
 
 INTERPRET_ENV = "SPECJAX_KERNEL_INTERPRET"
 VARIANTS = ("gpu", "tpu")
 _MODULES = {"gpu": "attention_gpu", "tpu": "attention_tpu"}
+_LINEAR_MODULES = {"gpu": "linear_gpu", "tpu": "linear_tpu"}
+_ORDERED_MODULES = {"gpu": "attention_ordered_gpu", "tpu": "attention_ordered_tpu"}
 # The kernel modules import Pallas; they load on first use. Keep this package cheap and
 # safe to import: run from the repository root, this directory is also importable as a
 # top-level ``kernels``, and transformers imports that name when it probes for HF kernels.
@@ -65,7 +73,10 @@ _LAZY = {"GpuBlockSizes": "attention_gpu", "verify_attention_gpu": "attention_gp
          "TpuBlockSizes": "attention_tpu", "verify_attention_tpu": "attention_tpu",
          "GpuLinearBlockSizes": "linear_gpu", "fused_linear_gpu": "linear_gpu",
          "GpuOrderedBlockSizes": "attention_ordered_gpu",
-         "ordered_attention_gpu": "attention_ordered_gpu"}
+         "ordered_attention_gpu": "attention_ordered_gpu",
+         "TpuLinearBlockSizes": "linear_tpu", "fused_linear_tpu": "linear_tpu",
+         "TpuOrderedBlockSizes": "attention_ordered_tpu",
+         "ordered_attention_tpu": "attention_ordered_tpu"}
 
 
 def __getattr__(name: str):
@@ -74,8 +85,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _kernel_module(variant: str):
-    return importlib.import_module(f"{__name__}.{_MODULES[variant]}")
+def _kernel_module(variant: str, modules: dict = _MODULES):
+    return importlib.import_module(f"{__name__}.{modules[variant]}")
 
 
 def select_variant(variant: str | None = None) -> tuple[str, bool]:
@@ -141,58 +152,55 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
     return getattr(module, f"verify_attention_{variant}")(*args, interpret=interpret, **options)
 
 
-def _gpu_only_kernel(module_name: str, kernel: str, variant: str | None):
-    """(the module of a kernel that exists for GPUs only, interpret) for this process.
-
-    Raises:
-      InvalidArgumentError: when the variant chosen is not ``"gpu"`` (a TPU).
-    """
-    variant, interpret = select_variant(variant)
-    if variant != "gpu":
-        raise InvalidArgumentError(f"the {kernel} exists for GPUs only (no TPU kernel yet): "
-                                   f"use attn_impl='kernel' on a TPU")
-    return importlib.import_module(f"{__name__}.{module_name}"), interpret
-
-
 def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
                  fallback: bool = False, **kwargs):
     """``residual + act(rms_norm(x) @ W + b)`` by the row-tiled Pallas kernel; see
-    :func:`specjax.kernels.linear_gpu.fused_linear_gpu` for the arguments.
+    :func:`specjax.kernels.linear_gpu.fused_linear_gpu` for the arguments (the TPU kernel,
+    :func:`~.linear_tpu.fused_linear_tpu`, takes the same).
 
-    Runs the GPU kernel natively on a GPU and in interpret mode on the CPU (tests). With
-    ``fallback``, shapes the kernel does not take (a width that is not a multiple of 16,
-    such as a 50257-token vocabulary) run :func:`~.linear_gpu.fused_linear_reference`.
+    The kernel is chosen like :func:`verify_attention`'s: natively on a GPU or TPU,
+    interpreted elsewhere (tests). With ``fallback``, shapes the kernel does not take (on
+    a GPU a width that is not a multiple of 16, such as a 50257-token vocabulary; on a TPU
+    blocks over its VMEM budget) run :func:`~.linear_gpu.fused_linear_reference`.
+
+    Args:
+      variant: ``"gpu"``, ``"tpu"`` or ``None`` (see :func:`select_variant`).
+      block_sizes: optional :class:`GpuLinearBlockSizes` / :class:`TpuLinearBlockSizes`.
     Raises:
-      InvalidArgumentError: on a TPU (no TPU kernel yet), or, without ``fallback``, for
-        shapes the kernel does not take.
+      InvalidArgumentError: without ``fallback``, shapes the kernel does not take.
     """
-    module, interpret = _gpu_only_kernel("linear_gpu", "fused linear kernel", variant)
+    variant, interpret = select_variant(variant)
+    module = _kernel_module(variant, _LINEAR_MODULES)
     options = {} if block_sizes is None else {"block_sizes": block_sizes}
     if fallback:
+        shape = {k: kwargs[k] for k in ("offsets", "width", "transposed") if k in kwargs}
+        if variant == "tpu":  # its VMEM estimate counts the optional blocks
+            shape.update(has_norm=kwargs.get("norm") is not None,
+                         has_residual=kwargs.get("residual") is not None,
+                         float32_out=kwargs.get("float32_out", False))
         try:
-            module.check_supported(
-                x, weights, stacked=kwargs.get("layer") is not None,
-                **{k: kwargs[k] for k in ("offsets", "width", "transposed") if k in kwargs},
-                **options)
+            module.check_supported(x, weights, stacked=kwargs.get("layer") is not None,
+                                   **shape, **options)
         except InvalidArgumentError:
             return module.fused_linear_reference(x, tuple(weights), **kwargs)
-    return module.fused_linear_gpu(x, tuple(weights), interpret=interpret, **options, **kwargs)
+    return getattr(module, f"fused_linear_{variant}")(x, tuple(weights), interpret=interpret,
+                                                      **options, **kwargs)
 
 
 def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
                       variant: str | None = None, layer=None):
-    """Position-ordered attention (:mod:`.attention_ordered_gpu`); a call it does not take
-    (a drafting call with a scratch window, a capacity that is not a multiple of its block)
-    runs :func:`verify_attention` with the kernel forced. Same arguments as that function.
-
-    Raises:
-      InvalidArgumentError: on a TPU (no TPU kernel yet).
+    """Position-ordered attention (:mod:`.attention_ordered_gpu`,
+    :mod:`.attention_ordered_tpu`, chosen like :func:`verify_attention`'s kernel); a call it
+    does not take (a drafting call with a scratch window, a capacity that is not a multiple
+    of its block) runs :func:`verify_attention` with that variant's kernel forced. Same
+    arguments as that function.
     """
-    module, interpret = _gpu_only_kernel("attention_ordered_gpu",
-                                         "position-ordered attention kernel", variant)
+    variant, interpret = select_variant(variant)
+    module = _kernel_module(variant, _ORDERED_MODULES)
     args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
     try:
         module.check_supported(*args[:5], mask, scratch_mask)
     except InvalidArgumentError:
-        return verify_attention(*args, variant="gpu", layer=layer)
-    return module.ordered_attention_gpu(*args, layer=layer, interpret=interpret)
+        return verify_attention(*args, variant=variant, layer=layer)
+    return getattr(module, f"ordered_attention_{variant}")(*args, layer=layer,
+                                                           interpret=interpret)

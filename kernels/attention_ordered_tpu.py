@@ -5,10 +5,14 @@ The contract of :mod:`.attention_ordered_gpu` (read its docstring for why): each
 row sees the keys at positions ``0 .. its own`` as one virtual sequence (the committed
 cache ``[0, length)``, then the row's ancestor chain at ``length + depth``), read in blocks
 of ``block_kv`` positions aligned at absolute position 0, one online-softmax update per
-block, in position order; scores and P @ V sums are elementwise products reduced over the
-fixed tile shape ``[block_rows, block_kv, D]`` (never an MXU dot, whose operands would
-differ between the two kinds of block); blocks past a row's own position are exact
-identities. So a verify pass reproduces the one-token steps bit for bit.
+block, in position order; blocks past a row's own position are exact identities. The
+scores and the P @ V sums are dots *batched over the query rows* (per row one
+``[1, D] x [D, block_kv]`` and one ``[1, block_kv] x [block_kv, D]`` product), so a row's
+sums depend on its own operands only; a committed block's keys are broadcast to every
+row, so both kinds of block run the same dot on the same shapes. (Elementwise products
+reduced with ``jnp.sum``, the GPU kernel's form, were not bitwise stable under the TPU
+interpreter: XLA compiled the fused reductions differently in a one-token program and a
+verify program.) So a verify pass reproduces the one-token steps bit for bit.
 
 TPU layout (Mosaic needs the last two block dims to be multiples of (8, 128) or whole):
 
@@ -18,7 +22,7 @@ TPU layout (Mosaic needs the last two block dims to be multiples of (8, 128) or 
 * query rows are packed as in :mod:`.layout` (row ``t * G + g``: node t, query head
   ``k * G + g``) with a unit axis, ``[K, R, 1, D]``, so that a tile is ``[block_rows, 1, D]``
   and every temporary is a 3-D value whose last two dims Mosaic tiles directly (scores
-  ``[rows, block_kv, 1]``, the state ``[rows, 1, 1]`` and ``[rows, 1, D]``);
+  ``[rows, 1, block_kv]``, the state ``[rows, 1, 1]`` and ``[rows, 1, D]``);
 * **committed blocks** (``block < length // block_kv``) come from the cache
   ``[L, S, K, D]``, block ``(None, block_kv, None, D)`` at (layer, block, head): one layer,
   one KV head, read in place (the layer is scalar-prefetched; steps outside the committed
@@ -39,8 +43,9 @@ scratch window, to :mod:`.attention_tpu` through the dispatcher.
 
 ``interpret=True`` runs the TPU interpreter (``pltpu.InterpretParams``) on any backend.
 Compiled for TPU v5e in the test suite; not yet run or timed on TPU hardware. Cost: every
-row tile reads the committed cache of its KV head once (no split over the KV length), and
-the scores are VPU work, not MXU dots: the price of the fixed order, as on the GPU.
+row tile reads the committed cache once (no split over the KV length, no GQA sharing of a
+key block across a dot), and the batched dots have one row each (M = 1), which leaves the
+MXU mostly idle: the price of the fixed order, as on the GPU.
 """
 
 from __future__ import annotations
@@ -135,6 +140,13 @@ def vmem_bytes(block_rows: int, block_kv: int, num_kv_heads: int, head_dim: int,
     return 2 * windows + state + temporaries + 64 * 1024
 
 
+def _batched_dot(a, b, *, contract: int):
+    """Per row r: a[r] [1, X] times b[r] ([Y, X] with contract=2, [X, Y] with contract=1),
+    float32 at full precision."""
+    return lax.dot_general(a, b, (((2,), (contract,)), ((0,), (0,))),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
 def _ordered_kernel(scalars_ref, q_ref, last_ref, k_ref, v_ref, region_k_ref, region_v_ref,
                     o_ref, m_ref, l_ref, acc_ref, *, block_kv: int, num_steps: int,
                     scale: float):
@@ -148,7 +160,7 @@ def _ordered_kernel(scalars_ref, q_ref, last_ref, k_ref, v_ref, region_k_ref, re
     """
     step = pl.program_id(1)
     first, end = scalars_ref[2], scalars_ref[3]
-    num_kv_heads = q_ref.shape[0]
+    num_kv_heads, rows = q_ref.shape[:2]
 
     @pl.when(step == 0)
     def _init():
@@ -158,26 +170,26 @@ def _ordered_kernel(scalars_ref, q_ref, last_ref, k_ref, v_ref, region_k_ref, re
 
     def update(head, keys, values):
         # The only arithmetic on scores and values: every block, cache or region, comes
-        # here with [1 or rows, block_kv, D] float32 keys/values.
+        # here with [rows, block_kv, D] float32 keys/values (see the module docstring).
         q = q_ref[head].astype(jnp.float32)  # [rows, 1, D]
-        positions = step * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv, 1), 1)
-        valid = positions <= last_ref[...]  # [rows, block_kv, 1]
-        s = jnp.sum(q * keys, axis=2, keepdims=True) * scale
+        positions = step * block_kv + lax.broadcasted_iota(jnp.int32, (1, 1, block_kv), 2)
+        valid = positions <= last_ref[...]  # [rows, 1, block_kv]
+        s = _batched_dot(q, keys, contract=2) * scale  # [rows, 1, block_kv]
         s = jnp.where(valid, s, layout.MASK_VALUE)
         m_prev = m_ref[head]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=2, keepdims=True))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.where(valid, jnp.exp(s - m_next), 0.0)
-        l_ref[head] = l_ref[head] * correction + jnp.sum(p, axis=1, keepdims=True)
-        acc_ref[head] = acc_ref[head] * correction + jnp.sum(
-            jnp.where(valid, p * values, 0.0), axis=1, keepdims=True)
+        l_ref[head] = l_ref[head] * correction + jnp.sum(p, axis=2, keepdims=True)
+        acc_ref[head] = acc_ref[head] * correction + _batched_dot(p, values, contract=1)
         m_ref[head] = m_next
 
     @pl.when(step < first)
     def _committed():
         for head in range(num_kv_heads):  # static index: a strided load Mosaic can align
-            update(head, k_ref[:, head, :].astype(jnp.float32)[None],
-                   v_ref[:, head, :].astype(jnp.float32)[None])
+            shape = (rows, block_kv, k_ref.shape[-1])
+            update(head, jnp.broadcast_to(k_ref[:, head, :].astype(jnp.float32)[None], shape),
+                   jnp.broadcast_to(v_ref[:, head, :].astype(jnp.float32)[None], shape))
 
     @pl.when((step >= first) & (step < end))
     def _region():

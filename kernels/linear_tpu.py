@@ -105,10 +105,10 @@ class TpuLinearBlockSizes:
                 raise InvalidArgumentError(
                     f"{KERNEL_NAME}: {name}={value} must be a positive multiple of {LANES}")
 
-    def resolve(self, in_features: int, width: int, columns: int, offsets: tuple
+    def resolve(self, in_features: int, width: int, columns: tuple, offsets: tuple
                 ) -> "ResolvedTiling":
-        """The tiling of a call reading columns ``offset .. offset + width`` of matrices
-        with ``columns`` columns and ``in_features`` rows (K): a function of the shape
+        """The tiling of a call reading columns ``offset .. offset + width`` of each
+        matrix (``columns`` wide, ``in_features`` = K rows): a function of the shape
         only, never of the row count.
 
         Raises:
@@ -124,23 +124,25 @@ class TpuLinearBlockSizes:
                 raise InvalidArgumentError(
                     f"{KERNEL_NAME}: N={width} (offsets {offsets}) is not a multiple of "
                     f"block_n={self.block_n}")
-            return ResolvedTiling(self.block_rows, self.block_n, block_k, False)
+            aligned = self.block_n
         if aligned:
-            return ResolvedTiling(self.block_rows, aligned, block_k, False)
-        if width == columns and not any(offsets):
-            return ResolvedTiling(self.block_rows, width, block_k, False)
-        return ResolvedTiling(self.block_rows, columns, block_k, True)
+            return ResolvedTiling(self.block_rows, aligned, block_k, (aligned,) * len(offsets))
+        if all(c == width for c in columns) and not any(offsets):
+            return ResolvedTiling(self.block_rows, width, block_k, (width,) * len(offsets))
+        return ResolvedTiling(self.block_rows, width, block_k, tuple(columns), True)
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedTiling:
-    """Blocks of one call. ``full_width``: each weight block holds all ``block_n`` =
-    ``columns`` columns and the epilogue slices the call's range out of the product."""
+    """Blocks of one call: ``block_n`` output columns per block, ``part_columns`` the
+    columns of each weight's blocks. ``full_width``: a weight block holds all of its
+    matrix's columns and the epilogue slices the call's range out of the product."""
 
     block_rows: int
     block_n: int
     block_k: int
-    full_width: bool
+    part_columns: tuple
+    full_width: bool = False
 
 
 def _multiple_of_128_divisor(*values: int) -> int:
@@ -156,15 +158,15 @@ def vmem_bytes(tiling: ResolvedTiling, *, in_features: int, width: int, num_part
                float32_out: bool) -> int:
     """Estimated VMEM of one call: every block double-buffered, plus the accumulator."""
     rows, block_n, block_k = tiling.block_rows, tiling.block_n, tiling.block_k
-    out_n = width if tiling.full_width else block_n
+    weight_columns = sum(tiling.part_columns)
     windows = (rows * block_k * itemsize  # x chunk
                + (rows * in_features * itemsize if has_norm else 0)  # whole rows
-               + num_parts * block_k * block_n * weight_itemsize
+               + block_k * weight_columns * weight_itemsize
                + (8 * block_k * weight_itemsize if has_norm else 0)  # [1, block_k] norm
-               + num_parts * 8 * block_n * weight_itemsize  # biases (sublane-padded)
-               + (rows * out_n * itemsize if has_residual else 0)
-               + rows * out_n * (4 if float32_out else itemsize))
-    return 2 * windows + num_parts * rows * block_n * 4
+               + 8 * weight_columns * weight_itemsize  # biases (sublane-padded)
+               + (rows * block_n * itemsize if has_residual else 0)
+               + rows * block_n * (4 if float32_out else itemsize))
+    return 2 * windows + rows * weight_columns * 4  # + the accumulators
 
 
 def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, has_norm: bool,
@@ -176,9 +178,9 @@ def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, has_norm: bool,
     [block_rows, block_k]; the whole rows [block_rows, K] if there is a norm; ``num_parts``
     weight blocks [block_k, block_n] ([block_n, block_k] transposed); the norm chunk
     [1, block_k] if any; a bias block [1, block_n] per part that has one; the residual
-    block [block_rows, N_out] if any; the output block [block_rows, N_out]; last the
-    float32 accumulator scratch [num_parts, block_rows, block_n]. ``slices``: per part,
-    the static column range of the accumulator kept (the whole block unless full-width).
+    block [block_rows, block_n] if any; the output block [block_rows, block_n]; last a
+    float32 accumulator scratch [block_rows, columns] per part. ``slices``: per part, the
+    static column range of its accumulator kept (the whole block unless full-width).
     """
     del layer_ref
     refs = list(refs)
@@ -187,13 +189,14 @@ def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, has_norm: bool,
     norm_ref = refs.pop(0) if has_norm else None
     bias_refs = [refs.pop(0) if flag else None for flag in has_bias]
     residual_ref = refs.pop(0) if has_residual else None
-    o_ref, acc_ref = refs
+    o_ref, *acc_refs = refs
     step = pl.program_id(2)
     dtype = x_ref.dtype
 
     @pl.when(step == 0)
     def _init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for acc_ref in acc_refs:
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     xc = x_ref[...]
     if has_norm:
@@ -203,13 +206,12 @@ def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, has_norm: bool,
                             / whole.shape[1] + eps)  # [rows, 1]
         xc = (norm_ref[...].astype(dtype)
               * (xc.astype(jnp.float32) * inv_rms).astype(dtype))
-    for part, weight_ref in enumerate(weight_refs):
-        acc_ref[part] = acc_ref[part] + _dot(xc, weight_ref[...].astype(dtype),
-                                             transposed=transposed)
+    for acc_ref, weight_ref in zip(acc_refs, weight_refs):
+        acc_ref[...] += _dot(xc, weight_ref[...].astype(dtype), transposed=transposed)
 
     @pl.when(step == num_k - 1)
     def _finish():
-        parts = [acc_ref[part][:, start:stop] for part, (start, stop) in enumerate(slices)]
+        parts = [acc_ref[:, start:stop] for acc_ref, (start, stop) in zip(acc_refs, slices)]
         biases = [None if ref is None else ref[...][:, start:stop]
                   for ref, (start, stop) in zip(bias_refs, slices)]
         residual = None if residual_ref is None else residual_ref[...]
@@ -255,13 +257,9 @@ def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
             raise InvalidArgumentError(
                 f"{KERNEL_NAME}: columns {offset}..{offset + width} are outside weight "
                 f"{w.shape}")
-    columns = {w.shape[n_axis] for w in weights}
     block_sizes.check()
-    tiling = block_sizes.resolve(in_features, width, max(columns), tuple(offsets))
-    if tiling.full_width and len(columns) > 1:
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: two weights of different widths {sorted(columns)} need "
-            f"128-aligned column ranges (offsets {offsets}, N={width})")
+    tiling = block_sizes.resolve(in_features, width, tuple(w.shape[n_axis] for w in weights),
+                                 tuple(offsets))
     needed = vmem_bytes(tiling, in_features=in_features, width=width,
                         num_parts=len(weights), itemsize=jnp.dtype(x.dtype).itemsize,
                         weight_itemsize=max(jnp.dtype(w.dtype).itemsize for w in weights),
@@ -269,7 +267,7 @@ def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
                         float32_out=float32_out)
     if needed > VMEM_BUDGET:
         raise InvalidArgumentError(
-            f"{KERNEL_NAME}: blocks {tiling.block_k} x {tiling.block_n} of weight "
+            f"{KERNEL_NAME}: blocks {tiling.block_k} x {tiling.part_columns} of weight "
             f"{weights[0].shape} need ~{needed / 2**20:.1f} MiB of VMEM (budget "
             f"{VMEM_BUDGET >> 20} MiB)")
     return tiling, width
@@ -308,27 +306,26 @@ def fused_linear_tpu(x, weights, *, norm=None, biases=None, residual=None, layer
     x_padded = jnp.pad(x, ((0, rows - num_rows), (0, 0)))
     layer_index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     out_dtype = jnp.float32 if float32_out else x.dtype
-    out_n = width if tiling.full_width else block_n
     num_k = in_features // block_k
 
     def column_block(offset):
         # Index of the block holding column `offset`: 0 for a full-width block.
         return 0 if tiling.full_width else offset // block_n
 
-    def weight_spec(offset):
+    def weight_spec(offset, columns):
         first = column_block(offset)
         if transposed:
-            return pl.BlockSpec((None, block_n, block_k),
+            return pl.BlockSpec((None, columns, block_k),
                                 lambda i, j, k, layer_ref: (layer_ref[0], j + first, k))
-        return pl.BlockSpec((None, block_k, block_n),
+        return pl.BlockSpec((None, block_k, columns),
                             lambda i, j, k, layer_ref: (layer_ref[0], k, j + first))
 
-    def bias_spec(offset):
+    def bias_spec(offset, columns):
         first = column_block(offset)
-        return pl.BlockSpec((None, 1, block_n),
+        return pl.BlockSpec((None, 1, columns),
                             lambda i, j, k, layer_ref: (layer_ref[0], 0, j + first))
 
-    out_spec = pl.BlockSpec((block_rows, out_n), lambda i, j, k, layer_ref: (i, j))
+    out_spec = pl.BlockSpec((block_rows, block_n), lambda i, j, k, layer_ref: (i, j))
     inputs = [x_padded]
     specs = [pl.BlockSpec((block_rows, block_k), lambda i, j, k, layer_ref: (i, k))]
     if norm is not None:
@@ -336,15 +333,15 @@ def fused_linear_tpu(x, weights, *, norm=None, biases=None, residual=None, layer
         specs.append(pl.BlockSpec((block_rows, in_features),
                                   lambda i, j, k, layer_ref: (i, 0)))
     inputs.extend(weights)
-    specs.extend(weight_spec(offset) for offset in offsets)
+    specs.extend(map(weight_spec, offsets, tiling.part_columns))
     if norm is not None:
         inputs.append(norm.reshape(norm.shape[0], 1, in_features))
         specs.append(pl.BlockSpec((None, 1, block_k),
                                   lambda i, j, k, layer_ref: (layer_ref[0], 0, k)))
-    for bias, offset in zip(biases, offsets):
+    for bias, offset, columns in zip(biases, offsets, tiling.part_columns):
         if bias is not None:
             inputs.append(bias.reshape(bias.shape[0], 1, bias.shape[1]))
-            specs.append(bias_spec(offset))
+            specs.append(bias_spec(offset, columns))
     if residual is not None:
         inputs.append(jnp.pad(residual.astype(x.dtype), ((0, rows - num_rows), (0, 0))))
         specs.append(out_spec)
@@ -359,10 +356,11 @@ def fused_linear_tpu(x, weights, *, norm=None, biases=None, residual=None, layer
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(rows // block_rows, width // out_n, num_k),
+            grid=(rows // block_rows, width // block_n, num_k),
             in_specs=specs,
             out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((len(weights), block_rows, block_n), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((block_rows, columns), jnp.float32)
+                            for columns in tiling.part_columns],
         ),
         out_shape=jax.ShapeDtypeStruct((rows, width), out_dtype),
         compiler_params=pltpu.CompilerParams(
