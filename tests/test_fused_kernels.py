@@ -381,18 +381,3 @@ def test_unknown_attention_implementation_is_one_line():
     with pytest.raises(InvalidArgumentError, match="fused") as info:
         specjax.generate(model, [1, 2, 3], max_new_tokens=2, attn_impl="fast")
     assert "\n" not in str(info.value)
-
-
-def test_no_tpu_kernel_is_a_one_line_error(monkeypatch):
-    """The fused path's kernels exist for GPUs only: the TPU variant is refused by name."""
-    monkeypatch.setenv(kernels.INTERPRET_ENV, "tpu")
-    x = jnp.zeros((2, 64))
-    for call, name in ((lambda: kernels.fused_linear(x, (jnp.zeros((64, 64)),)),
-                        "fused linear kernel"),
-                       (lambda: kernels.ordered_attention(
-                           jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 64)),
-                           None, None, None, jnp.ones((1, 1), bool)),
-                        "position-ordered attention kernel")):
-        with pytest.raises(InvalidArgumentError, match=f"{name} exists for GPUs only") as info:
-            call()
-        assert "\n" not in str(info.value)

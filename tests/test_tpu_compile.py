@@ -17,7 +17,9 @@ VMEM limit the compiler must refuse), the verify-attention kernel over shapes th
 use (GQA groups 1/3/4/8, head_dim 64/128, 1..128 tree nodes, float32 and bfloat16, with and
 without a scratch window, and a prefill without a cache) for each of the three
 generations, each kernel's VMEM (as the compiler reports it) against the kernel's estimate
-and the generation's VMEM, and the whole ``ar`` program for v5e. ``slow`` (run by CI):
+and the generation's VMEM, and the whole ``ar`` program for v5e; the ``attn_impl="fused"``
+kernels (``kernels/linear_tpu.py``, ``kernels/attention_ordered_tpu.py``) at SmolLM2's decode
+and verify shapes and the whole fused ``ar`` program, for v5e. ``slow`` (run by CI):
 ``tree`` (greedy acceptance, v5e) and ``staged`` (coupled, v4), and a 40-compile kernel
 sweep on v4 (every head shape and dtype at 1 node, and at 128 nodes with a 128-slot
 window). ``benchmarks/tpu_compile_report.py`` compiles every program and a 180-compile
@@ -97,6 +99,12 @@ VMEM_CANARY = LARGE_TREE.job("v5e:2x2", vmem_limit_bytes=2 * tpu_aot.MiB)
 CANARIES = [dict(kind="canary", target="v5e:2x2", dtype=dtype)
             for dtype in ("bfloat16", "float32")]
 FAST_PROGRAMS = [dict(kind="program", target="v5e:2x2", method="ar")]
+# attn_impl="fused" (kernels/linear_tpu.py, kernels/attention_ordered_tpu.py): every kernel
+# call of a SmolLM2 layer and head at decode (1 row) and verify (16 rows) shapes, and the
+# whole fused `ar` program, for v5e (~30 s together).
+FUSED_KERNEL_JOBS = [dict(kind="fused_kernels", target="v5e:2x2", tokens=tokens)
+                     for tokens in (1, 16)]
+FUSED_PROGRAM = dict(kind="program", target="v5e:2x2", method="ar", attn_impl="fused")
 # slow (CI runs it; the two take ~2.5 of its ~4 min): each speculative method and
 # acceptance rule once. benchmarks/tpu_compile_report.py compiles every program for every
 # generation (all compiled, see benchmarks/results/tpu_compile/programs.json).
@@ -123,7 +131,8 @@ SWEEP = _sweep(("v4:2x2x1",), ((1, 0), (128, 128)))
 
 
 def _key(job: dict) -> str:
-    return "-".join(str(job.get(k)) for k in ("kind", "target", "method", "verify", "dtype",
+    return "-".join(str(job.get(k)) for k in ("kind", "target", "method", "verify",
+                                              "attn_impl", "dtype",
                                               "num_heads", "num_kv_heads", "head_dim",
                                               "tokens", "window", "capacity",
                                               "vmem_limit_bytes"))
@@ -137,7 +146,7 @@ def _run(jobs: list[dict]) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def fast_records():
     jobs = (CANARIES + [VMEM_CANARY] + [shape.job(target) for target, shape in FAST_KERNELS]
-            + FAST_PROGRAMS)
+            + FAST_PROGRAMS + FUSED_KERNEL_JOBS + [FUSED_PROGRAM])
     return _run(jobs)
 
 
@@ -226,6 +235,26 @@ def test_generation_program_compiles(fast_records, job):
 @pytest.mark.parametrize("job", SLOW_PROGRAMS, ids=_key)
 def test_every_generation_program_compiles(slow_records, job):
     check_program(slow_records[_key(job)])
+
+
+@needs_compiler
+@pytest.mark.parametrize("job", FUSED_KERNEL_JOBS, ids=_key)
+def test_fused_kernels_compile(fast_records, job):
+    """The fused linear kernel in each of its forms (q, k, v ranges of the 960-wide fused
+    q|k|v matrix, which take the full-width block; o, gate|up, down, the tied head) and the
+    position-ordered attention compile with Mosaic at SmolLM2 shapes."""
+    record = fast_records[_key(job)]
+    _compiled(record)
+    assert all(count > 0 for count in record["fused_kernels"].values()), record["fused_kernels"]
+
+
+@needs_compiler
+def test_fused_program_compiles(fast_records):
+    """The whole ``attn_impl="fused"`` ``ar`` generation (prefill and decode steps through
+    the fused layers) compiles for TPU, with both fused kernels in it."""
+    record = fast_records[_key(FUSED_PROGRAM)]
+    _compiled(record)
+    assert all(count > 0 for count in record["fused_kernels"].values()), record["fused_kernels"]
 
 
 # ----------------------------------------------------------------------------- tiling (no libtpu)

@@ -50,6 +50,8 @@ MiB = 2**20
 TARGETS = {"v4:2x2x1": 16 * MiB, "v5e:2x2": 128 * MiB, "v6e:2x2": 128 * MiB,
            "v5p:2x2x1": 64 * MiB}
 KERNEL_PREFIXES = ("verify_attention_tpu_split", "verify_attention_tpu_combine")
+# The kernels of attn_impl="fused", counted apart (an attn_impl="kernel" program has none).
+FUSED_PREFIXES = ("fused_linear_tpu", "ordered_attention_tpu")
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -205,6 +207,53 @@ def build_generation_program(method: str, *, verify: str | None = None,
     return fn, request.args
 
 
+def fused_kernel_calls(job: dict, sharding):
+    """(jitted function, abstract arguments): every ``attn_impl="fused"`` kernel call of one
+    SmolLM2-135M layer and its head at ``job["tokens"]`` rows (bfloat16): the q, k, v ranges
+    of the fused q|k|v matrix (RMSNorm folded in), o (+ residual), gate|up SwiGLU, down
+    (+ residual), the tied head (float32 logits) and the position-ordered attention over a
+    stacked 2048-slot cache, each read at a traced layer."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax import config as config_lib
+    from specjax.kernels.attention_ordered_tpu import ordered_attention_tpu
+    from specjax.kernels.linear_tpu import fused_linear_tpu
+
+    c = config_lib.smollm2_135m()
+    t, d, f, layers = job["tokens"], c.hidden_size, c.intermediate_size, c.num_layers
+    q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    dtype = jnp.dtype(job.get("dtype", "bfloat16"))
+    sds = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    args = dict(x=sds((t, d)), w_qkv=sds((layers, d, q_width + 2 * kv_width)),
+                attn_norm=sds((layers, d)), w_o=sds((layers, q_width, d)),
+                w_gate_up=sds((layers, d, 2 * f)), mlp_norm=sds((layers, d)),
+                w_down=sds((layers, f, d)), embed=sds((c.vocab_size, d)), final_norm=sds((d,)),
+                q=sds((t, c.num_heads, c.head_dim)), k=sds((t, c.num_kv_heads, c.head_dim)),
+                cache=sds((layers, 2048, c.num_kv_heads, c.head_dim)),
+                length=sds((), jnp.int32), mask=sds((t, t), jnp.bool_),
+                layer=sds((), jnp.int32))
+
+    def calls(a):
+        x, layer = a["x"], a["layer"]
+        qkv = [fused_linear_tpu(x, (a["w_qkv"],), norm=a["attn_norm"], layer=layer,
+                                offsets=(offset,), width=width)
+               for offset, width in ((0, q_width), (q_width, kv_width),
+                                     (q_width + kv_width, kv_width))]
+        attention = ordered_attention_tpu(a["q"], a["k"], a["k"], a["cache"], a["cache"],
+                                          a["length"], a["mask"], layer=layer)
+        o = fused_linear_tpu(attention.reshape(t, q_width), (a["w_o"],), residual=x,
+                             layer=layer)
+        h = fused_linear_tpu(o, (a["w_gate_up"],) * 2, norm=a["mlp_norm"], layer=layer,
+                             offsets=(0, f), width=f)
+        down = fused_linear_tpu(h, (a["w_down"],), residual=o, layer=layer)
+        logits = fused_linear_tpu(down, (a["embed"],), norm=a["final_norm"], transposed=True,
+                                  float32_out=True)
+        return (*qkv, logits)
+
+    return jax.jit(calls), (args,)
+
+
 def canary(job: dict, sharding):
     """A kernel Mosaic must reject in bfloat16: a middle-axis load at a *dynamic* index
     (E2003, unprovable alignment). It compiles in float32. Proves errors reach us."""
@@ -302,7 +351,8 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
     """Lowers and compiles one job for its target; never raises.
 
     Jobs: ``{"kind": "kernel", "target", **kernel_args keys}``,
-    ``{"kind": "program", "target", "method", "verify", "dtype"}``,
+    ``{"kind": "program", "target", "method", "verify", "dtype", "attn_impl"}``,
+    ``{"kind": "fused_kernels", "target", "tokens"}`` (:func:`fused_kernel_calls`),
     ``{"kind": "canary", "target", "dtype"}``; a kernel job may set ``vmem_limit_bytes``.
     """
     import jax
@@ -324,9 +374,14 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
         elif job["kind"] == "program":
             _compile_kernels_for_tpu()
             fn, args = build_generation_program(job["method"], verify=job.get("verify"),
-                                                dtype=job.get("dtype", "bfloat16"))
+                                                dtype=job.get("dtype", "bfloat16"),
+                                                attn_impl=job.get("attn_impl", "kernel"))
             start = time.perf_counter()
             lowered = fn.lower(*_abstract(args, sharding))
+        elif job["kind"] == "fused_kernels":
+            fn, args = fused_kernel_calls(job, sharding)
+            start = time.perf_counter()
+            lowered = fn.lower(*args)
         elif job["kind"] == "canary":
             fn, args = canary(job, sharding)
             start = time.perf_counter()
@@ -343,6 +398,7 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
         # must contain the TPU kernels, not the CPU fallback or an interpreted kernel).
         text = compiled.as_text()
         record["tpu_kernels"] = {prefix: text.count(prefix) for prefix in KERNEL_PREFIXES}
+        record["fused_kernels"] = {prefix: text.count(prefix) for prefix in FUSED_PREFIXES}
         record["large_copies"] = _large_copies(text)
         record["ok"] = True
     except Exception as error:  # noqa: BLE001 -- the record carries it to the test

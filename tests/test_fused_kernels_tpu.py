@@ -1,0 +1,206 @@
+"""The TPU (Mosaic) kernels of ``attn_impl="fused"``: the row-tiled fused linear kernel
+(``kernels/linear_tpu.py``) and the position-ordered attention kernel
+(``kernels/attention_ordered_tpu.py``), run under the TPU interpreter on the CPU (which
+fills buffers a kernel never writes with NaN; the attention inputs hold NaN in every cache
+slot a query must not read). The same checks as ``tests/test_fused_kernels.py`` for the
+GPU kernels, reusing its inputs and helpers:
+
+* the linear kernel against :func:`fused_linear_reference` for every form the models use
+  (plain, RMSNorm + bias + residual, SwiGLU from one fused matrix and from two, the
+  transposed float32 head), in each of its three column tilings (128-aligned blocks with
+  several K chunks, a whole matrix, a full-width block sliced in the epilogue), fp32 and
+  bf16;
+* row independence: a row computed in calls of 1, 5, 16 and 17 rows is bitwise the same,
+  and a reduction chunk chosen from the row count (the bug the tiling rules out) is caught;
+* the ordered attention against ``attention_reference`` (the GPU test's cases);
+* whole models through the dispatcher (``SPECJAX_KERNEL_INTERPRET=tpu``): every node on a
+  root-to-leaf path of a 17-node tree is bitwise the one-token ``ar`` step at its position
+  (fp32; bf16 in the slow tier), on the GPU test's tiny model.
+
+Limit of the interpreter check: XLA compiles an interpreted kernel body anew inside each
+program, and does not always round it the same way in a one-token program and a verify
+program. On other tiny models (hidden 256; or the default N(0, 0.02) weights, whose flat
+softmax shows every last bit) a few path nodes differ in the last bits for the GPU kernels
+under their interpreter as well as for these; a model-level wrong variant (a KV block
+chosen from the token count) is therefore not asserted here, only the kernel-level one
+(a K chunk chosen from the row count), which is exact.
+
+``tests/test_tpu_compile.py`` compiles both kernels and a whole fused model step with
+Mosaic for real TPU generations.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import kernels
+from specjax.errors import InvalidArgumentError
+from specjax.kernels.attention_ordered_tpu import ordered_attention_tpu
+from specjax.kernels.linear_tpu import (TpuLinearBlockSizes, check_supported,
+                                        fused_linear_reference, fused_linear_tpu)
+
+from test_fused_kernels import (FORMS, ORDERED_CASES, TOLERANCE, _arrays, _params,
+                                _path_versus_tree, _tiny_config)
+from test_kernels import make_inputs, reference
+
+# 128-aligned shapes: two K chunks of 128 and two column blocks of 128 per range.
+ALIGNED = TpuLinearBlockSizes(block_k=128, block_n=128)
+K_WIDE, N_WIDE = 256, 256
+
+
+def _aligned_arrays(dtype, rows=5, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    x = jax.random.normal(ks[0], (rows, K_WIDE)) * jnp.logspace(-2, 2, K_WIDE)
+    w = 0.1 * jax.random.normal(ks[1], (3, K_WIDE, 2 * N_WIDE))
+    norm = 1 + 0.1 * jax.random.normal(ks[2], (3, K_WIDE))
+    bias = 0.1 * jax.random.normal(ks[3], (3, 2 * N_WIDE))
+    residual = jax.random.normal(ks[4], (rows, N_WIDE))
+    return tuple(a.astype(dtype) for a in (x, w, norm, bias, residual))
+
+
+def _check(got, want, dtype):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32))))  # every element written
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_every_form_matches_the_reference(dtype):
+    """The GPU test's forms (K=64, N=96: a whole matrix, and ranges at column 96 of a
+    192-wide one, which take the full-width block), then norm + bias + residual + SwiGLU
+    on 128-aligned ranges (two K chunks, two column blocks), and the tied head."""
+    x, *rest = _arrays(dtype)
+    for form in sorted(FORMS):
+        kwargs = FORMS[form](x, *rest)
+        got = fused_linear_tpu(x, layer=jnp.int32(1), interpret=True, **kwargs)
+        _check(got, fused_linear_reference(x, layer=jnp.int32(1), **kwargs), dtype)
+    x, w, norm, bias, residual = _aligned_arrays(dtype)
+    for kwargs in (dict(weights=(w,), norm=norm, biases=(bias,), residual=residual,
+                        offsets=(N_WIDE,), width=N_WIDE),
+                   dict(weights=(w, w), norm=norm, biases=(bias, bias), offsets=(0, N_WIDE),
+                        width=N_WIDE)):
+        got = fused_linear_tpu(x, layer=jnp.int32(2), block_sizes=ALIGNED, interpret=True,
+                               **kwargs)
+        _check(got, fused_linear_reference(x, layer=jnp.int32(2), **kwargs), dtype)
+    table = (0.5 * jax.random.normal(jax.random.PRNGKey(3), (96, 64))).astype(dtype)
+    head = dict(norm=jnp.linspace(0.5, 1.5, 64).astype(dtype), transposed=True,
+                float32_out=True)
+    got = fused_linear_tpu(_arrays(dtype)[0], (table,), interpret=True, **head)
+    want = fused_linear_reference(_arrays(dtype)[0], (table,), **head)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tilings_follow_the_shape():
+    sizes = TpuLinearBlockSizes()
+    # SmolLM2-135M: q|k|v ranges of the 960-wide fused matrix take the full width; o and
+    # down read whole 576-wide matrices; gate|up and the head get 512-wide blocks.
+    for offset, width in ((0, 576), (576, 192), (768, 192)):
+        tiling = sizes.resolve(576, width, (960,), (offset,))
+        assert tiling.full_width and tiling.part_columns == (960,) and tiling.block_k == 576
+    assert sizes.resolve(1536, 576, (576,), (0,)).part_columns == (576,)
+    assert sizes.resolve(1536, 576, (576,), (0,)).block_k == 512
+    assert sizes.resolve(576, 1536, (3072, 3072), (0, 1536)).block_n == 512
+    assert not sizes.resolve(576, 49152, (49152,), (0,)).full_width
+
+
+def test_rows_are_bitwise_independent_of_the_row_count():
+    """Row r of calls over 1, 5, 16 and 17 rows: bitwise equal (two K chunks, SwiGLU)."""
+    x, w, norm, bias, _ = _aligned_arrays(jnp.float32, rows=17, seed=7)
+    kwargs = dict(weights=(w, w), norm=norm, biases=(bias, bias), offsets=(0, N_WIDE),
+                  width=N_WIDE, layer=jnp.int32(1), block_sizes=ALIGNED, interpret=True)
+    together = np.asarray(fused_linear_tpu(x, **kwargs))
+    for count in (5, 16):
+        part = np.asarray(fused_linear_tpu(x[:count], **kwargs))
+        np.testing.assert_array_equal(part, together[:count])
+    for row in (0, 4, 16):
+        alone = np.asarray(fused_linear_tpu(x[row:row + 1], **kwargs))
+        np.testing.assert_array_equal(alone[0], together[row])
+
+
+def test_a_row_dependent_k_chunk_is_caught():
+    """The comparison above sees the bug the tiling rules out: a K chunk chosen from the
+    row count (the whole K for one row, 128 for many) changes a row's last bits."""
+    x, w, *_ = _aligned_arrays(jnp.float32, rows=16, seed=4)
+    kwargs = dict(weights=(w,), layer=jnp.int32(0), offsets=(0,), width=N_WIDE,
+                  interpret=True)
+    many = np.asarray(fused_linear_tpu(x, block_sizes=ALIGNED, **kwargs))
+    one_chunk = TpuLinearBlockSizes(block_k=K_WIDE, block_n=128)
+    differs = sum(
+        bool(np.any(np.asarray(fused_linear_tpu(x[row:row + 1], block_sizes=one_chunk,
+                                                **kwargs))[0] != many[row]))
+        for row in range(0, 16, 3))
+    assert differs > 0
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: check_supported(jnp.zeros((2, 64)), [jnp.zeros((32, 64))]),
+     "does not take 64 input features"),
+    (lambda: check_supported(jnp.zeros((2, 256)), [jnp.zeros((256, 256))],
+                             block_sizes=TpuLinearBlockSizes(block_n=192)), "multiple of 128"),
+    (lambda: check_supported(jnp.zeros((2, 256)), [jnp.zeros((256, 384))],
+                             block_sizes=TpuLinearBlockSizes(block_n=256)), "block_n=256"),
+    (lambda: check_supported(jnp.zeros((2, 768)), [jnp.zeros((50257, 768))], transposed=True),
+     "MiB of VMEM"),
+    (lambda: check_supported(jnp.zeros((2, 64), jnp.float16), [jnp.zeros((64, 64))]),
+     "dtype float16"),
+])
+def test_bad_input_is_one_line(call, message):
+    with pytest.raises(InvalidArgumentError, match=message) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+# --- position-ordered attention ---------------------------------------------------------
+
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=lambda c: c.name)
+def test_ordered_attention_matches_reference(case):
+    args, reference_args = make_inputs(case, seed=ORDERED_CASES.index(case))
+    out = ordered_attention_tpu(*args, interpret=True)
+    expected = reference(*reference_args)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))), "unwritten or poisoned output"
+    tol = TOLERANCE[case.dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def test_ordered_attention_refuses_what_it_does_not_order():
+    q = kv = jnp.zeros((2, 2, 64))
+    mask = jnp.eye(2, dtype=bool)
+    cache = jnp.zeros((50, 2, 64))  # no multiple of 16 divides the capacity
+    with pytest.raises(InvalidArgumentError, match="not a multiple of block_kv") as info:
+        ordered_attention_tpu(q, kv, kv, cache, cache, jnp.int32(3), mask, interpret=True)
+    assert "\n" not in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="scratch window"):
+        ordered_attention_tpu(q, kv, kv, cache[:48], cache[:48], jnp.int32(3), mask,
+                              jnp.ones((2, 1), bool), interpret=True)
+
+
+# --- through the dispatcher, whole models ------------------------------------------------
+
+def test_the_dispatcher_picks_the_tpu_kernels(monkeypatch):
+    monkeypatch.setenv(kernels.INTERPRET_ENV, "tpu")
+    assert kernels.select_variant() == ("tpu", True)
+    x, w, *_ = _arrays(jnp.float32)
+    np.testing.assert_array_equal(
+        kernels.fused_linear(x, (w,), layer=jnp.int32(0), fallback=True),
+        fused_linear_tpu(x, (w,), layer=jnp.int32(0), interpret=True))
+    huge = jnp.zeros((50257, 64))  # over the VMEM budget: the reference runs
+    np.testing.assert_array_equal(
+        kernels.fused_linear(x, (huge,), transposed=True, fallback=True),
+        fused_linear_reference(x, (huge,), transposed=True))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32,
+                                   pytest.param(jnp.bfloat16, marks=pytest.mark.slow)],
+                         ids=["fp32", "bf16"])
+def test_every_node_on_a_path_is_bitwise_the_ar_step(monkeypatch, dtype):
+    monkeypatch.setenv(kernels.INTERPRET_ENV, "tpu")
+    config = _tiny_config()
+    params = jax.tree.map(lambda a: a.astype(dtype), _params(config))
+    assert all(_path_versus_tree(config, params, 12))
