@@ -87,7 +87,7 @@ def _add_generate(sub) -> None:
                         "float32 on CPU (default: float32)")
     p.add_argument("--attn-impl", default="auto", choices=IMPLEMENTATIONS,
                    help="attention implementation (default: auto = kernel on GPU/TPU, "
-                        "reference on CPU); fused: the kernels for the projections too (GPU)")
+                        "reference on CPU); fused: the kernels for the projections too (GPU/TPU)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of streaming text")
     p.set_defaults(func=_generate)
