@@ -20,11 +20,16 @@ install: $(STAMP)
 demo: install
 	$(BIN)/specjax generate "def fibonacci(n):" --max-new-tokens 64
 
+# The suite runs in parallel (pytest-xdist, one worker per core): most of it is XLA
+# compiling small programs, one core each. JOBS=0 runs it in this process.
+JOBS ?= auto
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal
+
 test: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-all: install
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 bench: install
 	$(BIN)/python benchmarks/bench_ar.py

@@ -40,6 +40,8 @@ work.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import threading
 import time
@@ -303,6 +305,25 @@ def clear_compiled() -> None:
     _EXECUTABLES.clear()
 
 
+_COMPILER_OPTIONS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "specjax_compiler_options", default=())
+
+
+@contextlib.contextmanager
+def compiler_options(**options):
+    """Generation programs compiled inside this block get these XLA compiler options
+    (``Lowered.compile(compiler_options=...)``), e.g. ``xla_backend_optimization_level=0``
+    to compile small models faster at some cost in run time. The options are part of the
+    executable cache key; a block inside another adds to its options. Per thread/context.
+    """
+    token = _COMPILER_OPTIONS.set(tuple(sorted({**dict(_COMPILER_OPTIONS.get()),
+                                                **options}.items())))
+    try:
+        yield
+    finally:
+        _COMPILER_OPTIONS.reset(token)
+
+
 def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
              carry: int | None = None):
     """Returns (executable, compile seconds, or 0.0 when cached) of ``fn(params, loop, *rest)``
@@ -314,7 +335,8 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
 
     Thread-safe: concurrent callers needing the same new program compile it once (see
     ``_COMPILE_LOCK``; compilations are serialised)."""
-    key = (fn, loop, donate, carry, _signature(args))
+    options = _COMPILER_OPTIONS.get()
+    key = (fn, loop, donate, carry, options, _signature(args))
     hit = _EXECUTABLES.get(key)
     if hit is not None:
         return hit, 0.0
@@ -330,7 +352,8 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
         jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate,
                          **placement)
         with sharding.tracing(mesh):  # parameters on a mesh: see there
-            executable = jitted.lower(*args).compile()
+            lowered = jitted.lower(*args)
+            executable = lowered.compile(dict(options)) if options else lowered.compile()
         _EXECUTABLES[key] = executable
         return executable, time.perf_counter() - start
 

@@ -126,6 +126,25 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
+# The fast tier compiles the tiny models' generation programs with XLA's CPU backend
+# optimisations off: about a third less compile time for the same programs (the HLO passes
+# are the same; `ar` and every method compile alike, so exactness is checked like for
+# like). Tests marked slow, and those on the real model, whose run time would grow, compile
+# as users do; so do the sharding and multi-host subprocesses' slow tiers.
+FAST_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+@pytest.fixture(autouse=True)
+def _fast_compiles(request):
+    from specjax import decode
+
+    if request.node.get_closest_marker("slow") or "smollm2" in request.fixturenames:
+        yield
+        return
+    with decode.compiler_options(**FAST_COMPILER_OPTIONS):
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF), fp32."""

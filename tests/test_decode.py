@@ -81,6 +81,25 @@ def test_no_recompilation_across_prompts_and_sampling_settings():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def test_compiler_options_compile_their_own_program_with_the_same_tokens():
+    """``decode.compiler_options`` reaches XLA (a misspelt option fails to compile), keys
+    the executable cache (a new compile inside the block, none on return), and changes no
+    token: the backend optimisation level does not change the arithmetic."""
+    from specjax import decode
+
+    _, model = tiny_pair("llama-gqa", seed=16, num_hidden_layers=2)
+    prompt = random_prompt(3, 11)
+    plain = specjax.generate(model, prompt, max_new_tokens=12, temperature=1.0, seed=4)
+    with decode.compiler_options(xla_backend_optimization_level=1):  # the suite's is 0
+        fast = specjax.generate(model, prompt, max_new_tokens=12, temperature=1.0, seed=4)
+        with decode.compiler_options(xla_no_such_option=1), pytest.raises(Exception,
+                                                                           match="no_such"):
+            specjax.generate(model, prompt, max_new_tokens=12)
+    again = specjax.generate(model, prompt, max_new_tokens=12, temperature=1.0, seed=4)
+    assert fast.stats["compile_seconds"] > 0 and again.stats["compile_seconds"] == 0.0
+    assert fast.tokens == plain.tokens == again.tokens
+
+
 def test_stop_tokens_end_generation_and_are_kept():
     _, model = tiny_pair("gpt2", seed=16)
     prompt = random_prompt(6, 8)
