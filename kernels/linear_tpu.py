@@ -30,13 +30,13 @@ dividing K, else K itself (SmolLM2's 576: one chunk). Columns:
 * when the width N and every column offset are multiples of 128: ``block_n`` is the
   largest multiple of 128 up to 512 dividing all of them (gate|up, the head);
 * when the call reads a whole matrix (offset 0, N = its width): one block of N columns
-  (SmolLM2's o and down projections, 576 wide);
-* otherwise (SmolLM2's fused q|k|v, 576|192|192 = 960 columns: no 128-wide block starts at
-  column 576): **the whole width** of the weight is one block; each step multiplies all
-  its columns and the epilogue keeps the call's range, a static slice of the float32
-  product. Such a call reads the whole fused matrix (the three q, k, v calls read it three
-  times, ~30% more weight traffic per SmolLM2 layer than exact ranges) and multiplies
-  960 columns for 192; the alternative, an unaligned DMA window per call, is not used.
+  (SmolLM2's o and down projections, 576 wide, and its fused q|k|v, 576|192|192 = 960
+  wide, which the model projects in one call and splits after);
+* otherwise (a column range that no 128-wide block can start at, such as k alone at
+  column 576 of that q|k|v matrix): **the whole width** of the weight is one block; each
+  step multiplies all its columns and the epilogue keeps the call's range, a static slice
+  of the float32 product. Such a call reads and multiplies the whole matrix for its range;
+  the alternative, an unaligned DMA window per call, is not used.
 
 Numerics as :mod:`.linear_gpu`: float32 accumulation, float32 products at
 ``Precision.HIGHEST``, bf16 on the MXU's default, the epilogue shared with it.

@@ -19,6 +19,8 @@ a kernel never writes with NaN). Checked here:
   node on a root-to-leaf path of a 17-node tree is bitwise the one-token step that ``ar``
   runs at that position after committing the path before it, while a KV blocking that
   changes with the number of new tokens (the deliberately wrong variant) is caught;
+* the launches: a fused pass is 5 Pallas calls per layer with fused q|k|v and gate|up
+  weights (7 with separate q, k, v) plus the head, counted in its jaxpr;
 * generation: ``ar`` (batch of two) and ``tree`` under ``"fused"`` give the reference's
   greedy tokens;
 * the Triton lowering accepts both kernels at the model shapes (SmolLM2, Llama-7B);
@@ -28,6 +30,7 @@ a kernel never writes with NaN). Checked here:
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -294,6 +297,39 @@ def test_fused_model_matches_reference_and_root_is_bitwise(case):
         fused_logits = run("fused", count)
         np.testing.assert_allclose(fused_logits, reference[:count], rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(fused_logits[0], one[0])  # bit for bit
+
+
+def _pallas_calls(jaxpr) -> list[str]:
+    """Names of the Pallas calls in a jaxpr, a scan's body counted once (one layer)."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(str(eqn.params.get("name")))
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += _pallas_calls(sub)
+    return names
+
+
+@pytest.mark.parametrize("fused_projections,per_layer", [(False, 7), (True, 5)],
+                         ids=["separate", "fused-projections"])
+def test_kernel_calls_per_layer(fused_projections, per_layer):
+    """A fused verify pass is ``per_layer`` Pallas calls per layer plus the head: q|k|v
+    (one call over the fused matrix, split after; else three), attention, o, gate|up and
+    down. The fused-projection logits agree with the reference."""
+    config = _tiny_config(num_kv_heads=4, tie_word_embeddings=False, qkv_bias=True)
+    params = _params(config, fused=fused_projections)
+    cache = _prefilled(config, params)
+    tokens, positions = jnp.arange(3, dtype=jnp.int32), 12 + jnp.arange(3, dtype=jnp.int32)
+
+    def run(impl):
+        return models.forward(params, config, tokens, positions, cache, attn_impl=impl)[0]
+
+    calls = _pallas_calls(jax.make_jaxpr(lambda: run("fused"))().jaxpr)
+    assert len(calls) == per_layer + 1, calls
+    assert sum("ordered_attention" in name for name in calls) == 1, calls
+    np.testing.assert_allclose(jax.jit(lambda: run("fused"))(),
+                               jax.jit(lambda: run("reference"))(), rtol=1e-4, atol=1e-4)
 
 
 TREE_PARENTS = [-1, 0, 0, 1, 3, 2, 0, 6, 7, 7, 1, 4, 11, 12, 5, 2, 15]  # 17 nodes, depth 6

@@ -240,8 +240,8 @@ def test_every_generation_program_compiles(slow_records, job):
 @needs_compiler
 @pytest.mark.parametrize("job", FUSED_KERNEL_JOBS, ids=_key)
 def test_fused_kernels_compile(fast_records, job):
-    """The fused linear kernel in each of its forms (q, k, v ranges of the 960-wide fused
-    q|k|v matrix, which take the full-width block; o, gate|up, down, the tied head) and the
+    """The fused linear kernel in each of its forms (the 960-wide fused q|k|v matrix whole,
+    and its k range, which takes the full-width block; o, gate|up, down, the tied head) and the
     position-ordered attention compile with Mosaic at SmolLM2 shapes."""
     record = fast_records[_key(job)]
     _compiled(record)

@@ -209,8 +209,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
 
 def fused_kernel_calls(job: dict, sharding):
     """(jitted function, abstract arguments): every ``attn_impl="fused"`` kernel call of one
-    SmolLM2-135M layer and its head at ``job["tokens"]`` rows (bfloat16): the q, k, v ranges
-    of the fused q|k|v matrix (RMSNorm folded in), o (+ residual), gate|up SwiGLU, down
+    SmolLM2-135M layer and its head at ``job["tokens"]`` rows (bfloat16): the fused q|k|v
+    matrix whole and its k range alone (RMSNorm folded in), o (+ residual), gate|up SwiGLU, down
     (+ residual), the tied head (float32 logits) and the position-ordered attention over a
     stacked 2048-slot cache, each read at a traced layer."""
     import jax
@@ -236,10 +236,11 @@ def fused_kernel_calls(job: dict, sharding):
 
     def calls(a):
         x, layer = a["x"], a["layer"]
+        # The whole q|k|v matrix (what the model calls), and one range no 128-lane block
+        # can start at (k, column 576: the full-width block cut in the epilogue).
         qkv = [fused_linear_tpu(x, (a["w_qkv"],), norm=a["attn_norm"], layer=layer,
                                 offsets=(offset,), width=width)
-               for offset, width in ((0, q_width), (q_width, kv_width),
-                                     (q_width + kv_width, kv_width))]
+               for offset, width in ((0, q_width + 2 * kv_width), (q_width, kv_width))]
         attention = ordered_attention_tpu(a["q"], a["k"], a["k"], a["cache"], a["cache"],
                                           a["length"], a["mask"], layer=layer)
         o = fused_linear_tpu(attention.reshape(t, q_width), (a["w_o"],), residual=x,

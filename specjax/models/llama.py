@@ -157,10 +157,9 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
                       width=width, eps=eps, **kwargs)
 
     norm = layers["attn_norm"]
-    if "w_qkv" in layers:
-        q, k, v = (project("w_qkv", offset, width, "b_qkv", norm=norm)
-                   for offset, width in ((0, q_width), (q_width, kv_width),
-                                         (q_width + kv_width, kv_width)))
+    if "w_qkv" in layers:  # one call over the whole fused matrix, split after
+        qkv = project("w_qkv", 0, q_width + 2 * kv_width, "b_qkv", norm=norm)
+        q, k, v = jnp.split(qkv, (q_width, q_width + kv_width), axis=-1)
     else:
         q, k, v = (project(w, 0, width, b, norm=norm) for w, b, width in (
             ("wq", "bq", q_width), ("wk", "bk", kv_width), ("wv", "bv", kv_width)))
