@@ -314,10 +314,13 @@ def compiler_options(**options):
     """Generation programs compiled inside this block get these XLA compiler options
     (``Lowered.compile(compiler_options=...)``), e.g. ``xla_backend_optimization_level=0``
     to compile small models faster at some cost in run time. The options are part of the
-    executable cache key; a block inside another adds to its options. Per thread/context.
+    executable cache key; a block inside another adds to its options, and an option
+    given as ``None`` is removed. The options are a context variable: a new thread starts
+    without them (run it in ``contextvars.copy_context()`` to carry them).
     """
-    token = _COMPILER_OPTIONS.set(tuple(sorted({**dict(_COMPILER_OPTIONS.get()),
-                                                **options}.items())))
+    merged = {**dict(_COMPILER_OPTIONS.get()), **options}
+    token = _COMPILER_OPTIONS.set(tuple(sorted((name, value) for name, value in merged.items()
+                                               if value is not None)))
     try:
         yield
     finally:

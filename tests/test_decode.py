@@ -95,6 +95,8 @@ def test_compiler_options_compile_their_own_program_with_the_same_tokens():
         with decode.compiler_options(xla_no_such_option=1), pytest.raises(Exception,
                                                                            match="no_such"):
             specjax.generate(model, prompt, max_new_tokens=12)
+        with decode.compiler_options(xla_backend_optimization_level=None, xla_foo=2):
+            assert dict(decode._COMPILER_OPTIONS.get()) == {"xla_foo": 2}  # None removes
     again = specjax.generate(model, prompt, max_new_tokens=12, temperature=1.0, seed=4)
     assert fast.stats["compile_seconds"] > 0 and again.stats["compile_seconds"] == 0.0
     assert fast.tokens == plain.tokens == again.tokens

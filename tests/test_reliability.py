@@ -11,6 +11,7 @@ target. The short soak comes first: it counts the Llama target's programs.
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import os
 import pty
@@ -32,6 +33,7 @@ import specjax
 from specjax import api, decode
 from specjax.errors import NumericalError
 
+from conftest import FAST_COMPILER_OPTIONS
 from helpers_checkpoints import _LLAMA, _build, tiny_vocabulary, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,14 +54,18 @@ def soak():
 
 @pytest.fixture(scope="module")
 def llama(soak):
-    """Llama target (RoPE, 512 positions), two drafts sharing a config, n-gram tables."""
-    return soak.build_fixture("llama", 512)
+    """Llama target (RoPE, 512 positions), two drafts sharing a config, n-gram tables
+    (fitted to the target's text by programs compiled as the fast tests' are, so that the
+    soak counts one program per method)."""
+    with decode.compiler_options(**FAST_COMPILER_OPTIONS):
+        return soak.build_fixture("llama", 512)
 
 
 @pytest.fixture(scope="module")
 def gpt2(soak, llama):
     """GPT-2 target (learned positions) with a 100-position table, and its drafts."""
-    return soak.build_fixture("gpt2", 100, tables=llama.tables)
+    with decode.compiler_options(**FAST_COMPILER_OPTIONS):
+        return soak.build_fixture("gpt2", 100, tables=llama.tables)
 
 
 def ar_tokens(fixture, prompt, **kwargs) -> list[int]:
@@ -231,7 +237,9 @@ def test_two_threads_get_the_single_threaded_outputs(soak, llama):
         except Exception as error:  # reported below, with the thread's call
             errors.append(repr(error))
 
-    threads = [threading.Thread(target=worker, args=(order,))
+    # Each thread runs in a copy of this one's context: the suite's compiler options (a
+    # context variable) hold there too, so the threads share the programs compiled above.
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(worker, order))
                for order in (calls, calls[::-1])]
     for thread in threads:
         thread.start()
@@ -304,7 +312,8 @@ def test_threads_share_a_model_with_a_tokenizer(tiny_gguf):
         except Exception as error:  # reported below
             errors.append(repr(error))
 
-    threads = [threading.Thread(target=worker, args=(o,)) for o in (prompts, prompts[::-1])]
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(worker, o))
+               for o in (prompts, prompts[::-1])]  # the context: see the test above
     for thread in threads:
         thread.start()
     for thread in threads:
