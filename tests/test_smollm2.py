@@ -13,6 +13,7 @@ cores, most of it transformers' generate.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -87,23 +88,27 @@ def describe_mismatch(model, hf_model, ids, ours, theirs, step) -> str:
 
 
 @pytest.fixture(scope="module")
-def generations(smollm2, hf_smollm2, prompt_ids):
-    """(specjax tokens, transformers tokens) per prompt, computed once for the module.
+def generation(smollm2, hf_smollm2, prompt_ids):
+    """``generation(index)``: (specjax tokens, transformers tokens) for one prompt, each
+    computed once for the module, on first use (the fast test needs only the first
+    prompts).
 
     PyTorch runs on one thread here: it is as fast as two on an idle 2-core machine, and
     several times faster when another process shares the cores (OpenMP threads spin).
     """
-    out = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for ids in prompt_ids:
+    @functools.cache
+    def run(index: int) -> tuple[list[int], list[int]]:
+        ids = prompt_ids[index]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
             ours = specjax.generate(smollm2, ids, max_new_tokens=NEW_TOKENS, stop_tokens=[])
             assert ours.stats["new_tokens"] == NEW_TOKENS
-            out.append((ours.tokens, hf_greedy_no_stop(hf_smollm2, ids, NEW_TOKENS)))
-    finally:
-        torch.set_num_threads(threads)
-    return out
+            return ours.tokens, hf_greedy_no_stop(hf_smollm2, ids, NEW_TOKENS)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
 
 
 def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2, gguf_location, prompt_ids):
@@ -116,9 +121,9 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2, gguf_location, p
 
 @pytest.mark.slow  # transformers generates 8 x 64 tokens first (~1-3 min)
 @pytest.mark.parametrize("index", range(NUM_PROMPTS))
-def test_greedy_equals_transformers_generate(smollm2, hf_smollm2, prompt_ids, generations,
+def test_greedy_equals_transformers_generate(smollm2, hf_smollm2, prompt_ids, generation,
                                              index):
-    ours, theirs = generations[index]
+    ours, theirs = generation(index)
     assert len(theirs) == NEW_TOKENS
     assert len(set(ours)) > 8  # a real continuation, not a constant: the test can fail
     step = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
@@ -126,11 +131,13 @@ def test_greedy_equals_transformers_generate(smollm2, hf_smollm2, prompt_ids, ge
                                            theirs, step)
 
 
-def test_stop_tokens_disabled_on_both_sides(smollm2, generations):
-    """At least one greedy continuation runs through EOS, and both sides went on past it:
-    so EOS was neither a stop token nor suppressed (``min_new_tokens`` would suppress it)."""
+def test_stop_tokens_disabled_on_both_sides(smollm2, generation):
+    """The first greedy continuation that runs through EOS (in prompt order) is the same
+    on both sides and went on past it: so EOS was neither a stop token nor suppressed
+    (``min_new_tokens`` would suppress it)."""
     eos = smollm2.config.eos_token_ids[0]
-    through_eos = [(ours, theirs) for ours, theirs in generations if eos in ours[:-1]]
+    through_eos = next((generation(i) for i in range(NUM_PROMPTS)
+                        if eos in generation(i)[0][:-1]), None)
     assert through_eos, "no continuation reaches EOS; pick prompts that do"
-    for ours, theirs in through_eos:
-        assert ours == theirs and len(ours) == NEW_TOKENS
+    ours, theirs = through_eos
+    assert ours == theirs and len(ours) == NEW_TOKENS
