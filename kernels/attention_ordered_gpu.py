@@ -162,15 +162,24 @@ def _ordered_kernel(scalars_ref, q_ref, depth_ref, k_ref, v_ref, chain_k_ref, ch
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
+def check_call(kernel_name: str, q, k_new, v_new, k_cache, v_cache, mask, scratch_mask, *,
+               head_dims, dtypes):
+    """The one-line checks both position-ordered kernels (GPU, TPU) make: the inputs'
+    shapes and dtypes, and no scratch window. Returns the one-layer view of ``k_cache``."""
+    k_cache, v_cache = layout.one_layer_caches(k_cache, v_cache, kernel_name)
+    layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                        head_dims=head_dims, dtypes=dtypes, kernel=kernel_name)
+    if scratch_mask is not None and scratch_mask.shape[1] > 0:
+        raise InvalidArgumentError(
+            f"{kernel_name}: no scratch window (drafting calls use the split kernel)")
+    return k_cache
+
+
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
                     block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes()) -> None:
     """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call."""
-    k_cache, v_cache = layout.one_layer_caches(k_cache, v_cache, KERNEL_NAME)
-    layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
-                        head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
-    if scratch_mask is not None and scratch_mask.shape[1] > 0:
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: no scratch window (drafting calls use the split kernel)")
+    k_cache = check_call(KERNEL_NAME, q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                         head_dims=HEAD_DIMS, dtypes=DTYPES)
     block_sizes.check()
     if k_cache is not None and k_cache.shape[0] % block_sizes.block_kv:
         # The block holding `length` is read whole from the cache.

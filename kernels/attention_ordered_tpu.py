@@ -62,7 +62,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from specjax.errors import InvalidArgumentError
 from . import layout
-from .attention_ordered_gpu import ancestor_chains
+from .attention_ordered_gpu import ancestor_chains, check_call
 from .attention_tpu import VMEM_BUDGET, VMEM_LIMIT
 
 KERNEL_NAME = "TPU position-ordered attention kernel"
@@ -115,11 +115,11 @@ class TpuOrderedBlockSizes:
             if vmem_bytes(self.block_rows, block_kv, num_kv_heads, head_dim,
                           itemsize) <= VMEM_BUDGET:
                 return block_kv
+        smallest = vmem_bytes(self.block_rows, dividing[-1], num_kv_heads, head_dim, itemsize)
         raise InvalidArgumentError(
             f"{KERNEL_NAME}: {num_kv_heads} KV heads x head_dim {head_dim} with block_kv="
             f"{dividing[-1]} and {self.block_rows} rows per tile need ~"
-            f"{vmem_bytes(self.block_rows, dividing[-1], num_kv_heads, head_dim, itemsize) / 2**20:.1f}"
-            f" MiB of VMEM (budget {VMEM_BUDGET >> 20} MiB)")
+            f"{smallest / 2**20:.1f} MiB of VMEM (budget {VMEM_BUDGET >> 20} MiB)")
 
 
 def vmem_bytes(block_rows: int, block_kv: int, num_kv_heads: int, head_dim: int,
@@ -207,12 +207,8 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
                     block_sizes: TpuOrderedBlockSizes = TpuOrderedBlockSizes()) -> int:
     """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call;
     returns its ``block_kv``. Reads shapes and dtypes only."""
-    k_cache, v_cache = layout.one_layer_caches(k_cache, v_cache, KERNEL_NAME)
-    layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
-                        head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
-    if scratch_mask is not None and scratch_mask.shape[1] > 0:
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: no scratch window (drafting calls use the split kernel)")
+    k_cache = check_call(KERNEL_NAME, q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
+                         head_dims=HEAD_DIMS, dtypes=DTYPES)
     block_sizes.check()
     return block_sizes.resolve(None if k_cache is None else k_cache.shape[0], k_new.shape[1],
                                q.shape[2], jnp.dtype(q.dtype).itemsize)

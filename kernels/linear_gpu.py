@@ -193,25 +193,23 @@ def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, offsets: tuple, has_
     o_ref[...] = y.astype(o_ref.dtype)
 
 
-def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
-                    transposed: bool = False, stacked: bool = False,
-                    block_sizes: GpuLinearBlockSizes = GpuLinearBlockSizes()
-                    ) -> tuple[GpuLinearBlockSizes, int]:
-    """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call.
-
-    Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values). Returns
-    (the resolved block sizes, the output width N).
+def check_call(kernel_name: str, x, weights, *, offsets, width: int | None,
+               transposed: bool, stacked: bool, dtypes=DTYPES, max_rows: int = MAX_ROWS
+               ) -> tuple[int, int]:
+    """The one-line checks every fused linear kernel (GPU, TPU) makes of a call: x's rank,
+    dtype and row count, the weights' ranks and input features, the column ranges.
+    Returns (K, the output width N).
     """
     if x.ndim != 2:
-        raise InvalidArgumentError(f"{KERNEL_NAME}: x must be [T, K], got shape {x.shape}")
-    if jnp.dtype(x.dtype) not in DTYPES:
-        raise InvalidArgumentError(f"{KERNEL_NAME}: dtype {x.dtype} is not supported")
-    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise InvalidArgumentError(f"{kernel_name}: x must be [T, K], got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in dtypes:
+        raise InvalidArgumentError(f"{kernel_name}: dtype {x.dtype} is not supported")
+    if not 1 <= x.shape[0] <= max_rows:
         raise InvalidArgumentError(
-            f"{KERNEL_NAME}: {x.shape[0]} rows; the kernel takes 1 to {MAX_ROWS}")
+            f"{kernel_name}: {x.shape[0]} rows; the kernel takes 1 to {max_rows}")
     if len(weights) not in (1, 2) or len(offsets) != len(weights):
         raise InvalidArgumentError(
-            f"{KERNEL_NAME}: one or two weights with one column offset each, got "
+            f"{kernel_name}: one or two weights with one column offset each, got "
             f"{len(weights)} weights and offsets {offsets}")
     rank = 3 if stacked else 2
     k_axis, n_axis = (-1, -2) if transposed else (-2, -1)
@@ -221,14 +219,28 @@ def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
     for w, offset in zip(weights, offsets):
         if w.ndim != rank:
             raise InvalidArgumentError(
-                f"{KERNEL_NAME}: weights must have rank {rank}, got shape {w.shape}")
+                f"{kernel_name}: weights must have rank {rank}, got shape {w.shape}")
         if w.shape[k_axis] != in_features:
             raise InvalidArgumentError(
-                f"{KERNEL_NAME}: weight {w.shape} does not take {in_features} input features")
+                f"{kernel_name}: weight {w.shape} does not take {in_features} input features")
         if offset < 0 or offset + width > w.shape[n_axis]:
             raise InvalidArgumentError(
-                f"{KERNEL_NAME}: columns {offset}..{offset + width} are outside weight "
+                f"{kernel_name}: columns {offset}..{offset + width} are outside weight "
                 f"{w.shape}")
+    return in_features, width
+
+
+def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
+                    transposed: bool = False, stacked: bool = False,
+                    block_sizes: GpuLinearBlockSizes = GpuLinearBlockSizes()
+                    ) -> tuple[GpuLinearBlockSizes, int]:
+    """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call.
+
+    Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values). Returns
+    (the resolved block sizes, the output width N).
+    """
+    in_features, width = check_call(KERNEL_NAME, x, weights, offsets=offsets, width=width,
+                                    transposed=transposed, stacked=stacked)
     block_sizes.check()
     if in_features % 16 or width % 16:
         raise InvalidArgumentError(

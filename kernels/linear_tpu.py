@@ -67,7 +67,8 @@ from specjax.errors import InvalidArgumentError
 from . import layout
 from .attention_tpu import VMEM_BUDGET, VMEM_LIMIT
 # One epilogue and one dot for both kernels: they round exactly as the reference does.
-from .linear_gpu import _dot, _epilogue, fused_linear_reference  # noqa: F401 (re-export)
+from .linear_gpu import (_dot, _epilogue, check_call,  # noqa: F401 (re-exports the reference)
+                         fused_linear_reference)
 
 KERNEL_NAME = "TPU fused linear kernel"
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -230,33 +231,10 @@ def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
     estimate assumes a norm and a residual unless told otherwise. Returns (the tiling, the
     output width N).
     """
-    if x.ndim != 2:
-        raise InvalidArgumentError(f"{KERNEL_NAME}: x must be [T, K], got shape {x.shape}")
-    if jnp.dtype(x.dtype) not in DTYPES:
-        raise InvalidArgumentError(f"{KERNEL_NAME}: dtype {x.dtype} is not supported")
-    if not 1 <= x.shape[0] <= MAX_ROWS:
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: {x.shape[0]} rows; the kernel takes 1 to {MAX_ROWS}")
-    if len(weights) not in (1, 2) or len(offsets) != len(weights):
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: one or two weights with one column offset each, got "
-            f"{len(weights)} weights and offsets {offsets}")
-    rank = 3 if stacked else 2
-    k_axis, n_axis = (-1, -2) if transposed else (-2, -1)
-    in_features = x.shape[1]
-    if width is None:
-        width = weights[0].shape[n_axis] - offsets[0]
-    for w, offset in zip(weights, offsets):
-        if w.ndim != rank:
-            raise InvalidArgumentError(
-                f"{KERNEL_NAME}: weights must have rank {rank}, got shape {w.shape}")
-        if w.shape[k_axis] != in_features:
-            raise InvalidArgumentError(
-                f"{KERNEL_NAME}: weight {w.shape} does not take {in_features} input features")
-        if offset < 0 or offset + width > w.shape[n_axis]:
-            raise InvalidArgumentError(
-                f"{KERNEL_NAME}: columns {offset}..{offset + width} are outside weight "
-                f"{w.shape}")
+    in_features, width = check_call(KERNEL_NAME, x, weights, offsets=offsets, width=width,
+                                    transposed=transposed, stacked=stacked, dtypes=DTYPES,
+                                    max_rows=MAX_ROWS)
+    n_axis = -2 if transposed else -1
     block_sizes.check()
     tiling = block_sizes.resolve(in_features, width, tuple(w.shape[n_axis] for w in weights),
                                  tuple(offsets))

@@ -37,9 +37,11 @@ def test_blocked_equals_reference(problem):
     k_cache, v_cache = normal(capacity, num_kv, head_dim), normal(capacity, num_kv, head_dim)
     mask = np.asarray(ancestor_mask(np.asarray(parents, np.int32), np.ones(tokens, bool)))
     scratch = rng.random((tokens, window)) < 0.5 if window else None
-    expected = attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch)
-    got = attention_blocked(q, k_new, v_new, k_cache, v_cache, length, mask, scratch,
-                            block=block)
+    # Each jitted: one compile per example instead of one per operation and shape.
+    expected = jax.jit(attention_reference)(q, k_new, v_new, k_cache, v_cache, length, mask,
+                                            scratch)
+    got = jax.jit(attention_blocked, static_argnames="block")(
+        q, k_new, v_new, k_cache, v_cache, length, mask, scratch, block=block)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
 
 

@@ -43,8 +43,8 @@ from specjax.kernels.linear_tpu import (TpuLinearBlockSizes, check_supported,
                                         fused_linear_reference, fused_linear_tpu)
 
 from test_fused_kernels import (FORMS, ORDERED_CASES, TOLERANCE, _arrays, _params,
-                                _path_versus_tree, _tiny_config)
-from test_kernels import make_inputs, reference
+                                _path_versus_tree, _tiny_config,
+                                check_ordered_against_reference)
 
 # 128-aligned shapes: two K chunks of 128 and two column blocks of 128 per range.
 ALIGNED = TpuLinearBlockSizes(block_k=128, block_n=128)
@@ -159,14 +159,7 @@ def test_bad_input_is_one_line(call, message):
 
 @pytest.mark.parametrize("case", ORDERED_CASES, ids=lambda c: c.name)
 def test_ordered_attention_matches_reference(case):
-    args, reference_args = make_inputs(case, seed=ORDERED_CASES.index(case))
-    out = ordered_attention_tpu(*args, interpret=True)
-    expected = reference(*reference_args)
-    assert out.shape == expected.shape and out.dtype == expected.dtype
-    assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))), "unwritten or poisoned output"
-    tol = TOLERANCE[case.dtype]
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
-                               rtol=tol, atol=tol)
+    check_ordered_against_reference(ordered_attention_tpu, case)
 
 
 def test_ordered_attention_refuses_what_it_does_not_order():
