@@ -355,8 +355,7 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
         jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate,
                          **placement)
         with sharding.tracing(mesh):  # parameters on a mesh: see there
-            lowered = jitted.lower(*args)
-            executable = lowered.compile(dict(options)) if options else lowered.compile()
+            executable = jitted.lower(*args).compile(dict(options) or None)
         _EXECUTABLES[key] = executable
         return executable, time.perf_counter() - start
 

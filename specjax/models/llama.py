@@ -136,8 +136,8 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
                 linear):
     """:func:`block` with each projection one call of ``linear`` (the row-tiled kernels of
     :mod:`specjax.kernels.linear_gpu` / :mod:`~specjax.kernels.linear_tpu`, or their
-    reference): RMSNorm folded into the q|k|v
-    and gate|up calls, SwiGLU into gate|up, the residual adds into the o and down calls.
+    reference): RMSNorm folded into the q|k|v and gate|up calls, SwiGLU into gate|up, the
+    residual adds into the o and down calls.
 
     ``layers`` are the stacked [L, ...] parameters (separate or fused projections), read at
     the traced ``index`` inside the kernels, so no layer's matrices are copied out.
