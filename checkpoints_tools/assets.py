@@ -5,7 +5,9 @@ target's embedding as two files:
 
 - ``draft.json``: ``num_layers``, ``embed_fingerprint`` (16 hex digits), ``head_tokens``
   (``null`` or the number of head-subset ids), ``base_config`` (the target's
-  ``hidden_size`` and ``vocab_size``), and free-form provenance;
+  ``hidden_size`` and ``vocab_size``), optional ``feature_input`` (``true`` for a feature
+  draft, :mod:`~specjax.checkpoints_tools.feature_draft`: its tensors include ``fc``), and
+  free-form provenance;
 - ``draft.safetensors``: the draft's own parameters, float16, named by their path in the
   parameter tree (``final_norm``, ``layers.wq`` ...), without ``embed`` and ``lm_head``
   (they come from the target), plus an optional int32 ``head_tokens``: sorted, distinct
@@ -58,6 +60,12 @@ def expected_draft_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             if name not in SHARED}
 
 
+def draft_config(target_config: ModelConfig, record: Mapping[str, Any]) -> ModelConfig:
+    """The config of the draft a (checked) ``draft.json`` describes for ``target_config``."""
+    return dataclasses.replace(target_config, num_layers=record["num_layers"],
+                               feature_input=bool(record.get("feature_input", False)))
+
+
 def check_draft_asset(directory: str | os.PathLike, record: Any, tensors: Mapping[str, Any],
                       target_config: ModelConfig) -> None:
     """Checks a draft asset's record and tensors against the target it is loaded for.
@@ -102,8 +110,11 @@ def check_draft_asset(directory: str | os.PathLike, record: Any, tensors: Mappin
         raise bad_record(f"head_tokens must be null or a positive integer, found "
                          f"{subset_size!r:.40}")
 
+    feature_input = record.get("feature_input", False)
+    if not isinstance(feature_input, bool):
+        raise bad_record(f"feature_input must be true or false, found {feature_input!r:.40}")
     try:
-        config = dataclasses.replace(target_config, num_layers=num_layers)
+        config = draft_config(target_config, record)
     except InvalidArgumentError as error:
         raise bad_record(str(error)) from None
     expected = expected_draft_tensors(config)

@@ -45,9 +45,12 @@ _VERSION_KEY = "specjax_format_version"
 
 
 def config_to_dict(config: ModelConfig) -> dict[str, Any]:
-    """All fields of ``config`` as JSON-ready values (``rope_scaling`` as a nested dict)."""
+    """All fields of ``config`` as JSON-ready values (``rope_scaling`` as a nested dict);
+    ``feature_input`` only when set, so plain models read in versions without it."""
     out = dataclasses.asdict(config)
     out["eos_token_ids"] = list(config.eos_token_ids)
+    if not config.feature_input:
+        out.pop("feature_input")
     return out
 
 

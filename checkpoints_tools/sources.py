@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 import specjax
 from specjax.checkpoints_tools import orbax_io
 from specjax.checkpoints_tools.assets import (DRAFT_CONFIG, DRAFT_TENSORS, HEAD_TOKENS,
-                                              check_draft_asset, flatten_tree)
+                                              check_draft_asset, draft_config, flatten_tree)
 from specjax.checkpoints_tools.gguf_loader import load_gguf
 from specjax.checkpoints_tools.hf import (as_numpy_dtype, check_safetensors_header,
                                           hub_snapshot, load_hf_directory, load_hf_tokenizer,
@@ -234,6 +234,7 @@ def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, p
               "head_tokens": None if head_tokens is None else int(tensors[HEAD_TOKENS].size),
               "base_config": {"hidden_size": target_config.hidden_size,
                               "vocab_size": target_config.vocab_size},
+              **({"feature_input": True} if "fc" in own else {}),
               **provenance}
     (directory / DRAFT_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
     return directory
@@ -266,7 +267,7 @@ def load_bundled_draft(model: Model, directory: str | os.PathLike | None = None)
                               f"({one_line(error)})") from error
     check_draft_asset(directory, record, tensors, model.config)
     _check_fingerprint(model, record, directory)
-    config = dataclasses.replace(model.config, num_layers=int(record["num_layers"]))
+    config = draft_config(model.config, record)
     dtype = np.asarray(model.params["embed"][:1]).dtype
     head_tokens = tensors.pop(HEAD_TOKENS, None)
     own = _unflatten({k: v.astype(dtype) for k, v in tensors.items()})

@@ -43,6 +43,19 @@ a control run that still measures agreement on them). The generations are cached
 ``target_corpus.npz`` and reused by a rerun, or by another run whose ``OUT`` the file is
 copied into (so that runs compare on the same held-out generations).
 
+Feature drafts (``--feature-draft``; EAGLE-style, see
+:mod:`~specjax.checkpoints_tools.feature_draft`): the draft reads the target's features as
+well as the tokens, and learns to predict the target's next feature (smooth L1) and,
+through the target's head, its next-token distribution (KL). The target's features come
+from the same frozen target pass, on the fly; ``--feature-noise`` and ``--feature-unroll``
+set the input noise and the second pass that reads the draft's own predictions.
+``--init-layers`` then names the target blocks the draft starts from (one, e.g. ``0``, is
+EAGLE's shape); ``--init-draft ASSET`` of a standalone draft starts from a feature draft
+that computes exactly that draft (``fc = [I; 0]``), so training only adds what the
+features carry. ``--feature-weight`` scales the feature term against the KL. These drafts train through :mod:`specjax.models` directly (the Flax
+modules take no features). Held-out agreement is logged at depth 1 (the draft's first
+proposal after the root).
+
 ``--init-draft ASSET`` starts from a trained draft asset (e.g. continue the shipped draft
 on the target's own text) instead of the target's blocks ``init_layers``.
 ``--add-layers 2,3`` grows the starting draft by copies of those target blocks with their
@@ -109,6 +122,11 @@ class TrainConfig:
     target_batch_size: int = 16
     init_draft: str | None = None
     add_layers: tuple[int, ...] = ()
+    # Feature drafts (module docstring); recorded in train_config.json only when used.
+    feature_draft: bool = False
+    feature_noise: float = 0.1
+    feature_unroll: int = 2
+    feature_weight: float = 1.0
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -130,6 +148,11 @@ class TrainConfig:
         if self.target_corpus_tokens < 0:
             raise InvalidArgumentError(
                 f"target_corpus_tokens must be >= 0, got {self.target_corpus_tokens}")
+        if self.feature_draft:
+            from specjax.checkpoints_tools.feature_draft import FeatureLossConfig
+
+            FeatureLossConfig(noise=self.feature_noise, unroll=self.feature_unroll,
+                              feature_weight=self.feature_weight)
         if self.target_corpus_tokens:
             if not 0 <= self.target_corpus_fraction <= 1:
                 raise InvalidArgumentError("target_corpus_fraction must be in [0, 1], got "
@@ -152,9 +175,13 @@ class TrainConfig:
             record.pop("init_draft")
         if not self.add_layers:
             record.pop("add_layers")
+        if not self.feature_draft:
+            for name in _FEATURE_FIELDS:
+                record.pop(name)
         return record
 
 
+_FEATURE_FIELDS = ("feature_draft", "feature_noise", "feature_unroll", "feature_weight")
 _TARGET_CORPUS_FIELDS = ("target_corpus_tokens", "target_corpus_fraction",
                          "target_temperature", "target_gen_len", "target_batch_size")
 
@@ -318,7 +345,12 @@ def initial_draft(target, cfg: "TrainConfig"):
     """(config, params) the run starts from: the target's blocks ``cfg.init_layers``, or
     the draft asset ``cfg.init_draft`` (its own tensors, full head); then grown by the
     target blocks ``cfg.add_layers`` (:func:`grow_draft`)."""
-    if cfg.init_draft is None:
+    if cfg.init_draft is None and cfg.feature_draft:
+        from specjax.checkpoints_tools.feature_draft import feature_draft_from_target
+
+        config, params = feature_draft_from_target(target.config, target.params,
+                                                   cfg.init_layers)
+    elif cfg.init_draft is None:
         config, params = draft_from_target(target.config, target.params, cfg.init_layers)
     else:
         import jax
@@ -330,6 +362,13 @@ def initial_draft(target, cfg: "TrainConfig"):
         # Training scores the full vocabulary: the asset's head subset is a decoding speed-up.
         params = {k: v for k, v in draft.params.items() if k != models.HEAD_SUBSET}
         config, params = draft.config, jax.tree.map(np.asarray, params)
+        if config.feature_input and not cfg.feature_draft:
+            raise InvalidArgumentError(
+                f"--init-draft {cfg.init_draft} is a feature draft: pass --feature-draft too")
+        if cfg.feature_draft:  # a standalone draft becomes a feature draft computing it
+            from specjax.checkpoints_tools.feature_draft import feature_draft_from_draft
+
+            config, params = feature_draft_from_draft(config, params)
     if cfg.add_layers:
         config, params = grow_draft(config, params, target.config, target.params,
                                     cfg.add_layers)
@@ -383,6 +422,9 @@ def make_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
     import jax.numpy as jnp
     import optax
 
+    if cfg.feature_draft:
+        return make_feature_train_steps(target_config, draft_config, cfg, optimizer)
+
     from specjax.flax_modules import LinenCausalLM
 
     def batched(params, config, windows):
@@ -429,6 +471,51 @@ def make_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
         log_p, log_q = jax.nn.log_softmax(p, -1), jax.nn.log_softmax(q, -1)
         kl = jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
         return jnp.mean(jnp.argmax(p, -1) == jnp.argmax(q, -1)), kl
+
+    return train_step, eval_step
+
+
+def make_feature_train_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
+    """:func:`make_steps` for a feature draft: the same signatures, the target's features
+    from the frozen target pass, :func:`~specjax.checkpoints_tools.feature_draft.
+    feature_loss` over the full head; evaluation reports depth-1 agreement and KL."""
+    import jax
+    import optax
+
+    from specjax.checkpoints_tools import feature_draft as fd
+
+    loss_cfg = fd.FeatureLossConfig(noise=cfg.feature_noise, unroll=cfg.feature_unroll,
+                                    feature_weight=cfg.feature_weight)
+    plain = dataclasses.replace(loss_cfg, noise=0.0, unroll=1)
+    base_key = jax.random.PRNGKey(cfg.seed)
+
+    def inputs(frozen, target_params, windows):
+        windows = windows[:, :-1]
+        features = jax.lax.stop_gradient(
+            fd.target_features(target_params, target_config, windows))
+        return windows, features, fd.head_rows(frozen, draft_config, None)
+
+    def loss_fn(trainable, frozen, target_params, windows):
+        # Noise drawn per batch (the key follows the batch's tokens: reruns repeat it).
+        key = jax.random.fold_in(base_key, jax.numpy.sum(windows))
+        windows, features, rows = inputs(frozen, target_params, windows)
+        return fd.feature_loss({**trainable, **frozen}, draft_config, windows, features, rows,
+                               loss_cfg, key)
+
+    @jax.jit
+    def train_step(trainable, opt_state, frozen, target_params, windows):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            trainable, frozen, target_params, windows)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss, aux
+
+    @jax.jit
+    def eval_step(trainable, frozen, target_params, windows):
+        """(depth-1 top-1 agreement, KL(p || q)) on held-out windows."""
+        windows, features, rows = inputs(frozen, target_params, windows)
+        metrics = fd.feature_loss({**trainable, **frozen}, draft_config, windows, features,
+                                  rows, plain, base_key)[1]
+        return metrics["agreement"], metrics["kl"]
 
     return train_step, eval_step
 
@@ -506,6 +593,9 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
     if target.config.architecture != "llama":
         raise InvalidArgumentError("train-draft makes Llama-family drafts; the target is "
                                    f"{target.config.architecture}")
+    if export_hf and cfg.feature_draft:
+        raise InvalidArgumentError("--export-hf: a feature draft has no Hugging Face "
+                                   "equivalent (it reads the target's hidden states)")
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     record = json.dumps(cfg.record(), sort_keys=True)
@@ -802,7 +892,17 @@ def main(args) -> int:
                       init_draft=(str(Path(args.init_draft).expanduser().absolute())
                                   if args.init_draft else None),
                       add_layers=tuple(int(x) for x in args.add_layers.split(","))
-                      if args.add_layers else ())
+                      if args.add_layers else (),
+                      feature_draft=args.feature_draft,
+                      **{name: value for name, value in (
+                          ("feature_noise", args.feature_noise),
+                          ("feature_unroll", args.feature_unroll),
+                          ("feature_weight", args.feature_weight)) if value is not None})
+    if not args.feature_draft:
+        given = [f"--{name.replace('_', '-')}" for name in _FEATURE_FIELDS[1:]
+                 if getattr(args, name) is not None]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} only apply with --feature-draft")
     if not args.corpus_from_target:
         given = [f"--{name.replace('_', '-')}" for name in _TARGET_CORPUS_FIELDS[1:]
                  if getattr(args, name) is not None]
@@ -864,6 +964,18 @@ def add_parser(subparsers) -> None:
                         "their output projections zeroed: the grown draft starts out "
                         "computing exactly the starting draft (a deeper draft that keeps "
                         "what --init-draft learned)")
+    f = p.add_argument_group(
+        "feature drafts", "EAGLE-style drafts that read the target's hidden states (see "
+        "specjax.checkpoints_tools.feature_draft); decode with method spec or tree")
+    f.add_argument("--feature-draft", action="store_true",
+                   help="train a feature draft (start it from one block: --init-layers 0)")
+    f.add_argument("--feature-noise", type=float, default=None,
+                   help="uniform noise added to the features it reads (default: 0.1)")
+    f.add_argument("--feature-unroll", type=int, default=None, choices=(1, 2),
+                   help="2 (default): also train on its own predictions (depth 2)")
+    f.add_argument("--feature-weight", type=float, default=None,
+                   help="weight of the feature-regression term against the KL (default: 1; "
+                        "0.1 suits continuing a trained draft, --init-draft)")
     g = p.add_argument_group(
         "self-distillation", "train on text the target writes itself (see the module "
         "docstring of specjax.checkpoints_tools.train_draft)")

@@ -292,7 +292,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
 
 def _host_rows(state: decode.DecodeState, count: int) -> list[decode.DecodeState]:
     """The first ``count`` rows of a batched state, on the host (caches left out)."""
-    host = jax.device_get(state.replace(cache=None, draft_cache=None))
+    host = jax.device_get(state.replace(cache=None, draft_cache=None, features=None))
     return [jax.tree_util.tree_map(lambda x, i=i: x[i] if np.ndim(x) else x, host)
             for i in range(count)]
 

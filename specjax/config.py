@@ -56,6 +56,10 @@ class ModelConfig:
       eos_token_ids: token ids that end generation by default.
       bos_token_id: token id prepended by tokenizers that add one (informational).
       sliding_window: attention window (Mistral); generation longer than it is refused.
+      feature_input: a feature draft (EAGLE-style, llama family only): its blocks read
+        ``[embed(token_t); f_{t-1}] @ fc``, where ``f_{t-1}`` is the target's final-normed
+        hidden state at the previous position, and its output (after its own final norm)
+        predicts the target's feature at ``t`` (see :mod:`specjax.models.features`).
     """
 
     architecture: str
@@ -77,6 +81,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
+    feature_input: bool = False
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -94,6 +99,9 @@ class ModelConfig:
             )
         if self.architecture == "llama" and self.head_dim % 2:
             raise InvalidArgumentError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.feature_input and self.architecture != "llama":
+            raise InvalidArgumentError(
+                f"feature_input drafts are llama-family models, got {self.architecture!r}")
 
     @property
     def num_params(self) -> int:
@@ -104,6 +112,9 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """Returns a Hugging Face ``config.json`` dict describing the same model."""
+        if self.feature_input:
+            raise InvalidArgumentError(
+                "a feature draft (feature_input=True) has no Hugging Face equivalent")
         if self.architecture == "gpt2":
             return {
                 "model_type": "gpt2",

@@ -147,6 +147,9 @@ class DecodeState:
     stop_tokens: jax.Array  # int32 [MAX_STOP_TOKENS], -1 padded
     sampling: SamplingParams
     draft_cache: KVCache | None = None  # the draft's cache (methods with a draft model)
+    # float [S, d]: the target's features (final-normed hidden states) at every position
+    # the target has run; methods whose draft reads them (``method.uses_features``)
+    features: jax.Array | None = None
     tally: Any = None  # per-step statistics (speculative methods: methods.common.Tally)
 
 
@@ -230,6 +233,9 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
         target_calls=jnp.int32(0), draft_calls=jnp.int32(0), stop_tokens=stop_tokens,
         sampling=sampling,
     )
+    if getattr(loop.method, "uses_features", False):
+        features = jnp.zeros((loop.capacity, config.hidden_size), hidden.dtype)
+        state = state.replace(features=features.at[: loop.prompt_bucket].set(hidden))
     state = _check_finite(state, last)
     return append_tokens(state, first, (~state.nonfinite).astype(jnp.int32))
 
@@ -389,7 +395,8 @@ def _state_axes() -> DecodeState:
     settings."""
     return DecodeState(cache=0, tokens=0, length=0, prompt_length=0, max_length=0, done=0,
                        nonfinite=0, nonfinite_position=0, target_calls=0, draft_calls=0,
-                       stop_tokens=0, sampling=ROW_SAMPLING, draft_cache=0, tally=0)
+                       stop_tokens=0, sampling=ROW_SAMPLING, draft_cache=0, features=0,
+                       tally=0)
 
 
 def hold_finished(old: DecodeState, new: DecodeState) -> DecodeState:
@@ -493,10 +500,10 @@ class _RowBook:
 
     def __init__(self, state: DecodeState):
         self.order = np.arange(state.length.shape[0])
-        self.view = jax.device_get(state.replace(cache=None, draft_cache=None))
+        self.view = jax.device_get(state.replace(cache=None, draft_cache=None, features=None))
 
     def update(self, state: DecodeState) -> None:
-        host = jax.device_get(state.replace(cache=None, draft_cache=None))
+        host = jax.device_get(state.replace(cache=None, draft_cache=None, features=None))
 
         def put(axis, full, part):
             if axis is None:

@@ -92,6 +92,10 @@ def check_draft_compatible(model: Model, draft: Model) -> None:
         raise InvalidArgumentError(
             f"draft {draft.name!r} has vocabulary size {draft.config.vocab_size}, the target "
             f"{model.name!r} has {model.config.vocab_size}: they must share one tokenizer")
+    if draft.config.feature_input and draft.config.hidden_size != model.config.hidden_size:
+        raise InvalidArgumentError(
+            f"feature draft {draft.name!r} reads features of width {draft.config.hidden_size}, "
+            f"the target {model.name!r} has hidden size {model.config.hidden_size}")
     if model.tokenizer is not None and draft.tokenizer is not None:
         if model.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
             raise InvalidArgumentError(

@@ -303,7 +303,8 @@ def active_mesh():
     return mesh
 
 
-def readable_by_every_process(state, keep: tuple[str, ...] = ("cache", "draft_cache")):
+def readable_by_every_process(state, keep: tuple[str, ...] = ("cache", "draft_cache",
+                                                            "features")):
     """``state`` (a flax struct) with every field but ``keep`` constrained to be
     replicated, when tracing over a mesh that spans several processes; unchanged
     otherwise. A batch split by row over ``data`` leaves each process only its own rows'

@@ -326,7 +326,7 @@ def sample_draft_children(key: jax.Array, draft_logp: jax.Array, width: int,
 
 def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_depth: int,
                 width: int, verify: str, key: jax.Array, draft_logp: jax.Array | None = None,
-                children_mode: str = "deterministic"):
+                children_mode: str = "deterministic", return_features: bool = False):
     """One target pass over ``tree`` (rooted at the pending last token), then the rule.
 
     Args:
@@ -338,16 +338,19 @@ def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_de
       key: the step's key (``match``/``rejection`` draw from it).
       draft_logp: [N, V] the draft's log q~ per node (``rejection`` only).
       children_mode: how the children were drafted (``rejection`` only).
+      return_features: also return the target's features [N, d] of the nodes (static;
+        for drafts that read them).
     Returns:
       (verdict, target cache with the tree's K/V in scratch, whether the logits of the
-      valid nodes were all finite).
+      valid nodes were all finite), then the features when ``return_features``.
     """
     sampling = state.sampling
     node_depths = depths(tree.parents, max_depth)
     mask = ancestor_mask(tree.parents, tree.valid, max_depth)
     positions = state.length - 1 + node_depths
-    logits, cache = models.forward(params, loop.config, tree.tokens, positions, state.cache,
-                                   mask, attn_impl=loop.attn_impl)
+    out = models.forward(params, loop.config, tree.tokens, positions, state.cache, mask,
+                         attn_impl=loop.attn_impl, return_features=return_features)
+    logits, cache = out[0], out[-1]
     finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])
     if verify in ("greedy", "coupled"):
         verdict = verify_choices(tree, sample_tokens(logits, sampling, positions + 1),
@@ -359,4 +362,6 @@ def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_de
                                    max_depth, width, children_mode)
     else:
         raise InvalidArgumentError(f"unknown verify rule {verify!r}")
+    if return_features:
+        return verdict, cache, finite, out[1]
     return verdict, cache, finite

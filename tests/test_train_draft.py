@@ -175,3 +175,34 @@ def test_grow_draft_refuses_layers_the_target_lacks(tiny_target):
         train_draft.grow_draft(config, params, tiny_target.config, tiny_target.params, (3,))
     with pytest.raises(InvalidArgumentError, match="add_layers"):
         _cfg(add_layers=(-1,))
+
+
+def test_feature_draft_trains_exports_and_decodes_exactly(tiny_target, corpus_files, tmp_path):
+    """``--feature-draft``: the held-out KL falls, the orbax export is a feature draft, the
+    asset records it, and both decode exactly; settings that do not apply are refused."""
+    out = tmp_path / "run"
+    cfg = _cfg(init_layers=(0,), feature_draft=True, feature_unroll=2, learning_rate=3e-3,
+               steps=40, eval_every=20, checkpoint_every=20)
+    summary = train_draft.train_draft(tiny_target, out, cfg, corpus_files=corpus_files,
+                                      log=lambda _: None)
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["heldout_kl"] < 0.9 * log[0]["heldout_kl"], log
+    assert "feature" in log[-1] and "agreement2" in log[-1]
+    assert json.loads((out / "train_config.json").read_text())["feature_draft"] is True
+    draft = specjax.load(summary["draft"])
+    assert draft.config.feature_input and draft.config.num_layers == 1
+    ids = [5, 17, 300, 42, 7]
+    expected = specjax.generate(tiny_target, ids, max_new_tokens=8).tokens
+    assert specjax.generate(tiny_target, ids, max_new_tokens=8, method="tree",
+                            draft=draft).tokens == expected
+    asset = tmp_path / "asset"
+    train_draft.export_latest(tiny_target, out, asset, head_tokens=64)
+    shipped = sources.load_bundled_draft(tiny_target, directory=asset)
+    assert shipped.config.feature_input and shipped.head_size == 64
+    assert specjax.generate(tiny_target, ids, max_new_tokens=8, method="spec",
+                            draft=shipped).tokens == expected
+    with pytest.raises(InvalidArgumentError, match="no Hugging Face equivalent"):
+        train_draft.train_draft(tiny_target, tmp_path / "hf", cfg, corpus_files=corpus_files,
+                                export_hf=True, log=lambda _: None)
+    with pytest.raises(InvalidArgumentError, match="unroll must be 1 or 2"):
+        _cfg(feature_draft=True, feature_unroll=3)

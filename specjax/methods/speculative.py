@@ -31,6 +31,15 @@ like ``ar``. One step:
 Every step emits at least one token (the target's own), so the output is exactly that of
 autoregressive decoding (greedy, coupled) or distributed exactly like it (match,
 rejection), whatever the draft.
+
+**Feature drafts** (EAGLE-style, Li et al. 2024; a draft whose config has
+``feature_input``): the draft's input at position ``t`` is its token and the target's
+feature (final-normed hidden state) at ``t - 1``, and its output feature goes through its
+head. The target's features of every committed position are kept in
+``state.features`` (the prefill and each verify pass compute them anyway; the step commits
+the accepted path's). Catch-up reads them; below the root, a drafted node reads the
+feature the draft predicted for its parent. Only proposals change: exactness is the
+verify rule's, as for any draft.
 """
 
 from __future__ import annotations
@@ -84,14 +93,33 @@ class TreeShape:
         return max(self.budget, self.depth + 1, self.width * self.depth + 1) + 1
 
 
+def previous_features(draft_config: ModelConfig, state: DecodeState, positions: jax.Array):
+    """What a feature draft reads beside the tokens at ``positions`` [T]: the target's
+    features at ``positions - 1`` (zeros at position 0); ``None`` for other drafts."""
+    if not draft_config.feature_input:
+        return None
+    rows = jnp.take(state.features, jnp.maximum(positions - 1, 0), axis=0)
+    return jnp.where((positions > 0)[:, None], rows, jnp.zeros_like(rows))
+
+
+def commit_features(state: DecodeState, node_features: jax.Array, path: jax.Array):
+    """``state.features`` with the accepted path's target features written from the root's
+    position on ([max_depth + 1] rows; those past the accepted count are overwritten
+    before any read)."""
+    return jax.lax.dynamic_update_slice(
+        state.features, node_features[path].astype(state.features.dtype),
+        (state.length - 1, jnp.int32(0)))
+
+
 def draft_prefill(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
                   state: DecodeState):
     """A draft cache holding the prompt (the draft's own prefill; no head needed)."""
     cache = init_cache(draft_config, loop.capacity, draft_params["embed"].dtype)
+    positions = jnp.arange(loop.prompt_bucket, dtype=jnp.int32)
     _, cache = models.hidden_states(draft_params, draft_config,
-                                    state.tokens[: loop.prompt_bucket],
-                                    jnp.arange(loop.prompt_bucket, dtype=jnp.int32), cache,
-                                    attn_impl=loop.attn_impl)
+                                    state.tokens[: loop.prompt_bucket], positions, cache,
+                                    attn_impl=loop.attn_impl,
+                                    features=previous_features(draft_config, state, positions))
     return advance(cache, state.prompt_length)
 
 
@@ -104,15 +132,19 @@ def draft_catch_up(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
     can emit). The head runs on the root's row only.
 
     Returns:
-      (cache advanced to ``state.length``, the draft's logits [1, V] at the root).
+      (cache advanced to ``state.length``, the draft's logits [1, V] at the root, its
+      hidden state [1, d] there: a feature draft's prediction of the root's feature).
     """
     tokens = jax.lax.dynamic_slice(state.tokens, (cache.length,), (chunk,))
-    hidden, cache = models.hidden_states(draft_params, draft_config, tokens,
-                                         cache.length + jnp.arange(chunk, dtype=jnp.int32),
-                                         cache, attn_impl=loop.attn_impl)
+    positions = cache.length + jnp.arange(chunk, dtype=jnp.int32)
+    hidden, cache = models.hidden_states(draft_params, draft_config, tokens, positions,
+                                         cache, attn_impl=loop.attn_impl,
+                                         features=previous_features(draft_config, state,
+                                                                    positions))
     fresh = state.length - cache.length
     root_hidden = jax.lax.dynamic_index_in_dim(hidden, fresh - 1, keepdims=True)
-    return advance(cache, fresh), models.lm_head(draft_params, draft_config, root_hidden)
+    return (advance(cache, fresh), models.lm_head(draft_params, draft_config, root_hidden),
+            root_hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +255,11 @@ class Speculative:
         return _fixed_tables(np.asarray(self.shape.topology, np.int32))
 
     @property
+    def uses_features(self) -> bool:
+        """Whether the draft reads the target's features (the prefill then keeps them)."""
+        return self.draft_config.feature_input
+
+    @property
     def children_mode(self) -> str:
         """How the drafted children relate to ``q~`` (for the rejection rule)."""
         return "without_replacement" if self.shape.topology is not None else "deterministic"
@@ -236,11 +273,21 @@ class Speculative:
                              key if fresh else None)
 
     def _draft_pass(self, draft_params, loop: DecodeLoop, cache, tokens, positions,
-                    scratch_mask):
+                    scratch_mask, features):
+        """One draft pass over a level's E nodes: (logits [E, V], cache, the draft's
+        hidden states [E, d], which a feature draft's children read, or ``None``).
+        ``features``: a feature draft's input per node (its parent's predicted feature)."""
         count = tokens.shape[0]
-        return models.forward(draft_params, self.draft_config, tokens, positions, cache,
-                              jnp.eye(count, dtype=jnp.bool_), scratch_mask,
-                              attn_impl=loop.attn_impl)
+        if not self.uses_features:
+            logits, cache = models.forward(draft_params, self.draft_config, tokens, positions,
+                                           cache, jnp.eye(count, dtype=jnp.bool_),
+                                           scratch_mask, attn_impl=loop.attn_impl)
+            return logits, cache, None
+        logits, hidden, cache = models.forward(
+            draft_params, self.draft_config, tokens, positions, cache,
+            jnp.eye(count, dtype=jnp.bool_), scratch_mask, attn_impl=loop.attn_impl,
+            features=features, return_features=True)
+        return logits, cache, hidden
 
     # ------------------------------------------------------------------ method protocol
 
@@ -259,29 +306,34 @@ class Speculative:
         draft_key, verify_key = jax.random.split(step_key(sampling, state.length, _KEY_TAG))
 
         # 1. Catch the draft cache up to the root.
-        cache, root_logits = draft_catch_up(draft_params, self.draft_config, loop, state,
-                                            state.draft_cache, shape.depth + 1)
+        cache, root_logits, root_hidden = draft_catch_up(
+            draft_params, self.draft_config, loop, state, state.draft_cache, shape.depth + 1)
         root_token = state.tokens[root_position]
 
         # 2. Draft the tree.
         build = self._draft_fixed if shape.topology is not None else self._draft_dynamic
         tree, draft_logp, cache = build(draft_params, loop, cache, root_token, root_logits,
+                                        root_hidden if self.uses_features else None,
                                         root_position, sampling, draft_key)
 
         # 3. Verify with one target pass.
-        verdict, target_cache, finite = verify_tree(
-            params, loop, state, tree, shape.depth, shape.width, self.verify, verify_key,
-            draft_logp, self.children_mode)
+        verified = verify_tree(params, loop, state, tree, shape.depth, shape.width,
+                               self.verify, verify_key, draft_logp, self.children_mode,
+                               return_features=self.uses_features)
+        verdict, target_cache, finite = verified[:3]
+        kept = {"draft_cache": cache}
+        if self.uses_features:
+            kept["features"] = commit_features(state, verified[3], verdict.path)
 
         # 4. Commit (catch-up + one draft pass per expanded level = depth passes).
         origin = jnp.full((tree.size,), ORIGIN_DRAFT, jnp.int8).at[0].set(ORIGIN_TARGET)
         return commit_step(state, tree, origin, verdict, target_cache, finite, shape.depth,
-                           draft_cache=cache)
+                           **kept)
 
     # ------------------------------------------------------------------ tree builders
 
     def _draft_dynamic(self, draft_params, loop, cache, root_token, root_logits,
-                       root_position, sampling, key):
+                       root_hidden, root_position, sampling, key):
         width, depth = self.shape.width, self.shape.depth
         keys = jax.random.split(key, depth)
         rank = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
@@ -292,10 +344,14 @@ class Speculative:
         frontier = 1 + jnp.arange(width, dtype=jnp.int32)  # candidate indices
         frontier_tokens, frontier_scores = top_tokens, top_scores
         ancestry = jnp.zeros((width, 0), jnp.bool_)  # frontier x evaluated scratch slots
+        # A feature draft's input per frontier node: its parent's predicted feature.
+        frontier_features = (None if root_hidden is None
+                             else jnp.broadcast_to(root_hidden, (width, root_hidden.shape[1])))
         for level in range(1, depth):
             positions = jnp.full((width,), root_position + level, jnp.int32)
-            logits, cache = self._draft_pass(draft_params, loop, cache, frontier_tokens,
-                                             positions, ancestry)
+            logits, cache, hidden = self._draft_pass(draft_params, loop, cache,
+                                                     frontier_tokens, positions, ancestry,
+                                                     frontier_features)
             rank = self._rank(logits, sampling, positions + 1, keys[level])
             child_scores, child_tokens = top_k(rank, width)  # [W, W]
             child_scores = frontier_scores[:, None] + child_scores
@@ -310,14 +366,16 @@ class Speculative:
             frontier = base + best.astype(jnp.int32)
             frontier_tokens = child_tokens.reshape(-1)[best]
             frontier_scores = best_scores
+            if hidden is not None:
+                frontier_features = hidden[parent_row]
         scores = jnp.concatenate(cand_scores)
         tree = select_top_nodes(jnp.concatenate(cand_parents), scores,
                                 jnp.concatenate(cand_tokens), jnp.isfinite(scores),
                                 self.shape.budget)
         return tree, None, cache
 
-    def _draft_fixed(self, draft_params, loop, cache, root_token, root_logits, root_position,
-                     sampling, key):
+    def _draft_fixed(self, draft_params, loop, cache, root_token, root_logits, root_hidden,
+                     root_position, sampling, key):
         fixed = self._fixed
         width, n = self.shape.width, len(fixed.parents)
         keys = jax.random.split(key, len(fixed.levels))
@@ -325,6 +383,7 @@ class Speculative:
         ranked = [top_k(rank[0], width)[1][None]]  # per evaluated row: [rows, W]
         dists = [target_log_probs(root_logits, sampling)]  # log q~ (the rejection rule's)
         tokens = jnp.zeros((n,), jnp.int32).at[0].set(root_token)
+        hiddens = [root_hidden]  # a feature draft's predicted feature per evaluated row
         for level in range(1, len(fixed.levels)):
             nodes = np.asarray(fixed.levels[level])
             table = jnp.concatenate(ranked)
@@ -334,8 +393,13 @@ class Speculative:
             if len(evaluated) == 0:
                 continue
             positions = jnp.full((len(evaluated),), root_position + level, jnp.int32)
-            logits, cache = self._draft_pass(draft_params, loop, cache, tokens[evaluated],
-                                             positions, jnp.asarray(fixed.scratch_masks[level]))
+            features = (None if root_hidden is None else
+                        jnp.concatenate(hiddens)[fixed.row[fixed.parents[evaluated]]])
+            logits, cache, hidden = self._draft_pass(draft_params, loop, cache,
+                                                     tokens[evaluated], positions,
+                                                     jnp.asarray(fixed.scratch_masks[level]),
+                                                     features)
+            hiddens.append(hidden)
             rank = self._rank(logits, sampling, positions + 1, keys[level])
             ranked.append(top_k(rank, width)[1])
             dists.append(target_log_probs(logits, sampling))

@@ -137,12 +137,20 @@ def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> b
 
 
 def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask,
-                     scratch_mask, attn_impl: str):
+                     scratch_mask, attn_impl: str, features=None):
     """The blocks' output [T, d] before the final norm, and the cache with scratch written."""
     family = _FAMILIES[config.architecture]
     if mask is None:
         mask = causal_mask(tokens.shape[0])
-    x = family.embed(params, config, tokens, positions)
+    if config.feature_input:
+        if features is None or features.shape != (tokens.shape[0], config.hidden_size):
+            raise InvalidArgumentError(
+                f"a feature draft needs features [{tokens.shape[0]}, {config.hidden_size}] "
+                f"(the target's, one per token), got "
+                f"{None if features is None else tuple(features.shape)}")
+        x = family.embed(params, config, tokens, positions, features)
+    else:
+        x = family.embed(params, config, tokens, positions)
     context = family.position_context(config, positions)
     length = None if cache is None else cache.length
     k_all, v_all = (None, None) if cache is None else (cache.k, cache.v)
@@ -187,10 +195,13 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
 
 
 def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache | None = None,
-                  mask=None, scratch_mask=None, *, attn_impl: str = "auto"):
-    """Final-normed hidden states [T, d] and the cache with scratch slots written."""
+                  mask=None, scratch_mask=None, *, attn_impl: str = "auto", features=None):
+    """Final-normed hidden states [T, d] and the cache with scratch slots written.
+
+    These are also the *features* a feature draft reads (``features``: [T, d], required
+    when ``config.feature_input``; see :mod:`specjax.models.features`)."""
     x, cache = _residual_stream(params, config, tokens, positions, cache, mask, scratch_mask,
-                                attn_impl)
+                                attn_impl, features)
     return _FAMILIES[config.architecture].final_norm(params, config, x), cache
 
 
@@ -236,7 +247,8 @@ def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache | None = None, mask: jax.Array | None = None,
-            scratch_mask: jax.Array | None = None, *, attn_impl: str = "auto"):
+            scratch_mask: jax.Array | None = None, *, attn_impl: str = "auto",
+            features: jax.Array | None = None, return_features: bool = False):
     """Runs the model over T new tokens.
 
     Args:
@@ -251,20 +263,28 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
       attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (static; the
         last also runs the Llama family's projections and head through the row-tiled
         kernel, :func:`uses_fused_layers`).
+      features: [T, d] the target's features at the previous positions (feature drafts
+        only, ``config.feature_input``).
+      return_features: also return the final-normed hidden states [T, d] (static).
     Returns:
-      (logits float32 [T, V], cache with the new K/V in its scratch slots or ``None``).
+      (logits float32 [T, V], cache with the new K/V in its scratch slots or ``None``),
+      with the hidden states [T, d] between them when ``return_features``.
     """
     if uses_fused_layers(config, tokens.shape[0], attn_impl) and HEAD_SUBSET not in params:
         from specjax import kernels
 
         x, cache = _residual_stream(params, config, tokens, positions, cache, mask,
-                                    scratch_mask, attn_impl)
+                                    scratch_mask, attn_impl, features)
         # Final norm and head in one kernel call, row-tiled like the layers.
         tied = config.tie_word_embeddings
         head = params["embed"] if tied else params["lm_head"]
-        return kernels.fused_linear(x, (head,), norm=params["final_norm"], transposed=tied,
-                                    eps=config.norm_eps, float32_out=True,
-                                    fallback=True), cache
+        logits = kernels.fused_linear(x, (head,), norm=params["final_norm"], transposed=tied,
+                                      eps=config.norm_eps, float32_out=True, fallback=True)
+        if return_features:
+            return logits, _FAMILIES[config.architecture].final_norm(params, config, x), cache
+        return logits, cache
     hidden, cache = hidden_states(params, config, tokens, positions, cache, mask, scratch_mask,
-                                  attn_impl=attn_impl)
+                                  attn_impl=attn_impl, features=features)
+    if return_features:
+        return lm_head(params, config, hidden), hidden, cache
     return lm_head(params, config, hidden), cache

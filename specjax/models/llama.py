@@ -13,6 +13,7 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
     layers/b_gate [L, F]     layers/b_up [L, F]     layers/b_down [L, d]   (mlp_bias)
     final_norm  [d]
     lm_head     [d, V]   (absent when the head is tied to ``embed``)
+    fc          [2d, d]  (feature drafts only, ``config.feature_input``)
 
 Fused projections (:func:`fuse_layers`, done once after loading, outside any jit): the
 layer's q/k/v matrices concatenated along their output axis into ``w_qkv [L, d,
@@ -87,15 +88,22 @@ def _param_shapes(config: ModelConfig) -> dict:
     if config.mlp_bias:
         layers.update(b_gate=(L, f), b_up=(L, f), b_down=(L, d))
     shapes = {"embed": (config.vocab_size, d), "layers": layers, "final_norm": (d,)}
+    if config.feature_input:
+        shapes["fc"] = (2 * d, d)
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (d, config.vocab_size)
     return shapes
 
 
-def embed(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array):
-    """Token embeddings [T, d]."""
-    del config, positions
-    return jnp.take(params["embed"], tokens, axis=0)
+def embed(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+          features: jax.Array | None = None):
+    """Token embeddings [T, d]; a feature draft's (``config.feature_input``) are
+    ``[embed(tokens); features] @ fc`` with ``features`` [T, d] the target's features."""
+    del positions
+    x = jnp.take(params["embed"], tokens, axis=0)
+    if config.feature_input:
+        x = dense(jnp.concatenate([x, features.astype(x.dtype)], axis=-1), params["fc"])
+    return x
 
 
 def position_context(config: ModelConfig, positions: jax.Array):
