@@ -3,8 +3,10 @@ Feature Uncertainty", 2024): a small draft that reads the target's features.
 
 A feature draft is a Llama-family model whose config has ``feature_input`` (see
 :mod:`specjax.methods.speculative` for how ``spec``/``tree`` run it). At position ``t`` its
-blocks read ``[embed(x_t); f_{t-1}] @ fc``, where ``f_{t-1}`` is the target's final-normed
-hidden state at ``t - 1``; its output, after its own final norm, predicts the target's
+blocks read ``[embed(x_t); rms_norm(f_{t-1})] @ fc``, where ``f_{t-1}`` is the target's
+final-normed hidden state at ``t - 1`` (normed again with the draft's own
+``feature_norm``, which starts at the embedding's RMS, so that both halves start on one
+scale); its output, after its own final norm, predicts the target's
 feature ``f_t``, and the target's head (shared, tied or not) turns the prediction into
 next-token logits. A target pass computes ``f`` for every token it verifies, so the draft
 knows what the target "was thinking" up to the last committed token; below the root it
@@ -70,16 +72,20 @@ def feature_draft_from_target(target_config, target_params: dict,
                                    f"{num}-layer target")
     index = np.asarray(init_layers)
     layers = jax.tree.map(lambda a: np.array(np.asarray(a)[index]), target_params["layers"])
-    fc = _identity_fc(target_config.hidden_size, np.asarray(target_params["embed"]).dtype)
     params = {**{k: np.asarray(v) for k, v in target_params.items() if k != "layers"},
-              "layers": layers, "fc": fc}
+              "layers": layers, **_feature_input(target_params["embed"])}
     config = dataclasses.replace(target_config, num_layers=len(index), feature_input=True)
     return config, params
 
 
-def _identity_fc(d: int, dtype) -> np.ndarray:
-    """``fc = [I; 0]``: the blocks read the token embedding alone."""
-    return np.concatenate([np.eye(d, dtype=dtype), np.zeros((d, d), dtype)])
+def _feature_input(embed) -> dict:
+    """``fc = [I; 0]`` (the blocks read the token embedding alone) and a ``feature_norm``
+    at the embedding's RMS."""
+    embed = np.asarray(embed)
+    d, dtype = embed.shape[1], embed.dtype
+    rms = np.sqrt(np.mean(np.square(embed.astype(np.float64))))
+    return {"fc": np.concatenate([np.eye(d, dtype=dtype), np.zeros((d, d), dtype)]),
+            "feature_norm": np.full((d,), rms, dtype)}
 
 
 def feature_draft_from_draft(config, params: dict):
@@ -90,9 +96,8 @@ def feature_draft_from_draft(config, params: dict):
     if config.architecture != "llama":
         raise InvalidArgumentError(
             f"feature drafts are Llama-family models, not {config.architecture}")
-    dtype = np.asarray(params["embed"][:1]).dtype
     return (dataclasses.replace(config, feature_input=True),
-            {**params, "fc": _identity_fc(config.hidden_size, dtype)})
+            {**params, **_feature_input(params["embed"])})
 
 
 def head_rows(params: dict, config, head_tokens):

@@ -57,9 +57,10 @@ class ModelConfig:
       bos_token_id: token id prepended by tokenizers that add one (informational).
       sliding_window: attention window (Mistral); generation longer than it is refused.
       feature_input: a feature draft (EAGLE-style, llama family only): its blocks read
-        ``[embed(token_t); f_{t-1}] @ fc``, where ``f_{t-1}`` is the target's final-normed
-        hidden state at the previous position, and its output (after its own final norm)
-        predicts the target's feature at ``t`` (see :mod:`specjax.models.features`).
+        ``[embed(token_t); rms_norm(f_{t-1})] @ fc``, where ``f_{t-1}`` is the target's
+        final-normed hidden state at the previous position, and its output (after its own
+        final norm) predicts the target's feature at ``t`` (see
+        :mod:`specjax.checkpoints_tools.feature_draft`).
     """
 
     architecture: str

@@ -177,6 +177,7 @@ def test_grow_draft_refuses_layers_the_target_lacks(tiny_target):
         _cfg(add_layers=(-1,))
 
 
+@pytest.mark.slow  # trains 40 steps, exports, decodes (~35 s)
 def test_feature_draft_trains_exports_and_decodes_exactly(tiny_target, corpus_files, tmp_path):
     """``--feature-draft``: the held-out KL falls, the orbax export is a feature draft, the
     asset records it, and both decode exactly; settings that do not apply are refused."""

@@ -199,7 +199,7 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
     """Final-normed hidden states [T, d] and the cache with scratch slots written.
 
     These are also the *features* a feature draft reads (``features``: [T, d], required
-    when ``config.feature_input``; see :mod:`specjax.models.features`)."""
+    when ``config.feature_input``; see :mod:`specjax.checkpoints_tools.feature_draft`)."""
     x, cache = _residual_stream(params, config, tokens, positions, cache, mask, scratch_mask,
                                 attn_impl, features)
     return _FAMILIES[config.architecture].final_norm(params, config, x), cache

@@ -14,6 +14,7 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
     final_norm  [d]
     lm_head     [d, V]   (absent when the head is tied to ``embed``)
     fc          [2d, d]  (feature drafts only, ``config.feature_input``)
+    feature_norm [d]     (feature drafts only: RMSNorm scale of the features read)
 
 Fused projections (:func:`fuse_layers`, done once after loading, outside any jit): the
 layer's q/k/v matrices concatenated along their output axis into ``w_qkv [L, d,
@@ -90,6 +91,7 @@ def _param_shapes(config: ModelConfig) -> dict:
     shapes = {"embed": (config.vocab_size, d), "layers": layers, "final_norm": (d,)}
     if config.feature_input:
         shapes["fc"] = (2 * d, d)
+        shapes["feature_norm"] = (d,)
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (d, config.vocab_size)
     return shapes
@@ -98,11 +100,14 @@ def _param_shapes(config: ModelConfig) -> dict:
 def embed(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
           features: jax.Array | None = None):
     """Token embeddings [T, d]; a feature draft's (``config.feature_input``) are
-    ``[embed(tokens); features] @ fc`` with ``features`` [T, d] the target's features."""
+    ``[embed(tokens); rms_norm(features)] @ fc`` with ``features`` [T, d] the target's
+    features (normed with the draft's ``feature_norm``: a target's final-normed hidden
+    states are typically an order of magnitude larger than its embeddings)."""
     del positions
     x = jnp.take(params["embed"], tokens, axis=0)
     if config.feature_input:
-        x = dense(jnp.concatenate([x, features.astype(x.dtype)], axis=-1), params["fc"])
+        normed = rms_norm(features.astype(x.dtype), params["feature_norm"], config.norm_eps)
+        x = dense(jnp.concatenate([x, normed], axis=-1), params["fc"])
     return x
 
 
