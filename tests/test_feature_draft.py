@@ -105,7 +105,7 @@ def test_a_draft_that_predicts_the_targets_features_is_always_accepted(one_layer
     config, params = fd.feature_draft_from_target(target.config, target.params, (0,))
     draft = specjax.Model.from_params(config, params, name="oracle")
     prompt = random_prompt(4, 8)
-    for shape, depth in (("chain", 3), ("dynamic", 3), ("kary", 2)):
+    for shape, depth in (("chain", 3), ("dynamic", 3)):
         out = specjax.generate(target, prompt, max_new_tokens=NEW, draft=draft, **SHAPES[shape])
         steps = np.asarray(out.stats["accepted_histogram"])
         assert out.tokens == specjax.generate(target, prompt, max_new_tokens=NEW).tokens
