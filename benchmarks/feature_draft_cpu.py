@@ -124,7 +124,9 @@ def train(args) -> None:
         frozen = {**frozen, **{k: v for k, v in trainable.items() if k not in keep}}
         trainable = {k: v for k, v in trainable.items() if k in keep}
     rows = fd.head_rows(frozen, config, _head_tokens())
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, 40, args.steps,
+    warmup = min(40, args.steps - 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup,
+                                                  max(args.steps, warmup + 1),
                                                   end_value=args.lr / 10)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.0))
     opt_state = optimizer.init(trainable)
@@ -228,7 +230,8 @@ def bench(args) -> None:
                 "mean_accepted": float(np.mean([r["mean_accepted"] for r in rows])),
                 "equal_to_ar": f"{sum(r['equal_to_ar'] for r in rows)}/{len(rows)}",
                 "origin_share": {k: round(v / total, 3) for k, v in origins.items()}}
-    result = {"command": vars(args), "load_average_end": os.getloadavg(),
+    result = {"command": {k: v for k, v in vars(args).items() if k != "func"},
+              "load_average_end": os.getloadavg(),
               "summary": summary, "records": records}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
