@@ -42,7 +42,9 @@ def one_layer_target():
     return tiny_pair("llama-gqa", seed=32, num_hidden_layers=1)[1]
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+# The fixed topology runs in make test-all (the dynamic tree and the chain cover the rest).
+@pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.slow) if s == "kary" else s
+                                   for s in SHAPES])
 def test_greedy_and_coupled_equal_ar(target, shape):
     draft = feature_draft(target, seed=1)
     for seed, temperature in ((0, 0.0), (1, 1.0)):
@@ -115,10 +117,10 @@ def test_a_draft_that_predicts_the_targets_features_is_always_accepted(one_layer
 
 def test_batch_rows_equal_their_batch_1_outputs(target):
     draft = feature_draft(target, seed=5)
-    prompts = [random_prompt(s, 5 + 3 * s) for s in range(3)]
-    outs = specjax.generate(target, prompts, max_new_tokens=16, draft=draft, **SHAPES["dynamic"])
+    prompts = [random_prompt(s, 5 + 3 * s) for s in range(2)]
+    outs = specjax.generate(target, prompts, max_new_tokens=12, draft=draft, **SHAPES["dynamic"])
     for prompt, out in zip(prompts, outs):
-        single = specjax.generate(target, prompt, max_new_tokens=16, draft=draft,
+        single = specjax.generate(target, prompt, max_new_tokens=12, draft=draft,
                                   **SHAPES["dynamic"])
         assert out.tokens == single.tokens
 

@@ -136,6 +136,33 @@ def test_compiled_steps_copy_no_cache(profile_step, programs, method):
             method, where, report["cache_copies"], report["cache_writes"])
 
 
+@pytest.mark.parametrize("method", [pytest.param("spec", marks=pytest.mark.slow), "tree"])
+def test_feature_draft_steps_copy_no_cache_and_no_features(profile_step, method):
+    """With a feature draft the loop also carries the target's features [S, d]: the step
+    reads them at catch-up and writes the accepted path's rows in place; neither they nor
+    the target or draft caches are copied or rewritten per step. (A two-block draft: a
+    one-block draft's cache is copied per pass, feature draft or not; see
+    benchmarks/README, "Where a step's time goes".)"""
+    import specjax
+    from specjax.checkpoints_tools import feature_draft as fd
+
+    model = profile_step.random_model("tiny", "float32")
+    config, params = fd.feature_draft_from_target(model.config, model.params, (0, 1))
+    draft = specjax.Model.from_params(config, params, name="feature")
+    prompt = np.random.default_rng(2).integers(3, 97, PROMPT_LENGTH).tolist()
+    compiled = profile_step.compile_step_programs(model, prompt,
+                                                  {"method": method, "draft": draft},
+                                                  NEW_TOKENS, with_step=False)
+    capacity = profile_step._capacity(compiled.loop)
+    c = model.config
+    shapes = [(c.num_layers, capacity, c.num_kv_heads, c.head_dim),
+              (2, capacity, c.num_kv_heads, c.head_dim), (1, capacity, c.hidden_size)]
+    report = profile_step.analyze_program(compiled.loop.as_text(), shapes, step="loop")
+    assert report["step_ops"] > 0
+    assert report["cache_copies"] == [] and report["cache_writes"] == [], (
+        report["cache_copies"], report["cache_writes"])
+
+
 @pytest.mark.parametrize("nodes,window", [(1, 0), (5, 3)])
 def test_model_steps_in_a_loop_copy_no_cache(profile_step, nodes, window):
     """The model's own step in a while loop, as the decode programs run it: a one-token
