@@ -108,25 +108,9 @@ def head_rows(params: dict, config, head_tokens):
     return table if head_tokens is None else jnp.take(table, jnp.asarray(head_tokens), axis=0)
 
 
-def target_features(target_params: dict, target_config, windows):
-    """The target's features [B, T, d] (final-normed hidden states) of windows [B, T]."""
-    import jax
-    import jax.numpy as jnp
-
-    from specjax import models
-
-    positions = jnp.arange(windows.shape[1], dtype=jnp.int32)
-
-    def one(tokens):
-        return models.hidden_states(target_params, target_config, tokens, positions,
-                                    attn_impl="reference")[0]
-
-    return jax.vmap(one)(windows)
-
-
-def draft_features(params: dict, config, windows, inputs):
-    """The draft's predicted features [B, T, d] for windows [B, T] reading ``inputs``
-    [B, T, d] (the feature each position reads: the target's at ``t - 1``)."""
+def _batched_hidden(params: dict, config, windows, inputs=None):
+    """Final-normed hidden states [B, T, d] of windows [B, T] (plain causal forwards),
+    reading ``inputs`` [B, T, d] when the model is a feature draft."""
     import jax
     import jax.numpy as jnp
 
@@ -139,6 +123,17 @@ def draft_features(params: dict, config, windows, inputs):
                                     features=feats)[0]
 
     return jax.vmap(one)(windows, inputs)
+
+
+def target_features(target_params: dict, target_config, windows):
+    """The target's features [B, T, d] (final-normed hidden states) of windows [B, T]."""
+    return _batched_hidden(target_params, target_config, windows)
+
+
+def draft_features(params: dict, config, windows, inputs):
+    """The draft's predicted features [B, T, d] for windows [B, T] reading ``inputs``
+    [B, T, d] (the feature each position reads: the target's at ``t - 1``)."""
+    return _batched_hidden(params, config, windows, inputs)
 
 
 def shift_features(features):

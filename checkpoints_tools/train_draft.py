@@ -52,9 +52,9 @@ set the input noise and the second pass that reads the draft's own predictions.
 ``--init-layers`` then names the target blocks the draft starts from (one, e.g. ``0``, is
 EAGLE's shape); ``--init-draft ASSET`` of a standalone draft starts from a feature draft
 that computes exactly that draft (``fc = [I; 0]``), so training only adds what the
-features carry. ``--feature-weight`` scales the feature term against the KL. These drafts train through :mod:`specjax.models` directly (the Flax
-modules take no features). Held-out agreement is logged at depth 1 (the draft's first
-proposal after the root).
+features carry. ``--feature-weight`` scales the feature term against the KL. These drafts
+train through :mod:`specjax.models` directly (the Flax modules take no features).
+Held-out agreement is logged at depth 1 (the draft's first proposal after the root).
 
 ``--init-draft ASSET`` starts from a trained draft asset (e.g. continue the shipped draft
 on the target's own text) instead of the target's blocks ``init_layers``.
@@ -480,6 +480,7 @@ def make_feature_train_steps(target_config, draft_config, cfg: TrainConfig, opti
     from the frozen target pass, :func:`~specjax.checkpoints_tools.feature_draft.
     feature_loss` over the full head; evaluation reports depth-1 agreement and KL."""
     import jax
+    import jax.numpy as jnp
     import optax
 
     from specjax.checkpoints_tools import feature_draft as fd
@@ -497,7 +498,7 @@ def make_feature_train_steps(target_config, draft_config, cfg: TrainConfig, opti
 
     def loss_fn(trainable, frozen, target_params, windows):
         # Noise drawn per batch (the key follows the batch's tokens: reruns repeat it).
-        key = jax.random.fold_in(base_key, jax.numpy.sum(windows))
+        key = jax.random.fold_in(base_key, jnp.sum(windows))
         windows, features, rows = inputs(frozen, target_params, windows)
         return fd.feature_loss({**trainable, **frozen}, draft_config, windows, features, rows,
                                loss_cfg, key)

@@ -278,16 +278,11 @@ class Speculative:
         hidden states [E, d], which a feature draft's children read, or ``None``).
         ``features``: a feature draft's input per node (its parent's predicted feature)."""
         count = tokens.shape[0]
-        if not self.uses_features:
-            logits, cache = models.forward(draft_params, self.draft_config, tokens, positions,
-                                           cache, jnp.eye(count, dtype=jnp.bool_),
-                                           scratch_mask, attn_impl=loop.attn_impl)
-            return logits, cache, None
-        logits, hidden, cache = models.forward(
-            draft_params, self.draft_config, tokens, positions, cache,
-            jnp.eye(count, dtype=jnp.bool_), scratch_mask, attn_impl=loop.attn_impl,
-            features=features, return_features=True)
-        return logits, cache, hidden
+        out = models.forward(draft_params, self.draft_config, tokens, positions, cache,
+                             jnp.eye(count, dtype=jnp.bool_), scratch_mask,
+                             attn_impl=loop.attn_impl, features=features,
+                             return_features=self.uses_features)
+        return out[0], out[-1], out[1] if self.uses_features else None
 
     # ------------------------------------------------------------------ method protocol
 
