@@ -190,7 +190,15 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         (x, _), (k_new, v_new) = jax.lax.scan(layer, (x, jnp.int32(0)), params["layers"])
     if cache is not None:
         offset = 0 if scratch_mask is None else scratch_mask.shape[1]
-        cache = write_scratch(cache, k_new, v_new, offset)
+        # The write must come after every layer's attention has read the cache, or XLA
+        # copies the cache to be free to run them in either order. Through the scan's
+        # outputs it does when the layer loop runs; a one-layer loop is inlined, and then
+        # nothing orders them: adding 0 * x (x needs every layer's attention) makes the
+        # order a data dependence. XLA keeps it (float x * 0 is not folded: NaN and inf
+        # give NaN) and optimisation barriers do not survive the CPU pipeline. Exact:
+        # k + 0.0 == k, and a non-finite x already makes this pass's logits NaN.
+        after = (0.0 * x[0, 0]).astype(k_new.dtype)
+        cache = write_scratch(cache, k_new + after, v_new + after, offset)
     return x, cache
 
 
