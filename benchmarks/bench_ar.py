@@ -45,32 +45,34 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax import decode, models
+from specjax import api, decode, models
 from specjax.benchmark.environment import git_commit, versions
 from specjax.benchmark.humaneval import humaneval_prompts
 from specjax.benchmark.peers import fastest_torch_threads
 from specjax.cache import init_cache
-from specjax.sampling import make_sampling_params
+
+
+# What is timed: ``ar`` by name (a known model's default method is ``staged``), exactly
+# ``max_new_tokens`` tokens (no stop tokens), greedy.
+AR = dict(method="ar", stop_tokens=[])
 
 
 def ar_program(model, ids: list[int], budget: int):
-    """The loop and arguments ``specjax.generate(model, ids, max_new_tokens=budget,
-    stop_tokens=[])`` compiles and runs, so that the same executable can be run with a
-    smaller (traced) ``max_new_tokens``."""
-    bucket, capacity = decode.plan_capacity(len(ids), budget, 1, model.config)
-    loop = decode.DecodeLoop(config=model.config, capacity=capacity, prompt_bucket=bucket)
-    padded = np.zeros(bucket, np.int32)
-    padded[: len(ids)] = ids
-    stop = jnp.full((decode.MAX_STOP_TOKENS,), -1, jnp.int32)
-    args = (jnp.asarray(padded), jnp.int32(len(ids)), None, make_sampling_params(), stop)
-    return loop, args
+    """The loop and arguments of ``specjax.generate(model, ids, max_new_tokens=budget,
+    **AR)``, built by the function ``generate`` builds them with, so that the same
+    executable can be run with a smaller (traced) ``max_new_tokens``."""
+    request = api._prepare(model, ids, method=AR["method"], max_new_tokens=budget,
+                           temperature=0.0, top_k=0, top_p=1.0, seed=0, draft=None,
+                           ngram=None, stop_tokens=AR["stop_tokens"], chat=False,
+                           attn_impl="auto", options={})
+    return request.loop, request.args
 
 
 def prefill_seconds(model, loop, args) -> tuple[int, float]:
     """Runs the generation program with max_new_tokens=1; returns (new tokens, seconds)."""
-    prompt, length, _, sampling, stop = args
-    state, compile_seconds, seconds = decode.run_program(
-        model.params, loop, prompt, length, jnp.int32(1), sampling, stop)
+    params, prompt, length, _, *rest = args
+    state, compile_seconds, seconds = decode.run_program(params, loop, prompt, length,
+                                                         jnp.int32(1), *rest)
     assert compile_seconds == 0.0, "the prefill run must reuse the generation's executable"
     return int(state.length - state.prompt_length), seconds
 
@@ -157,8 +159,7 @@ def main(argv=None) -> int:
         transformers_generate(hf_model, model.tokenizer(prompts[0])["input_ids"], 4)  # warm-up
 
     # First call: compile the program for the first prompt's bucket and capacity.
-    first = specjax.generate(model, prompts[0], max_new_tokens=args.max_new_tokens,
-                             stop_tokens=[])
+    first = specjax.generate(model, prompts[0], max_new_tokens=args.max_new_tokens, **AR)
     compile_seconds = first.stats["compile_seconds"]
     print(f"first-call compile {compile_seconds:.1f} s", file=sys.stderr)
 
@@ -172,8 +173,8 @@ def main(argv=None) -> int:
         runs: dict[str, list] = {"ours": [], "prefill": [], "bare": [], "theirs": []}
         threads, compile_here = [], 0.0
         for _ in range(args.repeats):
-            ours = specjax.generate(model, ids, max_new_tokens=n, stop_tokens=[])
-            assert ours.stats["new_tokens"] == n
+            ours = specjax.generate(model, ids, max_new_tokens=n, **AR)
+            assert ours.stats["new_tokens"] == n and ours.stats["method"] == "ar"
             runs["ours"].append(ours.stats["seconds"])  # compile time excluded
             compile_here = max(compile_here, ours.stats["compile_seconds"])
             count, prefill = prefill_seconds(model, loop, program_args)

@@ -446,3 +446,39 @@ def test_weight_bytes_of_a_subset_head_draft_skip_the_gathered_embedding(spec_ta
     subset = restricted.params["head_subset"]
     assert weight_bytes(restricted) == (full - embed + subset["weight"].nbytes
                                         + subset["tokens"].nbytes)
+
+
+# ----------------------------------------------------------------------------- bench_ar.py
+
+
+def test_bench_ar_times_ar_and_its_prefill_reuses_the_generation_program(monkeypatch):
+    """``bench_ar.py`` times ``ar`` by name, whatever the model's default method (a known
+    model's is ``staged``: the script once timed that as "ar"), and its prefill run is the
+    generation's own executable with ``max_new_tokens=1``."""
+    import importlib.util
+    from pathlib import Path
+
+    import jax
+
+    import specjax
+    from specjax import loading
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ar.py"
+    spec = importlib.util.spec_from_file_location("bench_ar", path)
+    bench_ar = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_ar", bench_ar)
+    spec.loader.exec_module(bench_ar)
+
+    config = specjax.config.ModelConfig(
+        architecture="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=256)
+    params = specjax.models.init_params(config, jax.random.PRNGKey(0))
+    # Named after a known model, so that its default method is staged.
+    model = specjax.Model.from_params(config, params, name="tiny", assets="smollm2-135m")
+    assert loading.default_method(model.assets) == "staged"
+    ids = list(range(3, 40))
+    out = specjax.generate(model, ids, max_new_tokens=6, **bench_ar.AR)
+    assert out.stats["method"] == "ar" and len(out.tokens) == 6
+    loop, args = bench_ar.ar_program(model, ids, 6)
+    count, seconds = bench_ar.prefill_seconds(model, loop, args)  # asserts: no compile
+    assert count == 1 and seconds > 0
