@@ -42,7 +42,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import specjax
 from specjax import api, decode, models

@@ -196,7 +196,8 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         # nothing orders them: adding 0 * x (x needs every layer's attention) makes the
         # order a data dependence. XLA keeps it (float x * 0 is not folded: NaN and inf
         # give NaN) and optimisation barriers do not survive the CPU pipeline. Exact:
-        # k + 0.0 == k, and a non-finite x already makes this pass's logits NaN.
+        # k + 0.0 == k; a non-finite x[0, 0] already makes row 0's logits NaN (the target
+        # then stops generation; a draft only proposes).
         after = (0.0 * x[0, 0]).astype(k_new.dtype)
         cache = write_scratch(cache, k_new + after, v_new + after, offset)
     return x, cache
