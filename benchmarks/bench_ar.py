@@ -67,7 +67,7 @@ def ar_program(model, ids: list[int], budget: int):
     return request.loop, request.args
 
 
-def prefill_seconds(model, loop, args) -> tuple[int, float]:
+def prefill_seconds(loop, args) -> tuple[int, float]:
     """Runs the generation program with max_new_tokens=1; returns (new tokens, seconds)."""
     params, prompt, length, _, *rest = args
     state, compile_seconds, seconds = decode.run_program(params, loop, prompt, length,
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
             assert ours.stats["new_tokens"] == n and ours.stats["method"] == "ar"
             runs["ours"].append(ours.stats["seconds"])  # compile time excluded
             compile_here = max(compile_here, ours.stats["compile_seconds"])
-            count, prefill = prefill_seconds(model, loop, program_args)
+            count, prefill = prefill_seconds(loop, program_args)
             assert count == 1
             runs["prefill"].append(prefill)
             runs["bare"].append(bare_step_seconds(model, len(ids) + n // 2, loop.capacity))

@@ -480,5 +480,5 @@ def test_bench_ar_times_ar_and_its_prefill_reuses_the_generation_program(monkeyp
     out = specjax.generate(model, ids, max_new_tokens=6, **bench_ar.AR)
     assert out.stats["method"] == "ar" and len(out.tokens) == 6
     loop, args = bench_ar.ar_program(model, ids, 6)
-    count, seconds = bench_ar.prefill_seconds(model, loop, args)  # asserts: no compile
+    count, seconds = bench_ar.prefill_seconds(loop, args)  # asserts: no compile
     assert count == 1 and seconds > 0
