@@ -482,3 +482,59 @@ def test_bench_ar_times_ar_and_its_prefill_reuses_the_generation_program(monkeyp
     loop, args = bench_ar.ar_program(model, ids, 6)
     count, seconds = bench_ar.prefill_seconds(loop, args)  # asserts: no compile
     assert count == 1 and seconds > 0
+
+
+# ----------------------------------------------------------------------------- ab_compiler_options.py
+
+
+def test_ab_compiler_options_applies_the_options_to_one_side_only(monkeypatch):
+    """The 'with' side compiles its programs with the options and the other without them
+    (checked on the options each compilation receives), both sides' tokens are compared,
+    and a malformed option is refused in one line."""
+    import importlib.util
+    from pathlib import Path
+
+    import jax
+
+    import specjax
+    from specjax import decode
+    from specjax.errors import InvalidArgumentError
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_compiler_options.py"
+    spec = importlib.util.spec_from_file_location("ab_compiler_options", path)
+    ab = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ab_compiler_options", ab)
+    spec.loader.exec_module(ab)
+
+    assert ab.parse_option("xla_a=false") == ("xla_a", False)
+    assert ab.parse_option(" xla_b = 3") == ("xla_b", 3)
+    assert ab.parse_option("xla_c=fast") == ("xla_c", "fast")
+    with pytest.raises(InvalidArgumentError, match="NAME=VALUE"):
+        ab.parse_option("no-equals-sign")
+
+    config = specjax.config.ModelConfig(
+        architecture="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=256)
+    model = specjax.Model.from_params(config, specjax.models.init_params(
+        config, jax.random.PRNGKey(0)), name="tiny")
+    seen = []
+    real_compiled = decode.compiled
+
+    def spy(fn, loop, args, *rest, **kwargs):
+        seen.append(decode._COMPILER_OPTIONS.get())
+        return real_compiled(fn, loop, args, *rest, **kwargs)
+
+    monkeypatch.setattr(decode, "compiled", spy)
+    # An option every XLA backend takes, so the options side really compiles with it.
+    options = {"xla_backend_optimization_level": 1}
+    base = decode._COMPILER_OPTIONS.get()
+    result = ab.run_ab(model, [list(range(3, 20)), list(range(5, 30))], ["ar"], options, 5)
+    # The 'without' side compiles with whatever options surround the run (the suite's
+    # conftest sets some), the 'with' side with those plus ``options``.
+    merged = tuple(sorted({**dict(base), **options}.items()))
+    assert merged != base and set(seen) == {base, merged}
+    summary = result["summary"]["ar"]
+    assert summary["prompts"] == 2 and summary["same_tokens"] == 2
+    rows = result["rows"]["ar"]
+    assert [row["first"] for row in rows] == ["with", "without"]
+    assert all(row["ratio"] > 0 and row["new_tokens"] == 5 for row in rows)
