@@ -26,7 +26,7 @@ _EXPORTS = {
     "ModelConfig": "specjax.config", "from_hf_config": "specjax.config",
     "CheckpointError": "specjax.errors", "InvalidArgumentError": "specjax.errors",
     "ModelNotFoundError": "specjax.errors", "NumericalError": "specjax.errors",
-    "SpecjaxError": "specjax.errors",
+    "SpecjaxError": "specjax.errors", "PerformanceWarning": "specjax.errors",
     "load": "specjax.loading",
     "ArOptions": "specjax.methods", "MethodOptions": "specjax.methods",
     "NgramOptions": "specjax.methods", "SpecOptions": "specjax.methods",
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from specjax.api import GenerationResult, generate, stream_generate
     from specjax.config import ModelConfig, from_hf_config
     from specjax.errors import (CheckpointError, InvalidArgumentError, ModelNotFoundError,
-                                NumericalError, SpecjaxError)
+                                NumericalError, PerformanceWarning, SpecjaxError)
     from specjax.loading import load
     from specjax.methods import (ArOptions, MethodOptions, NgramOptions, SpecOptions,
                                  StagedOptions, TreeOptions)

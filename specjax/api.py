@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+import warnings
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -24,7 +25,7 @@ import numpy as np
 
 from specjax import decode, methods
 from specjax.attention import IMPLEMENTATIONS
-from specjax.errors import InvalidArgumentError, NumericalError
+from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
 from specjax.loading import (check_resources, default_method, load, resolve_draft,
                              resolve_ngram)
 from specjax.methods import MethodOptions
@@ -154,7 +155,29 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
         raise InvalidArgumentError(f"attn_impl must be one of {', '.join(IMPLEMENTATIONS)}, "
                                    f"got {attn_impl!r}")
     stop = _stop_array(model, stop_tokens)
+    _warn_if_slow_dtype(model)
     return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens))
+
+
+# Half-precision parameters XLA's CPU backend runs slower than float32: its bf16/fp16 matmuls
+# and conversions are not vectorised like its float32 ones. Measured on the 2-core AVX-512
+# test machine (jax 0.10.2), one smollm2-135m one-token forward: float32 27.5 ms, float16
+# 53 ms, bfloat16 206 ms (benchmarks/README.md, "Half precision on the CPU").
+_SLOW_ON_CPU = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _warn_if_slow_dtype(model: Model) -> None:
+    """A :class:`PerformanceWarning` when ``model``'s parameters are bf16/fp16 on a CPU."""
+    leaves = [x for x in jax.tree_util.tree_leaves(model.params)
+              if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)]
+    slow = sorted({x.dtype.name for x in leaves if jnp.dtype(x.dtype) in _SLOW_ON_CPU})
+    if not slow or any(d.platform != "cpu" for x in leaves for d in x.devices()):
+        return
+    warnings.warn(
+        f"{model.name}: {'/'.join(slow)} parameters on the CPU run slower than float32 there "
+        f"(XLA's CPU matmuls in half precision: a one-token pass measured 7x slower in "
+        f"bfloat16, 2x in float16); load with dtype='float32' or 'auto' on a CPU",
+        PerformanceWarning, stacklevel=4)
 
 
 def _load_resources(model: Model, settings: _Settings, draft, ngram) -> None:

@@ -24,3 +24,8 @@ class CheckpointError(SpecjaxError):
 
 class NumericalError(SpecjaxError, FloatingPointError):
     """The model produced non-finite logits."""
+
+
+class PerformanceWarning(UserWarning):
+    """A setting that works, with the same results, but is known to run far slower than an
+    alternative the message names (e.g. bfloat16 parameters on a CPU)."""

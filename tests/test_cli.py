@@ -343,3 +343,15 @@ def test_summary_line_when_the_run_was_too_fast_to_time():
     line = cli._summary(stats)
     assert "too fast to time" in line and "\n" not in line
     assert json.loads(json.dumps(stats, allow_nan=False))["tokens_per_s"] is None
+
+
+def test_half_precision_on_the_cpu_is_one_warning_line_and_the_run_goes_on(capsys, tiny_gguf):
+    status, out, err = run_cli(capsys, "generate", "the", "-m", str(tiny_gguf), "--method",
+                               "ar", "--max-new-tokens", "4", "--dtype", "bfloat16")
+    assert status == 0 and out
+    warning, summary = err.splitlines()
+    assert warning.startswith("specjax: warning: ") and "bfloat16 parameters on the CPU" in warning
+    assert SUMMARY.match(summary + "\n"), summary
+    status, _, err = run_cli(capsys, "generate", "the", "-m", str(tiny_gguf), "--method",
+                             "ar", "--max-new-tokens", "4")
+    assert status == 0 and "warning" not in err

@@ -150,3 +150,27 @@ def test_non_finite_logits_are_reported():
     broken = specjax.Model(model.config, params, name="broken")
     with pytest.raises(NumericalError, match="non-finite"):
         specjax.generate(broken, [1, 2, 3], max_new_tokens=4)
+
+
+def test_half_precision_parameters_on_the_cpu_warn_and_still_run():
+    """bf16/fp16 parameters on a CPU get a PerformanceWarning naming the dtype and the fix
+    (XLA's CPU matmuls in half precision are several times slower than float32); float32
+    parameters get none."""
+    import warnings
+
+    from specjax.errors import PerformanceWarning
+
+    config = specjax.ModelConfig(architecture="llama", vocab_size=64, hidden_size=32,
+                                 num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                                 intermediate_size=64, max_position_embeddings=128)
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    for dtype in ("bfloat16", "float16"):
+        model = specjax.Model.from_params(config, params, name="tiny", dtype=dtype)
+        with pytest.warns(PerformanceWarning, match=f"tiny: {dtype} parameters on the CPU.*"
+                                                    f"dtype='float32'"):
+            out = specjax.generate(model, [1, 2, 3], method="ar", max_new_tokens=3)
+        assert len(out.tokens) == 3
+    model = specjax.Model.from_params(config, params, name="tiny")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)
+        specjax.generate(model, [1, 2, 3], method="ar", max_new_tokens=3)
