@@ -1,8 +1,10 @@
-"""Exceptions raised by specjax.
+"""Exceptions raised by specjax, and the one warning it gives.
 
 Every user-facing error is a subclass of :class:`SpecjaxError` with a one-line message that
 names what was wrong and, where there is one, what to do. The CLI prints ``error: <message>``
-for these and exits with status 2, without a traceback.
+for these and exits with status 2, without a traceback. A :class:`PerformanceWarning`
+(a setting that works but runs far slower than another) prints ``specjax: warning: <message>``
+there, and the command goes on.
 """
 
 

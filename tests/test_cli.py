@@ -78,7 +78,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 
 def test_generate_streams_text_to_stdout_and_one_summary_line_to_stderr(capsys, served):
-    expected = specjax.generate(served, PROMPT, max_new_tokens=16)
+    expected = specjax.generate(served, PROMPT, method="ar", max_new_tokens=16)
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16",
                                "--method", "ar")
     assert status == 0
@@ -118,7 +118,7 @@ def test_show_origin_counts_every_token(capsys, served):
 
 
 def test_json_prints_exactly_one_object(capsys, served):
-    expected = specjax.generate(served, PROMPT, max_new_tokens=12)
+    expected = specjax.generate(served, PROMPT, method="ar", max_new_tokens=12)
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "12", "--json",
                                "--method", "ar")
     assert status == 0 and err == ""
@@ -150,15 +150,18 @@ def test_json_passes_sampling_options_through(capsys, served):
 
 
 def test_chat_applies_the_chat_template(capsys, served):
-    expected = specjax.generate(served, "What is 2 + 2?", max_new_tokens=12, chat=True)
+    # ``ar`` (cheap to compile): the template is applied before any method runs.
+    expected = specjax.generate(served, "What is 2 + 2?", method="ar", max_new_tokens=12,
+                                chat=True)
     status, out, _ = run_cli(capsys, "generate", "What is 2 + 2?", "--chat", "--json",
-                             "--max-new-tokens", "12")
+                             "--max-new-tokens", "12", "--method", "ar")
     assert status == 0
     tokens = json.loads(out)["tokens"]
     assert tokens == expected.tokens
-    assert tokens != specjax.generate(served, "What is 2 + 2?", max_new_tokens=12).tokens
+    assert tokens != specjax.generate(served, "What is 2 + 2?", method="ar",
+                                      max_new_tokens=12).tokens
     status, out, err = run_cli(capsys, "generate", "What is 2 + 2?", "--chat",
-                               "--max-new-tokens", "12")
+                               "--max-new-tokens", "12", "--method", "ar")
     assert status == 0 and out == expected.text + "\n" and SUMMARY.match(err)
 
 
