@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ import jax
 
 import specjax
 from specjax import decode
-from specjax.benchmark.environment import git_commit, versions
+from specjax.benchmark.environment import git_commit, versions, write_json
 from specjax.benchmark.humaneval import humaneval_prompts
 from specjax.errors import InvalidArgumentError
 
@@ -128,9 +127,7 @@ def main(argv=None) -> int:
         "load_average": {"start": load_before, "end": os.getloadavg()[0]},
         "config": vars(args)})
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
+        write_json(args.json, result)
     return 0
 
 

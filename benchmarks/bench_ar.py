@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 import specjax
 from specjax import api, decode, models
-from specjax.benchmark.environment import git_commit, versions
+from specjax.benchmark.environment import git_commit, versions, write_json
 from specjax.benchmark.humaneval import humaneval_prompts
 from specjax.benchmark.peers import fastest_torch_threads
 from specjax.cache import init_cache
@@ -237,10 +237,7 @@ def main(argv=None) -> int:
     }
     print(json.dumps(result["median"], indent=1))
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        write_json(args.json, result)
     return 0
 
 

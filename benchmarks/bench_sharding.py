@@ -30,7 +30,6 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 
@@ -39,7 +38,7 @@ import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import models, sharding  # noqa: E402
-from specjax.benchmark.environment import git_commit, versions  # noqa: E402
+from specjax.benchmark.environment import git_commit, versions, write_json  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2), (8, 1)]  # (data, model)
@@ -127,9 +126,7 @@ def main(argv=None) -> dict:
         "rows": rows,
     }
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
     return report
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 import specjax
 from specjax import models
+from specjax.benchmark.environment import write_json
 from specjax.cache import init_cache
 from specjax.tree import ancestor_mask, depths, kary_parents
 
@@ -76,9 +77,7 @@ def main(argv=None) -> int:
               "cpu_count": os.cpu_count(), "versions": {"jax": jax.__version__},
               "config": vars(args), "rows": rows}
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return 0
 
 

@@ -538,3 +538,27 @@ def test_ab_compiler_options_applies_the_options_to_one_side_only(monkeypatch):
     rows = result["rows"]["ar"]
     assert [row["first"] for row in rows] == ["with", "without"]
     assert all(row["ratio"] > 0 and row["new_tokens"] == 5 for row in rows)
+
+
+def test_write_json_writes_whole_results_or_nothing(tmp_path, monkeypatch):
+    """Benchmark results (``specjax bench --json``, the scripts) are written whole: parent
+    folders are made, a result that cannot be serialised leaves no file, and an interrupted
+    write leaves the previous result as it was and no temporary file."""
+    from specjax.benchmark import environment
+    from specjax.benchmark.environment import write_json
+
+    path = write_json(tmp_path / "new" / "result.json", {"rows": [1, 2], "median": 0.5})
+    assert json.loads(path.read_text()) == {"rows": [1, 2], "median": 0.5}
+    with pytest.raises(TypeError):
+        write_json(tmp_path / "bad.json", {"rows": object()})
+    write_json(path, {"rows": [3]})  # an existing result is replaced, not appended to
+    assert json.loads(path.read_text()) == {"rows": [3]}
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(environment.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_json(path, {"rows": [4]})
+    assert json.loads(path.read_text()) == {"rows": [3]}
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["new", "result.json"]

@@ -16,7 +16,6 @@ Exit status: 0; 1 when a method's output differed from ``ar``'s where it must be
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -219,10 +218,7 @@ def run(args) -> int:
               "model_load_seconds": load_seconds, **result}
     print(reporting.render_text(result))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        print(f"wrote {environment.write_json(args.json, result)}", file=sys.stderr)
     if args.plot:
         for written in plots.write_plots(result, args.plot):
             print(f"wrote {written}", file=sys.stderr)
@@ -245,10 +241,7 @@ def _run_batches(args, config, target, draft, prompts, machine, load_seconds) ->
               "model_load_seconds": load_seconds, **result}
     print(render_batch_text(result))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        print(f"wrote {environment.write_json(args.json, result)}", file=sys.stderr)
     if not result["all_outputs_match"]:
         print(f"specjax bench: MISMATCH: {len(result['mismatches'])} row(s) differ from ar "
               f"where they must be equal", file=sys.stderr)

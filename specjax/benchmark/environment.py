@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jaxlib
@@ -56,3 +59,21 @@ def machine() -> dict:
         "versions": versions(),
         "git": git_commit(),
     }
+
+
+def write_json(path: str | os.PathLike, result) -> Path:
+    """Writes ``result`` as indented JSON to ``path`` (parent folders made as needed), whole
+    or not at all: the text is serialised first and moved into place from a temporary file
+    beside it, so a failure or Ctrl-C leaves no half-written result. Returns the path."""
+    path = Path(path)
+    text = json.dumps(result, indent=1) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        os.replace(staging, path)
+    except BaseException:
+        os.unlink(staging)
+        raise
+    return path
