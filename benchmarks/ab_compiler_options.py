@@ -21,16 +21,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import statistics
 import sys
-import time
-
-import jax
 
 import specjax
 from specjax import decode
-from specjax.benchmark.environment import git_commit, versions, write_json
+from specjax.benchmark.environment import machine, write_json
 from specjax.benchmark.humaneval import humaneval_prompts
 from specjax.errors import InvalidArgumentError
 
@@ -113,19 +109,14 @@ def main(argv=None) -> int:
     model = specjax.load(args.model)
     texts = humaneval_prompts(args.skip + args.limit)[args.skip:]
     prompts = [model.tokenizer(text)["input_ids"] for text in texts]
-    load_before = os.getloadavg()[0]
+    host = machine()  # device, versions, commit, XLA_FLAGS, load at the start
     result = run_ab(model, prompts, methods, options, args.max_new_tokens)
     for method, row in result["summary"].items():
         print(f"{method}: with/without median ratio {row['median_ratio']:.3f}, total tok/s "
               f"{row['total_tokens_per_s_with']:.1f} / {row['total_tokens_per_s_without']:.1f}, "
               f"same tokens {row['same_tokens']}/{row['prompts']}")
-    result.update({
-        "benchmark": "ab_compiler_options", "options": options,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "device": jax.devices()[0].device_kind, "platform": platform.platform(),
-        "cpu_count": os.cpu_count(), "versions": versions(), "commit": git_commit(),
-        "load_average": {"start": load_before, "end": os.getloadavg()[0]},
-        "config": vars(args)})
+    result.update({"benchmark": "ab_compiler_options", "options": options, **host,
+                   "load_average_end": os.getloadavg(), "config": vars(args)})
     if args.json:
         write_json(args.json, result)
     return 0
