@@ -15,6 +15,8 @@
 #                       target pass, kernels, memcpys, top kernels (jax.profiler) and the
 #                       compiled step's HLO counts; HLO texts in hlo/
 #        profile_fused_<model>.json  the same with --attn-impl fused --fused-projections
+#        profile_fused_mosaic_<model>.json  the same in bfloat16 with SPECJAX_GPU_KERNELS=mosaic
+#                       (the projections in the Mosaic GPU wgmma kernel instead of Triton's)
 #        kernels.json   benchmarks/bench_kernels.py --device-time --sweep (checks fp32 and
 #                       bf16, then the kernel's tilings)
 #      then, if the default model's file is there (the smollm2-135m GGUF ships inside the
@@ -121,6 +123,13 @@ for model in ${PROFILE_MODELS:-smollm2-135m}; do
         --methods "${PROFILE_METHODS:-ar,ngram,spec,tree,staged}" \
         --attn-impl fused --fused-projections \
         --json "$DIR/profile_fused_$model.json" --hlo-dir "$DIR/hlo/fused-$model"
+    # And with the projections in the Mosaic GPU kernel (opt-in, bfloat16/float16 only;
+    # float32 calls and the tied head stay on Triton): against the bfloat16 rows above.
+    step "profile-fused-mosaic-$model" env SPECJAX_GPU_KERNELS=mosaic "$PY" \
+        benchmarks/profile_step.py --model "$model" --dtypes bfloat16 \
+        --methods "${PROFILE_METHODS:-ar,ngram,spec,tree,staged}" \
+        --attn-impl fused --fused-projections \
+        --json "$DIR/profile_fused_mosaic_$model.json" --hlo-dir "$DIR/hlo/fused-mosaic-$model"
 done
 step kernels "$PY" benchmarks/bench_kernels.py --device-time --sweep --json "$DIR/kernels.json"
 if [ "${PROFILE_ONLY:-0}" = 1 ]; then

@@ -41,6 +41,14 @@ elsewhere; ``SPECJAX_KERNEL_INTERPRET=tpu`` picks the TPU ones):
 * :func:`fused_linear_gpu` in :mod:`.linear_gpu` (Triton; :class:`GpuLinearBlockSizes`),
   :func:`fused_linear_tpu` in :mod:`.linear_tpu` (Mosaic; :class:`TpuLinearBlockSizes`).
 
+The GPU linear kernel has a second backend, :func:`fused_linear_mosaic_gpu` in
+:mod:`.linear_mosaic_gpu` (Mosaic GPU: TMA copies and Hopper ``wgmma``, bfloat16/float16
+only). It is opt-in while it has not been timed on a GPU: with the environment variable
+``SPECJAX_GPU_KERNELS=mosaic`` (read when a program is traced, so set it before the first
+``generate``), :func:`fused_linear` gives it every call it takes and the Triton kernel the
+rest (float32, a transposed head, widths that are not multiples of 64); the default,
+``triton``, never uses it. Off a GPU it runs under JAX's Mosaic GPU interpreter.
+
 With a ``fallback``, shapes the chosen kernel does not take (more than 128 new tokens, an
 unsupported head_dim or dtype, ...) go to the fallback; without one they raise
 :class:`specjax.errors.InvalidArgumentError`.
@@ -55,13 +63,17 @@ import jax
 
 from specjax.errors import InvalidArgumentError
 
-__all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes", "TpuBlockSizes",
-           "TpuLinearBlockSizes", "TpuOrderedBlockSizes", "fused_linear", "fused_linear_gpu",
-           "fused_linear_tpu", "ordered_attention", "ordered_attention_gpu",
-           "ordered_attention_tpu", "verify_attention", "verify_attention_gpu",
-           "verify_attention_tpu", "select_variant", "INTERPRET_ENV"]
+__all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes",
+           "MosaicGpuLinearBlockSizes", "TpuBlockSizes", "TpuLinearBlockSizes",
+           "TpuOrderedBlockSizes", "fused_linear", "fused_linear_gpu",
+           "fused_linear_mosaic_gpu", "fused_linear_tpu", "ordered_attention",
+           "ordered_attention_gpu", "ordered_attention_tpu", "verify_attention",
+           "verify_attention_gpu", "verify_attention_tpu", "gpu_kernel_backend",
+           "select_variant", "GPU_KERNELS_ENV", "INTERPRET_ENV"]
 
 INTERPRET_ENV = "SPECJAX_KERNEL_INTERPRET"
+GPU_KERNELS_ENV = "SPECJAX_GPU_KERNELS"
+GPU_KERNEL_BACKENDS = ("triton", "mosaic")
 VARIANTS = ("gpu", "tpu")
 _MODULES = {"gpu": "attention_gpu", "tpu": "attention_tpu"}
 _LINEAR_MODULES = {"gpu": "linear_gpu", "tpu": "linear_tpu"}
@@ -76,7 +88,9 @@ _LAZY = {"GpuBlockSizes": "attention_gpu", "verify_attention_gpu": "attention_gp
          "ordered_attention_gpu": "attention_ordered_gpu",
          "TpuLinearBlockSizes": "linear_tpu", "fused_linear_tpu": "linear_tpu",
          "TpuOrderedBlockSizes": "attention_ordered_tpu",
-         "ordered_attention_tpu": "attention_ordered_tpu"}
+         "ordered_attention_tpu": "attention_ordered_tpu",
+         "MosaicGpuLinearBlockSizes": "linear_mosaic_gpu",
+         "fused_linear_mosaic_gpu": "linear_mosaic_gpu"}
 
 
 def __getattr__(name: str):
@@ -104,6 +118,17 @@ def select_variant(variant: str | None = None) -> tuple[str, bool]:
             f"unknown kernel variant {variant!r} (from {INTERPRET_ENV} or variant=); "
             f"expected one of {VARIANTS}")
     return variant, variant != native
+
+
+def gpu_kernel_backend() -> str:
+    """The GPU linear kernel's backend from ``SPECJAX_GPU_KERNELS``: ``"triton"`` (the
+    default) or ``"mosaic"``; see the module docstring."""
+    value = os.environ.get(GPU_KERNELS_ENV, "").strip().lower() or "triton"
+    if value not in GPU_KERNEL_BACKENDS:
+        raise InvalidArgumentError(
+            f"{GPU_KERNELS_ENV}={value!r} is not a GPU kernel backend; expected one of "
+            f"{GPU_KERNEL_BACKENDS}")
+    return value
 
 
 def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
@@ -163,13 +188,35 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
     a GPU a width that is not a multiple of 16, such as a 50257-token vocabulary; on a TPU
     blocks over its VMEM budget) run :func:`~.linear_gpu.fused_linear_reference`.
 
+    On the GPU variant with ``SPECJAX_GPU_KERNELS=mosaic``, a call the Mosaic GPU kernel
+    takes (:func:`.linear_mosaic_gpu.check_supported`) runs it; the others go on as above.
+    The choice reads shapes and dtypes only, never the row count, so a verify pass and the
+    one-token step take the same kernel for the same projection.
+
     Args:
       variant: ``"gpu"``, ``"tpu"`` or ``None`` (see :func:`select_variant`).
-      block_sizes: optional :class:`GpuLinearBlockSizes` / :class:`TpuLinearBlockSizes`.
+      block_sizes: optional :class:`GpuLinearBlockSizes` / :class:`TpuLinearBlockSizes`
+        (or :class:`MosaicGpuLinearBlockSizes` for the Mosaic GPU kernel).
     Raises:
       InvalidArgumentError: without ``fallback``, shapes the kernel does not take.
     """
     variant, interpret = select_variant(variant)
+    if variant == "gpu" and gpu_kernel_backend() == "mosaic":
+        mosaic = importlib.import_module(f"{__name__}.linear_mosaic_gpu")
+        mosaic_sizes = block_sizes if isinstance(block_sizes,
+                                                 mosaic.MosaicGpuLinearBlockSizes) else None
+        options = {} if mosaic_sizes is None else {"block_sizes": mosaic_sizes}
+        try:
+            mosaic.check_supported(
+                x, weights, stacked=kwargs.get("layer") is not None, **options,
+                **{k: kwargs[k] for k in ("offsets", "width", "transposed") if k in kwargs})
+        except InvalidArgumentError:
+            pass  # the Triton kernel (or, with fallback, the reference) takes it
+        else:
+            return mosaic.fused_linear_mosaic_gpu(x, tuple(weights), interpret=interpret,
+                                                  **options, **kwargs)
+        if mosaic_sizes is not None:
+            block_sizes = None
     module = _kernel_module(variant, _LINEAR_MODULES)
     options = {} if block_sizes is None else {"block_sizes": block_sizes}
     if fallback:
