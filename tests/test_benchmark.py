@@ -562,3 +562,29 @@ def test_write_json_writes_whole_results_or_nothing(tmp_path, monkeypatch):
         write_json(path, {"rows": [4]})
     assert json.loads(path.read_text()) == {"rows": [3]}
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["new", "result.json"]
+
+
+def test_bench_linear_checks_each_backend_before_timing_it(tmp_path, monkeypatch):
+    """``bench_linear.py --interpret --quick`` (the CPU smoke run): each backend's unit is
+    checked against the reference, then timed; a kernel that computes the wrong thing is
+    recorded as failed and the run exits 1."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_linear
+
+    argv = ["--interpret", "--quick", "--units", "mlp", "--rows", "1", "--dtypes",
+            "bfloat16", "--repeats", "1", "--inner", "1"]
+    out = tmp_path / "linear.json"
+    assert bench_linear.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["check"]["ok"]) for r in rows] == [
+        ("xla", True), ("triton", True), ("mosaic", True)]
+    assert all(r["us"] > 0 and r["weight_bytes"] == 3 * 128 * 256 * 2 for r in rows)
+
+    real = bench_linear.linear_mosaic_gpu.fused_linear_mosaic_gpu
+    monkeypatch.setattr(bench_linear.linear_mosaic_gpu, "fused_linear_mosaic_gpu",
+                        lambda x, *a, **k: 0.5 * real(x, *a, **k))
+    assert bench_linear.main([*argv, "--backends", "mosaic", "--json", str(out)]) == 1
+    (row,) = json.loads(out.read_text())["rows"]
+    assert not row["check"]["ok"]
