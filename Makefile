@@ -51,5 +51,21 @@ tpu-compiler: $(TPU_COMPILER)/.installed
 test-tpu: install tpu-compiler
 	SPECJAX_REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q -m "not slow" tests/test_tpu_compile.py
 
+# Likewise the CUDA compiler (JAX's CUDA PJRT plugin, pinned to the installed jaxlib): the
+# GPU compile tests (tests/test_gpu_compile.py) compile whole programs for an H100 in a
+# subprocess, without a GPU; `make test-gpu` installs it and runs them (CI).
+.PHONY: gpu-compiler test-gpu
+GPU_COMPILER := $(VENV)/gpu-compiler
+
+$(GPU_COMPILER)/.installed: pyproject.toml | $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(GPU_COMPILER) \
+		$$($(BIN)/python tests/gpu_aot.py --requirement)
+	touch $@
+
+gpu-compiler: $(GPU_COMPILER)/.installed
+
+test-gpu: install gpu-compiler
+	SPECJAX_REQUIRE_GPU_COMPILER=1 $(BIN)/python -m pytest -q -m "not slow" tests/test_gpu_compile.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

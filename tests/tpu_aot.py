@@ -163,7 +163,8 @@ def kernel_estimate(job: dict) -> dict:
 
 def build_generation_program(method: str, *, verify: str | None = None,
                              dtype: str = "bfloat16", prompt_tokens: int = 16,
-                             max_new_tokens: int = 64, attn_impl: str = "kernel"):
+                             max_new_tokens: int = 64, attn_impl: str = "kernel",
+                             fused_projections: bool = False):
     """(jitted function, example arguments) of one whole generation, as ``generate`` runs it.
 
     The target has SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads of 64) with
@@ -176,6 +177,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
       method: ``ar``, ``tree``, ``staged`` (or ``spec``, ``ngram``).
       verify: the acceptance rule (``coupled``, ``greedy``, ...); ``None`` for ``ar``.
       dtype: parameter and cache dtype.
+      fused_projections: the target's q|k|v and gate|up matrices fused
+        (:func:`specjax.models.fuse_projections`).
     Returns:
       (fn, args): ``fn(*args)`` is the program; args hold concrete small arrays and
       ``ShapeDtypeStruct`` parameters (map them to the target with :func:`_abstract`).
@@ -189,11 +192,14 @@ def build_generation_program(method: str, *, verify: str | None = None,
     key = jax.random.key(0)
     config = config_lib.smollm2_135m()
 
-    def abstract_model(cfg, name, assets=None):
-        params = jax.eval_shape(lambda: models.init_params(cfg, key, jnp.dtype(dtype)))
-        return Model(config=cfg, params=params, name=name, assets=assets)
+    def abstract_model(cfg, name, assets=None, fused=False):
+        def init():
+            params = models.init_params(cfg, key, jnp.dtype(dtype))
+            return models.fuse_projections(cfg, params) if fused else params
+        return Model(config=cfg, params=jax.eval_shape(init), name=name, assets=assets)
 
-    target = abstract_model(config, "smollm2-135m-shaped", assets="smollm2-135m")
+    target = abstract_model(config, "smollm2-135m-shaped", assets="smollm2-135m",
+                            fused=fused_projections)
     draft = None
     if method in ("spec", "tree", "staged"):
         draft = abstract_model(dataclasses.replace(config, num_layers=2), "draft-2-layers")

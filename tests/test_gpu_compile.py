@@ -1,0 +1,80 @@
+"""Whole generation programs compile for an NVIDIA H100, on this CPU.
+
+JAX's CUDA plugin compiles for a GPU described by a target config (``tests/gpu_aot.py``)
+without one: XLA's GPU compiler and the Triton and Mosaic GPU kernel compilers run and
+raise what they would raise for the device. The compiles run in a subprocess
+(``JAX_PLATFORMS=cpu``) so that the rest of the suite never loads the plugin. Compiling is
+not running: numerics stay with the interpreter tests.
+
+Checked, on SmolLM2-135M-shaped programs (random abstract weights): a canary (the Mosaic
+GPU kernel at a tiling over the H100's shared memory must be refused); ``ar`` with
+``attn_impl="fused"`` in bfloat16 with the Triton and with the Mosaic GPU projection
+kernels, ``tree`` (greedy) fused in bfloat16, ``ar`` fused in float32 and ``staged`` with
+the default kernels in float32: each compiles, contains the Pallas kernels it should (per
+layer: attention, and q|k|v, o, gate|up, down in the chosen backend), and its decode step
+writes no KV cache whole (no cache-sized copy: updates in place) on the GPU compiler's
+program, as on the CPU's.
+
+Without the plugin these tests are skipped with the reason shown by ``pytest -ra``;
+``make test-gpu`` installs it beside the environment and runs them, and with
+``SPECJAX_REQUIRE_GPU_COMPILER=1`` (set by that target, which CI runs) a missing plugin is
+a failure instead. ``benchmarks/gpu_compile_report.py`` records the per-step counts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import gpu_aot
+
+COMPILER_PATH, MISSING = gpu_aot.find_compiler()
+REQUIRE_ENV = "SPECJAX_REQUIRE_GPU_COMPILER"
+needs_compiler = pytest.mark.skipif(COMPILER_PATH is None and os.environ.get(REQUIRE_ENV) != "1",
+                                    reason=MISSING)
+LAYERS = 30
+TRITON, MOSAIC = "__gpu$xla.gpu.triton", "mosaic_gpu_v2"
+FUSED = dict(attn_impl="fused", fused_projections=True)
+PROGRAMS = {
+    "ar-bf16-fused-triton": dict(method="ar", dtype="bfloat16", gpu_kernels="triton", **FUSED),
+    "ar-bf16-fused-mosaic": dict(method="ar", dtype="bfloat16", gpu_kernels="mosaic", **FUSED),
+    "tree-bf16-fused-triton": dict(method="tree", verify="greedy", dtype="bfloat16",
+                                   gpu_kernels="triton", **FUSED),
+    "ar-fp32-fused-triton": dict(method="ar", dtype="float32", gpu_kernels="triton", **FUSED),
+    "staged-fp32-kernel": dict(method="staged", verify="coupled", dtype="float32",
+                               attn_impl="kernel"),
+}
+
+
+@pytest.fixture(scope="module")
+def records():
+    jobs = [{"kind": "canary"}] + [dict(target="h100", name=name, **job)
+                                   for name, job in PROGRAMS.items()]
+    return {record.get("name", "canary"): record for record in gpu_aot.run_worker(jobs)}
+
+
+@needs_compiler
+def test_the_compiler_refuses_a_kernel_over_the_shared_memory(records):
+    canary = records["canary"]
+    assert not canary["ok"]
+    assert "exceeds available shared memory" in canary["error"]
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_program_compiles_for_h100_with_its_kernels_and_no_cache_copy(records, name):
+    record = records[name]
+    assert record["ok"], record.get("error")
+    step = record["step"]
+    weighted = step["step_ops_weighted_by_kind"]
+    per_layer = lambda target: weighted.get(f"custom-call({target})", 0) / LAYERS  # noqa: E731
+    job = PROGRAMS[name]
+    if job.get("attn_impl") == "fused" and job["gpu_kernels"] == "mosaic":
+        # q|k|v, o, gate|up, down on Mosaic GPU; ordered attention (and the head) on Triton.
+        assert per_layer(MOSAIC) == 4 and 1 <= per_layer(TRITON) < 2
+    elif job.get("attn_impl") == "fused":
+        assert per_layer(TRITON) >= 5 and MOSAIC not in record["kernels"]
+    else:  # attn_impl="kernel": the verify-attention kernel in every layer of the target
+        assert per_layer(TRITON) >= 1
+    assert step["cache_sized_copies_per_step"] == 0, step["largest_copies"]
