@@ -69,7 +69,7 @@ __all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes",
            "fused_linear_mosaic_gpu", "fused_linear_tpu", "ordered_attention",
            "ordered_attention_gpu", "ordered_attention_tpu", "verify_attention",
            "verify_attention_gpu", "verify_attention_tpu", "gpu_kernel_backend",
-           "select_variant", "GPU_KERNELS_ENV", "INTERPRET_ENV"]
+           "linear_row_tile", "select_variant", "GPU_KERNELS_ENV", "INTERPRET_ENV"]
 
 INTERPRET_ENV = "SPECJAX_KERNEL_INTERPRET"
 GPU_KERNELS_ENV = "SPECJAX_GPU_KERNELS"
@@ -129,6 +129,24 @@ def gpu_kernel_backend() -> str:
             f"{GPU_KERNELS_ENV}={value!r} is not a GPU kernel backend; expected one of "
             f"{GPU_KERNEL_BACKENDS}")
     return value
+
+
+def linear_row_tile(dtype, variant: str | None = None) -> int:
+    """The rows :func:`fused_linear` pads a call to (its kernel's row tile) for this
+    process's variant and GPU backend: 64 for the Mosaic GPU kernel's 16-bit calls (one
+    ``wgmma`` M), else 16 (Triton's and the TPU kernel's default ``block_rows``). A caller
+    that keeps its rows at a multiple of it is never padded per call.
+    """
+    import jax.numpy as jnp
+
+    variant, _ = select_variant(variant)
+    if variant == "gpu" and gpu_kernel_backend() == "mosaic":
+        mosaic = importlib.import_module(f"{__name__}.linear_mosaic_gpu")
+        if jnp.dtype(dtype) in mosaic.DTYPES:
+            return mosaic.ROWS
+    module = _kernel_module(variant, _LINEAR_MODULES)
+    sizes = module.GpuLinearBlockSizes if variant == "gpu" else module.TpuLinearBlockSizes
+    return sizes().block_rows
 
 
 def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,

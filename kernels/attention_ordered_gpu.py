@@ -96,19 +96,20 @@ def _block_update(carry, q, keys, values, valid, *, scale: float):
     return m_next, l, acc
 
 
-def _ordered_kernel(scalars_ref, q_ref, depth_ref, k_ref, v_ref, chain_k_ref, chain_v_ref,
-                    o_ref, *, group: int, block_rows: int, block_kv: int, scale: float):
+def _ordered_kernel(length_ref, layer_ref, q_ref, depth_ref, k_ref, v_ref, chain_ref, o_ref,
+                    *, group: int, num_kv_heads: int, block_rows: int, block_kv: int,
+                    scale: float):
     """One (query head, row tile) program.
 
-    Refs: scalars_ref int32 [2] (length, layer); q_ref [block_rows, D] (one head's rows,
+    Refs: length_ref, layer_ref int32 [1]; q_ref [block_rows, D] (one head's rows,
     one node each); depth_ref int32 [block_rows] (-1 for padding rows); k_ref, v_ref the
-    whole cache [L, S, K, D]; chain_k_ref, chain_v_ref the whole per-node chains
-    [rows, block_kv + C + block_kv, K, D] (chain slot ``block_kv + j`` = depth j, zeros
-    around); output o_ref [block_rows, D].
+    whole cache [L, S, K, D]; chain_ref the whole per-node chains, keys then values along
+    the head axis, [rows, block_kv + C + block_kv, 2K, D] (chain slot ``block_kv + j`` =
+    depth j, zeros around); output o_ref [block_rows, D].
     """
     head, tile = pl.program_id(0), pl.program_id(1)
     kv_head = head // group
-    length, layer = scalars_ref[0], scalars_ref[1]
+    length, layer = length_ref[0], layer_ref[0]
     q = q_ref[...].astype(jnp.float32)
     rows, head_dim = q.shape
     depth = depth_ref[...]
@@ -141,9 +142,11 @@ def _ordered_kernel(scalars_ref, q_ref, depth_ref, k_ref, v_ref, chain_k_ref, ch
         # Chain slots for positions >= length: slot block_kv + (position - length) >= 1.
         chain_start = start - length + block_kv
         chain_valid = jnp.broadcast_to((~in_cache)[None, :, None], (rows, block_kv, head_dim))
-        window = (pl.ds(row0, block_rows), pl.ds(chain_start, block_kv), kv_head, slice(None))
-        chain_keys = plgpu.load(chain_k_ref.at[window], mask=chain_valid, other=0)
-        chain_values = plgpu.load(chain_v_ref.at[window], mask=chain_valid, other=0)
+        window = (pl.ds(row0, block_rows), pl.ds(chain_start, block_kv))
+        chain_keys = plgpu.load(chain_ref.at[(*window, kv_head, slice(None))],
+                                mask=chain_valid, other=0)
+        chain_values = plgpu.load(chain_ref.at[(*window, num_kv_heads + kv_head, slice(None))],
+                                  mask=chain_valid, other=0)
         keys = jnp.where(in_cache[None, :, None], keys[None], chain_keys.astype(jnp.float32))
         values = jnp.where(in_cache[None, :, None], values[None],
                            chain_values.astype(jnp.float32))
@@ -219,7 +222,7 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     rows = layout.round_up(num_tokens, block_sizes.block_rows)
     chain, depth = ancestor_chains(mask)
-    # Per-node chains [rows, block_kv + T' + block_kv, K, D], T' = T rounded up to the
+    # Per-node chains [rows, block_kv + T' + block_kv, 2K, D], T' = T rounded up to the
     # block; slot block_kv + j holds the node's ancestor at depth j. The zero blocks on both
     # sides keep every block the kernel loads inside the array.
     width = layout.round_up(num_tokens, block_sizes.block_kv)
@@ -227,28 +230,32 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
     in_chain = jnp.arange(width)[None, :] <= jnp.pad(depth, (0, rows - num_tokens),
                                                      constant_values=-1)[:, None]
 
-    def chains(new):
-        gathered = jnp.where(in_chain[..., None, None], jnp.take(new, index, axis=0), 0)
-        return jnp.pad(gathered, ((0, 0), (block_sizes.block_kv,) * 2, (0, 0), (0, 0)))
-
-    chain_k, chain_v = chains(k_new), chains(v_new)
+    # Keys and values gathered together (values after the keys' heads): one gather, one
+    # kernel launch on a GPU, instead of two.
+    new = jnp.concatenate([k_new, v_new], axis=1)
+    gathered = jnp.where(in_chain[..., None, None], jnp.take(new, index, axis=0), 0)
+    chain = jnp.pad(gathered, ((0, 0), (block_sizes.block_kv,) * 2, (0, 0), (0, 0)))
     depth = jnp.pad(depth, (0, rows - num_tokens), constant_values=-1)
     queries = jnp.pad(q.transpose(1, 0, 2), ((0, 0), (0, rows - num_tokens), (0, 0)))
-    scalars = jnp.stack([jnp.asarray(length, jnp.int32), jnp.asarray(layer, jnp.int32)])
+    # Two one-element arrays (a reshape each, no kernel), not one stacked pair: stacking
+    # the loop's layer counter with the length is a kernel launch of its own per layer.
+    length = jnp.asarray(length, jnp.int32).reshape(1)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     query_spec = pl.BlockSpec((None, block_sizes.block_rows, head_dim), lambda h, i: (h, i, 0))
     out = pl.pallas_call(
         functools.partial(_ordered_kernel, group=num_heads // num_kv_heads,
+                          num_kv_heads=num_kv_heads,
                           block_rows=block_sizes.block_rows, block_kv=block_sizes.block_kv,
                           scale=1.0 / math.sqrt(head_dim)),
         grid=(num_heads, rows // block_sizes.block_rows),
-        in_specs=[pl.no_block_spec, query_spec,
+        in_specs=[pl.no_block_spec, pl.no_block_spec, query_spec,
                   pl.BlockSpec((block_sizes.block_rows,), lambda h, i: (i,)),
-                  pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
+                  pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
         out_specs=query_spec,
         out_shape=jax.ShapeDtypeStruct((num_heads, rows, head_dim), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
                                              num_stages=block_sizes.num_stages),
         interpret=interpret,
         name="ordered_attention_gpu",
-    )(scalars, queries, depth, k_cache, v_cache, chain_k, chain_v)
+    )(length, layer, queries, depth, k_cache, v_cache, chain)
     return out[:, :num_tokens].transpose(1, 0, 2)

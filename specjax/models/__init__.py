@@ -170,24 +170,35 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         from specjax import kernels  # Pallas: imported only when the kernels run
 
         layers = params["layers"]
+        # The residual stream at the kernels' row tile for the whole pass: padded here
+        # once, not by every projection (a pad before and a slice after each kernel call
+        # are launches of their own on a GPU); block_fused keeps the extra rows apart.
+        num_tokens = x.shape[0]
+        rows = -(-num_tokens // kernels.linear_row_tile(x.dtype)) * kernels.linear_row_tile(
+            x.dtype)
+        x = jnp.pad(x, ((0, rows - num_tokens), (0, 0)))
 
         def fused_layer(carry, _):
             x, index = carry
             x, k, v = family.block_fused(layers, index, config, x, context, attend_at(index),
                                          functools.partial(kernels.fused_linear, fallback=True))
-            return (x, index + 1), (k, v)
+            return (x, index + 1), jnp.stack([k, v])
 
         # No per-layer slices of the weights as scan inputs: the kernels read the stacked
         # [L, ...] weights at the traced index (a slice feeding a custom call is a copy).
-        (x, _), (k_new, v_new) = jax.lax.scan(fused_layer, (x, jnp.int32(0)), None,
-                                              length=config.num_layers)
+        (x, _), kv_new = jax.lax.scan(fused_layer, (x, jnp.int32(0)), None,
+                                      length=config.num_layers)
+        x = x[:num_tokens]
     else:
         def layer(carry, p):
             x, index = carry
             x, k, v = family.block(p, config, x, context, attend_at(index))
-            return (x, index + 1), (k, v)
+            return (x, index + 1), jnp.stack([k, v])
 
-        (x, _), (k_new, v_new) = jax.lax.scan(layer, (x, jnp.int32(0)), params["layers"])
+        (x, _), kv_new = jax.lax.scan(layer, (x, jnp.int32(0)), params["layers"])
+    # Each layer's K and V leave the loop as one [2, T, K, D] stack: one in-place write into
+    # the loop's output per layer instead of two (on a GPU, one kernel launch each).
+    k_new, v_new = kv_new[:, 0], kv_new[:, 1]
     if cache is not None:
         offset = 0 if scratch_mask is None else scratch_mask.shape[1]
         # The write must come after every layer's attention has read the cache, or XLA

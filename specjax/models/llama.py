@@ -156,9 +156,15 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     the traced ``index`` inside the kernels, so no layer's matrices are copied out.
     ``linear(x, weights, norm=, biases=, residual=, layer=, offsets=, width=, eps=)`` has
     the signature of :func:`specjax.kernels.fused_linear`. Returns (x, k, v).
+
+    ``x`` may carry rows past the T tokens (T = the RoPE tables' rows): the residual stream
+    padded once per pass to the kernels' row tile (:func:`specjax.kernels.linear_row_tile`),
+    so that no projection pads its input or slices its output. Those rows stay out of
+    attention and the K/V (sliced off after q|k|v), and the kernels' rows are independent,
+    so they change no bit of the real rows; x comes back with the same rows.
     """
     cos, sin = rope
-    t = x.shape[0]
+    t, rows = cos.shape[0], x.shape[0]
     eps = config.norm_eps
     q_width = config.num_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
@@ -171,16 +177,16 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
 
     norm = layers["attn_norm"]
     if "w_qkv" in layers:  # one call over the whole fused matrix, split after
-        qkv = project("w_qkv", 0, q_width + 2 * kv_width, "b_qkv", norm=norm)
+        qkv = project("w_qkv", 0, q_width + 2 * kv_width, "b_qkv", norm=norm)[:t]
         q, k, v = jnp.split(qkv, (q_width, q_width + kv_width), axis=-1)
     else:
-        q, k, v = (project(w, 0, width, b, norm=norm) for w, b, width in (
+        q, k, v = (project(w, 0, width, b, norm=norm)[:t] for w, b, width in (
             ("wq", "bq", q_width), ("wk", "bk", kv_width), ("wv", "bv", kv_width)))
     q = q.reshape(t, config.num_heads, config.head_dim)
     k = k.reshape(t, config.num_kv_heads, config.head_dim)
     v = v.reshape(t, config.num_kv_heads, config.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    a = attend(q, k, v).reshape(t, q_width)
+    a = jnp.pad(attend(q, k, v).reshape(t, q_width), ((0, rows - t), (0, 0)))
     x = linear(a, (layers["wo"],), biases=(layers.get("bo"),), residual=x, layer=index,
                eps=eps)
     if "w_gate_up" in layers:
