@@ -230,6 +230,17 @@ def check_call(kernel_name: str, x, weights, *, offsets, width: int | None,
     return in_features, width
 
 
+def stacked_operands(weights: tuple, norm, biases, stacked: bool) -> tuple:
+    """(weights, norm, biases) with the layer axis the kernels index: unstacked ones as a
+    one-layer stack (free reshapes); biases one per weight, ``None`` where absent."""
+    biases = tuple(biases) if biases is not None else (None,) * len(weights)
+    if not stacked:
+        weights = tuple(w[None] for w in weights)
+        norm = None if norm is None else norm[None]
+        biases = tuple(None if b is None else b[None] for b in biases)
+    return weights, norm, biases
+
+
 def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
                     transposed: bool = False, stacked: bool = False,
                     block_sizes: GpuLinearBlockSizes = GpuLinearBlockSizes()
@@ -290,12 +301,7 @@ def fused_linear_gpu(x, weights, *, norm=None, biases=None, residual=None, layer
     config, width = check_supported(x, weights, offsets=tuple(offsets), width=width,
                                     transposed=transposed, stacked=stacked,
                                     block_sizes=block_sizes)
-    if not stacked:
-        weights = tuple(w[None] for w in weights)
-        norm = None if norm is None else norm[None]
-        biases = None if biases is None else tuple(None if b is None else b[None]
-                                                  for b in biases)
-    biases = tuple(biases) if biases is not None else (None,) * len(weights)
+    weights, norm, biases = stacked_operands(weights, norm, biases, stacked)
     num_rows, in_features = x.shape
     rows = layout.round_up(num_rows, config.block_rows)
     x_padded = jnp.pad(x, ((0, rows - num_rows), (0, 0)))

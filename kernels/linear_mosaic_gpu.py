@@ -52,7 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from specjax.errors import InvalidArgumentError
 from . import layout
-from .linear_gpu import _epilogue, check_call, fused_linear_reference  # noqa: F401
+from .linear_gpu import _epilogue, check_call, stacked_operands
 
 KERNEL_NAME = "Mosaic GPU fused linear kernel"
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -286,12 +286,7 @@ def fused_linear_mosaic_gpu(x, weights, *, norm=None, biases=None, residual=None
     config, width = check_supported(x, weights, offsets=tuple(offsets), width=width,
                                     transposed=transposed, stacked=stacked,
                                     block_sizes=block_sizes)
-    if not stacked:
-        weights = tuple(w[None] for w in weights)
-        norm = None if norm is None else norm[None]
-        biases = None if biases is None else tuple(None if b is None else b[None]
-                                                  for b in biases)
-    biases = tuple(biases) if biases is not None else (None,) * len(weights)
+    weights, norm, biases = stacked_operands(weights, norm, biases, stacked)
     biases = tuple(None if b is None else b.astype(x.dtype) for b in biases)
     num_rows, in_features = x.shape
     rows = layout.round_up(num_rows, ROWS)

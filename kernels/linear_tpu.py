@@ -68,7 +68,7 @@ from . import layout
 from .attention_tpu import VMEM_BUDGET, VMEM_LIMIT
 # One epilogue and one dot for both kernels: they round exactly as the reference does.
 from .linear_gpu import (_dot, _epilogue, check_call,  # noqa: F401 (re-exports the reference)
-                         fused_linear_reference)
+                         fused_linear_reference, stacked_operands)
 
 KERNEL_NAME = "TPU fused linear kernel"
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -269,15 +269,11 @@ def fused_linear_tpu(x, weights, *, norm=None, biases=None, residual=None, layer
     weights = tuple(weights)
     offsets = tuple(offsets)
     stacked = layer is not None
-    biases = tuple(biases) if biases is not None else (None,) * len(weights)
     tiling, width = check_supported(
         x, weights, offsets=offsets, width=width, transposed=transposed, stacked=stacked,
         block_sizes=block_sizes, has_norm=norm is not None, has_residual=residual is not None,
         float32_out=float32_out)
-    if not stacked:  # free reshapes: one layer of a stack
-        weights = tuple(w[None] for w in weights)
-        norm = None if norm is None else norm[None]
-        biases = tuple(None if b is None else b[None] for b in biases)
+    weights, norm, biases = stacked_operands(weights, norm, biases, stacked)
     num_rows, in_features = x.shape
     block_rows, block_n, block_k = tiling.block_rows, tiling.block_n, tiling.block_k
     rows = layout.round_up(num_rows, block_rows)

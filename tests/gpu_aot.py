@@ -26,9 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -102,16 +100,10 @@ def run_worker(jobs: list[dict], *, timeout: float = 1800) -> list[dict]:
         raise RuntimeError(reason)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory(prefix="specjax-gpu-aot-") as tmp:
-        jobs_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
-        jobs_file.write_text(json.dumps(jobs))
-        command = [sys.executable, str(Path(__file__)), str(jobs_file), str(out_file)]
-        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
-        if done.returncode != 0 or not out_file.is_file():
-            tail = (done.stdout + done.stderr)[-4000:]
-            raise RuntimeError(f"GPU compile worker failed (status {done.returncode}):\n{tail}")
-        return json.loads(out_file.read_text())
+    import tpu_aot  # this folder: the shared parent side
+
+    return tpu_aot.run_jobs(Path(__file__), jobs, env, timeout=timeout,
+                            what="GPU compile worker")
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -204,10 +196,7 @@ def run_job(job: dict) -> dict:
         start = time.perf_counter()
         lowered = fn.lower(*tpu_aot._abstract(args, sharding))
         record["lower_s"] = round(time.perf_counter() - start, 3)
-        start, cpu = time.perf_counter(), time.process_time()
-        compiled = lowered.compile()
-        record["compile_s"] = round(time.perf_counter() - start, 3)
-        record["compile_cpu_s"] = round(time.process_time() - cpu, 3)
+        compiled = tpu_aot.compile_timed(lowered, record)
         text = compiled.as_text()
         record["kernels"] = kernel_counts(text)
         record["cache_shapes"] = _cache_shapes(compiled, job["method"])

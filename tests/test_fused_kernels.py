@@ -52,28 +52,32 @@ TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 L, K_IN, N_OUT = 3, 64, 96
 
 
-def _arrays(dtype, rows=5, seed=0):
+def _arrays(dtype, rows=5, seed=0, k_in=K_IN, n_out=N_OUT):
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    x = jax.random.normal(ks[0], (rows, K_IN))
-    w = 0.2 * jax.random.normal(ks[1], (L, K_IN, 2 * N_OUT))
-    w2 = 0.2 * jax.random.normal(ks[2], (L, K_IN, N_OUT))
-    norm = 1 + 0.1 * jax.random.normal(ks[3], (L, K_IN))
-    bias = 0.1 * jax.random.normal(ks[4], (L, 2 * N_OUT))
-    residual = jax.random.normal(ks[5], (rows, N_OUT))
+    x = jax.random.normal(ks[0], (rows, k_in))
+    w = 0.2 * jax.random.normal(ks[1], (L, k_in, 2 * n_out))
+    w2 = 0.2 * jax.random.normal(ks[2], (L, k_in, n_out))
+    norm = 1 + 0.1 * jax.random.normal(ks[3], (L, k_in))
+    bias = 0.1 * jax.random.normal(ks[4], (L, 2 * n_out))
+    residual = jax.random.normal(ks[5], (rows, n_out))
     cast = lambda a: a.astype(dtype)  # noqa: E731
     return tuple(map(cast, (x, w, w2, norm, bias, residual)))
 
 
-# name -> kwargs builder over (x, w, w2, norm, bias, residual)
-FORMS = {
-    "plain": lambda x, w, w2, n, b, r: dict(weights=(w2,)),
-    "norm-bias-residual": lambda x, w, w2, n, b, r: dict(
-        weights=(w,), norm=n, biases=(b,), residual=r, offsets=(N_OUT,), width=N_OUT),
-    "swiglu-fused-matrix": lambda x, w, w2, n, b, r: dict(
-        weights=(w, w), norm=n, biases=(b, b), offsets=(0, N_OUT), width=N_OUT),
-    "swiglu-two-matrices": lambda x, w, w2, n, b, r: dict(
-        weights=(w2, w), offsets=(0, 0), width=N_OUT),
-}
+def forms(n_out: int) -> dict:
+    """name -> kwargs builder over (x, w, w2, norm, bias, residual) of :func:`_arrays`."""
+    return {
+        "plain": lambda x, w, w2, n, b, r: dict(weights=(w2,)),
+        "norm-bias-residual": lambda x, w, w2, n, b, r: dict(
+            weights=(w,), norm=n, biases=(b,), residual=r, offsets=(n_out,), width=n_out),
+        "swiglu-fused-matrix": lambda x, w, w2, n, b, r: dict(
+            weights=(w, w), norm=n, biases=(b, b), offsets=(0, n_out), width=n_out),
+        "swiglu-two-matrices": lambda x, w, w2, n, b, r: dict(
+            weights=(w2, w), offsets=(0, 0), width=n_out),
+    }
+
+
+FORMS = forms(N_OUT)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

@@ -21,6 +21,8 @@ NaN and raises on out-of-bounds reads. Checked:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -34,34 +36,18 @@ from specjax.kernels.linear_gpu import fused_linear_reference
 from specjax.kernels.linear_mosaic_gpu import (MosaicGpuLinearBlockSizes, check_supported,
                                                fused_linear_mosaic_gpu)
 
+import test_fused_kernels as fused_kernel_tests
 from test_fused_kernels import _params, _path_versus_tree, _prefilled, _tiny_config
 
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
-L, K_IN, N_OUT = 3, 128, 128
+K_IN, N_OUT = 128, 128
 
 
-def _arrays(dtype, rows=5, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    x = jax.random.normal(ks[0], (rows, K_IN))
-    w = 0.2 * jax.random.normal(ks[1], (L, K_IN, 2 * N_OUT))
-    w2 = 0.2 * jax.random.normal(ks[2], (L, K_IN, N_OUT))
-    norm = 1 + 0.1 * jax.random.normal(ks[3], (L, K_IN))
-    bias = 0.1 * jax.random.normal(ks[4], (L, 2 * N_OUT))
-    residual = jax.random.normal(ks[5], (rows, N_OUT))
-    return tuple(a.astype(dtype) for a in (x, w, w2, norm, bias, residual))
-
-
-FORMS = {
-    "plain": lambda x, w, w2, n, b, r: dict(weights=(w2,)),
-    "norm-bias-residual": lambda x, w, w2, n, b, r: dict(
-        weights=(w,), norm=n, biases=(b,), residual=r, offsets=(N_OUT,), width=N_OUT),
-    "swiglu-fused-matrix": lambda x, w, w2, n, b, r: dict(
-        weights=(w, w), norm=n, biases=(b, b), offsets=(0, N_OUT), width=N_OUT),
-    "swiglu-two-matrices": lambda x, w, w2, n, b, r: dict(
-        weights=(w2, w), offsets=(0, 0), width=N_OUT),
-    "float32-out-bias": lambda x, w, w2, n, b, r: dict(
-        weights=(w,), norm=n, biases=(b,), float32_out=True),
-}
+# Every form of the Triton kernel's tests, at widths the Mosaic kernel takes (64-multiples).
+_arrays = functools.partial(fused_kernel_tests._arrays, k_in=K_IN, n_out=N_OUT)
+FORMS = {**fused_kernel_tests.forms(N_OUT),
+         "float32-out-bias": lambda x, w, w2, n, b, r: dict(
+             weights=(w,), norm=n, biases=(b,), float32_out=True)}
 
 
 CASES = [(form, jnp.bfloat16, 5) for form in sorted(FORMS)] + [
@@ -133,7 +119,7 @@ def _mosaic_calls(fn, *args) -> int:
 def test_dispatch_is_opt_in_and_by_shape_and_dtype(monkeypatch):
     x, w, w2, *_ = _arrays(jnp.bfloat16)
     table = jnp.zeros((256, K_IN), jnp.bfloat16)
-    odd = jnp.zeros((L, K_IN, 96), jnp.bfloat16)
+    odd = jnp.zeros((3, K_IN, 96), jnp.bfloat16)
     layer = jnp.int32(0)
     plain = lambda x, w: kernels.fused_linear(x, (w,), layer=layer)  # noqa: E731
     head = lambda x, t: kernels.fused_linear(x, (t,), transposed=True)  # noqa: E731

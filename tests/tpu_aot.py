@@ -100,17 +100,27 @@ def run_worker(jobs: list[dict], *, vmem_report: bool = False, timeout: float = 
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     if path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory(prefix="specjax-tpu-aot-") as tmp:
+    return run_jobs(Path(__file__), jobs, env, ["--vmem-report"] if vmem_report else [],
+                    timeout=timeout, what="TPU compile worker")
+
+
+def run_jobs(script: Path, jobs: list[dict], env: dict, extra_args=(), *,
+             timeout: float = 1800, what: str = "compile worker") -> list[dict]:
+    """Runs ``script JOBS.json OUT.json *extra_args`` in a subprocess with ``env`` and
+    returns its records (the TPU and GPU compile workers' shared parent side).
+
+    Raises:
+      RuntimeError: the worker died or wrote nothing (its output tail is included).
+    """
+    with tempfile.TemporaryDirectory(prefix="specjax-aot-") as tmp:
         jobs_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
         jobs_file.write_text(json.dumps(jobs))
-        command = [sys.executable, str(Path(__file__)), str(jobs_file), str(out_file)]
-        if vmem_report:
-            command.append("--vmem-report")
+        command = [sys.executable, str(script), str(jobs_file), str(out_file), *extra_args]
         done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout)
         if done.returncode != 0 or not out_file.is_file():
             tail = (done.stdout + done.stderr)[-4000:]
-            raise RuntimeError(f"TPU compile worker failed (status {done.returncode}):\n{tail}")
+            raise RuntimeError(f"{what} failed (status {done.returncode}):\n{tail}")
         return json.loads(out_file.read_text())
 
 
@@ -354,6 +364,16 @@ def _compile_kernels_for_tpu() -> None:
     kernels.select_variant = lambda variant=None: ("tpu", False)
 
 
+def compile_timed(lowered, record: dict):
+    """``lowered.compile()``, its wall and CPU seconds put in ``record`` (the CPU seconds of
+    every thread: on a shared machine wall time also measures the others)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    compiled = lowered.compile()
+    record["compile_s"] = round(time.perf_counter() - start, 3)
+    record["compile_cpu_s"] = round(time.process_time() - cpu, 3)
+    return compiled
+
+
 def run_job(job: dict, dump_dir: str | None) -> dict:
     """Lowers and compiles one job for its target; never raises.
 
@@ -396,11 +416,7 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
         else:
             raise ValueError(f"unknown job kind {job['kind']!r}")
         record["lower_s"] = round(time.perf_counter() - start, 3)
-        start, cpu = time.perf_counter(), time.process_time()
-        compiled = lowered.compile()
-        record["compile_s"] = round(time.perf_counter() - start, 3)
-        # CPU seconds of every thread: on a shared machine wall time also measures the others.
-        record["compile_cpu_s"] = round(time.process_time() - cpu, 3)
+        compiled = compile_timed(lowered, record)
         # Mosaic kernels in the compiled program, by name (a program with attn_impl="kernel"
         # must contain the TPU kernels, not the CPU fallback or an interpreted kernel).
         text = compiled.as_text()
