@@ -168,14 +168,14 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
 
     if fused:
         from specjax import kernels  # Pallas: imported only when the kernels run
+        from specjax.kernels.layout import round_up
 
         layers = params["layers"]
         # The residual stream at the kernels' row tile for the whole pass: padded here
         # once, not by every projection (a pad before and a slice after each kernel call
         # are launches of their own on a GPU); block_fused keeps the extra rows apart.
         num_tokens = x.shape[0]
-        rows = -(-num_tokens // kernels.linear_row_tile(x.dtype)) * kernels.linear_row_tile(
-            x.dtype)
+        rows = round_up(num_tokens, kernels.linear_row_tile(x.dtype))
         x = jnp.pad(x, ((0, rows - num_tokens), (0, 0)))
 
         def fused_layer(carry, _):
