@@ -5,7 +5,8 @@ compile-only H100 through the worker the GPU compile tests use (``tests/gpu_aot.
 JAX's CUDA plugin, no GPU), and counts, in the program XLA's GPU compiler built, the
 kernel-like operations of one decode step (``profile_step.analyze_program``: fusions,
 kernel custom calls, copies, in-place updates; the layer loop's body once and weighted by
-its 30 trips), the target layer loop's operations per layer, the Pallas kernels by
+its 30 trips), the target layer loop's operations per layer ("-" where the layers are
+unrolled: the fused path on a GPU), the Pallas kernels by
 backend, the bytes copied per step and any cache-sized copy. These are the launches a GPU
 would run per step, up to what XLA's runtime groups into CUDA graphs; a profile on the
 device (``benchmarks/gpu_run.sh``) measures their time.

@@ -38,6 +38,9 @@ elsewhere; ``SPECJAX_KERNEL_INTERPRET=tpu`` picks the TPU ones):
 * :func:`ordered_attention_gpu` in :mod:`.attention_ordered_gpu` (Triton;
   :class:`GpuOrderedBlockSizes`), :func:`ordered_attention_tpu` in
   :mod:`.attention_ordered_tpu` (Mosaic; :class:`TpuOrderedBlockSizes`);
+* :func:`ordered_attention_packed` (GPU only: :func:`ordered_attention_packed_gpu`) is the
+  same attention reading a layer loop's packed q|k|v rows and writing the output
+  projection's row-major input, which spares a fused layer three launches on a GPU;
 * :func:`fused_linear_gpu` in :mod:`.linear_gpu` (Triton; :class:`GpuLinearBlockSizes`),
   :func:`fused_linear_tpu` in :mod:`.linear_tpu` (Mosaic; :class:`TpuLinearBlockSizes`).
 
@@ -67,7 +70,8 @@ __all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes",
            "MosaicGpuLinearBlockSizes", "TpuBlockSizes", "TpuLinearBlockSizes",
            "TpuOrderedBlockSizes", "fused_linear", "fused_linear_gpu",
            "fused_linear_mosaic_gpu", "fused_linear_tpu", "ordered_attention",
-           "ordered_attention_gpu", "ordered_attention_tpu", "verify_attention",
+           "ordered_attention_gpu", "ordered_attention_packed", "ordered_attention_tpu",
+           "packed_attention_takes", "verify_attention",
            "verify_attention_gpu", "verify_attention_tpu", "gpu_kernel_backend",
            "linear_row_tile", "select_variant", "GPU_KERNELS_ENV", "INTERPRET_ENV"]
 
@@ -86,6 +90,8 @@ _LAZY = {"GpuBlockSizes": "attention_gpu", "verify_attention_gpu": "attention_gp
          "GpuLinearBlockSizes": "linear_gpu", "fused_linear_gpu": "linear_gpu",
          "GpuOrderedBlockSizes": "attention_ordered_gpu",
          "ordered_attention_gpu": "attention_ordered_gpu",
+         "ordered_attention_packed_gpu": "attention_ordered_gpu",
+         "packed_links": "attention_ordered_gpu",
          "TpuLinearBlockSizes": "linear_tpu", "fused_linear_tpu": "linear_tpu",
          "TpuOrderedBlockSizes": "attention_ordered_tpu",
          "ordered_attention_tpu": "attention_ordered_tpu",
@@ -269,3 +275,32 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
         return verify_attention(*args, variant=variant, layer=layer)
     return getattr(module, f"ordered_attention_{variant}")(*args, layer=layer,
                                                            interpret=interpret)
+
+
+def packed_attention_takes(packed_shape, dtype, k_cache, v_cache, *, num_heads: int,
+                           variant: str | None = None) -> bool:
+    """Whether :func:`ordered_attention_packed` runs for packed rows of ``packed_shape``
+    [L, R, H + 2K, D] and ``dtype`` with these caches: the GPU variant (native, or
+    interpreted off a GPU) and shapes its kernel takes. The TPU variant has no packed
+    kernel: its fused layers call :func:`ordered_attention`."""
+    variant, _ = select_variant(variant)
+    if variant != "gpu":
+        return False
+    module = _kernel_module("gpu", _ORDERED_MODULES)
+    try:
+        module.check_packed(jax.ShapeDtypeStruct(packed_shape, dtype), k_cache, v_cache,
+                            num_heads=num_heads)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def ordered_attention_packed(packed, layer, k_cache, v_cache, length, links, depth, *,
+                             num_heads: int, variant: str | None = None):
+    """:func:`ordered_attention_packed_gpu` (see there), natively on a GPU and interpreted
+    elsewhere; only where :func:`packed_attention_takes` says so."""
+    variant, interpret = select_variant(variant)
+    module = _kernel_module(variant, _ORDERED_MODULES)
+    return module.ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links,
+                                               depth, num_heads=num_heads,
+                                               interpret=interpret)

@@ -96,6 +96,68 @@ def _block_update(carry, q, keys, values, valid, *, scale: float):
     return m_next, l, acc
 
 
+def _ordered_rows(q, depth, length, cache_block, chain_block, *, block_kv: int,
+                  scale: float):
+    """The position-ordered online softmax of one row tile (both kernels' arithmetic).
+
+    q [rows, D] float32 (one query head, one node per row); depth int32 [rows] (-1 for
+    padding rows); ``cache_block(start, valid_slots)`` the committed keys and values of
+    the block at ``start`` ([block_kv, D] each, zero where not valid); ``chain_block(start,
+    in_cache)`` each row's ancestor chain at those positions ([rows, block_kv, D] each,
+    zero in the cache's part and past the row's depth). Returns [rows, D] float32.
+    """
+    rows, head_dim = q.shape
+    last = length + depth  # each row's own position; padding rows: length - 1
+    # A tile of padding rows only (a one-token step's rows padded to a 64-row projection
+    # tile) reads nothing and returns zeros; a tile with a real row runs every block.
+    real = jnp.max(depth) >= 0
+    end = jnp.where(real, length + jnp.max(depth) + 1, 0)
+    offsets = jnp.arange(block_kv, dtype=jnp.int32)
+
+    def committed(block, carry):
+        start = pl.multiple_of(block * block_kv, block_kv)
+        positions = start + offsets
+        keys, values = cache_block(start, positions < length)
+        valid = positions[None, :] <= last[:, None]
+        keys = jnp.broadcast_to(keys[None], (rows, block_kv, head_dim))
+        values = jnp.broadcast_to(values[None], (rows, block_kv, head_dim))
+        return _block_update(carry, q, keys, values, valid, scale=scale)
+
+    def boundary(block, carry):
+        start = pl.multiple_of(block * block_kv, block_kv)
+        positions = start + offsets
+        in_cache = positions < length
+        keys, values = cache_block(start, in_cache)
+        chain_keys, chain_values = chain_block(start, in_cache)
+        keys = jnp.where(in_cache[None, :, None], keys[None], chain_keys.astype(jnp.float32))
+        values = jnp.where(in_cache[None, :, None], values[None],
+                           chain_values.astype(jnp.float32))
+        valid = positions[None, :] <= last[:, None]
+        return _block_update(carry, q, keys, values, valid, scale=scale)
+
+    init = (jnp.full((rows,), layout.MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    # Blocks wholly before `length` read only the cache; the rest (at most the chain's
+    # length in blocks, plus one) also read the chains. Both updates are _block_update on
+    # identical values, so which loop a block falls in does not change its arithmetic.
+    first_boundary = jnp.where(real, length // block_kv, 0)
+    carry = lax.fori_loop(0, first_boundary, committed, init)
+    carry = lax.fori_loop(first_boundary, pl.cdiv(end, block_kv), boundary, carry)
+    _, l, acc = carry
+    return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+
+
+def _cache_loader(k_ref, v_ref, layer, kv_head, block_kv: int, head_dim: int):
+    """``cache_block`` of :func:`_ordered_rows` over stacked caches [L, S, K, D]."""
+    def cache_block(start, valid_slots):
+        window = (layer, pl.ds(start, block_kv), kv_head, slice(None))
+        mask = jnp.broadcast_to(valid_slots[:, None], (block_kv, head_dim))
+        keys = plgpu.load(k_ref.at[window], mask=mask, other=0).astype(jnp.float32)
+        values = plgpu.load(v_ref.at[window], mask=mask, other=0).astype(jnp.float32)
+        return keys, values
+    return cache_block
+
+
 def _ordered_kernel(length_ref, layer_ref, q_ref, depth_ref, k_ref, v_ref, chain_ref, o_ref,
                     *, group: int, num_kv_heads: int, block_rows: int, block_kv: int,
                     scale: float):
@@ -112,57 +174,66 @@ def _ordered_kernel(length_ref, layer_ref, q_ref, depth_ref, k_ref, v_ref, chain
     length, layer = length_ref[0], layer_ref[0]
     q = q_ref[...].astype(jnp.float32)
     rows, head_dim = q.shape
-    depth = depth_ref[...]
-    last = length + depth  # each row's own position; padding rows: length - 1
-    end = length + jnp.max(depth) + 1
     row0 = tile * block_rows
-    offsets = jnp.arange(block_kv, dtype=jnp.int32)
 
-    def cache_block(start, valid_slots):
-        window = (layer, pl.ds(start, block_kv), kv_head, slice(None))
-        mask = jnp.broadcast_to(valid_slots[:, None], (block_kv, head_dim))
-        keys = plgpu.load(k_ref.at[window], mask=mask, other=0).astype(jnp.float32)
-        values = plgpu.load(v_ref.at[window], mask=mask, other=0).astype(jnp.float32)
-        return keys, values
-
-    def committed(block, carry):
-        start = pl.multiple_of(block * block_kv, block_kv)
-        positions = start + offsets
-        keys, values = cache_block(start, positions < length)
-        valid = positions[None, :] <= last[:, None]
-        keys = jnp.broadcast_to(keys[None], (rows, block_kv, head_dim))
-        values = jnp.broadcast_to(values[None], (rows, block_kv, head_dim))
-        return _block_update(carry, q, keys, values, valid, scale=scale)
-
-    def boundary(block, carry):
-        start = pl.multiple_of(block * block_kv, block_kv)
-        positions = start + offsets
-        in_cache = positions < length
-        keys, values = cache_block(start, in_cache)
+    def chain_block(start, in_cache):
         # Chain slots for positions >= length: slot block_kv + (position - length) >= 1.
         chain_start = start - length + block_kv
         chain_valid = jnp.broadcast_to((~in_cache)[None, :, None], (rows, block_kv, head_dim))
         window = (pl.ds(row0, block_rows), pl.ds(chain_start, block_kv))
-        chain_keys = plgpu.load(chain_ref.at[(*window, kv_head, slice(None))],
-                                mask=chain_valid, other=0)
-        chain_values = plgpu.load(chain_ref.at[(*window, num_kv_heads + kv_head, slice(None))],
-                                  mask=chain_valid, other=0)
-        keys = jnp.where(in_cache[None, :, None], keys[None], chain_keys.astype(jnp.float32))
-        values = jnp.where(in_cache[None, :, None], values[None],
-                           chain_values.astype(jnp.float32))
-        valid = positions[None, :] <= last[:, None]
-        return _block_update(carry, q, keys, values, valid, scale=scale)
+        keys = plgpu.load(chain_ref.at[(*window, kv_head, slice(None))], mask=chain_valid,
+                          other=0)
+        values = plgpu.load(chain_ref.at[(*window, num_kv_heads + kv_head, slice(None))],
+                            mask=chain_valid, other=0)
+        return keys, values
 
-    init = (jnp.full((rows,), layout.MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
-    # Blocks wholly before `length` read only the cache; the rest (at most the chain's
-    # length in blocks, plus one) also read the chains. Both updates are _block_update on
-    # identical values, so which loop a block falls in does not change its arithmetic.
-    first_boundary = length // block_kv
-    carry = lax.fori_loop(0, first_boundary, committed, init)
-    carry = lax.fori_loop(first_boundary, pl.cdiv(end, block_kv), boundary, carry)
-    _, l, acc = carry
-    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    out = _ordered_rows(q, depth_ref[...], length,
+                        _cache_loader(k_ref, v_ref, layer, kv_head, block_kv, head_dim),
+                        chain_block, block_kv=block_kv, scale=scale)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _packed_kernel(length_ref, layer_ref, depth_ref, links_ref, packed_ref, k_ref, v_ref,
+                   o_ref, *, num_heads: int, group: int, num_kv_heads: int, block_rows: int,
+                   block_kv: int, scale: float):
+    """One (query head, row tile) program of :func:`ordered_attention_packed_gpu`.
+
+    Refs: length_ref, layer_ref int32 [1]; depth_ref int32 [block_rows]; links_ref the
+    whole int32 [R, block_kv + W + block_kv] (slot ``block_kv + j``: the row's ancestor at
+    depth j, a row index of ``packed``); packed_ref the whole [L, R, H + 2K, D]; k_ref,
+    v_ref the whole cache [L, S, K, D]; output o_ref [block_rows, D], the head's columns
+    of the [R, H*D] output.
+    """
+    head, tile = pl.program_id(0), pl.program_id(1)
+    kv_head = head // group
+    length, layer = length_ref[0], layer_ref[0]
+    row0 = tile * block_rows
+    q = plgpu.load(packed_ref.at[layer, pl.ds(row0, block_rows), head, slice(None)])
+    q = q.astype(jnp.float32)
+    rows, head_dim = q.shape
+    depth = depth_ref[...]
+    columns = lax.broadcasted_iota(jnp.int32, (1, 1, head_dim), 2)
+    offsets = jnp.arange(block_kv, dtype=jnp.int32)
+
+    def chain_block(start, in_cache):
+        slots = start - length + offsets  # each position's depth below the cache
+        links = plgpu.load(links_ref.at[pl.ds(row0, block_rows),
+                                        pl.ds(start - length + block_kv, block_kv)])
+        valid = (~in_cache)[None, :] & (slots[None, :] <= depth[:, None])
+        valid = jnp.broadcast_to(valid[:, :, None], (rows, block_kv, head_dim))
+        # A gather: row r's slot j reads packed row links[r, j] (all-integer indexing).
+        source = links[:, :, None]
+        keys = plgpu.load(packed_ref.at[layer, source, num_heads + kv_head, columns],
+                          mask=valid, other=0)
+        values = plgpu.load(
+            packed_ref.at[layer, source, num_heads + num_kv_heads + kv_head, columns],
+            mask=valid, other=0)
+        return keys, values
+
+    out = _ordered_rows(q, depth, length,
+                        _cache_loader(k_ref, v_ref, layer, kv_head, block_kv, head_dim),
+                        chain_block, block_kv=block_kv, scale=scale)
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
 def check_call(kernel_name: str, q, k_new, v_new, k_cache, v_cache, mask, scratch_mask, *,
@@ -259,3 +330,115 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
         name="ordered_attention_gpu",
     )(length, layer, queries, depth, k_cache, v_cache, chain)
     return out[:, :num_tokens].transpose(1, 0, 2)
+
+
+# ----------------------------------------------------------------------------- packed rows
+#
+# The same attention, reading a layer's queries, keys and values where the layer loop put
+# them and writing what the output projection reads: one launch where the call above needs
+# three more around it on a GPU (RoPE and transpose of q, the chains' gather, the output's
+# transpose and pad).
+
+
+def packed_links(mask: jax.Array, rows: int,
+                 block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes()):
+    """(links int32 [rows, block_kv + W + block_kv], depth int32 [rows]) for
+    :func:`ordered_attention_packed_gpu`, from the visibility mask [T, T] among the new
+    tokens (W = T rounded up to ``block_kv``; rows past T have depth -1). Slot
+    ``block_kv + j`` of a row holds its ancestor at depth j (0, a valid row, elsewhere).
+    Depends on the mask only: compute it once per pass, outside the layer loop."""
+    num_tokens = mask.shape[0]
+    chain, depth = ancestor_chains(mask)
+    width = layout.round_up(num_tokens, block_sizes.block_kv)
+    links = jnp.pad(chain, ((0, rows - num_tokens),
+                            (block_sizes.block_kv, width - num_tokens + block_sizes.block_kv)))
+    return links, jnp.pad(depth, (0, rows - num_tokens), constant_values=-1)
+
+
+def check_packed(packed, k_cache, v_cache, *, num_heads: int,
+                 block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes()) -> None:
+    """Raises :class:`InvalidArgumentError` (one line) unless
+    :func:`ordered_attention_packed_gpu` takes these shapes and dtypes."""
+    block_sizes.check()
+    if packed.ndim != 4:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: packed rows must be [L, R, H + 2K, D], got shape {packed.shape}")
+    _, rows, heads, head_dim = packed.shape
+    num_kv_heads, odd = divmod(heads - num_heads, 2)
+    if num_heads <= 0 or odd or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: {heads} packed heads are not {num_heads} query heads plus a "
+            f"whole number of key and value heads dividing them")
+    if head_dim not in HEAD_DIMS:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: head_dim {head_dim} not supported (expected one of {HEAD_DIMS})")
+    if jnp.dtype(packed.dtype) not in DTYPES:
+        raise InvalidArgumentError(f"{KERNEL_NAME}: dtype {packed.dtype} not supported")
+    if rows % block_sizes.block_rows:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: {rows} packed rows are not a multiple of "
+            f"block_rows={block_sizes.block_rows}")
+    if k_cache is None:
+        return
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: caches must be [L, S, K, D] of one shape, got {k_cache.shape} "
+            f"and {v_cache.shape}")
+    if k_cache.shape[2:] != (num_kv_heads, head_dim) or k_cache.dtype != packed.dtype:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: cache {k_cache.shape} {k_cache.dtype} does not match "
+            f"{num_kv_heads} KV heads of {head_dim} {packed.dtype}")
+    if k_cache.shape[1] % block_sizes.block_kv:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: cache capacity {k_cache.shape[1]} is not a multiple of "
+            f"block_kv={block_sizes.block_kv}")
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "block_sizes", "interpret"))
+def ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links, depth, *,
+                                 num_heads: int,
+                                 block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes(),
+                                 interpret: bool = False):
+    """:func:`ordered_attention_gpu` on a layer loop's packed rows: same arithmetic, same
+    result bit for bit, but reading and writing the layouts around it.
+
+    Args:
+      packed: [L, R, H + 2K, D]: row r of layer l holds token r's query heads (RoPE
+        applied), then its key heads (RoPE applied), then its value heads; R a multiple of
+        ``block_rows``, rows past the T tokens are padding.
+      layer: int32 [] the layer to read.
+      k_cache, v_cache: [L, S, K, D] committed caches, or ``None`` (no prefix).
+      length: int32 [] committed slots.
+      links, depth: :func:`packed_links` of the mask among the T new tokens.
+      num_heads: H (static).
+      block_sizes: static :class:`GpuOrderedBlockSizes`.
+      interpret: Pallas' interpreter instead of a GPU compile.
+    Returns:
+      [R, H*D] in ``packed``'s dtype, row-major as an output projection reads it; padding
+      rows are finite (they attend to the cache; zero in a tile of padding rows only).
+    """
+    check_packed(packed, k_cache, v_cache, num_heads=num_heads, block_sizes=block_sizes)
+    _, rows, heads, head_dim = packed.shape
+    num_kv_heads = (heads - num_heads) // 2
+    if k_cache is None:  # no prefix: a zero-length cache of one block
+        k_cache = v_cache = jnp.zeros((1, block_sizes.block_kv, num_kv_heads, head_dim),
+                                      packed.dtype)
+        length = 0
+    length = jnp.asarray(length, jnp.int32).reshape(1)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return pl.pallas_call(
+        functools.partial(_packed_kernel, num_heads=num_heads,
+                          group=num_heads // num_kv_heads, num_kv_heads=num_kv_heads,
+                          block_rows=block_sizes.block_rows, block_kv=block_sizes.block_kv,
+                          scale=1.0 / math.sqrt(head_dim)),
+        grid=(num_heads, rows // block_sizes.block_rows),
+        in_specs=[pl.no_block_spec, pl.no_block_spec,
+                  pl.BlockSpec((block_sizes.block_rows,), lambda h, i: (i,)),
+                  pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
+        out_specs=pl.BlockSpec((block_sizes.block_rows, head_dim), lambda h, i: (i, h)),
+        out_shape=jax.ShapeDtypeStruct((rows, num_heads * head_dim), packed.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
+                                             num_stages=block_sizes.num_stages),
+        interpret=interpret,
+        name="ordered_attention_packed_gpu",
+    )(length, layer, depth, links, packed, k_cache, v_cache)

@@ -19,6 +19,11 @@ a kernel never writes with NaN). Checked here:
   node on a root-to-leaf path of a 17-node tree is bitwise the one-token step that ``ar``
   runs at that position after committing the path before it, while a KV blocking that
   changes with the number of new tokens (the deliberately wrong variant) is caught;
+* the packed attention kernel (what the GPU variant's fused layers call: q|k|v rows read
+  where the layer wrote them, chains gathered in the kernel, the output row-major) is bit
+  for bit the ordered kernel on every case, reads no other layer, zeroes a tile of padding
+  rows, and a chain read one slot off is caught; the path tests run with it and without
+  it (the layout used under a tensor-parallel mesh);
 * the launches: a fused pass is 5 Pallas calls per layer with fused q|k|v and gate|up
   weights (7 with separate q, k, v) plus the head, counted in its jaxpr;
 * generation: ``ar`` (batch of two) and ``tree`` under ``"fused"`` give the reference's
@@ -40,7 +45,10 @@ from specjax import kernels, models
 from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
-from specjax.kernels.attention_ordered_gpu import GpuOrderedBlockSizes, ordered_attention_gpu
+from specjax.kernels.attention_ordered_gpu import (GpuOrderedBlockSizes, check_packed,
+                                                   ordered_attention_gpu,
+                                                   ordered_attention_packed_gpu, packed_links)
+from specjax.kernels.layout import round_up as layout_round_up
 from specjax.kernels.linear_gpu import (GpuLinearBlockSizes, check_supported,
                                         fused_linear_gpu, fused_linear_reference)
 from specjax.tree import ancestor_mask
@@ -251,6 +259,87 @@ def test_ordered_attention_refuses_what_it_does_not_order():
                               interpret=True)
 
 
+def _packed_case(case, seed):
+    """(packed-kernel arguments, the ordered kernel's output, T) for ``case``: the new
+    tokens' q|k|v rows as layer 1 of a two-layer packed buffer, with a tile of padding rows
+    past them (as a one-token step padded to 64 rows has), the cache as layer 1 of a
+    two-layer cache; layer 0 of both NaN (never read)."""
+    args, _ = make_inputs(case, seed=seed)
+    q, k_new, v_new, k_cache, v_cache, length, mask, _ = args
+    expected = ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask,
+                                     interpret=True)
+    t, h, d = q.shape
+    rows = -(-t // 16) * 16 + 16
+    rows_t = jnp.pad(jnp.concatenate([q, k_new, v_new], axis=1),
+                     ((0, rows - t), (0, 0), (0, 0)))
+    packed = jnp.stack([jnp.full_like(rows_t, jnp.nan), rows_t])
+    if k_cache is not None:
+        k_cache, v_cache = (jnp.stack([jnp.full_like(c, jnp.nan), c]) for c in (k_cache, v_cache))
+    links, depth = packed_links(mask, rows)
+    return (packed, jnp.int32(1), k_cache, v_cache, length, links, depth), expected, t
+
+
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=lambda c: c.name)
+def test_packed_attention_is_bitwise_the_ordered_kernel(case):
+    """The packed kernel (q|k|v rows read in place, output row-major) computes what the
+    ordered kernel does, bit for bit, and reads nothing of other layers or past the cache's
+    length (NaN there); its padding rows are written and finite, and a tile of padding
+    rows only is zero (it reads nothing)."""
+    args, expected, t = _packed_case(case, ORDERED_CASES.index(case))
+    num_heads = expected.shape[1]
+    out = ordered_attention_packed_gpu(*args, num_heads=num_heads, interpret=True)
+    assert out.shape == (args[0].shape[1], num_heads * case.head_dim)
+    assert out.dtype == case.dtype
+    assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))), "unwritten or poisoned output"
+    assert bool(jnp.all(out[:t].reshape(expected.shape) == expected))
+    assert bool(jnp.all(out[-16:] == 0))
+
+
+def test_packed_attention_catches_a_misread_chain():
+    """The bitwise comparison above fails when the kernel reads a chain slot off by one
+    (links shifted by a slot): it checks the gather, not just the cache part."""
+    case = ORDERED_CASES[1]  # a 7-node tree
+    args, expected, t = _packed_case(case, 1)
+    links = jnp.roll(args[5], 1, axis=1)
+    out = ordered_attention_packed_gpu(*args[:5], links, args[6],
+                                       num_heads=expected.shape[1], interpret=True)
+    assert not bool(jnp.all(out[:t].reshape(expected.shape) == expected))
+
+
+@pytest.mark.parametrize("shape,cache,heads,message", [
+    ((2, 16, 7, 64), (2, 64, 2, 64), 4, "not 4 query heads"),
+    ((2, 16, 8, 48), (2, 64, 2, 48), 4, "head_dim 48"),
+    ((2, 20, 8, 64), (2, 64, 2, 64), 4, "not a multiple of block_rows"),
+    ((2, 16, 8, 64), (2, 50, 2, 64), 4, "not a multiple of block_kv"),
+    ((2, 16, 8, 64), (2, 64, 3, 64), 4, "does not match"),
+])
+def test_packed_attention_bad_input_is_one_line(shape, cache, heads, message):
+    packed = jnp.zeros(shape, jnp.float32)
+    k_cache = jnp.zeros(cache, jnp.float32)
+    with pytest.raises(InvalidArgumentError, match=message) as info:
+        check_packed(packed, k_cache, k_cache, num_heads=heads)
+    assert "\n" not in str(info.value)
+    assert not kernels.packed_attention_takes(shape, jnp.float32, k_cache, k_cache,
+                                              num_heads=heads, variant="gpu")
+    assert not kernels.packed_attention_takes((2, 16, 8, 64), jnp.float32, None, None,
+                                              num_heads=4, variant="tpu")
+
+
+def test_packed_attention_lowers_for_triton():
+    sds = jax.ShapeDtypeStruct
+    # SmolLM2 decode and a 64-node verify; a Llama-7B (MHA, D=128) verify.
+    for rows, h, k, d, s, layers, dtype in [(16, 9, 3, 64, 2048, 30, jnp.bfloat16),
+                                            (64, 9, 3, 64, 2048, 30, jnp.float32),
+                                            (64, 32, 32, 128, 4096, 32, jnp.bfloat16)]:
+        width = 16 + layout_round_up(rows, 16) + 16
+        lowered = ordered_attention_packed_gpu.trace(
+            sds((layers, rows, h + 2 * k, d), dtype), sds((), jnp.int32),
+            sds((layers, s, k, d), dtype), sds((layers, s, k, d), dtype), sds((), jnp.int32),
+            sds((rows, width), jnp.int32), sds((rows,), jnp.int32), num_heads=h,
+        ).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
+
+
 # --- whole models ---------------------------------------------------------------------
 
 def _tiny_config(**overrides) -> ModelConfig:
@@ -337,7 +426,8 @@ def test_kernel_calls_per_layer(fused_projections, per_layer):
 
     calls = _pallas_calls(jax.make_jaxpr(lambda: run("fused"))().jaxpr)
     assert len(calls) == per_layer + 1, calls
-    assert sum("ordered_attention" in name for name in calls) == 1, calls
+    # The packed kernel, which reads the layer's q|k|v rows in place (the GPU variant).
+    assert sum("ordered_attention_packed" in name for name in calls) == 1, calls
     np.testing.assert_allclose(jax.jit(lambda: run("fused"))(),
                                jax.jit(lambda: run("reference"))(), rtol=1e-4, atol=1e-4)
 
@@ -374,17 +464,29 @@ def _path_versus_tree(config, params, prompt_length):
     return same
 
 
-# The tree starting mid-block, and on a block edge; fp32 and bf16.
+def _unpacked(monkeypatch):
+    """Fused layers without the packed attention kernel (as under a tensor-parallel mesh):
+    q, k, v, RoPE'd outside, through :func:`kernels.ordered_attention`."""
+    monkeypatch.setattr(kernels, "packed_attention_takes", lambda *args, **kwargs: False)
+
+
+# The tree starting mid-block, and on a block edge; fp32 and bf16; the packed kernel (what
+# a GPU runs) and the unpacked one.
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
 @pytest.mark.parametrize("prompt_length,dtype", [
     (12, jnp.float32), (12, jnp.bfloat16),
     pytest.param(16, jnp.float32, marks=pytest.mark.slow)])
-def test_every_node_on_a_path_is_bitwise_the_ar_step(prompt_length, dtype):
+def test_every_node_on_a_path_is_bitwise_the_ar_step(prompt_length, dtype, packed,
+                                                     monkeypatch):
+    if not packed:
+        _unpacked(monkeypatch)
     config = _tiny_config()
     params = jax.tree.map(lambda a: a.astype(dtype), _params(config))
     assert all(_path_versus_tree(config, params, prompt_length))
 
 
-def test_a_row_count_dependent_blocking_is_caught(monkeypatch):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_a_row_count_dependent_blocking_is_caught(monkeypatch, packed):
     """The same comparison fails for the ordered kernel with its KV block chosen from the
     number of new tokens (16 slots for a one-token step, 32 for a verify pass): the bug the
     fixed blocking rules out."""
@@ -392,7 +494,21 @@ def test_a_row_count_dependent_blocking_is_caught(monkeypatch):
         sizes = GpuOrderedBlockSizes(block_kv=16 if q.shape[0] == 1 else 32)
         return ordered_attention_gpu(q, *args, layer=layer, block_sizes=sizes, interpret=True)
 
-    monkeypatch.setattr(kernels, "ordered_attention", blocked_by_row_count)
+    def sizes_for(rows):  # 16 packed rows: a one-token step (and short verify passes)
+        return GpuOrderedBlockSizes(block_kv=16 if rows == 16 else 32)
+
+    def packed_blocked_by_row_count(packed, *args, num_heads):
+        return ordered_attention_packed_gpu(packed, *args, num_heads=num_heads,
+                                            block_sizes=sizes_for(packed.shape[1]),
+                                            interpret=True)
+
+    if packed:
+        monkeypatch.setattr(kernels, "ordered_attention_packed", packed_blocked_by_row_count)
+        monkeypatch.setattr(kernels, "packed_links",
+                            lambda mask, rows: packed_links(mask, rows, sizes_for(rows)))
+    else:
+        _unpacked(monkeypatch)
+        monkeypatch.setattr(kernels, "ordered_attention", blocked_by_row_count)
     config = _tiny_config()
     assert not all(_path_versus_tree(config, _params(config), 12))
 

@@ -136,6 +136,65 @@ def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> b
             and hasattr(_FAMILIES[config.architecture], "block_fused"))
 
 
+def _packed_attention(family, scratch_mask) -> bool:
+    """Whether fused layers may run :func:`_packed_layers` (the kernel check aside): a
+    family that has them, no scratch window (drafting calls attend through the split
+    kernel), and no tensor-parallel mesh (the packed rows mix query and KV heads on one
+    axis, which one head split cannot divide; :func:`sharding.attention_per_shard` runs
+    the other layout per shard)."""
+    from specjax import sharding
+
+    return (hasattr(family, "block_fused_packed")
+            and (scratch_mask is None or scratch_mask.shape[1] == 0)
+            and sharding.axis_size(sharding.active_mesh(), sharding.MODEL) == 1)
+
+
+def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape, k_all,
+                   v_all, length, mask, linear):
+    """The fused layers with attention reading packed rows
+    (:func:`specjax.kernels.ordered_attention_packed`): (x, kv_new [L, 2, rows, K, D]).
+
+    The loop carries a [L, rows, H + 2K, D] buffer that each layer writes its RoPE'd q|k|v
+    rows into (one in-place write) and its attention reads; the chains among the new
+    tokens are derived from the mask once, here, not per layer. Each layer's K and V are
+    read out of the buffer after the loop, so the cache holds exactly the keys and values
+    the chains were read from.
+    """
+    from specjax import kernels
+
+    rows = x.shape[0]
+    links, depth = kernels.packed_links(mask, rows)
+    cos, sin = context
+    rope = tuple(jnp.pad(table, ((0, rows - table.shape[0]), (0, 0))) for table in (cos, sin))
+
+    def attend(packed, index):
+        return kernels.ordered_attention_packed(packed, index, k_all, v_all, length, links,
+                                                depth, num_heads=config.num_heads)
+
+    def packed_layer(carry, _):
+        x, index, packed = carry
+        x, packed = family.block_fused_packed(layers, index, config, x, rope, packed, attend,
+                                              linear)
+        return (x, index + 1, packed), None
+
+    packed = jnp.zeros(packed_shape, x.dtype)
+    # Unrolled when the kernels are compiled (a GPU): no loop counter and no loop
+    # condition per layer (two launches, and the condition's trip to the host), and the
+    # step's kernels can be captured whole; 30 layers compile in ~6 s for an H100 (4 s as
+    # a loop). There the kernels are opaque custom calls and the XLA operations between
+    # them elementwise, so unrolling changes no value. Interpreted (CPU tests), the
+    # kernels are ordinary XLA operations and unrolled they were not row-independent
+    # (a 17-node pass's root logits differed from the one-token step's in the last bit;
+    # the loop reproduces them exactly), so the interpreter runs the loop.
+    (x, _, packed), _ = jax.lax.scan(packed_layer, (x, jnp.int32(0), packed), None,
+                                     length=config.num_layers,
+                                     unroll=not kernels.select_variant()[1])
+    heads = config.num_heads
+    kv = packed[:, :, heads:].reshape(*packed.shape[:2], 2, config.num_kv_heads,
+                                      config.head_dim)
+    return x, kv.transpose(0, 2, 1, 3, 4)
+
+
 def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask,
                      scratch_mask, attn_impl: str, features=None):
     """The blocks' output [T, d] before the final norm, and the cache with scratch written."""
@@ -178,17 +237,28 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         rows = round_up(num_tokens, kernels.linear_row_tile(x.dtype))
         x = jnp.pad(x, ((0, rows - num_tokens), (0, 0)))
 
-        def fused_layer(carry, _):
-            x, index = carry
-            x, k, v = family.block_fused(layers, index, config, x, context, attend_at(index),
-                                         functools.partial(kernels.fused_linear, fallback=True))
-            return (x, index + 1), jnp.stack([k, v])
+        linear = functools.partial(kernels.fused_linear, fallback=True)
+        packed_shape = (config.num_layers, rows, config.num_heads + 2 * config.num_kv_heads,
+                        config.head_dim)
+        if (_packed_attention(family, scratch_mask)
+                and kernels.packed_attention_takes(packed_shape, x.dtype, k_all, v_all,
+                                                   num_heads=config.num_heads)):
+            x, kv_new = _packed_layers(family, layers, config, x, context, packed_shape,
+                                       k_all, v_all, length, mask, linear)
+            x, kv_new = x[:num_tokens], kv_new[:, :, :num_tokens]
+        else:
+            def fused_layer(carry, _):
+                x, index = carry
+                x, k, v = family.block_fused(layers, index, config, x, context,
+                                             attend_at(index), linear)
+                return (x, index + 1), jnp.stack([k, v])
 
-        # No per-layer slices of the weights as scan inputs: the kernels read the stacked
-        # [L, ...] weights at the traced index (a slice feeding a custom call is a copy).
-        (x, _), kv_new = jax.lax.scan(fused_layer, (x, jnp.int32(0)), None,
-                                      length=config.num_layers)
-        x = x[:num_tokens]
+            # No per-layer slices of the weights as scan inputs: the kernels read the
+            # stacked [L, ...] weights at the traced index (a slice feeding a custom call
+            # is a copy).
+            (x, _), kv_new = jax.lax.scan(fused_layer, (x, jnp.int32(0)), None,
+                                          length=config.num_layers)
+            x = x[:num_tokens]
     else:
         def layer(carry, p):
             x, index = carry

@@ -145,6 +145,40 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     return x, k, v
 
 
+def _project_qkv(layers: dict, index, config: ModelConfig, x: jax.Array, linear):
+    """The fused layers' q|k|v rows [rows, (H + 2K) * D] of the (padded) residual stream:
+    RMSNorm folded in, one call over a fused matrix, else three calls joined."""
+    q_width = config.num_heads * config.head_dim
+    kv_width = config.num_kv_heads * config.head_dim
+    kwargs = dict(norm=layers["attn_norm"], layer=index, eps=config.norm_eps)
+    if "w_qkv" in layers:
+        return linear(x, (layers["w_qkv"],), biases=(layers.get("b_qkv"),), offsets=(0,),
+                      width=q_width + 2 * kv_width, **kwargs)
+    return jnp.concatenate([
+        linear(x, (layers[w],), biases=(layers.get(b),), offsets=(0,), width=width, **kwargs)
+        for w, b, width in (("wq", "bq", q_width), ("wk", "bk", kv_width),
+                            ("wv", "bv", kv_width))], axis=-1)
+
+
+def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Array,
+                           a: jax.Array, linear):
+    """The rest of a fused layer after attention's output ``a`` [rows, H*D]: o with the
+    residual, then RMSNorm + gate|up + SwiGLU, then down with the residual."""
+    eps, f = config.norm_eps, config.intermediate_size
+    x = linear(a, (layers["wo"],), biases=(layers.get("bo"),), residual=x, layer=index,
+               eps=eps)
+    if "w_gate_up" in layers:
+        pair, biases, offsets = ((layers["w_gate_up"],) * 2, (layers.get("b_gate_up"),) * 2,
+                                 (0, f))
+    else:
+        pair, biases, offsets = ((layers["w_gate"], layers["w_up"]),
+                                 (layers.get("b_gate"), layers.get("b_up")), (0, 0))
+    h = linear(x, pair, norm=layers["mlp_norm"], biases=biases, layer=index, offsets=offsets,
+               width=f, eps=eps)
+    return linear(h, (layers["w_down"],), biases=(layers.get("b_down"),), residual=x,
+                  layer=index, eps=eps)
+
+
 def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, attend,
                 linear):
     """:func:`block` with each projection one call of ``linear`` (the row-tiled kernels of
@@ -165,41 +199,38 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     """
     cos, sin = rope
     t, rows = cos.shape[0], x.shape[0]
-    eps = config.norm_eps
     q_width = config.num_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
-    f = config.intermediate_size
-
-    def project(name, offset, width, bias_name, **kwargs):
-        bias = layers.get(bias_name)
-        return linear(x, (layers[name],), biases=(bias,), layer=index, offsets=(offset,),
-                      width=width, eps=eps, **kwargs)
-
-    norm = layers["attn_norm"]
-    if "w_qkv" in layers:  # one call over the whole fused matrix, split after
-        qkv = project("w_qkv", 0, q_width + 2 * kv_width, "b_qkv", norm=norm)[:t]
-        q, k, v = jnp.split(qkv, (q_width, q_width + kv_width), axis=-1)
-    else:
-        q, k, v = (project(w, 0, width, b, norm=norm)[:t] for w, b, width in (
-            ("wq", "bq", q_width), ("wk", "bk", kv_width), ("wv", "bv", kv_width)))
+    qkv = _project_qkv(layers, index, config, x, linear)[:t]
+    q, k, v = jnp.split(qkv, (q_width, q_width + kv_width), axis=-1)
     q = q.reshape(t, config.num_heads, config.head_dim)
     k = k.reshape(t, config.num_kv_heads, config.head_dim)
     v = v.reshape(t, config.num_kv_heads, config.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = jnp.pad(attend(q, k, v).reshape(t, q_width), ((0, rows - t), (0, 0)))
-    x = linear(a, (layers["wo"],), biases=(layers.get("bo"),), residual=x, layer=index,
-               eps=eps)
-    if "w_gate_up" in layers:
-        pair, biases, offsets = ((layers["w_gate_up"],) * 2, (layers.get("b_gate_up"),) * 2,
-                                 (0, f))
-    else:
-        pair, biases, offsets = ((layers["w_gate"], layers["w_up"]),
-                                 (layers.get("b_gate"), layers.get("b_up")), (0, 0))
-    h = linear(x, pair, norm=layers["mlp_norm"], biases=biases, layer=index, offsets=offsets,
-               width=f, eps=eps)
-    x = linear(h, (layers["w_down"],), biases=(layers.get("b_down"),), residual=x,
-               layer=index, eps=eps)
-    return x, k, v
+    return _attention_out_and_mlp(layers, index, config, x, a, linear), k, v
+
+
+def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, rope,
+                       packed: jax.Array, attend, linear):
+    """:func:`block_fused` for an attention kernel that reads the layer's rows in place
+    (:func:`specjax.kernels.ordered_attention_packed`).
+
+    The q|k|v rows, RoPE applied to q and k (``rope``: tables with x's rows), are written
+    as layer ``index`` of ``packed`` [L, rows, H + 2K, D], a buffer the layer loop carries:
+    one in-place write, which is also how each layer's K/V leave the loop.
+    ``attend(packed, index)`` returns the [rows, H*D] input of the output projection.
+    Returns (x, packed).
+    """
+    cos, sin = rope
+    rows = x.shape[0]
+    heads = config.num_heads + config.num_kv_heads  # those RoPE rotates
+    qkv = _project_qkv(layers, index, config, x, linear).reshape(
+        rows, heads + config.num_kv_heads, config.head_dim)
+    qkv = jnp.concatenate([apply_rope(qkv[:, :heads], cos, sin), qkv[:, heads:]], axis=1)
+    packed = jax.lax.dynamic_update_index_in_dim(packed, qkv, index, 0)
+    x = _attention_out_and_mlp(layers, index, config, x, attend(packed, index), linear)
+    return x, packed
 
 
 def final_norm(params, config: ModelConfig, x: jax.Array) -> jax.Array:
