@@ -17,6 +17,7 @@
 #        profile_fused_<model>.json  the same with --attn-impl fused --fused-projections
 #        profile_fused_mosaic_<model>.json  the same in bfloat16 with SPECJAX_GPU_KERNELS=mosaic
 #                       (the projections in the Mosaic GPU wgmma kernel instead of Triton's)
+#        logs/exact.log the fused path's exactness tests, compiled for the GPU (pytest)
 #        kernels.json   benchmarks/bench_kernels.py --device-time --sweep (checks fp32 and
 #                       bf16, then the kernel's tilings)
 #        linear.json    benchmarks/bench_linear.py --device-time (a layer's projections and
@@ -134,6 +135,18 @@ for model in ${PROFILE_MODELS:-smollm2-135m}; do
         --attn-impl fused --fused-projections \
         --json "$DIR/profile_fused_mosaic_$model.json" --hlo-dir "$DIR/hlo/fused-mosaic-$model"
 done
+# Exactness of attn_impl="fused" on the device: the model-level tests of
+# tests/test_fused_kernels.py (every node on two tree paths bitwise the `ar` step, fp32 and
+# bf16, packed and unpacked attention; fused generation equals the reference), which here
+# compile the kernels for this GPU (and unroll the layers, as generation does).
+if "$PY" -c "import pytest" 2>/dev/null; then
+    step exact "$PY" -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py \
+        -k "every_node or generation or root_is_bitwise or calls_per_layer"
+else
+    printf '%-8s SKIPPED  %s\n' exact "pytest is not installed (pip install --no-deps pytest)" \
+        >>"$STATUS"
+    FAILED=1
+fi
 step kernels "$PY" benchmarks/bench_kernels.py --device-time --sweep --json "$DIR/kernels.json"
 step linear "$PY" benchmarks/bench_linear.py --device-time --json "$DIR/linear.json"
 if [ "${PROFILE_ONLY:-0}" = 1 ]; then
