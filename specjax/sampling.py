@@ -61,11 +61,22 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
     XLA's CPU backend lowers ``lax.top_k`` to a full sort of the axis: on a 49,152-token
     vocabulary that costs ~25 ms for six rows, more than a draft pass. Drafters need only
-    a few children per node, so for small static ``k`` this takes ``k`` passes of
-    max-then-first-index instead (``-inf`` entries included, as ``lax.top_k`` would).
+    a few children per node, so for small static ``k`` a CPU program takes ``k`` passes
+    of max-then-first-index instead (``-inf`` entries included, as ``lax.top_k`` would).
+    A GPU program keeps ``lax.top_k``: one top-k kernel in the H100 program, where the
+    passes are ~5 launches each; a TPU program too (which is faster there is not measured).
+    The choice is made when the program is lowered for its platform
+    (``lax.platform_dependent``), so a program compiled ahead of time for a GPU on a CPU
+    host gets the GPU's.
     """
     if k > 16:
         return jax.lax.top_k(x, k)
+    return jax.lax.platform_dependent(x, cpu=lambda x: _top_k_by_passes(x, k),
+                                      default=lambda x: tuple(jax.lax.top_k(x, k)))
+
+
+def _top_k_by_passes(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`top_k` as ``k`` passes of max-then-first-index (the CPU's)."""
     taken = jnp.zeros(x.shape, jnp.bool_)
     iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
     values, indices = [], []

@@ -119,6 +119,18 @@ def test_top_k_matches_lax_top_k(rows, vocab, k, levels, neg_inf, seed):
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
 
 
+@pytest.mark.parametrize("platform,native", [("cpu", False), ("cuda", True), ("tpu", True)])
+def test_top_k_lowers_to_passes_on_the_cpu_and_to_one_top_k_elsewhere(platform, native):
+    """The platform is the lowering's, not the host's: a program compiled ahead of time for
+    a GPU or TPU on this CPU gets one top-k operation (a GPU runs ~5 launches per pass
+    otherwise); the CPU's gets the passes (its top-k is a full sort) and no sort."""
+    x = jax.ShapeDtypeStruct((4, 49152), jnp.float32)
+    text = jax.jit(lambda x: top_k(x, 3)).trace(x).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert ("top_k" in text) == native
+    assert "sort" not in text
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.sampled_from([-np.inf, -1.0, 0.0, 0.5, 2.0, np.inf]), min_size=1,
                          max_size=9), min_size=1, max_size=4).filter(
