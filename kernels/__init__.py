@@ -300,6 +300,10 @@ def ordered_attention_packed(packed, layer, k_cache, v_cache, length, links, dep
     """:func:`ordered_attention_packed_gpu` (see there), natively on a GPU and interpreted
     elsewhere; only where :func:`packed_attention_takes` says so."""
     variant, interpret = select_variant(variant)
+    if variant != "gpu":
+        raise InvalidArgumentError(
+            f"packed ordered attention has a GPU kernel only, not {variant!r} (the TPU's "
+            f"fused layers call ordered_attention)")
     module = _kernel_module(variant, _ORDERED_MODULES)
     return module.ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links,
                                                depth, num_heads=num_heads,

@@ -323,6 +323,10 @@ def test_packed_attention_bad_input_is_one_line(shape, cache, heads, message):
                                               num_heads=heads, variant="gpu")
     assert not kernels.packed_attention_takes((2, 16, 8, 64), jnp.float32, None, None,
                                               num_heads=4, variant="tpu")
+    with pytest.raises(InvalidArgumentError, match="GPU kernel only") as info:
+        kernels.ordered_attention_packed(packed, 0, k_cache, k_cache, 0, None, None,
+                                         num_heads=heads, variant="tpu")
+    assert "\n" not in str(info.value)
 
 
 def test_packed_attention_lowers_for_triton():

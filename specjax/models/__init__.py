@@ -179,8 +179,7 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
 
     packed = jnp.zeros(packed_shape, x.dtype)
     # Unrolled when the kernels are compiled (a GPU): no loop counter and no loop
-    # condition per layer (two launches, and the condition's trip to the host), and the
-    # step's kernels can be captured whole; 30 layers compile in ~6 s for an H100 (4 s as
+    # condition per layer (two launches), and the step's kernels can be captured whole; 30 layers compile in ~6 s for an H100 (4 s as
     # a loop). There the kernels are opaque custom calls and the XLA operations between
     # them elementwise, so unrolling changes no value. Interpreted (CPU tests), the
     # kernels are ordinary XLA operations and unrolled they were not row-independent
