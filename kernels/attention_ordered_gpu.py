@@ -292,21 +292,18 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
     elif layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     rows = layout.round_up(num_tokens, block_sizes.block_rows)
-    chain, depth = ancestor_chains(mask)
     # Per-node chains [rows, block_kv + T' + block_kv, 2K, D], T' = T rounded up to the
     # block; slot block_kv + j holds the node's ancestor at depth j. The zero blocks on both
     # sides keep every block the kernel loads inside the array.
-    width = layout.round_up(num_tokens, block_sizes.block_kv)
-    index = jnp.pad(chain, ((0, rows - num_tokens), (0, width - num_tokens)))
-    in_chain = jnp.arange(width)[None, :] <= jnp.pad(depth, (0, rows - num_tokens),
-                                                     constant_values=-1)[:, None]
+    links, depth = packed_links(mask, rows, block_sizes)
+    index = links[:, block_sizes.block_kv:-block_sizes.block_kv]
+    in_chain = jnp.arange(index.shape[1])[None, :] <= depth[:, None]
 
     # Keys and values gathered together (values after the keys' heads): one gather, one
     # kernel launch on a GPU, instead of two.
     new = jnp.concatenate([k_new, v_new], axis=1)
     gathered = jnp.where(in_chain[..., None, None], jnp.take(new, index, axis=0), 0)
     chain = jnp.pad(gathered, ((0, 0), (block_sizes.block_kv,) * 2, (0, 0), (0, 0)))
-    depth = jnp.pad(depth, (0, rows - num_tokens), constant_values=-1)
     queries = jnp.pad(q.transpose(1, 0, 2), ((0, 0), (0, rows - num_tokens), (0, 0)))
     # Two one-element arrays (a reshape each, no kernel), not one stacked pair: stacking
     # the loop's layer counter with the length is a kernel launch of its own per layer.
