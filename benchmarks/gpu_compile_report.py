@@ -16,6 +16,13 @@ Usage (after ``make gpu-compiler``)::
     .venv/bin/python benchmarks/gpu_compile_report.py \\
         --json benchmarks/results/h100-aot/step_counts.json
 
+Programs are greedy (temperature 0) unless ``--temperature`` says otherwise (then every
+method but ``ar`` verifies with the coupled rule), with the sampling rule fixed when the
+program is traced, as ``generate`` builds it on a GPU; ``--sampling-rules traced`` compiles
+every rule with the choice made on the device (``lax.cond``: the column ``cond`` counts
+the conditionals in a step, each of which a GPU runs by copying its predicate to the host
+and waiting for the device).
+
 Configurations: ``kernel`` (the default ``attn_impl``: the verify-attention kernel, jnp
 projections), ``fused`` (``attn_impl="fused"``: row-tiled projection kernels and ordered
 attention, Triton), ``fused+qkv`` (the same with q|k|v and gate|up fused at load), and
@@ -58,6 +65,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default="ar,ngram,spec,tree,staged")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--sampling-rules", default="static", choices=("static", "traced"))
     parser.add_argument("--json", default=None, help="write the records here")
     args = parser.parse_args(argv)
     jobs = []
@@ -70,12 +79,15 @@ def main(argv=None) -> int:
                     parser.error(f"unknown configuration {name!r}")
                 if "mosaic" in name and dtype == "float32":
                     continue  # the Mosaic GPU kernel takes bf16/fp16 only
-                jobs.append(dict(target="h100", method=method, verify=VERIFY[method],
-                                 dtype=dtype, config=name, **CONFIGS[name]))
+                verify = VERIFY[method] if args.temperature == 0 or method == "ar" else "coupled"
+                jobs.append(dict(target="h100", method=method, verify=verify,
+                                 dtype=dtype, config=name, temperature=args.temperature,
+                                 sampling_rules=args.sampling_rules, **CONFIGS[name]))
     machine = environment.machine()
     records = gpu_aot.run_worker(jobs)
     print(f"{'method':<8}{'dtype':<10}{'config':<18}{'ok':<4}{'ops/step':>9}{'per layer':>10}"
-          f"{'triton':>8}{'mosaic':>8}{'copy KB':>9}{'cache cp':>9}{'compile s':>10}")
+          f"{'triton':>8}{'mosaic':>8}{'cond':>6}{'copy KB':>9}{'cache cp':>9}"
+          f"{'compile s':>10}")
     failed = False
     for record in records:
         failed |= not record["ok"]
@@ -90,7 +102,8 @@ def main(argv=None) -> int:
         mosaic = sum(v for k, v in weighted.items() if "mosaic_gpu" in k)
         print(f"{record['method']:<8}{record['dtype']:<10}{record['config']:<18}{'yes':<4}"
               f"{step['step_ops_weighted']:>9.0f}{record['target_layer_ops'] or '-':>10}"
-              f"{triton:>8.0f}{mosaic:>8.0f}{step['copy_bytes_per_step'] / 1024:>9.1f}"
+              f"{triton:>8.0f}{mosaic:>8.0f}{step['step_ops_by_kind'].get('conditional', 0):>6}"
+              f"{step['copy_bytes_per_step'] / 1024:>9.1f}"
               f"{step['cache_sized_copies_per_step']:>9.0f}{record['compile_s']:>10.1f}")
     if args.json:
         environment.write_json(args.json, {

@@ -31,7 +31,7 @@ from specjax.loading import (check_resources, default_method, load, resolve_draf
 from specjax.methods import MethodOptions
 from specjax.model import Model, check_draft_compatible, resolve_dtype
 from specjax.origins import ORIGIN_NAMES, origin_name
-from specjax.sampling import make_sampling_params
+from specjax.sampling import make_sampling_params, static_rules
 
 __all__ = ["GenerationResult", "Model", "check_draft_compatible", "decode_text",
            "encode_prompt", "generate", "load", "resolve_dtype", "stream_generate"]
@@ -144,7 +144,8 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
         raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
                                    f"{type(model).__name__}")
     opts = resolve_method(model, method, **options)
-    sampling = make_sampling_params(temperature, top_k, top_p, seed)
+    sampling = make_sampling_params(temperature, top_k, top_p, seed,
+                                    static_rule=static_rules(model_backend(model)))
     opts.check_sampling(float(temperature))
     check_resources(opts, draft, ngram)
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
@@ -412,6 +413,8 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         "options": request.options.to_dict(),
         # whose defaults a method name gets here (methods.options.BACKEND_DEFAULTS)
         "backend": methods.options.backend_of(_platform(state.length)),
+        # the sampling rule compiled alone, or "traced": every rule, chosen on the device
+        "sampling_rule": state.sampling.rule or "traced",
         "new_tokens": new_tokens,
         "seconds": seconds,
         "tokens_per_s": new_tokens / seconds if seconds > 0 else None,  # None: too fast to time

@@ -4,7 +4,8 @@ The rule that keeps jit fast (DESIGN.md section 4):
 
 * **Static** -- part of the compiled program, held by the hashable :class:`DecodeLoop`:
   model config, cache capacity, prompt bucket, attention implementation, method and
-  tree shape (budget, depth, width), number of stop-token slots.
+  tree shape (budget, depth, width), number of stop-token slots; where the sampling rule
+  is fixed (``SamplingParams.rule``: a GPU's default), the rule.
 * **Traced** -- arrays; changing them never recompiles: prompt tokens and length,
   max_new_tokens, temperature, top-k, top-p, seed (:class:`SamplingParams`), stop tokens,
   the method's :class:`Resources` (draft weights, n-gram tables) and everything in
@@ -381,8 +382,10 @@ def run_program(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens,
 
 # ----------------------------------------------------------------------------- batches
 
-# vmap axes of a batch's SamplingParams: one seed per row, the rest shared.
-ROW_SAMPLING = SamplingParams(temperature=None, top_k=None, top_p=None, seed=0)
+def _row_sampling(rule: str | None) -> SamplingParams:
+    """vmap axes of a batch's SamplingParams: one seed per row, the rest shared (the static
+    rule must be the batch's own for the axes to match its structure)."""
+    return SamplingParams(temperature=None, top_k=None, top_p=None, seed=0, rule=rule)
 
 
 def batch_sampling(sampling: SamplingParams, seeds) -> SamplingParams:
@@ -390,12 +393,12 @@ def batch_sampling(sampling: SamplingParams, seeds) -> SamplingParams:
     return sampling.replace(seed=jnp.asarray(seeds, jnp.uint32).reshape(-1))
 
 
-def _state_axes() -> DecodeState:
-    """vmap axes of a batched :class:`DecodeState`: 0 everywhere but the shared sampling
-    settings."""
+def _state_axes(rule: str | None) -> DecodeState:
+    """vmap axes of a batched :class:`DecodeState` whose sampling rule is ``rule``: 0
+    everywhere but the shared sampling settings."""
     return DecodeState(cache=0, tokens=0, length=0, prompt_length=0, max_length=0, done=0,
                        nonfinite=0, nonfinite_position=0, target_calls=0, draft_calls=0,
-                       stop_tokens=0, sampling=ROW_SAMPLING, draft_cache=0, features=0,
+                       stop_tokens=0, sampling=_row_sampling(rule), draft_cache=0, features=0,
                        tally=0)
 
 
@@ -424,7 +427,8 @@ def _start_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_toke
         return _start(params, loop, prompt, prompt_length, max_new, row_sampling, stop,
                       resources)
 
-    state = jax.vmap(start_row, in_axes=(0, 0, 0, ROW_SAMPLING, 0), out_axes=_state_axes(),
+    state = jax.vmap(start_row, in_axes=(0, 0, 0, _row_sampling(sampling.rule), 0),
+                     out_axes=_state_axes(sampling.rule),
                      spmd_axis_name=sharding.batch_axis(prompts.shape[0]))(
         prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens)
     return sharding.readable_by_every_process(state)  # several hosts: all rows to each
@@ -435,7 +439,7 @@ def _step_batch(params, loop: DecodeLoop, state: DecodeState,
     def step_row(row):
         return hold_finished(row, loop.method.step(params, loop, row, resources))
 
-    axes = _state_axes()
+    axes = _state_axes(state.sampling.rule)
     state = jax.vmap(step_row, in_axes=(axes,), out_axes=axes,
                      spmd_axis_name=sharding.batch_axis(state.length.shape[0]))(state)
     return sharding.readable_by_every_process(state)
@@ -487,7 +491,8 @@ def take_rows(state: DecodeState, rows) -> DecodeState:
             return subtree
         return jax.tree.map(lambda leaf: jnp.take(leaf, rows, axis=0), subtree)
 
-    return jax.tree_util.tree_map(take, _state_axes(), state, is_leaf=lambda x: x is None)
+    return jax.tree_util.tree_map(take, _state_axes(state.sampling.rule), state,
+                                  is_leaf=lambda x: x is None)
 
 
 _take_rows = jax.jit(take_rows)
@@ -510,7 +515,7 @@ class _RowBook:
                 return part
             return jax.tree.map(lambda f, p: _scatter(f, self.order, p), full, part)
 
-        self.view = jax.tree_util.tree_map(put, _state_axes(), self.view, host,
+        self.view = jax.tree_util.tree_map(put, _state_axes(host.sampling.rule), self.view, host,
                                            is_leaf=lambda x: x is None)
 
     def compact(self, state: DecodeState) -> DecodeState | None:

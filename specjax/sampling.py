@@ -1,7 +1,11 @@
 """Logit processing and coupled (Gumbel-max) sampling.
 
 Sampling settings are *traced* values (:class:`SamplingParams`): a new temperature, top-k,
-top-p or seed never recompiles.
+top-p or seed never recompiles. Which *rule* applies (greedy, sampled, sampled with top-k/top-p)
+is chosen either on the device, by ``lax.cond`` (one program for every setting: the default
+on a CPU and a TPU), or when the program is traced (:attr:`SamplingParams.rule`: one program
+per rule and no conditional: the default on a GPU, where XLA runs a conditional by copying
+its predicate to the host and waiting for the device; see :func:`static_rules`).
 
 The processed target distribution ``p~`` is defined once, here, and used by every method
 and every acceptance rule (residuals included):
@@ -21,6 +25,8 @@ node at position ``t`` the same ``g_t`` reproduces autoregressive sampling token
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -30,14 +36,69 @@ from specjax.errors import InvalidArgumentError
 NEG_INF = -jnp.inf
 
 
+# The sampling rules a program can be specialised to (SamplingParams.rule).
+GREEDY, SAMPLE, TRUNCATE = "greedy", "sample", "truncate"
+RULES = (GREEDY, SAMPLE, TRUNCATE)
+RULES_ENV = "SPECJAX_SAMPLING_RULES"
+_RULES_SETTINGS = ("auto", "static", "traced")
+
+
 @struct.dataclass
 class SamplingParams:
-    """Traced sampling settings (all scalars)."""
+    """Sampling settings: traced scalars, and the static rule they select.
+
+    ``rule`` is part of the program, not traced: ``None`` compiles every rule, picked on the
+    device from the settings (``lax.cond`` on ``temperature > 0``, and on whether top-k or
+    top-p is set); ``"greedy"`` (temperature 0), ``"sample"`` (no top-k, no top-p) or
+    ``"truncate"`` compiles that rule alone. A rule must match the settings: made by
+    :func:`make_sampling_params` with ``static_rule=True``, it does.
+    """
 
     temperature: jax.Array  # float32 [], 0 means greedy
     top_k: jax.Array  # int32 [], 0 means no top-k
     top_p: jax.Array  # float32 [], in (0, 1]
     seed: jax.Array  # uint32 []
+    rule: str | None = struct.field(pytree_node=False, default=None)
+
+
+def rule_of(temperature: float, top_k: int, top_p: float) -> str:
+    """The sampling rule that settings (host values) select."""
+    if temperature == 0:
+        return GREEDY
+    return TRUNCATE if top_k > 0 or top_p < 1.0 else SAMPLE
+
+
+def static_rules(platform: str) -> bool:
+    """Whether programs for ``platform`` get one sampling rule each (no conditional).
+
+    ``SPECJAX_SAMPLING_RULES``: ``auto`` (the default) is static on a GPU only: there XLA
+    runs a ``lax.cond`` by copying its predicate to the host and blocking until the device
+    is idle (a fused ``tree`` step has 5 sampling conditionals at temperature 0, 18 above),
+    while a CPU runs it inline and a TPU on the device. Static rules cost one compile per
+    rule used (at most three per program); within a rule, new settings still never
+    recompile. ``static`` / ``traced`` force either way.
+
+    Raises:
+      InvalidArgumentError: the variable holds another value.
+    """
+    setting = os.environ.get(RULES_ENV, "auto").strip().lower() or "auto"
+    if setting not in _RULES_SETTINGS:
+        raise InvalidArgumentError(f"{RULES_ENV} must be one of {', '.join(_RULES_SETTINGS)}, "
+                                   f"got {setting!r}")
+    if setting == "auto":
+        return platform in ("gpu", "cuda", "rocm")
+    return setting == "static"
+
+
+def by_temperature(params: SamplingParams, sampled, greedy, operand):
+    """``sampled(operand)`` at temperature > 0, else ``greedy(operand)``: a ``lax.cond``, or
+    the one branch ``params.rule`` selects."""
+    if params.rule is None:
+        return jax.lax.cond(params.temperature > 0, sampled, greedy, operand)
+    if params.rule not in RULES:
+        raise InvalidArgumentError(f"SamplingParams.rule must be None or one of "
+                                   f"{', '.join(RULES)}, got {params.rule!r}")
+    return greedy(operand) if params.rule == GREEDY else sampled(operand)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -90,8 +151,9 @@ def _top_k_by_passes(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def make_sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                         seed: int = 0) -> SamplingParams:
-    """Validates settings on the host and returns them as device scalars.
+                         seed: int = 0, *, static_rule: bool = False) -> SamplingParams:
+    """Validates settings on the host and returns them as device scalars; with
+    ``static_rule``, with the rule they select fixed (:class:`SamplingParams`).
 
     Raises:
       InvalidArgumentError: temperature < 0 or not finite, top_k < 0, top_p outside (0, 1].
@@ -105,8 +167,9 @@ def make_sampling_params(temperature: float = 0.0, top_k: int = 0, top_p: float 
         raise InvalidArgumentError(f"top_p must be in (0, 1], got {top_p}")
     if int(seed) != seed or not (0 <= seed < 2**32):
         raise InvalidArgumentError(f"seed must be an integer in [0, 2**32), got {seed}")
+    rule = rule_of(temperature, int(top_k), top_p) if static_rule else None
     return SamplingParams(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
-                          top_p=jnp.float32(top_p), seed=jnp.uint32(seed))
+                          top_p=jnp.float32(top_p), seed=jnp.uint32(seed), rule=rule)
 
 
 def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -128,6 +191,9 @@ def _scaled(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """``logits / temperature`` with top-k and top-p applied (masked -> -inf), for T > 0;
     the sort runs only when a truncation is set."""
     scaled = logits / jnp.maximum(params.temperature, 1e-6)
+    if params.rule is not None:
+        return _truncate(scaled, params.top_k, params.top_p) if params.rule == TRUNCATE \
+            else scaled
     needs_sort = (params.top_k > 0) | (params.top_p < 1.0)
     return jax.lax.cond(needs_sort, lambda s: _truncate(s, params.top_k, params.top_p),
                         lambda s: s, scaled)
@@ -148,7 +214,7 @@ def target_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
         hot = first_argmax(x)[..., None] == jnp.arange(x.shape[-1], dtype=jnp.int32)
         return jnp.where(hot, 0.0, NEG_INF)
 
-    return jax.lax.cond(params.temperature > 0, sampled, greedy, logits)
+    return by_temperature(params, sampled, greedy, logits)
 
 
 def gumbel_noise(seed: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
@@ -162,12 +228,8 @@ def perturbed_scores(log_probs: jax.Array, params: SamplingParams,
                      positions: jax.Array) -> jax.Array:
     """``log p~ + g_position`` [N, V]; at temperature 0 just ``log p~`` (no noise drawn)."""
     vocab = log_probs.shape[-1]
-    return jax.lax.cond(
-        params.temperature > 0,
-        lambda lp: lp + gumbel_noise(params.seed, positions, vocab),
-        lambda lp: lp,
-        log_probs,
-    )
+    return by_temperature(params, lambda lp: lp + gumbel_noise(params.seed, positions, vocab),
+                          lambda lp: lp, log_probs)
 
 
 def sample_tokens(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> jax.Array:
@@ -184,4 +246,4 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, positions: jax.Arra
         return first_argmax(_scaled(x, params) + gumbel_noise(params.seed, positions,
                                                                x.shape[-1]))
 
-    return jax.lax.cond(params.temperature > 0, sampled, first_argmax, logits)
+    return by_temperature(params, sampled, first_argmax, logits)

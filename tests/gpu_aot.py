@@ -168,7 +168,8 @@ def run_job(job: dict) -> dict:
     """Lowers and compiles one job for its target; never raises.
 
     Job: ``{"kind": "canary"}`` (:func:`canary`), or ``{"target": "h100", "method",
-    "verify", "dtype", "attn_impl", "gpu_kernels", "fused_projections"}`` (a whole generation program as ``generate`` builds it,
+    "verify", "dtype", "attn_impl", "gpu_kernels", "fused_projections", "temperature",
+    "sampling_rules"}`` (a whole generation program as ``generate`` builds it on a GPU,
     SmolLM2-135M-shaped, :func:`tpu_aot.build_generation_program`). The record adds ``ok``,
     ``error``, the lower and compile seconds, the kernel custom calls
     (:func:`kernel_counts`) and :func:`profile_step.analyze_program`'s per-step counts.
@@ -189,10 +190,14 @@ def run_job(job: dict) -> dict:
             record["ok"] = True
             return record
         _compile_kernels_for_gpu(job.get("gpu_kernels", "triton"))
+        # On a GPU, generate fixes the sampling rule when tracing (one program per rule);
+        # the abstract weights are on no device, so say so.
+        os.environ["SPECJAX_SAMPLING_RULES"] = job.get("sampling_rules", "static")
         fn, args = tpu_aot.build_generation_program(
             job["method"], verify=job.get("verify"), dtype=job.get("dtype", "bfloat16"),
             attn_impl=job.get("attn_impl", "kernel"),
-            fused_projections=job.get("fused_projections", False))
+            fused_projections=job.get("fused_projections", False),
+            temperature=job.get("temperature", 0.0))
         start = time.perf_counter()
         lowered = fn.lower(*tpu_aot._abstract(args, sharding))
         record["lower_s"] = round(time.perf_counter() - start, 3)

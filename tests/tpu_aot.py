@@ -174,7 +174,7 @@ def kernel_estimate(job: dict) -> dict:
 def build_generation_program(method: str, *, verify: str | None = None,
                              dtype: str = "bfloat16", prompt_tokens: int = 16,
                              max_new_tokens: int = 64, attn_impl: str = "kernel",
-                             fused_projections: bool = False):
+                             fused_projections: bool = False, temperature: float = 0.0):
     """(jitted function, example arguments) of one whole generation, as ``generate`` runs it.
 
     The target has SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads of 64) with
@@ -189,6 +189,9 @@ def build_generation_program(method: str, *, verify: str | None = None,
       dtype: parameter and cache dtype.
       fused_projections: the target's q|k|v and gate|up matrices fused
         (:func:`specjax.models.fuse_projections`).
+      temperature: the request's (0: greedy). Whether the program holds one sampling rule
+        or all of them follows ``SPECJAX_SAMPLING_RULES`` (:func:`specjax.sampling.
+        static_rules`; the abstract weights are on no device, so ``auto`` means traced).
     Returns:
       (fn, args): ``fn(*args)`` is the program; args hold concrete small arrays and
       ``ShapeDtypeStruct`` parameters (map them to the target with :func:`_abstract`).
@@ -215,9 +218,9 @@ def build_generation_program(method: str, *, verify: str | None = None,
         draft = abstract_model(dataclasses.replace(config, num_layers=2), "draft-2-layers")
     options = {} if verify is None else {"verify": verify}
     request = api._prepare(target, list(range(1, prompt_tokens + 1)), method=method,
-                           max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0,
-                           seed=0, draft=draft, ngram=None, stop_tokens=None, chat=False,
-                           attn_impl=attn_impl, options=options)
+                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=0,
+                           top_p=1.0, seed=0, draft=draft, ngram=None, stop_tokens=None,
+                           chat=False, attn_impl=attn_impl, options=options)
     loop = request.loop
     fn = jax.jit(lambda params, *rest: decode.run_to_completion(params, loop, *rest))
     return fn, request.args

@@ -21,7 +21,8 @@ from flax import struct
 from specjax.cache import commit_path
 from specjax.decode import DecodeState, append_tokens, flag_nonfinite
 from specjax.origins import NUM_ORIGINS, ORIGIN_TARGET
-from specjax.sampling import SamplingParams, perturbed_scores, target_log_probs
+from specjax.sampling import (SamplingParams, by_temperature, perturbed_scores,
+                              target_log_probs)
 from specjax.tree import Tree
 from specjax.verify import Verdict, emitted_tokens
 
@@ -99,7 +100,7 @@ def rank_children(logits: jax.Array, sampling: SamplingParams, child_positions: 
     def greedy(_):
         return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
-    return jax.lax.cond(sampling.temperature > 0, sampled, greedy, None)
+    return by_temperature(sampling, sampled, greedy, None)
 
 
 def commit_step(state: DecodeState, tree: Tree, tree_origin: jax.Array, verdict: Verdict,
