@@ -104,6 +104,9 @@ def test_bad_settings_are_rejected(kwargs, match):
         make_sampling_params(**kwargs)
 
 
+_top_k_jitted = jax.jit(top_k, static_argnums=1)
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 4), vocab=st.integers(1, 40), k=st.integers(1, 6),
        levels=st.integers(1, 5), neg_inf=st.booleans(), seed=st.integers(0, 2**16))
@@ -114,7 +117,7 @@ def test_top_k_matches_lax_top_k(rows, vocab, k, levels, neg_inf, seed):
     if neg_inf:
         x[:, ::2] = -np.inf
     want_values, want_index = jax.lax.top_k(jnp.asarray(x), k)
-    values, index = top_k(jnp.asarray(x), k)
+    values, index = _top_k_jitted(jnp.asarray(x), k)  # one compile, not one per operation
     np.testing.assert_array_equal(np.asarray(index), np.asarray(want_index))
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
 
@@ -145,10 +148,13 @@ def test_sample_tokens_is_the_argmax_of_log_p_plus_the_position_noise():
     and top-p included); a shortcut that dropped the temperature or the truncation fails."""
     logits = jax.random.normal(jax.random.PRNGKey(3), (16, 300)) * 3.0
     positions = jnp.arange(16) + 40
+    # Jitted once each (the settings are traced), rather than compiled operation by operation.
+    definition = jax.jit(lambda x, params, positions: jnp.argmax(perturbed_scores(
+        target_log_probs(x, params), params, positions), axis=-1))
+    shortcut = jax.jit(sample_tokens)
     for temperature, k, p in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.3, 0, 1.0), (2.5, 0, 1.0),
                               (1.0, 5, 1.0), (1.0, 0, 0.6), (0.8, 20, 0.9)):
         params = make_sampling_params(temperature, k, p, seed=11)
-        expected = jnp.argmax(perturbed_scores(target_log_probs(logits, params), params,
-                                               positions), axis=-1)
-        assert np.array_equal(np.asarray(sample_tokens(logits, params, positions)),
-                              np.asarray(expected)), (temperature, k, p)
+        assert np.array_equal(np.asarray(shortcut(logits, params, positions)),
+                              np.asarray(definition(logits, params, positions))), \
+            (temperature, k, p)
