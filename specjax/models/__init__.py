@@ -194,6 +194,25 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
     return x, kv.transpose(0, 2, 1, 3, 4)
 
 
+# Models of at most this many layers (drafts) run their layers unrolled where the kernels
+# are compiled (a GPU or TPU; see _unrolled).
+UNROLL_LAYERS_AT_MOST = 4
+
+
+def _unrolled(config: ModelConfig) -> bool:
+    """Whether a small model's (a draft's) layer loop is unrolled: where the kernels are
+    compiled, on a GPU a loop costs launches of its own every pass (the loop counter and
+    condition per layer, copies of the loop's scalar state), and its kernels are opaque
+    custom calls with elementwise operations between them, so unrolling changes no value
+    (a draft's numbers never decide a token in any case). Interpreted (the CPU), the loop
+    stays: the CPU tests' programs are unchanged."""
+    if config.num_layers > UNROLL_LAYERS_AT_MOST:
+        return False
+    from specjax import kernels  # Pallas: imported only when it is needed
+
+    return not kernels.select_variant()[1]
+
+
 def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask,
                      scratch_mask, attn_impl: str, features=None):
     """The blocks' output [T, d] before the final norm, and the cache with scratch written."""
@@ -256,7 +275,8 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
             # stacked [L, ...] weights at the traced index (a slice feeding a custom call
             # is a copy).
             (x, _), kv_new = jax.lax.scan(fused_layer, (x, jnp.int32(0)), None,
-                                          length=config.num_layers)
+                                          length=config.num_layers,
+                                          unroll=_unrolled(config))
             x = x[:num_tokens]
     else:
         def layer(carry, p):
@@ -264,7 +284,8 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
             x, k, v = family.block(p, config, x, context, attend_at(index))
             return (x, index + 1), jnp.stack([k, v])
 
-        (x, _), kv_new = jax.lax.scan(layer, (x, jnp.int32(0)), params["layers"])
+        (x, _), kv_new = jax.lax.scan(layer, (x, jnp.int32(0)), params["layers"],
+                                      unroll=_unrolled(config))
     # Each layer's K and V leave the loop as one [2, T, K, D] stack: one in-place write into
     # the loop's output per layer instead of two (on a GPU, one kernel launch each).
     k_new, v_new = kv_new[:, 0], kv_new[:, 1]
