@@ -17,7 +17,10 @@
 #        profile_fused_<model>.json  the same with --attn-impl fused --fused-projections
 #        profile_fused_mosaic_<model>.json  the same in bfloat16 with SPECJAX_GPU_KERNELS=mosaic
 #                       (the projections in the Mosaic GPU wgmma kernel instead of Triton's)
-#        logs/exact.log the fused path's exactness tests, compiled for the GPU (pytest)
+#        profile_traced_rules_<model>.json  fused bf16 ar and tree with the sampling rule
+#                       chosen on the device (SPECJAX_SAMPLING_RULES=traced): its cost
+#        logs/exact.log the fused path's and the fixed sampling rules' exactness tests,
+#                       compiled for the GPU (pytest)
 #        kernels.json   benchmarks/bench_kernels.py --device-time --sweep (checks fp32 and
 #                       bf16, then the kernel's tilings)
 #        linear.json    benchmarks/bench_linear.py --device-time (a layer's projections and
@@ -134,6 +137,13 @@ for model in ${PROFILE_MODELS:-smollm2-135m}; do
         --methods "${PROFILE_METHODS:-ar,ngram,spec,tree,staged}" \
         --attn-impl fused --fused-projections \
         --json "$DIR/profile_fused_mosaic_$model.json" --hlo-dir "$DIR/hlo/fused-mosaic-$model"
+    # The sampling rule chosen on the device (lax.cond: the predicate copied to the host and
+    # the device drained, per conditional) instead of fixed when tracing (the GPU's default):
+    # what the fixed rules save, against the bfloat16 ar and tree rows of profile_fused.
+    step "profile-traced-rules-$model" env SPECJAX_SAMPLING_RULES=traced "$PY" \
+        benchmarks/profile_step.py --model "$model" --dtypes bfloat16 --methods ar,tree \
+        --attn-impl fused --fused-projections \
+        --json "$DIR/profile_traced_rules_$model.json"
 done
 # Exactness of attn_impl="fused" on the device: the model-level tests of
 # tests/test_fused_kernels.py (every node on two tree paths bitwise the `ar` step, fp32 and
@@ -141,7 +151,8 @@ done
 # compile the kernels for this GPU (and unroll the layers, as generation does).
 if "$PY" -c "import pytest" 2>/dev/null; then
     step exact "$PY" -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py \
-        -k "every_node or generation or root_is_bitwise or calls_per_layer"
+        tests/test_sampling_rules.py \
+        -k "every_node or generation or root_is_bitwise or calls_per_layer or rule"
 else
     printf '%-8s SKIPPED  %s\n' exact "pytest is not installed (pip install --no-deps pytest)" \
         >>"$STATUS"
