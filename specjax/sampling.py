@@ -73,7 +73,8 @@ def static_rules(platform: str) -> bool:
 
     ``SPECJAX_SAMPLING_RULES``: ``auto`` (the default) is static on a GPU only: there XLA
     runs a ``lax.cond`` by copying its predicate to the host and blocking until the device
-    is idle (a fused ``tree`` step has 5 sampling conditionals at temperature 0, 18 above),
+    is idle (a fused ``tree`` step held 18 sampling conditionals and ran 5 of them at
+    temperature 0, all 18 above),
     while a CPU runs it inline and a TPU on the device. Static rules cost one compile per
     rule used (at most three per program); within a rule, new settings still never
     recompile. ``static`` / ``traced`` force either way.

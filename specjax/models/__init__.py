@@ -179,15 +179,16 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
 
     packed = jnp.zeros(packed_shape, x.dtype)
     # Unrolled when the kernels are compiled (a GPU): no loop counter and no loop
-    # condition per layer (two launches), and the step's kernels can be captured whole; 30 layers compile in ~6 s for an H100 (4 s as
-    # a loop). There the kernels are opaque custom calls and the XLA operations between
-    # them elementwise, so unrolling changes no value. Interpreted (CPU tests), the
-    # kernels are ordinary XLA operations and unrolled they were not row-independent
-    # (a 17-node pass's root logits differed from the one-token step's in the last bit;
-    # the loop reproduces them exactly), so the interpreter runs the loop.
+    # condition per layer (two launches), and the step's kernels can be captured whole;
+    # 30 layers compile in ~6 s for an H100 (4 s as a loop). There the kernels are opaque
+    # custom calls and the XLA operations between them elementwise, so unrolling changes
+    # no value. Interpreted (CPU tests), the kernels are ordinary XLA operations and
+    # unrolled they were not row-independent (a 17-node pass's root logits differed from
+    # the one-token step's in the last bit; the loop reproduces them exactly), so the
+    # interpreter runs the loop.
     (x, _, packed), _ = jax.lax.scan(packed_layer, (x, jnp.int32(0), packed), None,
                                      length=config.num_layers,
-                                     unroll=not kernels.select_variant()[1])
+                                     unroll=_kernels_compiled())
     heads = config.num_heads
     kv = packed[:, :, heads:].reshape(*packed.shape[:2], 2, config.num_kv_heads,
                                       config.head_dim)
@@ -206,8 +207,12 @@ def _unrolled(config: ModelConfig) -> bool:
     custom calls with elementwise operations between them, so unrolling changes no value
     (a draft's numbers never decide a token in any case). Interpreted (the CPU), the loop
     stays: the CPU tests' programs are unchanged."""
-    if config.num_layers > UNROLL_LAYERS_AT_MOST:
-        return False
+    return config.num_layers <= UNROLL_LAYERS_AT_MOST and _kernels_compiled()
+
+
+def _kernels_compiled() -> bool:
+    """Whether this process compiles the Pallas kernels (a GPU or TPU) rather than
+    interpreting them (the CPU)."""
     from specjax import kernels  # Pallas: imported only when it is needed
 
     return not kernels.select_variant()[1]
