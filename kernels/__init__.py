@@ -41,6 +41,9 @@ elsewhere; ``SPECJAX_KERNEL_INTERPRET=tpu`` picks the TPU ones):
 * :func:`ordered_attention_packed` (GPU only: :func:`ordered_attention_packed_gpu`) is the
   same attention reading a layer loop's packed q|k|v rows and writing the output
   projection's row-major input, which spares a fused layer three launches on a GPU;
+  :func:`qkv_rope_into` writes those rows (GPU, Triton: :func:`qkv_rope_into_gpu`, the
+  q|k|v projection with RoPE and the in-place write in its epilogue, one launch more
+  spared);
 * :func:`fused_linear_gpu` in :mod:`.linear_gpu` (Triton; :class:`GpuLinearBlockSizes`),
   :func:`fused_linear_tpu` in :mod:`.linear_tpu` (Mosaic; :class:`TpuLinearBlockSizes`).
 
@@ -71,7 +74,7 @@ __all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes",
            "TpuOrderedBlockSizes", "fused_linear", "fused_linear_gpu",
            "fused_linear_mosaic_gpu", "fused_linear_tpu", "ordered_attention",
            "ordered_attention_gpu", "ordered_attention_packed", "ordered_attention_tpu",
-           "packed_attention_takes", "verify_attention",
+           "packed_attention_takes", "qkv_rope_into", "qkv_rope_into_gpu", "verify_attention",
            "verify_attention_gpu", "verify_attention_tpu", "gpu_kernel_backend",
            "linear_row_tile", "select_variant", "GPU_KERNELS_ENV", "INTERPRET_ENV"]
 
@@ -88,6 +91,7 @@ _ORDERED_MODULES = {"gpu": "attention_ordered_gpu", "tpu": "attention_ordered_tp
 _LAZY = {"GpuBlockSizes": "attention_gpu", "verify_attention_gpu": "attention_gpu",
          "TpuBlockSizes": "attention_tpu", "verify_attention_tpu": "attention_tpu",
          "GpuLinearBlockSizes": "linear_gpu", "fused_linear_gpu": "linear_gpu",
+         "qkv_rope_into_gpu": "linear_gpu",
          "GpuOrderedBlockSizes": "attention_ordered_gpu",
          "ordered_attention_gpu": "attention_ordered_gpu",
          "ordered_attention_packed_gpu": "attention_ordered_gpu",
@@ -256,6 +260,37 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
             return module.fused_linear_reference(x, tuple(weights), **kwargs)
     return getattr(module, f"fused_linear_{variant}")(x, tuple(weights), interpret=interpret,
                                                       **options, **kwargs)
+
+
+def qkv_rope_into(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
+                  rope_heads: int, eps: float = 1e-6, variant: str | None = None):
+    """Layer ``layer`` of a packed q|k|v buffer [L, R, heads, D] := the heads of
+    ``rms_norm(x) @ W + b``, RoPE on the first ``rope_heads``; arguments as
+    :func:`.linear_gpu.qkv_rope_into_gpu`.
+
+    On the GPU variant with the Triton backend (native, or interpreted off a GPU), shapes
+    :func:`.linear_gpu.check_rope_into` accepts run that kernel: one launch, written in
+    place. Otherwise :func:`fused_linear` (with its fallback) projects and
+    :func:`specjax.models.layers.write_rope_rows` rotates and writes. The choice reads
+    shapes and dtypes only, so a verify pass and the one-token step take the same path.
+    """
+    from specjax.models.layers import write_rope_rows  # models import kernels lazily
+
+    variant, interpret = select_variant(variant)
+    if variant == "gpu" and gpu_kernel_backend() == "triton":
+        module = _kernel_module("gpu", _LINEAR_MODULES)
+        try:
+            module.check_rope_into(packed, x, weight, cos, sin, norm=norm, bias=bias,
+                                   rope_heads=rope_heads)
+        except InvalidArgumentError:
+            pass
+        else:
+            return module.qkv_rope_into_gpu(packed, x, weight, cos, sin, layer, norm=norm,
+                                            bias=bias, rope_heads=rope_heads, eps=eps,
+                                            interpret=interpret)
+    qkv = fused_linear(x, (weight,), norm=norm, biases=(bias,), layer=layer, eps=eps,
+                       variant=variant, fallback=True)
+    return write_rope_rows(packed, qkv, layer, cos, sin, rope_heads)
 
 
 def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,

@@ -18,6 +18,13 @@ This replaces, per projection, the norm's reduction and scaling, the matmul, the
 the activation and the residual add (separate XLA ops, most of them separate kernels on a
 GPU) by one launch.
 
+:func:`qkv_rope_into_gpu` is the same kernel for a layer's fused q|k|v projection with
+RoPE and the write in its epilogue: a program computes one chunk of *both* halves of a
+head (RoPE rotates column i with column i + D/2, and a Triton tile cannot permute its
+columns), rotates the query and key heads, and stores into layer ``l`` of the packed
+``[L, R, heads, D]`` buffer that the attention kernel reads (aliased to its output, so
+written in place).
+
 **Row independence.** The row tile (``block_rows``, 16), the column block and the
 reduction chunk (``block_k``) depend on the matrix shape only, never on the number of rows;
 the reduction over K runs chunk by chunk in a fixed order; a row's norm uses only that
@@ -137,6 +144,41 @@ def _epilogue(parts, biases, residual, *, dtype, float32_out: bool):
     return y
 
 
+def _products(layer, x_ref, weight_refs, norm_ref, *, rows, cols: tuple, transposed: bool,
+              block_rows: int, block_n: int, block_k: int, num_k: int, eps: float):
+    """The float32 products [block_rows, block_n] of the row tile ``rows`` (RMSNorm'd when
+    ``norm_ref``) with each weight's columns ``cols[i]:cols[i] + block_n``, the reduction
+    over K chunk by chunk in a fixed order (the same for any number of rows)."""
+    dtype = x_ref.dtype
+    inv_rms = None
+    if norm_ref is not None:
+        def sum_squares(chunk, total):
+            xc = x_ref[rows, pl.ds(pl.multiple_of(chunk * block_k, block_k), block_k)]
+            xc = xc.astype(jnp.float32)
+            return total + jnp.sum(xc * xc, axis=1)
+
+        total = lax.fori_loop(0, num_k, sum_squares, jnp.zeros((block_rows,), jnp.float32))
+        inv_rms = lax.rsqrt(total / (num_k * block_k) + eps)
+
+    def accumulate(chunk, accs):
+        k0 = pl.multiple_of(chunk * block_k, block_k)
+        xc = x_ref[rows, pl.ds(k0, block_k)]
+        if norm_ref is not None:
+            scale = norm_ref[layer, pl.ds(k0, block_k)]
+            xc = (scale.astype(dtype)[None, :]
+                  * (xc.astype(jnp.float32) * inv_rms[:, None]).astype(dtype))
+        out = []
+        for acc, weight_ref, col in zip(accs, weight_refs, cols):
+            columns = pl.ds(col, block_n)
+            w = weight_ref[layer, columns, pl.ds(k0, block_k)] if transposed else \
+                weight_ref[layer, pl.ds(k0, block_k), columns]
+            out.append(acc + _dot(xc, w.astype(dtype), transposed=transposed))
+        return tuple(out)
+
+    init = tuple(jnp.zeros((block_rows, block_n), jnp.float32) for _ in weight_refs)
+    return lax.fori_loop(0, num_k, accumulate, init)
+
+
 def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, offsets: tuple, has_norm: bool,
                    has_bias: tuple, has_residual: bool, transposed: bool, block_rows: int,
                    block_n: int, block_k: int, num_k: int, eps: float, float32_out: bool):
@@ -156,40 +198,15 @@ def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, offsets: tuple, has_
     layer = layer_ref[0]
     row0 = pl.multiple_of(pl.program_id(0) * block_rows, block_rows)
     col0 = pl.multiple_of(pl.program_id(1) * block_n, block_n)
-    rows = pl.ds(row0, block_rows)
-    dtype = x_ref.dtype
-
-    inv_rms = None
-    if has_norm:
-        def sum_squares(chunk, total):
-            xc = x_ref[rows, pl.ds(pl.multiple_of(chunk * block_k, block_k), block_k)]
-            xc = xc.astype(jnp.float32)
-            return total + jnp.sum(xc * xc, axis=1)
-
-        total = lax.fori_loop(0, num_k, sum_squares, jnp.zeros((block_rows,), jnp.float32))
-        inv_rms = lax.rsqrt(total / (num_k * block_k) + eps)
-
-    def accumulate(chunk, accs):
-        k0 = pl.multiple_of(chunk * block_k, block_k)
-        xc = x_ref[rows, pl.ds(k0, block_k)]
-        if has_norm:
-            scale = norm_ref[layer, pl.ds(k0, block_k)]
-            xc = (scale.astype(dtype)[None, :]
-                  * (xc.astype(jnp.float32) * inv_rms[:, None]).astype(dtype))
-        out = []
-        for acc, weight_ref, offset in zip(accs, weight_refs, offsets):
-            cols = pl.ds(col0 + offset, block_n)
-            w = weight_ref[layer, cols, pl.ds(k0, block_k)] if transposed else \
-                weight_ref[layer, pl.ds(k0, block_k), cols]
-            out.append(acc + _dot(xc, w.astype(dtype), transposed=transposed))
-        return tuple(out)
-
-    init = tuple(jnp.zeros((block_rows, block_n), jnp.float32) for _ in range(num_parts))
-    parts = lax.fori_loop(0, num_k, accumulate, init)
+    parts = _products(layer, x_ref, weight_refs, norm_ref,
+                      rows=pl.ds(row0, block_rows),
+                      cols=tuple(col0 + offset for offset in offsets), transposed=transposed,
+                      block_rows=block_rows, block_n=block_n, block_k=block_k, num_k=num_k,
+                      eps=eps)
     biases = [None if ref is None else ref[layer, pl.ds(col0 + offset, block_n)]
               for ref, offset in zip(bias_refs, offsets)]
     residual = None if residual_ref is None else residual_ref[...]
-    y = _epilogue(parts, biases, residual, dtype=dtype, float32_out=float32_out)
+    y = _epilogue(parts, biases, residual, dtype=x_ref.dtype, float32_out=float32_out)
     o_ref[...] = y.astype(o_ref.dtype)
 
 
@@ -365,3 +382,166 @@ def fused_linear_reference(x, weights, *, norm=None, biases=None, residual=None,
                            lax.slice_in_dim(pick(b), offset, offset + width, axis=0))
     res = None if residual is None else residual.astype(x.dtype)
     return _epilogue(parts, part_biases, res, dtype=x.dtype, float32_out=float32_out)
+
+
+# ------------------------------------------------------- q|k|v rows, RoPE'd, written in place
+
+def _qkv_rope_kernel(layer_ref, x_ref, weight_ref, *refs, has_norm: bool, has_bias: bool,
+                     head_dim: int, rope_heads: int, chunks: int, block_rows: int,
+                     block_n: int, block_k: int, num_k: int, eps: float):
+    """One (row tile, head, chunk) program of :func:`qkv_rope_into_gpu`: the chunk's columns
+    in both halves of one head (the pairs RoPE rotates together: column i with i + D/2),
+    two products, the rotation (q and k heads), and two stores into the layer's rows.
+
+    Refs: layer_ref int32 [1]; x_ref [R, K]; weight_ref [L, K, N]; the norm weight [L, K]
+    if any; the bias [L, N] if any; cos, sin [R, D] float32; the packed buffer [L, R, N]
+    (the input aliased to the output, not read); the output, the same buffer.
+    """
+    refs = list(refs)
+    norm_ref = refs.pop(0) if has_norm else None
+    bias_ref = refs.pop(0) if has_bias else None
+    cos_ref, sin_ref, _, o_ref = refs
+    layer = layer_ref[0]
+    half = head_dim // 2
+    rows = pl.ds(pl.multiple_of(pl.program_id(0) * block_rows, block_rows), block_rows)
+    head = pl.program_id(1) // chunks
+    offset = pl.multiple_of((pl.program_id(1) % chunks) * block_n, block_n)
+    first = pl.multiple_of(head * head_dim + offset, block_n)
+    second = pl.multiple_of(first + half, block_n)
+    parts = _products(layer, x_ref, (weight_ref, weight_ref), norm_ref, rows=rows,
+                      cols=(first, second), transposed=False, block_rows=block_rows,
+                      block_n=block_n, block_k=block_k, num_k=num_k, eps=eps)
+    dtype = x_ref.dtype
+    a, b = (_epilogue((part,), (None if bias_ref is None else
+                                bias_ref[layer, pl.ds(col, block_n)],),
+                      None, dtype=dtype, float32_out=False)
+            for part, col in zip(parts, (first, second)))
+    # RoPE as models.layers.apply_rope computes it: x * cos + rotate_half(x) * sin in
+    # float32, rotate_half(x) = (-x[D/2:], x[:D/2]).
+    af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
+    first_cols, second_cols = pl.ds(offset, block_n), pl.ds(offset + half, block_n)
+    rotated_a = (af * cos_ref[rows, first_cols] + (-bf) * sin_ref[rows, first_cols])
+    rotated_b = (bf * cos_ref[rows, second_cols] + af * sin_ref[rows, second_cols])
+    rotate = head < rope_heads
+    o_ref[layer, rows, pl.ds(first, block_n)] = jnp.where(rotate, rotated_a.astype(dtype), a)
+    o_ref[layer, rows, pl.ds(second, block_n)] = jnp.where(rotate, rotated_b.astype(dtype), b)
+
+
+def check_rope_into(packed, x, weight, cos, sin, *, norm=None, bias=None, rope_heads: int,
+                    block_sizes: GpuLinearBlockSizes = GpuLinearBlockSizes()
+                    ) -> GpuLinearBlockSizes:
+    """Raises :class:`InvalidArgumentError` (one line) unless :func:`qkv_rope_into_gpu`
+    takes the call; returns its block sizes (``block_n``: the chunk of a half head). Reads
+    shapes and dtypes only (arrays or ``jax.ShapeDtypeStruct`` values), never the row count
+    beyond its tiling."""
+    name = f"{KERNEL_NAME} (q|k|v with RoPE)"
+    if len(packed.shape) != 4:
+        raise InvalidArgumentError(
+            f"{name}: the packed buffer must be [L, R, heads, D], got shape {packed.shape}")
+    layers, rows, heads, dim = packed.shape
+    if jnp.dtype(packed.dtype) != jnp.dtype(x.dtype):
+        raise InvalidArgumentError(
+            f"{name}: the packed buffer is {packed.dtype} and x is {x.dtype}")
+    in_features, width = check_call(name, x, (weight,), offsets=(0,), width=None,
+                                    transposed=False, stacked=True)
+    block_sizes.check()
+    if x.shape[0] != rows or rows % block_sizes.block_rows:
+        raise InvalidArgumentError(
+            f"{name}: x has {x.shape[0]} rows and the buffer {rows}; both must be the same "
+            f"multiple of {block_sizes.block_rows}")
+    if weight.shape[0] != layers or width != heads * dim:
+        raise InvalidArgumentError(
+            f"{name}: weight {weight.shape} does not fill {layers} layers of {heads} heads "
+            f"of {dim}")
+    if dim % 32 or in_features % 16:
+        raise InvalidArgumentError(
+            f"{name}: head dimension {dim} must be a multiple of 32 (half a head: one "
+            f"16-column Triton tile) and K={in_features} of 16")
+    if not 0 <= rope_heads <= heads:
+        raise InvalidArgumentError(f"{name}: rope_heads={rope_heads} outside 0..{heads}")
+    for table, label in ((cos, "cos"), (sin, "sin")):
+        if tuple(table.shape) != (rows, dim) or jnp.dtype(table.dtype) != jnp.float32:
+            raise InvalidArgumentError(
+                f"{name}: the {label} table must be float32 [{rows}, {dim}], got "
+                f"{table.dtype}{list(table.shape)}")
+    if norm is not None and tuple(norm.shape) != (layers, in_features):
+        raise InvalidArgumentError(f"{name}: norm {norm.shape} is not [{layers}, {in_features}]")
+    if bias is not None and tuple(bias.shape) != (layers, width):
+        raise InvalidArgumentError(f"{name}: bias {bias.shape} is not [{layers}, {width}]")
+    config = block_sizes.resolve(in_features, width // 2)
+    block_n = min(config.block_n, _power_of_2_divisor(dim // 2, 128))
+    config = dataclasses.replace(config, block_n=block_n)
+    config.check()
+    if (dim // 2) % block_n or in_features % config.block_k:
+        raise InvalidArgumentError(
+            f"{name}: half a head ({dim // 2}) and K={in_features} are not multiples of the "
+            f"blocks {block_n} and {config.block_k}")
+    return config
+
+
+@functools.partial(jax.jit, static_argnames=("rope_heads", "eps", "block_sizes", "interpret"))
+def qkv_rope_into_gpu(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
+                      rope_heads: int, eps: float = 1e-6,
+                      block_sizes: GpuLinearBlockSizes = GpuLinearBlockSizes(),
+                      interpret: bool = False):
+    """Writes layer ``layer`` of the packed q|k|v buffer in one launch: the rows of
+    ``rms_norm(x) @ W + b`` split into heads, RoPE applied to the first ``rope_heads``
+    (the query and key heads), stored in place (the buffer is aliased to the output).
+
+    This is :func:`fused_linear_gpu` (same tiling rules: a row's arithmetic does not
+    depend on the number of rows) with the rotation and the write of
+    :func:`qkv_rope_into_reference` in its epilogue; a program computes one chunk of both
+    halves of a head, the columns RoPE pairs. Without it a layer runs the projection, then
+    the rotation and the write as an XLA fusion: one launch more per layer.
+
+    Args:
+      packed: [L, R, heads, D] buffer (a layer loop's carry); R = x's rows.
+      x: [R, K] rows (R a multiple of the row tile, 16).
+      weight: [L, K, heads * D] stacked fused q|k|v weights, read at ``layer``.
+      cos, sin: float32 [R, D] RoPE tables (half-split layout, as
+        :func:`specjax.models.layers.rope_tables`).
+      layer: int32 [] the layer to write.
+      norm: optional RMSNorm weight [L, K]; bias: optional [L, heads * D].
+      rope_heads: the leading heads RoPE rotates; the rest (values) are written as
+        projected.
+      eps: the norm's epsilon.
+      block_sizes, interpret: as :func:`fused_linear_gpu`.
+    Returns:
+      ``packed`` with layer ``layer``'s rows written; other layers untouched.
+    """
+    config = check_rope_into(packed, x, weight, cos, sin, norm=norm, bias=bias,
+                             rope_heads=rope_heads, block_sizes=block_sizes)
+    layers, rows, heads, dim = packed.shape
+    in_features = x.shape[1]
+    chunks = dim // 2 // config.block_n
+    inputs = [jnp.asarray(layer, jnp.int32).reshape(1), x, weight]
+    inputs += [a for a in (norm, bias) if a is not None]
+    inputs += [cos, sin, packed.reshape(layers, rows, heads * dim)]
+    kernel = functools.partial(
+        _qkv_rope_kernel, has_norm=norm is not None, has_bias=bias is not None,
+        head_dim=dim, rope_heads=rope_heads, chunks=chunks, block_rows=config.block_rows,
+        block_n=config.block_n, block_k=config.block_k,
+        num_k=in_features // config.block_k, eps=float(eps))
+    out = pl.pallas_call(
+        kernel,
+        grid=(rows // config.block_rows, heads * chunks),
+        in_specs=[pl.no_block_spec] * len(inputs),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((layers, rows, heads * dim), packed.dtype),
+        input_output_aliases={len(inputs) - 1: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="qkv_rope_into_gpu",
+    )(*inputs)
+    return out.reshape(packed.shape)
+
+
+def qkv_rope_into_reference(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
+                            rope_heads: int, eps: float = 1e-6):
+    """:func:`qkv_rope_into_gpu` in ``jax.numpy``: :func:`fused_linear_reference`, then
+    :func:`specjax.models.layers.write_rope_rows`."""
+    from specjax.models.layers import write_rope_rows  # models import kernels lazily
+
+    qkv = fused_linear_reference(x, (weight,), norm=norm, biases=(bias,), layer=layer, eps=eps)
+    return write_rope_rows(packed, qkv, layer, cos, sin, rope_heads)

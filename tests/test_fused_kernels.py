@@ -24,6 +24,11 @@ a kernel never writes with NaN). Checked here:
   for bit the ordered kernel on every case, reads no other layer, zeroes a tile of padding
   rows, and a chain read one slot off is caught; the path tests run with it and without
   it (the layout used under a tensor-parallel mesh);
+* the q|k|v kernel that applies RoPE and writes a layer of the packed buffer in place
+  (``qkv_rope_into_gpu``): against the reference, its projection bit for bit the linear
+  kernel's, other layers untouched, the value heads not rotated (a rotated value head is
+  caught), rows bitwise independent of the row count; whole models run it (head_dim 32:
+  half a head is one 16-column tile) in the path tests;
 * the launches: a fused pass is 5 Pallas calls per layer with fused q|k|v and gate|up
   weights (7 with separate q, k, v) plus the head, counted in its jaxpr;
 * generation: ``ar`` (batch of two) and ``tree`` under ``"fused"`` give the reference's
@@ -49,8 +54,10 @@ from specjax.kernels.attention_ordered_gpu import (GpuOrderedBlockSizes, check_p
                                                    ordered_attention_gpu,
                                                    ordered_attention_packed_gpu, packed_links)
 from specjax.kernels.layout import round_up as layout_round_up
-from specjax.kernels.linear_gpu import (GpuLinearBlockSizes, check_supported,
-                                        fused_linear_gpu, fused_linear_reference)
+from specjax.kernels.linear_gpu import (GpuLinearBlockSizes, check_rope_into, check_supported,
+                                        fused_linear_gpu, fused_linear_reference,
+                                        qkv_rope_into_gpu, qkv_rope_into_reference)
+from specjax.models.layers import rope_tables, write_rope_rows
 from specjax.tree import ancestor_mask
 
 from conftest import random_prompt
@@ -344,6 +351,120 @@ def test_packed_attention_lowers_for_triton():
         assert "triton" in lowered.as_text()
 
 
+# --- q|k|v with RoPE, written into the packed buffer ---------------------------------------
+
+ROPE_HEADS, ALL_HEADS, HEAD_DIM = 6, 8, 64  # 4 query + 2 key heads rotated, 2 value heads
+
+
+def _rope_arrays(dtype, rows=16, seed=0, bias=True):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(ks[0], (rows, K_IN)).astype(dtype)
+    w = (0.2 * jax.random.normal(ks[1], (L, K_IN, ALL_HEADS * HEAD_DIM))).astype(dtype)
+    norm = (1 + 0.1 * jax.random.normal(ks[2], (L, K_IN))).astype(dtype)
+    b = (0.1 * jax.random.normal(ks[3], (L, ALL_HEADS * HEAD_DIM))).astype(dtype)
+    config = _tiny_config(num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM)
+    cos, sin = rope_tables(config, 7 + jnp.arange(rows))
+    packed = jnp.full((L, rows, ALL_HEADS, HEAD_DIM), jnp.nan, dtype)  # NaN: never written
+    return packed, x, w, cos, sin, dict(norm=norm, bias=b if bias else None)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_qkv_rope_kernel_matches_reference_and_writes_one_layer(dtype, bias):
+    packed, x, w, cos, sin, kwargs = _rope_arrays(dtype, bias=bias)
+    layer = jnp.int32(1)
+    got = qkv_rope_into_gpu(packed, x, w, cos, sin, layer, rope_heads=ROPE_HEADS,
+                            interpret=True, **kwargs)
+    want = qkv_rope_into_reference(packed, x, w, cos, sin, layer, rope_heads=ROPE_HEADS,
+                                   **kwargs)
+    assert got.shape == packed.shape and got.dtype == dtype
+    assert bool(jnp.all(jnp.isnan(got[0]))) and bool(jnp.all(jnp.isnan(got[2])))
+    assert bool(jnp.all(jnp.isfinite(got[1])))  # every element of the layer written
+    np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32),
+                               rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    # The projection is the linear kernel's, bit for bit (nothing rotated: rope_heads=0).
+    plain = qkv_rope_into_gpu(packed, x, w, cos, sin, layer, rope_heads=0, interpret=True,
+                              **kwargs)
+    linear = fused_linear_gpu(x, (w,), norm=kwargs["norm"], biases=(kwargs["bias"],),
+                              layer=layer, interpret=True)
+    np.testing.assert_array_equal(plain[1].reshape(x.shape[0], -1), linear)
+    # The value heads are written as projected.
+    np.testing.assert_array_equal(got[1, :, ROPE_HEADS:], plain[1, :, ROPE_HEADS:])
+
+
+def test_a_rotated_value_head_is_caught():
+    """The reference comparison above fails for a kernel that also rotates a value head."""
+    packed, x, w, cos, sin, kwargs = _rope_arrays(jnp.float32)
+    layer = jnp.int32(2)
+    wrong = qkv_rope_into_gpu(packed, x, w, cos, sin, layer, rope_heads=ROPE_HEADS + 1,
+                              interpret=True, **kwargs)
+    want = qkv_rope_into_reference(packed, x, w, cos, sin, layer, rope_heads=ROPE_HEADS,
+                                   **kwargs)
+    assert not np.allclose(wrong[2], want[2], rtol=TOLERANCE[jnp.float32],
+                           atol=TOLERANCE[jnp.float32])
+
+
+def test_qkv_rope_rows_are_bitwise_independent_of_the_row_count():
+    packed, x, w, cos, sin, kwargs = _rope_arrays(jnp.float32, rows=48, seed=3)
+    many = qkv_rope_into_gpu(packed, x, w, cos, sin, jnp.int32(0), rope_heads=ROPE_HEADS,
+                             interpret=True, **kwargs)
+    for row in (0, 17, 47):  # alone, padded to one 16-row tile as the models pad it
+        pad = lambda a: jnp.pad(a[row:row + 1], ((0, 15), (0, 0)))  # noqa: E731
+        one = qkv_rope_into_gpu(packed[:, :16], pad(x), w, pad(cos), pad(sin), jnp.int32(0),
+                                rope_heads=ROPE_HEADS, interpret=True, **kwargs)
+        np.testing.assert_array_equal(one[0, 0], many[0, row])
+
+
+def test_qkv_rope_dispatch_falls_back_where_the_kernel_does_not_take_the_shape():
+    """Half a head of 8 columns (head_dim 16) is under one Triton tile: the dispatcher
+    projects with the linear kernel and rotates and writes with jnp."""
+    packed, x, w, cos, sin, kwargs = _rope_arrays(jnp.float32)
+    packed16 = packed.reshape(L, 16, ALL_HEADS * 4, 16)
+    cos16, sin16 = cos[:, :16], sin[:, :16]
+    with pytest.raises(InvalidArgumentError, match="multiple of 32"):
+        check_rope_into(packed16, x, w, cos16, sin16, rope_heads=24, **kwargs)
+    got = kernels.qkv_rope_into(packed16, x, w, cos16, sin16, jnp.int32(1), rope_heads=24,
+                                **kwargs)
+    linear = fused_linear_gpu(x, (w,), norm=kwargs["norm"], biases=(kwargs["bias"],),
+                              layer=jnp.int32(1), interpret=True)
+    np.testing.assert_array_equal(
+        got, write_rope_rows(packed16, linear, jnp.int32(1), cos16, sin16, 24))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(packed=jnp.zeros((L, 16, ALL_HEADS * HEAD_DIM))), "must be \\[L, R, heads, D\\]"),
+    (dict(packed=jnp.zeros((L, 16, ALL_HEADS, HEAD_DIM), jnp.bfloat16)), "buffer is bfloat16"),
+    (dict(x=jnp.zeros((32, K_IN))), "x has 32 rows and the buffer 16"),
+    (dict(w=jnp.zeros((L, K_IN, 7 * HEAD_DIM))), "does not fill 3 layers of 8 heads"),
+    (dict(cos=jnp.zeros((16, HEAD_DIM), jnp.bfloat16)), "cos table must be float32"),
+    (dict(rope_heads=9), "rope_heads=9 outside 0..8"),
+    (dict(norm=jnp.zeros((K_IN,))), "norm \\(64,\\) is not"),
+])
+def test_qkv_rope_bad_input_is_one_line(change, message):
+    packed, x, w, cos, sin, kwargs = _rope_arrays(jnp.float32)
+    args = dict(packed=packed, x=x, w=w, cos=cos, sin=sin, rope_heads=ROPE_HEADS, **kwargs)
+    args.update(change)
+    with pytest.raises(InvalidArgumentError, match=message) as info:
+        qkv_rope_into_gpu(args["packed"], args["x"], args["w"], args["cos"], args["sin"],
+                          jnp.int32(0), norm=args["norm"], bias=args["bias"],
+                          rope_heads=args["rope_heads"], interpret=True)
+    assert "\n" not in str(info.value)
+
+
+def test_qkv_rope_kernel_lowers_for_triton():
+    sds = jax.ShapeDtypeStruct
+    # SmolLM2-135M (9 + 3 + 3 heads of 64) at 16 and 64 rows; Llama-7B (32 * 3 of 128).
+    for rows, k_in, heads, rope_heads, d, layers, dtype in [
+            (16, 576, 15, 12, 64, 30, jnp.bfloat16), (64, 576, 15, 12, 64, 30, jnp.float32),
+            (64, 4096, 96, 64, 128, 32, jnp.bfloat16)]:
+        lowered = qkv_rope_into_gpu.trace(
+            sds((layers, rows, heads, d), dtype), sds((rows, k_in), dtype),
+            sds((layers, k_in, heads * d), dtype), sds((rows, d), jnp.float32),
+            sds((rows, d), jnp.float32), sds((), jnp.int32), norm=sds((layers, k_in), dtype),
+            rope_heads=rope_heads).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
+
+
 # --- whole models ---------------------------------------------------------------------
 
 def _tiny_config(**overrides) -> ModelConfig:
@@ -414,13 +535,18 @@ def _pallas_calls(jaxpr) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("fused_projections,per_layer", [(False, 7), (True, 5)],
-                         ids=["separate", "fused-projections"])
-def test_kernel_calls_per_layer(fused_projections, per_layer):
+@pytest.mark.parametrize("fused_projections,head_dim,per_layer,qkv", [
+    (False, 16, 7, "fused_linear_gpu"), (True, 16, 5, "fused_linear_gpu"),
+    (True, 32, 5, "qkv_rope_into_gpu")],
+    ids=["separate", "fused-projections", "fused-projections-rope-kernel"])
+def test_kernel_calls_per_layer(fused_projections, head_dim, per_layer, qkv):
     """A fused verify pass is ``per_layer`` Pallas calls per layer plus the head: q|k|v
-    (one call over the fused matrix, split after; else three), attention, o, gate|up and
-    down. The fused-projection logits agree with the reference."""
-    config = _tiny_config(num_kv_heads=4, tie_word_embeddings=False, qkv_bias=True)
+    (one call over the fused matrix; else three), attention, o, gate|up and down. With
+    fused weights and half a head of at least one 16-column tile, the q|k|v call is the
+    kernel that also applies RoPE and writes the packed rows. The logits agree with the
+    reference."""
+    config = _tiny_config(num_kv_heads=4, tie_word_embeddings=False, qkv_bias=True,
+                          head_dim=head_dim)
     params = _params(config, fused=fused_projections)
     cache = _prefilled(config, params)
     tokens, positions = jnp.arange(3, dtype=jnp.int32), 12 + jnp.arange(3, dtype=jnp.int32)
@@ -432,6 +558,7 @@ def test_kernel_calls_per_layer(fused_projections, per_layer):
     assert len(calls) == per_layer + 1, calls
     # The packed kernel, which reads the layer's q|k|v rows in place (the GPU variant).
     assert sum("ordered_attention_packed" in name for name in calls) == 1, calls
+    assert calls[0] == qkv, calls
     np.testing.assert_allclose(jax.jit(lambda: run("fused"))(),
                                jax.jit(lambda: run("reference"))(), rtol=1e-4, atol=1e-4)
 
@@ -487,6 +614,19 @@ def test_every_node_on_a_path_is_bitwise_the_ar_step(prompt_length, dtype, packe
     config = _tiny_config()
     params = jax.tree.map(lambda a: a.astype(dtype), _params(config))
     assert all(_path_versus_tree(config, params, prompt_length))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_every_node_on_a_path_is_bitwise_the_ar_step_with_the_rope_kernel(dtype):
+    """The same with fused q|k|v weights and head_dim 32: each layer's rows are written by
+    the q|k|v kernel that applies RoPE (``qkv_rope_into_gpu``), as on a GPU."""
+    config = _tiny_config(head_dim=32)
+    params = jax.tree.map(lambda a: a.astype(dtype), _params(config, fused=True))
+    names = _pallas_calls(jax.make_jaxpr(lambda: models.forward(
+        params, config, jnp.arange(2), 12 + jnp.arange(2), _prefilled(config, params),
+        attn_impl="fused"))().jaxpr)
+    assert "qkv_rope_into_gpu" in names, names
+    assert all(_path_versus_tree(config, params, 12))
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])

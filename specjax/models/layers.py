@@ -71,6 +71,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
+def write_rope_rows(packed: jax.Array, qkv: jax.Array, layer, cos: jax.Array,
+                    sin: jax.Array, rope_heads: int) -> jax.Array:
+    """Layer ``layer`` of ``packed`` [L, R, heads, D] := the rows ``qkv`` [R, heads * D]
+    split into heads, RoPE (:func:`apply_rope`, tables [R, D]) applied to the first
+    ``rope_heads`` (queries and keys): one in-place write of the buffer."""
+    rows, heads, dim = packed.shape[1:]
+    qkv = qkv.reshape(rows, heads, dim)
+    qkv = jnp.concatenate([apply_rope(qkv[:, :rope_heads], cos, sin), qkv[:, rope_heads:]],
+                          axis=1)
+    return jax.lax.dynamic_update_index_in_dim(packed, qkv.astype(packed.dtype), layer, 0)
+
+
 def dense(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """``x @ weight (+ bias)`` with weight stored [in, out], at the precision of the dtype
     (float32: IEEE float32, never TF32; see :func:`specjax.attention.matmul_precision`)."""

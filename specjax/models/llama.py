@@ -32,7 +32,7 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.models.layers import (apply_rope, concat_shapes, dense, fuse_groups, rms_norm,
-                                   rope_tables, unfuse_groups)
+                                   rope_tables, unfuse_groups, write_rope_rows)
 
 
 # fused name -> the separate parameters it concatenates, in order, along the last axis.
@@ -218,17 +218,24 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
 
     The q|k|v rows, RoPE applied to q and k (``rope``: tables with x's rows), are written
     as layer ``index`` of ``packed`` [L, rows, H + 2K, D], a buffer the layer loop carries:
-    one in-place write, which is also how each layer's K/V leave the loop.
+    one in-place write, which is also how each layer's K/V leave the loop. With fused
+    q|k|v weights the projection, RoPE and the write are one call,
+    :func:`specjax.kernels.qkv_rope_into` (one kernel on a GPU).
     ``attend(packed, index)`` returns the [rows, H*D] input of the output projection.
     Returns (x, packed).
     """
     cos, sin = rope
-    rows = x.shape[0]
     heads = config.num_heads + config.num_kv_heads  # those RoPE rotates
-    qkv = _project_qkv(layers, index, config, x, linear).reshape(
-        rows, heads + config.num_kv_heads, config.head_dim)
-    qkv = jnp.concatenate([apply_rope(qkv[:, :heads], cos, sin), qkv[:, heads:]], axis=1)
-    packed = jax.lax.dynamic_update_index_in_dim(packed, qkv, index, 0)
+    if "w_qkv" in layers:
+        from specjax import kernels  # Pallas: imported only when the kernels run
+
+        # One launch on a GPU: the projection, RoPE and the write in one kernel.
+        packed = kernels.qkv_rope_into(packed, x, layers["w_qkv"], cos, sin, index,
+                                       norm=layers["attn_norm"], bias=layers.get("b_qkv"),
+                                       rope_heads=heads, eps=config.norm_eps)
+    else:
+        packed = write_rope_rows(packed, _project_qkv(layers, index, config, x, linear),
+                                 index, cos, sin, heads)
     x = _attention_out_and_mlp(layers, index, config, x, attend(packed, index), linear)
     return x, packed
 
