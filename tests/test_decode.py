@@ -96,7 +96,8 @@ def test_compiler_options_compile_their_own_program_with_the_same_tokens():
                                                                            match="no_such"):
             specjax.generate(model, prompt, max_new_tokens=12)
         with decode.compiler_options(xla_backend_optimization_level=None, xla_foo=2):
-            assert dict(decode._COMPILER_OPTIONS.get()) == {"xla_foo": 2}  # None removes
+            options = dict(decode._COMPILER_OPTIONS.get())  # None removes, others add
+            assert "xla_backend_optimization_level" not in options and options["xla_foo"] == 2
     again = specjax.generate(model, prompt, max_new_tokens=12, temperature=1.0, seed=4)
     assert fast.stats["compile_seconds"] > 0 and again.stats["compile_seconds"] == 0.0
     assert fast.tokens == plain.tokens == again.tokens
