@@ -93,10 +93,11 @@ def _free_port() -> int:
 
 
 def _run_pair() -> list[dict]:
+    from conftest import fast_xla_flags  # the test process only (it loads torch)
+
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES} "
-                         f"--xla_backend_optimization_level=0 "  # compiles faster
-                         f"--xla_cpu_use_fusion_emitters=false")
+                         f"{fast_xla_flags()}")  # compiles faster
     port = _free_port()
     workers = [subprocess.Popen([sys.executable, __file__, str(port), str(rank)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

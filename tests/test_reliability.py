@@ -33,7 +33,7 @@ import specjax
 from specjax import api, decode
 from specjax.errors import NumericalError
 
-from conftest import FAST_COMPILER_OPTIONS
+from conftest import fast_compiler_options
 from helpers_checkpoints import _LLAMA, _build, tiny_vocabulary, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,14 +57,14 @@ def llama(soak):
     """Llama target (RoPE, 512 positions), two drafts sharing a config, n-gram tables
     (fitted to the target's text by programs compiled as the fast tests' are, so that the
     soak counts one program per method)."""
-    with decode.compiler_options(**FAST_COMPILER_OPTIONS):
+    with decode.compiler_options(**fast_compiler_options()):
         return soak.build_fixture("llama", 512)
 
 
 @pytest.fixture(scope="module")
 def gpt2(soak, llama):
     """GPT-2 target (learned positions) with a 100-position table, and its drafts."""
-    with decode.compiler_options(**FAST_COMPILER_OPTIONS):
+    with decode.compiler_options(**fast_compiler_options()):
         return soak.build_fixture("gpt2", 100, tables=llama.tables)
 
 

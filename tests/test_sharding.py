@@ -220,16 +220,17 @@ def _params(config):
 
 
 # The fast tier compiles with XLA's CPU backend optimisations off and the older fusion
-# emitters (as conftest.FAST_COMPILER_OPTIONS; this subprocess took 35 s with the first
-# alone, 22 s with both, 2026-11-25), and the SPMD partitioning under test (HLO passes) is
-# the same; the slow tier compiles as users do.
-FAST_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# emitters (conftest.fast_xla_flags; this subprocess took 35 s with the first alone, 22 s
+# with both, 2026-11-25), and the SPMD partitioning under test (HLO passes) is the same;
+# the slow tier compiles as users do.
 
 
 def _subprocess_report(which: str) -> dict:
+    from conftest import fast_xla_flags  # the test process only (it loads torch)
+
     flags = f"--xla_force_host_platform_device_count={DEVICES}"
     if which == "fast":
-        flags += " " + FAST_FLAGS
+        flags += " " + fast_xla_flags()
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     start = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, which], env=env, capture_output=True,
