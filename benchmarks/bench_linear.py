@@ -8,6 +8,13 @@ Times one layer's projections the way ``attn_impl="fused"`` calls them, as three
 each map [T, d] rows back to [T, d] (so calls chain):
 
 * ``attn``: RMSNorm + the fused q|k|v matrix, then o (reading the q columns) + residual;
+* ``attn-rope``: the same as the packed fused layers run it: q|k|v with RoPE applied to q
+  and k, written as one layer of a ``[layers, rows, heads, D]`` buffer (``triton``: the
+  one kernel :func:`~specjax.kernels.linear_gpu.qkv_rope_into_gpu`; ``mosaic``: the
+  projection kernel, then :func:`~specjax.models.layers.write_rope_rows` as an XLA
+  fusion, as the models do), then o reading the buffer's query heads + residual. The rows
+  are padded to 16 first and the buffer is created per call (two small operations the
+  model does once per pass);
 * ``mlp``: RMSNorm + the fused gate|up matrix with SwiGLU, then down + residual;
 * ``head``: the final RMSNorm + the head, float32 logits (the first d of them chain on).
 
@@ -58,7 +65,7 @@ except ImportError:  # a bare checkout: the same package as the top-level ``kern
 linear_gpu = importlib.import_module(f"{kernels.__name__}.linear_gpu")
 linear_mosaic_gpu = importlib.import_module(f"{kernels.__name__}.linear_mosaic_gpu")
 
-UNITS = ("attn", "mlp", "head")
+UNITS = ("attn", "attn-rope", "mlp", "head")
 BACKENDS = ("xla", "triton", "mosaic")
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}  # relative to max |ref|
 # name: (d, q width, k/v width, intermediate F, vocabulary V, tied head)
@@ -67,6 +74,7 @@ SHAPES = {
     "llama-7b": (4096, 4096, 4096, 11008, 32000, False),
 }
 QUICK_SHAPES = {"tiny": (128, 128, 64, 256, 512, False)}
+HEAD_DIM = {"smollm2-135m": 64, "llama-7b": 128, "tiny": 32}  # the attn-rope unit's heads
 LAYERS = 2
 
 
@@ -80,7 +88,7 @@ def unit_arrays(shape, unit: str, dtype, seed: int = 0) -> tuple:
         return jnp.asarray(scale * rng.standard_normal(dims, np.float32), dtype)
 
     norm = 1 + normal(LAYERS, d, scale=0.1)
-    if unit == "attn":
+    if unit in ("attn", "attn-rope"):
         return (normal(LAYERS, d, q + 2 * kv, scale=d ** -0.5),
                 normal(LAYERS, q, d, scale=q ** -0.5), norm)
     if unit == "mlp":
@@ -93,6 +101,7 @@ def unit_arrays(shape, unit: str, dtype, seed: int = 0) -> tuple:
 def weight_bytes(shape, unit: str, dtype) -> int:
     d, q, kv, f, vocab, _ = shape
     elements = {"attn": d * (q + 2 * kv) + q * d, "mlp": d * 2 * f + f * d, "head": d * vocab}
+    elements["attn-rope"] = elements["attn"]
     return elements[unit] * jnp.dtype(dtype).itemsize
 
 
@@ -104,10 +113,12 @@ def linear_for(backend: str, interpret: bool):
     return functools.partial(kernel, interpret=interpret)
 
 
-def unit_function(backend: str, unit: str, shape, interpret: bool):
+def unit_function(backend: str, unit: str, shape, interpret: bool, head_dim: int = 64):
     """``f(x, *arrays, layer) -> [T, d]`` in x's dtype."""
     d, q, _, f, _, tied = shape
     linear = linear_for(backend, interpret)
+    if unit == "attn-rope":
+        return _attn_rope(backend, shape, interpret, head_dim, linear)
     if unit == "attn":
         def attn(x, w_qkv, w_o, norm, layer):
             qkv = linear(x, (w_qkv,), norm=norm, layer=layer)
@@ -127,6 +138,36 @@ def unit_function(backend: str, unit: str, shape, interpret: bool):
     return head
 
 
+def _attn_rope(backend: str, shape, interpret: bool, head_dim: int, linear):
+    from specjax.kernels.layout import round_up
+    from specjax.models.layers import write_rope_rows
+
+    d, q, kv, _, _, _ = shape
+    heads, rope_heads = (q + 2 * kv) // head_dim, (q + kv) // head_dim
+
+    def attn_rope(x, w_qkv, w_o, norm, layer):
+        t = x.shape[0]
+        rows = round_up(t, 16)
+        x_rows = jnp.pad(x, ((0, rows - t), (0, 0)))
+        # Positions 7.. (at 0 RoPE is the identity and would check nothing).
+        angles = (jnp.arange(7, 7 + rows, dtype=jnp.float32)[:, None]
+                  * 0.5 ** jnp.arange(head_dim // 2, dtype=jnp.float32)[None, :])
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        packed = jnp.zeros((LAYERS, rows, heads, head_dim), x.dtype)
+        if backend == "triton":
+            packed = linear_gpu.qkv_rope_into_gpu(packed, x_rows, w_qkv, cos, sin, layer,
+                                                  norm=norm, rope_heads=rope_heads,
+                                                  interpret=interpret)
+        else:
+            packed = write_rope_rows(packed, linear(x_rows, (w_qkv,), norm=norm, layer=layer),
+                                     layer, cos, sin, rope_heads)
+        queries = jax.lax.dynamic_index_in_dim(packed, layer, keepdims=False)[
+            :t, :q // head_dim].reshape(t, q)
+        return linear(queries, (w_o,), residual=x, layer=layer)
+    return attn_rope
+
+
 def refusal(backend: str, unit: str, shape, rows: int, dtype) -> str | None:
     """Why the Mosaic GPU kernel refuses a call of the unit (``None``: it takes them all)."""
     if backend != "mosaic":
@@ -135,6 +176,9 @@ def refusal(backend: str, unit: str, shape, rows: int, dtype) -> str | None:
     x = jax.ShapeDtypeStruct((rows, d), dtype)
     struct = lambda *dims: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
     calls = {
+        "attn-rope": [dict(x=struct(16 * -(-rows // 16), d),
+                           weights=(struct(LAYERS, d, q + 2 * kv),), stacked=True),
+                      dict(x=struct(rows, q), weights=(struct(LAYERS, q, d),), stacked=True)],
         "attn": [dict(x=x, weights=(struct(LAYERS, d, q + 2 * kv),), stacked=True),
                  dict(x=struct(rows, q), weights=(struct(LAYERS, q, d),), stacked=True)],
         "mlp": [dict(x=x, weights=(struct(LAYERS, d, 2 * f),) * 2, offsets=(0, f), width=f,
@@ -192,7 +236,7 @@ def main(argv=None) -> int:
     layer = jnp.int32(LAYERS - 1)
     print(f"device {device.device_kind}; {'interpreted' if interpret else 'compiled'}; "
           f"peak {peak / 1e9 if peak else float('nan'):.0f} GB/s", flush=True)
-    print(f"{'model':<14}{'unit':<6}{'dtype':<10}{'T':>4}  {'backend':<8}{'us':>10}"
+    print(f"{'model':<14}{'unit':<10}{'dtype':<10}{'T':>4}  {'backend':<8}{'us':>10}"
           f"{'device us':>11}{'GB/s':>9}{'% peak':>8}  check", flush=True)
     rows_out, failed = [], False
     for model, shape in shapes.items():
@@ -204,7 +248,9 @@ def main(argv=None) -> int:
                 for rows in rows_list:
                     x = jnp.asarray(np.random.default_rng(rows).standard_normal(
                         (rows, shape[0]), np.float32), dtype)
-                    expected = jax.jit(unit_function("xla", unit, shape, interpret))(
+                    head_dim = HEAD_DIM[model]
+                    expected = jax.jit(unit_function("xla", unit, shape, interpret,
+                                                     head_dim))(
                         x, *arrays, layer).astype(jnp.float32)
                     scale = float(jnp.max(jnp.abs(expected)))
                     for backend in backends:
@@ -215,10 +261,10 @@ def main(argv=None) -> int:
                             why = "float32: the Mosaic GPU kernel takes bf16/fp16 only"
                         if why is not None:
                             rows_out.append({**row, "refused": why})
-                            print(f"{model:<14}{unit:<6}{dtype_name:<10}{rows:>4}  "
+                            print(f"{model:<14}{unit:<10}{dtype_name:<10}{rows:>4}  "
                                   f"{backend:<8} refused: {why}", flush=True)
                             continue
-                        function = unit_function(backend, unit, shape, interpret)
+                        function = unit_function(backend, unit, shape, interpret, head_dim)
                         got = jax.jit(function)(x, *arrays, layer).astype(jnp.float32)
                         error = float(jnp.max(jnp.abs(got - expected))) / max(scale, 1e-30)
                         ok = (bool(jnp.all(jnp.isfinite(got)))
@@ -239,7 +285,7 @@ def main(argv=None) -> int:
                         device_us = (f"{timing['device_us']:>11.1f}" if timing
                                      else f"{'-':>11}")
                         fraction = f"{100 * bandwidth / peak:>8.1f}" if peak else f"{'-':>8}"
-                        print(f"{model:<14}{unit:<6}{dtype_name:<10}{rows:>4}  {backend:<8}"
+                        print(f"{model:<14}{unit:<10}{dtype_name:<10}{rows:>4}  {backend:<8}"
                               f"{1e6 * seconds:>10.1f}{device_us}{bandwidth / 1e9:>9.1f}"
                               f"{fraction}  {'ok' if ok else 'FAILED'} ({error:.1e})",
                               flush=True)

@@ -588,3 +588,27 @@ def test_bench_linear_checks_each_backend_before_timing_it(tmp_path, monkeypatch
     assert bench_linear.main([*argv, "--backends", "mosaic", "--json", str(out)]) == 1
     (row,) = json.loads(out.read_text())["rows"]
     assert not row["check"]["ok"]
+
+
+def test_bench_linear_attn_rope_unit_checks_the_rope_kernel(tmp_path, monkeypatch):
+    """The ``attn-rope`` unit (q|k|v with RoPE into the packed buffer, then o) passes its
+    check with the Triton kernel, and a kernel that leaves the queries unrotated fails it
+    (the unit's output reads the query heads; keys and values are checked in
+    tests/test_fused_kernels.py)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_linear
+
+    argv = ["--interpret", "--quick", "--units", "attn-rope", "--rows", "1", "--dtypes",
+            "float32", "--backends", "xla,triton", "--repeats", "1", "--inner", "1"]
+    out = tmp_path / "linear.json"
+    assert bench_linear.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["unit"], r["backend"], r["check"]["ok"]) for r in rows] == [
+        ("attn-rope", "xla", True), ("attn-rope", "triton", True)]
+
+    real = bench_linear.linear_gpu.qkv_rope_into_gpu
+    monkeypatch.setattr(bench_linear.linear_gpu, "qkv_rope_into_gpu",
+                        lambda *a, rope_heads, **k: real(*a, rope_heads=0, **k))
+    assert bench_linear.main([*argv, "--backends", "triton", "--json", str(out)]) == 1
