@@ -64,6 +64,7 @@ except ImportError:  # a bare checkout: the same package as the top-level ``kern
 
 linear_gpu = importlib.import_module(f"{kernels.__name__}.linear_gpu")
 linear_mosaic_gpu = importlib.import_module(f"{kernels.__name__}.linear_mosaic_gpu")
+round_up = importlib.import_module(f"{kernels.__name__}.layout").round_up
 
 UNITS = ("attn", "attn-rope", "mlp", "head")
 BACKENDS = ("xla", "triton", "mosaic")
@@ -139,7 +140,6 @@ def unit_function(backend: str, unit: str, shape, interpret: bool, head_dim: int
 
 
 def _attn_rope(backend: str, shape, interpret: bool, head_dim: int, linear):
-    from specjax.kernels.layout import round_up
     from specjax.models.layers import write_rope_rows
 
     d, q, kv, _, _, _ = shape
@@ -176,7 +176,7 @@ def refusal(backend: str, unit: str, shape, rows: int, dtype) -> str | None:
     x = jax.ShapeDtypeStruct((rows, d), dtype)
     struct = lambda *dims: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
     calls = {
-        "attn-rope": [dict(x=struct(16 * -(-rows // 16), d),
+        "attn-rope": [dict(x=struct(round_up(rows, 16), d),
                            weights=(struct(LAYERS, d, q + 2 * kv),), stacked=True),
                       dict(x=struct(rows, q), weights=(struct(LAYERS, q, d),), stacked=True)],
         "attn": [dict(x=x, weights=(struct(LAYERS, d, q + 2 * kv),), stacked=True),

@@ -219,17 +219,15 @@ def _params(config):
 # ----------------------------------------------------------------------------- the tests
 
 
-# The fast tier compiles with XLA's CPU backend optimisations off and the older fusion
-# emitters (conftest.fast_xla_flags; this subprocess took 35 s with the first alone, 22 s
-# with both, 2026-11-25), and the SPMD partitioning under test (HLO passes) is the same;
-# the slow tier compiles as users do.
-
-
 def _subprocess_report(which: str) -> dict:
     from conftest import fast_xla_flags  # the test process only (it loads torch)
 
     flags = f"--xla_force_host_platform_device_count={DEVICES}"
     if which == "fast":
+        # XLA's CPU backend optimisations off and the older fusion emitters (this
+        # subprocess: 35 s with the first alone, 22 s with both, 2026-11-25); the SPMD
+        # partitioning under test (HLO passes) is the same. The slow tier compiles as
+        # users do.
         flags += " " + fast_xla_flags()
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     start = time.perf_counter()
