@@ -27,6 +27,11 @@ Configurations: ``kernel`` (the default ``attn_impl``: the verify-attention kern
 projections), ``fused`` (``attn_impl="fused"``: row-tiled projection kernels and ordered
 attention, Triton), ``fused+qkv`` (the same with q|k|v and gate|up fused at load), and
 ``fused+qkv mosaic`` (projections in the Mosaic GPU kernel; bf16 only).
+
+Method options: the CPU's defaults unless ``--defaults gpu`` (the abstract weights are on
+no device, so a program takes the CPU's defaults; ``gpu`` gives what ``generate`` runs on a
+GPU: bigger trees, four ``staged`` draft rounds, a ten-level ``ngram`` proposal; see
+``specjax.methods.options.BACKEND_DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--sampling-rules", default="static", choices=("static", "traced"))
+    parser.add_argument("--defaults", default="cpu", choices=("cpu", "gpu"),
+                        help="whose method defaults the programs take")
     parser.add_argument("--json", default=None, help="write the records here")
     args = parser.parse_args(argv)
     jobs = []
@@ -82,7 +89,8 @@ def main(argv=None) -> int:
                 verify = VERIFY[method] if args.temperature == 0 or method == "ar" else "coupled"
                 jobs.append(dict(target="h100", method=method, verify=verify,
                                  dtype=dtype, config=name, temperature=args.temperature,
-                                 sampling_rules=args.sampling_rules, **CONFIGS[name]))
+                                 sampling_rules=args.sampling_rules, defaults=args.defaults,
+                                 **CONFIGS[name]))
     machine = environment.machine()
     records = gpu_aot.run_worker(jobs)
     print(f"{'method':<8}{'dtype':<10}{'config':<18}{'ok':<4}{'ops/step':>9}{'per layer':>10}"
@@ -112,6 +120,7 @@ def main(argv=None) -> int:
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": machine, "target": "NVIDIA H100 80GB HBM3 (compile-only device)",
             "model": "smollm2-135m shapes (30 layers), draft = 2 layers of the same shapes",
+            "method_defaults": args.defaults,
             "records": records})
         print(f"wrote {args.json}")
     return 1 if failed else 0

@@ -10,7 +10,9 @@ Checked, on SmolLM2-135M-shaped programs (random abstract weights): a canary (th
 GPU kernel at a tiling over the H100's shared memory must be refused); ``ar`` with
 ``attn_impl="fused"`` in bfloat16 with the Triton and with the Mosaic GPU projection
 kernels, ``tree`` (greedy) fused in bfloat16, ``ar`` fused in float32 and ``staged`` with
-the default kernels in float32 (sampled, coupled): each compiles, contains the Pallas kernels it should (per
+the default kernels in float32 (sampled, coupled), and ``ngram`` and ``staged`` fused in bfloat16 with the
+GPU's method defaults (a ten-level n-gram proposal; four ``staged`` draft rounds, each with
+a stage-2 proposal): each compiles, contains the Pallas kernels it should (per
 layer: attention, and q|k|v, o, gate|up, down in the chosen backend), holds no conditional
 (the sampling rule is fixed when tracing, as on a GPU: a GPU runs a conditional by waiting
 for the device from the host), its decode step writes no KV cache whole (no cache-sized copy: updates in place) on the GPU compiler's
@@ -46,10 +48,12 @@ FUSED = dict(attn_impl="fused", fused_projections=True)
 # body and condition weighted by its trips; one sampling rule). Measured 2026-11-24/25 (see
 # benchmarks/README.md, "Kernels per step on an H100, counted on the CPU"); a change that
 # brings back per-call pads, a second K/V write per layer, the layer loop of the fused path
-# or the separate RoPE-and-write of the packed q|k|v rows fails here.
+# or the separate RoPE-and-write of the packed q|k|v rows fails here, and so does a stage-2
+# proposal that ranks its levels one after another (8 operations per level, not 2).
 STEP_OPS_AT_MOST = {"ar-bf16-fused-triton": 171, "ar-bf16-fused-mosaic": 228,
                     "tree-bf16-fused-triton": 331, "ar-fp32-fused-triton": 171,
-                    "staged-fp32-kernel": 995}
+                    "staged-fp32-kernel": 995, "ngram-bf16-fused-triton-gpu-defaults": 218,
+                    "staged-bf16-fused-triton-gpu-defaults": 466}
 # The fused Triton path's layers are unrolled (attention reads the layers' packed q|k|v
 # rows), and so are the drafts' (two layers); the others keep a layer loop, at most this
 # many operations per iteration.
@@ -62,6 +66,12 @@ PROGRAMS = {
     "ar-fp32-fused-triton": dict(method="ar", dtype="float32", gpu_kernels="triton", **FUSED),
     "staged-fp32-kernel": dict(method="staged", verify="coupled", dtype="float32",
                                attn_impl="kernel", temperature=1.0),
+    "ngram-bf16-fused-triton-gpu-defaults": dict(method="ngram", verify="greedy",
+                                                 dtype="bfloat16", gpu_kernels="triton",
+                                                 defaults="gpu", **FUSED),
+    "staged-bf16-fused-triton-gpu-defaults": dict(method="staged", verify="greedy",
+                                                  dtype="bfloat16", gpu_kernels="triton",
+                                                  defaults="gpu", **FUSED),
 }
 
 

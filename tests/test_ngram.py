@@ -19,7 +19,7 @@ from specjax.checkpoints_tools.ngram_build import (build_ngram, count_ngrams, ka
 from specjax.drafters import (ORIGIN_LOOKUP, ORIGIN_NGRAM, NgramTables, load_ngram,
                               lookup_continuation, ngram_topk, propose, read_ngram_metadata,
                               save_ngram)
-from specjax.drafters.ngram import trigram_slots
+from specjax.drafters.ngram import _ngram_first, trigram_slots
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 
 V = 10  # with top_k = 5 the builder's 2 * top_k backoff candidates cover the vocabulary,
@@ -441,6 +441,68 @@ def test_propose_matches_reference(small_tables, history, length, use_lookup):
                    use_lookup=use_lookup)
     check_tree_invariants(got, shape)
     tokens, valid, origin = propose_reference(topk, history, length, shape, use_lookup)
+    assert np.asarray(got.tokens).tolist() == tokens
+    assert np.asarray(got.valid).tolist() == valid
+    assert np.asarray(got.origin).tolist() == origin
+
+
+def scrambled_tables(seed: int, buckets: int = 8, rows: int = 6) -> NgramTables:
+    """Tables no builder writes: holes (-1) anywhere in the lists, repeats across orders,
+    contexts stored at either probe (the other holding another context), tokens without a
+    bigram row. The lookups must follow their rules on any arrays of the right shapes."""
+    rng = np.random.default_rng(seed)
+
+    def lists(shape):
+        return np.where(rng.random(shape) < 0.35, -1, rng.integers(0, V, shape)).astype(np.int32)
+
+    keys = np.full((buckets, 2), -1, np.int32)
+    for u, v in rng.integers(0, V, (buckets, 2)):
+        probes = trigram_slots(np.array([u]), np.array([v]), buckets, xp=np)[0]
+        slot = probes[rng.integers(0, len(probes))]  # at the first or the second probe
+        keys[slot] = (u, v)
+    scores = lambda shape: -rng.random(shape).astype(np.float32)  # noqa: E731
+    return NgramTables(
+        unigram_tokens=jnp.asarray(lists(K)), unigram_scores=jnp.asarray(scores(K)),
+        bigram_index=jnp.asarray(rng.integers(-1, rows, V).astype(np.int32)),
+        bigram_tokens=jnp.asarray(lists((rows, K))), bigram_scores=jnp.asarray(scores((rows, K))),
+        bigram_log_alpha=jnp.asarray(scores(rows)),
+        trigram_keys=jnp.asarray(keys), trigram_tokens=jnp.asarray(lists((buckets, K3))),
+        trigram_scores=jnp.asarray(scores((buckets, K3))),
+        trigram_log_alpha=jnp.asarray(scores(buckets)))
+
+
+def valid_lists(tables):
+    prev2, prev1 = all_contexts()
+    tokens, _, valid = map(np.asarray, _all_topk(tables, prev2, prev1))
+    return {(int(u), int(v)): [int(t) for t, ok in zip(tokens[i], valid[i]) if ok]
+            for i, (u, v) in enumerate(zip(prev2, prev1))}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ngram_first_is_the_first_entry_of_ngram_topk(seed):
+    # propose's spine takes each level's first n-gram entry by selects, not from the list.
+    tables = scrambled_tables(seed)
+    topk = valid_lists(tables)
+    prev2, prev1 = all_contexts()
+    first, found = map(np.asarray, jax.jit(jax.vmap(_ngram_first, in_axes=(None, 0, 0)))(
+        tables, prev2, prev1))
+    for i, (u, v) in enumerate(zip(prev2, prev1)):
+        want = topk[int(u), int(v)]
+        assert bool(found[i]) == bool(want) and int(first[i]) == (want[0] if want else 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 7), history=st.lists(st.integers(0, V - 1), min_size=16,
+                                                 max_size=16),
+       length=st.integers(0, 16), use_lookup=st.booleans())
+def test_propose_matches_reference_on_scrambled_tables(seed, history, length, use_lookup):
+    tables = scrambled_tables(seed)
+    shape = (4, 2, 1, 1, 1, 1, 1)
+    got = _propose(tables, np.asarray(history, np.int32), length, shape=shape,
+                   use_lookup=use_lookup)
+    check_tree_invariants(got, shape)
+    tokens, valid, origin = propose_reference(valid_lists(tables), history, length, shape,
+                                              use_lookup)
     assert np.asarray(got.tokens).tolist() == tokens
     assert np.asarray(got.valid).tolist() == valid
     assert np.asarray(got.origin).tolist() == origin

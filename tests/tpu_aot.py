@@ -174,7 +174,8 @@ def kernel_estimate(job: dict) -> dict:
 def build_generation_program(method: str, *, verify: str | None = None,
                              dtype: str = "bfloat16", prompt_tokens: int = 16,
                              max_new_tokens: int = 64, attn_impl: str = "kernel",
-                             fused_projections: bool = False, temperature: float = 0.0):
+                             fused_projections: bool = False, temperature: float = 0.0,
+                             defaults: str = "cpu"):
     """(jitted function, example arguments) of one whole generation, as ``generate`` runs it.
 
     The target has SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads of 64) with
@@ -192,6 +193,9 @@ def build_generation_program(method: str, *, verify: str | None = None,
       temperature: the request's (0: greedy). Whether the program holds one sampling rule
         or all of them follows ``SPECJAX_SAMPLING_RULES`` (:func:`specjax.sampling.
         static_rules`; the abstract weights are on no device, so ``auto`` means traced).
+      defaults: whose method defaults the program takes (``cpu``, ``gpu``, ``tpu``:
+        :data:`specjax.methods.options.BACKEND_DEFAULTS`). The abstract weights are on no
+        device, so ``generate`` itself would take the CPU's.
     Returns:
       (fn, args): ``fn(*args)`` is the program; args hold concrete small arrays and
       ``ShapeDtypeStruct`` parameters (map them to the target with :func:`_abstract`).
@@ -199,7 +203,7 @@ def build_generation_program(method: str, *, verify: str | None = None,
     import jax
     import jax.numpy as jnp
 
-    from specjax import api, config as config_lib, decode, models
+    from specjax import api, config as config_lib, decode, methods, models
     from specjax.model import Model
 
     key = jax.random.key(0)
@@ -217,6 +221,7 @@ def build_generation_program(method: str, *, verify: str | None = None,
     if method in ("spec", "tree", "staged"):
         draft = abstract_model(dataclasses.replace(config, num_layers=2), "draft-2-layers")
     options = {} if verify is None else {"verify": verify}
+    method = methods.method_options(method, backend=defaults)
     request = api._prepare(target, list(range(1, prompt_tokens + 1)), method=method,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=0,
                            top_p=1.0, seed=0, draft=draft, ngram=None, stop_tokens=None,

@@ -10,8 +10,8 @@ first) and takes the most recent earlier occurrence of the longest suffix that h
 An occurrence is *earlier* when it ends before the last token, so at least one token of
 continuation follows it; it may overlap the suffix (a repeating pattern continues
 itself). Everything is array code over the static buffer ``history[S]`` with a traced
-``length``: ``O(S * max_n**2)`` elementwise work, no loop over ``S``, jittable and
-vmappable.
+``length``: ``O(S * max_n)`` elementwise work and one reduction, no loop over ``S``,
+jittable and vmappable.
 """
 
 from __future__ import annotations
@@ -53,18 +53,28 @@ def lookup_continuation(history, length, num_tokens: int, *, min_n: int = 1,
     length = jnp.asarray(length, jnp.int32)
     size = history.shape[0]
     ends = jnp.arange(size)  # candidate last index of an earlier occurrence
-    best_end = jnp.asarray(-1, jnp.int32)
-    best_n = jnp.asarray(0, jnp.int32)
-    for n in range(max_n, min_n - 1, -1):
-        match = (ends >= n - 1) & (ends <= length - 2) & (length >= n + 1)
-        for back in range(min(n, size)):
-            # history[e - back] == history[length - 1 - back] for every candidate end e.
+    # agree[e] after `back`: history[e - b] == history[length - 1 - b] for every b <= back,
+    # i.e. the last back + 1 tokens occurred ending at e. Longer suffixes extend shorter ones.
+    agree = ends >= 0
+    matches = {}
+    for back in range(max_n):
+        if back < size:
             target = history[jnp.clip(length - 1 - back, 0, size - 1)]
             shifted = jnp.concatenate([jnp.full(back, -1, jnp.int32), history[:size - back]])
-            match = match & (shifted == target)
-        end = jnp.max(jnp.where(match, ends, -1))
-        take = (best_n == 0) & (end >= 0)
-        best_end = jnp.where(take, end, best_end)
+            agree = agree & (shifted == target)
+        else:  # a suffix longer than the buffer never occurs earlier in it
+            agree = agree & False
+        n = back + 1
+        if n >= min_n:
+            matches[n] = agree & (ends >= n - 1) & (ends <= length - 2) & (length >= n + 1)
+    longest_first = range(max_n, min_n - 1, -1)
+    # The most recent occurrence of every length, in one reduction.
+    last = jnp.max(jnp.where(jnp.stack([matches[n] for n in longest_first]), ends, -1), axis=1)
+    best_end = jnp.asarray(-1, jnp.int32)
+    best_n = jnp.asarray(0, jnp.int32)
+    for i, n in enumerate(longest_first):
+        take = (best_n == 0) & (last[i] >= 0)
+        best_end = jnp.where(take, last[i], best_end)
         best_n = jnp.where(take, n, best_n)
     found = best_n > 0
     index = best_end + 1 + jnp.arange(num_tokens)

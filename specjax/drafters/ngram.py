@@ -147,13 +147,18 @@ def trigram_slots(prev2, prev1, num_buckets: int, xp=jnp):
     Returns:
       int32 ``[..., NUM_PROBES]`` bucket indices in ``[0, B)``.
     """
+    return xp.stack(_probe_slots(prev2, prev1, num_buckets, xp), axis=-1)
+
+
+def _probe_slots(prev2, prev1, num_buckets: int, xp=jnp) -> list:
+    """:func:`trigram_slots` as a list of ``NUM_PROBES`` int32 arrays of the inputs' shape
+    (no stacking: a lookup of one context stays scalar arithmetic)."""
     a = xp.asarray(prev2).astype(xp.uint32)
     b = xp.asarray(prev1).astype(xp.uint32)
     h = _fmix32(a * xp.uint32(0x9E3779B1) ^ _fmix32(b + xp.uint32(0x7F4A7C15), xp), xp)
     mask = xp.uint32(num_buckets - 1)
-    probes = [_fmix32(h + xp.uint32((0x9E3779B9 * p) & 0xFFFFFFFF), xp) & mask
-              for p in range(NUM_PROBES)]
-    return xp.stack(probes, axis=-1).astype(xp.int32)
+    return [(_fmix32(h + xp.uint32((0x9E3779B9 * p) & 0xFFFFFFFF), xp) & mask).astype(xp.int32)
+            for p in range(NUM_PROBES)]
 
 
 # --------------------------------------------------------------------------------------
@@ -184,6 +189,52 @@ def _first_unique(tokens, scores, valid, width: int):
             keep, order)
 
 
+def _context_rows(tables: NgramTables, prev2, prev1):
+    """Where the lists of the context ``(prev2, prev1)`` are: (trigram bucket, whether it
+    holds the context, bigram row, whether ``prev1`` has one). Scalar selects and gathers,
+    no reduction: the probe that holds the context is picked by selects."""
+    prev2 = jnp.asarray(prev2, jnp.int32)
+    prev1 = jnp.asarray(prev1, jnp.int32)
+    vocab = tables.vocab_size
+    known1 = (prev1 >= 0) & (prev1 < vocab)
+    known = known1 & (prev2 >= 0) & (prev2 < vocab)
+    slots = _probe_slots(prev2, prev1, tables.num_buckets)
+    slot, trigram_hit = slots[0], jnp.asarray(False)
+    for probe in reversed(range(NUM_PROBES)):  # the first probe holding the context wins
+        hit = ((tables.trigram_keys[slots[probe], 0] == prev2)
+               & (tables.trigram_keys[slots[probe], 1] == prev1) & known)
+        slot = jnp.where(hit, slots[probe], slot)
+        trigram_hit = trigram_hit | hit
+    row = jnp.where(known1, tables.bigram_index[jnp.clip(prev1, 0, vocab - 1)], -1)
+    return slot, trigram_hit, jnp.maximum(row, 0), row >= 0
+
+
+def _candidates(tables: NgramTables, prev2, prev1):
+    """The backoff lists after ``(prev2, prev1)``, concatenated and not deduplicated.
+
+    Returns:
+      (tokens int32[K3 + 2K], scores float32[K3 + 2K], valid bool[K3 + 2K]): the trigram
+      list of the context (valid only when it is stored), then the bigram list of
+      ``prev1`` (shifted by the trigram's log backoff weight), then the unigram list
+      (shifted by both).
+    """
+    slot, trigram_hit, row, bigram_hit = _context_rows(tables, prev2, prev1)
+    tri_tokens = tables.trigram_tokens[slot]
+    tri_valid = trigram_hit & (tri_tokens >= 0)
+    tri_alpha = jnp.where(trigram_hit, tables.trigram_log_alpha[slot], 0.0)
+    bi_tokens = tables.bigram_tokens[row]
+    bi_valid = bigram_hit & (bi_tokens >= 0)
+    bi_scores = tables.bigram_scores[row] + tri_alpha
+    bi_alpha = jnp.where(bigram_hit, tables.bigram_log_alpha[row], 0.0)
+
+    uni_tokens = tables.unigram_tokens
+    tokens = jnp.concatenate([tri_tokens, bi_tokens, uni_tokens])
+    scores = jnp.concatenate([tables.trigram_scores[slot], bi_scores,
+                              tables.unigram_scores + tri_alpha + bi_alpha])
+    valid = jnp.concatenate([tri_valid, bi_valid, uni_tokens >= 0])
+    return tokens, scores.astype(jnp.float32), valid
+
+
 def ngram_topk(tables: NgramTables, prev2, prev1, top_k: int | None = None):
     """Ranked next tokens after ``(prev2, prev1)`` with trigram → bigram → unigram backoff.
 
@@ -203,39 +254,29 @@ def ngram_topk(tables: NgramTables, prev2, prev1, top_k: int | None = None):
       (see the module docstring). Invalid entries have token 0 and score ``-inf``.
     """
     k = tables.top_k if top_k is None else int(top_k)
-    prev2 = jnp.asarray(prev2, jnp.int32)
-    prev1 = jnp.asarray(prev1, jnp.int32)
-    vocab = tables.vocab_size
-    known1 = (prev1 >= 0) & (prev1 < vocab)
-    known2 = (prev2 >= 0) & (prev2 < vocab)
-
-    slots = trigram_slots(prev2, prev1, tables.num_buckets)  # [NUM_PROBES]
-    keys = tables.trigram_keys[slots]  # [NUM_PROBES, 2]
-    hits = (keys[:, 0] == prev2) & (keys[:, 1] == prev1) & known1 & known2
-    slot = slots[jnp.argmax(hits)]
-    trigram_hit = jnp.any(hits)
-    tri_tokens = tables.trigram_tokens[slot]
-    tri_valid = trigram_hit & (tri_tokens >= 0)
-    tri_alpha = jnp.where(trigram_hit, tables.trigram_log_alpha[slot], 0.0)
-
-    row = jnp.where(known1, tables.bigram_index[jnp.clip(prev1, 0, vocab - 1)], -1)
-    bigram_hit = row >= 0
-    row = jnp.maximum(row, 0)
-    bi_tokens = tables.bigram_tokens[row]
-    bi_valid = bigram_hit & (bi_tokens >= 0)
-    bi_scores = tables.bigram_scores[row] + tri_alpha
-    bi_alpha = jnp.where(bigram_hit, tables.bigram_log_alpha[row], 0.0)
-
-    uni_tokens = tables.unigram_tokens
-    tokens = jnp.concatenate([tri_tokens, bi_tokens, uni_tokens])
-    scores = jnp.concatenate([tables.trigram_scores[slot], bi_scores,
-                              tables.unigram_scores + tri_alpha + bi_alpha])
-    valid = jnp.concatenate([tri_valid, bi_valid, uni_tokens >= 0])
-    tokens, scores, valid, _ = _first_unique(tokens, scores.astype(jnp.float32), valid, k)
+    tokens, scores, valid = _candidates(tables, prev2, prev1)
+    tokens, scores, valid, _ = _first_unique(tokens, scores, valid, k)
     # Each order's list is sorted; where a lower order fills in, its backoff score can
     # exceed the last higher-order one (a token seen in the context but beyond its list
     # is scored by the lower order): cap it there so that scores follow the ranking.
     return tokens, jax.lax.cummin(scores), valid
+
+
+def _ngram_first(tables: NgramTables, prev2, prev1):
+    """(token, found): :func:`ngram_topk`'s first entry after ``(prev2, prev1)`` (token 0
+    when the lists are empty). One scalar select per list entry, last entry first, and no
+    reduction, so that :func:`propose`'s chain of these can fuse on an accelerator."""
+    slot, trigram_hit, row, bigram_hit = _context_rows(tables, prev2, prev1)
+    lists = [(tables.trigram_tokens, slot, trigram_hit), (tables.bigram_tokens, row, bigram_hit),
+             (tables.unigram_tokens[None], 0, jnp.asarray(True))]
+    token, found = jnp.asarray(0, jnp.int32), jnp.asarray(False)
+    for table, index, hit in reversed(lists):
+        for i in reversed(range(table.shape[-1])):
+            candidate = table[index, i]
+            valid = hit & (candidate >= 0)
+            token = jnp.where(valid, candidate, token)
+            found = found | valid
+    return token, found
 
 
 def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
@@ -255,7 +296,9 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
     repeats.
 
     Jittable with ``tables``, ``history`` and ``length`` traced; ``shape``, ``use_lookup``,
-    ``min_n`` and ``max_n`` are static.
+    ``min_n`` and ``max_n`` are static. Only the spine is computed level after level (scalar
+    selects and gathers, which fuse into about two launches per level on a GPU); all
+    levels' lists are then ranked and deduplicated in one batched computation.
 
     Args:
       tables: the n-gram tables.
@@ -290,34 +333,46 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
         lookup_tokens = jnp.zeros(depth, jnp.int32)
         lookup_valid = jnp.zeros(depth, bool)
 
+    # 1. The spine, level by level: each level's context is the previous two spine tokens,
+    # and its spine token is the lookup continuation's while it lasts, else the n-gram
+    # lists' first entry. Only this chain is sequential, and it is selects and gathers.
     prev2, prev1 = token_at(length - 2), token_at(length - 1)
-    parent_valid = jnp.asarray(True)
-    tokens, valid, origin, parents = [], [], [], []
-    parent_index = -1
-    for level, width in enumerate(shape):
-        ngram_tokens, _, ngram_valid = ngram_topk(tables, prev2, prev1)
-        lookup_token, has_lookup = lookup_tokens[level], lookup_valid[level]
-        cand_tokens = jnp.concatenate([lookup_token[None], ngram_tokens])
-        cand_valid = jnp.concatenate([has_lookup[None], ngram_valid])
-        cand_origin = jnp.concatenate([jnp.full(1, ORIGIN_LOOKUP, jnp.int8),
-                                       jnp.full(ngram_tokens.shape, ORIGIN_NGRAM, jnp.int8)])
-        level_tokens, _, level_valid, order = _first_unique(
-            cand_tokens, jnp.zeros(cand_tokens.shape, jnp.float32), cand_valid, width)
-        level_valid = level_valid & parent_valid
-        level_origin = jnp.where(level_valid,
-                                 cand_origin[jnp.clip(order, 0, cand_origin.shape[0] - 1)],
-                                 ORIGIN_NGRAM).astype(jnp.int8)
-        tokens.append(jnp.where(level_valid, level_tokens, 0))
-        valid.append(level_valid)
-        origin.append(level_origin)
-        parents.append(np.full(width, parent_index, np.int32))
-        parent_index = sum(shape[:level])  # this level's first node parents the next level
-        parent_valid = level_valid[0]
-        prev2, prev1 = prev1, level_tokens[0]
-    return Proposal(tokens=jnp.concatenate(tokens).astype(jnp.int32),
+    context2, context1 = [prev2], [prev1]
+    for level in range(depth - 1):
+        token, _ = _ngram_first(tables, prev2, prev1)  # 0 when the lists are empty
+        prev2, prev1 = prev1, jnp.where(lookup_valid[level], lookup_tokens[level], token)
+        context2.append(prev2)
+        context1.append(prev1)
+
+    # 2. Every level's ranked candidates at once: the lookup token first, then the n-gram
+    # list of the level's context, deduplicated; level l keeps its first shape[l]. A level
+    # is there while every level above it has a candidate (its spine node is its parent).
+    width = max(shape)
+    ngram_tokens, _, ngram_valid = jax.vmap(ngram_topk, in_axes=(None, 0, 0))(
+        tables, jnp.stack(context2), jnp.stack(context1))  # [depth, K]
+    cand_tokens = jnp.concatenate([lookup_tokens[:, None], ngram_tokens], axis=1)
+    cand_valid = jnp.concatenate([lookup_valid[:, None], ngram_valid], axis=1)
+    level_tokens, _, level_valid, order = jax.vmap(
+        lambda t, v: _first_unique(t, jnp.zeros(t.shape, jnp.float32), v, width))(
+        cand_tokens, cand_valid)  # [depth, width]
+    found = level_valid[:, 0]
+    alive = jnp.concatenate([jnp.ones(1, bool), jnp.cumprod(found[:-1]).astype(bool)])
+    level_valid = level_valid & alive[:, None]
+    level_origin = jnp.where(level_valid & (order == 0), ORIGIN_LOOKUP,
+                             ORIGIN_NGRAM).astype(jnp.int8)  # candidate 0 is the lookup's
+    level_tokens = jnp.where(level_valid, level_tokens, 0)
+
+    parents, parent_index = [], -1
+    for level, count in enumerate(shape):
+        parents.append(np.full(count, parent_index, np.int32))
+        parent_index = sum(shape[:level])  # this level's first node parents the next
+
+    def levels(array):
+        return jnp.concatenate([array[level, :count] for level, count in enumerate(shape)])
+    return Proposal(tokens=levels(level_tokens).astype(jnp.int32),
                     parents=jnp.asarray(np.concatenate(parents)),
-                    valid=jnp.concatenate(valid),
-                    origin=jnp.concatenate(origin))
+                    valid=levels(level_valid),
+                    origin=levels(level_origin))
 
 
 # --------------------------------------------------------------------------------------
