@@ -1,14 +1,21 @@
 """Staged speculation (draft + stage 2) and the model-free ``ngram`` method, end to end:
 exactness against ``ar``, token origins, compilation count, errors."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import specjax
 from specjax.errors import InvalidArgumentError
+from specjax.methods.staged import _static_parents, walk_proposal
 
 from conftest import TINY_VOCAB, fitted_tables, random_prompt, tiny_pair
 
 NEW = 24
+_walk = jax.jit(walk_proposal, static_argnums=0)
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +196,46 @@ def test_table_and_draft_mismatches_are_errors(target, drafts, tables):
     with pytest.raises(InvalidArgumentError, match="takes no draft"):
         specjax.generate(target, [1, 2], max_new_tokens=4, method="ngram", ngram=tables,
                          draft=drafts["weak"])
+
+
+def walk_reference(proposal, tokens, valid, best_child, history, visible, history_at,
+                   visible_at):
+    """The walk one level at a time in Python: the first valid child of the current node
+    whose token is the draft's best child of it; stop at the first level with none."""
+    parents = [-1] + [0 if p < 0 else p + 1 for p in _static_parents(proposal)]
+    history, visible = list(history), list(visible)
+    node, matched, lo = 0, 0, 1
+    for count in proposal:
+        hits = [i for i in range(lo, lo + count)
+                if valid[i] and parents[i] == node and tokens[i] == best_child[node]]
+        if not hits:
+            break
+        node = hits[0]
+        if history_at + matched < len(history):
+            history[history_at + matched] = tokens[node]
+        if visible_at + node < len(visible):
+            visible[visible_at + node] = True
+        matched += 1
+        lo += count
+    return node, matched, history, visible
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), proposal=st.sampled_from([(2, 1, 1, 1, 1, 1), (4, 2, 1, 1, 1, 1),
+                                                 (3, 1, 1), (1,), (6, 3, 1)]))
+def test_walk_matches_a_level_by_level_walk(data, proposal):
+    # Tokens from {0, 1, 2}: matches are common, and ties among siblings occur.
+    size = 1 + sum(proposal)
+    tokens = data.draw(st.lists(st.integers(0, 2), min_size=size, max_size=size))
+    valid = [True] + data.draw(st.lists(st.booleans(), min_size=size - 1, max_size=size - 1))
+    best = data.draw(st.lists(st.integers(0, 2), min_size=size, max_size=size))
+    history_at = data.draw(st.integers(0, 12))
+    visible_at = data.draw(st.integers(0, 12))
+    history, visible = list(range(100, 116)), [False] * 20
+    got = _walk(proposal, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
+                jnp.asarray(best, jnp.int32), jnp.asarray(history, jnp.int32),
+                jnp.asarray(visible), history_at, visible_at)
+    want = walk_reference(proposal, tokens, valid, best, history, visible, history_at,
+                          visible_at)
+    assert (int(got[0]), int(got[1])) == want[:2]
+    assert np.asarray(got[2]).tolist() == want[2] and np.asarray(got[3]).tolist() == want[3]

@@ -96,6 +96,49 @@ def _proposal_depths(proposal: tuple[int, ...]) -> np.ndarray:
     return np.concatenate([np.full(n, level + 1, np.int32) for level, n in enumerate(proposal)])
 
 
+def walk_proposal(proposal: tuple[int, ...], pass_tokens, pass_valid, best_child, history,
+                  visible, history_at, visible_at):
+    """Walks down a draft pass's proposal from pass-local node 0 along the draft's own best
+    tokens; matched nodes join the spine.
+
+    At level ``l`` the walk moves to the first valid node whose parent is the current node
+    and whose token is the draft's best child of it, and stops at the first level with
+    none. Only a level's first node has children (:func:`_pass_parents`), so level ``l``
+    can be reached only through level ``l - 1``'s first node: every level's match is
+    computed at once and the walk is the run of levels that match, each through its
+    parent. No per-level chain of scatters, which on a GPU would be launches one after
+    another.
+
+    Args:
+      proposal: the stage-2 proposal shape (static).
+      pass_tokens, pass_valid: [S] the pass's nodes (local 0 first).
+      best_child: int32 [S], the draft's best child token of each pass node.
+      history, visible: the spine's tokens and the draft's visible scratch slots; matched
+        level ``l`` writes ``history[history_at + l]`` and ``visible[visible_at + node]``.
+    Returns:
+      (last node, levels matched, history, visible).
+    """
+    parents = _pass_parents(proposal)
+    first = 1 + np.cumsum([0] + list(proposal))[:-1]  # each level's first pass node
+    depth, width = len(proposal), max(proposal)
+    nodes = first[:, None] + np.minimum(np.arange(width)[None, :],
+                                        np.asarray(proposal)[:, None] - 1)  # [depth, width]
+    real = np.arange(width)[None, :] < np.asarray(proposal)[:, None]
+    level_parent = parents[first]  # static: every node of a level has this parent
+    hit = (real & pass_valid[nodes]
+           & (pass_tokens[nodes] == best_child[level_parent][:, None]))  # [depth, width]
+    chosen = jnp.asarray(first, jnp.int32) + jnp.argmax(hit, axis=1).astype(jnp.int32)
+    reached = jnp.concatenate([jnp.ones(1, bool), chosen[:-1] == level_parent[1:]])
+    alive = jnp.cumprod(jnp.any(hit, axis=1) & reached).astype(bool)  # [depth]
+    matched = jnp.sum(alive, dtype=jnp.int32)
+    node = jnp.where(matched > 0, chosen[jnp.maximum(matched - 1, 0)], 0)
+    history = history.at[jnp.where(alive, history_at + jnp.arange(depth), history.shape[0])].set(
+        pass_tokens[chosen], mode="drop")
+    visible = visible.at[jnp.where(alive, visible_at + chosen, visible.shape[0])].set(
+        True, mode="drop")
+    return node, matched, history, visible
+
+
 @dataclasses.dataclass(frozen=True)
 class NgramOnly:
     """``method="ngram"``: the stage-2 proposal (n-gram + context lookup) verified directly
@@ -270,26 +313,8 @@ class Staged:
 
     def _walk(self, pass_tokens, pass_valid, best_child, history, visible, history_at,
               visible_at):
-        """Walks down a pass's proposal from local node 0 along the draft's own best
-        tokens. Matched nodes join the spine: their tokens go into ``history`` (at
-        ``history_at + level``) and their scratch slots become visible (``visible_at +
-        node``). Returns (last node, levels matched, history, visible)."""
-        parents_np = _pass_parents(self.proposal)
-        level_first = np.cumsum([0] + list(self.proposal))
-        node, alive, matched = jnp.int32(0), jnp.bool_(True), jnp.int32(0)
-        for level in range(len(self.proposal)):
-            lo, hi = 1 + level_first[level], 1 + level_first[level + 1]
-            hit = (pass_valid[lo:hi] & (jnp.asarray(parents_np[lo:hi]) == node)
-                   & (pass_tokens[lo:hi] == best_child[node]))
-            alive = alive & jnp.any(hit)
-            nxt = lo + jnp.argmax(hit).astype(jnp.int32)
-            history = history.at[jnp.where(alive, history_at + level, history.shape[0])].set(
-                pass_tokens[nxt], mode="drop")
-            visible = visible.at[jnp.where(alive, visible_at + nxt, visible.shape[0])].set(
-                True, mode="drop")
-            node = jnp.where(alive, nxt, node)
-            matched = matched + alive.astype(jnp.int32)
-        return node, matched, history, visible
+        return walk_proposal(self.proposal, pass_tokens, pass_valid, best_child, history,
+                             visible, history_at, visible_at)
 
     def step(self, params, loop: DecodeLoop, state: DecodeState,
              resources: Resources) -> DecodeState:
