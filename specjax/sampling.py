@@ -107,10 +107,22 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
     XLA's CPU backend lowers ``argmax`` to a variadic (value, index) reduction that does
     not vectorise: over a 49,152-token vocabulary it takes ~4x as long as a ``max`` followed
-    by a minimum over the indices that reach it, which is what this does. A row holding a
-    NaN (whose ``max`` equals nothing) gives the last index; callers flag non-finite
-    logits separately.
+    by a minimum over the indices that reach it, which is what a CPU program does. A GPU or
+    TPU program keeps ``argmax``: one variadic reduction (two launches in the H100
+    program, split in two stages) instead of two (four). Both give the lowest index of the
+    maximum; a row holding a NaN gives an index that depends on the platform (the last
+    index on the CPU), and callers flag non-finite logits separately. The choice is made
+    when the program is lowered for its platform (``lax.platform_dependent``), like
+    :func:`top_k`'s.
     """
+    return jax.lax.platform_dependent(x, cpu=_first_argmax_by_max, default=_first_argmax_variadic)
+
+
+def _first_argmax_variadic(x: jax.Array) -> jax.Array:
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def _first_argmax_by_max(x: jax.Array) -> jax.Array:
     size = x.shape[-1]
     best = jnp.max(x, axis=-1, keepdims=True)
     index = jnp.min(jnp.where(x == best, jnp.arange(size, dtype=jnp.int32), size), axis=-1)

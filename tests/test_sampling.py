@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specjax import sampling
 from specjax.errors import InvalidArgumentError
 from specjax.sampling import (first_argmax, gumbel_noise, make_sampling_params,
                               perturbed_scores, sample_tokens, target_log_probs, top_k)
@@ -139,8 +140,20 @@ def test_top_k_lowers_to_passes_on_the_cpu_and_to_one_top_k_elsewhere(platform, 
                          max_size=9), min_size=1, max_size=4).filter(
                              lambda rows: len({len(r) for r in rows}) == 1))
 def test_first_argmax_is_numpy_argmax_with_the_lowest_index_on_ties(rows):
+    # Both lowerings: the CPU's (max, then the lowest index reaching it) and the one GPU
+    # and TPU programs take (the variadic argmax reduction).
     x = np.asarray(rows, np.float32)  # few distinct values: ties and infinities are common
-    assert np.array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+    for argmax in (first_argmax, sampling._first_argmax_by_max, sampling._first_argmax_variadic):
+        got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+        assert got.dtype == np.int32 and np.array_equal(got, np.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("platform, variadic", [("cpu", False), ("cuda", True), ("tpu", True)])
+def test_first_argmax_lowering_per_platform(platform, variadic):
+    # An argmax reduces (value, index) pairs in one reduction; the CPU's form has two.
+    x = jax.ShapeDtypeStruct((4, 49152), jnp.float32)
+    text = jax.jit(first_argmax).trace(x).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count("stablehlo.reduce") == (1 if variadic else 2)
 
 
 def test_sample_tokens_is_the_argmax_of_log_p_plus_the_position_noise():
