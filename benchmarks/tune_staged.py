@@ -9,7 +9,8 @@ tokens/s over prompts, the ratio to ``ar`` and the median ``mean_accepted``.
 
 Besides the named configurations below, ``--configs`` takes ad-hoc ones written
 ``method:option=value,...`` with tuple values joined by ``/``, e.g.
-``staged:tree_budget=8,draft_rounds=3,stage2_prior=0/0`` or ``spec:draft_depth=6``. The
+``staged:tree_budget=8,draft_rounds=3,stage2_prior=0/0`` or ``spec:draft_depth=6``
+(``staged:`` alone: the method's defaults for this machine's backend). The
 report adds, per configuration, the share of tokens from each origin (draft, lookup,
 n-gram, target) and the draft passes per target pass, which do not depend on the machine's
 load (tokens/s does).
@@ -84,12 +85,16 @@ def parse_config(name: str) -> dict:
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import jax
+
     import specjax
     from specjax.benchmark.environment import git_commit, machine, versions
     from specjax.benchmark.humaneval import humaneval_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32",
+                        help="parameter dtype (bfloat16 on a GPU: what generate runs there)")
     parser.add_argument("--limit", type=int, default=3)
     parser.add_argument("--skip", type=int, default=0,
                         help="leave out the first SKIP prompts (probe other prompts)")
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
                 parser.error(f"unknown configuration {n!r}; known: {', '.join(CONFIGS)}, or "
                              "method:option=value,...")
 
-    model = specjax.load(args.model)
+    model = specjax.load(args.model, dtype=args.dtype)
     if args.draft_asset:
         draft = specjax.loading.resolve_draft(model, args.draft_asset)
         for options in configs.values():
@@ -170,9 +175,10 @@ def main(argv=None) -> int:
               f"{summary[name]['all_same_as_ar']}", flush=True)
     if args.json:
         record = {"command": " ".join(["python", "benchmarks/tune_staged.py", *sys.argv[1:]]),
-                  "machine": machine(), "versions": versions(), "git": git_commit(), "summary": summary, "rows": rows,
-                  "limit": args.limit, "skip": args.skip, "temperature": args.temperature,
-                  "max_new_tokens": args.max_new_tokens}
+                  "machine": machine(), "versions": versions(), "git": git_commit(),
+                  "summary": summary, "rows": rows, "limit": args.limit, "skip": args.skip,
+                  "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                  "dtype": args.dtype, "backend": jax.default_backend()}
         Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return 0
 
