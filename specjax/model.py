@@ -96,7 +96,8 @@ def check_draft_compatible(model: Model, draft: Model) -> None:
         raise InvalidArgumentError(
             f"feature draft {draft.name!r} reads features of width {draft.config.hidden_size}, "
             f"the target {model.name!r} has hidden size {model.config.hidden_size}")
-    if model.tokenizer is not None and draft.tokenizer is not None:
+    if (model.tokenizer is not None and draft.tokenizer is not None
+            and model.tokenizer is not draft.tokenizer):  # a shipped draft shares the target's
         if model.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
             raise InvalidArgumentError(
                 f"draft {draft.name!r} and target {model.name!r} use different tokenizers")
