@@ -504,7 +504,9 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
       chat: wrap a string prompt in the model's chat template.
       attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (the Pallas
         kernels for attention and, Llama family, every projection: row-tiled, so a
-        verify pass reproduces the one-token step bit for bit; GPU or TPU).
+        verify pass reproduces the one-token step bit for bit; GPU or TPU). Fuse the
+        weights once first (:meth:`Model.with_fused_projections`): q|k|v and gate|up then
+        run in one kernel each.
       batch_size: a batch only: rows per compiled program, in [1, 64]; a longer list
         runs as consecutive batches of this size. Default: the whole list in one batch.
         The program's row count is rounded up to a power of two (padding rows are

@@ -88,7 +88,8 @@ def _add_generate(sub) -> None:
                         "float32 on CPU, where bfloat16 runs ~7x slower (default: float32)")
     p.add_argument("--attn-impl", default="auto", choices=IMPLEMENTATIONS,
                    help="attention implementation (default: auto = kernel on GPU/TPU, "
-                        "reference on CPU); fused: the kernels for the projections too (GPU/TPU)")
+                        "reference on CPU); fused: the kernels for the projections too, q|k|v "
+                        "and gate|up fused at load (GPU/TPU)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of streaming text")
     p.set_defaults(func=_generate)
@@ -285,6 +286,8 @@ def _generate(args) -> int:
     with progress.phases(enabled=not args.json) as shown:
         with shown.phase(f"loading {args.model}"):
             model = loading.load(args.model, dtype=dtype, progress=shown.enabled)
+            if args.attn_impl == "fused":  # one kernel for q|k|v and one for gate|up
+                model = model.with_fused_projections()
         kwargs = dict(method=options, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, chat=args.chat, attn_impl=args.attn_impl,

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specjax import sharding
+from specjax import models, sharding
 from specjax.checkpoints_tools import sources
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
@@ -172,12 +172,19 @@ def resolve_draft(model: Model, draft=None, *, dtype=None, progress: bool = Fals
         if path.is_dir() and (path / sources.DRAFT_CONFIG).is_file():
             draft = _draft_asset(model, path)
         else:
-            draft = load(draft, dtype=dtype or model.dtype, progress=progress)
+            draft = _same_layout(model, load(draft, dtype=dtype or model.dtype,
+                                             progress=progress))
     elif not isinstance(draft, Model):
         raise InvalidArgumentError(f"draft must be a Model, a name or a path, got "
                                    f"{type(draft).__name__}")
     check_draft_compatible(model, draft)
     return draft
+
+
+def _same_layout(model: Model, draft: Model) -> Model:
+    """A draft this module loaded, in the target's projection layout (fused q|k|v and
+    gate|up when the target's are: :meth:`Model.with_fused_projections`)."""
+    return draft.with_fused_projections() if models.projections_fused(model.params) else draft
 
 
 # Draft assets read for a target, per target object: reading one and checking its
@@ -204,14 +211,15 @@ def _draft_asset(model: Model, directory: Path | None) -> Model:
     signature = None if folder is None else _file_signature(
         Path(folder) / sources.DRAFT_TENSORS, Path(folder) / sources.DRAFT_CONFIG)
     if signature is None:  # nothing to reuse: let the loader say what is missing
-        return sources.load_bundled_draft(model, directory)
+        return _same_layout(model, sources.load_bundled_draft(model, directory))
     shared = (model.params.get("embed"), model.params.get("lm_head"))
     entries = _DRAFT_ASSETS.setdefault(model, {})
-    entry = entries.get(signature)
+    key = (signature, models.projections_fused(model.params))
+    entry = entries.get(key)
     if entry is not None and all(a is b for a, b in zip(entry[0], shared)):
         return entry[1]
-    draft = sources.load_bundled_draft(model, directory)
-    entries[signature] = (shared, draft)
+    draft = _same_layout(model, sources.load_bundled_draft(model, directory))
+    entries[key] = (shared, draft)
     return draft
 
 

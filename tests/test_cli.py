@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import specjax
-from specjax import api, cli, loading
+from specjax import api, cli, loading, models
 
 from helpers_checkpoints import gguf_llama, save_tiny, tiny_model, write_tiny_gguf
 
@@ -88,6 +88,20 @@ def test_generate_streams_text_to_stdout_and_one_summary_line_to_stderr(capsys, 
     assert match, err
     assert match[1] == "ar" and match[4] == "1.00"
     assert int(match[2]) == len(expected.tokens) == int(match[3])
+
+
+def test_fused_attention_fuses_the_target_and_draft_projections(capsys, served, monkeypatch):
+    # --attn-impl fused runs q|k|v and gate|up in one kernel each: the CLI fuses the weights
+    # once at load, and the shipped draft follows the target's layout.
+    calls = []
+    monkeypatch.setattr(api, "generate", lambda model, prompt, **kwargs: calls.append(
+        (model, kwargs)) or api.GenerationResult(text="", tokens=[], stats={}))
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--attn-impl", "fused", "--json")
+    assert status == 0, err
+    (model, kwargs), = calls
+    assert kwargs["attn_impl"] == "fused" and models.projections_fused(model.params)
+    assert models.projections_fused(kwargs["draft"].params)
+    assert not models.projections_fused(served.params)  # the loaded model is left as it was
 
 
 def test_default_method_is_staged_and_exact(capsys, served):

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 import specjax
-from specjax import loading
+from specjax import loading, models
 from specjax.checkpoints_tools import sources
 from specjax.checkpoints_tools.convert import convert
 
@@ -94,6 +94,21 @@ def test_a_draft_asset_is_read_once_per_target_and_file_version(smollm2, tmp_pat
     with pytest.raises(specjax.InvalidArgumentError, match="another embedding"):
         loading.resolve_draft(target)
     assert len(reads) == 4
+
+
+def test_a_fused_target_gets_its_shipped_draft_fused(smollm2):
+    """with_fused_projections: q|k|v and gate|up as one matrix each (what attn_impl="fused"
+    runs in one kernel each); the shipped draft resolved for it takes the same layout, and
+    staged output still equals ar's."""
+    fused = smollm2.with_fused_projections()
+    assert fused.with_fused_projections() is fused
+    assert models.projections_fused(fused.params) and not models.projections_fused(smollm2.params)
+    draft = loading.resolve_draft(fused)
+    assert models.projections_fused(draft.params) and loading.resolve_draft(fused) is draft
+    assert not models.projections_fused(loading.resolve_draft(smollm2).params)
+    expected = specjax.generate(fused, PROMPTS[0], max_new_tokens=10, method="ar").tokens
+    out = specjax.generate(fused, PROMPTS[0], max_new_tokens=10, method="staged")
+    assert out.tokens == expected and out.stats["draft_calls"] > 0
 
 
 @pytest.mark.slow

@@ -189,7 +189,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
       verify: the acceptance rule (``coupled``, ``greedy``, ...); ``None`` for ``ar``.
       dtype: parameter and cache dtype.
       fused_projections: the target's q|k|v and gate|up matrices fused
-        (:func:`specjax.models.fuse_projections`).
+        (:func:`specjax.models.fuse_projections`), and the draft's (a draft resolved for a
+        fused target takes its layout: :func:`specjax.loading.resolve_draft`).
       temperature: the request's (0: greedy). Whether the program holds one sampling rule
         or all of them follows ``SPECJAX_SAMPLING_RULES`` (:func:`specjax.sampling.
         static_rules`; the abstract weights are on no device, so ``auto`` means traced).
@@ -219,7 +220,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
                             fused=fused_projections)
     draft = None
     if method in ("spec", "tree", "staged"):
-        draft = abstract_model(dataclasses.replace(config, num_layers=2), "draft-2-layers")
+        draft = abstract_model(dataclasses.replace(config, num_layers=2), "draft-2-layers",
+                               fused=fused_projections)
     options = {} if verify is None else {"verify": verify}
     method = methods.method_options(method, backend=defaults)
     request = api._prepare(target, list(range(1, prompt_tokens + 1)), method=method,

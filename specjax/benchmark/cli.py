@@ -163,6 +163,8 @@ def load_models(args, dtype: str, want_draft: str = "no"):
     ``"optional"`` (only the ``hf-assisted`` peer would use it)."""
     progress = sys.stderr.isatty()
     target = loading.load(args.model, dtype=dtype, progress=progress)
+    if getattr(args, "attn_impl", None) == "fused":  # one kernel for q|k|v, one for gate|up
+        target = target.with_fused_projections()
     if args.draft == "none" or (args.draft is None and want_draft == "no"):
         return target, None
     if args.draft is None and want_draft == "optional" \
