@@ -122,17 +122,17 @@ def _dot(a, b, *, contract_b: int):
                            preferred_element_type=jnp.float32)
 
 
-def _split_kernel(scalars_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_kv: int,
-                  scale: float):
+def _split_kernel(length_ref, layer_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
+                  block_kv: int, scale: float):
     """Online softmax of one row block over one split of the committed cache slots.
 
-    Refs: scalars_ref int32 [2] (length, layer); q_ref [block_rows, D] (one KV head's rows);
+    Refs: length_ref, layer_ref int32 [1]; q_ref [block_rows, D] (one KV head's rows);
     k_ref, v_ref the whole cache [L, S, K, D]; outputs acc_ref [block_rows, D], m_ref,
     l_ref [block_rows].
     """
     head, split = pl.program_id(0), pl.program_id(2)
     num_splits = pl.num_programs(2)
-    length, layer = scalars_ref[0], scalars_ref[1]
+    length, layer = length_ref[0], layer_ref[0]
     num_blocks = pl.cdiv(length, block_kv)
     per_split = pl.cdiv(num_blocks, num_splits)
     first = split * per_split
@@ -257,7 +257,6 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     scale = 1.0 / math.sqrt(head_dim)
     length = jnp.asarray(0 if length is None else length, jnp.int32)
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    scalars = jnp.stack([length, layer])
 
     queries = layout.pack_queries(q, num_kv_heads, rows)
     window_k = window_v = None
@@ -278,10 +277,14 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     partial_specs = []
     if has_cache:
         splits = config.num_splits
+        # The length and the layer as two one-element arrays (a reshape each, no kernel),
+        # not one stacked pair: stacking the layer counter with the length is a launch of
+        # its own in every layer.
         partials = pl.pallas_call(
             functools.partial(_split_kernel, block_kv=config.block_kv, scale=scale),
             grid=(num_kv_heads, row_blocks, splits),
-            in_specs=[pl.no_block_spec, query_spec, pl.no_block_spec, pl.no_block_spec],
+            in_specs=[pl.no_block_spec, pl.no_block_spec, query_spec, pl.no_block_spec,
+                      pl.no_block_spec],
             out_specs=[
                 pl.BlockSpec((None, None, config.block_rows, head_dim),
                              lambda h, i, j: (j, h, i, 0)),
@@ -296,7 +299,7 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
             compiler_params=params,
             interpret=interpret,
             name="verify_attention_gpu_split",
-        )(scalars, queries, k_cache, v_cache)
+        )(length.reshape(1), layer.reshape(1), queries, k_cache, v_cache)
         partial_specs = [
             pl.BlockSpec((splits, None, config.block_rows, head_dim), lambda h, i: (0, h, i, 0)),
             pl.BlockSpec((splits, None, config.block_rows), lambda h, i: (0, h, i)),

@@ -96,6 +96,20 @@ def test_generation_with_fused_projections_equals_separate():
     assert specjax.generate(fused, prompt, max_new_tokens=8).tokens == expected
 
 
+def test_a_fused_target_and_draft_draft_exactly():
+    # Model.with_fused_projections on both: tree output equals the separate target's ar.
+    model = _pair("llama-gqa")
+    fused = model.with_fused_projections()
+    assert models.projections_fused(fused.params) and fused.with_fused_projections() is fused
+    draft = fused.first_layers(1)
+    assert models.projections_fused(draft.params)
+    prompt = random_prompt(10, 9)
+    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
+    out = specjax.generate(fused, prompt, max_new_tokens=8, method="tree", draft=draft,
+                           tree_budget=6, draft_depth=3, draft_width=2)
+    assert out.tokens == expected and out.stats["draft_calls"] > 0
+
+
 def test_a_fused_layer_runs_three_fewer_matmuls():
     """The layer loop's body in the compiled forward: q/k/v and gate/up fused (7 -> 4
     projection matmuls per layer; the attention's own products are the same in both)."""

@@ -98,17 +98,15 @@ def test_a_draft_asset_is_read_once_per_target_and_file_version(smollm2, tmp_pat
 
 def test_a_fused_target_gets_its_shipped_draft_fused(smollm2):
     """with_fused_projections: q|k|v and gate|up as one matrix each (what attn_impl="fused"
-    runs in one kernel each); the shipped draft resolved for it takes the same layout, and
-    staged output still equals ar's."""
+    runs in one kernel each); the shipped draft resolved for it takes the same layout
+    (generation with both fused: tests/test_fused_projections.py)."""
     fused = smollm2.with_fused_projections()
     assert fused.with_fused_projections() is fused
     assert models.projections_fused(fused.params) and not models.projections_fused(smollm2.params)
     draft = loading.resolve_draft(fused)
     assert models.projections_fused(draft.params) and loading.resolve_draft(fused) is draft
+    assert draft.head_size == loading.resolve_draft(smollm2).head_size  # its head subset kept
     assert not models.projections_fused(loading.resolve_draft(smollm2).params)
-    expected = specjax.generate(fused, PROMPTS[0], max_new_tokens=10, method="ar").tokens
-    out = specjax.generate(fused, PROMPTS[0], max_new_tokens=10, method="staged")
-    assert out.tokens == expected and out.stats["draft_calls"] > 0
 
 
 @pytest.mark.slow
