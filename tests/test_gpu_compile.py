@@ -9,16 +9,16 @@ not running: numerics stay with the interpreter tests.
 Checked, on SmolLM2-135M-shaped programs (random abstract weights): a canary (the Mosaic
 GPU kernel at a tiling over the H100's shared memory must be refused); ``ar`` with
 ``attn_impl="fused"`` in bfloat16 with the Triton and with the Mosaic GPU projection
-kernels, ``tree`` (greedy) fused in bfloat16, ``ar`` fused in float32 and ``staged`` with
-the default kernels in float32 (sampled, coupled), and ``ngram`` and ``staged`` fused in bfloat16 with the
-GPU's method defaults (a ten-level n-gram proposal; four ``staged`` draft rounds, each with
-a stage-2 proposal): each compiles, contains the Pallas kernels it should (per
-layer: attention, and q|k|v, o, gate|up, down in the chosen backend), holds no conditional
-(the sampling rule is fixed when tracing, as on a GPU: a GPU runs a conditional by waiting
-for the device from the host), its decode step writes no KV cache whole (no cache-sized copy: updates in place) on the GPU compiler's
-program, as on the CPU's, and its step runs no more kernel-like operations than measured
-(:data:`STEP_OPS_AT_MOST`; per layer too where a layer loop remains,
-:data:`LAYER_OPS_AT_MOST`).
+kernels, ``tree`` (greedy) fused in bfloat16, ``ar`` fused in float32, ``staged`` with the
+default kernels in float32 (sampled, coupled), and ``ngram`` and ``staged`` fused in
+bfloat16 with the GPU's method defaults (a ten-level n-gram proposal; four ``staged`` draft
+rounds, each with a stage-2 proposal). Each compiles, contains the Pallas kernels it should
+(per layer: attention, and q|k|v, o, gate|up, down in the chosen backend), holds no
+conditional (the sampling rule is fixed when tracing, as on a GPU: a GPU runs a conditional
+by waiting for the device from the host), its decode step writes no KV cache whole (no
+cache-sized copy: updates in place) on the GPU compiler's program, as on the CPU's, and its
+step runs no more kernel-like operations than measured (:data:`STEP_OPS_AT_MOST`; per layer
+too where a layer loop remains, :data:`LAYER_OPS_AT_MOST`).
 
 Without the plugin these tests are skipped with the reason shown by ``pytest -ra``;
 ``make test-gpu`` installs it beside the environment and runs them, and with

@@ -311,11 +311,6 @@ class Staged:
                      child_scores=node_scores, child_tokens=node_tokens)
         return candidates, nodes
 
-    def _walk(self, pass_tokens, pass_valid, best_child, history, visible, history_at,
-              visible_at):
-        return walk_proposal(self.proposal, pass_tokens, pass_valid, best_child, history,
-                             visible, history_at, visible_at)
-
     def step(self, params, loop: DecodeLoop, state: DecodeState,
              resources: Resources) -> DecodeState:
         sampling, config = state.sampling, self.draft_config
@@ -360,9 +355,9 @@ class Staged:
         # Draft scratch: the catch-up rows (visible while real), the first proposal, then
         # each later round's pass; `visible` marks the spine's slots.
         visible = jnp.concatenate([seen, jnp.zeros((self.window - chunk,), jnp.bool_)])
-        node, matched, history, visible = self._walk(
-            pass_tokens, pass_valid, nodes["child_tokens"][:, 0], state.tokens, visible,
-            state.length, chunk - 1)
+        node, matched, history, visible = walk_proposal(
+            self.proposal, pass_tokens, pass_valid, nodes["child_tokens"][:, 0], state.tokens,
+            visible, state.length, chunk - 1)
         count = 1 + matched  # spine nodes so far (root included)
         kill = jnp.zeros((self.num_candidates,), jnp.bool_)  # duplicates found later
         base = (1 + n_prop) * (1 + width)
@@ -392,9 +387,9 @@ class Staged:
             for name in cands:
                 cands[name] += round_cands[name]
             visible = visible.at[offset].set(True)
-            node, matched, history, visible = self._walk(
-                pass_tokens, pass_valid, nodes["child_tokens"][:, 0], history, visible,
-                state.length + count, offset)
+            node, matched, history, visible = walk_proposal(
+                self.proposal, pass_tokens, pass_valid, nodes["child_tokens"][:, 0], history,
+                visible, state.length + count, offset)
             count = count + 1 + matched
             base += size * (1 + width)
         cache = advance(cache, fresh)
