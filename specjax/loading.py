@@ -224,10 +224,9 @@ def _draft_asset(model: Model, directory: Path | None) -> Model:
 
 
 @functools.lru_cache(maxsize=4)
-def _tables_file(signature: tuple, vocab_size: int) -> ngram_lib.NgramTables:
-    """An n-gram file's tables on the device, read once per file version."""
-    return jax.tree.map(jnp.asarray, ngram_lib.load_ngram(signature[0][0],
-                                                          vocab_size=vocab_size))
+def _tables_file(path: str, version: tuple, vocab_size: int) -> ngram_lib.NgramTables:
+    """An n-gram file's tables on the device, read once per ``version`` (mtime, size)."""
+    return jax.tree.map(jnp.asarray, ngram_lib.load_ngram(path, vocab_size=vocab_size))
 
 
 def resolve_ngram(model: Model, ngram=None) -> ngram_lib.NgramTables:
@@ -251,7 +250,8 @@ def resolve_ngram(model: Model, ngram=None) -> ngram_lib.NgramTables:
     else:
         signature = _file_signature(Path(ngram).expanduser())
         if signature is not None:  # device arrays are immutable: one copy serves every call
-            return _tables_file(signature, model.config.vocab_size)
+            (path, *version), = signature
+            return _tables_file(path, tuple(version), model.config.vocab_size)
         tables = ngram_lib.load_ngram(ngram, vocab_size=model.config.vocab_size)
     return jax.tree.map(jnp.asarray, tables)
 

@@ -58,12 +58,10 @@ def lookup_continuation(history, length, num_tokens: int, *, min_n: int = 1,
     agree = ends >= 0
     matches = {}
     for back in range(max_n):
-        if back < size:
+        if back < size:  # past the buffer, the bounds on `ends` below already exclude all
             target = history[jnp.clip(length - 1 - back, 0, size - 1)]
             shifted = jnp.concatenate([jnp.full(back, -1, jnp.int32), history[:size - back]])
             agree = agree & (shifted == target)
-        else:  # a suffix longer than the buffer never occurs earlier in it
-            agree = agree & False
         n = back + 1
         if n >= min_n:
             matches[n] = agree & (ends >= n - 1) & (ends <= length - 2) & (length >= n + 1)
