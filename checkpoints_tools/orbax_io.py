@@ -187,6 +187,24 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
         raise CheckpointError(f"{path}: the parameter directory {PARAMS_DIR}/ is missing")
     _silence_late_loop_errors()
     try:
+        params = _restore(ocp, params_dir, config)
+    except CheckpointError:
+        _drop_orphaned_read_reports(params_dir)
+        raise
+    if not isinstance(params, dict):
+        raise CheckpointError(
+            f"{params_dir}: expected a tree of dicts, found {type(params).__name__}")
+    params = _to_numpy(params)
+    check_params(config, params, source=str(params_dir))
+    target = as_numpy_dtype(dtype)
+    if target is not None:
+        params = _cast(params, target)
+    tokenizer = load_hf_tokenizer(path) if has_tokenizer(path) else None
+    return config, params, tokenizer
+
+
+def _restore(ocp, params_dir: Path, config: ModelConfig):
+    try:
         # orbax logs a warning of its own when the metadata is unreadable; the error below
         # says it in one line.
         with _quiet_absl(), ocp.StandardCheckpointer() as checkpointer:
@@ -198,20 +216,10 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
     _check_stored_arrays(getattr(item, "tree", item), config, params_dir)
     try:
         with ocp.StandardCheckpointer() as checkpointer:
-            params = checkpointer.restore(params_dir)
+            return checkpointer.restore(params_dir)
     except Exception as error:  # orbax/tensorstore raise many types for damaged files
         raise CheckpointError(
             f"{params_dir}: corrupt or incomplete orbax checkpoint ({one_line(error)})") from error
-    if not isinstance(params, dict):
-        raise CheckpointError(
-            f"{params_dir}: expected a tree of dicts, found {type(params).__name__}")
-    params = _to_numpy(params)
-    check_params(config, params, source=str(params_dir))
-    target = as_numpy_dtype(dtype)
-    if target is not None:
-        params = _cast(params, target)
-    tokenizer = load_hf_tokenizer(path) if has_tokenizer(path) else None
-    return config, params, tokenizer
 
 
 # Stored arrays may declare this many times the bytes params/ holds on disk (compression,
@@ -290,6 +298,36 @@ def _silence_late_loop_errors() -> None:
 
         except_hook._specjax_filter = True
         sys.excepthook = except_hook
+
+
+class _OrphanedReadFilter(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" reports about reads of one directory."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory = str(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "exception was never retrieved" not in message.partition("\n")[0]:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return self.directory not in message and self.directory not in str(exc)
+
+
+def _drop_orphaned_read_reports(params_dir: Path) -> None:
+    """Keeps a damaged checkpoint's failed reads from being reported after our error.
+
+    When orbax gives up on a damaged checkpoint, some of the reads it started (asyncio tasks
+    wrapping tensorstore futures) have failed without anyone awaiting them. Whenever the
+    garbage collector frees them, maybe at exit, asyncio logs "Task exception was never
+    retrieved" with the tensorstore error: several lines after the one-line error. This
+    filter drops those reports for ``params_dir`` only; every other asyncio report passes.
+    """
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OrphanedReadFilter) and f.directory == str(params_dir)
+               for f in logger.filters):
+        logger.addFilter(_OrphanedReadFilter(params_dir))
 
 
 def _cast(tree, dtype):
