@@ -1,5 +1,6 @@
 # Quick start: `make demo` (set up and generate), `make test` (set up and run the suite but
-# the tests marked slow), `make test-all` (everything: what CI runs).
+# the tests marked slow), `make test-all` (everything). CI (.ci/run) runs `make test`, then
+# `make test-tpu` and `make test-gpu`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import signal
 import sys
 import warnings
@@ -387,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if argv is None:  # run as the program, not called from Python
         interrupts.run_as_program()
+        problem = use_compilation_cache()
+        if problem is not None:
+            print(f"specjax: warning: {problem}", file=sys.stderr)
     status = run_command(args=parser.parse_args(argv))
     if argv is None:
         # The outcome is decided and printed. A Ctrl-C while the interpreter shuts down
@@ -396,14 +400,73 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+COMPILATION_CACHE_ENV = "SPECJAX_COMPILATION_CACHE"
+_CACHE_OFF = ("", "0", "off", "no", "false")
+_CACHE_MAX_BYTES = 2 << 30
+_CACHE_ERRORS = ("Error reading persistent compilation cache entry",
+                 "Error writing persistent compilation cache entry")
+
+
+def use_compilation_cache(environ=os.environ) -> str | None:
+    """Keeps the ``specjax`` program's compiled programs between runs: JAX's persistent
+    compilation cache, in ``$SPECJAX_COMPILATION_CACHE`` (``off`` or ``0``: no cache), else
+    ``$XDG_CACHE_HOME/specjax/xla`` (``~/.cache/specjax/xla``), every program cached, at most
+    2 GiB (least recently used entries go first).
+
+    JAX's own settings win: with ``JAX_COMPILATION_CACHE_DIR`` set this changes nothing, and
+    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` / ``JAX_COMPILATION_CACHE_MAX_SIZE`` stay.
+    Only the program calls this: the cache is process-wide JAX configuration, which code
+    importing specjax sets for itself (``jax.config.update("jax_compilation_cache_dir", ...)``).
+
+    Returns:
+      None, or a one-line reason why a directory the user named cannot be used (the run
+      goes on without a cache; an unusable default directory is skipped silently).
+    """
+    if jax.config.jax_compilation_cache_dir or environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None
+    value = environ.get(COMPILATION_CACHE_ENV)
+    if value is not None and value.strip().lower() in _CACHE_OFF:
+        return None
+    try:
+        if value is not None:
+            directory = Path(value).expanduser()
+        else:
+            base = environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+            directory = Path(base) / "specjax" / "xla"
+        directory.mkdir(parents=True, exist_ok=True)
+        usable = os.access(directory, os.W_OK | os.X_OK)
+    except (OSError, RuntimeError):  # RuntimeError: no home directory
+        usable = False
+    if not usable:
+        return (None if value is None else f"{COMPILATION_CACHE_ENV}={value}: not a writable "
+                "directory; compiling without a cache")
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in environ:
+        jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
+    return None
+
+
 def run_command(args) -> int:
     """Runs ``args.func(args)``: user errors print one line (status 2), Ctrl-C 130; a
     :class:`~specjax.errors.PerformanceWarning` prints one line and the command goes on."""
     show = warnings.showwarning
+    cache_reported = False
 
     def one_line(message, category, filename, lineno, file=None, line=None):
+        nonlocal cache_reported
+        file = sys.stderr if file is None else file
         if issubclass(category, PerformanceWarning):
-            print(f"specjax: warning: {message}", file=sys.stderr if file is None else file)
+            print(f"specjax: warning: {message}", file=file)
+        elif str(message).startswith(_CACHE_ERRORS):
+            # JAX warns per entry, on every run, and never rewrites an unreadable entry.
+            if not cache_reported:
+                cache_reported = True
+                print(f"specjax: warning: the compilation cache "
+                      f"({jax.config.jax_compilation_cache_dir}) failed ("
+                      f"{str(message).partition(chr(10))[0][:200]}); compiling instead; "
+                      f"delete that directory if this repeats", file=file)
         else:
             show(message, category, filename, lineno, file, line)
 

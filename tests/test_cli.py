@@ -9,11 +9,13 @@ the CLI is checked to add nothing and lose nothing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 import specjax
@@ -191,6 +193,65 @@ def test_console_script_runs_for_real():
     bad = subprocess.run([str(script), "generate", PROMPT, "--top-p", "0"],
                          capture_output=True, text=True, timeout=300)
     assert_one_line_error(bad.returncode, bad.stdout, bad.stderr, "top_p")
+
+
+@pytest.fixture
+def jax_cache_settings():
+    """Restores the JAX cache settings that :func:`cli.use_compilation_cache` changes."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_compilation_cache_max_size")
+    saved = {name: getattr(jax.config, name) for name in names}
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+
+
+def test_the_program_caches_compiled_programs_where_it_is_told(tmp_path, jax_cache_settings):
+    assert jax.config.jax_compilation_cache_dir is None  # nothing set it in this process
+    for off in ("off", "0", "", "No"):
+        assert cli.use_compilation_cache({cli.COMPILATION_CACHE_ENV: off}) is None
+        assert jax.config.jax_compilation_cache_dir is None
+    # JAX's own setting stands.
+    assert cli.use_compilation_cache({"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"),
+                                      "XDG_CACHE_HOME": str(tmp_path)}) is None
+    assert jax.config.jax_compilation_cache_dir is None and not (tmp_path / "specjax").exists()
+    # A named path that is not a directory: one line, and no cache.
+    (tmp_path / "file").write_text("")
+    problem = cli.use_compilation_cache({cli.COMPILATION_CACHE_ENV: str(tmp_path / "file")})
+    assert "not a writable directory" in problem and "\n" not in problem
+    assert jax.config.jax_compilation_cache_dir is None
+    # The default place, under XDG_CACHE_HOME; the user's minimum compile time stands.
+    assert cli.use_compilation_cache({"XDG_CACHE_HOME": str(tmp_path / "xdg"),
+                                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1"}) is None
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xdg" / "specjax" / "xla")
+    assert (tmp_path / "xdg" / "specjax" / "xla").is_dir()
+    assert jax.config.jax_compilation_cache_max_size == 2 << 30
+
+
+def test_the_program_finds_its_cached_programs_and_survives_a_damaged_cache(
+        tiny_gguf, tmp_path):
+    """A real process fills the cache; the next one looks its programs up there (it reads
+    the entries: every one is truncated, so it warns, in one line) and gives the same tokens."""
+    script = Path(sys.executable).with_name("specjax")
+    cache = tmp_path / "cache"
+
+    def run():
+        env = dict(os.environ, **{cli.COMPILATION_CACHE_ENV: str(cache)})
+        return subprocess.run([str(script), "generate", PROMPT, "-m", str(tiny_gguf),
+                               "--method", "ar", "--max-new-tokens", "4"],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    first = run()
+    assert first.returncode == 0 and SUMMARY.match(first.stderr), first.stderr
+    entries = list(cache.glob("*-cache"))
+    assert entries, "nothing was written to the compilation cache"
+    for entry in entries:
+        entry.write_bytes(entry.read_bytes()[:40])
+    damaged = run()
+    assert damaged.returncode == 0 and damaged.stdout == first.stdout
+    warning, summary = damaged.stderr.splitlines()
+    assert warning.startswith("specjax: warning: the compilation cache (") and str(cache) in warning
+    assert SUMMARY.match(summary + "\n") and "Traceback" not in damaged.stderr
 
 
 # ----------------------------------------------------------------------------- convert

@@ -58,6 +58,9 @@ def machine() -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         # The kernel choices (SPECJAX_GPU_KERNELS, SPECJAX_KERNEL_INTERPRET) change what runs.
         "specjax_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECJAX_")},
+        # Compile times are cache hits when a persistent compilation cache is on (the
+        # specjax program turns it on; see the README).
+        "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
         "versions": versions(),
         "git": git_commit(),
     }
