@@ -201,13 +201,13 @@ def jax_cache_settings():
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_compilation_cache_max_size")
     saved = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", None)  # as if JAX's own were not set
     yield
     for name, value in saved.items():
         jax.config.update(name, value)
 
 
 def test_the_program_caches_compiled_programs_where_it_is_told(tmp_path, jax_cache_settings):
-    assert jax.config.jax_compilation_cache_dir is None  # nothing set it in this process
     for off in ("off", "0", "", "No"):
         assert cli.use_compilation_cache({cli.COMPILATION_CACHE_ENV: off}) is None
         assert jax.config.jax_compilation_cache_dir is None
@@ -236,7 +236,9 @@ def test_the_program_finds_its_cached_programs_and_survives_a_damaged_cache(
     cache = tmp_path / "cache"
 
     def run():
-        env = dict(os.environ, **{cli.COMPILATION_CACHE_ENV: str(cache)})
+        env = {k: v for k, v in os.environ.items()  # JAX's own cache settings would win
+               if not (k.startswith("JAX_") and "CACHE" in k)}
+        env[cli.COMPILATION_CACHE_ENV] = str(cache)
         return subprocess.run([str(script), "generate", PROMPT, "-m", str(tiny_gguf),
                                "--method", "ar", "--max-new-tokens", "4"],
                               capture_output=True, text=True, timeout=300, env=env)
