@@ -174,8 +174,6 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
       CheckpointError: the config or parameters are missing, unreadable or inconsistent
         (the message names which).
     """
-    import orbax.checkpoint as ocp
-
     from specjax.models import check_params
 
     path = Path(path).absolute()
@@ -187,7 +185,7 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
         raise CheckpointError(f"{path}: the parameter directory {PARAMS_DIR}/ is missing")
     _silence_late_loop_errors()
     try:
-        params = _restore(ocp, params_dir, config)
+        params = _restore(params_dir, config)
     except CheckpointError:
         _drop_orphaned_read_reports(params_dir)
         raise
@@ -203,7 +201,11 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
     return config, params, tokenizer
 
 
-def _restore(ocp, params_dir: Path, config: ModelConfig):
+def _restore(params_dir: Path, config: ModelConfig):
+    """The parameter tree orbax restores from ``params_dir``, its declared arrays checked
+    first; any failure is a one-line :class:`CheckpointError`."""
+    import orbax.checkpoint as ocp
+
     try:
         # orbax logs a warning of its own when the metadata is unreadable; the error below
         # says it in one line.

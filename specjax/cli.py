@@ -21,6 +21,7 @@ from specjax.attention import IMPLEMENTATIONS
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import ngram_build, sources, train_draft
 from specjax.checkpoints_tools.convert import convert
+from specjax.checkpoints_tools.hf import one_line
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
 from specjax.methods import METHODS, MethodOptions
 from specjax.methods.flags import add_method_arguments, method_from_args
@@ -454,7 +455,7 @@ def run_command(args) -> int:
     show = warnings.showwarning
     cache_reported = False
 
-    def one_line(message, category, filename, lineno, file=None, line=None):
+    def show_one_line(message, category, filename, lineno, file=None, line=None):
         nonlocal cache_reported
         file = sys.stderr if file is None else file
         if issubclass(category, PerformanceWarning):
@@ -464,15 +465,14 @@ def run_command(args) -> int:
             if not cache_reported:
                 cache_reported = True
                 print(f"specjax: warning: the compilation cache "
-                      f"({jax.config.jax_compilation_cache_dir}) failed ("
-                      f"{str(message).partition(chr(10))[0][:200]}); compiling instead; "
-                      f"delete that directory if this repeats", file=file)
+                      f"({jax.config.jax_compilation_cache_dir}) failed ({one_line(message)}); "
+                      "compiling instead; delete that directory if this repeats", file=file)
         else:
             show(message, category, filename, lineno, file, line)
 
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = one_line
+            warnings.showwarning = show_one_line
             return args.func(args)
     except SpecjaxError as err:
         print(f"specjax: error: {err}", file=sys.stderr)
