@@ -612,3 +612,64 @@ def test_bench_linear_attn_rope_unit_checks_the_rope_kernel(tmp_path, monkeypatc
     monkeypatch.setattr(bench_linear.linear_gpu, "qkv_rope_into_gpu",
                         lambda *a, rope_heads, **k: real(*a, rope_heads=0, **k))
     assert bench_linear.main([*argv, "--backends", "triton", "--json", str(out)]) == 1
+
+
+# ----------------------------------------------------------------------------- draft_agreement.py
+
+
+def _draft_agreement(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "draft_agreement.py"
+    spec = importlib.util.spec_from_file_location("draft_agreement", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "draft_agreement", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_draft_agreement_scores_count_chains_of_hits_and_overlaps(monkeypatch):
+    """At T = 0 a chain is the run of top-1 hits from a position, capped at the depth; at
+    T > 0 ``accept`` is the overlap of the two distributions and a chain the sum of the
+    running products of acceptances."""
+    import numpy as np
+
+    agreement = _draft_agreement(monkeypatch)
+    hits = np.array([1, 1, 0, 1, 1, 1, 1, 0], bool)
+    p = np.zeros((hits.size, 5))
+    p[:, 2] = 3.0  # the target's top token is 2 everywhere
+    q = np.zeros((hits.size, 5))
+    q[np.arange(hits.size), np.where(hits, 2, 4)] = 3.0
+    got = agreement.scores(p, q, 0.0, 4)
+    np.testing.assert_array_equal(got["top1"], hits)
+    np.testing.assert_array_equal(got["accept"], hits)
+    np.testing.assert_array_equal(got["chain"], [2, 1, 0, 4, 3, 2, 1, 0])
+
+    p = np.log(np.array([[0.5, 0.5, 0.0], [0.2, 0.8, 0.0], [0.1, 0.1, 0.8]]) + 1e-30)
+    q = np.log(np.array([[1.0, 0.0, 0.0], [0.2, 0.8, 0.0], [0.8, 0.1, 0.1]]) + 1e-30)
+    got = agreement.scores(p, q, 1.0, 2)
+    np.testing.assert_allclose(got["accept"], [0.5, 1.0, 0.3], atol=1e-9)
+    np.testing.assert_allclose(got["chain"], [0.5 + 0.5 * 1.0, 1.0 + 1.0 * 0.3, 0.3],
+                               atol=1e-9)
+    np.testing.assert_array_equal(got["top1"], [1, 1, 0])  # ties: the first index
+
+
+def test_draft_agreement_teacher_forced_logits_reproduce_the_greedy_continuation(monkeypatch):
+    """The one-pass logits over prompt + continuation pick, at every continuation position,
+    the token greedy decoding wrote there: what the target's "top token" means in the
+    scores is the token it actually decodes."""
+    import numpy as np
+
+    import specjax
+    from specjax.checkpoints_tools import sample_corpus
+
+    agreement = _draft_agreement(monkeypatch)
+    _, target = tiny_pair("llama-gqa")
+    prompt = random_prompt(3, 21)
+    row = sample_corpus.sample_continuations(target.params, target.config, [prompt],
+                                             num_new_tokens=12, temperature=0.0)[0]
+    assert list(row) == list(specjax.generate(target, prompt, method="ar",
+                                              max_new_tokens=12).tokens)
+    predicted = agreement.continuation_logits(target, prompt, row).argmax(-1)
+    np.testing.assert_array_equal(predicted, row)
