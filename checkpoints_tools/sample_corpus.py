@@ -4,9 +4,10 @@ target generations for self-distillation.
 Both uses need many independent continuations of many prompts, fast and reproducibly.
 :func:`sample_continuations` runs them in batches of rows: one jitted program per batch
 shape, ``jax.vmap`` over rows of a per-row program (prefill the padded prompt into a
-fixed-capacity cache, then a ``lax.fori_loop`` of one-token steps). The loop runs a fixed
-number of steps, so no row waits on another's stop token; rows are cut at their first
-stop token afterwards, on the host.
+fixed-capacity cache, then a ``lax.fori_loop`` of one-token steps). Rows are batched in
+order of prompt length, and each batch pads to its own longest prompt. The loop runs a
+fixed number of steps, so no row waits on another's stop token; rows are cut at their
+first stop token afterwards, on the host.
 
 Sampling is :func:`specjax.sampling.sample_tokens`, the coupled rule every decoding
 method uses: the token at absolute position ``t`` is ``argmax(logits_t / T + g_t)`` with
@@ -111,7 +112,8 @@ def sample_continuations(params, config, prompts: Sequence[Sequence[int]], *,
         ``(batch_size, prompt bucket, L)``).
       temperature: ``T >= 0`` (0: greedy); traced, a new value does not recompile.
       seed: row ``i`` samples with :func:`row_seed` ``(seed, i)``.
-      batch_size: rows per program run (the last batch is padded with copies).
+      batch_size: rows per program run, taken in order of prompt length (the last batch
+        is padded with copies). The output keeps the order of ``prompts``.
       stop_tokens: a row is cut after its first stop token (kept) and padded with
         :data:`PAD`.
       progress: optional callable, called with the rows done after each batch.
@@ -136,20 +138,24 @@ def sample_continuations(params, config, prompts: Sequence[Sequence[int]], *,
         raise InvalidArgumentError(
             f"longest prompt ({lengths.max()}) + {num_new_tokens} new tokens exceeds the "
             f"model's {config.max_position_embeddings} positions")
-    prompt_bucket = bucket(int(lengths.max()))
-    capacity = bucket(prompt_bucket + num_new_tokens, minimum=128)
-    padded = np.zeros((len(prompts), prompt_bucket), np.int32)
-    for i, prompt in enumerate(prompts):
-        padded[i, :len(prompt)] = prompt
     seeds = np.asarray([row_seed(seed, i) for i in range(len(prompts))], np.uint32)
     out = np.empty((len(prompts), num_new_tokens), np.int32)
+    # Rows run in order of prompt length, so that a batch pads its prompts to its own
+    # longest one, not the corpus's (docstring prompts run from a line to ~400 tokens).
+    by_length = np.argsort(lengths, kind="stable")
     for begin in range(0, len(prompts), batch_size):
-        rows = np.arange(begin, begin + batch_size) % len(prompts)  # pad with copies
-        tokens = _sample_batch(params, config, capacity, num_new_tokens,
-                               jnp.asarray(padded[rows]), jnp.asarray(lengths[rows]),
-                               jnp.float32(temperature), jnp.asarray(seeds[rows]))
         count = min(batch_size, len(prompts) - begin)
-        out[begin:begin + count] = np.asarray(tokens)[:count]
+        rows = by_length[begin:begin + count]
+        rows = rows[np.arange(batch_size) % count]  # pad with copies
+        prompt_bucket = bucket(int(lengths[rows].max()))
+        capacity = bucket(prompt_bucket + num_new_tokens, minimum=128)
+        padded = np.zeros((batch_size, prompt_bucket), np.int32)
+        for slot, row in enumerate(rows):
+            padded[slot, :lengths[row]] = prompts[row]
+        tokens = _sample_batch(params, config, capacity, num_new_tokens, jnp.asarray(padded),
+                               jnp.asarray(lengths[rows]), jnp.float32(temperature),
+                               jnp.asarray(seeds[rows]))
+        out[rows[:count]] = np.asarray(tokens)[:count]
         if progress is not None:
             progress(begin + count)
     return cut_at_stop(out, stop_tokens)

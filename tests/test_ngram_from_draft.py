@@ -200,3 +200,27 @@ def test_library_rejects_bad_settings(draft, tmp_path):
     with pytest.raises(InvalidArgumentError, match="temperature"):
         sample_corpus.sample_continuations(draft.params, draft.config, [[2]],
                                            num_new_tokens=4, temperature=-1.0)
+
+
+def test_sampler_batches_pad_to_their_own_longest_prompt(draft, monkeypatch):
+    """Rows run in order of prompt length and each batch pads to its own longest prompt
+    (a corpus of docstring prompts has a few long ones: padding every short prompt to them
+    made target generation several times slower); the output keeps the prompts' order and
+    each row is still its own ``ar`` generation."""
+    prompts = [[2] + list(range(300, 300 + n)) for n in (40, 2, 35, 3)]
+    shapes = []
+    real = sample_corpus._sample_batch
+
+    def recording(params, config, capacity, num_new, padded, *rest):
+        shapes.append((padded.shape, capacity))
+        return real(params, config, capacity, num_new, padded, *rest)
+
+    monkeypatch.setattr(sample_corpus, "_sample_batch", recording)
+    out = sample_corpus.sample_continuations(draft.params, draft.config, prompts,
+                                             num_new_tokens=6, temperature=1.0, seed=3,
+                                             batch_size=2)
+    assert shapes == [((2, 16), 128), ((2, 64), 128)]
+    for i, prompt in enumerate(prompts):
+        ref = specjax.generate(draft, prompt, method="ar", max_new_tokens=6, temperature=1.0,
+                               seed=sample_corpus.row_seed(3, i), stop_tokens=[])
+        assert out[i].tolist() == list(ref.tokens), i
