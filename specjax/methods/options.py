@@ -219,7 +219,7 @@ class NgramOptions(_Verified):
 # Staged defaults (CPU): measured with benchmarks/tune_staged.py on the 2-core CPU,
 # smollm2-135m. With the weak draft (35% agreement; prompts 5-13,
 # benchmarks/results/tune_staged_cpu_*.json) budget 6, one round and priors (0.7, 0.3) won.
-# With the shipped strong draft (69%; prompts 20-27, greedy,
+# With the H100 draft (69%, shipped 11-23 to 11-25; prompts 20-27, greedy,
 # benchmarks/results/cpu/tune_staged_strong_draft_t0.json) they still give the most tokens
 # per unit of CPU time: priors (0, 0) accept about as many tokens per pass (2.59 vs 2.64),
 # and each extra round adds ~0.3 then ~0.05 tokens per pass for a draft pass of 1 + 7 rows
