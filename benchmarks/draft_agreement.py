@@ -19,7 +19,11 @@ position (the first predicted from the prompt's last token):
   the same as ``top1``): the probability that one draft token passes the rejection rule;
 - ``chain``: the expected number of draft tokens a depth-``--depth`` chain starting there
   would get accepted, ``sum_k prod_{i<k} accept_i`` (at ``T = 0``: the run of ``top1``
-  hits, capped at the depth). Context lookup and the n-gram stage are not counted.
+  hits, capped at the depth). Context lookup and the n-gram stage are not counted;
+- ``reach`` (drafts whose head scores a subset of the vocabulary, like the shipped one):
+  the target's probability mass on the subset at ``--temperature`` (at 0: whether the
+  target's token is in it), a ceiling on ``accept``, since a draft never proposes a token
+  outside its head.
 
 Positions are pooled over prompts; ``per_prompt`` medians are given too.
 """
@@ -85,22 +89,39 @@ def _softmax(logits, temperature):
     return e / e.sum(-1, keepdims=True)
 
 
-def scores(p_logits, q_logits, temperature: float, depth: int) -> dict:
+def scores(p_logits, q_logits, temperature: float, depth: int, head=None) -> dict:
     """Per-position ``top1``, ``accept`` and ``chain`` (module docstring) of a draft's
-    logits ``q_logits`` against the target's ``p_logits`` (both [N, V])."""
+    logits ``q_logits`` against the target's ``p_logits`` (both [N, V]), and ``reach``
+    when ``head`` (the ids a subset-head draft scores) is given."""
     top1 = (p_logits.argmax(-1) == q_logits.argmax(-1)).astype(np.float64)
     if temperature == 0:
         accept = top1
     else:
         accept = np.minimum(_softmax(p_logits, temperature),
                             _softmax(q_logits, temperature)).sum(-1)
+    reach = {}
+    if head is not None:
+        inside = np.zeros(p_logits.shape[-1], bool)
+        inside[np.asarray(head)] = True
+        if temperature == 0:
+            reach["reach"] = inside[p_logits.argmax(-1)].astype(np.float64)
+        else:
+            reach["reach"] = _softmax(p_logits, temperature)[:, inside].sum(-1)
     chain = np.zeros_like(accept)
     for start in range(accept.size):
         survive = 1.0
         for i in range(start, min(start + depth, accept.size)):
             survive *= accept[i]
             chain[start] += survive
-    return {"top1": top1, "accept": accept, "chain": chain}
+    return {"top1": top1, "accept": accept, "chain": chain, **reach}
+
+
+def head_tokens(draft):
+    """The ids a draft's head scores, or None when it scores the whole vocabulary."""
+    from specjax import models
+
+    subset = draft.params.get(models.HEAD_SUBSET)
+    return None if subset is None else np.asarray(subset["tokens"])
 
 
 def main(argv=None) -> int:
@@ -146,16 +167,17 @@ def main(argv=None) -> int:
         temperature=args.temperature, seed=0, batch_size=args.batch_size, stop_tokens=stops)
     print(f"continuations: {time.time() - began:.0f} s", file=sys.stderr, flush=True)
 
-    pooled = {name: {"top1": [], "accept": [], "chain": []} for name in drafts}
+    heads = {name: head_tokens(draft) for name, draft in drafts.items()}
+    pooled = {name: {} for name in drafts}
     per_prompt = {name: [] for name in drafts}
     for index, (prompt, row) in enumerate(zip(encoded, continuations)):
         row = row[row >= 0]
         p = continuation_logits(model, prompt, row)
         for name, draft in drafts.items():
             q = continuation_logits(draft, prompt, row)
-            got = scores(p, q, args.temperature, args.depth)
+            got = scores(p, q, args.temperature, args.depth, heads[name])
             for key, values in got.items():
-                pooled[name][key].append(values)
+                pooled[name].setdefault(key, []).append(values)
             per_prompt[name].append({"prompt": args.skip + index, "positions": int(p.shape[0]),
                                      **{k: float(v.mean()) for k, v in got.items()}})
         print(f"prompt {args.skip + index}: " + ", ".join(
@@ -169,10 +191,11 @@ def main(argv=None) -> int:
             "positions": int(values["top1"].size),
             **{k: float(v.mean()) for k, v in values.items()},
             **{f"median_prompt_{k}": statistics.median(r[k] for r in per_prompt[name])
-               for k in ("top1", "accept", "chain")}}
+               for k in values}}
     for name, row in summary.items():
+        reach = f", reach {row['reach']:.4f}" if "reach" in row else ""
         print(f"{name}: top1 {row['top1']:.4f}, accept {row['accept']:.4f}, "
-              f"chain@{args.depth} {row['chain']:.3f} over {row['positions']} positions")
+              f"chain@{args.depth} {row['chain']:.3f}{reach} over {row['positions']} positions")
     if args.json:
         record = {"command": " ".join(sys.argv), "git": git_commit(), "machine": machine(),
                   "versions": versions(), "seconds": round(time.time() - began, 1),

@@ -653,6 +653,26 @@ def test_draft_agreement_scores_count_chains_of_hits_and_overlaps(monkeypatch):
     np.testing.assert_allclose(got["chain"], [0.5 + 0.5 * 1.0, 1.0 + 1.0 * 0.3, 0.3],
                                atol=1e-9)
     np.testing.assert_array_equal(got["top1"], [1, 1, 0])  # ties: the first index
+    assert "reach" not in got  # a full-vocabulary draft
+
+
+def test_draft_agreement_reach_is_the_target_mass_a_subset_head_can_propose(monkeypatch):
+    """``reach`` is whether the target's token is in the draft's head subset (T = 0) or the
+    target's probability on the subset (T > 0); ``head_tokens`` reads the subset of a
+    draft made with ``with_head_subset`` and is None for a full head."""
+    import numpy as np
+
+    agreement = _draft_agreement(monkeypatch)
+    p = np.log(np.array([[0.1, 0.6, 0.3], [0.7, 0.2, 0.1]]))
+    q = np.log(np.array([[0.8, 0.1, 0.1], [0.1, 0.1, 0.8]]))  # the target's mass counts
+    got = agreement.scores(p, q, 0.0, 2, head=[0, 2])
+    np.testing.assert_array_equal(got["reach"], [0, 1])
+    got = agreement.scores(p, q, 1.0, 2, head=[0, 2])
+    np.testing.assert_allclose(got["reach"], [0.4, 0.8], atol=1e-9)
+    _, draft = tiny_pair("llama-gqa")
+    assert agreement.head_tokens(draft) is None
+    np.testing.assert_array_equal(
+        agreement.head_tokens(draft.with_head_subset([5, 3, 9])), [3, 5, 9])
 
 
 def test_draft_agreement_teacher_forced_logits_reproduce_the_greedy_continuation(monkeypatch):
