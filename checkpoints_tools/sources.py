@@ -296,11 +296,23 @@ def _check_fingerprint(model: Model, record: dict, directory: Path) -> None:
             f"{model.name!r}'s: pass a draft trained for this model (draft=..., --draft)")
 
 
-def frequent_tokens(tokens, k: int, vocab_size: int):
+def frequent_tokens(tokens, k: int, vocab_size: int, *, mixture=None):
     """The ``k`` most frequent ids of a token array (ties: lower id first), sorted: the
-    default head subset of a shipped draft, counted on its training corpus."""
-    counts = np.bincount(np.asarray(tokens, np.int64).ravel(), minlength=vocab_size)
-    return np.sort(np.argsort(-counts, kind="stable")[: int(k)]).astype(np.int32)
+    default head subset of a shipped draft, counted on its training corpus.
+
+    ``mixture``, a list of (token array, weight) pairs, counts a training mix instead
+    (``tokens`` must then be None): each array's relative frequencies, weighted by the
+    share of training windows it supplies, so a small corpus the draft mostly trains on
+    (the target's own generations) is not outvoted by a large one.
+    """
+    if (tokens is None) == (mixture is None):
+        raise InvalidArgumentError("frequent_tokens takes tokens or a mixture, not both")
+    parts = [(tokens, 1.0)] if mixture is None else list(mixture)
+    frequency = np.zeros(vocab_size)
+    for part, weight in parts:
+        counts = np.bincount(np.asarray(part, np.int64).ravel(), minlength=vocab_size)
+        frequency += weight * counts / max(int(counts.sum()), 1)
+    return np.sort(np.argsort(-frequency, kind="stable")[: int(k)]).astype(np.int32)
 
 
 def _unflatten(flat: dict) -> dict:

@@ -813,6 +813,30 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _head_subset(out: Path, cfg: "TrainConfig", k: int, vocab_size: int):
+    """(ids, description) of the ``k`` most frequent tokens of the run's training mix: the
+    file corpus alone, or with ``--corpus-from-target`` the file corpus and the target's
+    generations weighted by the windows each gives a batch (the draft must cover what the
+    target writes, and a draft never proposes a token outside its head)."""
+    from specjax.checkpoints_tools.sources import frequent_tokens
+
+    with np.load(out / "corpus.npz") as corpus:
+        files = corpus["train"]
+    target_file = out / "target_corpus.npz"
+    share = (round(cfg.target_corpus_fraction * cfg.batch_size) / cfg.batch_size
+             if cfg.target_corpus_tokens else 0.0)
+    if share == 0 or not target_file.exists():
+        return (frequent_tokens(files, k, vocab_size),
+                f"the {k} most frequent ids of the run's training corpus")
+    with np.load(target_file) as data:
+        generated = data["train"]
+    mixture = [(files, 1.0 - share), (generated, share)]
+    return (frequent_tokens(None, k, vocab_size, mixture=mixture),
+            f"the {k} most frequent ids of the run's training mix: relative frequencies of "
+            f"the file corpus weighted {1 - share:g} and of the target's generations "
+            f"{share:g}")
+
+
 def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathLike | None = None,
                   *, note: str = "", head_tokens: int | None = None) -> dict:
     """Writes the latest saved training state of ``out`` as ``out/draft`` (and, with
@@ -820,12 +844,12 @@ def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathL
 
     Lets a long run be used before it ends (or after it was stopped). ``head_tokens`` K
     gives the asset a head restricted to the K most frequent tokens of the run's training
-    corpus (:func:`~specjax.checkpoints_tools.sources.frequent_tokens`).
+    mix (:func:`_head_subset`, :func:`~specjax.checkpoints_tools.sources.frequent_tokens`).
     """
     import jax
     import orbax.checkpoint as ocp
 
-    from specjax.checkpoints_tools.sources import frequent_tokens, save_draft_asset
+    from specjax.checkpoints_tools.sources import save_draft_asset
 
     out = Path(out).absolute()
     run_file = out / "train_config.json"
@@ -859,10 +883,8 @@ def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathL
             if not 1 <= head_tokens <= target.config.vocab_size:
                 raise InvalidArgumentError(
                     f"head_tokens must be in [1, {target.config.vocab_size}], got {head_tokens}")
-            with np.load(out / "corpus.npz") as corpus:
-                subset = frequent_tokens(corpus["train"], head_tokens, target.config.vocab_size)
-            provenance["head_tokens_source"] = (
-                f"the {head_tokens} most frequent ids of the run's training corpus")
+            subset, provenance["head_tokens_source"] = _head_subset(out, cfg, head_tokens,
+                                                                    target.config.vocab_size)
         # Ctrl-C waits for the asset's files (then raises): none is left half-written.
         with interrupts.guard() as interrupt, interrupt.deferred():
             save_draft_asset(asset_dir, target.config, params, target.params["embed"],
@@ -999,6 +1021,8 @@ def add_parser(subparsers) -> None:
                         "(draft.safetensors + draft.json, sharing the target's embedding)")
     p.add_argument("--head-tokens", type=int, default=None, metavar="K",
                    help="with --asset: restrict the draft's head to the K most frequent "
-                        "corpus tokens (faster draft passes; exactness unaffected)")
+                        "tokens of the training mix (file corpus and, with "
+                        "--corpus-from-target, the target's generations by their share of "
+                        "a batch); faster draft passes, exactness unaffected")
     p.add_argument("--note", default="", help="with --asset: a note stored in draft.json")
     p.set_defaults(func=main)

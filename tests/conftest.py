@@ -91,10 +91,16 @@ def tiny_target_with_tokenizer(tokenizer, vocab_size: int, max_positions: int = 
 
 
 def write_corpus(root, texts) -> list:
-    """Writes ``texts`` as ``module_<i>.py`` files under ``root``; returns their paths."""
+    """Writes ``texts`` as ``module_<i>.py`` files under ``root/corpus``; returns their
+    paths. train-draft splits files into training and held-out by a hash of the file's and
+    its folder's names, so the folder is named the same in every run: under pytest's
+    numbered temporary folders ("corpus0", "corpus1", ... in the order fixtures ran) the
+    split, and a run's losses, changed with which tests had run before."""
     files = []
+    folder = root / "corpus"
+    folder.mkdir(parents=True, exist_ok=True)
     for i, text in enumerate(texts):
-        path = root / f"module_{i}.py"
+        path = folder / f"module_{i}.py"
         path.write_text(text)
         files.append(path)
     return files
