@@ -12,11 +12,22 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # (tests/test_cli.py turns it on where it tests it).
 os.environ.setdefault("SPECJAX_COMPILATION_CACHE", "off")
 
+import signal
+import threading
+
 import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+
+# The Ctrl-C tests (test_interrupt, test_reliability, ...) assume Python's own SIGINT
+# handler. A process started in the background by a non-interactive shell inherits SIGINT
+# *ignored*, and then Python keeps it ignored (and so do the CLI subprocesses these tests
+# start): put the handler an interactive start would have given back.
+if (threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import specjax
 from specjax.checkpoints_tools.keymap import params_from_hf_tensors
