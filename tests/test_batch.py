@@ -44,10 +44,12 @@ def _singles(target, prompts, seeds, **kwargs):
 
 # One batch program per speculative method (5 rows: bucket 8, three padding rows); ar,
 # cheap to compile, at several sizes.
-# spec and tree (whose pieces staged also runs) are in the slow tier: CI time.
+# spec, tree and ngram (whose pieces staged also runs) are in the slow tier: CI time.
+# (test_stream_generate_yields_per_row_tokens batches ngram in the fast tier.)
 @pytest.mark.parametrize("method, sizes", [
-    ("ar", (1, 2, 3, 5)), pytest.param("spec", (5,), marks=pytest.mark.slow),
-    pytest.param("tree", (5,), marks=pytest.mark.slow), ("ngram", (5,)), ("staged", (5,))])
+    ("ar", (1, 2, 3, 5)),
+    *(pytest.param(m, (5,), marks=pytest.mark.slow) for m in ("spec", "tree", "ngram")),
+    ("staged", (5,))])
 def test_each_row_equals_its_batch_1_output(spec_target, spec_drafts, tables, method, sizes):
     # Live-row compaction (its extra programs) for the method that uses every piece;
     # test_live_rows_move_to_smaller_programs covers ar.

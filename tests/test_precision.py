@@ -32,45 +32,59 @@ from specjax import models
 from specjax.cache import init_cache
 from specjax.config import ModelConfig
 
-dtype = jnp.dtype(sys.argv[1])
-impl = sys.argv[2]
 config = ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
                      max_position_embeddings=256)
-params = models.init_params(config, jax.random.PRNGKey(0), dtype)
-cache = init_cache(config, 64, dtype)
 tokens = jnp.arange(4, dtype=jnp.int32)
 mask = jnp.tril(jnp.ones((4, 4), bool))
 
-def step(params, tokens, cache):
-    return models.forward(params, config, tokens, tokens + cache.length, cache, mask,
-                          jnp.ones((4, 2), bool), attn_impl=impl)
+for dtype_name, impl in (arg.split(":") for arg in sys.argv[1:]):
+    dtype = jnp.dtype(dtype_name)
+    params = models.init_params(config, jax.random.PRNGKey(0), dtype)
+    cache = init_cache(config, 64, dtype)
 
-text = jax.jit(step).lower(params, tokens, cache).as_text()
-for line in text.splitlines():
-    if "stablehlo.dot_general" not in line:
-        continue
-    precision = __import__("re").search(r"precision = \[(\w+), (\w+)\]", line)
-    types = __import__("re").findall(r"tensor<[0-9x]*x?(f32|bf16|f16)>", line.split(" : ")[-1])
-    print(json.dumps({"operands": types[:2],
-                      "precision": list(precision.groups()) if precision else None}))
+    def step(params, tokens, cache):
+        return models.forward(params, config, tokens, tokens + cache.length, cache, mask,
+                              jnp.ones((4, 2), bool), attn_impl=impl)
+
+    text = jax.jit(step).lower(params, tokens, cache).as_text()
+    for line in text.splitlines():
+        if "stablehlo.dot_general" not in line:
+            continue
+        precision = __import__("re").search(r"precision = \[(\w+), (\w+)\]", line)
+        types = __import__("re").findall(r"tensor<[0-9x]*x?(f32|bf16|f16)>",
+                                         line.split(" : ")[-1])
+        print(json.dumps({"program": f"{dtype_name}:{impl}", "operands": types[:2],
+                          "precision": list(precision.groups()) if precision else None}))
 """
 
 
-def dots(dtype: str, impl: str) -> list[dict]:
+IMPLS = ("reference", "auto", "kernel")
+DTYPES = ("float32", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def dots() -> dict[tuple[str, str], list[dict]]:
+    """Every (dtype, attn_impl) program's dots, lowered in one fresh interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_DEFAULT_MATMUL_PRECISION"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", PROBE, dtype, impl], capture_output=True,
+    programs = [f"{dtype}:{impl}" for dtype in DTYPES for impl in IMPLS]
+    out = subprocess.run([sys.executable, "-c", PROBE, *programs], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    found = {tuple(program.split(":")): [] for program in programs}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            found[tuple(record.pop("program").split(":"))].append(record)
+    return found
 
 
-@pytest.mark.parametrize("impl", ["reference", "auto", "kernel"])
-def test_float32_dots_are_highest_and_bfloat16_dots_are_not(impl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float32_dots_are_highest_and_bfloat16_dots_are_not(dots, impl):
     """``kernel`` lowers the Pallas GPU kernel in interpret mode: its dots count too."""
-    for dtype in ("float32", "bfloat16"):
-        found = dots(dtype, impl)
+    for dtype in DTYPES:
+        found = dots[dtype, impl]
         # q, k, v, o, gate, up, down (once: the layers are a loop), the head and at least
         # two attention products.
         assert len(found) >= 7 + 1 + 2, (dtype, impl, found)
