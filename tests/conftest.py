@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -35,6 +37,26 @@ from specjax.config import from_hf_config
 
 # fp32 everywhere; exact matmuls so that parity tolerances mean what they say.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent compilation cache per test run, shared by the xdist workers: each test
+# module drops its compiled programs when it ends (_release_compiled_programs), and many
+# modules compile the same tiny models' programs again, as does the other worker. The
+# cache is keyed on the program and its compile options, so a hit is the same executable.
+# SPECJAX_TEST_XLA_CACHE names a folder to keep between runs, or "off"; JAX's own setting
+# (JAX_COMPILATION_CACHE_DIR) wins.
+_TEST_CACHE_ENV = "SPECJAX_TEST_XLA_CACHE"
+
+
+def pytest_configure(config):
+    directory = os.environ.get(_TEST_CACHE_ENV)
+    if directory is None and not hasattr(config, "workerinput"):  # the controller
+        directory = tempfile.mkdtemp(prefix="specjax-tests-xla-")
+        os.environ[_TEST_CACHE_ENV] = directory  # the workers inherit it
+        config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+    if (directory and directory.lower() != "off"
+            and not jax.config.jax_compilation_cache_dir):
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 TINY_VOCAB = 97
 
