@@ -184,11 +184,15 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
     if not params_dir.is_dir():
         raise CheckpointError(f"{path}: the parameter directory {PARAMS_DIR}/ is missing")
     _silence_late_loop_errors()
+    # Before the restore: a failed read can be collected, and reported, while orbax is
+    # still failing (seen in CI: the report came before the error it belongs to).
+    added = _drop_orphaned_read_reports(params_dir)
     try:
         params = _restore(params_dir, config)
     except CheckpointError:
-        _drop_orphaned_read_reports(params_dir)
-        raise
+        raise  # the filter stays: more failed reads may be collected later, maybe at exit
+    if added is not None:  # nothing failed: no report to drop
+        logging.getLogger("asyncio").removeFilter(added)
     if not isinstance(params, dict):
         raise CheckpointError(
             f"{params_dir}: expected a tree of dicts, found {type(params).__name__}")
@@ -317,7 +321,7 @@ class _OrphanedReadFilter(logging.Filter):
         return self.directory not in message and self.directory not in str(exc)
 
 
-def _drop_orphaned_read_reports(params_dir: Path) -> None:
+def _drop_orphaned_read_reports(params_dir: Path) -> logging.Filter | None:
     """Keeps a damaged checkpoint's failed reads from being reported after our error.
 
     When orbax gives up on a damaged checkpoint, some of the reads it started (asyncio tasks
@@ -325,11 +329,15 @@ def _drop_orphaned_read_reports(params_dir: Path) -> None:
     garbage collector frees them, maybe at exit, asyncio logs "Task exception was never
     retrieved" with the tensorstore error: several lines after the one-line error. This
     filter drops those reports for ``params_dir`` only; every other asyncio report passes.
+    Returns the filter it added, or None when one for ``params_dir`` was there already.
     """
     logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, _OrphanedReadFilter) and f.directory == str(params_dir)
-               for f in logger.filters):
-        logger.addFilter(_OrphanedReadFilter(params_dir))
+    if any(isinstance(f, _OrphanedReadFilter) and f.directory == str(params_dir)
+           for f in logger.filters):
+        return None
+    added = _OrphanedReadFilter(params_dir)
+    logger.addFilter(added)
+    return added
 
 
 def _cast(tree, dtype):
