@@ -1,0 +1,111 @@
+"""Why a verify pass over a few nodes costs more than a one-token step on the CPU.
+
+Times, in one jitted program each, a float32 [M, K] x [K, N] product for M = 1..16 rows at
+SmolLM2-135M's shapes: the tied head (576 x 49,152, 113 MB, read from memory every call)
+and a stack of 30 distinct gate-sized projections (576 x 1,536 and back, 212 MB), with
+every XLA CPU option passed on the command line as a variant (``--flags``). A speculative
+target pass multiplies M = nodes rows by every weight, so the ratio to M = 1 is the
+pass's cost over an `ar` step's before attention.
+
+    .venv/bin/python benchmarks/bench_cpu_matmul.py --json benchmarks/results/cpu/matmul_rows.json
+
+Each variant runs in its own process (XLA_FLAGS are read once per process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROWS = (1, 2, 4, 6, 8, 16)
+
+
+def measure(rows, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    head = jnp.asarray(rng.standard_normal((49152, 576), dtype=np.float32))
+    ups = [jnp.asarray(rng.standard_normal((576, 1536), dtype=np.float32) * 0.03)
+           for _ in range(30)]
+    downs = [jnp.asarray(rng.standard_normal((1536, 576), dtype=np.float32) * 0.03)
+             for _ in range(30)]
+    precision = jax.lax.Precision.HIGHEST
+
+    @jax.jit
+    def head_logits(x, head):
+        return jnp.matmul(x, head.T, precision=precision)
+
+    @jax.jit
+    def projections(x, ups, downs):
+        for up, down in zip(ups, downs):
+            x = jnp.matmul(jnp.tanh(jnp.matmul(x, up, precision=precision)), down,
+                           precision=precision)
+        return x
+
+    def median_ms(fn, *args):
+        fn(*args).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn(*args).block_until_ready()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times) * 1e3)
+
+    out = {}
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, 576), dtype=np.float32))
+        out[m] = {"head_ms": median_ms(head_logits, x, head),
+                  "projections_ms": median_ms(projections, x, ups, downs)}
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--flags", nargs="*", default=[
+        "", "--xla_cpu_use_xnnpack=true", "--xla_cpu_experimental_xnn_fusion_type=dot",
+        "--xla_cpu_use_onednn=true", "--xla_cpu_multi_thread_eigen=false"],
+        help="XLA_FLAGS variants, one process each ('' = the default)")
+    parser.add_argument("--json")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.child:
+        print(json.dumps(measure(rows, args.repeats)))
+        return 0
+    result = {"benchmark": "cpu_matmul_rows", "command": " ".join(sys.argv),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "load_average_start": os.getloadavg(), "variants": {}}
+    for flags in args.flags:
+        env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, __file__, "--child", "--rows", args.rows,
+                               "--repeats", str(args.repeats)], env=env, capture_output=True,
+                              text=True)
+        if done.returncode:
+            result["variants"][flags or "default"] = {"error": done.stderr.strip()[-300:]}
+            print(f"{flags or 'default'}: failed", file=sys.stderr)
+            continue
+        times = json.loads(done.stdout.strip().splitlines()[-1])
+        result["variants"][flags or "default"] = times
+        base = times[str(rows[0])]
+        print(f"{flags or 'default'}")
+        for m, t in times.items():
+            print(f"  M={m:>2}: head {t['head_ms']:6.2f} ms ({t['head_ms'] / base['head_ms']:.2f}x)"
+                  f"  projections {t['projections_ms']:6.2f} ms "
+                  f"({t['projections_ms'] / base['projections_ms']:.2f}x)")
+    result["load_average_end"] = os.getloadavg()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
