@@ -186,11 +186,9 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
     _silence_late_loop_errors()
     # Before the restore: a failed read can be collected, and reported, while orbax is
     # still failing (seen in CI: the report came before the error it belongs to).
+    # After a CheckpointError the filter stays: more failed reads may be freed later.
     added = _drop_orphaned_read_reports(params_dir)
-    try:
-        params = _restore(params_dir, config)
-    except CheckpointError:
-        raise  # the filter stays: more failed reads may be collected later, maybe at exit
+    params = _restore(params_dir, config)
     if added is not None:  # nothing failed: no report to drop
         logging.getLogger("asyncio").removeFilter(added)
     if not isinstance(params, dict):

@@ -6,16 +6,15 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import tempfile
+import threading
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The specjax program keeps compiled programs in ~/.cache between runs; not for the tests
 # (tests/test_cli.py turns it on where it tests it).
 os.environ.setdefault("SPECJAX_COMPILATION_CACHE", "off")
-
-import signal
-import threading
 
 import jax
 import numpy as np
