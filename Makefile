@@ -1,6 +1,6 @@
 # Quick start: `make demo` (set up and generate), `make test` (set up and run the suite but
-# the tests marked slow), `make test-all` (everything). CI (.ci/run) runs `make test` with
-# `make test-tpu` and `make test-gpu` beside it.
+# the tests marked slow), `make test-all` (everything). CI (.ci/run) runs `make test`, then
+# `make test-tpu` and `make test-gpu`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -31,9 +31,8 @@ demo: install
 JOBS ?= auto
 PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal
 
-# TEST_ARGS: more pytest arguments (CI: --ignore the compile suites it runs beside).
 test: install
-	$(PYTEST) -m "not slow" $(TEST_ARGS)
+	$(PYTEST) -m "not slow"
 
 test-all: install
 	$(PYTEST)
