@@ -55,7 +55,8 @@ $(TPU_COMPILER)/.installed: pyproject.toml | $(STAMP)
 tpu-compiler: $(TPU_COMPILER)/.installed
 
 test-tpu: install tpu-compiler
-	SPECJAX_REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q -m "not slow" tests/test_tpu_compile.py
+	SPECJAX_REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q -m "tpu_compiler and not slow" \
+		tests/test_tpu_compile.py
 
 # Likewise the CUDA compiler (JAX's CUDA PJRT plugin, pinned to the installed jaxlib): the
 # GPU compile tests (tests/test_gpu_compile.py) compile whole programs for an H100 in a

@@ -53,9 +53,16 @@ COMPILER_PATH, MISSING = tpu_aot.find_compiler()
 REQUIRE_ENV = "SPECJAX_REQUIRE_TPU_COMPILER"
 # Skipped only where libtpu (the TPU compiler, installed beside .venv by `make tpu-compiler`)
 # is absent, with the reason shown; `make test-tpu` (CI) sets REQUIRE_ENV, so there a missing
-# compiler fails instead.
-needs_compiler = pytest.mark.skipif(COMPILER_PATH is None and os.environ.get(REQUIRE_ENV) != "1",
-                                    reason=MISSING)
+# compiler fails instead. The `tpu_compiler` mark selects them: `make test-tpu` runs only
+# these (the interpreter tests below need no compiler and run in `make test`).
+_skip_without_compiler = pytest.mark.skipif(
+    COMPILER_PATH is None and os.environ.get(REQUIRE_ENV) != "1", reason=MISSING)
+
+
+def needs_compiler(test):
+    return pytest.mark.tpu_compiler(_skip_without_compiler(test))
+
+
 TARGETS = ("v5e:2x2", "v6e:2x2", "v4:2x2x1")
 
 
