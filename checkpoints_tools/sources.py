@@ -30,7 +30,6 @@ import specjax
 from specjax.checkpoints_tools import orbax_io
 from specjax.checkpoints_tools.assets import (DRAFT_CONFIG, DRAFT_TENSORS, HEAD_TOKENS,
                                               check_draft_asset, draft_config, flatten_tree)
-from specjax.checkpoints_tools.gguf_loader import load_gguf
 from specjax.checkpoints_tools.hf import (as_numpy_dtype, check_safetensors_header,
                                           hub_snapshot, load_hf_directory, load_hf_tokenizer,
                                           one_line, read_json_object)
@@ -101,6 +100,16 @@ def _load_path(path: Path, dtype, progress: bool) -> tuple[ModelConfig, dict, An
     if path.is_dir():
         return _load_directory(path, dtype, progress)
     if path.suffix.lower() == ".gguf":
+        # Imported here: the gguf package is needed to read GGUF files alone, so that a
+        # machine without it (a bare GPU machine running the random-weight benchmarks)
+        # still imports everything else.
+        try:
+            from specjax.checkpoints_tools.gguf_loader import load_gguf
+        except ModuleNotFoundError as error:
+            if (error.name or "").partition(".")[0] != "gguf":
+                raise
+            raise CheckpointError(f"{path}: reading a GGUF file needs the gguf package, "
+                                  "which is not installed (pip install gguf)") from None
         return load_gguf(path, dtype=dtype, progress=progress)
     raise ModelNotFoundError(
         f"{path}: not a model; expected a .gguf file or a checkpoint directory")
