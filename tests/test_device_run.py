@@ -226,3 +226,15 @@ def test_a_complete_wheel_is_installed(tmp_path, capsys):
     assert done.stdout.strip() == "42", done.stderr
     manifest = json.loads((call / bundle.MANIFEST).read_text())
     assert manifest["calls"] == 1 and wheel.name in manifest["files"]
+
+
+def test_the_fast_test_compiles_are_for_the_cpu_alone(monkeypatch):
+    # On a GPU (gpu_run.sh's exact step) the tests compile as users do: the bitwise
+    # tree-vs-ar checks there must see the backend's own optimisation level.
+    import jax
+
+    import conftest
+
+    assert conftest.fast_compiler_options.__wrapped__()  # the CPU: optimisations off
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert conftest.fast_compiler_options.__wrapped__() == {}
