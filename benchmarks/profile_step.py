@@ -759,6 +759,7 @@ def main(argv=None) -> int:
                         help="output (default benchmarks/results/profile_<model>_<device>.json)")
     args = parser.parse_args(argv)
 
+    from specjax.benchmark import environment
     from specjax.benchmark.environment import machine
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -774,6 +775,16 @@ def main(argv=None) -> int:
               "machine": machine(), "backend": jax.default_backend(),
               "config": {k: v for k, v in vars(args).items() if k != "json"},
               "rows": []}
+    device_name = re.sub(r"[^A-Za-z0-9]+", "_", device.device_kind).strip("_").lower()
+    path = Path(args.json or ROOT / "benchmarks" / "results" /
+                f"profile_{args.model}_{device_name}.json")
+
+    def write(complete: bool) -> None:
+        # After every row too (with "complete": false), so that a run stopped part-way
+        # (gpu_run.sh's STEP_TIMEOUT, a device call's time limit) keeps the rows it has.
+        result["complete"] = complete
+        environment.write_json(path, json.loads(json.dumps(result, default=_json_default)))
+
     vocab = model_configs()[args.model].vocab_size if args.model in model_configs() else 0
     tables = random_ngram_tables(vocab) if any(m in NGRAM_METHODS for m in methods) else None
     prompt = np.random.default_rng(1).integers(3, vocab, args.prompt_length).tolist()
@@ -794,15 +805,12 @@ def main(argv=None) -> int:
             row["seconds"] = time.perf_counter() - started
             result["rows"].append(row)
             print(_summary_line(options_note, row), flush=True)
+            write(complete=False)
         del model
         from specjax import decode
 
         decode.clear_compiled()
-    device_name = re.sub(r"[^A-Za-z0-9]+", "_", device.device_kind).strip("_").lower()
-    path = Path(args.json or ROOT / "benchmarks" / "results" /
-                f"profile_{args.model}_{device_name}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=_json_default))
+    write(complete=True)
     print(f"wrote {path}")
     return 1 if any("error" in row for row in result["rows"]) else 0
 

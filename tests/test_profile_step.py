@@ -37,6 +37,29 @@ def profile_step():
 # ----------------------------------------------------------------------------- the script
 
 
+def test_a_run_stopped_part_way_keeps_its_rows(profile_step, tmp_path, monkeypatch):
+    """The JSON is rewritten after every row: a run stopped at a time limit (gpu_run.sh's
+    STEP_TIMEOUT) keeps what it measured, marked incomplete."""
+    calls = []
+
+    def profile_method(model, method, *args):
+        calls.append(method)
+        if len(calls) == 1:
+            raise RuntimeError("first method failed")  # a row, not a lost run
+        raise KeyboardInterrupt  # the time limit
+
+    monkeypatch.setattr(profile_step, "profile_method", profile_method)
+    out = tmp_path / "profile.json"
+    with pytest.raises(KeyboardInterrupt):
+        profile_step.main(["--model", "tiny", "--methods", "ar,spec", "--dtypes", "float32",
+                           "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["complete"] is False and calls == ["ar", "spec"]
+    [row] = result["rows"]
+    assert row["method"] == "ar" and "first method failed" in row["error"]
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]  # no staging file left
+
+
 @pytest.mark.slow
 def test_profile_step_writes_sane_counts(profile_step, tmp_path):
     """One command on the tiny config: per-pass wall time, CPU thunks from the trace, and HLO
@@ -47,6 +70,7 @@ def test_profile_step_writes_sane_counts(profile_step, tmp_path):
                                 "--repeats", "1", "--json", str(out)])
     assert status == 0
     result = json.loads(out.read_text())
+    assert result["complete"] is True
     assert result["backend"] == "cpu" and result["machine"]["versions"]["jax"]
     [row] = result["rows"]
     assert row["method"] == "ar" and row["dtype"] == "float32" and "error" not in row
