@@ -191,12 +191,33 @@ def test_first_difference():
 
 
 @pytest.fixture(scope="module")
-def suite_result(models):
+def suite_run(models):
     target, draft = models
     config = runner.SuiteConfig(methods=("ar", "tree"), temperatures=(0.0, 1.0),
                                 max_new_tokens=NEW, tree_budgets=(6,), draft_depth=3,
                                 peers=("hf", "hf-assisted", "hf-lookup"), warmup_tokens=2)
-    return runner.run_suite(config, target, draft, PROMPTS, progress="off")
+    so_far = []
+    result = runner.run_suite(config, target, draft, PROMPTS, progress="off",
+                              on_prompt=so_far.append)
+    return result, so_far
+
+
+@pytest.fixture(scope="module")
+def suite_result(suite_run):
+    return suite_run[0]
+
+
+def test_the_results_so_far_come_after_every_prompt(suite_run):
+    # What a caller saves as it goes, so that a run stopped at a time limit keeps them.
+    result, so_far = suite_run
+    assert len(so_far) == len(PROMPTS) > 1
+    for done, partial in enumerate(so_far, start=1):
+        assert partial["complete"] is False and partial["pass_breakdown"] == {}
+        assert {r["prompt"] for r in partial["rows"]} == set(range(done))
+        json.dumps(partial)
+    assert result["complete"] is True
+    assert so_far[-1]["rows"] == result["rows"]
+    assert so_far[-1]["aggregates"] == result["aggregates"]
 
 
 def test_every_method_matches_ar_and_rows_carry_stats(suite_result):
@@ -277,13 +298,21 @@ def test_peers_unavailable_are_rows_not_crashes(models, monkeypatch):
 # ----------------------------------------------------------------------------- the CLI
 
 
-def test_cli_json_plots_and_report(served, capsys, tmp_path):
+def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
+    from specjax.benchmark import environment
+
     out_json, plot_dir = tmp_path / "run.json", tmp_path / "plots"
+    written = []  # the JSON is saved after every prompt, then whole
+    real_write = environment.write_json
+    monkeypatch.setattr(environment, "write_json",
+                        lambda path, result: (written.append(result["complete"]),
+                                              real_write(path, result))[1])
     status, out, err = bench(capsys, "--methods", "ar,tree", "--draft", "tiny-draft", *TREE,
                              "--temperatures", "0,1", "--limit", "2", "--peers", "none",
                              "--json", str(out_json), "--plot", str(plot_dir))
     assert status == 0, err
     assert "MISMATCH" not in err
+    assert written == [False, False, True]
     result = json.loads(out_json.read_text())
     for key in ("command", "date", "device", "device_kind", "platform", "cpu_count",
                 "load_average_start", "load_average_end", "versions", "git", "flags",

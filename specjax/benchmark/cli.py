@@ -213,11 +213,18 @@ def run(args) -> int:
     prompts = humaneval.suite_prompts(config.suite, config.limit)
     if batch_size is not None:
         return _run_batches(args, config, target, draft, prompts, machine, load_seconds)
-    result = run_suite(config, target, draft, prompts)
-    result = {"benchmark": "suite", "command": _command(), **machine,
-              "load_average_end": os.getloadavg(),
-              "flags": {k: v for k, v in vars(args).items() if k != "func"},
-              "model_load_seconds": load_seconds, **result}
+
+    def wrap(result: dict) -> dict:
+        return {"benchmark": "suite", "command": _command(), **machine,
+                "load_average_end": os.getloadavg(),
+                "flags": {k: v for k, v in vars(args).items() if k != "func"},
+                "model_load_seconds": load_seconds, **result}
+
+    def save_so_far(result: dict) -> None:  # a run stopped part-way keeps its prompts
+        environment.write_json(args.json, wrap(result))
+
+    result = wrap(run_suite(config, target, draft, prompts,
+                            on_prompt=save_so_far if args.json else None))
     print(reporting.render_text(result))
     if args.json:
         print(f"wrote {environment.write_json(args.json, result)}", file=sys.stderr)

@@ -24,6 +24,7 @@ Every stats key a method reports is carried into its row, unknown ones included.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from typing import Any, Callable, Sequence
@@ -299,7 +300,8 @@ def _stats_row(result: api.GenerationResult, target_bytes: int, draft_bytes: int
 
 def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequence[int]],
               *, progress: str | None = None, log: Callable[[str], None] = _log,
-              generate: Callable[..., api.GenerationResult] | None = None) -> dict[str, Any]:
+              generate: Callable[..., api.GenerationResult] | None = None,
+              on_prompt: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Runs every system on every prompt and returns the results (JSON-ready).
 
     Args:
@@ -312,9 +314,13 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
       log: where messages (mismatches, per-prompt lines) go.
       generate: the generation function (default :func:`specjax.generate`); tests pass a
         wrapper.
+      on_prompt: called after every prompt with the results so far (the same form, with
+        ``"complete": False`` and no pass breakdown), so that a caller can save them: a run
+        stopped part-way (a time limit) keeps the prompts it finished.
     Returns:
       ``{"config", "models", "systems", "peers", "warmup", "rows", "aggregates",
-      "mismatches", "all_outputs_match"}``; see :mod:`specjax.benchmark.metrics` for rows.
+      "pass_breakdown", "mismatches", "all_outputs_match", "complete"}``; see
+      :mod:`specjax.benchmark.metrics` for rows.
     """
     generate = generate or api.generate
     if progress is None:
@@ -367,6 +373,27 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
                              "temperature": temperature, "tree_budget": None,
                              **peers.status[name]})
 
+    def results(rows: list[dict], breakdown: dict, complete: bool) -> dict[str, Any]:
+        metrics.derive(rows)
+        failed = metrics.mismatches(rows)
+        return {
+            "config": dataclasses.asdict(config),
+            "models": {"target": _describe_model(target), "draft": _describe_model(draft)},
+            "systems": [{"label": s.label, "kind": s.kind, "method": s.method,
+                         "tree_budget": s.tree_budget,
+                         "options": _describe_options(s, config)}
+                        for s in systems],
+            "peers": peers.describe(),
+            "warmup": warmup,
+            "rows": rows,
+            "aggregates": metrics.aggregate(rows),
+            "pass_breakdown": breakdown,
+            "mismatches": [{k: r.get(k) for k in ("prompt", "system", "temperature",
+                                                  "first_mismatch")} for r in failed],
+            "all_outputs_match": not failed,
+            "complete": complete,
+        }
+
     bar = _Progress(len(ids), progress, log)
     totals: dict[tuple, list] = {}  # (label, temperature) -> [tokens, seconds] so far
     systems_by_label = {s.label: s for s in systems}
@@ -409,6 +436,8 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
                     total[0] += row["new_tokens"]
                     total[1] += row["seconds"]
             bar.update(i + 1, _running_speedups(totals, config.temperatures[0]))
+            if on_prompt is not None:
+                on_prompt(results(copy.deepcopy(rows), {}, complete=False))
     finally:
         bar.close()
 
@@ -421,24 +450,7 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
             breakdown[system.label] = passcost.step_breakdown(
                 target, draft if needs_draft(system.method) else None, options,
                 attn_impl=config.attn_impl)
-    metrics.derive(rows)
-    failed = metrics.mismatches(rows)
-    return {
-        "config": dataclasses.asdict(config),
-        "models": {"target": _describe_model(target), "draft": _describe_model(draft)},
-        "systems": [{"label": s.label, "kind": s.kind, "method": s.method,
-                     "tree_budget": s.tree_budget,
-                     "options": _describe_options(s, config)}
-                    for s in systems],
-        "peers": peers.describe(),
-        "warmup": warmup,
-        "rows": rows,
-        "aggregates": metrics.aggregate(rows),
-        "pass_breakdown": breakdown,
-        "mismatches": [{k: r.get(k) for k in ("prompt", "system", "temperature",
-                                              "first_mismatch")} for r in failed],
-        "all_outputs_match": not failed,
-    }
+    return results(rows, breakdown, complete=True)
 
 
 def _finish_row(timing: dict, prompt: int, prompt_ids: list[int], label: str,
