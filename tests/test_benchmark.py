@@ -343,7 +343,15 @@ def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
     assert "| `tree` |" in markdown and "yes (4/4)" in markdown
     assert result["command"] in markdown and result["device_kind"] in markdown
     assert cli.main(["bench", "--report", str(out_json)]) == 0
-    assert "T=1    tree" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "T=1    tree" in captured.out and "stopped part-way" not in captured.err
+    # A file saved part-way says so when reported.
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({**result, "complete": False, "rows": [
+        r for r in result["rows"] if r["prompt"] == 0]}))
+    assert cli.main(["bench", "--report", str(partial)]) == 0
+    assert "partial.json is a run that stopped part-way, after 1 prompt(s)" in (
+        capsys.readouterr().err)
 
 
 def test_tree_budget_sweep_systems_and_plot(models, tmp_path):

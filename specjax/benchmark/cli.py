@@ -261,6 +261,11 @@ def _run_batches(args, config, target, draft, prompts, machine, load_seconds) ->
 def report(args) -> int:
     """``--report``: print the text summary or Markdown of saved results; plot them."""
     results = [reporting.read_result(path) for path in args.report]
+    for path, result in zip(args.report, results):
+        if result.get("complete") is False:  # saved part-way (bench --json as it runs)
+            prompts = {r["prompt"] for r in result.get("rows", []) if r.get("prompt") is not None}
+            print(f"specjax bench: note: {path} is a run that stopped part-way, after "
+                  f"{len(prompts)} prompt(s)", file=sys.stderr)
     if args.markdown:
         print(reporting.render_markdown(results))
     else:
