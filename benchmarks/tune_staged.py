@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     import jax
 
     import specjax
-    from specjax.benchmark.environment import git_commit, machine, versions
+    from specjax.benchmark.environment import git_commit, machine, versions, write_json
     from specjax.benchmark.humaneval import humaneval_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,6 +135,43 @@ def main(argv=None) -> int:
     for options in configs.values():  # compile outside the timed runs
         specjax.generate(model, prompts[0], max_new_tokens=8, **sampling, **options)
     rows = []
+    header = {"command": " ".join(["python", "benchmarks/tune_staged.py", *sys.argv[1:]]),
+              "machine": machine(), "versions": versions(), "git": git_commit(),
+              "limit": args.limit, "skip": args.skip, "temperature": args.temperature,
+              "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+              "backend": jax.default_backend()}
+
+    def summarize(rows: list[dict], complete: bool) -> None:
+        # Also after every prompt ("complete": false), so that a run stopped part-way
+        # (gpu_run.sh's STEP_TIMEOUT, a device call's limit) keeps its prompts.
+        ar = statistics.median(r["tokens_per_s"] for r in rows if r["config"] == "ar")
+        summary = {}
+        for name in configs:
+            mine = [r for r in rows if r["config"] == name]
+            rate = statistics.median(r["tokens_per_s"] for r in mine)
+            tokens = sum(r["new_tokens"] for r in mine)
+            calls = sum(r["target_calls"] for r in mine)
+            origins = {}
+            for r in mine:
+                for origin, count in (r["tokens_by_origin"] or {}).items():
+                    origins[origin] = origins.get(origin, 0) + count
+            summary[name] = {"tokens_per_s": rate, "vs_ar": rate / ar,
+                             "mean_accepted": statistics.median(r["mean_accepted"] for r in mine),
+                             "accepted_total": tokens / calls,
+                             "draft_calls_per_target_call":
+                                 sum(r["draft_calls"] for r in mine) / calls,
+                             "origin_share": {o: c / tokens for o, c in origins.items()},
+                             "all_same_as_ar": all(r["same_as_ar"] for r in mine)}
+            share = " ".join(f"{o} {c / tokens:.0%}" for o, c in origins.items() if c)
+            if complete:
+                print(f"{name:32s} {rate:6.1f} tok/s  x{rate / ar:.2f}  accepted "
+                      f"{tokens / calls:.2f}  draft/target "
+                      f"{summary[name]['draft_calls_per_target_call']:.2f}  {share}  "
+                      f"same as ar: {summary[name]['all_same_as_ar']}", flush=True)
+        if args.json:
+            record = {**header, "summary": summary, "rows": rows, "complete": complete}
+            write_json(args.json, json.loads(json.dumps(record, default=str)))
+
     for index, prompt in enumerate(prompts):
         reference = None
         for name, options in configs.items():
@@ -150,36 +187,7 @@ def main(argv=None) -> int:
                          "draft_calls": out.stats["draft_calls"],
                          "tokens_by_origin": out.stats.get("tokens_by_origin"),
                          "same_as_ar": out.tokens == reference})
-    ar = statistics.median(r["tokens_per_s"] for r in rows if r["config"] == "ar")
-    summary = {}
-    for name in configs:
-        mine = [r for r in rows if r["config"] == name]
-        rate = statistics.median(r["tokens_per_s"] for r in mine)
-        tokens = sum(r["new_tokens"] for r in mine)
-        calls = sum(r["target_calls"] for r in mine)
-        origins = {}
-        for r in mine:
-            for origin, count in (r["tokens_by_origin"] or {}).items():
-                origins[origin] = origins.get(origin, 0) + count
-        summary[name] = {"tokens_per_s": rate, "vs_ar": rate / ar,
-                         "mean_accepted": statistics.median(r["mean_accepted"] for r in mine),
-                         "accepted_total": tokens / calls,
-                         "draft_calls_per_target_call":
-                             sum(r["draft_calls"] for r in mine) / calls,
-                         "origin_share": {o: c / tokens for o, c in origins.items()},
-                         "all_same_as_ar": all(r["same_as_ar"] for r in mine)}
-        share = " ".join(f"{o} {c / tokens:.0%}" for o, c in origins.items() if c)
-        print(f"{name:32s} {rate:6.1f} tok/s  x{rate / ar:.2f}  accepted "
-              f"{tokens / calls:.2f}  draft/target "
-              f"{summary[name]['draft_calls_per_target_call']:.2f}  {share}  same as ar: "
-              f"{summary[name]['all_same_as_ar']}", flush=True)
-    if args.json:
-        record = {"command": " ".join(["python", "benchmarks/tune_staged.py", *sys.argv[1:]]),
-                  "machine": machine(), "versions": versions(), "git": git_commit(),
-                  "summary": summary, "rows": rows, "limit": args.limit, "skip": args.skip,
-                  "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                  "dtype": args.dtype, "backend": jax.default_backend()}
-        Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        summarize(rows, complete=index == len(prompts) - 1)
     return 0
 
 

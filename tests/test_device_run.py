@@ -238,3 +238,32 @@ def test_the_fast_test_compiles_are_for_the_cpu_alone(monkeypatch):
     assert conftest.fast_compiler_options.__wrapped__()  # the CPU: optimisations off
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert conftest.fast_compiler_options.__wrapped__() == {}
+
+
+def test_tune_staged_saves_after_every_prompt(monkeypatch, tmp_path):
+    # gpu_run.sh's defaults step: stopped part-way, it keeps the prompts it finished.
+    import specjax
+    from specjax.benchmark import environment, humaneval
+
+    from conftest import random_prompt, tiny_pair
+
+    spec = importlib.util.spec_from_file_location("tune_staged",
+                                                  ROOT / "benchmarks" / "tune_staged.py")
+    tune_staged = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_staged)
+    model = tiny_pair("llama-gqa", seed=3)[1]
+    monkeypatch.setattr(specjax, "load", lambda name, dtype=None: model)
+    monkeypatch.setattr(humaneval, "humaneval_prompts",
+                        lambda limit: [random_prompt(i, 5 + i) for i in range(limit)])
+    saved = []
+    real_write = environment.write_json
+    monkeypatch.setattr(environment, "write_json",
+                        lambda path, record: (saved.append(json.loads(json.dumps(record))),
+                                              real_write(path, record))[1])
+    out = tmp_path / "tune.json"
+    assert tune_staged.main(["--limit", "3", "--max-new-tokens", "6", "--configs", "ar;ar:",
+                             "--json", str(out)]) == 0
+    assert [record["complete"] for record in saved] == [False, False, True]
+    assert [len(record["rows"]) for record in saved] == [2, 4, 6]  # two configs per prompt
+    final = json.loads(out.read_text())
+    assert final == saved[-1] and final["summary"]["ar:"]["all_same_as_ar"]
