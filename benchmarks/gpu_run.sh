@@ -126,10 +126,12 @@ archive() {  # OUT_DIR as .tar.gz files, each replaced only once complete: the H
     [ -n "${ARCHIVE:-}" ] || return 0
     local hlo="${ARCHIVE%.tar.gz}"
     hlo="${hlo%.tgz}-hlo.tar.gz"
-    tar -czf "$ARCHIVE.partial" --exclude=./hlo -C "$DIR" . 2>/dev/null \
-        && mv -f "$ARCHIVE.partial" "$ARCHIVE"
+    mkdir -p "$(dirname "$ARCHIVE")"
+    { tar -czf "$ARCHIVE.partial" --exclude=./hlo -C "$DIR" . \
+        && mv -f "$ARCHIVE.partial" "$ARCHIVE"; } || say "warning: could not write $ARCHIVE"
     if [ -d "$DIR/hlo" ]; then
-        tar -czf "$hlo.partial" -C "$DIR" hlo 2>/dev/null && mv -f "$hlo.partial" "$hlo"
+        { tar -czf "$hlo.partial" -C "$DIR" hlo && mv -f "$hlo.partial" "$hlo"; } \
+            || say "warning: could not write $hlo"
     fi
 }
 skipped() {  # skipped NAME REASON: a selected step that cannot run here

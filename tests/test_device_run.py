@@ -84,7 +84,7 @@ def test_the_model_free_scripts_start_without_the_model_packages(tmp_path):
 def run_gpu_script(tmp_path, python=sys.executable, **env):
     out = tmp_path / "run"
     full = dict(os.environ, ALLOW_CPU="1", OUT_DIR=str(out), PYTHON=python,
-                ARCHIVE=str(tmp_path / "run.tar.gz"), **env)
+                ARCHIVE=str(tmp_path / "out" / "run.tar.gz"), **env)  # "out" made
     done = subprocess.run(["bash", str(GPU_RUN)], cwd=ROOT, env=full, capture_output=True,
                           text=True, timeout=300)
     status = (out / "status.txt").read_text() if (out / "status.txt").exists() else ""
@@ -109,7 +109,7 @@ def test_dry_run_selects_steps_and_skips_the_model_steps_without_gguf(tmp_path):
     for name in ("suite", "verify"):
         assert "SKIPPED" in lines[name] and "gguf package" in lines[name], lines[name]
     assert status.startswith("#") and "(dry run)" in status.splitlines()[0]
-    with tarfile.open(tmp_path / "run.tar.gz") as archive:
+    with tarfile.open(tmp_path / "out" / "run.tar.gz") as archive:
         assert "./status.txt" in archive.getnames()
     assert "importable" in done.stdout  # the import check passed without gguf
 
