@@ -137,6 +137,55 @@ def test_pass_costs_split_a_step_into_target_draft_and_rest():
     markdown = report.render_markdown([result])
     assert "| `tree` | 0 | 4.00 | 105.3 | 0.45x | 1.58 | 3.50x | 8 | 60.0 | 30.0 | 15.3 |" in markdown
     assert "| `ar` | 0 | 0.00 | 233.3 | 1.00x | 1.00 | 1.00x | – | – | – | – |" in markdown
+    assert "median of 10, one system after another" in markdown  # an older result's timing
+    assert "negative rest" not in markdown
+    # Passes timed slower on their own than in the suite: the rest goes negative, and the
+    # report says what that means instead of printing it bare.
+    result["pass_breakdown"]["tree"].update(target_ms=90.0, repeats=10, interleaved=3)
+    markdown = report.render_markdown([result])
+    assert "| 8 | 90.0 | 30.0 | -14.7 |" in markdown
+    assert "A negative rest means" in markdown
+    assert "interleaved over 10 rounds" in markdown
+
+
+def test_step_breakdowns_time_every_pass_once_per_round_in_rotation(monkeypatch):
+    """Each distinct pass is compiled once, then timed once per round, the order rotated;
+    methods sharing a pass share its time; a pass's time is its median over the rounds."""
+    from specjax.benchmark import passcost
+    from specjax.methods import method_options
+    target, draft = tiny_pair("llama-gqa")
+    clock = [0.0]
+    calls = []
+    # Each pass "takes" rows ms, 10x as long in round 1 (a burst of load elsewhere).
+    def fake_pass(model, rows, head_rows, prefix, attn_impl, tree):
+        key = ("target" if tree else "draft", rows, head_rows)
+        def call():
+            calls.append(key)
+            runs = calls.count(key)  # 1: the warm-up, 2: round 0, 3: round 1, ...
+            clock[0] += rows * 1e-3 * (10 if runs == 3 else 1)
+        return call
+    monkeypatch.setattr(passcost, "_pass", fake_pass)
+    monkeypatch.setattr(passcost.time, "perf_counter", lambda: clock[0])
+    steps = {"spec": (method_options("spec", draft_depth=3), draft),
+             "tree": (method_options("tree", tree_budget=4, draft_depth=2, draft_width=2),
+                      draft),
+             "ngram": (method_options("ngram", proposal=(2, 1, 1)), None)}
+    out = passcost.step_breakdowns(target, steps, repeats=5)
+    distinct = list(dict.fromkeys(calls[:len(set(calls))]))
+    assert len(distinct) == len(set(calls)) == out["spec"]["interleaved"]
+    assert len(calls) == len(distinct) * 6  # warm-up + 5 rounds
+    rounds = [calls[len(distinct) * (r + 1):len(distinct) * (r + 2)] for r in range(5)]
+    for r, order in enumerate(rounds):
+        assert order == distinct[r % len(distinct):] + distinct[:r % len(distinct)]
+    # spec (4 nodes) and tree (4 nodes) share the target pass; medians ignore the burst.
+    assert out["spec"]["target_ms"] == out["tree"]["target_ms"] == pytest.approx(4.0)
+    assert out["ngram"]["target_ms"] == pytest.approx(5.0)  # root + 2 + 1 + 1 nodes
+    assert out["spec"]["draft_ms"] == pytest.approx(4 + 1 + 1)
+    assert out["tree"]["draft_ms"] == pytest.approx(sum(
+        rows for rows, _ in out["tree"]["draft_passes"]))
+    assert out["ngram"]["draft_passes"] == [] and out["ngram"]["draft_ms"] == 0
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        passcost.step_breakdowns(target, steps, repeats=0)
 
 
 def test_pass_plans_follow_the_methods_options():
@@ -247,6 +296,8 @@ def test_every_method_matches_ar_and_rows_carry_stats(suite_result):
     assert parts["tree"]["target_nodes"] == 6 and parts["tree"]["draft_passes"][0] == [4, 1]
     assert len(parts["tree"]["draft_passes"]) == 3
     assert all(p["target_ms"] > 0 for p in parts.values()) and parts["tree"]["draft_ms"] > 0
+    # Both systems' passes were timed together (ar's 1 node, tree's 6, tree's draft passes).
+    assert parts["ar"]["interleaved"] == parts["tree"]["interleaved"] >= 3
 
 
 def test_peers_run_on_the_same_weights(suite_result):

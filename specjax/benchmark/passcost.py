@@ -38,16 +38,6 @@ def pass_plan(options, draft: Model | None) -> PassPlan:
     return getattr(method, "pass_plan", PassPlan())
 
 
-def _median_ms(call, repeats: int) -> float:
-    call()  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def _pass(model: Model, rows: int, head_rows: int, prefix: int, attn_impl: str,
           tree: bool):
     """A blocking call running one forward pass of ``rows`` query rows (a 2-ary tree mask
@@ -81,16 +71,58 @@ def step_breakdown(target: Model, draft: Model | None, options, *, prefix: int =
     Returns ``{"target_nodes", "target_ms", "draft_passes": [[rows, head_rows], ...],
     "draft_ms" (their sum), "prefix", "repeats"}``; medians over ``repeats`` calls.
     """
-    plan = pass_plan(options, draft)
-    target_ms = _median_ms(_pass(target, plan.target_nodes, plan.target_nodes, prefix,
-                                 attn_impl, tree=True), repeats)
-    draft_ms = 0.0
-    timed: dict[tuple[int, int], float] = {}
-    for rows, head_rows in plan.draft_passes:
-        if (rows, head_rows) not in timed:
-            timed[rows, head_rows] = _median_ms(
-                _pass(draft, rows, head_rows, prefix, attn_impl, tree=False), repeats)
-        draft_ms += timed[rows, head_rows]
-    return {"target_nodes": plan.target_nodes, "target_ms": target_ms,
-            "draft_passes": [list(p) for p in plan.draft_passes], "draft_ms": draft_ms,
-            "prefix": prefix, "repeats": repeats}
+    return step_breakdowns(target, {"step": (options, draft)}, prefix=prefix,
+                           attn_impl=attn_impl, repeats=repeats)["step"]
+
+
+def step_breakdowns(target: Model, steps: dict[str, tuple[Any, Model | None]], *,
+                    prefix: int = 256, attn_impl: str = "auto",
+                    repeats: int = 10) -> dict[str, dict[str, Any]]:
+    """:func:`step_breakdown` for several methods at once, their passes timed interleaved.
+
+    Every distinct pass (model, rows, head rows) is compiled and run once, then each of
+    ``repeats`` rounds times every pass once, in an order rotated from round to round, and
+    a pass's time is its median over the rounds. A burst of load from elsewhere on the
+    machine then lands on all the passes alike instead of on whichever method happened to
+    be timed during it, so the methods' splits stay comparable with each other.
+
+    ``steps`` maps a label to ``(options, draft)`` (``draft`` ``None`` for a method that
+    takes none); returns one :func:`step_breakdown` dict per label, with ``interleaved``,
+    the number of distinct passes timed together.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    plans = {label: pass_plan(options, draft) for label, (options, draft) in steps.items()}
+    calls: dict[tuple, Any] = {}
+    for label, plan in plans.items():
+        draft = steps[label][1]
+        key = ("target", plan.target_nodes, plan.target_nodes)
+        if key not in calls:
+            calls[key] = _pass(target, plan.target_nodes, plan.target_nodes, prefix,
+                               attn_impl, tree=True)
+        for rows, head_rows in plan.draft_passes:
+            if ("draft", id(draft), rows, head_rows) not in calls:
+                calls["draft", id(draft), rows, head_rows] = _pass(
+                    draft, rows, head_rows, prefix, attn_impl, tree=False)
+    keys = list(calls)
+    for key in keys:
+        calls[key]()  # compile and warm up
+    times: dict[tuple, list[float]] = {key: [] for key in keys}
+    for round_ in range(repeats):
+        for i in range(len(keys)):
+            key = keys[(i + round_) % len(keys)]
+            start = time.perf_counter()
+            calls[key]()
+            times[key].append(time.perf_counter() - start)
+    ms = {key: 1e3 * statistics.median(t) for key, t in times.items()}
+    out = {}
+    for label, plan in plans.items():
+        out[label] = {
+            "target_nodes": plan.target_nodes,
+            "target_ms": ms["target", plan.target_nodes, plan.target_nodes],
+            "draft_passes": [list(p) for p in plan.draft_passes],
+            "draft_ms": sum(ms["draft", id(steps[label][1]), rows, head_rows]
+                            for rows, head_rows in plan.draft_passes),
+            "prefix": prefix, "repeats": repeats, "interleaved": len(keys)}
+    return out
+

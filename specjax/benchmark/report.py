@@ -183,10 +183,15 @@ def render_markdown(results: Sequence[dict]) -> str:
                        "temperature; speedup (totals) = accepted / vs `ar` step."
                        + (" The last columns split a step: the target pass over `nodes` query "
                           "rows and the step's draft passes, each timed on its own after the "
-                          "suite (jitted, cache of 256 tokens, median of 10), and the rest "
+                          f"suite ({_timing(result)}), and the rest "
                           "(stage-2 proposals, lookup, ranking, tree selection, acceptance, "
                           "commit, loop) = ms / target pass - target - draft."
-                          if split else ""))
+                          if split else "")
+                       + (" A negative rest means those passes ran slower when timed on their "
+                          "own than the suite's steps did (the machine's load changed, or "
+                          "the standalone program runs differently): the split is then only "
+                          "approximate."
+                          if any((c.get("rest_ms") or 0) < 0 for c in costs) else ""))
             out.append("")
         ratios = peer_ratios(result)
         if ratios:
@@ -231,6 +236,16 @@ def peer_ratios(result: dict) -> list[dict]:
                         "prompts": len(pairs), "median": median,
                         "aggregate": rate[0] / rate[1]})
     return out
+
+
+def _timing(result: dict) -> str:
+    """How the result's standalone passes were timed (their breakdown entries say)."""
+    parts = next(iter((result.get("pass_breakdown") or {}).values()), None) or {}
+    how = f"jitted, cache of {parts.get('prefix', 256)} tokens"
+    if parts.get("interleaved"):
+        return (f"{how}, every system's passes interleaved over {parts['repeats']} rounds, "
+                "medians")
+    return f"{how}, median of {parts.get('repeats', 10)}, one system after another"
 
 
 def pass_costs(result: dict) -> list[dict]:

@@ -10,9 +10,9 @@ Order of work (so that machine drift and background load hit every system alike)
    methods, then peers); each row keeps the fastest round (other processes only ever add
    time). PyTorch's thread count is re-probed before each prompt's peers.
 3. **Pass breakdown** (``pass_breakdown``, on by default): after the prompts, each specjax
-   system's target pass and draft passes are timed on their own
-   (:func:`specjax.benchmark.passcost.step_breakdown`), so the report can split a step
-   into target, draft and the rest.
+   system's target pass and draft passes are timed on their own, every system's passes
+   interleaved round by round (:func:`specjax.benchmark.passcost.step_breakdowns`), so the
+   report can split a step into target, draft and the rest.
 4. **Output check**: each specjax row's tokens are compared with ``ar``'s for the same
    prompt, temperature and seed. They must be equal at temperature 0 and, at temperature
    > 0, under the coupled rule; peers are compared at temperature 0 for information.
@@ -443,13 +443,13 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
 
     breakdown = {}
     if config.pass_breakdown:
+        steps = {}
         for system in systems:
             options = build_options(system.method, backend=jax.default_backend(),
                                     **{k: v for k, v in system.options
                                        if k not in ("draft", "ngram")})
-            breakdown[system.label] = passcost.step_breakdown(
-                target, draft if needs_draft(system.method) else None, options,
-                attn_impl=config.attn_impl)
+            steps[system.label] = (options, draft if needs_draft(system.method) else None)
+        breakdown = passcost.step_breakdowns(target, steps, attn_impl=config.attn_impl)
     return results(rows, breakdown, complete=True)
 
 
