@@ -5,6 +5,7 @@ One command, no checkpoint (random weights for a named config), from the reposit
     python benchmarks/profile_step.py                              # smollm2-135m, every method
     python benchmarks/profile_step.py --model gpt2-large --dtypes bfloat16 --methods ar,tree
     python benchmarks/profile_step.py --model tiny --new-tokens 8 --prompt-length 20  # CPU check
+    python benchmarks/profile_step.py --methods ar,tree --tree-budget 16  # a 16-node tree step
 
 For every method (``ar``, ``ngram``, ``spec``, ``tree``, ``staged``) and dtype it
 compiles the whole generation through the public API (:func:`specjax.generate`, which
@@ -26,12 +27,14 @@ step; the prefill is subtracted by also running the same executable with
   and writes** (an operation that produces a whole KV cache, or one layer of it, other
   than an in-place update), and the program's parameter / output / donated bytes.
 
-Models (``--model``): ``tiny`` (2 layers, for tests), ``smollm2-135m``, ``gpt2``,
+Models (``--model``): ``tiny`` (3 layers, for tests), ``smollm2-135m``, ``gpt2``,
 ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl`` and ``llama-7b`` (Llama-2-7B's shape, MHA
 32 x 128, 32 layers). The draft of ``spec``/``tree``/``staged`` is the target's first
 layers (``--draft-layers``, default 2); the n-gram tables of ``ngram``/``staged`` are fitted
 to a random token corpus. Random weights accept few drafted tokens, so compare methods *per
-target pass* (the step's cost), not per token.
+target pass* (the step's cost), not per token. Each method runs at the backend's defaults
+(:data:`specjax.methods.options.BACKEND_DEFAULTS`) but for ``--tree-budget``; every row
+records the options its method ran with (``options``).
 
 :func:`compile_step_programs` is the one place that builds a method's programs; everything
 else reads what it returns.
@@ -64,6 +67,7 @@ import numpy as np  # noqa: E402
 METHODS = ("ar", "ngram", "spec", "tree", "staged")
 DRAFT_METHODS = ("spec", "tree", "staged")
 NGRAM_METHODS = ("ngram", "staged")
+BUDGET_METHODS = ("tree", "staged")  # the methods with a tree_budget option
 
 
 # ----------------------------------------------------------------------------- models
@@ -114,15 +118,19 @@ def random_ngram_tables(vocab_size: int, seed: int = 0, tokens: int = 20000):
     return build_ngram([corpus], vocab_size).tables
 
 
-def method_options(method: str, model, draft_layers: int, tables) -> dict:
-    """Keyword arguments of :func:`specjax.generate` for ``method`` on a random model."""
-    options = {"method": method}
+def method_options(method: str, model, draft_layers: int, tables,
+                   tree_budget: int | None = None, attn_impl: str = "auto") -> dict:
+    """Keyword arguments of :func:`specjax.generate` for ``method`` on a random model;
+    ``tree_budget`` applies to :data:`BUDGET_METHODS` (``None``: the backend's default)."""
+    options = {"method": method, "attn_impl": attn_impl}
     if method in DRAFT_METHODS:
         # At most all but one of the target's layers, so that the draft is a smaller model.
         layers = max(1, min(draft_layers, model.config.num_layers - 1))
         options["draft"] = model.first_layers(layers)
     if method in NGRAM_METHODS:
         options["ngram"] = tables
+    if tree_budget is not None and method in BUDGET_METHODS:
+        options["tree_budget"] = tree_budget
     return options
 
 
@@ -139,12 +147,15 @@ class StepPrograms:
       run: ``run(max_new_tokens) -> (seconds, target passes, draft passes)`` runs the
         compiled loop (no compilation) and blocks on the result.
       compile_seconds: compile time of the loop program.
+      options: the method's options as the API resolved them (its ``stats["options"]``:
+        the backend's defaults with the given options applied).
     """
 
     loop: object
     step: object | None
     run: object
     compile_seconds: float
+    options: dict
 
 
 def compile_step_programs(model, prompt: list[int], options: dict, max_new_tokens: int,
@@ -179,7 +190,8 @@ def compile_step_programs(model, prompt: list[int], options: dict, max_new_token
     if with_step:
         step = by_function.get("_step")
     return StepPrograms(loop=by_function["run_to_completion"], step=step, run=run,
-                        compile_seconds=first.stats["compile_seconds"])
+                        compile_seconds=first.stats["compile_seconds"],
+                        options=first.stats["options"])
 
 
 # ----------------------------------------------------------------------------- HLO text
@@ -638,6 +650,36 @@ def traced(function, directory: str):
     return result, read_trace(directory)
 
 
+def trace_report(events_long: list[dict], events_short: list[dict], passes: int,
+                 top: int = 15) -> dict:
+    """Per target pass, from the traces of a long run and of the prefill alone (the same
+    program, ``passes`` fewer target passes): kernels (or CPU thunks), their time, memcpy
+    count and bytes, and the ``top`` kernels by their time per pass (a kernel of the
+    prefill alone, such as its matmuls over the prompt, ranks by its ~0 ms per pass, not by
+    its time in the long run)."""
+    kind, long_events, where = kernel_events(events_long)
+    _, short_events, _ = kernel_events(events_short)
+    long_k, short_k = summarize_kernels(long_events), summarize_kernels(short_events)
+    label = "kernels" if kind == "device" else "thunks"
+    per_pass = {name: (us - short_k["by_name"].get(name, 0.0)) / 1e3 / max(passes, 1)
+                for name, us in long_k["by_name"].items()}
+    ranked = sorted(per_pass, key=lambda name: (-per_pass[name], name))[:top]
+    return {
+        "kind": kind, "where": where,
+        f"{label}_per_pass": _per_pass(long_k, short_k, passes, "count"),
+        f"{'device' if kind == 'device' else 'thunk'}_ms_per_pass":
+            None if passes <= 0 else (long_k["us"] - short_k["us"]) / 1e3 / passes,
+        "memcpy_per_pass": _per_pass(long_k, short_k, passes, "memcpy"),
+        "memcpy_bytes_per_pass": _per_pass(long_k, short_k, passes, "memcpy_bytes"),
+        "memcpy_events_with_bytes": long_k["memcpy_with_bytes"],
+        f"top_{label}": [
+            {"name": name, "ms_per_pass": round(per_pass[name], 5),
+             "calls_per_pass": round((long_k["counts"][name] - short_k["counts"].get(name, 0))
+                                     / max(passes, 1), 3)}
+            for name in ranked],
+    }
+
+
 # ----------------------------------------------------------------------------- one method
 
 
@@ -649,9 +691,10 @@ def _per_pass(long: dict, short: dict, passes: int, key: str) -> float | None:
 
 def profile_method(model, method: str, prompt: list[int], new_tokens: int, repeats: int,
                    draft_layers: int, tables, trace: bool, hlo_dir: str | None,
-                   top: int = 15) -> dict:
+                   top: int = 15, tree_budget: int | None = None,
+                   attn_impl: str = "auto") -> dict:
     """One row of the report (see the module docstring)."""
-    options = method_options(method, model, draft_layers, tables)
+    options = method_options(method, model, draft_layers, tables, tree_budget, attn_impl)
     programs = compile_step_programs(model, prompt, options, new_tokens)
     # The prefill (and first sample) alone, with the same executable: max_new_tokens=1.
     # Interleaved, fastest of each kept: drift hits both alike.
@@ -662,7 +705,8 @@ def profile_method(model, method: str, prompt: list[int], new_tokens: int, repea
     long_s, passes_long, draft_long = min(long_runs)
     short_s, passes_short, draft_short = min(short_runs)
     passes = passes_long - passes_short
-    row = {"method": method, "target_passes": passes,
+    row = {"method": method, "options": programs.options, "attn_impl": attn_impl,
+           "target_passes": passes,
            "draft_passes_per_target_pass": (draft_long - draft_short) / max(passes, 1),
            "new_tokens": new_tokens, "compile_seconds": programs.compile_seconds,
            # (whole run - prefill run) / steps: the step alone; noisy when a step is short.
@@ -696,28 +740,7 @@ def profile_method(model, method: str, prompt: list[int], new_tokens: int, repea
                                                    os.path.join(folder, "long"))
             (_, passes_b, _), events_short = traced(lambda: programs.run(1),
                                                     os.path.join(folder, "short"))
-        kind, long_events, where = kernel_events(events_long)
-        _, short_events, _ = kernel_events(events_short)
-        long_k, short_k = summarize_kernels(long_events), summarize_kernels(short_events)
-        traced_passes = passes_a - passes_b
-        label = "kernels" if kind == "device" else "thunks"
-        row["trace"] = {
-            "kind": kind, "where": where,
-            f"{label}_per_pass": _per_pass(long_k, short_k, traced_passes, "count"),
-            f"{'device' if kind == 'device' else 'thunk'}_ms_per_pass":
-                None if traced_passes <= 0 else
-                (long_k["us"] - short_k["us"]) / 1e3 / traced_passes,
-            "memcpy_per_pass": _per_pass(long_k, short_k, traced_passes, "memcpy"),
-            "memcpy_bytes_per_pass": _per_pass(long_k, short_k, traced_passes, "memcpy_bytes"),
-            "memcpy_events_with_bytes": long_k["memcpy_with_bytes"],
-            f"top_{label}": [
-                {"name": name, "ms_per_pass": round((us - short_k["by_name"].get(name, 0.0))
-                                                    / 1e3 / max(traced_passes, 1), 5),
-                 "calls_per_pass": round((long_k["counts"][name]
-                                          - short_k["counts"].get(name, 0))
-                                         / max(traced_passes, 1), 3)}
-                for name, us in long_k["by_name"].most_common(top)],
-        }
+        row["trace"] = trace_report(events_long, events_short, passes_a - passes_b, top)
     return row
 
 
@@ -737,7 +760,22 @@ def _capacity(executable) -> int:
 # ----------------------------------------------------------------------------- main
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
+    from specjax.errors import InvalidArgumentError
+    from specjax.methods import method_options as resolve_options
+    from specjax.methods.options import describe_defaults
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m",
                         help=f"named config: {', '.join(model_configs())}")
@@ -747,6 +785,10 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs, fastest kept")
     parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--tree-budget", type=_positive_int, default=None, metavar="N",
+                        help=f"nodes per target pass of {' and '.join(BUDGET_METHODS)} "
+                             f"(default: the backend's, {describe_defaults('tree_budget')}); "
+                             f"each row records its method's options")
     parser.add_argument("--attn-impl", default="auto",
                         choices=["auto", "reference", "kernel", "fused"],
                         help="fused: the row-tiled Pallas kernels for every projection too")
@@ -766,6 +808,17 @@ def main(argv=None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown method {unknown[0]!r}; expected a subset of {','.join(METHODS)}")
+    if args.tree_budget is not None:
+        takers = [m for m in methods if m in BUDGET_METHODS]
+        if not takers:
+            parser.error(f"--tree-budget applies to {' and '.join(BUDGET_METHODS)}, not to "
+                         f"--methods {','.join(methods)}")
+        for method in takers:  # e.g. staged's budget is bounded by the candidates it drafts
+            try:
+                resolve_options(method, backend=jax.default_backend(),
+                                tree_budget=args.tree_budget)
+            except InvalidArgumentError as error:
+                parser.error(f"--tree-budget {args.tree_budget}: {error}")
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
@@ -791,15 +844,17 @@ def main(argv=None) -> int:
     for dtype in dtypes:
         model = random_model(args.model, dtype, fused=args.fused_projections)
         for method in methods:
-            options_note = f"{method} {dtype}"
             started = time.perf_counter()
             try:
                 row = profile_method(model, method, prompt, args.new_tokens, args.repeats,
                                      args.draft_layers, tables, not args.no_trace,
                                      args.hlo_dir and os.path.join(args.hlo_dir, dtype),
-                                     args.top)
+                                     args.top, tree_budget=args.tree_budget,
+                                     attn_impl=args.attn_impl)
             except Exception as error:  # one failed method is a row, not a lost run
                 row = {"method": method, "error": f"{type(error).__name__}: {error}"[:500]}
+            budget = row.get("options", {}).get("tree_budget")
+            options_note = f"{method} {dtype}" + (f" (tree_budget {budget})" if budget else "")
             row["dtype"] = dtype
             row["model"] = args.model
             row["seconds"] = time.perf_counter() - started

@@ -10,8 +10,10 @@ choice, so it is the check that can run without a GPU.
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,7 +44,7 @@ def test_a_run_stopped_part_way_keeps_its_rows(profile_step, tmp_path, monkeypat
     STEP_TIMEOUT) keeps what it measured, marked incomplete."""
     calls = []
 
-    def profile_method(model, method, *args):
+    def profile_method(model, method, *args, **kwargs):
         calls.append(method)
         if len(calls) == 1:
             raise RuntimeError("first method failed")  # a row, not a lost run
@@ -58,6 +60,64 @@ def test_a_run_stopped_part_way_keeps_its_rows(profile_step, tmp_path, monkeypat
     [row] = result["rows"]
     assert row["method"] == "ar" and "first method failed" in row["error"]
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]  # no staging file left
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--tree-budget", "0"], "expected an integer >= 1, got '0'"),
+    (["--tree-budget", "-3"], "expected an integer >= 1"),
+    (["--tree-budget", "2.5"], "expected an integer >= 1"),
+    (["--tree-budget", "many"], "expected an integer >= 1"),
+    (["--methods", "ar,ngram", "--tree-budget", "4"], "applies to tree and staged"),
+    # More nodes than staged drafts, at the defaults of any backend (GPU: 132 candidates).
+    (["--methods", "tree,staged", "--tree-budget", "999"], "staged: tree_budget 999 exceeds"),
+])
+def test_a_bad_tree_budget_is_an_error_before_anything_runs(profile_step, tmp_path, capsys,
+                                                          monkeypatch, argv, fragment):
+    monkeypatch.setattr(profile_step, "profile_method", None)  # a call would fail the test
+    out = tmp_path / "profile.json"
+    with pytest.raises(SystemExit) as exit_info:
+        profile_step.main(["--model", "tiny", "--dtypes", "float32", "--json", str(out),
+                           *argv])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: " in last and fragment in last, last
+    assert not out.exists()
+
+
+def test_tree_budget_applies_to_the_methods_that_take_one(profile_step):
+    from specjax.methods.options import methods_taking
+
+    assert set(profile_step.BUDGET_METHODS) == set(methods_taking("tree_budget"))
+    model = profile_step.random_model("tiny", "float32")
+    for method in profile_step.METHODS:
+        options = profile_step.method_options(method, model, 2, None, tree_budget=5,
+                                              attn_impl="reference")
+        assert options["attn_impl"] == "reference"  # --attn-impl reaches generate
+        assert options.get("tree_budget") == (5 if method in ("tree", "staged") else None)
+    assert "tree_budget" not in profile_step.method_options("tree", model, 2, None)
+
+
+def test_tree_budget_reaches_the_program_and_each_row_records_its_options(profile_step,
+                                                                        tmp_path, monkeypatch):
+    """``--tree-budget 3`` on the tiny config: the row's ``options`` are those the API
+    resolved (the budget given, the backend's defaults for the rest)."""
+    from specjax.methods import method_options
+
+    compile_loop_only = profile_step.compile_step_programs  # the streaming step: not needed
+    monkeypatch.setattr(profile_step, "compile_step_programs",
+                        lambda *args: compile_loop_only(*args, with_step=False))
+    out = tmp_path / "profile.json"
+    status = profile_step.main(["--model", "tiny", "--methods", "tree", "--dtypes", "float32",
+                                "--prompt-length", "8", "--new-tokens", "3", "--repeats", "1",
+                                "--no-trace", "--tree-budget", "3", "--json", str(out)])
+    assert status == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["tree_budget"] == 3
+    [row] = result["rows"]
+    assert "error" not in row and row["attn_impl"] == "auto"
+    expected = method_options("tree", backend=jax.default_backend(), tree_budget=3)
+    assert row["options"] == json.loads(json.dumps(expected.to_dict()))
+    assert row["options"]["tree_budget"] == 3
 
 
 @pytest.mark.slow
@@ -124,6 +184,125 @@ def test_hlo_parser_reads_calls_trip_counts_and_aliasing(profile_step):
     assert report["step_ops_weighted"] > report["step_ops"] > 0
     assert report["donated_parameters"] == [0] and report["donated_bytes"] == 8 * 4 * 4
     assert report["cache_sized_copies_per_step"] == 0  # updated in place
+
+
+# ----------------------------------------------------------------------------- GPU traces
+
+
+def _gpu_trace(passes: int) -> list[dict]:
+    """A ``jax.profiler`` trace of a GPU run, as the trace viewer's JSON writes it (XLA's
+    CUPTI collector: one process per device, one line per CUDA stream named for the event
+    kinds on it, ``memcpy_details`` / ``memset_details`` strings with the bytes): the
+    prefill once, then ``passes`` target passes. Beside the stream lines: lines that
+    repeat the kernels (XLA Ops, XLA Modules, Steps), CUPTI's overhead line and the host's
+    threads, none of which may be counted.
+
+    Per pass: fusion_a (10 us) twice, attention_split (30 us), XLA's memcpy32_post kernel
+    (5 us, no bytes recorded), a 8192-byte MemcpyD2D (4 us) and a 256-byte Memset (1 us).
+    The prefill: gemm_prefill (500 us), fusion_a (10 us), a 1024-byte MemcpyH2D (2 us).
+    """
+    gpu, host = 1, 2
+    events = [
+        {"ph": "M", "pid": gpu, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": host, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": gpu, "tid": 13, "name": "thread_name",
+         "args": {"name": "Stream #13(Kernel,MemcpyD2D,Memset)"}},
+        {"ph": "M", "pid": gpu, "tid": 14, "name": "thread_name",
+         "args": {"name": "Stream #14(MemcpyH2D)"}},
+        {"ph": "M", "pid": gpu, "tid": 15, "name": "thread_name",
+         "args": {"name": "CUPTI overhead"}},
+        {"ph": "M", "pid": gpu, "tid": 100, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": gpu, "tid": 101, "name": "thread_name",
+         "args": {"name": "XLA Modules"}},
+        {"ph": "M", "pid": gpu, "tid": 102, "name": "thread_name", "args": {"name": "Steps"}},
+        {"ph": "M", "pid": host, "tid": 7, "name": "thread_name",
+         "args": {"name": "python3"}},
+    ]
+    clock = [0.0]
+
+    def kernel(name, dur, tid=13, pid=gpu, **args):
+        args = {"correlation_id": len(events), "kernel_details": "regs:32 static_shared:0 "
+                "dynamic_shared:0 grid:1,1,1 block:128,1,1 occ_pct:50", **args}
+        events.append({"ph": "X", "pid": pid, "tid": tid, "ts": clock[0], "dur": dur,
+                       "name": name, "args": args})
+        # The same op on the derived lines, and its launch on the host.
+        events.append({"ph": "X", "pid": gpu, "tid": 100, "ts": clock[0], "dur": dur,
+                       "name": name.lower(), "args": {}})
+        events.append({"ph": "X", "pid": host, "tid": 7, "ts": clock[0], "dur": 3.0,
+                       "name": "cuLaunchKernel" if "mem" not in name.lower() else
+                       "cuMemcpyAsync", "args": {}})
+        clock[0] += dur + 1
+
+    def memcpy(name, dur, size, tid=13):
+        kernel(name, dur, tid, memcpy_details=f"kind_src:device kind_dst:device size:{size} "
+               f"dest:0 async:1")
+
+    events.append({"ph": "X", "pid": gpu, "tid": 101, "ts": 0.0, "dur": 9e5,
+                   "name": "jit_run_to_completion", "args": {}})
+    events.append({"ph": "X", "pid": gpu, "tid": 15, "ts": 0.0, "dur": 7.0,
+                   "name": "Memcpy overhead", "args": {}})
+    kernel("gemm_prefill", 500.0)
+    kernel("fusion_a", 10.0)
+    memcpy("MemcpyH2D", 2.0, 1024, tid=14)
+    for _ in range(passes):
+        events.append({"ph": "X", "pid": gpu, "tid": 102, "ts": clock[0], "dur": 60.0,
+                       "name": "step", "args": {}})
+        kernel("fusion_a", 10.0)
+        kernel("attention_split", 30.0)
+        kernel("fusion_a", 10.0)
+        kernel("memcpy32_post", 5.0)
+        memcpy("MemcpyD2D", 4.0, 8192)
+        kernel("Memset", 1.0, memset_details="kind:device num_bytes:256 async:1")
+    return events
+
+
+def _write_trace(folder: Path, events: list[dict], mtime: float) -> None:
+    """Where ``jax.profiler.trace`` writes it: <dir>/plugins/profile/<run>/<host>.trace.json.gz."""
+    run = folder / "plugins" / "profile" / f"run_{mtime:.0f}"
+    run.mkdir(parents=True)
+    path = run / "host.trace.json.gz"
+    with gzip.open(path, "wt") as handle:
+        json.dump({"displayTimeUnit": "ns", "metadata": {"highres-ticks": True},
+                   "traceEvents": events}, handle)
+    os.utime(path, (mtime, mtime))
+
+
+def test_gpu_trace_parsing_against_hand_counted_kernels(profile_step, tmp_path):
+    """The GPU branch of the trace reading, which no CPU run reaches, on a synthetic trace:
+    per pass 6 kernels in 60 us, 3 memcpy/memset (two with bytes: 8192 + 256), and the top
+    kernels ranked by their time per pass (the prefill's 500 us gemm by its 0)."""
+    passes = 4
+    _write_trace(tmp_path / "long", _gpu_trace(1), mtime=1e9)  # an older trace in the folder
+    _write_trace(tmp_path / "long", _gpu_trace(passes), mtime=2e9)
+    _write_trace(tmp_path / "short", _gpu_trace(0), mtime=2e9)
+    events_long = profile_step.read_trace(str(tmp_path / "long"))
+    events_short = profile_step.read_trace(str(tmp_path / "short"))
+
+    kind, kernels, where = profile_step.kernel_events(events_long)
+    assert kind == "device"
+    assert where == {"processes": ["/device:GPU:0"],
+                     "threads": ["Stream #13(Kernel,MemcpyD2D,Memset)", "Stream #14(MemcpyH2D)"]}
+    assert len(kernels) == 3 + 6 * passes
+    summary = profile_step.summarize_kernels(kernels)
+    assert summary["us"] == pytest.approx(512.0 + 60.0 * passes)
+    assert summary["memcpy"] == 1 + 3 * passes
+    assert summary["memcpy_bytes"] == 1024 + (8192 + 256) * passes
+    assert summary["memcpy_with_bytes"] == 1 + 2 * passes  # memcpy32_post records none
+    assert profile_step.event_bytes({"args": {"memcpy_details": "kind_src:device "
+                                              "kind_dst:pinned size:77 dest:0 async:0"}}) == 77
+
+    report = profile_step.trace_report(events_long, events_short, passes, top=3)
+    assert report["kind"] == "device"
+    assert report["kernels_per_pass"] == 6
+    assert report["device_ms_per_pass"] == pytest.approx(0.060)
+    assert report["memcpy_per_pass"] == 3
+    assert report["memcpy_bytes_per_pass"] == 8192 + 256
+    assert report["memcpy_events_with_bytes"] == 1 + 2 * passes
+    assert report["top_kernels"] == [
+        {"name": "attention_split", "ms_per_pass": 0.03, "calls_per_pass": 1.0},
+        {"name": "fusion_a", "ms_per_pass": 0.02, "calls_per_pass": 2.0},
+        {"name": "memcpy32_post", "ms_per_pass": 0.005, "calls_per_pass": 1.0}]
+    assert "thunks_per_pass" not in report and "thunk_ms_per_pass" not in report
 
 
 # ----------------------------------------------------------------------------- no cache copies
