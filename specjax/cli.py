@@ -25,7 +25,6 @@ from specjax.checkpoints_tools.hf import one_line
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
 from specjax.methods import METHODS, MethodOptions
 from specjax.methods.flags import add_method_arguments, method_from_args
-from specjax.model import resolve_dtype
 from specjax.sampling import make_sampling_params
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -151,11 +150,6 @@ def _progress() -> bool:
     return sys.stderr.isatty()
 
 
-def _resolve_dtype(name: str) -> str:
-    if name == "auto":
-        return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
-    resolve_dtype(name)
-    return name
 
 
 def check_generate_args(args) -> tuple[MethodOptions, str]:
@@ -188,7 +182,7 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
     loading.check_draft_spec(args.draft)
     if args.ngram is not None and not Path(args.ngram).expanduser().is_file():
         raise InvalidArgumentError(f"--ngram {args.ngram}: no such file")
-    return options, _resolve_dtype(args.dtype)
+    return options, bench_cli.resolve_dtype_flag(args.dtype)
 
 
 # ANSI colours of token origins for --show-origin (the paper's Figure 3 in a terminal).

@@ -324,6 +324,22 @@ def test_bad_settings_fail_before_loading_the_model(capsys, no_load, argv, fragm
     assert_one_line_error(*run_cli(capsys, "generate", *argv), fragment)
 
 
+@pytest.mark.parametrize("platform, expected", [
+    ("gpu", "bfloat16"), ("cuda", "bfloat16"), ("rocm", "bfloat16"), ("tpu", "bfloat16"),
+    ("cpu", "float32")])
+def test_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_the_cpu(
+        capsys, no_load, monkeypatch, platform, expected):
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    args = cli.build_parser().parse_args(["generate", PROMPT, "--method", "ar",
+                                          "--dtype", "auto"])
+    assert cli.check_generate_args(args)[1] == expected
+    # Given names pass through whatever the backend; an unknown one is a one-line error.
+    args.dtype = "bfloat16"
+    assert cli.check_generate_args(args)[1] == "bfloat16"
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "--method", "ar",
+                                   "--dtype", "fp8"), "unknown dtype 'fp8'")
+
+
 def test_settings_are_checked_before_a_model_path_is_read(capsys, tmp_path):
     """A model directory whose loading would fail (not a checkpoint) loses to a bad setting:
     the error names the setting, not the directory."""

@@ -32,7 +32,7 @@ from specjax.benchmark.peers import parse_peers
 from specjax.benchmark.runner import (SuiteConfig, needs_draft, render_batch_text,
                                      run_batch_suite, run_suite)
 from specjax.errors import InvalidArgumentError
-from specjax.methods.options import all_option_fields, describe_defaults
+from specjax.methods.options import all_option_fields, backend_of, describe_defaults
 from specjax.model import resolve_dtype
 from specjax.methods.flags import add_method_arguments
 
@@ -149,9 +149,12 @@ def suite_config(args) -> SuiteConfig:
         pass_breakdown=args.pass_breakdown)
 
 
-def _dtype(name: str) -> str:
+def resolve_dtype_flag(name: str) -> str:
+    """A ``--dtype`` flag's value: ``auto`` is bfloat16 on a GPU or TPU (whatever jax
+    names the backend: ``gpu``, or its plugin's ``cuda``/``rocm``) and float32 on the CPU;
+    any other name is checked (a one-line error if unknown) and passed through."""
     if name == "auto":
-        return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
+        return "float32" if backend_of(jax.default_backend()) == "cpu" else "bfloat16"
     resolve_dtype(name)
     return name
 
@@ -184,7 +187,7 @@ def run(args) -> int:
     if args.report:
         return report(args)
     config = suite_config(args)
-    dtype = _dtype(args.dtype)
+    dtype = resolve_dtype_flag(args.dtype)
     if args.draft not in (None, "none"):
         loading.check_draft_spec(args.draft)
     missing = [m for m in config.methods if needs_draft(m)]
