@@ -4,6 +4,8 @@ interchangeable; the API and the CLI agree on the default method."""
 import argparse
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import specjax
@@ -14,7 +16,7 @@ from specjax.methods import (METHODS, NgramOptions, SpecOptions, StagedOptions, 
 from specjax.methods.flags import add_method_arguments, method_from_args
 from specjax.methods.options import all_option_fields, describe_defaults
 
-from conftest import random_prompt
+from conftest import fitted_tables, random_prompt
 
 
 def test_every_method_has_an_options_class_with_validated_defaults():
@@ -150,3 +152,47 @@ def test_backend_defaults_apply_to_method_names_and_are_reported(spec_target, mo
     args = argparse.ArgumentParser()
     add_method_arguments(args)
     assert method_from_args(args.parse_args([]), "tree", "cuda").tree_budget == 24
+
+
+BFLOAT16_PROMPTS = range(100, 108)  # seeds of 6-token prompts
+
+
+@pytest.fixture(scope="module")
+def bfloat16_target(spec_target):
+    """The tiny target's first layer in bfloat16 (``--dtype auto`` on a GPU or TPU; one
+    layer compiles faster) and n-gram tables fitted to its own greedy text."""
+    one_layer = spec_target.first_layers(1)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), one_layer.params)
+    target = specjax.Model(one_layer.config, params, name="tiny-bfloat16")
+    return target, fitted_tables(target, BFLOAT16_PROMPTS, 48)
+
+
+@pytest.mark.filterwarnings("ignore::specjax.errors.PerformanceWarning")  # bf16 on a CPU
+@pytest.mark.parametrize("method", [name for name in METHODS if name != "ar"])
+def test_every_method_equals_ar_in_bfloat16(bfloat16_target, method):
+    """Greedy and coupled sampling at temperature 1 give ``ar``'s tokens, token for token,
+    with bfloat16 weights and activations. The target drafts for itself and the prompts
+    begin its tables' text, so most tokens come from deep tree nodes, whose logits the
+    verify pass computes beside other nodes'. Runs are cheap once compiled, and a
+    difference of one bfloat16 rounding from the one-token step changes a token only at a
+    near-tie: 8 prompts x 48 tokens per rule (the verify pass's attention scaled by
+    1 + 2**-8 changed 7 of 16 such prompts)."""
+    target, tables = bfloat16_target
+    assert {leaf.dtype for leaf in jax.tree.leaves(target.params)} == {jnp.dtype(jnp.bfloat16)}
+    resources = {}
+    if METHODS[method].uses_draft:
+        resources["draft"] = target
+    if METHODS[method].uses_ngram:
+        resources["ngram"] = tables
+    for sampling in ({}, dict(temperature=1.0)):
+        accepted = []
+        for seed in BFLOAT16_PROMPTS:
+            prompt = random_prompt(seed, 6)
+            expected = specjax.generate(target, prompt, max_new_tokens=48, seed=seed,
+                                        **sampling).tokens
+            out = specjax.generate(target, prompt, max_new_tokens=48, seed=seed,
+                                   method=method, **resources, **sampling)
+            assert out.tokens == expected, (method, sampling, seed)
+            accepted.append(out.stats["mean_accepted"])
+        if not sampling:  # the check above read drafted tokens, not only the roots'
+            assert min(accepted) > 1.5, accepted
