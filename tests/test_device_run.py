@@ -143,6 +143,11 @@ def test_the_exactness_suites_run_fp32_and_fused_bf16_without_peers(tmp_path):
         assert "--methods ar,spec,tree,ngram,staged --temperatures 0,1 --limit 6" in line
     assert "--peers all" in lines["suite"] and "--dtype bfloat16" in lines["suite"]
 
+    # The 16-node tree profile of issue 14's whole-step target.
+    done, status = run_gpu_script(tmp_path, DRY_RUN="1", STEPS="profile-tree16-*")
+    line = status_lines(status)["profile-tree16-smollm2-135m"]
+    assert "--methods ar,tree --tree-budget 16" in line and "--attn-impl fused" in line, line
+
 
 def test_a_step_over_its_time_limit_is_stopped_and_the_next_one_runs(tmp_path):
     # An interpreter that hangs in the profile step and runs everything else for real.
