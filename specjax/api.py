@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import jinja2
 import numpy as np
 
-from specjax import decode, methods
+from specjax import decode, methods, models
 from specjax.attention import IMPLEMENTATIONS
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
 from specjax.loading import (check_resources, default_method, load, resolve_draft,
@@ -155,6 +155,11 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
     if attn_impl not in IMPLEMENTATIONS:
         raise InvalidArgumentError(f"attn_impl must be one of {', '.join(IMPLEMENTATIONS)}, "
                                    f"got {attn_impl!r}")
+    if attn_impl == "fused" and not models.has_fused_layers(model.config):
+        # Running the default layers instead would drop the bitwise guarantee silently.
+        raise InvalidArgumentError(
+            f"attn_impl='fused' needs a Llama-family model (the fused layers); "
+            f"{model.name} is {model.config.architecture}: use 'auto' or 'kernel'")
     stop = _stop_array(model, stop_tokens)
     _warn_if_slow_dtype(model)
     return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens))
@@ -502,8 +507,8 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         shipped for the model.
       stop_tokens: ids that end generation (default: the model's EOS ids).
       chat: wrap a string prompt in the model's chat template.
-      attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (the Pallas
-        kernels for attention and, Llama family, every projection: row-tiled, so a
+      attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (Llama family
+        only: the Pallas kernels for attention and every projection, row-tiled, so a
         verify pass reproduces the one-token step bit for bit; GPU or TPU). Fuse the
         weights once first (:meth:`Model.with_fused_projections`): q|k|v and gate|up then
         run in one kernel each.

@@ -129,6 +129,9 @@ def test_max_new_tokens_is_respected():
     (dict(top_k=-2), "top_k"),
     (dict(method="beam"), "unknown method"),
     (dict(stop_tokens=list(range(9))), "stop tokens"),
+    (dict(attn_impl="flash"), "attn_impl must be one of"),
+    # GPT-2 has no fused layers: running the default ones would drop the bitwise guarantee.
+    (dict(attn_impl="fused"), "attn_impl='fused' needs a Llama-family model"),
 ])
 def test_bad_input_is_a_one_line_error(kwargs, match):
     _, model = tiny_pair("gpt2", seed=18)

@@ -122,6 +122,12 @@ def causal_mask(num_tokens: int) -> jax.Array:
 FUSED_MAX_TOKENS = 128
 
 
+def has_fused_layers(config: ModelConfig) -> bool:
+    """Whether ``config``'s family has the fused-kernel layers of ``attn_impl="fused"``
+    (the Llama family; GPT-2 has none)."""
+    return hasattr(_FAMILIES[config.architecture], "block_fused")
+
+
 def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> bool:
     """Whether a call over ``num_tokens`` new tokens runs the fused-kernel layers.
 
@@ -133,7 +139,7 @@ def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> b
     verify pass reproduces the one-token steps bit for bit.
     """
     return (attn_impl == "fused" and num_tokens <= FUSED_MAX_TOKENS
-            and hasattr(_FAMILIES[config.architecture], "block_fused"))
+            and has_fused_layers(config))
 
 
 def _packed_attention(family, scratch_mask) -> bool:
