@@ -652,6 +652,42 @@ def test_write_json_writes_whole_results_or_nothing(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["new", "result.json"]
 
 
+def test_bench_kernels_checks_fp32_and_bf16_then_times_chained_calls(tmp_path, monkeypatch):
+    """``bench_kernels.py --interpret --quick --sweep`` (the CPU smoke run of the GPU
+    kernel's benchmark): the kernel is checked against the reference in float32 and
+    bfloat16 (a stacked cache read by layer, trees, windows) before anything is timed; each
+    tiling of the sweep is checked too; a kernel that computes the wrong thing fails the
+    run (exit 1) with the failed checks recorded."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_kernels
+
+    argv = ["--interpret", "--quick", "--variant", "gpu", "--repeats", "1", "--inner", "2",
+            "--lengths", "40", "--nodes", "1,4"]
+    out = tmp_path / "kernels.json"
+    assert bench_kernels.main([*argv, "--sweep", "--sweep-rows", "16",
+                               "--sweep-warps", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {c["dtype"] for c in result["checks"]} == {"float32", "bfloat16"}
+    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 7
+    assert [(r["length"], r["nodes"]) for r in result["rows"]] == [
+        (40, 1), (40, 4)] * len(bench_kernels.QUICK_SHAPES)
+    assert all(r["kernel_us"] > 0 and r["reference_us"] > 0 for r in result["rows"])
+    assert "2 chained calls in one jitted program" in result["timing"]
+    assert result["sweep"] and all(r["check"]["ok"] for r in result["sweep"])
+
+    # A kernel 1% off: its float32 checks fail and so does the run (only those checks run).
+    real_kernel, real_problems = bench_kernels.kernel_function, bench_kernels.problems
+    monkeypatch.setattr(bench_kernels, "kernel_function", lambda *a: (
+        lambda *args, layer=None: 1.01 * real_kernel(*a)(*args, layer=layer)))
+    monkeypatch.setattr(bench_kernels, "problems", lambda args: (
+        [p for p in real_problems(args)[0] if p.dtype == "float32"], []))
+    assert bench_kernels.main([*argv, "--json", str(out)]) == 1
+    checks = json.loads(out.read_text())["checks"]
+    assert len(checks) == 3 and not any(c["ok"] for c in checks)
+
+
 def test_bench_linear_checks_each_backend_before_timing_it(tmp_path, monkeypatch):
     """``bench_linear.py --interpret --quick`` (the CPU smoke run): each backend's unit is
     checked against the reference, then timed; a kernel that computes the wrong thing is
