@@ -48,8 +48,10 @@
 # default all), STEP_TIMEOUT (seconds: a step still running then is stopped and recorded
 # as failed, rc 124), ARCHIVE (a .tar.gz file rewritten after every step with everything in
 # $OUT_DIR but the HLO texts, which go to <ARCHIVE>-hlo-<profile>.tar.gz beside it: a
-# device call that ends at its time limit still returns what was done), DRY_RUN=1 (record the selected steps' commands, run none), PROFILE_MODELS (default smollm2-135m; also gpt2,
-# gpt2-medium, gpt2-large, gpt2-xl, llama-7b), PROFILE_DTYPES (default float32,bfloat16),
+# device call that ends at its time limit still returns what was done), DRY_RUN=1
+# (record the selected steps' commands, run none), PROFILE_MODELS (default
+# smollm2-135m; also gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-7b), PROFILE_DTYPES
+# (default float32,bfloat16),
 # PROFILE_METHODS (default ar,ngram,spec,tree,staged), PROFILE_ONLY=1 (stop after the
 # profile and kernel steps), ACCEPTANCE (specjax bench or tune_staged.py JSON for the
 # projection, default benchmarks/results/budgets_cpu.json, the CPU tree-budget sweep;

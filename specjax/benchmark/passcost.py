@@ -125,4 +125,3 @@ def step_breakdowns(target: Model, steps: dict[str, tuple[Any, Model | None]], *
                             for rows, head_rows in plan.draft_passes),
             "prefix": prefix, "repeats": repeats, "interleaved": len(keys)}
     return out
-
