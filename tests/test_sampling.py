@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from specjax import sampling
@@ -79,6 +79,76 @@ def test_target_log_probs_match_numpy_statement():
         np.testing.assert_allclose(np.exp(np.asarray(lp)),
                                    exact_distribution(LOGITS, temperature, top_k, top_p),
                                    atol=1e-6)
+
+
+def documented_truncation(x, top_k, top_p):
+    """The module docstring's top-k then top-p in float64, row by row; also whether a
+    token's mass-above lies within 1e-5 of top_p (float32 may round either way there)."""
+    out, near = np.full(x.shape, -np.inf, np.float32), False
+    for r, z in enumerate(x.astype(np.float64)):
+        keep = z >= (np.sort(z)[::-1][min(top_k, len(z)) - 1] if top_k else -np.inf)
+        p = np.where(keep, np.exp(np.where(keep, z - z.max(), 0.0)), 0.0)
+        p /= p.sum()
+        if top_p < 1.0:
+            above = np.array([p[z > v].sum() for v in z])
+            near |= bool(np.any(np.abs(above[keep] - top_p) < 1e-5))
+            keep &= above < top_p
+        out[r] = np.where(keep, z, -np.inf)
+    return out, near
+
+
+_truncate_jitted = {branch: jax.jit(lambda x, k, p, branch=branch: sampling._truncate(
+    x, k, p, branch=branch)) for branch in (True, False)}
+
+
+@settings(max_examples=80, deadline=None)
+@given(vocab=st.sampled_from([1, 7, 40]), levels=st.integers(1, 12),
+       scale=st.sampled_from([0.1, 1.0, 4.0]), neg_inf=st.booleans(),
+       top_k=st.integers(0, 45), top_p=st.one_of(st.just(1.0), st.floats(0.01, 0.999)),
+       seed=st.integers(0, 2**16))
+def test_truncation_keeps_exactly_the_documented_tokens(vocab, levels, scale, neg_inf, top_k,
+                                                        top_p, seed):
+    """Ties (few distinct levels) at both boundaries, -inf and -0.0 included; with and
+    without the conditionals, the same tokens as the float64 statement."""
+    rng = np.random.default_rng(seed)
+    x = (rng.integers(-levels, levels + 1, (3, vocab)) * scale).astype(np.float32)
+    if neg_inf:
+        x[rng.random(x.shape) < 0.3] = -np.inf
+    x[:, 0] = np.maximum(x[:, 0], 0.0)  # one finite logit per row
+    x[1, 0] = -0.0
+    want, near = documented_truncation(x, top_k, top_p)
+    assume(not near)
+    for branch in (True, False):
+        got = _truncate_jitted[branch](jnp.asarray(x), jnp.int32(top_k), jnp.float32(top_p))
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("logits,top_k,top_p,kept", [
+    ([21.0, 15.0, 3.0, 0.0], 3, 1.0, 3),  # top-p off: the third token stays, tiny as it is
+    ([1.5, 1.5] + [1.0] * 7 + [0.5] * 3, 3, 0.47, 9),  # top-p renormalises over top-k's ties
+    ([2.0, 1.0] + [0.0] * 8, 2, 0.7, 1),  # 0.73 of top-k's mass is above the 2nd (0.41 of all)
+])
+def test_truncation_cases_a_sorted_prefix_got_wrong(logits, top_k, top_p, kept):
+    """A sort-then-cumsum truncation dropped the 3rd token of the first row (its mass
+    before rounds to 1.0) and renormalised the second over 3 tokens, not top-k's 9; the
+    third row fails if top-p renormalises over the whole vocabulary."""
+    x = jnp.asarray([logits], jnp.float32)
+    for branch in (True, False):
+        got = _truncate_jitted[branch](x, jnp.int32(top_k), jnp.float32(top_p))
+        assert int(jnp.isfinite(got).sum()) == kept
+
+
+@pytest.mark.parametrize("platform,rules", [("cpu", None), ("tpu", None),
+                                            ("cuda", sampling.TRUNCATE)])
+def test_truncation_neither_sorts_nor_loops_on_a_gpu(platform, rules):
+    """No sort in any platform's truncation; a GPU program (static rules, no conditional)
+    also has no loop: its searches are unrolled."""
+    params = make_sampling_params(1.0, 40, 0.9).replace(rule=rules)
+    logits = jax.ShapeDtypeStruct((16, 49152), jnp.float32)
+    text = jax.jit(lambda x: target_log_probs(x, params)).trace(logits).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert "sort" not in text
+    assert ("stablehlo.while" in text) == (rules is None)
 
 
 def test_greedy_is_argmax_and_ignores_the_seed():
