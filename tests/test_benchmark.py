@@ -405,6 +405,63 @@ def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
         capsys.readouterr().err)
 
 
+def test_resume_keeps_the_finished_prompts_and_runs_the_rest(served, capsys, tmp_path,
+                                                            monkeypatch):
+    path = tmp_path / "run.json"
+    args = ("--methods", "ar,tree", "--draft", "tiny-draft", *TREE, "--limit", "2",
+            "--peers", "none", "--no-pass-breakdown", "--json", str(path), "--resume")
+    status, _, err = bench(capsys, *args)  # no file yet: a whole run
+    assert status == 0 and "starting at the first prompt" in err, err
+    whole = json.loads(path.read_text())
+    assert whole["complete"] is True
+    assert [s["from_prompt"] for s in whole["segments"]] == [0]
+    assert cli.main(["bench", "--report", str(path)]) == 0  # a report reads it
+
+    # Stopped after prompt 0 (what the file holds after a kill); one row marked so that
+    # keeping it shows.
+    partial = {**whole, "complete": False, "rows": [r for r in whole["rows"]
+                                                    if r["prompt"] == 0]}
+    partial["rows"][1]["seconds"] = 1234.5
+    path.write_text(json.dumps(partial))
+    generated = []
+    real_generate = api.generate
+    monkeypatch.setattr(api, "generate", lambda model, prompt, **kw: (
+        generated.append((list(prompt), kw["max_new_tokens"])), real_generate(model, prompt,
+                                                                            **kw))[1])
+    status, _, err = bench(capsys, *args)
+    assert status == 0, err
+    resumed = json.loads(path.read_text())
+    assert resumed["complete"] is True and resumed["all_outputs_match"]
+    assert [s["from_prompt"] for s in resumed["segments"]] == [0, 1]
+    assert {"command", "date", "git", "load_average_start", "load_average_end"} <= set(
+        resumed["segments"][1])
+    assert resumed["date"] == whole["date"]  # the run's start stays the first segment's
+    assert [(r["prompt"], r["system"]) for r in resumed["rows"]] == [
+        (r["prompt"], r["system"]) for r in whole["rows"]]
+    assert resumed["rows"][1]["seconds"] == 1234.5
+    full_length = [p for p, n in generated if n == NEW]  # warm-up runs are 2 tokens long
+    prompt_1 = [r["prompt_tokens"] for r in whole["rows"] if r["prompt"] == 1][0]
+    assert len(full_length) == 2 and all(len(p) == prompt_1 for p in full_length)
+    tree_1 = [a for a in resumed["aggregates"] if a["system"] == "tree"][0]
+    assert tree_1["prompts"] == 2
+
+    # What cannot be continued is a one-line error naming why.
+    path.write_text(json.dumps(partial))
+    for extra, setup, fragment in [
+            (("--max-new-tokens", "4"), None, "config field 'max_new_tokens' was 8"),
+            ((), lambda p: {**p, "complete": True}, "already complete"),
+            ((), lambda p: {**p, "device_kind": "TPU v5e"}, "it ran on 'TPU v5e'"),
+            ((), lambda p: {**p, "rows": p["rows"][:1]}, "prompt 0 lacks rows"),
+            ((), lambda p: "{", "cannot resume from")]:
+        saved = setup(partial) if setup else partial
+        path.write_text(saved if isinstance(saved, str) else json.dumps(saved))
+        status, _, err = bench(capsys, *args, *extra)
+        assert status == 2 and err.startswith("specjax: error: ") and fragment in err, err
+        assert err.count("\n") == 1
+    status, _, err = bench(capsys, "--resume", "--limit", "1")
+    assert status == 2 and "--resume needs --json PATH" in err
+
+
 def test_tree_budget_sweep_systems_and_plot(models, tmp_path):
     target, draft = models
     config = runner.SuiteConfig(methods=("ar", "spec", "tree"), tree_budgets=(4, 8))

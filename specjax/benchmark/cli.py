@@ -16,6 +16,7 @@ Exit status: 0; 1 when a method's output differed from ``ar``'s where it must be
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -28,7 +29,7 @@ from specjax import decode, loading
 from specjax.attention import IMPLEMENTATIONS
 from specjax.benchmark import environment, humaneval, plots
 from specjax.benchmark import report as reporting
-from specjax.benchmark.peers import parse_peers
+from specjax.benchmark.peers import one_line, parse_peers
 from specjax.benchmark.runner import (SuiteConfig, needs_draft, render_batch_text,
                                      run_batch_suite, run_suite)
 from specjax.errors import InvalidArgumentError
@@ -98,6 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "report tokens/s of all rows together and per row (no peers, no "
                         "pass breakdown; default: one prompt at a time, the full report)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
+    p.add_argument("--resume", action="store_true",
+                   help="with --json PATH: if PATH holds a run stopped part-way with the same "
+                        "flags, models and device, keep its prompts and go on from the "
+                        "first it lacks (each part is recorded under 'segments'); if PATH "
+                        "does not exist yet, start at the first prompt")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="exit 0 even when a method's output differs from ar's")
@@ -208,6 +214,7 @@ def run(args) -> int:
     if args.plot:
         plots._pyplot()  # fail before the run, not after it
     machine = environment.machine()
+    resume = _read_resume(args, machine) if getattr(args, "resume", False) else None
     start = time.perf_counter()
     want_draft = ("required" if missing else
                   "optional" if "hf-assisted" in config.peers else "no")
@@ -217,17 +224,24 @@ def run(args) -> int:
     if batch_size is not None:
         return _run_batches(args, config, target, draft, prompts, machine, load_seconds)
 
+    first_prompt = 0 if resume is None else len(
+        {r["prompt"] for r in resume["rows"] if r.get("prompt") is not None})
+    segments = [] if resume is None else list(resume.get("segments") or [_segment(
+        resume, 0, resume.get("load_average_end"))])
+
     def wrap(result: dict) -> dict:
-        return {"benchmark": "suite", "command": _command(), **machine,
-                "load_average_end": os.getloadavg(),
+        here = _segment({"command": _command(), **machine}, first_prompt, os.getloadavg())
+        meta = ({"benchmark": "suite", "command": _command(), **machine} if resume is None else
+                {k: resume[k] for k in ("benchmark", "command", *machine) if k in resume})
+        return {**meta, "load_average_end": os.getloadavg(),
                 "flags": {k: v for k, v in vars(args).items() if k != "func"},
-                "model_load_seconds": load_seconds, **result}
+                "model_load_seconds": load_seconds, "segments": [*segments, here], **result}
 
     def save_so_far(result: dict) -> None:  # a run stopped part-way keeps its prompts
         environment.write_json(args.json, wrap(result))
 
     result = wrap(run_suite(config, target, draft, prompts,
-                            on_prompt=save_so_far if args.json else None))
+                            on_prompt=save_so_far if args.json else None, resume=resume))
     print(reporting.render_text(result))
     if args.json:
         print(f"wrote {environment.write_json(args.json, result)}", file=sys.stderr)
@@ -243,6 +257,39 @@ def run(args) -> int:
               + (" ..." if len(failed) > 10 else ""), file=sys.stderr)
         return 0 if args.allow_mismatch else 1
     return 0
+
+
+def _segment(meta: dict, first_prompt: int, load_end) -> dict:
+    """One part of a (possibly resumed) run: where it started, when, from which commit."""
+    return {"from_prompt": first_prompt, "command": meta.get("command"),
+            "date": meta.get("date"), "git": meta.get("git"),
+            "load_average_start": meta.get("load_average_start"), "load_average_end": load_end}
+
+
+def _read_resume(args, machine: dict) -> dict | None:
+    """The part-way result ``--resume`` continues (``None`` when ``--json`` names no file
+    yet), checked for this machine; the run checks flags and models."""
+    if not args.json:
+        raise InvalidArgumentError("--resume needs --json PATH: the results to continue")
+    if getattr(args, "batch_size", None) is not None:
+        raise InvalidArgumentError("--resume applies to one-prompt-at-a-time runs, not "
+                                   "--batch-size")
+    path = Path(args.json)
+    if not path.exists():
+        print(f"specjax bench: no results at {path} yet: starting at the first prompt",
+              file=sys.stderr)
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidArgumentError(f"cannot resume from {path}: {one_line(err)}") from None
+    if not isinstance(saved, dict):
+        raise InvalidArgumentError(f"cannot resume from {path}: not a bench result")
+    if saved.get("device_kind") != machine["device_kind"]:
+        raise InvalidArgumentError(
+            f"cannot resume from {path}: it ran on {saved.get('device_kind')!r}, this machine "
+            f"is {machine['device_kind']!r}")
+    return saved
 
 
 def _run_batches(args, config, target, draft, prompts, machine, load_seconds) -> int:

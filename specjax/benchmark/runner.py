@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import sys
 from typing import Any, Callable, Sequence
 
@@ -251,11 +252,12 @@ class _Progress:
     """tqdm over prompts with a running speedup (a terminal); one line per prompt on a
     pipe; nothing when ``mode`` is ``"off"``."""
 
-    def __init__(self, total: int, mode: str, log: Callable[[str], None]):
+    def __init__(self, total: int, mode: str, log: Callable[[str], None], done: int = 0):
         self.mode, self.log, self.total = mode, log, total
         self.bar = None
         if mode == "bar":
-            self.bar = tqdm(total=total, unit="prompt", desc="bench", file=sys.stderr)
+            self.bar = tqdm(total=total, initial=done, unit="prompt", desc="bench",
+                            file=sys.stderr)
 
     def update(self, done: int, summary: str) -> None:
         if self.bar is not None:
@@ -298,10 +300,55 @@ def _stats_row(result: api.GenerationResult, target_bytes: int, draft_bytes: int
     return row
 
 
+def resume_point(saved: dict[str, Any], config: SuiteConfig, models: dict[str, Any],
+                 prompts: int) -> int:
+    """The first prompt a part-way result ``saved`` lacks, after checking that it can be
+    continued by a run of ``config`` with ``models`` over ``prompts`` prompts.
+
+    Its rows must cover exactly prompts ``0 .. n-1`` (the results are saved after whole
+    prompts), every one with a row per system and temperature.
+
+    Raises:
+      InvalidArgumentError: the result is complete, or comes from another configuration
+        or other models (the first differing field is named), or its rows are not whole
+        prompts.
+    """
+    if saved.get("benchmark", "suite") != "suite" or "rows" not in saved:
+        raise InvalidArgumentError("cannot resume: not a suite result (no rows)")
+    if saved.get("complete") is not False:
+        raise InvalidArgumentError("cannot resume: that result is already complete")
+    want = json.loads(json.dumps(dataclasses.asdict(config)))
+    have = saved.get("config") or {}
+    for key in sorted(set(want) | set(have)):
+        if want.get(key) != have.get(key):
+            raise InvalidArgumentError(
+                f"cannot resume: config field {key!r} was {have.get(key)!r}, this run has "
+                f"{want.get(key)!r}")
+    want = json.loads(json.dumps(models))
+    for role in ("target", "draft"):
+        if (saved.get("models") or {}).get(role) != want[role]:
+            raise InvalidArgumentError(f"cannot resume: the {role} model differs from the "
+                                       f"saved run's")
+    done = sorted({r["prompt"] for r in saved["rows"] if r.get("prompt") is not None})
+    if done != list(range(len(done))) or len(done) > prompts:
+        raise InvalidArgumentError(f"cannot resume: the saved rows are not prompts 0..n-1 of "
+                                   f"{prompts}")
+    per_prompt = {}
+    for r in saved["rows"]:
+        if r.get("prompt") is not None:
+            per_prompt.setdefault(r["prompt"], set()).add((r["system"], r["temperature"]))
+    expected = {(s["label"], t) for s in saved.get("systems", ()) for t in config.temperatures}
+    broken = [p for p in done if not expected <= per_prompt[p]]
+    if broken:
+        raise InvalidArgumentError(f"cannot resume: prompt {broken[0]} lacks rows")
+    return len(done)
+
+
 def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequence[int]],
               *, progress: str | None = None, log: Callable[[str], None] = _log,
               generate: Callable[..., api.GenerationResult] | None = None,
-              on_prompt: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              on_prompt: Callable[[dict[str, Any]], None] | None = None,
+              resume: dict[str, Any] | None = None) -> dict[str, Any]:
     """Runs every system on every prompt and returns the results (JSON-ready).
 
     Args:
@@ -317,6 +364,9 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
       on_prompt: called after every prompt with the results so far (the same form, with
         ``"complete": False`` and no pass breakdown), so that a caller can save them: a run
         stopped part-way (a time limit) keeps the prompts it finished.
+      resume: such a part-way result: its rows are kept and the run goes on from the first
+        prompt it lacks (the programs are compiled and warmed up again first). It must
+        come from the same configuration and models (:func:`resume_point` checks).
     Returns:
       ``{"config", "models", "systems", "peers", "warmup", "rows", "aggregates",
       "pass_breakdown", "mismatches", "all_outputs_match", "complete"}``; see
@@ -351,7 +401,12 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
                               config.top_k, config.top_p, config.seed)
 
     rows: list[dict] = []
-    warmup = []
+    first = 0
+    if resume is not None:
+        first = resume_point(resume, config, {"target": _describe_model(target),
+                                              "draft": _describe_model(draft)}, len(ids))
+        rows = [r for r in copy.deepcopy(resume["rows"]) if r.get("prompt") is not None]
+    warmup = copy.deepcopy(resume.get("warmup", [])) if resume is not None else []
     for temperature in config.temperatures:
         for system in systems:
             out = run_ours(system, ids[0], temperature, min(config.warmup_tokens, n))
@@ -394,11 +449,17 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
             "complete": complete,
         }
 
-    bar = _Progress(len(ids), progress, log)
+    bar = _Progress(len(ids), progress, log, done=first)
     totals: dict[tuple, list] = {}  # (label, temperature) -> [tokens, seconds] so far
+    for row in rows:
+        total = totals.setdefault((row["system"], row["temperature"]), [0, 0.0])
+        total[0] += row.get("new_tokens") or 0
+        total[1] += row.get("seconds") or 0.0
     systems_by_label = {s.label: s for s in systems}
     try:
         for i, prompt_ids in enumerate(ids):
+            if i < first:
+                continue
             if any(peers.available(p) for p in config.peers):
                 peers.tune_threads()
             for temperature in config.temperatures:
