@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from specjax import api, cli
+from specjax import api, cli, sampling
 from specjax.benchmark import metrics, peers, plots, report, runner
 
 from conftest import random_prompt, serve_models, tiny_pair
@@ -769,6 +769,25 @@ def test_bench_linear_checks_each_backend_before_timing_it(tmp_path, monkeypatch
     assert bench_linear.main([*argv, "--backends", "mosaic", "--json", str(out)]) == 1
     (row,) = json.loads(out.read_text())["rows"]
     assert not row["check"]["ok"]
+
+
+def test_bench_truncation_checks_the_kept_tokens_then_times(tmp_path, monkeypatch):
+    """``bench_truncation.py``: every truncating setting is checked against the sort-based
+    truncation before either is timed; a truncation keeping other tokens exits 1."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_truncation
+
+    out = tmp_path / "truncation.json"
+    assert bench_truncation.main(["--rows", "2", "--repeats", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["setting"] for r in results] == list(bench_truncation.SETTINGS)
+    assert all(r["specjax_ms"] > 0 for r in results)
+    assert [("sort_ms" in r) for r in results] == [False, True, True, True]
+
+    monkeypatch.setattr(sampling, "_truncate", lambda x, k, p, branch: x)  # keeps everything
+    assert bench_truncation.main(["--rows", "2", "--repeats", "1"]) == 1
 
 
 def test_bench_linear_attn_rope_unit_checks_the_rope_kernel(tmp_path, monkeypatch):
