@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     from specjax import sampling
     from specjax.benchmark import environment
 
+    machine = environment.machine()  # the date and load average at the start
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     for n in rows:
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
     if args.json:
         out = {"benchmark": "truncation", "command": " ".join(["benchmarks/bench_truncation.py",
                                                               *sys.argv[1:]]),
-               **environment.machine(), "load_average_end": os.getloadavg(),
+               **machine, "load_average_end": os.getloadavg(),
                "static_rules": args.static, "vocab": VOCAB, "results": results}
         print(f"wrote {environment.write_json(args.json, out)}", file=sys.stderr)
     return 0
