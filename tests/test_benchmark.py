@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
+import jax
 import pytest
 
 from specjax import api, cli, sampling
@@ -788,6 +789,30 @@ def test_bench_truncation_checks_the_kept_tokens_then_times(tmp_path, monkeypatc
 
     monkeypatch.setattr(sampling, "_truncate", lambda x, k, p, branch: x)  # keeps everything
     assert bench_truncation.main(["--rows", "2", "--repeats", "1"]) == 1
+
+
+def test_bench_cpu_layer_loop_checks_the_four_programs_agree_then_times(tmp_path,
+                                                                         monkeypatch):
+    """``bench_cpu_layer_loop.py``: the four forms of the layer loop give the same output
+    before they are timed; a form computing something else exits 1."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_cpu_layer_loop
+
+    out = tmp_path / "loop.json"
+    argv = ["--layers", "2", "--rows", "1,3", "--repeats", "1"]
+    assert bench_cpu_layer_loop.main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["rows"] for r in result["results"]] == [1, 3]
+    assert result["weight_bytes"] == 2 * 2 * 576 * 1536 * 4
+    for row in result["results"]:
+        assert all(row[f"{name}_ms"] > 0 for name in ("scan", "fori", "separate",
+                                                      "scan_unrolled"))
+    real_scan = jax.lax.scan
+    monkeypatch.setattr(jax.lax, "scan", lambda f, init, xs, **kw: real_scan(
+        f, init * (1.0 + kw.pop("unroll", False)), xs, **kw))  # scan_unrolled doubles x
+    assert bench_cpu_layer_loop.main(argv) == 1
 
 
 def test_bench_linear_attn_rope_unit_checks_the_rope_kernel(tmp_path, monkeypatch):
