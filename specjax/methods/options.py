@@ -291,7 +291,11 @@ METHODS: dict[str, type[MethodOptions]] = {
 # the CPU defaults 2.64, at the settings below 3.96 (the draft's share 7% -> 15%); tree
 # 2.67 at budget 8, 3.27 below; ngram 2.76 -> 2.98. On the GPU the bigger trees cost a
 # verify pass of ~1.1x one token and three more draft passes of 2 of 30 blocks each. The
-# TPU takes the GPU's (not measured on TPU hardware).
+# TPU takes the GPU's (not measured on TPU hardware). `spec` keeps depth 4 everywhere: a
+# chain gains a level only where every level above it was accepted (greedy, prompts 0-41
+# of benchmarks/results/cpu/suite_all_methods_164_2026-11-25.json: all 4 drafted tokens
+# accepted in 9.8% of steps; after 3 accepted, the 4th in 70%), so depth 6 would add
+# ~0.12 tokens to 1.91 per step (~6%) for two more sequential draft passes per step.
 _ACCELERATOR = {
     "staged": dict(tree_budget=32, draft_rounds=4, draft_width=2, stage2_prior=(0.3, 0.1),
                    proposal=(4, 2, 1, 1, 1, 1)),
