@@ -25,9 +25,12 @@ ROWS = (1, 2, 4, 6, 8, 16)
 
 
 def measure(rows, repeats: int) -> dict:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from specjax.benchmark.environment import median_ms
 
     rng = np.random.default_rng(0)
     head = jnp.asarray(rng.standard_normal((49152, 576), dtype=np.float32))
@@ -48,20 +51,11 @@ def measure(rows, repeats: int) -> dict:
                            precision=precision)
         return x
 
-    def median_ms(fn, *args):
-        fn(*args).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn(*args).block_until_ready()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times) * 1e3)
-
     out = {}
     for m in rows:
         x = jnp.asarray(rng.standard_normal((m, 576), dtype=np.float32))
-        out[m] = {"head_ms": median_ms(head_logits, x, head),
-                  "projections_ms": median_ms(projections, x, ups, downs)}
+        out[m] = {"head_ms": median_ms(head_logits, x, head, repeats=repeats),
+                  "projections_ms": median_ms(projections, x, ups, downs, repeats=repeats)}
     return out
 
 

@@ -14,10 +14,8 @@ every rule); ``--static`` builds them the GPU's way (one rule per program, no co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 ROWS = (1, 6, 16, 32)
 VOCAB = 49152
@@ -42,16 +40,6 @@ def sort_truncation(scaled, top_k, top_p):
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def timed(fn, args, repeats: int) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -67,6 +55,7 @@ def main(argv=None) -> int:
 
     from specjax import sampling
     from specjax.benchmark import environment
+    from specjax.benchmark.environment import median_ms
 
     machine = environment.machine()  # the date and load average at the start
     rows = [int(r) for r in args.rows.split(",")]
@@ -78,7 +67,7 @@ def main(argv=None) -> int:
                                                    static_rule=args.static)
             ours = jax.jit(lambda x, p: sampling.target_log_probs(x, p))
             row = {"rows": n, "setting": name, "top_k": top_k, "top_p": top_p,
-                   "specjax_ms": timed(ours, (logits, params), args.repeats)}
+                   "specjax_ms": median_ms(ours, logits, params, repeats=args.repeats)}
             if top_k or top_p < 1.0:
                 by_sort = jax.jit(lambda x, k, p: jax.nn.log_softmax(sort_truncation(x, k, p)))
                 k, p = jnp.int32(top_k), jnp.float32(top_p)
@@ -88,7 +77,7 @@ def main(argv=None) -> int:
                     print(f"the sort-based truncation keeps other tokens at {n} rows, {name}",
                           file=sys.stderr)
                     return 1
-                row["sort_ms"] = timed(by_sort, (logits, k, p), args.repeats)
+                row["sort_ms"] = median_ms(by_sort, logits, k, p, repeats=args.repeats)
             results.append(row)
             print(f"{n:3d} rows  {name:22s} specjax {row['specjax_ms']:8.2f} ms"
                   + (f"   sort {row['sort_ms']:8.2f} ms" if "sort_ms" in row else ""))

@@ -1,4 +1,5 @@
-"""What a benchmark JSON records about where it ran: device, machine, versions, commit."""
+"""What a benchmark JSON records about where it ran (device, machine, versions, commit),
+how it is written, and the one-call timer the micro-benchmarks share."""
 
 from __future__ import annotations
 
@@ -82,3 +83,15 @@ def write_json(path: str | os.PathLike, result) -> Path:
         os.unlink(staging)
         raise
     return path
+
+
+def median_ms(fn, *args, repeats: int) -> float:
+    """Milliseconds of ``fn(*args)`` (a jitted call, waited for), the median of ``repeats``
+    calls after one untimed call (compilation and warm-up)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times) * 1e3)
