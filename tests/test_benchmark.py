@@ -377,6 +377,10 @@ def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
     assert result["config"]["tree_budgets"] == [6]
     assert result["systems"][1]["options"] == {"draft": served["tiny-draft"].name,
                                                "tree_budget": 6, "draft_depth": 3}
+    # and every option it ran with, defaults included: what each of its generations reports
+    ran = [r["stats"]["options"] for r in result["rows"] if r["system"] == "tree"]
+    assert all(o == {"method": "tree", **result["systems"][1]["resolved_options"]} for o in ran)
+    assert result["systems"][1]["resolved_options"]["tree_budget"] == 6
     assert result["models"]["draft"]["num_layers"] == 1
     assert {(a["system"], a["temperature"]) for a in result["aggregates"]} == {
         ("ar", 0.0), ("tree", 0.0), ("ar", 1.0), ("tree", 1.0)}
@@ -445,6 +449,11 @@ def test_resume_keeps_the_finished_prompts_and_runs_the_rest(served, capsys, tmp
     assert len(full_length) == 2 and all(len(p) == prompt_1 for p in full_length)
     tree_1 = [a for a in resumed["aggregates"] if a["system"] == "tree"][0]
     assert tree_1["prompts"] == 2
+    # The report says which part ran which prompts; a run in one part says nothing of parts.
+    markdown = report.render_markdown([resumed])
+    assert "Run in 2 parts (`--resume`): prompts 0-0 from " in markdown
+    assert "; prompts 1-1 from " in markdown
+    assert "Run in" not in report.render_markdown([whole])
 
     # What cannot be continued is a one-line error naming why.
     path.write_text(json.dumps(partial))

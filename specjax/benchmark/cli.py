@@ -30,8 +30,8 @@ from specjax.attention import IMPLEMENTATIONS
 from specjax.benchmark import environment, humaneval, plots
 from specjax.benchmark import report as reporting
 from specjax.benchmark.peers import one_line, parse_peers
-from specjax.benchmark.runner import (SuiteConfig, needs_draft, render_batch_text,
-                                     run_batch_suite, run_suite)
+from specjax.benchmark.runner import (SuiteConfig, finished_prompts, needs_draft,
+                                     render_batch_text, run_batch_suite, run_suite)
 from specjax.errors import InvalidArgumentError
 from specjax.methods.options import all_option_fields, backend_of, describe_defaults
 from specjax.model import resolve_dtype
@@ -224,8 +224,8 @@ def run(args) -> int:
     if batch_size is not None:
         return _run_batches(args, config, target, draft, prompts, machine, load_seconds)
 
-    first_prompt = 0 if resume is None else len(
-        {r["prompt"] for r in resume["rows"] if r.get("prompt") is not None})
+    # where this part starts, for its segment (run_suite checks that it can go on from there)
+    first_prompt = 0 if resume is None else len(finished_prompts(resume))
     segments = [] if resume is None else list(resume.get("segments") or [_segment(
         resume, 0, resume.get("load_average_end"))])
 

@@ -88,7 +88,26 @@ def _heading(result: dict) -> list[str]:
         f"Command: `{result.get('command', '?')}`",
         "",
     ]
-    return lines
+    parts = _parts(result)
+    return lines + ([parts, ""] if parts else [])
+
+
+def _parts(result: dict) -> str | None:
+    """For a run finished with ``--resume``: which prompts each part ran, when, at which
+    commit and load (the heading's machine line is the first part's)."""
+    segments = result.get("segments") or []
+    if len(segments) < 2:
+        return None
+    prompts = len({r["prompt"] for r in result["rows"] if r.get("prompt") is not None})
+    described = []
+    for i, segment in enumerate(segments):
+        last = segments[i + 1]["from_prompt"] - 1 if i + 1 < len(segments) else prompts - 1
+        start, end = segment.get("load_average_start"), segment.get("load_average_end")
+        load = (f", load {start[0]:.1f} -> {end[0]:.1f}" if start and end else "")
+        commit = str((segment.get("git") or {}).get("commit", "unknown"))[:7]
+        described.append(f"prompts {segment['from_prompt']}-{last} from "
+                         f"{segment.get('date', '?')} at {commit}{load}")
+    return f"Run in {len(segments)} parts (`--resume`): " + "; ".join(described) + "."
 
 
 def _load(result: dict) -> str:

@@ -167,6 +167,7 @@ class System:
     method: str
     tree_budget: int | None = None
     options: tuple = ()  # generate() keyword arguments, as (name, value) pairs
+    resolved: tuple = ()  # every option the method runs with, defaults included, as pairs
 
     def kwargs(self) -> dict:
         return dict(self.options)
@@ -209,7 +210,8 @@ def build_systems(config: SuiteConfig, draft=None, ngram=None) -> list[System]:
                       if k in method_options(method) and v is not None)
         budget = getattr(options, "tree_budget", None)
         label = f"{method}@{budget}" if sweep and budget is not None else method
-        systems.append(System(label, "specjax", method, budget, pairs))
+        resolved = tuple((k, v) for k, v in options.to_dict().items() if k != "method")
+        systems.append(System(label, "specjax", method, budget, pairs, resolved))
     return systems
 
 
@@ -300,6 +302,11 @@ def _stats_row(result: api.GenerationResult, target_bytes: int, draft_bytes: int
     return row
 
 
+def finished_prompts(saved: dict[str, Any]) -> list[int]:
+    """The prompts a saved suite result has rows for, in order (peer status rows aside)."""
+    return sorted({r["prompt"] for r in saved.get("rows") or () if r.get("prompt") is not None})
+
+
 def resume_point(saved: dict[str, Any], config: SuiteConfig, models: dict[str, Any],
                  prompts: int) -> int:
     """The first prompt a part-way result ``saved`` lacks, after checking that it can be
@@ -329,7 +336,7 @@ def resume_point(saved: dict[str, Any], config: SuiteConfig, models: dict[str, A
         if (saved.get("models") or {}).get(role) != want[role]:
             raise InvalidArgumentError(f"cannot resume: the {role} model differs from the "
                                        f"saved run's")
-    done = sorted({r["prompt"] for r in saved["rows"] if r.get("prompt") is not None})
+    done = finished_prompts(saved)
     if done != list(range(len(done))) or len(done) > prompts:
         raise InvalidArgumentError(f"cannot resume: the saved rows are not prompts 0..n-1 of "
                                    f"{prompts}")
@@ -436,7 +443,8 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
             "models": {"target": _describe_model(target), "draft": _describe_model(draft)},
             "systems": [{"label": s.label, "kind": s.kind, "method": s.method,
                          "tree_budget": s.tree_budget,
-                         "options": _describe_options(s, config)}
+                         "options": _describe_options(s, config),
+                         "resolved_options": dict(s.resolved)}
                         for s in systems],
             "peers": peers.describe(),
             "warmup": warmup,
@@ -650,7 +658,8 @@ def run_batch_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | 
     return {"config": dataclasses.asdict(config), "batch_size": batch_size,
             "models": {"target": _describe_model(target), "draft": _describe_model(draft)},
             "systems": [{"label": s.label, "method": s.method, "tree_budget": s.tree_budget,
-                         "options": _describe_options(s, config)} for s in systems],
+                         "options": _describe_options(s, config),
+                         "resolved_options": dict(s.resolved)} for s in systems],
             "warmup": warmup, "batches": batches, "aggregates": aggregates,
             "mismatches": failed, "all_outputs_match": not failed}
 
