@@ -62,6 +62,11 @@ def _outputs(result: dict, system: str) -> str:
     return f"yes ({checked}/{checked})" if not mismatched else f"NO ({mismatched} of {checked} differ)"
 
 
+def _prompt_count(result: dict) -> int:
+    """How many prompts a result has rows for (peer status rows carry no prompt)."""
+    return len({r["prompt"] for r in result["rows"] if r.get("prompt") is not None})
+
+
 def _heading(result: dict) -> list[str]:
     config = result.get("config", {})
     target = (result.get("models") or {}).get("target") or {}
@@ -76,7 +81,7 @@ def _heading(result: dict) -> list[str]:
         result.get("date", "")) if x)
     peers = result.get("peers") or {}
     lines = [
-        f"**{config.get('suite', 'suite')}**: {len({r['prompt'] for r in result['rows'] if r.get('prompt') is not None})} "
+        f"**{config.get('suite', 'suite')}**: {_prompt_count(result)} "
         f"prompts x {config.get('max_new_tokens')} new tokens, seed {config.get('seed')}; "
         f"target `{target.get('name', '?')}` ({target.get('dtype', '?')}), draft "
         + (f"`{draft['name']}`" if draft else "none")
@@ -98,7 +103,7 @@ def _parts(result: dict) -> str | None:
     segments = result.get("segments") or []
     if len(segments) < 2:
         return None
-    prompts = len({r["prompt"] for r in result["rows"] if r.get("prompt") is not None})
+    prompts = _prompt_count(result)
     described = []
     for i, segment in enumerate(segments):
         last = segments[i + 1]["from_prompt"] - 1 if i + 1 < len(segments) else prompts - 1
