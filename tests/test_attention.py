@@ -42,6 +42,9 @@ def test_blocked_equals_reference(problem):
                                             scratch)
     got = jax.jit(attention_blocked, static_argnames="block")(
         q, k_new, v_new, k_cache, v_cache, length, mask, scratch, block=block)
+    # Blockwise (online) softmax against one softmax: outputs are convex combinations of
+    # N(0, 1) values after 8-term scores over at most a few dozen slots; 2e-5 * (1 + |want|)
+    # exceeds sum_tolerance(longest_sum=64, stages=2, magnitude=|want|) (tests/tolerances.py).
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
 
 

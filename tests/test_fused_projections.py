@@ -25,6 +25,7 @@ from specjax.cache import advance, init_cache
 from specjax.errors import CheckpointError
 
 from conftest import random_prompt, tiny_pair
+from tolerances import assert_sums_close, forward_sums
 
 KINDS = {"llama-gqa": {}, "llama-mha-biases": dict(mlp_bias=True, attention_bias=True),
          "qwen2": {}, "gpt2": {}}
@@ -60,8 +61,9 @@ def test_fused_logits_equal_the_separate_ones(kind):
         if rows == "decode-1" or kind in BITWISE_MULTI_ROW:
             np.testing.assert_array_equal(together, separate, err_msg=f"{kind} {rows}")
         else:
-            np.testing.assert_allclose(together, separate, atol=1e-4, rtol=1e-4,
-                                       err_msg=f"{kind} {rows}")
+            # Wider matmuls may tile their sums differently: bounded by the pass's sums.
+            assert_sums_close(together, separate, **forward_sums(config, 32),
+                              err_msg=f"{kind} {rows}")
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -34,6 +34,7 @@ from specjax.checkpoints_tools.sources import resolve_and_load
 from specjax.config import smollm2_135m
 from specjax.errors import CheckpointError
 from specjax.models import forward
+from tolerances import assert_sums_close, forward_sums
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -76,8 +77,9 @@ def test_f32_gguf_reproduces_the_source_model(tmp_path, tied):
     config, params, _ = load_gguf(write_tiny_gguf(model, tmp_path / "m.gguf"))
     assert config.tie_word_embeddings == tied and config.num_kv_heads == 2
     assert config.rope_theta == 5000.0 and config.norm_eps == 1e-6
-    np.testing.assert_allclose(specjax_logits(config, params, PROMPT), hf_logits(model),
-                               atol=1e-4, rtol=0)
+    # torch and XLA order their fp32 sums differently: bounded by the pass's sums.
+    assert_sums_close(specjax_logits(config, params, PROMPT), hf_logits(model),
+                      **forward_sums(config, len(PROMPT)))
 
 
 def test_skipping_the_unpermute_is_caught(tiny, monkeypatch):
@@ -94,7 +96,8 @@ def test_quantized_gguf_matches_transformers_gguf_load(tiny, quant):
     path = write_tiny_gguf(model, root / f"m-{quant}.gguf", quant)
     config, params, _ = load_gguf(path)
     want = hf_logits(transformers_gguf(path, "model"))
-    np.testing.assert_allclose(specjax_logits(config, params, PROMPT), want, atol=1e-4, rtol=0)
+    assert_sums_close(specjax_logits(config, params, PROMPT), want,
+                      **forward_sums(config, len(PROMPT)))
     # Quantization moved the logits, so this comparison is not vacuous.
     assert np.abs(want - hf_logits(model)).max() > 1e-3
 

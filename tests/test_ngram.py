@@ -117,6 +117,8 @@ def assert_ranked(tokens, scores, probs: np.ndarray, k: int, score_probs=None):
         assert len(tokens) == k and ranked.min() >= probs[excluded].max() - 1e-12
     scored = (probs if score_probs is None else score_probs)[tokens]
     positive = scored > 0
+    # An fp32 log of an fp32 probability against numpy's fp64 one: a few units of
+    # 2**-24 relative on values of size up to ~|log 1e-6| = 14.
     np.testing.assert_allclose(np.asarray(scores)[positive], np.log(scored[positive]),
                                rtol=1e-5, atol=1e-5)
 

@@ -76,6 +76,8 @@ def test_target_log_probs_match_numpy_statement():
     for temperature, top_k, top_p in [(0.5, 0, 1.0), (1.0, 2, 1.0), (2.0, 0, 0.5), (1.0, 4, 0.7)]:
         lp = target_log_probs(jnp.asarray(LOGITS)[None],
                               make_sampling_params(temperature, top_k, top_p))[0]
+        # fp32 probabilities (each <= 1) from a softmax over a few logits, against fp64:
+        # a few units of 2**-24.
         np.testing.assert_allclose(np.exp(np.asarray(lp)),
                                    exact_distribution(LOGITS, temperature, top_k, top_p),
                                    atol=1e-6)

@@ -13,6 +13,7 @@ from specjax.errors import InvalidArgumentError
 from specjax.tree import ancestor_mask, depths
 
 from conftest import random_prompt, tiny_pair
+from tolerances import assert_sums_close, forward_sums
 
 NEW = 24
 
@@ -133,7 +134,8 @@ def test_tree_attention_equals_causal_paths(data):
             j = parents[j]
         seq = prefix + path[::-1]
         ref, _ = models.forward(model.params, model.config, jnp.asarray(seq), jnp.arange(len(seq)))
-        np.testing.assert_allclose(np.asarray(logits[i]), np.asarray(ref[-1]), atol=1e-4)
+        # A tree pass against a plain causal pass: other sums, bounded by the pass's sums.
+        assert_sums_close(logits[i], ref[-1], **forward_sums(model.config, len(seq)))
 
 
 _TREE_MODEL = {}

@@ -305,6 +305,7 @@ def test_layer_of_a_stacked_cache_is_read_in_place(window):
         *args[:3], *stacked, *args[5:], layer=layer, block_sizes=case.block_sizes,
         interpret=True))(jnp.int32(1))
     expected = jax.jit(attention_reference)(*reference_args)
+    # Online softmax against one softmax: the attention kernels' bound (tests/test_kernels.py).
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(InvalidArgumentError, match="pass layer= exactly"):
         verify_attention_tpu(*args[:3], *stacked, *args[5:], interpret=True)

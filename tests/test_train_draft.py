@@ -14,6 +14,7 @@ from specjax.checkpoints_tools import sources, train_draft
 from specjax.errors import InvalidArgumentError
 
 from conftest import tiny_target_with_tokenizer, write_corpus
+from tolerances import assert_sums_close, forward_sums
 
 CORPUS = '''
 def fibonacci(n):
@@ -80,7 +81,8 @@ def test_distillation_learns_resumes_and_exports(tiny_target, corpus_files, tmp_
         theirs = hf(torch.tensor([ids])).logits[0].numpy()
     ours, _ = specjax.models.forward(draft.params, draft.config, np.asarray(ids, np.int32),
                                      np.arange(len(ids), dtype=np.int32))
-    np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4)
+    # torch and XLA order their fp32 sums differently: bounded by the pass's sums.
+    assert_sums_close(ours, theirs, **forward_sums(draft.config, len(ids)))
 
     # Resume: the same settings continue from the last checkpoint (nothing left to do).
     messages = []

@@ -417,6 +417,7 @@ def test_lone_root_is_plain_sampling():
 
 def test_zero_mass_residual_falls_back_and_never_nans():
     p = jnp.array([0.25, 0.25, 0.5, 0.0])
+    # Four probabilities renormalised in fp32: one rounding of values <= 1 (2**-24 each).
     np.testing.assert_allclose(verify._residual(p, p, p), p, atol=1e-7)
     np.testing.assert_allclose(verify._residual(p, jnp.array([0.5, 0.5, 0.0, 0.0]), p),
                                [0.0, 0.0, 1.0, 0.0], atol=1e-7)
