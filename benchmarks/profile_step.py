@@ -692,10 +692,11 @@ def _per_pass(long: dict, short: dict, passes: int, key: str) -> float | None:
 def profile_method(model, method: str, prompt: list[int], new_tokens: int, repeats: int,
                    draft_layers: int, tables, trace: bool, hlo_dir: str | None,
                    top: int = 15, tree_budget: int | None = None,
-                   attn_impl: str = "auto") -> dict:
-    """One row of the report (see the module docstring)."""
+                   attn_impl: str = "auto", with_step: bool = True) -> dict:
+    """One row of the report (see the module docstring); ``with_step=False`` skips the
+    streaming step's program (one compile fewer, no ``hlo_step_program``)."""
     options = method_options(method, model, draft_layers, tables, tree_budget, attn_impl)
-    programs = compile_step_programs(model, prompt, options, new_tokens)
+    programs = compile_step_programs(model, prompt, options, new_tokens, with_step=with_step)
     # The prefill (and first sample) alone, with the same executable: max_new_tokens=1.
     # Interleaved, fastest of each kept: drift hits both alike.
     long_runs, short_runs = [], []

@@ -223,6 +223,21 @@ def smollm2():
     return specjax.load("smollm2-135m")
 
 
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (``benchmarks/`` is no package),
+    registered in ``sys.modules`` under ``name`` (dataclasses look their module up there)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def random_prompt(seed: int, length: int, vocab: int = TINY_VOCAB) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, length).tolist()
 

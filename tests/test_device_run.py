@@ -17,21 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import load_benchmark
 from specjax.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_RUN = ROOT / "benchmarks" / "gpu_run.sh"
 
 
-def _load_bundle():
-    spec = importlib.util.spec_from_file_location("device_bundle",
-                                                  ROOT / "benchmarks" / "device_bundle.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bundle = _load_bundle()
+bundle = load_benchmark("device_bundle")
 
 
 def absent_packages(folder: Path, *names: str) -> str:

