@@ -90,12 +90,13 @@ def test_a_position_reads_the_previous_positions_feature(target):
     features = jnp.arange(10 * 4, dtype=jnp.float32).reshape(10, 4) + 1
     positions = jnp.asarray([0, 1, 5, 9], jnp.int32)
     draft_config = dataclasses.replace(target.config, feature_input=True)
-    read = previous_features(draft_config, SimpleNamespace(features=features), positions)
+    read = previous_features({}, draft_config, SimpleNamespace(features=features), positions)
     np.testing.assert_array_equal(read, np.stack([np.zeros(4), features[0], features[4],
                                                   features[8]]))
     shifted = fd.shift_features(features[None])[0]
     np.testing.assert_array_equal(read[1:], shifted[positions[1:]])
-    assert previous_features(target.config, SimpleNamespace(features=None), positions) is None
+    assert previous_features({}, target.config, SimpleNamespace(features=None),
+                             positions) is None
 
 
 def test_a_draft_that_predicts_the_targets_features_is_always_accepted(one_layer_target):
