@@ -254,7 +254,9 @@ def _check_stored_arrays(tree, config: ModelConfig, params_dir: Path) -> None:
             dtype = np.dtype(leaf.dtype)
         except TypeError:
             dtype = None
-        if dtype is None or not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
+        integer_map = jax.tree_util.keystr(path) == "['draft_vocab']" and dtype == np.int32
+        if (dtype is None or not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16"
+                and not integer_map):  # a reduced head's id map is the one int32 array
             raise CheckpointError(f"{params_dir}: parameter {jax.tree_util.keystr(path)} has "
                                   f"dtype {getattr(leaf, 'dtype', None)}, not floating-point")
         declared += math.prod(leaf.shape) * dtype.itemsize
@@ -345,6 +347,7 @@ def _drop_orphaned_read_reports(params_dir: Path) -> logging.Filter | None:
 
 
 def _cast(tree, dtype):
+    """The floating-point arrays of ``tree`` cast to ``dtype`` (integer ones kept)."""
     if isinstance(tree, dict):
         return {key: _cast(value, dtype) for key, value in tree.items()}
-    return tree.astype(dtype)
+    return tree if np.issubdtype(np.dtype(tree.dtype), np.integer) else tree.astype(dtype)

@@ -279,3 +279,77 @@ def test_errors_are_one_line(target):
 def test_default_feature_layers():
     assert eagle3.default_feature_layers(30) == (1, 14, 26)
     assert eagle3.default_feature_layers(3) == (1, 0)
+
+
+MODULE = '''"""A module."""
+
+
+def area_{i}(radius):
+    """Area of a circle of the given radius."""
+    return 3.14159 * radius ** 2
+
+
+def scale_{i}(shape, factor):
+    """Scales the shape by factor, returning a new list."""
+    return [x * factor for x in shape]
+'''
+
+
+@pytest.fixture(scope="module")
+def tokenizer_target():
+    from specjax.checkpoints_tools import ngram_build
+
+    from conftest import tiny_target_with_tokenizer
+
+    tokenizer = ngram_build.load_tokenizer("smollm2-135m")[0]
+    return tiny_target_with_tokenizer(tokenizer, 49152, max_positions=512, eos_token_id=2,
+                                      bos_token_id=1)
+
+
+def test_train_draft_stops_at_its_time_budget_resumes_and_exports(tokenizer_target, tmp_path,
+                                                                 monkeypatch):
+    """``train-draft --eagle3`` on the target's own text: a run stopped by its time budget
+    saves and exports at that step; the rerun resumes there and finishes; the log has
+    per-depth held-out agreement on the target's continuations; the draft's vocabulary is
+    the most frequent ids of that text; the asset decodes exactly."""
+    from specjax.checkpoints_tools import sample_corpus, sources, train_draft
+
+    from conftest import write_corpus
+
+    monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
+    target = tokenizer_target
+    files = write_corpus(tmp_path, [MODULE.format(i=i) for i in range(40)])
+    cfg = train_draft.TrainConfig(
+        init_layers=(0,), eagle3=True, feature_layers=(0, 1, 2), draft_vocab=256, unroll=3,
+        steps=6, batch_size=2, seq_len=16, learning_rate=3e-3, warmup_steps=1, eval_every=2,
+        eval_windows=4, checkpoint_every=2, heldout_fraction=0.2, target_corpus_tokens=96,
+        target_gen_len=24, target_batch_size=3, target_corpus_fraction=1.0)
+    out = tmp_path / "run"
+    messages = []
+    first = train_draft.train_draft(target, out, cfg, corpus_files=files,
+                                    log=messages.append, time_budget=1e-3)
+    assert first["steps"] == 1 and first["stopped_by_time_budget"], first
+    assert specjax.load(first["draft"]).config.draft_vocab_size == 256
+    again = train_draft.train_draft(target, out, cfg, corpus_files=files, log=messages.append)
+    assert "resumed from step 1" in messages and again["steps"] == 6
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == [0, 1, 2, 4, 6]
+    assert all(len(e["heldout_target_agreement_depth"]) == 3 for e in log)
+
+    asset = tmp_path / "asset"
+    train_draft.export_latest(target, out, asset)
+    draft = sources.load_bundled_draft(target, directory=asset)
+    assert draft.config.feature_layers == (0, 1, 2) and draft.config.draft_vocab_size == 256
+    with np.load(out / "target_corpus.npz") as corpus:
+        counts = np.bincount(corpus["train"], minlength=target.config.vocab_size)
+    kept = np.asarray(draft.params["draft_vocab"])
+    assert counts[kept].min() >= np.delete(counts, kept).max()  # the most frequent ids
+    ids = [5, 17, 300, 42, 7]
+    expected = specjax.generate(target, ids, max_new_tokens=8).tokens
+    for method in ("spec", "tree"):
+        assert specjax.generate(target, ids, max_new_tokens=8, method=method,
+                                draft=draft).tokens == expected
+    with pytest.raises(InvalidArgumentError, match="head-tokens"):
+        train_draft.export_latest(target, out, tmp_path / "bad", head_tokens=64)
+    with pytest.raises(InvalidArgumentError, match="--init-draft and --add-layers do not"):
+        train_draft.TrainConfig(eagle3=True, feature_draft=True)
