@@ -72,7 +72,7 @@
 # Both: TARGET_BATCH (rows the target writes at once, --target-batch-size: default 256; the
 # shipped stages used 64 on the CPU, and a row's text does not depend on its batch).
 # RECIPE=eagle3 only: OUT_DIR, BUDGET (300 s), E3_MARGIN (30 s), E3_TARGET_TOKENS (2000000),
-# E3_GEN_LEN (256), E3_TEMPERATURE (1.0), E3_STEPS (3000), E3_BATCH (48), E3_SEQ (256),
+# E3_GEN_LEN (256), E3_TEMPERATURE (1.0), E3_STEPS (2000), E3_BATCH (48), E3_SEQ (256),
 # E3_LR (1e-3), E3_WARMUP (100), E3_UNROLL (4), E3_VOCAB (8192), E3_LAYERS (the default
 # feature layers: 1, L/2-1, L-4), E3_ACCEPTANCE (0: weight of the acceptance objective),
 # E3_EVAL_EVERY (250), E3_MAX_TOKENS (1000000 tokens of the standard library, tokenized
@@ -168,7 +168,7 @@ if [ "$RECIPE" = eagle3 ]; then
   ARGS=(--eagle3 --init-layers 0 --max-corpus-tokens "${E3_MAX_TOKENS:-1000000}"
         --corpus-from-target "${E3_TARGET_TOKENS:-2000000}" --target-corpus-fraction 1
         --target-temperature "${E3_TEMPERATURE:-1.0}" --target-gen-len "${E3_GEN_LEN:-256}"
-        --target-batch-size "$TARGET_BATCH" --steps "${E3_STEPS:-3000}"
+        --target-batch-size "$TARGET_BATCH" --steps "${E3_STEPS:-2000}"
         --batch-size "${E3_BATCH:-48}" --seq-len "${E3_SEQ:-256}"
         --learning-rate "${E3_LR:-1e-3}" --warmup-steps "${E3_WARMUP:-100}"
         --unroll "${E3_UNROLL:-4}" --draft-vocab "${E3_VOCAB:-8192}"
