@@ -179,6 +179,27 @@ def test_greedy_and_coupled_equal_ar(target, shape, dtype):
         assert out.tokens == expected, (shape, temperature)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_staged_greedy_and_coupled_equal_ar(target, dtype):
+    """``staged`` with an EAGLE-3 draft (n-gram tables and context lookup proposing, the
+    draft scoring): greedy and coupled output equal ``ar``'s."""
+    from specjax.checkpoints_tools.ngram_build import build_ngram
+
+    model = target if dtype == "float32" else specjax.Model.from_params(
+        target.config, target.params, name="bf16", dtype=dtype)
+    config, params = eagle3_params(target, seed=8)
+    draft = specjax.Model.from_params(config, params, name="eagle3", dtype=dtype)
+    for seed, temperature in ((0, 0.0), (1, 1.0)):
+        prompt = random_prompt(seed + 30, 10)
+        tables = build_ngram([prompt * 3], target.config.vocab_size, top_k=4,
+                             trigram_top_k=2, trigram_buckets=64, min_context_count=1).tables
+        expected = specjax.generate(model, prompt, max_new_tokens=NEW,
+                                    temperature=temperature, seed=seed).tokens
+        out = specjax.generate(model, prompt, max_new_tokens=NEW, temperature=temperature,
+                               seed=seed, draft=draft, method="staged", ngram=tables)
+        assert out.tokens == expected, temperature
+
+
 def test_the_state_keeps_the_targets_block_outputs(target):
     """After decoding, ``state.features`` holds at every committed position the target's
     block outputs there (those of a plain forward over the whole output)."""

@@ -58,7 +58,8 @@ from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig
 from specjax.decode import DecodeLoop, DecodeState, Resources
 from specjax.errors import InvalidArgumentError
-from specjax.methods.common import PassPlan, commit_step, init_tally, rank_children, step_key
+from specjax.methods.common import (DraftFeatures, PassPlan, commit_step, init_tally,
+                                    rank_children, step_key)
 from specjax.methods.options import SpecOptions, TreeOptions, fixed_topology_shape
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_TARGET
 from specjax.sampling import target_log_probs, top_k
@@ -199,7 +200,7 @@ def _fixed_tables(parents: np.ndarray) -> _Fixed:
 
 
 @dataclasses.dataclass(frozen=True)
-class Speculative:
+class Speculative(DraftFeatures):
     """A draft-model speculative method (``spec`` = chain, ``tree``); hashable, static.
 
     Attributes:
@@ -260,16 +261,6 @@ class Speculative:
         if self.shape.topology is None:
             return None
         return _fixed_tables(np.asarray(self.shape.topology, np.int32))
-
-    @property
-    def uses_features(self) -> bool:
-        """Whether the draft reads the target's features (the prefill then keeps them)."""
-        return self.draft_config.feature_input
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The target blocks whose outputs a multi-layer feature draft reads (static)."""
-        return self.draft_config.feature_layers
 
     @property
     def children_mode(self) -> str:
