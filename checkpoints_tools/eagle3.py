@@ -28,9 +28,10 @@ window; pass 0 reads the target's features, pass ``i`` reads pass ``i - 1``'s ou
 shifted by one position, which is what a depth-``i + 1`` node reads when decoding. Its
 attention sees exactly what that node sees: pass 0's keys up to position ``t - i`` (the
 draft's cache), then the keys of passes ``1 .. i`` at ``t - i + 1 .. t`` (the node's
-drafted ancestors and itself). Loss per pass: cross-entropy against the target's
-probabilities over the draft's vocabulary (soft labels, renormalised; positions whose
-target argmax lies outside it are left out, as in EAGLE-3), plus optionally
+drafted ancestors and itself). Loss per pass: KL from the target's probabilities over the
+draft's vocabulary (soft labels, renormalised; the cross-entropy against them less their
+entropy, so the same gradient; positions whose target argmax lies outside the vocabulary
+are left out, as in EAGLE-3), plus optionally
 ``acceptance_weight`` x (1 - sum_k min(p_k, q_k)) (p over the full vocabulary: the
 acceptance rate at temperature 1), weighted ``decay ** i``.
 """

@@ -56,6 +56,21 @@ features carry. ``--feature-weight`` scales the feature term against the KL. The
 train through :mod:`specjax.models` directly (the Flax modules take no features).
 Held-out agreement is logged at depth 1 (the draft's first proposal after the root).
 
+EAGLE-3 drafts (``--eagle3``; :mod:`~specjax.checkpoints_tools.eagle3`): one block (from
+the target block ``--init-layers``, default 0) reading the outputs of target blocks
+``--feature-layers`` (default 1, L/2-1, L-4), fused, with a head of its own over the
+``--draft-vocab`` ids most frequent in the training mix (:func:`draft_vocabulary`),
+trained with ``--unroll`` training-time-test passes weighted ``--unroll-decay ** i`` on
+the target's soft labels (plus ``--acceptance-weight`` x the acceptance objective). The
+target's block outputs and logits come from the frozen target pass inside each step.
+Held-out agreement is logged per depth (``*_agreement_depth``, with ``*_acceptance_depth``
+and ``*_kl_depth``). With ``--corpus-from-target N --target-corpus-fraction 1`` it trains
+on the target's own text alone.
+
+``--time-budget SECONDS`` stops training that long after the run starts (the corpora and
+compilation included), saves a checkpoint and exports as if the last step were reached; a
+rerun resumes from there.
+
 ``--init-draft ASSET`` starts from a trained draft asset (e.g. continue the shipped draft
 on the target's own text) instead of the target's blocks ``init_layers``.
 ``--add-layers 2,3`` grows the starting draft by copies of those target blocks with their
