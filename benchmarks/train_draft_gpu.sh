@@ -22,8 +22,9 @@
 #   when any of LAYERS, INIT_DRAFT, ADD_LAYERS, FEATURE and TARGET_TOKENS is set).
 # - eagle3: an EAGLE-3 draft (train-draft --eagle3, specjax.checkpoints_tools.eagle3) in a
 #   wall-time budget: the target writes E3_TARGET_TOKENS tokens (after docstring prompts of
-#   the standard library, HumanEval names excluded; rows of E3_GEN_LEN at temperature
-#   E3_TEMPERATURE, TARGET_BATCH at once), then the draft trains on them alone with the
+#   the standard library, HumanEval names excluded; rows of E3_GEN_LEN, a fraction
+#   E3_GREEDY of them greedy and the rest at temperature E3_TEMPERATURE, TARGET_BATCH at
+#   once), then the draft trains on them alone with the
 #   target's features and logits computed in each step (E3_STEPS x E3_BATCH x E3_SEQ,
 #   lr E3_LR, E3_UNROLL training-time-test passes, an E3_VOCAB-id head), until the step
 #   count or BUDGET seconds from the script's start (less E3_MARGIN for loading and export:
@@ -72,7 +73,7 @@
 # Both: TARGET_BATCH (rows the target writes at once, --target-batch-size: default 256; the
 # shipped stages used 64 on the CPU, and a row's text does not depend on its batch).
 # RECIPE=eagle3 only: OUT_DIR, BUDGET (300 s), E3_MARGIN (30 s), E3_TARGET_TOKENS (2000000),
-# E3_GEN_LEN (256), E3_TEMPERATURE (1.0), E3_STEPS (2000), E3_BATCH (48), E3_SEQ (256),
+# E3_GEN_LEN (256), E3_GREEDY (0.5), E3_TEMPERATURE (1.0), E3_STEPS (2000), E3_BATCH (48), E3_SEQ (256),
 # E3_LR (1e-3), E3_WARMUP (100), E3_UNROLL (4), E3_VOCAB (8192), E3_LAYERS (the default
 # feature layers: 1, L/2-1, L-4), E3_ACCEPTANCE (0: weight of the acceptance objective),
 # E3_EVAL_EVERY (250), E3_MAX_TOKENS (1000000 tokens of the standard library, tokenized
@@ -167,7 +168,8 @@ if [ "$RECIPE" = eagle3 ]; then
   if [ "$LEFT" -lt 1 ]; then die "BUDGET=$BUDGET s leaves no time after E3_MARGIN=$E3_MARGIN s"; fi
   ARGS=(--eagle3 --init-layers 0 --max-corpus-tokens "${E3_MAX_TOKENS:-1000000}"
         --corpus-from-target "${E3_TARGET_TOKENS:-2000000}" --target-corpus-fraction 1
-        --target-temperature "${E3_TEMPERATURE:-1.0}" --target-gen-len "${E3_GEN_LEN:-256}"
+        --target-temperature "${E3_TEMPERATURE:-1.0}" --target-greedy-fraction "${E3_GREEDY:-0.5}"
+        --target-gen-len "${E3_GEN_LEN:-256}"
         --target-batch-size "$TARGET_BATCH" --steps "${E3_STEPS:-2000}"
         --batch-size "${E3_BATCH:-48}" --seq-len "${E3_SEQ:-256}"
         --learning-rate "${E3_LR:-1e-3}" --warmup-steps "${E3_WARMUP:-100}"

@@ -135,6 +135,7 @@ class TrainConfig:
     target_temperature: float = 1.0
     target_gen_len: int = 256
     target_batch_size: int = 16
+    target_greedy_fraction: float = 0.0  # recorded only when set
     init_draft: str | None = None
     add_layers: tuple[int, ...] = ()
     # Feature drafts (module docstring); recorded in train_config.json only when used.
@@ -196,6 +197,9 @@ class TrainConfig:
             if not 0 <= self.target_corpus_fraction <= 1:
                 raise InvalidArgumentError("target_corpus_fraction must be in [0, 1], got "
                                            f"{self.target_corpus_fraction}")
+            if not 0 <= self.target_greedy_fraction <= 1:
+                raise InvalidArgumentError("target_greedy_fraction must be in [0, 1], got "
+                                           f"{self.target_greedy_fraction}")
             if not (self.target_temperature >= 0 and np.isfinite(self.target_temperature)):
                 raise InvalidArgumentError("target_temperature must be a finite number >= 0, "
                                            f"got {self.target_temperature}")
@@ -210,6 +214,8 @@ class TrainConfig:
         if not self.target_corpus_tokens:
             for name in _TARGET_CORPUS_FIELDS:
                 record.pop(name)
+        elif not self.target_greedy_fraction:
+            record.pop("target_greedy_fraction")
         if self.init_draft is None:
             record.pop("init_draft")
         if not self.add_layers:
@@ -234,7 +240,8 @@ _FEATURE_FIELDS = ("feature_draft", "feature_noise", "feature_unroll", "feature_
 _EAGLE3_FIELDS = ("eagle3", "feature_layers", "draft_vocab", "unroll", "unroll_decay",
                   "acceptance_weight")
 _TARGET_CORPUS_FIELDS = ("target_corpus_tokens", "target_corpus_fraction",
-                         "target_temperature", "target_gen_len", "target_batch_size")
+                         "target_temperature", "target_gen_len", "target_batch_size",
+                         "target_greedy_fraction")
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -289,17 +296,26 @@ def tokenize_corpus(files: Sequence[Path], tokenizer, *, max_tokens: int, heldou
 
 def _generation_rows(target, prompts: list[str], rows: int, cfg: "TrainConfig", seed: int,
                      separator: int, progress) -> np.ndarray:
-    """``rows`` documents (prompt + generation + separator), joined as one int32 stream."""
+    """``rows`` documents (prompt + generation + separator), joined as one int32 stream:
+    the first ``round(target_greedy_fraction * rows)`` written greedily, the others at
+    ``target_temperature``."""
     from specjax.checkpoints_tools import sample_corpus
 
     order = np.random.default_rng(seed).permutation(len(prompts))
     texts = [prompts[order[i % len(prompts)]] for i in range(rows)]  # cycled: seeds differ
     encoded = [target.tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]
                for t in texts]
-    generated = sample_corpus.sample_continuations(
-        target.params, target.config, encoded, num_new_tokens=cfg.target_gen_len,
-        temperature=cfg.target_temperature, seed=seed, batch_size=cfg.target_batch_size,
-        stop_tokens=tuple(target.config.eos_token_ids) or (separator,), progress=progress)
+    greedy = int(round(cfg.target_greedy_fraction * rows))
+    parts = []
+    for begin, end, temperature in ((0, greedy, 0.0), (greedy, rows, cfg.target_temperature)):
+        if end > begin:
+            parts.append(sample_corpus.sample_continuations(
+                target.params, target.config, encoded[begin:end],
+                num_new_tokens=cfg.target_gen_len, temperature=temperature, seed=seed + begin,
+                batch_size=cfg.target_batch_size,
+                stop_tokens=tuple(target.config.eos_token_ids) or (separator,),
+                progress=lambda n, begin=begin: progress(begin + n)))
+    generated = np.concatenate(parts)
     documents = []
     for prompt, row in zip(encoded, generated):
         row = row[row >= 0]
@@ -353,7 +369,8 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
             done[0] = offset + count
 
     log(f"target corpus: generating {rows} + {held_rows} held-out rows of "
-        f"{cfg.target_gen_len} tokens at temperature {cfg.target_temperature} from "
+        f"{cfg.target_gen_len} tokens at temperature {cfg.target_temperature} "
+        f"({cfg.target_greedy_fraction:g} of them greedy) from "
         f"{len(train_prompts)} + {len(held_prompts)} docstring prompts")
     began = time.perf_counter()
     try:
@@ -1039,7 +1056,8 @@ def main(args) -> int:
                           ("target_corpus_fraction", args.target_corpus_fraction),
                           ("target_temperature", args.target_temperature),
                           ("target_gen_len", args.target_gen_len),
-                          ("target_batch_size", args.target_batch_size))
+                          ("target_batch_size", args.target_batch_size),
+                          ("target_greedy_fraction", args.target_greedy_fraction))
                          if value is not None},
                       init_draft=(str(Path(args.init_draft).expanduser().absolute())
                                   if args.init_draft else None),
@@ -1179,6 +1197,9 @@ def add_parser(subparsers) -> None:
                    help="sampling temperature of the generations (default: 1.0; 0: greedy)")
     g.add_argument("--target-gen-len", type=int, default=None,
                    help="tokens generated per prompt (default: 256)")
+    g.add_argument("--target-greedy-fraction", type=float, default=None,
+                   help="fraction of the generations written greedily, the rest at "
+                        "--target-temperature (default: 0)")
     g.add_argument("--target-batch-size", type=int, default=None,
                    help="generations run at once (default: 16)")
     p.add_argument("--export-hf", action="store_true",

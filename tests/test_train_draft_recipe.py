@@ -117,6 +117,7 @@ def test_the_eagle3_recipe_trains_in_the_time_budget(tmp_path):
     (command,) = parsed_commands(done.stdout)
     assert command.eagle3 and command.init_layers == "0" and command.corpus is None
     assert command.corpus_from_target == 2_000_000 and command.target_corpus_fraction == 1
+    assert (command.target_greedy_fraction, command.target_temperature) == (0.5, 1.0)
     assert (command.target_batch_size, command.batch_size, command.seq_len) == (256, 48, 256)
     assert (command.draft_vocab, command.unroll, command.feature_layers) == (8192, 4, "2,15,27")
     assert 200 < command.time_budget <= 270
