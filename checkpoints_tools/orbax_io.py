@@ -46,11 +46,15 @@ _VERSION_KEY = "specjax_format_version"
 
 def config_to_dict(config: ModelConfig) -> dict[str, Any]:
     """All fields of ``config`` as JSON-ready values (``rope_scaling`` as a nested dict);
-    ``feature_input`` only when set, so plain models read in versions without it."""
+    ``feature_input``, ``feature_layers`` and ``draft_vocab_size`` only when set, so plain
+    models read in versions without them."""
     out = dataclasses.asdict(config)
     out["eos_token_ids"] = list(config.eos_token_ids)
-    if not config.feature_input:
-        out.pop("feature_input")
+    for name in ("feature_input", "feature_layers", "draft_vocab_size"):
+        if not out[name]:
+            out.pop(name)
+    if "feature_layers" in out:
+        out["feature_layers"] = list(config.feature_layers)
     return out
 
 
@@ -69,6 +73,8 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig
         if values.get("rope_scaling") is not None:
             values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
         values["eos_token_ids"] = tuple(int(t) for t in values.get("eos_token_ids", ()))
+        if "feature_layers" in values:
+            values["feature_layers"] = tuple(values["feature_layers"])
         return ModelConfig(**values)
     except (TypeError, ValueError) as error:  # InvalidArgumentError is a ValueError
         raise CheckpointError(f"{source}: invalid model config ({one_line(error)})") from error
@@ -248,7 +254,9 @@ def _check_stored_arrays(tree, config: ModelConfig, params_dir: Path) -> None:
             dtype = np.dtype(leaf.dtype)
         except TypeError:
             dtype = None
-        if dtype is None or not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
+        integer_map = jax.tree_util.keystr(path) == "['draft_vocab']" and dtype == np.int32
+        if (dtype is None or not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16"
+                and not integer_map):  # a reduced head's id map is the one int32 array
             raise CheckpointError(f"{params_dir}: parameter {jax.tree_util.keystr(path)} has "
                                   f"dtype {getattr(leaf, 'dtype', None)}, not floating-point")
         declared += math.prod(leaf.shape) * dtype.itemsize
@@ -339,6 +347,7 @@ def _drop_orphaned_read_reports(params_dir: Path) -> logging.Filter | None:
 
 
 def _cast(tree, dtype):
+    """The floating-point arrays of ``tree`` cast to ``dtype`` (integer ones kept)."""
     if isinstance(tree, dict):
         return {key: _cast(value, dtype) for key, value in tree.items()}
-    return tree.astype(dtype)
+    return tree if np.issubdtype(np.dtype(tree.dtype), np.integer) else tree.astype(dtype)

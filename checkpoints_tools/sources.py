@@ -28,8 +28,9 @@ from safetensors.numpy import load_file, save_file
 
 import specjax
 from specjax.checkpoints_tools import orbax_io
-from specjax.checkpoints_tools.assets import (DRAFT_CONFIG, DRAFT_TENSORS, HEAD_TOKENS,
-                                              check_draft_asset, draft_config, flatten_tree)
+from specjax.checkpoints_tools.assets import (DRAFT_CONFIG, DRAFT_TENSORS, DRAFT_VOCAB,
+                                              HEAD_TOKENS, check_draft_asset, draft_config,
+                                              flatten_tree)
 from specjax.checkpoints_tools.hf import (as_numpy_dtype, check_safetensors_header,
                                           hub_snapshot, load_hf_directory, load_hf_tokenizer,
                                           one_line, read_json_object)
@@ -217,7 +218,8 @@ def embed_fingerprints(embed) -> dict[str, str]:
 
 
 def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, params: dict,
-                     target_embed, provenance: dict[str, Any], head_tokens=None) -> Path:
+                     target_embed, provenance: dict[str, Any], head_tokens=None,
+                     feature_layers: tuple[int, ...] = ()) -> Path:
     """Writes a draft that shares the target's embedding as a small asset.
 
     Only the draft's own tensors are stored (its blocks and final norm, float16, through
@@ -225,12 +227,16 @@ def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, p
     by fingerprint. ``draft.json`` holds the layer count and how the draft was made.
     ``head_tokens`` (ids, optional) is stored as ``head_tokens`` (int32): the loaded draft
     then scores only those tokens (:meth:`specjax.Model.with_head_subset`).
+    ``feature_layers``: the target blocks a multi-layer feature draft reads (its config's).
+    A reduced-vocabulary head (``draft_head``, ``draft_vocab``) is stored as the draft's
+    own tensors, its map as int32.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     own = {k: v for k, v in params.items() if k not in ("embed", "lm_head")}
     own.pop(HEAD_SUBSET, None)
-    tensors = {k: np.asarray(v, np.float16) for k, v in flatten_tree(own).items()}
+    tensors = {k: np.asarray(v, np.int32 if k == DRAFT_VOCAB else np.float16)
+               for k, v in flatten_tree(own).items()}
     if head_tokens is not None:
         tensors[HEAD_TOKENS] = np.unique(np.asarray(head_tokens, np.int32))
     tmp = directory / (DRAFT_TENSORS + ".tmp")
@@ -244,6 +250,9 @@ def save_draft_asset(directory: str | os.PathLike, target_config: ModelConfig, p
               "base_config": {"hidden_size": target_config.hidden_size,
                               "vocab_size": target_config.vocab_size},
               **({"feature_input": True} if "fc" in own else {}),
+              **({"feature_layers": [int(i) for i in feature_layers]} if feature_layers else {}),
+              **({"draft_vocab_size": int(tensors[DRAFT_VOCAB].size)}
+                 if DRAFT_VOCAB in tensors else {}),
               **provenance}
     (directory / DRAFT_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
     return directory
@@ -279,9 +288,10 @@ def load_bundled_draft(model: Model, directory: str | os.PathLike | None = None)
     config = draft_config(model.config, record)
     dtype = np.asarray(model.params["embed"][:1]).dtype
     head_tokens = tensors.pop(HEAD_TOKENS, None)
-    own = _unflatten({k: v.astype(dtype) for k, v in tensors.items()})
+    own = _unflatten({k: v if k == DRAFT_VOCAB else v.astype(dtype)
+                      for k, v in tensors.items()})
     params = {**own, "embed": model.params["embed"]}
-    if "lm_head" in model.params:
+    if "lm_head" in model.params and not config.draft_vocab_size:
         params["lm_head"] = model.params["lm_head"]
     name = f"{model.assets}-draft" if model.assets else f"{model.name}-draft"
     draft = Model.from_params(config, params, model.tokenizer, name=name)

@@ -56,6 +56,21 @@ features carry. ``--feature-weight`` scales the feature term against the KL. The
 train through :mod:`specjax.models` directly (the Flax modules take no features).
 Held-out agreement is logged at depth 1 (the draft's first proposal after the root).
 
+EAGLE-3 drafts (``--eagle3``; :mod:`~specjax.checkpoints_tools.eagle3`): one block (from
+the target block ``--init-layers``, default 0) reading the outputs of target blocks
+``--feature-layers`` (default 1, L/2-1, L-4), fused, with a head of its own over the
+``--draft-vocab`` ids most frequent in the training mix (:func:`draft_vocabulary`),
+trained with ``--unroll`` training-time-test passes weighted ``--unroll-decay ** i`` on
+the target's soft labels (plus ``--acceptance-weight`` x the acceptance objective). The
+target's block outputs and logits come from the frozen target pass inside each step.
+Held-out agreement is logged per depth (``*_agreement_depth``, with ``*_acceptance_depth``
+and ``*_kl_depth``). With ``--corpus-from-target N --target-corpus-fraction 1`` it trains
+on the target's own text alone.
+
+``--time-budget SECONDS`` stops training that long after the run starts (the corpora and
+compilation included), saves a checkpoint and exports as if the last step were reached; a
+rerun resumes from there.
+
 ``--init-draft ASSET`` starts from a trained draft asset (e.g. continue the shipped draft
 on the target's own text) instead of the target's blocks ``init_layers``.
 ``--add-layers 2,3`` grows the starting draft by copies of those target blocks with their
@@ -120,6 +135,7 @@ class TrainConfig:
     target_temperature: float = 1.0
     target_gen_len: int = 256
     target_batch_size: int = 16
+    target_greedy_fraction: float = 0.0  # recorded only when set
     init_draft: str | None = None
     add_layers: tuple[int, ...] = ()
     # Feature drafts (module docstring); recorded in train_config.json only when used.
@@ -127,6 +143,13 @@ class TrainConfig:
     feature_noise: float = 0.1
     feature_unroll: int = 2
     feature_weight: float = 1.0
+    # EAGLE-3 drafts (module docstring); recorded in train_config.json only when used.
+    eagle3: bool = False
+    feature_layers: tuple[int, ...] | None = None  # None: eagle3.default_feature_layers
+    draft_vocab: int = 8192
+    unroll: int = 4
+    unroll_decay: float = 0.8
+    acceptance_weight: float = 0.0
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -153,10 +176,30 @@ class TrainConfig:
 
             FeatureLossConfig(noise=self.feature_noise, unroll=self.feature_unroll,
                               feature_weight=self.feature_weight)
+        if self.eagle3:
+            from specjax.checkpoints_tools.eagle3 import Eagle3LossConfig
+
+            if self.feature_draft or self.init_draft is not None or self.add_layers:
+                raise InvalidArgumentError("an EAGLE-3 draft starts from the target's blocks "
+                                           "--init-layers: --feature-draft, --init-draft and "
+                                           "--add-layers do not apply")
+            if self.loss != "kl":
+                raise InvalidArgumentError("an EAGLE-3 draft trains on the target's soft "
+                                           "labels (--loss kl)")
+            self.loss_config()
+            if self.draft_vocab < 1:
+                raise InvalidArgumentError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
+            if self.feature_layers is not None and (
+                    not self.feature_layers or any(int(i) < 0 for i in self.feature_layers)):
+                raise InvalidArgumentError(f"feature_layers must be target block indices "
+                                           f">= 0, got {self.feature_layers!r}")
         if self.target_corpus_tokens:
             if not 0 <= self.target_corpus_fraction <= 1:
                 raise InvalidArgumentError("target_corpus_fraction must be in [0, 1], got "
                                            f"{self.target_corpus_fraction}")
+            if not 0 <= self.target_greedy_fraction <= 1:
+                raise InvalidArgumentError("target_greedy_fraction must be in [0, 1], got "
+                                           f"{self.target_greedy_fraction}")
             if not (self.target_temperature >= 0 and np.isfinite(self.target_temperature)):
                 raise InvalidArgumentError("target_temperature must be a finite number >= 0, "
                                            f"got {self.target_temperature}")
@@ -171,6 +214,8 @@ class TrainConfig:
         if not self.target_corpus_tokens:
             for name in _TARGET_CORPUS_FIELDS:
                 record.pop(name)
+        elif not self.target_greedy_fraction:
+            record.pop("target_greedy_fraction")
         if self.init_draft is None:
             record.pop("init_draft")
         if not self.add_layers:
@@ -178,12 +223,25 @@ class TrainConfig:
         if not self.feature_draft:
             for name in _FEATURE_FIELDS:
                 record.pop(name)
+        if not self.eagle3:
+            for name in _EAGLE3_FIELDS:
+                record.pop(name)
         return record
+
+    def loss_config(self):
+        """The :class:`~specjax.checkpoints_tools.eagle3.Eagle3LossConfig` of an EAGLE-3 run."""
+        from specjax.checkpoints_tools.eagle3 import Eagle3LossConfig
+
+        return Eagle3LossConfig(unroll=self.unroll, decay=self.unroll_decay,
+                                acceptance_weight=self.acceptance_weight)
 
 
 _FEATURE_FIELDS = ("feature_draft", "feature_noise", "feature_unroll", "feature_weight")
+_EAGLE3_FIELDS = ("eagle3", "feature_layers", "draft_vocab", "unroll", "unroll_decay",
+                  "acceptance_weight")
 _TARGET_CORPUS_FIELDS = ("target_corpus_tokens", "target_corpus_fraction",
-                         "target_temperature", "target_gen_len", "target_batch_size")
+                         "target_temperature", "target_gen_len", "target_batch_size",
+                         "target_greedy_fraction")
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -238,17 +296,26 @@ def tokenize_corpus(files: Sequence[Path], tokenizer, *, max_tokens: int, heldou
 
 def _generation_rows(target, prompts: list[str], rows: int, cfg: "TrainConfig", seed: int,
                      separator: int, progress) -> np.ndarray:
-    """``rows`` documents (prompt + generation + separator), joined as one int32 stream."""
+    """``rows`` documents (prompt + generation + separator), joined as one int32 stream:
+    the first ``round(target_greedy_fraction * rows)`` written greedily, the others at
+    ``target_temperature``."""
     from specjax.checkpoints_tools import sample_corpus
 
     order = np.random.default_rng(seed).permutation(len(prompts))
     texts = [prompts[order[i % len(prompts)]] for i in range(rows)]  # cycled: seeds differ
     encoded = [target.tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]
                for t in texts]
-    generated = sample_corpus.sample_continuations(
-        target.params, target.config, encoded, num_new_tokens=cfg.target_gen_len,
-        temperature=cfg.target_temperature, seed=seed, batch_size=cfg.target_batch_size,
-        stop_tokens=tuple(target.config.eos_token_ids) or (separator,), progress=progress)
+    greedy = int(round(cfg.target_greedy_fraction * rows))
+    parts = []
+    for begin, end, temperature in ((0, greedy, 0.0), (greedy, rows, cfg.target_temperature)):
+        if end > begin:
+            parts.append(sample_corpus.sample_continuations(
+                target.params, target.config, encoded[begin:end],
+                num_new_tokens=cfg.target_gen_len, temperature=temperature, seed=seed + begin,
+                batch_size=cfg.target_batch_size,
+                stop_tokens=tuple(target.config.eos_token_ids) or (separator,),
+                progress=lambda n, begin=begin: progress(begin + n)))
+    generated = np.concatenate(parts)
     documents = []
     for prompt, row in zip(encoded, generated):
         row = row[row >= 0]
@@ -302,7 +369,8 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
             done[0] = offset + count
 
     log(f"target corpus: generating {rows} + {held_rows} held-out rows of "
-        f"{cfg.target_gen_len} tokens at temperature {cfg.target_temperature} from "
+        f"{cfg.target_gen_len} tokens at temperature {cfg.target_temperature} "
+        f"({cfg.target_greedy_fraction:g} of them greedy) from "
         f"{len(train_prompts)} + {len(held_prompts)} docstring prompts")
     began = time.perf_counter()
     try:
@@ -341,10 +409,16 @@ def draft_from_target(target_config, target_params, init_layers: Sequence[int]):
     return config, params
 
 
-def initial_draft(target, cfg: "TrainConfig"):
+def initial_draft(target, cfg: "TrainConfig", draft_vocab=None):
     """(config, params) the run starts from: the target's blocks ``cfg.init_layers``, or
     the draft asset ``cfg.init_draft`` (its own tensors, full head); then grown by the
-    target blocks ``cfg.add_layers`` (:func:`grow_draft`)."""
+    target blocks ``cfg.add_layers`` (:func:`grow_draft`). An EAGLE-3 draft
+    (``cfg.eagle3``) scores the ids ``draft_vocab`` (:func:`draft_vocabulary`)."""
+    if cfg.eagle3:
+        from specjax.checkpoints_tools.eagle3 import eagle3_draft_from_target
+
+        return eagle3_draft_from_target(target.config, target.params, draft_vocab,
+                                        cfg.feature_layers, cfg.init_layers)
     if cfg.init_draft is None and cfg.feature_draft:
         from specjax.checkpoints_tools.feature_draft import feature_draft_from_target
 
@@ -409,8 +483,10 @@ def grow_draft(config, params: dict, target_config, target_params: dict,
 
 
 def split_trainable(params: dict, train_embeddings: bool) -> tuple[dict, dict]:
-    """(trainable, frozen) parts of a draft's parameters."""
-    frozen_keys = () if train_embeddings else ("embed", "lm_head", "position_embed")
+    """(trainable, frozen) parts of a draft's parameters (a reduced head's id map is
+    always frozen)."""
+    frozen_keys = ("draft_vocab",) if train_embeddings else (
+        "embed", "lm_head", "position_embed", "draft_vocab")
     trainable = {k: v for k, v in params.items() if k not in frozen_keys}
     frozen = {k: v for k, v in params.items() if k in frozen_keys}
     return trainable, frozen
@@ -424,6 +500,10 @@ def make_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
 
     if cfg.feature_draft:
         return make_feature_train_steps(target_config, draft_config, cfg, optimizer)
+    if cfg.eagle3:
+        from specjax.checkpoints_tools.eagle3 import make_eagle3_steps
+
+        return make_eagle3_steps(target_config, draft_config, cfg.loss_config(), optimizer)
 
     from specjax.flax_modules import LinenCausalLM
 
@@ -560,7 +640,7 @@ def mixed_windows(stream: np.ndarray, target_stream: np.ndarray | None,
 
 def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
                 corpus_files: Sequence[Path] | None = None, export_hf: bool = False,
-                progress: bool = False, log=print) -> dict:
+                progress: bool = False, log=print, time_budget: float | None = None) -> dict:
     """Trains (or resumes training) a draft for ``target`` into ``out``.
 
     Args:
@@ -571,30 +651,63 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
       export_hf: also write ``out/draft-hf`` (transformers-loadable).
       progress: show progress bars.
       log: called with one-line progress messages.
+      time_budget: seconds from this call (corpus generation and compilation included)
+        after which training stops at the end of a step, saves a checkpoint and exports
+        the draft as if ``cfg.steps`` were reached (a rerun resumes from there); ``None``:
+        no limit.
     Returns:
-      A summary dict (steps, final held-out agreement, seconds, paths).
+      A summary dict (steps done, final held-out agreement, seconds, paths;
+      ``stopped_by_time_budget`` when the budget ended it).
     Raises:
       KeyboardInterrupt: Ctrl-C. The run stops at once, except that a checkpoint or file
         being written is finished first; nothing half-written is left, ``draft`` (and
         ``draft-hf``) appear only with the run complete, and a rerun resumes.
     """
     with interrupts.guard() as interrupt:
-        return _train(target, out, cfg, corpus_files, export_hf, progress, log, interrupt)
+        return _train(target, out, cfg, corpus_files, export_hf, progress, log, interrupt,
+                      time_budget)
+
+
+def _scores(result) -> dict:
+    """An eval step's result as floats: ``agreement`` and ``kl`` (and, for EAGLE-3
+    drafts, per-depth lists ``agreement_depth``, ``acceptance_depth``, ``kl_depth``)."""
+    if not isinstance(result, dict):
+        agree, kl = result
+        return {"agreement": float(agree), "kl": float(kl)}
+    out = {"agreement": float(result["agreement"]), "kl": float(result["kl"])}
+    for name in ("agreement", "acceptance", "kl"):
+        depths = sorted(int(k[len(name):]) for k in result
+                        if k.startswith(name) and k[len(name):].isdigit())
+        if depths:
+            out[f"{name}_depth"] = [round(float(result[f"{name}{d}"]), 5) for d in depths]
+    return out
+
+
+def draft_vocabulary(out: Path, cfg: "TrainConfig", vocab_size: int):
+    """(ids, description) of an EAGLE-3 draft's vocabulary: the ``cfg.draft_vocab`` most
+    frequent ids of the run's training mix (:func:`_head_subset`), ``None`` for others."""
+    if not cfg.eagle3:
+        return None, None
+    if cfg.draft_vocab > vocab_size:
+        raise InvalidArgumentError(f"draft_vocab {cfg.draft_vocab} exceeds the target's "
+                                   f"vocabulary of {vocab_size}")
+    return _head_subset(out, cfg, cfg.draft_vocab, vocab_size)
 
 
 def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
            corpus_files: Sequence[Path] | None, export_hf: bool, progress: bool, log,
-           interrupt: interrupts.Interrupt) -> dict:
+           interrupt: interrupts.Interrupt, time_budget: float | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
+    started = time.monotonic()
     if target.tokenizer is None:
         raise InvalidArgumentError(f"target {target.name} has no tokenizer to read the corpus")
     if target.config.architecture != "llama":
         raise InvalidArgumentError("train-draft makes Llama-family drafts; the target is "
                                    f"{target.config.architecture}")
-    if export_hf and cfg.feature_draft:
+    if export_hf and (cfg.feature_draft or cfg.eagle3):
         raise InvalidArgumentError("--export-hf: a feature draft has no Hugging Face "
                                    "equivalent (it reads the target's hidden states)")
     out = Path(out).absolute()
@@ -643,7 +756,10 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         log(f"target corpus: {target_train.size} training tokens, {target_held.size} "
             "held-out tokens")
 
-    draft_config, draft_params = initial_draft(target, cfg)
+    vocab, vocab_source = draft_vocabulary(out, cfg, target.config.vocab_size)
+    if vocab is not None:
+        log(f"draft vocabulary: {vocab_source}")
+    draft_config, draft_params = initial_draft(target, cfg, vocab)
     trainable, frozen = split_trainable(draft_params, cfg.train_embeddings)
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(trainable)
@@ -673,24 +789,23 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         num_target = 0 if target_train is None else int(
             round(cfg.target_corpus_fraction * cfg.batch_size))
 
-        def evaluate(params):
-            agree, kl = eval_step(params, frozen, target_params, jnp.asarray(eval_windows))
-            return float(agree), float(kl)
-
         def evaluate_all(params) -> dict:
-            agree, kl = evaluate(params)
-            entry = {"heldout_agreement": agree, "heldout_kl": kl}
+            scores = _scores(eval_step(params, frozen, target_params,
+                                       jnp.asarray(eval_windows)))
+            entry = {f"heldout_{name}": value for name, value in scores.items()}
             if target_windows is not None:
-                t_agree, t_kl = eval_step(params, frozen, target_params,
-                                          jnp.asarray(target_windows))
-                entry.update(heldout_target_agreement=float(t_agree),
-                             heldout_target_kl=float(t_kl))
+                scores = _scores(eval_step(params, frozen, target_params,
+                                           jnp.asarray(target_windows)))
+                entry.update({f"heldout_target_{name}": value
+                              for name, value in scores.items()})
             return entry
 
         def describe(entry) -> str:
             text = f"held-out top-1 agreement {entry['heldout_agreement']:.3f}"
             if "heldout_target_agreement" in entry:
                 text += f" (on target generations {entry['heldout_target_agreement']:.3f})"
+            if "heldout_target_agreement_depth" in entry:
+                text += f", per depth {entry['heldout_target_agreement_depth']}"
             return text
 
         def batch_windows(rng):
@@ -714,6 +829,7 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         agreement = target_agreement = None
         # The first timing window includes compiling.
         window_start, window_first = time.perf_counter(), start
+        out_of_time = False
         for step in range(start, cfg.steps):
             interrupt.check()  # one that a gc callback swallowed during the last step
             windows = jnp.asarray(batch_windows(rng))
@@ -723,7 +839,10 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{float(loss):.3f}")
-            if done % cfg.eval_every == 0 or done == cfg.steps:
+            out_of_time = (time_budget is not None
+                           and time.monotonic() - started >= time_budget)
+            last = done == cfg.steps or out_of_time
+            if done % cfg.eval_every == 0 or last:
                 jax.block_until_ready(trainable)
                 elapsed = time.perf_counter() - window_start
                 timed_steps = done - max(window_first, start)
@@ -738,20 +857,25 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
                 log(f"step {done}: loss {float(loss):.4f}, {describe(scores)}")
                 target_agreement = scores.get("heldout_target_agreement")
                 window_start, window_first = time.perf_counter(), done
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            if done % cfg.checkpoint_every == 0 or last:
                 with interrupt.deferred():  # orbax's save must not be cut half-way
                     manager.save(done, args=ocp.args.StandardSave(
                         {"trainable": trainable, "opt_state": opt_state}))
+            if out_of_time:
+                log(f"time budget of {time_budget:g} s reached after step {done}")
+                break
     if agreement is None:
         scores = evaluate_all(trainable)
         agreement = scores["heldout_agreement"]
         target_agreement = scores.get("heldout_target_agreement")
 
     params = jax.tree.map(np.asarray, {**trainable, **frozen})
-    summary = {"steps": cfg.steps, "heldout_agreement": agreement,
+    summary = {"steps": done if out_of_time else cfg.steps, "heldout_agreement": agreement,
                "seconds": time.perf_counter() - began, "draft": str(out / "draft")}
     if target_held is not None:
         summary["heldout_target_agreement"] = target_agreement
+    if out_of_time:
+        summary["stopped_by_time_budget"] = True
     if export_hf:
         summary["draft_hf"] = str(out / "draft-hf")
     with interrupt.deferred():
@@ -857,8 +981,15 @@ def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathL
         raise InvalidArgumentError(f"{out} holds no train-draft run ({run_file} is missing)")
     raw = json.loads(run_file.read_text())
     raw["init_layers"] = tuple(raw["init_layers"])
+    for name in ("add_layers", "feature_layers"):
+        if raw.get(name) is not None:
+            raw[name] = tuple(raw[name])
     cfg = TrainConfig(**raw)
-    draft_config, draft_params = initial_draft(target, cfg)
+    if cfg.eagle3 and head_tokens is not None:
+        raise InvalidArgumentError("--head-tokens: an EAGLE-3 draft's head already scores its "
+                                   f"own vocabulary of {cfg.draft_vocab} ids (--draft-vocab)")
+    vocab, vocab_source = draft_vocabulary(out, cfg, target.config.vocab_size)
+    draft_config, draft_params = initial_draft(target, cfg, vocab)
     trainable, frozen = split_trainable(draft_params, cfg.train_embeddings)
     opt_state = make_optimizer(cfg).init(trainable)
     with ocp.CheckpointManager(out / "train_state") as manager:
@@ -878,6 +1009,8 @@ def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathL
         provenance = {"trained_steps": step, "train_config": json.loads(run_file.read_text()),
                       "heldout_top1_agreement": summary["heldout_agreement"],
                       "target": target.name, "note": note}
+        if vocab_source is not None:
+            provenance["draft_vocab_source"] = vocab_source
         subset = None
         if head_tokens is not None:
             if not 1 <= head_tokens <= target.config.vocab_size:
@@ -888,16 +1021,29 @@ def export_latest(target: Any, out: str | os.PathLike, asset_dir: str | os.PathL
         # Ctrl-C waits for the asset's files (then raises): none is left half-written.
         with interrupts.guard() as interrupt, interrupt.deferred():
             save_draft_asset(asset_dir, target.config, params, target.params["embed"],
-                             provenance, head_tokens=subset)
+                             provenance, head_tokens=subset,
+                             feature_layers=draft_config.feature_layers)
         summary["asset"] = str(asset_dir)
     return summary
+
+
+def _layer_list(text: str | None, flag: str):
+    """``"1,14,26"`` -> ``(1, 14, 26)``; ``None`` stays ``None``."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise InvalidArgumentError(f"{flag} takes comma-separated integers, got {text!r}") \
+            from None
 
 
 def main(args) -> int:
     """Entry point of ``specjax train-draft`` (``args`` from the CLI parser)."""
     import specjax
 
-    cfg = TrainConfig(init_layers=tuple(int(x) for x in args.init_layers.split(",")),
+    init_layers = args.init_layers or ("0" if args.eagle3 else "0,1")
+    cfg = TrainConfig(init_layers=_layer_list(init_layers, "--init-layers"),
                       loss=args.loss, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, learning_rate=args.learning_rate,
                       warmup_steps=args.warmup_steps, train_embeddings=args.train_embeddings,
@@ -910,7 +1056,8 @@ def main(args) -> int:
                           ("target_corpus_fraction", args.target_corpus_fraction),
                           ("target_temperature", args.target_temperature),
                           ("target_gen_len", args.target_gen_len),
-                          ("target_batch_size", args.target_batch_size))
+                          ("target_batch_size", args.target_batch_size),
+                          ("target_greedy_fraction", args.target_greedy_fraction))
                          if value is not None},
                       init_draft=(str(Path(args.init_draft).expanduser().absolute())
                                   if args.init_draft else None),
@@ -920,12 +1067,25 @@ def main(args) -> int:
                       **{name: value for name, value in (
                           ("feature_noise", args.feature_noise),
                           ("feature_unroll", args.feature_unroll),
-                          ("feature_weight", args.feature_weight)) if value is not None})
+                          ("feature_weight", args.feature_weight)) if value is not None},
+                      eagle3=args.eagle3,
+                      **{name: value for name, value in (
+                          ("feature_layers", _layer_list(args.feature_layers, "--feature-layers")),
+                          ("draft_vocab", args.draft_vocab), ("unroll", args.unroll),
+                          ("unroll_decay", args.unroll_decay),
+                          ("acceptance_weight", args.acceptance_weight)) if value is not None})
     if not args.feature_draft:
         given = [f"--{name.replace('_', '-')}" for name in _FEATURE_FIELDS[1:]
                  if getattr(args, name) is not None]
         if given:
             raise InvalidArgumentError(f"{', '.join(given)} only apply with --feature-draft")
+    if not args.eagle3:
+        given = [f"--{name.replace('_', '-')}" for name in _EAGLE3_FIELDS[1:]
+                 if getattr(args, name) is not None]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} only apply with --eagle3")
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise InvalidArgumentError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     if not args.corpus_from_target:
         given = [f"--{name.replace('_', '-')}" for name in _TARGET_CORPUS_FIELDS[1:]
                  if getattr(args, name) is not None]
@@ -944,7 +1104,8 @@ def main(args) -> int:
         on_interrupt.exit_at_once = False  # orbax's threads may be writing from here on
         summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
                               export_hf=args.export_hf, progress=progress,
-                              log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                              log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                              time_budget=args.time_budget)
         if args.asset:
             summary.update(export_latest(target, args.out, args.asset,
                                          head_tokens=args.head_tokens, note=args.note))
@@ -963,8 +1124,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--target", default="smollm2-135m", help="target model name or path")
     p.add_argument("--corpus", nargs="*", default=None,
                    help="text files to train on (default: the Python standard library source)")
-    p.add_argument("--init-layers", default="0,1",
-                   help="comma-separated target blocks the draft starts from (default 0,1)")
+    p.add_argument("--init-layers", default=None,
+                   help="comma-separated target blocks the draft starts from (default 0,1; "
+                        "0 for --eagle3)")
     p.add_argument("--loss", default="kl", choices=LOSSES)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=8)
@@ -999,6 +1161,29 @@ def add_parser(subparsers) -> None:
     f.add_argument("--feature-weight", type=float, default=None,
                    help="weight of the feature-regression term against the KL (default: 1; "
                         "0.1 suits continuing a trained draft, --init-draft)")
+    e = p.add_argument_group(
+        "EAGLE-3 drafts", "a one-block draft reading several target blocks' outputs, with its "
+        "own head over a reduced vocabulary, trained with the training-time test (see "
+        "specjax.checkpoints_tools.eagle3); decode with method spec or tree")
+    e.add_argument("--eagle3", action="store_true",
+                   help="train an EAGLE-3 draft (its block starts from --init-layers, "
+                        "default 0)")
+    e.add_argument("--feature-layers", default=None, metavar="LAYERS",
+                   help="target blocks it reads, comma-separated (default: 1, L/2-1, L-4)")
+    e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                   help="ids its head scores: the K most frequent of the training mix "
+                        "(default: 8192)")
+    e.add_argument("--unroll", type=int, default=None,
+                   help="training-time-test passes, each reading the previous one's outputs "
+                        "(default: 4)")
+    e.add_argument("--unroll-decay", type=float, default=None,
+                   help="loss weight of pass i is DECAY**i (default: 0.8)")
+    e.add_argument("--acceptance-weight", type=float, default=None,
+                   help="weight of the acceptance objective 1 - sum min(p, q) (default: 0)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop training this many seconds after the run starts (corpus "
+                        "generation and compilation included), save and export as if the "
+                        "last step were reached; a rerun resumes")
     g = p.add_argument_group(
         "self-distillation", "train on text the target writes itself (see the module "
         "docstring of specjax.checkpoints_tools.train_draft)")
@@ -1012,6 +1197,9 @@ def add_parser(subparsers) -> None:
                    help="sampling temperature of the generations (default: 1.0; 0: greedy)")
     g.add_argument("--target-gen-len", type=int, default=None,
                    help="tokens generated per prompt (default: 256)")
+    g.add_argument("--target-greedy-fraction", type=float, default=None,
+                   help="fraction of the generations written greedily, the rest at "
+                        "--target-temperature (default: 0)")
     g.add_argument("--target-batch-size", type=int, default=None,
                    help="generations run at once (default: 16)")
     p.add_argument("--export-hf", action="store_true",

@@ -61,6 +61,17 @@ class ModelConfig:
         final-normed hidden state at the previous position, and its output (after its own
         final norm) predicts the target's feature at ``t`` (see
         :mod:`specjax.checkpoints_tools.feature_draft`).
+      feature_layers: a multi-layer feature draft (EAGLE-3 class; needs ``feature_input``):
+        the target blocks (0-based) whose outputs it reads, concatenated [T, F*d] and fused
+        to [T, d] by the draft's ``feature_fc`` [F*d, d] before ``fc``; its own output
+        (after its final norm) is what its deeper positions read instead (see
+        :mod:`specjax.checkpoints_tools.eagle3`). Empty: the target's final-normed hidden
+        state, as above.
+      draft_vocab_size: a head of the model's own over a reduced vocabulary of this many
+        ids (``draft_head`` [K, d] and the int32 map ``draft_vocab`` [K] to the full
+        vocabulary's ids); every other id gets logit -inf (probability 0). 0: the usual
+        head over the whole vocabulary. For drafts: verification uses the target's full
+        head, so exactness never depends on it.
     """
 
     architecture: str
@@ -83,6 +94,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     sliding_window: int | None = None
     feature_input: bool = False
+    feature_layers: tuple[int, ...] = ()
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -103,6 +116,20 @@ class ModelConfig:
         if self.feature_input and self.architecture != "llama":
             raise InvalidArgumentError(
                 f"feature_input drafts are llama-family models, got {self.architecture!r}")
+        if self.feature_layers:
+            if not self.feature_input:
+                raise InvalidArgumentError("feature_layers apply to feature drafts only "
+                                           "(feature_input=True)")
+            layers = self.feature_layers
+            if (not isinstance(layers, tuple) or any(not isinstance(i, int) or i < 0
+                                                     for i in layers)
+                    or len(set(layers)) != len(layers)):
+                raise InvalidArgumentError(f"feature_layers must be a tuple of distinct "
+                                           f"target block indices >= 0, got {layers!r}")
+        if (not isinstance(self.draft_vocab_size, int)
+                or not 0 <= self.draft_vocab_size <= self.vocab_size):
+            raise InvalidArgumentError(f"draft_vocab_size must be an int in [0, "
+                                       f"{self.vocab_size}], got {self.draft_vocab_size!r}")
 
     @property
     def num_params(self) -> int:
@@ -113,9 +140,9 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """Returns a Hugging Face ``config.json`` dict describing the same model."""
-        if self.feature_input:
+        if self.feature_input or self.draft_vocab_size:
             raise InvalidArgumentError(
-                "a feature draft (feature_input=True) has no Hugging Face equivalent")
+                "a feature draft or a reduced-vocabulary head has no Hugging Face equivalent")
         if self.architecture == "gpt2":
             return {
                 "model_type": "gpt2",

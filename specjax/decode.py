@@ -149,7 +149,9 @@ class DecodeState:
     sampling: SamplingParams
     draft_cache: KVCache | None = None  # the draft's cache (methods with a draft model)
     # float [S, d]: the target's features (final-normed hidden states) at every position
-    # the target has run; methods whose draft reads them (``method.uses_features``)
+    # the target has run; methods whose draft reads them (``method.uses_features``).
+    # [S, F*d], the outputs of target blocks ``method.feature_layers``, for a multi-layer
+    # feature draft (the draft fuses them itself: the target pass stays the draft's)
     features: jax.Array | None = None
     tally: Any = None  # per-step statistics (speculative methods: methods.common.Tally)
 
@@ -219,8 +221,12 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
     dtype = params["embed"].dtype
     cache = sharding.constrain_cache(init_cache(config, loop.capacity, dtype), config)
     positions = jnp.arange(loop.prompt_bucket, dtype=jnp.int32)
-    hidden, cache = models.hidden_states(params, config, prompt, positions, cache,
-                                         attn_impl=loop.attn_impl)
+    uses_features = getattr(loop.method, "uses_features", False)
+    feature_layers = getattr(loop.method, "feature_layers", ()) if uses_features else ()
+    out = models.hidden_states(params, config, prompt, positions, cache,
+                               attn_impl=loop.attn_impl, feature_layers=feature_layers)
+    hidden, cache = out[0], out[-1]
+    features = out[1] if feature_layers else hidden
     cache = advance(cache, prompt_length)
     # The head only where it is needed: the last prompt token.
     last = models.lm_head(params, config,
@@ -234,9 +240,9 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
         target_calls=jnp.int32(0), draft_calls=jnp.int32(0), stop_tokens=stop_tokens,
         sampling=sampling,
     )
-    if getattr(loop.method, "uses_features", False):
-        features = jnp.zeros((loop.capacity, config.hidden_size), hidden.dtype)
-        state = state.replace(features=features.at[: loop.prompt_bucket].set(hidden))
+    if uses_features:
+        kept = jnp.zeros((loop.capacity, features.shape[1]), features.dtype)
+        state = state.replace(features=kept.at[: loop.prompt_bucket].set(features))
     state = _check_finite(state, last)
     return append_tokens(state, first, (~state.nonfinite).astype(jnp.int32))
 

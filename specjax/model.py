@@ -47,10 +47,15 @@ class Model:
     @classmethod
     def from_params(cls, config: ModelConfig, params: dict, tokenizer: Any = None,
                     name: str = "model", dtype=None, assets: str | None = None) -> "Model":
-        """Wraps a parameter tree (numpy or jax arrays) after a strict shape check."""
+        """Wraps a parameter tree (numpy or jax arrays) after a strict shape check.
+        ``dtype`` casts the floating-point arrays (integer ones, e.g. a reduced head's
+        ``draft_vocab`` map, keep theirs)."""
         check_params(config, params, source=name)
         dtype = resolve_dtype(dtype)
-        params = jax.tree.map(lambda a: jnp.asarray(a, dtype or None), params)
+        params = jax.tree.map(lambda a: jnp.asarray(a, dtype if dtype is not None and
+                                                    jnp.issubdtype(jnp.asarray(a).dtype,
+                                                                   jnp.floating) else None),
+                              params)
         return cls(config=config, params=params, tokenizer=tokenizer, name=name,
                    assets=assets)
 
@@ -109,6 +114,11 @@ def check_draft_compatible(model: Model, draft: Model) -> None:
         raise InvalidArgumentError(
             f"feature draft {draft.name!r} reads features of width {draft.config.hidden_size}, "
             f"the target {model.name!r} has hidden size {model.config.hidden_size}")
+    layers = draft.config.feature_layers
+    if layers and max(layers) >= model.config.num_layers:
+        raise InvalidArgumentError(
+            f"feature draft {draft.name!r} reads the outputs of target blocks {layers}, the "
+            f"target {model.name!r} has {model.config.num_layers}")
     if (model.tokenizer is not None and draft.tokenizer is not None
             and model.tokenizer is not draft.tokenizer):  # a shipped draft shares the target's
         if model.tokenizer.get_vocab() != draft.tokenizer.get_vocab():

@@ -326,7 +326,8 @@ def sample_draft_children(key: jax.Array, draft_logp: jax.Array, width: int,
 
 def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_depth: int,
                 width: int, verify: str, key: jax.Array, draft_logp: jax.Array | None = None,
-                children_mode: str = "deterministic", return_features: bool = False):
+                children_mode: str = "deterministic", return_features: bool = False,
+                feature_layers: tuple[int, ...] = ()):
     """One target pass over ``tree`` (rooted at the pending last token), then the rule.
 
     Args:
@@ -339,7 +340,8 @@ def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_de
       draft_logp: [N, V] the draft's log q~ per node (``rejection`` only).
       children_mode: how the children were drafted (``rejection`` only).
       return_features: also return the target's features [N, d] of the nodes (static;
-        for drafts that read them).
+        for drafts that read them); with ``feature_layers`` the outputs of those target
+        blocks [N, F*d] instead (a multi-layer feature draft's).
     Returns:
       (verdict, target cache with the tree's K/V in scratch, whether the logits of the
       valid nodes were all finite), then the features when ``return_features``.
@@ -349,7 +351,8 @@ def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_de
     mask = ancestor_mask(tree.parents, tree.valid, max_depth)
     positions = state.length - 1 + node_depths
     out = models.forward(params, loop.config, tree.tokens, positions, state.cache, mask,
-                         attn_impl=loop.attn_impl, return_features=return_features)
+                         attn_impl=loop.attn_impl, return_features=return_features,
+                         feature_layers=feature_layers)
     logits, cache = out[0], out[-1]
     finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])
     if verify in ("greedy", "coupled"):

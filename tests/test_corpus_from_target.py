@@ -106,6 +106,34 @@ def test_target_corpus_is_the_targets_generations(tiny_target, corpus_files, mon
         assert generated.tolist() == [t for t in expected.tokens if t != 2]
 
 
+def test_a_greedy_fraction_of_the_rows_is_written_greedily(tiny_target, corpus_files,
+                                                           monkeypatch):
+    """``target_greedy_fraction``: the first half of the rows are the target's greedy
+    continuations, the rest its samples at the temperature (their own seeds)."""
+    monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
+    cfg = _cfg(target_greedy_fraction=0.5)
+    assert cfg.record()["target_greedy_fraction"] == 0.5
+    assert "target_greedy_fraction" not in _cfg().record()  # old runs still resume
+    train = train_draft.generate_target_corpus(tiny_target, corpus_files, cfg, separator=2,
+                                               log=lambda _: None)[0]
+    tok = tiny_target.tokenizer
+    documents = np.split(train, np.flatnonzero(train == 2) + 1)[:-1]
+    assert len(documents) == 4
+    for i, document in enumerate(documents):
+        text = tok.decode(document.tolist())
+        prompt = tok(text[:text.index('"""', text.index('"""') + 3) + 3] + "\n",
+                     add_special_tokens=False)["input_ids"]
+        greedy = i < 2
+        expected = specjax.generate(
+            tiny_target, prompt, method="ar", max_new_tokens=24,
+            temperature=0.0 if greedy else 1.0,
+            seed=sample_corpus.row_seed(0 if greedy else 2, i if greedy else i - 2),
+            stop_tokens=[2])
+        assert document[len(prompt):-1].tolist() == [t for t in expected.tokens if t != 2]
+    with pytest.raises(InvalidArgumentError, match="target_greedy_fraction must be in"):
+        _cfg(target_greedy_fraction=1.5)
+
+
 def test_mixed_windows_take_the_fraction_from_the_target():
     files, target = np.arange(1000, 2000), np.arange(5000, 6000)
     rng = np.random.default_rng(0)

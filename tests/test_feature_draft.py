@@ -90,12 +90,13 @@ def test_a_position_reads_the_previous_positions_feature(target):
     features = jnp.arange(10 * 4, dtype=jnp.float32).reshape(10, 4) + 1
     positions = jnp.asarray([0, 1, 5, 9], jnp.int32)
     draft_config = dataclasses.replace(target.config, feature_input=True)
-    read = previous_features(draft_config, SimpleNamespace(features=features), positions)
+    read = previous_features({}, draft_config, SimpleNamespace(features=features), positions)
     np.testing.assert_array_equal(read, np.stack([np.zeros(4), features[0], features[4],
                                                   features[8]]))
     shifted = fd.shift_features(features[None])[0]
     np.testing.assert_array_equal(read[1:], shifted[positions[1:]])
-    assert previous_features(target.config, SimpleNamespace(features=None), positions) is None
+    assert previous_features({}, target.config, SimpleNamespace(features=None),
+                             positions) is None
 
 
 def test_a_draft_that_predicts_the_targets_features_is_always_accepted(one_layer_target):
@@ -166,15 +167,25 @@ def test_training_brings_the_draft_closer_to_the_target(target):
         moved - fd.draft_features(params, config, held, inputs))).max())
 
 
-def test_errors_are_one_line(target):
+def test_staged_with_a_feature_draft_equals_ar(target):
+    """``staged`` takes a feature draft (its proposal nodes read a stale feature, which
+    changes only the ranking): greedy and coupled output equal ``ar``'s."""
     from specjax.checkpoints_tools.ngram_build import build_ngram
 
     draft = feature_draft(target, seed=6)
-    tables = build_ngram([list(range(1, 30)) * 3], target.config.vocab_size, top_k=4,
-                         trigram_top_k=2, trigram_buckets=64, min_context_count=1).tables
-    with pytest.raises(InvalidArgumentError, match="staged scores each stage-2 proposal"):
-        specjax.generate(target, [1, 2, 3], max_new_tokens=4, draft=draft, method="staged",
-                         ngram=tables)
+    for seed, temperature in ((0, 0.0), (1, 1.0)):
+        prompt = random_prompt(seed + 20, 9)
+        tables = build_ngram([prompt * 3], target.config.vocab_size, top_k=4,
+                             trigram_top_k=2, trigram_buckets=64, min_context_count=1).tables
+        expected = specjax.generate(target, prompt, max_new_tokens=NEW, temperature=temperature,
+                                    seed=seed).tokens
+        out = specjax.generate(target, prompt, max_new_tokens=NEW, temperature=temperature,
+                               seed=seed, draft=draft, method="staged", ngram=tables)
+        assert out.tokens == expected, temperature
+
+
+def test_errors_are_one_line(target):
+    draft = feature_draft(target, seed=6)
     wide = dataclasses.replace(draft.config, hidden_size=96)
     wide_params = models.init_params(wide, jax.random.PRNGKey(0))
     with pytest.raises(InvalidArgumentError, match="reads features of width 96"):

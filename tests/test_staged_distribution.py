@@ -100,3 +100,27 @@ def test_the_same_test_catches_a_wrong_rule(setup, monkeypatch):
     counts = _second_tokens(target, tables, draft=target, verify="rejection", **STAGED)
     statistic, dof = _pooled_chi2(counts, marginal)
     assert statistic > chi2_threshold(dof), (statistic, dof)
+
+
+@pytest.mark.parametrize("method", ["staged", "tree"])
+def test_a_reduced_vocabulary_feature_draft_keeps_the_distribution(setup, method):
+    """An EAGLE-3 draft (target block outputs fused, probability 0 outside a vocabulary of
+    half the ids): the sampled second token still follows the target's distribution
+    through the whole step, staged or tree, under the rejection rule."""
+    from specjax.checkpoints_tools import eagle3
+
+    target, tables, marginal = setup
+    vocab = np.sort(np.random.default_rng(3).choice(TINY_VOCAB, TINY_VOCAB // 2,
+                                                    replace=False))
+    config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
+                                                     (0, 1, 2))
+    params["fc"] = (0.3 * np.random.default_rng(4).standard_normal(params["fc"].shape)
+                    ).astype(np.float32)
+    draft = specjax.Model.from_params(config, params, name="eagle3")
+    options = STAGED if method == "staged" else dict(method="tree", tree_budget=6,
+                                                    draft_depth=2, draft_width=2)
+    counts = _second_tokens(target, tables if method == "staged" else None, draft=draft,
+                            verify="rejection", **options)
+    statistic, dof = _pooled_chi2(counts, marginal)
+    assert statistic < chi2_threshold(dof), (method, statistic, dof)
+    assert counts[np.setdiff1d(np.arange(TINY_VOCAB), vocab)].sum() > 0  # ids it never drafts

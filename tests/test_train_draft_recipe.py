@@ -100,10 +100,28 @@ def test_one_run_recipe_and_settings_that_do_not_go_together(tmp_path):
     assert command.corpus_from_target == 1000 and command.target_batch_size == 256
 
     for env, needle in (({"RECIPE": "shipped", "LAYERS": "0"}, "apply only to RECIPE=one"),
-                        ({"RECIPE": "best"}, "RECIPE must be shipped or one")):
+                        ({"RECIPE": "best"}, "RECIPE must be shipped, one or eagle3"),
+                        ({"RECIPE": "eagle3", "LAYERS": "0"}, "apply only to RECIPE=one"),
+                        ({"RECIPE": "eagle3", "BUDGET": "20"}, "leaves no time")):
         done = dry_run(tmp_path, **env)
         assert done.returncode == 2 and not done.stdout
         assert done.stderr.count("\n") == 1 and needle in done.stderr, done.stderr
+
+
+def test_the_eagle3_recipe_trains_in_the_time_budget(tmp_path):
+    """RECIPE=eagle3: one train-draft --eagle3 run on the target's own text alone (the
+    standard library's docstring prompts), its clock the budget less the margin."""
+    done = dry_run(tmp_path, RECIPE="eagle3", BUDGET="300", E3_MARGIN="30",
+                   E3_LAYERS="2,15,27")
+    assert done.returncode == 0, done.stderr
+    (command,) = parsed_commands(done.stdout)
+    assert command.eagle3 and command.init_layers == "0" and command.corpus is None
+    assert command.corpus_from_target == 2_000_000 and command.target_corpus_fraction == 1
+    assert (command.target_greedy_fraction, command.target_temperature) == (0.5, 1.0)
+    assert (command.target_batch_size, command.batch_size, command.seq_len) == (256, 48, 256)
+    assert (command.draft_vocab, command.unroll, command.feature_layers) == (8192, 4, "2,15,27")
+    assert 200 < command.time_budget <= 270
+    assert command.asset == str(tmp_path / "run" / "asset")
 
 
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])

@@ -444,3 +444,47 @@ def test_rejection_argument_errors():
         verify.sample_draft_children(jax.random.PRNGKey(0), logp[0], 2, "sideways")
     verdict = verify.verify_rejection(tree, logp, None, jax.random.PRNGKey(0), 1, 1, "deterministic")
     assert int(verdict.count) in (1, 2)
+
+
+# --------------------------------------------------------------------------------------
+# A reduced-vocabulary draft (an EAGLE-3 draft's own head: probability 0 outside it).
+# --------------------------------------------------------------------------------------
+
+DRAFT_VOCAB = np.array([0, 2, 3])  # the draft never proposes ids 1 and 4
+LOG_Q_REDUCED = np.asarray(jax.nn.log_softmax(
+    np.where(np.isin(np.arange(VOCAB), DRAFT_VOCAB), DRAFT_LOGITS, -np.inf), -1))
+
+
+def _restricted_target_rule(tree, target_logp, draft_logp, key):
+    """WRONG on purpose: verifies against the target renormalised over the draft's
+    vocabulary (a bug a reduced head invites: the target's own ids outside it vanish)."""
+    inside = np.isin(np.arange(VOCAB), DRAFT_VOCAB)
+    restricted = jax.nn.log_softmax(jnp.where(inside, target_logp, -jnp.inf), axis=-1)
+    return verify.verify_rejection(tree, restricted, draft_logp, key, max_depth=2, width=3,
+                                   children_mode="without_replacement")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_reduced_vocabulary_draft_keeps_the_target_distribution(name):
+    """Every rule stays exact with a draft whose probability is 0 outside its vocabulary:
+    the target's tokens outside it are emitted as often as the target says (through the
+    residual and the bonus token), and the rules accept as often as the algorithm says."""
+    rule, draft_mode, width = CASES[name]
+    assert np.isneginf(LOG_Q_REDUCED[:, [1, 4]]).all()
+    x1, x2, count, _ = simulate(rule, draft_mode, width, log_q=LOG_Q_REDUCED)
+    statistic, dof = joint_statistic(x1, x2, LOG_P, VOCAB)
+    assert statistic < chi2_threshold(dof), (name, statistic, chi2_threshold(dof))
+    assert (count == 3).mean() > 0.02, name
+    if name != "match_sampled_w3":
+        p, q = np.exp(LOG_P[START]), np.exp(LOG_Q_REDUCED[START])
+        expected = exact_first_acceptance(p, q, width, draft_mode)
+        tolerance = 6 * math.sqrt(expected * (1 - expected) / NUM_SAMPLES)
+        assert abs((count >= 2).mean() - expected) < tolerance, (name, (count >= 2).mean(),
+                                                                 expected)
+
+
+def test_a_rule_that_drops_the_targets_ids_outside_the_draft_vocabulary_is_caught():
+    x1, x2, _, _ = simulate(_restricted_target_rule, "without_replacement", 3,
+                            log_q=LOG_Q_REDUCED)
+    statistic, dof = joint_statistic(x1, x2, LOG_P, VOCAB)
+    assert statistic > chi2_threshold(dof), (statistic, chi2_threshold(dof))

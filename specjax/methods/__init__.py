@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from specjax.config import ModelConfig
 from specjax.decode import Autoregressive, Method
-from specjax.errors import InvalidArgumentError
 from specjax.methods.options import (METHODS, VERIFY_RULES, ArOptions, MethodOptions,
                                      NgramOptions, SpecOptions, StagedOptions, TreeOptions,
                                      check_verify_rule, method_options)
@@ -40,11 +39,6 @@ def build(options: MethodOptions, draft_config: ModelConfig | None = None) -> Me
         return Speculative(options, draft_config)
     if options.name == "ngram":
         return NgramOnly(options)
-    if draft_config.feature_input:
-        raise InvalidArgumentError(
-            "staged scores each stage-2 proposal tree in one draft pass, which a feature "
-            "draft cannot (a node reads its parent's predicted feature): use it with "
-            "method='spec' or 'tree'")
     return Staged(options, draft_config)
 
 

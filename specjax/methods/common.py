@@ -36,6 +36,22 @@ class Tally:
     origin_counts: jax.Array  # int32 [NUM_ORIGINS]; emitted tokens per origin
 
 
+class DraftFeatures:
+    """What a method with a draft model tells the prefill and verify passes about the
+    target features its draft reads (mixed into :class:`~specjax.methods.speculative.
+    Speculative` and :class:`~specjax.methods.staged.Staged`; needs ``draft_config``)."""
+
+    @property
+    def uses_features(self) -> bool:
+        """Whether the draft reads the target's features (the prefill then keeps them)."""
+        return self.draft_config.feature_input
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target blocks whose outputs a multi-layer feature draft reads (static)."""
+        return self.draft_config.feature_layers
+
+
 @dataclasses.dataclass(frozen=True)
 class PassPlan:
     """The forward passes one step of a method runs, by size (static; read by the

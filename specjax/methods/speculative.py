@@ -38,7 +38,10 @@ feature (final-normed hidden state) at ``t - 1``, and its output feature goes th
 head. The target's features of every committed position are kept in
 ``state.features`` (the prefill and each verify pass compute them anyway; the step commits
 the accepted path's). Catch-up reads them; below the root, a drafted node reads the
-feature the draft predicted for its parent. Only proposals change: exactness is the
+feature the draft predicted for its parent. A multi-layer feature draft (EAGLE-3 class,
+``draft_config.feature_layers``) reads the outputs of several target blocks instead, which
+the prefill and verify passes return beside their logits, kept as [S, F*d] and fused by
+the draft's ``feature_fc`` where it reads them. Only proposals change: exactness is the
 verify rule's, as for any draft.
 """
 
@@ -55,7 +58,8 @@ from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig
 from specjax.decode import DecodeLoop, DecodeState, Resources
 from specjax.errors import InvalidArgumentError
-from specjax.methods.common import PassPlan, commit_step, init_tally, rank_children, step_key
+from specjax.methods.common import (DraftFeatures, PassPlan, commit_step, init_tally,
+                                    rank_children, step_key)
 from specjax.methods.options import SpecOptions, TreeOptions, fixed_topology_shape
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_TARGET
 from specjax.sampling import target_log_probs, top_k
@@ -93,12 +97,15 @@ class TreeShape:
         return max(self.budget, self.depth + 1, self.width * self.depth + 1) + 1
 
 
-def previous_features(draft_config: ModelConfig, state: DecodeState, positions: jax.Array):
+def previous_features(draft_params, draft_config: ModelConfig, state: DecodeState,
+                      positions: jax.Array):
     """What a feature draft reads beside the tokens at ``positions`` [T]: the target's
-    features at ``positions - 1`` (zeros at position 0); ``None`` for other drafts."""
+    features at ``positions - 1`` (zeros at position 0), fused to [T, d] by a multi-layer
+    draft (:func:`specjax.models.fuse_features`); ``None`` for other drafts."""
     if not draft_config.feature_input:
         return None
     rows = jnp.take(state.features, jnp.maximum(positions - 1, 0), axis=0)
+    rows = models.fuse_features(draft_params, draft_config, rows)
     return jnp.where((positions > 0)[:, None], rows, jnp.zeros_like(rows))
 
 
@@ -119,7 +126,8 @@ def draft_prefill(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
     _, cache = models.hidden_states(draft_params, draft_config,
                                     state.tokens[: loop.prompt_bucket], positions, cache,
                                     attn_impl=loop.attn_impl,
-                                    features=previous_features(draft_config, state, positions))
+                                    features=previous_features(draft_params, draft_config, state,
+                                                              positions))
     return advance(cache, state.prompt_length)
 
 
@@ -139,8 +147,8 @@ def draft_catch_up(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
     positions = cache.length + jnp.arange(chunk, dtype=jnp.int32)
     hidden, cache = models.hidden_states(draft_params, draft_config, tokens, positions,
                                          cache, attn_impl=loop.attn_impl,
-                                         features=previous_features(draft_config, state,
-                                                                    positions))
+                                         features=previous_features(draft_params, draft_config,
+                                                                    state, positions))
     fresh = state.length - cache.length
     root_hidden = jax.lax.dynamic_index_in_dim(hidden, fresh - 1, keepdims=True)
     return (advance(cache, fresh), models.lm_head(draft_params, draft_config, root_hidden),
@@ -192,7 +200,7 @@ def _fixed_tables(parents: np.ndarray) -> _Fixed:
 
 
 @dataclasses.dataclass(frozen=True)
-class Speculative:
+class Speculative(DraftFeatures):
     """A draft-model speculative method (``spec`` = chain, ``tree``); hashable, static.
 
     Attributes:
@@ -255,11 +263,6 @@ class Speculative:
         return _fixed_tables(np.asarray(self.shape.topology, np.int32))
 
     @property
-    def uses_features(self) -> bool:
-        """Whether the draft reads the target's features (the prefill then keeps them)."""
-        return self.draft_config.feature_input
-
-    @property
     def children_mode(self) -> str:
         """How the drafted children relate to ``q~`` (for the rejection rule)."""
         return "without_replacement" if self.shape.topology is not None else "deterministic"
@@ -314,7 +317,8 @@ class Speculative:
         # 3. Verify with one target pass.
         verified = verify_tree(params, loop, state, tree, shape.depth, shape.width,
                                self.verify, verify_key, draft_logp, self.children_mode,
-                               return_features=self.uses_features)
+                               return_features=self.uses_features,
+                               feature_layers=self.feature_layers)
         verdict, target_cache, finite = verified[:3]
         kept = {"draft_cache": cache}
         if self.uses_features:

@@ -32,6 +32,15 @@ One staged step, all in static shapes:
 4. **Verify** with one target pass and any exact rule (``coupled`` by default at T > 0),
    then **commit** the accepted path.
 
+**Feature drafts** (``draft_config.feature_input``, EAGLE-style, see
+:mod:`specjax.methods.speculative`): a drafted node should read the feature the draft
+predicted for its parent, but a pass scores a whole proposal tree at once, its parents
+included. So the catch-up rows read the target's features (as in ``spec``), a later
+round's own token reads the output of the spine end it continues (exact), and every
+proposal node reads the feature its pass's node 0 reads (one or more positions stale).
+This changes only how well the draft ranks proposals below their first level; the
+verification is the same, so the output is too.
+
 A step costs ``rounds`` draft passes and one target pass. The draft may score only a
 subset of the vocabulary (:meth:`specjax.Model.with_head_subset`; the shipped draft does),
 which makes its passes cheaper without touching exactness.
@@ -60,9 +69,10 @@ from specjax.cache import advance
 from specjax.config import ModelConfig
 from specjax.decode import DecodeLoop, DecodeState, Resources
 from specjax.drafters.ngram import propose
-from specjax.methods.common import PassPlan, commit_step, init_tally, rank_children, step_key
+from specjax.methods.common import (DraftFeatures, PassPlan, commit_step, init_tally,
+                                    rank_children, step_key)
 from specjax.methods.options import NgramOptions, StagedOptions
-from specjax.methods.speculative import draft_prefill
+from specjax.methods.speculative import commit_features, draft_prefill, previous_features
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_LOOKUP, ORIGIN_TARGET
 from specjax.sampling import top_k
 from specjax.tree import Tree, ancestor_mask, select_top_indices, select_top_nodes
@@ -192,7 +202,7 @@ class NgramOnly:
 
 
 @dataclasses.dataclass(frozen=True)
-class Staged:
+class Staged(DraftFeatures):
     """``method="staged"``: draft model + stage 2 (see the module docstring).
 
     Attributes:
@@ -340,11 +350,19 @@ class Staged:
                             1)])
         positions = jnp.concatenate([cache.length + jnp.arange(chunk, dtype=jnp.int32),
                                      root_position + jnp.asarray(proposal_depth)])
+        features = None
+        if self.uses_features:  # the proposal reads what the root reads (module docstring)
+            features = previous_features(
+                draft_params, config, state,
+                jnp.concatenate([positions[:chunk],
+                                 jnp.full((n_prop,), root_position, jnp.int32)]))
         hidden, cache = models.hidden_states(draft_params, config,
                                              jnp.concatenate([pending, prop.tokens]), positions,
-                                             cache, mask, attn_impl=loop.attn_impl)
+                                             cache, mask, attn_impl=loop.attn_impl,
+                                             features=features)
         rows = jnp.concatenate([jax.lax.dynamic_index_in_dim(hidden, fresh - 1, keepdims=True),
                                 hidden[chunk:]])
+        pass_hidden = rows  # [S, d]: each pass node's output (a feature draft's prediction)
         logits = models.lm_head(draft_params, config, rows)  # [1 + P, V]
         rank = self._rank(logits, sampling, root_position + jnp.asarray(local_depth) + 1)
         pass_tokens = jnp.concatenate([state.tokens[root_position][None], prop.tokens])
@@ -377,8 +395,15 @@ class Staged:
             positions = root_position + count + jnp.asarray(local_depth)
             mask = ancestor_mask(pass_mask_parents, pass_valid, depth_p)
             scratch_mask = jnp.broadcast_to(visible[None, :offset], (size, offset))
-            logits, cache = models.forward(draft_params, config, pass_tokens, positions, cache,
-                                           mask, scratch_mask, attn_impl=loop.attn_impl)
+            features = None
+            if self.uses_features:  # the spine end's output (module docstring)
+                features = jnp.broadcast_to(pass_hidden[node], (size, pass_hidden.shape[1]))
+            out = models.forward(draft_params, config, pass_tokens, positions, cache, mask,
+                                 scratch_mask, attn_impl=loop.attn_impl, features=features,
+                                 return_features=self.uses_features)
+            logits, cache = out[0], out[-1]
+            if self.uses_features:
+                pass_hidden = out[1]
             rank = self._rank(logits, sampling, positions + 1)
             round_cands, nodes = self._pass_candidates(
                 pass_tokens, pass_valid,
@@ -407,7 +432,12 @@ class Staged:
                                                      self.budget)]
 
         # 4. Verify and commit.
-        verdict, target_cache, finite = verify_tree(params, loop, state, tree, self.max_depth,
-                                                     width, self.verify, key)
+        verified = verify_tree(params, loop, state, tree, self.max_depth, width, self.verify,
+                               key, return_features=self.uses_features,
+                               feature_layers=self.feature_layers)
+        verdict, target_cache, finite = verified[:3]
+        kept = {"draft_cache": cache}
+        if self.uses_features:
+            kept["features"] = commit_features(state, verified[3], verdict.path)
         return commit_step(state, tree, tree_origin, verdict, target_cache, finite,
-                           self.rounds, draft_cache=cache)
+                           self.rounds, **kept)

@@ -82,7 +82,9 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     out = []
     for (path, shape), k in zip(leaves, keys):
         name = path[-1].key
-        if name.endswith(("norm", "scale")):
+        if name == "draft_vocab":  # the map of a reduced head: the first K ids
+            out.append(jnp.arange(shape[0], dtype=jnp.int32))
+        elif name.endswith(("norm", "scale")):
             out.append(jnp.ones(shape, dtype))
         elif name.startswith("b") or name.endswith("bias"):
             out.append(jnp.zeros(shape, dtype))
@@ -156,9 +158,10 @@ def _packed_attention(family, scratch_mask) -> bool:
 
 
 def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape, k_all,
-                   v_all, length, mask, linear):
+                   v_all, length, mask, linear, taps, feature_layers: tuple[int, ...]):
     """The fused layers with attention reading packed rows
-    (:func:`specjax.kernels.ordered_attention_packed`): (x, kv_new [L, 2, rows, K, D]).
+    (:func:`specjax.kernels.ordered_attention_packed`): (x, kv_new [L, 2, rows, K, D],
+    ``taps`` with the outputs of blocks ``feature_layers``, :func:`_tap`).
 
     The loop carries a [L, rows, H + 2K, D] buffer that each layer writes its RoPE'd q|k|v
     rows into (one in-place write) and its attention reads; the chains among the new
@@ -178,10 +181,12 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
                                                 depth, num_heads=config.num_heads)
 
     def packed_layer(carry, _):
-        x, index, packed = carry
+        x, index, packed, taps = carry
         x, packed = family.block_fused_packed(layers, index, config, x, rope, packed, attend,
                                               linear)
-        return (x, index + 1, packed), None
+        if feature_layers:
+            taps = _tap(taps, x, index, feature_layers)
+        return (x, index + 1, packed, taps), None
 
     packed = jnp.zeros(packed_shape, x.dtype)
     # Unrolled when the kernels are compiled (a GPU): no loop counter and no loop
@@ -192,13 +197,13 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
     # unrolled they were not row-independent (a 17-node pass's root logits differed from
     # the one-token step's in the last bit; the loop reproduces them exactly), so the
     # interpreter runs the loop.
-    (x, _, packed), _ = jax.lax.scan(packed_layer, (x, jnp.int32(0), packed), None,
-                                     length=config.num_layers,
-                                     unroll=_kernels_compiled())
+    (x, _, packed, taps), _ = jax.lax.scan(packed_layer, (x, jnp.int32(0), packed, taps),
+                                           None, length=config.num_layers,
+                                           unroll=_kernels_compiled())
     heads = config.num_heads
     kv = packed[:, :, heads:].reshape(*packed.shape[:2], 2, config.num_kv_heads,
                                       config.head_dim)
-    return x, kv.transpose(0, 2, 1, 3, 4)
+    return x, kv.transpose(0, 2, 1, 3, 4), taps
 
 
 # Models of at most this many layers (drafts) run their layers unrolled where the kernels
@@ -224,10 +229,29 @@ def _kernels_compiled() -> bool:
     return not kernels.select_variant()[1]
 
 
+def _tap(taps, x, index, feature_layers: tuple[int, ...]):
+    """``taps`` [F, rows, d] with block ``index``'s output ``x`` [rows, d] written into the
+    slot of each ``feature_layers`` entry equal to ``index`` (a select per block: the
+    layer loop stays one loop, and no [L, rows, d] stack of every block's output is kept)."""
+    hit = jnp.asarray(feature_layers, jnp.int32) == index
+    return jnp.where(hit[:, None, None], x[None].astype(taps.dtype), taps)
+
+
+def _join_taps(taps, num_tokens: int):
+    """[F, rows, d] -> [T, F*d]: the blocks' outputs side by side, per token."""
+    taps = taps[:, :num_tokens]
+    return taps.transpose(1, 0, 2).reshape(num_tokens, -1)
+
+
 def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask,
-                     scratch_mask, attn_impl: str, features=None):
-    """The blocks' output [T, d] before the final norm, and the cache with scratch written."""
+                     scratch_mask, attn_impl: str, features=None,
+                     feature_layers: tuple[int, ...] = ()):
+    """The blocks' output [T, d] before the final norm, the cache with scratch written,
+    and the outputs of blocks ``feature_layers`` [T, F*d] (``None`` when there are none)."""
     family = _FAMILIES[config.architecture]
+    if any(not 0 <= i < config.num_layers for i in feature_layers):
+        raise InvalidArgumentError(f"feature_layers {tuple(feature_layers)} out of range for "
+                                   f"a {config.num_layers}-layer model")
     if mask is None:
         mask = causal_mask(tokens.shape[0])
     if config.feature_input:
@@ -243,6 +267,7 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
     length = None if cache is None else cache.length
     k_all, v_all = (None, None) if cache is None else (cache.k, cache.v)
     fused = uses_fused_layers(config, tokens.shape[0], attn_impl)
+    num_taps = len(feature_layers)
     if attn_impl == "fused" and not fused:
         attn_impl = "auto"  # a long prefill, or a family without fused layers
 
@@ -265,6 +290,7 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         num_tokens = x.shape[0]
         rows = round_up(num_tokens, kernels.linear_row_tile(x.dtype))
         x = jnp.pad(x, ((0, rows - num_tokens), (0, 0)))
+        taps = jnp.zeros((num_taps, rows, config.hidden_size), x.dtype)
 
         linear = functools.partial(kernels.fused_linear, fallback=True)
         packed_shape = (config.num_layers, rows, config.num_heads + 2 * config.num_kv_heads,
@@ -272,31 +298,38 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         if (_packed_attention(family, scratch_mask)
                 and kernels.packed_attention_takes(packed_shape, x.dtype, k_all, v_all,
                                                    num_heads=config.num_heads)):
-            x, kv_new = _packed_layers(family, layers, config, x, context, packed_shape,
-                                       k_all, v_all, length, mask, linear)
+            x, kv_new, taps = _packed_layers(family, layers, config, x, context,
+                                             packed_shape, k_all, v_all, length, mask, linear,
+                                             taps, feature_layers)
             x, kv_new = x[:num_tokens], kv_new[:, :, :num_tokens]
         else:
             def fused_layer(carry, _):
-                x, index = carry
+                x, index, taps = carry
                 x, k, v = family.block_fused(layers, index, config, x, context,
                                              attend_at(index), linear)
-                return (x, index + 1), jnp.stack([k, v])
+                if num_taps:
+                    taps = _tap(taps, x, index, feature_layers)
+                return (x, index + 1, taps), jnp.stack([k, v])
 
             # No per-layer slices of the weights as scan inputs: the kernels read the
             # stacked [L, ...] weights at the traced index (a slice feeding a custom call
             # is a copy).
-            (x, _), kv_new = jax.lax.scan(fused_layer, (x, jnp.int32(0)), None,
-                                          length=config.num_layers,
-                                          unroll=_unrolled(config))
+            (x, _, taps), kv_new = jax.lax.scan(fused_layer, (x, jnp.int32(0), taps), None,
+                                                length=config.num_layers,
+                                                unroll=_unrolled(config))
             x = x[:num_tokens]
     else:
-        def layer(carry, p):
-            x, index = carry
-            x, k, v = family.block(p, config, x, context, attend_at(index))
-            return (x, index + 1), jnp.stack([k, v])
+        taps = jnp.zeros((num_taps, tokens.shape[0], config.hidden_size), x.dtype)
 
-        (x, _), kv_new = jax.lax.scan(layer, (x, jnp.int32(0)), params["layers"],
-                                      unroll=_unrolled(config))
+        def layer(carry, p):
+            x, index, taps = carry
+            x, k, v = family.block(p, config, x, context, attend_at(index))
+            if num_taps:
+                taps = _tap(taps, x, index, feature_layers)
+            return (x, index + 1, taps), jnp.stack([k, v])
+
+        (x, _, taps), kv_new = jax.lax.scan(layer, (x, jnp.int32(0), taps), params["layers"],
+                                            unroll=_unrolled(config))
     # Each layer's K and V leave the loop as one [2, T, K, D] stack: one in-place write into
     # the loop's output per layer instead of two (on a GPU, one kernel launch each).
     k_new, v_new = kv_new[:, 0], kv_new[:, 1]
@@ -312,18 +345,32 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         # then stops generation; a draft only proposes).
         after = (0.0 * x[0, 0]).astype(k_new.dtype)
         cache = write_scratch(cache, k_new + after, v_new + after, offset)
-    return x, cache
+    return x, cache, (_join_taps(taps, x.shape[0]) if num_taps else None)
 
 
 def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache | None = None,
-                  mask=None, scratch_mask=None, *, attn_impl: str = "auto", features=None):
+                  mask=None, scratch_mask=None, *, attn_impl: str = "auto", features=None,
+                  feature_layers: tuple[int, ...] = ()):
     """Final-normed hidden states [T, d] and the cache with scratch slots written.
 
     These are also the *features* a feature draft reads (``features``: [T, d], required
-    when ``config.feature_input``; see :mod:`specjax.checkpoints_tools.feature_draft`)."""
-    x, cache = _residual_stream(params, config, tokens, positions, cache, mask, scratch_mask,
-                                attn_impl, features)
-    return _FAMILIES[config.architecture].final_norm(params, config, x), cache
+    when ``config.feature_input``; see :mod:`specjax.checkpoints_tools.feature_draft`).
+    With ``feature_layers`` (static, block indices) the outputs of those blocks [T, F*d]
+    come too, between the two (what a multi-layer feature draft reads,
+    ``draft_config.feature_layers``): ``(hidden, layer_features, cache)``."""
+    x, cache, taps = _residual_stream(params, config, tokens, positions, cache, mask,
+                                      scratch_mask, attn_impl, features, feature_layers)
+    hidden = _FAMILIES[config.architecture].final_norm(params, config, x)
+    if feature_layers:
+        return hidden, taps, cache
+    return hidden, cache
+
+
+def fuse_features(params, config: ModelConfig, features: jax.Array) -> jax.Array:
+    """The feature [T, d] a feature draft (``config.feature_input``) reads beside each token,
+    from the target's features: its layers' outputs [T, F*d] fused by the draft's
+    ``feature_fc`` when ``config.feature_layers``, else its final-normed states [T, d]."""
+    return _FAMILIES[config.architecture].fuse_features(params, config, features)
 
 
 HEAD_SUBSET = "head_subset"
@@ -338,6 +385,9 @@ def head_subset_params(params: dict, config: ModelConfig, tokens) -> dict:
     rare identifier copied by context lookup) stay finite and can still be scored. A
     draft only proposes; exactness never depends on its distribution.
     """
+    if config.draft_vocab_size:
+        raise InvalidArgumentError("this model's head already scores a reduced vocabulary of "
+                                   f"{config.draft_vocab_size} ids (draft_vocab_size)")
     tokens = np.unique(np.asarray(tokens, np.int64))
     if tokens.size == 0 or tokens[0] < 0 or tokens[-1] >= config.vocab_size:
         raise InvalidArgumentError(
@@ -352,6 +402,11 @@ def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits [T, V] in float32 from hidden states [T, d] (see :func:`head_subset_params`
     for parameter trees with a restricted head)."""
     precision = matmul_precision(hidden)
+    if config.draft_vocab_size:
+        # Probability 0 (logit -inf) outside the reduced vocabulary.
+        full = jnp.full((hidden.shape[0], config.vocab_size), -jnp.inf, jnp.float32)
+        return full.at[:, params["draft_vocab"]].set(draft_logits(params, config, hidden),
+                                                     unique_indices=True)
     if HEAD_SUBSET in params:
         subset = params[HEAD_SUBSET]
         logits = jnp.einsum("td,kd->tk", hidden, subset["weight"].astype(hidden.dtype),
@@ -366,10 +421,18 @@ def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
                       preferred_element_type=jnp.float32, precision=precision)
 
 
+def draft_logits(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Logits [T, K] float32 of a reduced-vocabulary head (``config.draft_vocab_size`` K)
+    over its own K ids (``params["draft_vocab"]`` maps them to the full vocabulary)."""
+    return jnp.einsum("td,kd->tk", hidden, params["draft_head"].astype(hidden.dtype),
+                      preferred_element_type=jnp.float32, precision=matmul_precision(hidden))
+
+
 def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache | None = None, mask: jax.Array | None = None,
             scratch_mask: jax.Array | None = None, *, attn_impl: str = "auto",
-            features: jax.Array | None = None, return_features: bool = False):
+            features: jax.Array | None = None, return_features: bool = False,
+            feature_layers: tuple[int, ...] = ()):
     """Runs the model over T new tokens.
 
     Args:
@@ -387,25 +450,32 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
       features: [T, d] the target's features at the previous positions (feature drafts
         only, ``config.feature_input``).
       return_features: also return the final-normed hidden states [T, d] (static).
+      feature_layers: with ``return_features``, return the outputs of these blocks [T, F*d]
+        instead (static; what a multi-layer feature draft reads).
     Returns:
       (logits float32 [T, V], cache with the new K/V in its scratch slots or ``None``),
       with the hidden states [T, d] between them when ``return_features``.
     """
-    if uses_fused_layers(config, tokens.shape[0], attn_impl) and HEAD_SUBSET not in params:
+    taps_wanted = tuple(feature_layers) if return_features else ()
+    if (uses_fused_layers(config, tokens.shape[0], attn_impl) and HEAD_SUBSET not in params
+            and not config.draft_vocab_size):
         from specjax import kernels
 
-        x, cache = _residual_stream(params, config, tokens, positions, cache, mask,
-                                    scratch_mask, attn_impl, features)
+        x, cache, taps = _residual_stream(params, config, tokens, positions, cache, mask,
+                                          scratch_mask, attn_impl, features, taps_wanted)
         # Final norm and head in one kernel call, row-tiled like the layers.
         tied = config.tie_word_embeddings
         head = params["embed"] if tied else params["lm_head"]
         logits = kernels.fused_linear(x, (head,), norm=params["final_norm"], transposed=tied,
                                       eps=config.norm_eps, float32_out=True, fallback=True)
+        if taps_wanted:
+            return logits, taps, cache
         if return_features:
             return logits, _FAMILIES[config.architecture].final_norm(params, config, x), cache
         return logits, cache
-    hidden, cache = hidden_states(params, config, tokens, positions, cache, mask, scratch_mask,
-                                  attn_impl=attn_impl, features=features)
+    out = hidden_states(params, config, tokens, positions, cache, mask, scratch_mask,
+                        attn_impl=attn_impl, features=features, feature_layers=taps_wanted)
+    hidden, cache = out[0], out[-1]
     if return_features:
-        return lm_head(params, config, hidden), hidden, cache
+        return lm_head(params, config, hidden), out[1] if taps_wanted else hidden, cache
     return lm_head(params, config, hidden), cache

@@ -15,6 +15,11 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
     lm_head     [d, V]   (absent when the head is tied to ``embed``)
     fc          [2d, d]  (feature drafts only, ``config.feature_input``)
     feature_norm [d]     (feature drafts only: RMSNorm scale of the features read)
+    feature_fc  [F*d, d] (multi-layer feature drafts, ``config.feature_layers``: fuses the
+                          F target layers' outputs into the feature ``fc`` reads)
+    draft_head  [K, d]   (``config.draft_vocab_size`` K: a head of its own over K ids...)
+    draft_vocab [K]      (... int32, the full-vocabulary id of each of its rows; such a
+                          model has no ``lm_head``, its ``embed`` is only the input table)
 
 Fused projections (:func:`fuse_layers`, done once after loading, outside any jit): the
 layer's q/k/v matrices concatenated along their output axis into ``w_qkv [L, d,
@@ -92,9 +97,23 @@ def _param_shapes(config: ModelConfig) -> dict:
     if config.feature_input:
         shapes["fc"] = (2 * d, d)
         shapes["feature_norm"] = (d,)
-    if not config.tie_word_embeddings:
+    if config.feature_layers:
+        shapes["feature_fc"] = (len(config.feature_layers) * d, d)
+    if config.draft_vocab_size:
+        shapes["draft_head"] = (config.draft_vocab_size, d)
+        shapes["draft_vocab"] = (config.draft_vocab_size,)
+    elif not config.tie_word_embeddings:
         shapes["lm_head"] = (d, config.vocab_size)
     return shapes
+
+
+def fuse_features(params, config: ModelConfig, features: jax.Array) -> jax.Array:
+    """The feature [T, d] a feature draft's ``fc`` reads, from the target's features
+    [T, F*d] (``config.feature_layers``: the F layers' outputs, fused by ``feature_fc``) or
+    [T, d] (its final-normed hidden states, read as they are)."""
+    if not config.feature_layers:
+        return features
+    return dense(features.astype(params["feature_fc"].dtype), params["feature_fc"])
 
 
 def embed(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,

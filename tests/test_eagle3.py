@@ -1,0 +1,376 @@
+"""EAGLE-3-class drafts: the target's block outputs, the training-time test, the reduced
+vocabulary, exactness of decoding with them, the asset, and training (resumed)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import specjax
+from specjax import api, decode, models
+from specjax.cache import advance, init_cache
+from specjax.checkpoints_tools import eagle3
+from specjax.errors import CheckpointError, InvalidArgumentError
+
+from conftest import random_prompt, tiny_pair
+
+NEW = 20
+LAYERS = (0, 1, 2)
+SHAPES = {
+    "chain": dict(method="spec", draft_depth=3),
+    "dynamic": dict(method="tree", tree_budget=8, draft_depth=3, draft_width=2),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair("llama-gqa", seed=41)
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    return pair[1]
+
+
+def vocabulary(seed: int, size: int = 40, vocab: int = 97) -> np.ndarray:
+    return np.sort(np.random.default_rng(seed).choice(vocab, size, replace=False))
+
+
+def eagle3_params(target, seed: int, vocab=None):
+    """(config, params) of an EAGLE-3 draft with random fusion and input weights (an
+    untrained one reads no feature: ``fc = [I; 0]``)."""
+    vocab = vocabulary(seed) if vocab is None else vocab
+    config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
+                                                     LAYERS)
+    rng = np.random.default_rng(seed)
+    for name, scale in (("fc", 0.3), ("feature_fc", 0.2)):
+        params[name] = (scale * rng.standard_normal(params[name].shape)).astype(np.float32)
+    return config, params
+
+
+def eagle3_draft(target, seed: int, vocab=None) -> specjax.Model:
+    config, params = eagle3_params(target, seed, vocab)
+    return specjax.Model.from_params(config, params, name=f"eagle3-{seed}")
+
+
+def test_the_target_passes_return_its_blocks_outputs(pair):
+    """The block outputs a verify pass returns (after a prefill through the cache, tree
+    mask and all) equal transformers' hidden states of a plain forward over the same
+    sequence at the same positions and blocks; so do the prefill's."""
+    import torch
+
+    hf_model, target = pair
+    sequence = random_prompt(3, 14)
+    with torch.no_grad():
+        out = hf_model(torch.tensor([sequence]), output_hidden_states=True)
+    # hidden_states[i + 1] is the output of block i (the last one is final-normed in HF).
+    expected = np.concatenate([out.hidden_states[i + 1][0].numpy() for i in (0, 1)], axis=-1)
+    layers = (0, 1)
+    prefix = 9
+    cache = init_cache(target.config, 32, jnp.float32)
+    _, taps, cache = models.hidden_states(target.params, target.config,
+                                          jnp.asarray(sequence[:prefix]),
+                                          jnp.arange(prefix, dtype=jnp.int32), cache,
+                                          feature_layers=layers)
+    np.testing.assert_allclose(taps, expected[:prefix], rtol=1e-4, atol=1e-4)
+    cache = advance(cache, prefix)
+    # The rest as a tree: a chain with a sibling branch (node 5) that must not leak in.
+    tokens = sequence[prefix:] + [7]
+    parents = jnp.asarray([-1, 0, 1, 2, 3, 1], jnp.int32)
+    from specjax.tree import ancestor_mask, depths
+
+    mask = ancestor_mask(parents, jnp.ones((6,), jnp.bool_), 5)
+    positions = prefix + depths(parents, 5)
+    for impl in ("reference", "fused"):
+        logits, taps, _ = models.forward(target.params, target.config, jnp.asarray(tokens),
+                                         positions, cache, mask, attn_impl=impl,
+                                         return_features=True, feature_layers=layers)
+        np.testing.assert_allclose(taps[:5], expected[prefix:], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(logits[:5], out.logits[0, prefix:].numpy(), rtol=1e-4,
+                                   atol=1e-4)
+
+
+def test_the_unrolled_passes_read_what_decoding_reads(target):
+    """Pass ``i`` of the training-time test at position ``r + i`` computes exactly what a
+    depth-``i + 1`` chain node computes when decoding: the draft's cache filled with pass 0
+    up to the root ``r``, then each node reading its parent's output, attending to the
+    cache and its drafted ancestors (through the scratch slots)."""
+    config, params = eagle3_params(target, seed=1)
+    params = jax.tree.map(jnp.asarray, params)
+    window = jnp.asarray(random_prompt(5, 12), jnp.int32)
+    _, taps = eagle3.target_pass(target.params, target.config, window[None], LAYERS)
+    taps = taps[0]
+    unroll = 4
+    inputs, outputs = eagle3.unroll_draft(params, config, window, taps, unroll)
+    root = 6
+    cache = init_cache(config, 32, jnp.float32)
+    fused = models.fuse_features(params, config, taps)
+    reads = jnp.concatenate([jnp.zeros_like(fused[:1]), fused[:-1]])
+    hidden, cache = models.hidden_states(params, config, window[:root + 1],
+                                         jnp.arange(root + 1, dtype=jnp.int32), cache,
+                                         features=reads[:root + 1])
+    np.testing.assert_allclose(hidden, outputs[0][:root + 1], rtol=1e-5, atol=1e-5)
+    cache = advance(cache, root + 1)
+    parent = hidden[root:root + 1]
+    for depth in range(1, unroll):
+        position = root + depth
+        scratch = jnp.ones((1, depth - 1), jnp.bool_)  # the drafted ancestors so far
+        _, parent, cache = models.forward(params, config, window[position:position + 1],
+                                          jnp.asarray([position], jnp.int32), cache,
+                                          jnp.ones((1, 1), jnp.bool_), scratch,
+                                          features=parent, return_features=True)
+        np.testing.assert_allclose(parent[0], outputs[depth][position], rtol=1e-4,
+                                   atol=1e-5)
+
+
+def test_deeper_passes_read_the_drafts_own_features(target):
+    """Pass 0 reads the target's fused features one position back; every deeper pass
+    reads the previous pass's outputs, not the target's: perturbing the target's features
+    at one position changes pass 0's inputs at the next position only, and the deeper
+    passes' inputs stay the previous passes' outputs."""
+    config, params = eagle3_params(target, seed=2)
+    params = jax.tree.map(jnp.asarray, params)
+    window = jnp.asarray(random_prompt(6, 10), jnp.int32)
+    taps = eagle3.target_pass(target.params, target.config, window[None], LAYERS)[1][0]
+    runs = []
+    for delta in (0.0, 1.0):
+        changed = taps.at[4].add(delta)
+        runs.append(eagle3.unroll_draft(params, config, window, changed, 3))
+        inputs, outputs = runs[-1]
+        fused = models.fuse_features(params, config, changed)
+        np.testing.assert_array_equal(inputs[0], eagle3.shift(fused))
+        for i in (1, 2):
+            np.testing.assert_array_equal(inputs[i], eagle3.shift(outputs[i - 1]))
+            assert not np.allclose(inputs[i][1:], eagle3.shift(fused)[1:])
+    differs = np.abs(np.asarray(runs[0][0][0] - runs[1][0][0])).max(axis=-1) > 0
+    assert differs.tolist() == [t == 5 for t in range(10)]
+
+
+def test_the_reduced_head_gives_probability_zero_outside_its_vocabulary(target):
+    config, params = eagle3_params(target, seed=3)
+    params = jax.tree.map(jnp.asarray, params)
+    hidden = jax.random.normal(jax.random.PRNGKey(0), (5, config.hidden_size))
+    full = models.lm_head(params, config, hidden)
+    vocab = np.asarray(params["draft_vocab"])
+    np.testing.assert_array_equal(full[:, vocab], models.draft_logits(params, config, hidden))
+    outside = np.setdiff1d(np.arange(config.vocab_size), vocab)
+    assert np.all(np.isneginf(full[:, outside]))
+    # The untrained head is the target's (tied) rows of those ids.
+    np.testing.assert_array_equal(params["draft_head"], target.params["embed"][vocab])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_and_coupled_equal_ar(target, shape, dtype):
+    model = target if dtype == "float32" else specjax.Model.from_params(
+        target.config, target.params, name="bf16", dtype=dtype)
+    config, params = eagle3_params(target, seed=4)
+    draft = specjax.Model.from_params(config, params, name="eagle3", dtype=dtype)
+    assert draft.params["draft_vocab"].dtype == jnp.int32
+    for seed, temperature in ((0, 0.0), (1, 1.0)):
+        prompt = random_prompt(seed, 7 + 5 * seed)
+        expected = specjax.generate(model, prompt, max_new_tokens=NEW,
+                                    temperature=temperature, seed=seed).tokens
+        out = specjax.generate(model, prompt, max_new_tokens=NEW, temperature=temperature,
+                               seed=seed, draft=draft, **SHAPES[shape])
+        assert out.tokens == expected, (shape, temperature)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_staged_greedy_and_coupled_equal_ar(target, dtype):
+    """``staged`` with an EAGLE-3 draft (n-gram tables and context lookup proposing, the
+    draft scoring): greedy and coupled output equal ``ar``'s."""
+    from specjax.checkpoints_tools.ngram_build import build_ngram
+
+    model = target if dtype == "float32" else specjax.Model.from_params(
+        target.config, target.params, name="bf16", dtype=dtype)
+    config, params = eagle3_params(target, seed=8)
+    draft = specjax.Model.from_params(config, params, name="eagle3", dtype=dtype)
+    for seed, temperature in ((0, 0.0), (1, 1.0)):
+        prompt = random_prompt(seed + 30, 10)
+        tables = build_ngram([prompt * 3], target.config.vocab_size, top_k=4,
+                             trigram_top_k=2, trigram_buckets=64, min_context_count=1).tables
+        expected = specjax.generate(model, prompt, max_new_tokens=NEW,
+                                    temperature=temperature, seed=seed).tokens
+        out = specjax.generate(model, prompt, max_new_tokens=NEW, temperature=temperature,
+                               seed=seed, draft=draft, method="staged", ngram=tables)
+        assert out.tokens == expected, temperature
+
+
+def test_the_state_keeps_the_targets_block_outputs(target):
+    """After decoding, ``state.features`` holds at every committed position the target's
+    block outputs there (those of a plain forward over the whole output)."""
+    draft = eagle3_draft(target, seed=5)
+    prompt = random_prompt(8, 9)
+    options = {k: v for k, v in SHAPES["dynamic"].items() if k != "method"}
+    request = api._prepare(target, prompt, method="tree", max_new_tokens=NEW, temperature=0.0,
+                           top_k=0, top_p=1.0, seed=0, draft=draft, ngram=None,
+                           stop_tokens=None, chat=False, attn_impl="auto", options=options)
+    state = decode.run_program(request.args[0], request.loop, *request.args[1:])[0]
+    length = int(state.length) - 1  # the last token is pending: the target has not run it
+    tokens = jnp.asarray(state.tokens[:length])
+    _, taps, _ = models.hidden_states(target.params, target.config, tokens,
+                                      jnp.arange(length, dtype=jnp.int32),
+                                      feature_layers=LAYERS)
+    np.testing.assert_allclose(state.features[:length], taps, rtol=1e-4, atol=1e-4)
+
+
+def test_training_lowers_the_loss(target):
+    """AdamW steps on the target's own text lower the EAGLE-3 loss (the depth-weighted KL
+    to the target, every depth reading the draft's own features below the first) on that
+    text, at every depth, and raise the depth-1 agreement."""
+    vocab = np.arange(target.config.vocab_size)
+    config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
+                                                     LAYERS)
+    trainable, frozen = eagle3.split_eagle3_trainable(jax.tree.map(jnp.asarray, params))
+    optimizer = optax.adamw(1e-3)
+    opt_state = optimizer.init(trainable)
+    loss_cfg = eagle3.Eagle3LossConfig(unroll=3)
+    train_step, eval_step = eagle3.make_eagle3_steps(target.config, config, loss_cfg,
+                                                     optimizer)
+    texts = []
+    for seed in range(8):
+        prompt = random_prompt(seed, 5)
+        texts.append(prompt + specjax.generate(target, prompt, max_new_tokens=28).tokens)
+    batch = jnp.asarray(texts, jnp.int32)
+    before = eval_step(trainable, frozen, target.params, batch)
+    for _ in range(30):
+        trainable, opt_state, loss, _ = train_step(trainable, opt_state, frozen,
+                                                   target.params, batch)
+    after = eval_step(trainable, frozen, target.params, batch)
+    for depth in (1, 2, 3):
+        assert after[f"kl{depth}"] < 0.7 * before[f"kl{depth}"], (depth, before, after)
+    assert after["agreement1"] > before["agreement1"], (before, after)
+    assert np.isfinite(float(loss))
+
+
+def test_an_eagle3_asset_round_trips(target, tmp_path):
+    """``save_draft_asset`` stores the draft's own tensors (float16) and its id map
+    (int32), records the feature layers and vocabulary size, and never the shared
+    embedding; loading it gives the same draft (same map, same head rows), which decodes
+    exactly; a damaged map fails in one line."""
+    from safetensors.numpy import load_file, save_file
+
+    from specjax.checkpoints_tools.sources import load_bundled_draft, save_draft_asset
+
+    config, params = eagle3_params(target, seed=6)
+    asset = save_draft_asset(tmp_path / "a", target.config, params, target.params["embed"],
+                             {"note": "test"}, feature_layers=config.feature_layers)
+    record = json.loads((asset / "draft.json").read_text())
+    assert record["feature_layers"] == list(LAYERS) and record["draft_vocab_size"] == 40
+    tensors = load_file(str(asset / "draft.safetensors"))
+    assert "embed" not in tensors and tensors["draft_vocab"].dtype == np.int32
+    assert tensors["draft_head"].dtype == np.float16
+    draft = load_bundled_draft(target, asset)
+    assert draft.config == config
+    np.testing.assert_array_equal(draft.params["draft_vocab"], params["draft_vocab"])
+    np.testing.assert_array_equal(draft.params["draft_head"],
+                                  params["draft_head"].astype(np.float16).astype(np.float32))
+    prompt = random_prompt(9, 6)
+    assert (specjax.generate(target, prompt, max_new_tokens=12, draft=draft,
+                             **SHAPES["dynamic"]).tokens
+            == specjax.generate(target, prompt, max_new_tokens=12).tokens)
+    tensors["draft_vocab"] = np.full(40, 3, np.int32)
+    save_file(tensors, str(asset / "draft.safetensors"))
+    with pytest.raises(CheckpointError, match="draft_vocab must hold distinct ids"):
+        load_bundled_draft(target, asset)
+
+
+def test_errors_are_one_line(target):
+    with pytest.raises(InvalidArgumentError, match="draft_vocab must be distinct ids"):
+        eagle3.eagle3_draft_from_target(target.config, target.params, [1, 1, 2], LAYERS)
+    with pytest.raises(InvalidArgumentError, match="feature_layers .* out of range"):
+        eagle3.eagle3_draft_from_target(target.config, target.params, [1, 2], (0, 3))
+    with pytest.raises(InvalidArgumentError, match="unroll must be an integer >= 1"):
+        eagle3.Eagle3LossConfig(unroll=0)
+    draft = eagle3_draft(target, seed=7)
+    with pytest.raises(InvalidArgumentError, match="already scores a reduced vocabulary"):
+        draft.with_head_subset([1, 2, 3])
+    short = specjax.Model.from_params(
+        target.config.__class__(**{**target.config.__dict__, "num_layers": 2}),
+        {**target.params, "layers": jax.tree.map(lambda a: a[:2], target.params["layers"])},
+        name="short")
+    with pytest.raises(InvalidArgumentError, match="reads the outputs of target blocks"):
+        specjax.generate(short, [1, 2, 3], max_new_tokens=4, draft=draft, method="spec")
+
+
+def test_default_feature_layers():
+    assert eagle3.default_feature_layers(30) == (1, 14, 26)
+    assert eagle3.default_feature_layers(3) == (1, 0)
+
+
+MODULE = '''"""A module."""
+
+
+def area_{i}(radius):
+    """Area of a circle of the given radius."""
+    return 3.14159 * radius ** 2
+
+
+def scale_{i}(shape, factor):
+    """Scales the shape by factor, returning a new list."""
+    return [x * factor for x in shape]
+'''
+
+
+@pytest.fixture(scope="module")
+def tokenizer_target():
+    from specjax.checkpoints_tools import ngram_build
+
+    from conftest import tiny_target_with_tokenizer
+
+    tokenizer = ngram_build.load_tokenizer("smollm2-135m")[0]
+    return tiny_target_with_tokenizer(tokenizer, 49152, max_positions=512, eos_token_id=2,
+                                      bos_token_id=1)
+
+
+def test_train_draft_stops_at_its_time_budget_resumes_and_exports(tokenizer_target, tmp_path,
+                                                                 monkeypatch):
+    """``train-draft --eagle3`` on the target's own text: a run stopped by its time budget
+    saves and exports at that step; the rerun resumes there and finishes; the log has
+    per-depth held-out agreement on the target's continuations; the draft's vocabulary is
+    the most frequent ids of that text; the asset decodes exactly."""
+    from specjax.checkpoints_tools import sample_corpus, sources, train_draft
+
+    from conftest import write_corpus
+
+    monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
+    target = tokenizer_target
+    files = write_corpus(tmp_path, [MODULE.format(i=i) for i in range(40)])
+    cfg = train_draft.TrainConfig(
+        init_layers=(0,), eagle3=True, feature_layers=(0, 1, 2), draft_vocab=256, unroll=3,
+        steps=6, batch_size=2, seq_len=16, learning_rate=3e-3, warmup_steps=1, eval_every=2,
+        eval_windows=4, checkpoint_every=2, heldout_fraction=0.2, target_corpus_tokens=96,
+        target_gen_len=24, target_batch_size=3, target_corpus_fraction=1.0)
+    out = tmp_path / "run"
+    messages = []
+    first = train_draft.train_draft(target, out, cfg, corpus_files=files,
+                                    log=messages.append, time_budget=1e-3)
+    assert first["steps"] == 1 and first["stopped_by_time_budget"], first
+    assert specjax.load(first["draft"]).config.draft_vocab_size == 256
+    again = train_draft.train_draft(target, out, cfg, corpus_files=files, log=messages.append)
+    assert "resumed from step 1" in messages and again["steps"] == 6
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == [0, 1, 2, 4, 6]
+    assert all(len(e["heldout_target_agreement_depth"]) == 3 for e in log)
+
+    asset = tmp_path / "asset"
+    train_draft.export_latest(target, out, asset)
+    draft = sources.load_bundled_draft(target, directory=asset)
+    assert draft.config.feature_layers == (0, 1, 2) and draft.config.draft_vocab_size == 256
+    with np.load(out / "target_corpus.npz") as corpus:
+        counts = np.bincount(corpus["train"], minlength=target.config.vocab_size)
+    kept = np.asarray(draft.params["draft_vocab"])
+    assert counts[kept].min() >= np.delete(counts, kept).max()  # the most frequent ids
+    ids = [5, 17, 300, 42, 7]
+    expected = specjax.generate(target, ids, max_new_tokens=8).tokens
+    for method in ("spec", "tree"):
+        assert specjax.generate(target, ids, max_new_tokens=8, method=method,
+                                draft=draft).tokens == expected
+    with pytest.raises(InvalidArgumentError, match="head-tokens"):
+        train_draft.export_latest(target, out, tmp_path / "bad", head_tokens=64)
+    with pytest.raises(InvalidArgumentError, match="--init-draft and --add-layers do not"):
+        train_draft.TrainConfig(eagle3=True, feature_draft=True)
