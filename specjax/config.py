@@ -488,8 +488,9 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
     if family in _GEMMA:
         out["hidden_activation"] = "gelu_pytorch_tanh"
-        out["query_pre_attn_scalar"] = (config.head_dim if config.query_scale is None
-                                        else round(config.query_scale ** -2, 6))
+        scalar = (config.head_dim if config.query_scale is None
+                  else round(config.query_scale ** -2, 6))
+        out["query_pre_attn_scalar"] = int(scalar) if scalar == int(scalar) else scalar
         out["attn_logit_softcapping"] = config.attn_softcap
         out["final_logit_softcapping"] = config.final_softcap
     else:

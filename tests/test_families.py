@@ -1,0 +1,186 @@
+"""Qwen3, Gemma 2, Gemma 3 (text) and Phi-3: parity with transformers, every method exact.
+
+Tolerance: logits within 1e-4 of transformers' (fp32, both sides with IEEE float32
+matmuls). What bounds it is float32 rounding of the same operations done in different
+orders (our blocked online softmax, fused score scaling; logits here span ~10 units, so
+1e-4 is ~1e-5 relative); a missing feature moves them by > 1e-2 (checked below).
+"""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import specjax
+from specjax import models
+from specjax.config import from_hf_config
+from specjax.errors import CheckpointError, InvalidArgumentError
+
+from conftest import hf_greedy, random_prompt
+from helpers_families import VARIANTS, hf_config, tiny_family_model
+
+NEW = 28  # new tokens per generation: past every variant's window
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """variant -> (transformers model, specjax Model loaded from its saved HF directory;
+    one variant saved in shards)."""
+    out = {}
+    for i, variant in enumerate(VARIANTS):
+        hf_model = tiny_family_model(variant, seed=i)
+        path = tmp_path_factory.mktemp(variant)
+        kwargs = {"max_shard_size": "60KB"} if variant == "phi3" else {}
+        hf_model.save_pretrained(path, **kwargs)
+        out[variant] = hf_model, specjax.load(path)
+    return out
+
+
+def _hf_logits(hf_model, tokens):
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def _logits(model, tokens, config=None):
+    logits, _ = models.forward(model.params, config or model.config, jnp.asarray(tokens),
+                               jnp.arange(len(tokens)))
+    return np.asarray(logits)
+
+
+def test_the_sharded_directory_is_sharded(pairs, tmp_path):
+    hf_model, _ = pairs["phi3"]
+    hf_model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(pairs, variant):
+    hf_model, model = pairs[variant]
+    assert model.config.family == hf_model.config.model_type
+    tokens = random_prompt(7, 20)
+    np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf_model, tokens),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_generation_equals_transformers_generate(pairs, variant):
+    hf_model, model = pairs[variant]
+    for seed in (0, 1):
+        prompt = random_prompt(seed, 6 + 7 * seed)
+        assert specjax.generate(model, prompt, max_new_tokens=NEW).tokens == \
+            hf_greedy(hf_model, prompt, NEW), (variant, seed)
+
+
+# A deliberately wrong variant of each feature: the parity test above would catch it.
+WRONG = [
+    ("gemma2", "attn_softcap", None), ("gemma2", "final_softcap", None),
+    ("gemma2", "layer_windows", ()), ("gemma2", "query_scale", None),
+    ("gemma2", "norm_plus_one", False), ("gemma2", "embed_scale", False),
+    ("gemma2", "sandwich_norms", False), ("gemma2", "hidden_act", "silu"),
+    ("gemma3", "local_rope_theta", None), ("gemma3", "layer_windows", (4, 4, 4, 4, 4, 0)),
+    ("qwen3-untied-sliding", "layer_windows", ()), ("phi3", "layer_windows", (7,) * 3),
+]
+
+
+@pytest.mark.parametrize("variant,field,value", WRONG)
+def test_a_missing_or_wrong_feature_fails_parity(pairs, variant, field, value):
+    hf_model, model = pairs[variant]
+    tokens = random_prompt(7, 20)
+    wrong = dataclasses.replace(model.config, **{field: value})
+    params = model.params
+    if field == "sandwich_norms":
+        params = {**params, "layers": {k: v for k, v in params["layers"].items()
+                                       if not k.startswith("post_")}}
+    assert np.abs(_logits(model, tokens, wrong) - _hf_logits(hf_model, tokens)).max() > 1e-2
+
+
+def test_dropping_the_q_k_norms_fails_parity(pairs):
+    hf_model, model = pairs["qwen3-tied"]
+    tokens = random_prompt(7, 20)
+    wrong = dataclasses.replace(model.config, qk_norm=False)
+    params = {**model.params, "layers": {k: v for k, v in model.params["layers"].items()
+                                         if k not in ("q_norm", "k_norm")}}
+    logits, _ = models.forward(params, wrong, jnp.asarray(tokens), jnp.arange(20))
+    assert np.abs(np.asarray(logits) - _hf_logits(hf_model, tokens)).max() > 1e-2
+
+
+def test_configs_read_the_features(pairs):
+    config = pairs["gemma2"][1].config
+    assert (config.attn_softcap, config.final_softcap) == (3.0, 6.0)
+    assert config.layer_windows == (5, 0, 5, 0) and config.head_dim == 256
+    assert config.query_scale == pytest.approx(224 ** -0.5)
+    gemma3 = pairs["gemma3"][1].config
+    assert gemma3.layer_windows == (5, 5, 5, 5, 5, 0)
+    assert (gemma3.rope_theta, gemma3.local_rope_theta) == (10000.0, 100.0)
+    assert gemma3.attn_softcap is None and gemma3.qk_norm
+    assert pairs["qwen3-untied-sliding"][1].config.layer_windows == (0, 6, 6)
+    assert pairs["phi3"][1].config.layer_windows == (6, 6, 6)
+    assert pairs["phi3-global"][1].config.layer_windows == ()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_configs_round_trip_through_transformers(pairs, variant):
+    config = pairs[variant][1].config
+    config_class, _ = VARIANTS[variant]
+    assert from_hf_config(config_class(**config.to_hf_config()).to_dict()) == config
+
+
+def test_the_multimodal_gemma3_config_reads_its_text_tower():
+    import transformers
+
+    text = hf_config("gemma3").to_dict()
+    nested = transformers.Gemma3Config(text_config=text).to_dict()
+    assert nested["model_type"] == "gemma3"
+    assert from_hf_config(nested) == from_hf_config(text)
+
+
+def test_the_multimodal_gemma3_checkpoint_names_load(pairs):
+    from specjax.checkpoints_tools.keymap import hf_tensors_from_params, params_from_hf_tensors
+
+    model = pairs["gemma3"][1]
+    tensors = hf_tensors_from_params(model.config, model.params)
+    renamed = {name.replace("model.", "model.language_model.", 1): value
+               for name, value in tensors.items()}
+    renamed["model.vision_tower.vision_model.post_layernorm.weight"] = np.ones(4, np.float32)
+    params = params_from_hf_tensors(model.config, renamed)
+    np.testing.assert_array_equal(params["layers"]["q_norm"],
+                                  np.asarray(model.params["layers"]["q_norm"]))
+
+
+@pytest.mark.parametrize("kind", ["longrope", "su"])
+def test_phi3_long_rope_is_refused_naming_the_kind(kind):
+    raw = hf_config("phi3").to_dict()
+    raw["rope_parameters"] = None
+    raw["rope_scaling"] = {"type": kind, "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}
+    with pytest.raises(InvalidArgumentError, match=f"unsupported rope scaling type '{kind}'"):
+        from_hf_config(raw)
+
+
+def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
+    from specjax.checkpoints_tools.keymap import hf_tensors_from_params, params_from_hf_tensors
+
+    model = pairs["phi3"][1]
+    tensors = hf_tensors_from_params(model.config, model.params)
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-16]
+    with pytest.raises(CheckpointError, match="qkv_proj.weight"):
+        params_from_hf_tensors(model.config, tensors)
+    del tensors[name]
+    with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
+        params_from_hf_tensors(model.config, tensors)
+
+
+def test_the_exported_directory_loads_in_transformers(pairs, tmp_path):
+    import transformers
+    from specjax.checkpoints_tools.hf import save_hf_directory
+
+    hf_model, model = pairs["gemma2"]
+    save_hf_directory(model.config, model.params, tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = random_prompt(7, 20)
+    np.testing.assert_allclose(_hf_logits(again, tokens), _hf_logits(hf_model, tokens),
+                               atol=1e-5, rtol=0)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma2"
