@@ -220,3 +220,36 @@ def test_every_method_equals_ar(pairs, tables, variant, method):
             assert out.tokens == expected, (variant, method, sampling, seed)
             if not sampling and method != "ngram":
                 assert out.stats["mean_accepted"] > 1.5, out.stats["mean_accepted"]
+
+
+def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
+    """Soft-capping and sliding windows are not in the Pallas attention kernels: ``auto``
+    runs the jnp attention and says so in the stats; ``kernel`` refuses in one line."""
+    prompt = random_prompt(0, 6)
+    gemma = pairs["gemma2"][1]
+    stats = specjax.generate(gemma, prompt, max_new_tokens=4).stats
+    assert stats["attention_fallback"] == (
+        "jnp attention: the Pallas attention kernels take no soft-capping or sliding windows")
+    assert "attention_fallback" not in specjax.generate(
+        pairs["qwen3-tied"][1], prompt, max_new_tokens=4).stats
+    with pytest.raises(InvalidArgumentError, match="take no soft-capping") as info:
+        specjax.generate(gemma, prompt, max_new_tokens=4, attn_impl="kernel")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("variant,feature", [("gemma2", "soft-capping"),
+                                              ("qwen3-tied", "q/k norms")])
+def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
+    with pytest.raises(InvalidArgumentError, match=f"attn_impl='fused'.*{feature}") as info:
+        specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2, attn_impl="fused")
+    assert "\n" not in str(info.value)
+
+
+def test_phi3_runs_the_fused_layers_exactly(pairs):
+    """Phi-3 without a window is Llama once its fused tensors are split: the fused
+    (kernel, interpreted here) layers give ``ar``'s greedy tokens."""
+    model = pairs["phi3-global"][1]
+    assert models.has_fused_layers(model.config)
+    prompt = random_prompt(0, 6)
+    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
+    assert specjax.generate(model, prompt, max_new_tokens=8, attn_impl="fused").tokens == expected
