@@ -71,3 +71,96 @@ def tiny_family_model(variant: str, seed: int = 0, **overrides):
             else:
                 param.copy_(0.25 * noise)
     return model
+
+
+# llama.cpp's tensor names for these families (HF module -> GGUF name), as its
+# convert_hf_to_gguf.py writes them; "{i}" is the block.
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
+}
+_GEMMA_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm",
+                      "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"}
+GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+
+
+def family_gguf_name(hf_name: str, arch: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    names = dict(_GGUF_LAYER_NAMES, post_attention_layernorm="ffn_norm")
+    if arch.startswith("gemma"):
+        names.update(_GEMMA_LAYER_NAMES)
+    return f"blk.{layer}.{names[module]}.{kind}"
+
+
+def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = True):
+    """Writes a tiny Qwen3 / Gemma 2 / Gemma 3 / Phi-3 transformers model as llama.cpp's
+    converter would: its names and metadata keys, Gemma's norms stored plus one
+    (``norm_shift``), no Q/K permutation; the byte-level tiny vocabulary of
+    :func:`helpers_checkpoints.tiny_vocabulary` (the model's vocab_size must match)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+    from helpers_checkpoints import tiny_vocabulary
+
+    cfg = model.config
+    arch = GGUF_ARCH[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    if arch == "gemma3":
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    else:
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if getattr(cfg, "sliding_window", None) and arch != "qwen3":
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch.startswith("gemma"):
+        if getattr(cfg, "attn_logit_softcapping", None):
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if getattr(cfg, "final_logit_softcapping", None):
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    tokens, types, merges = tiny_vocabulary()
+    assert len(tokens) == cfg.vocab_size, (len(tokens), cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    for name, tensor in model.state_dict().items():
+        target = family_gguf_name(name, arch)
+        if target == "output.weight" and cfg.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy()
+        if norm_shift and arch.startswith("gemma") and target.endswith("norm.weight"):
+            array = array + np.float32(1.0)
+        if array.ndim == 2 and quant != "F32":
+            writer.add_tensor(target, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(target, array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -253,3 +253,41 @@ def test_phi3_runs_the_fused_layers_exactly(pairs):
     prompt = random_prompt(0, 6)
     expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
     assert specjax.generate(model, prompt, max_new_tokens=8, attn_impl="fused").tokens == expected
+
+
+GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_window=False),
+                 # llama.cpp keeps no query_pre_attn_scalar: it is head_dim (27B aside)
+                 "gemma2": dict(query_pre_attn_scalar=256), "gemma3": {}, "phi3": {}}
+
+
+def _gguf_pair(variant, path, **kwargs):
+    from helpers_checkpoints import tiny_vocabulary
+    from helpers_families import write_family_gguf
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    hf_model = tiny_family_model(variant, seed=5, vocab_size=len(tiny_vocabulary()[0]),
+                                 **GGUF_VARIANTS[variant])
+    config, params, tokenizer = load_gguf(write_family_gguf(hf_model, path, **kwargs))
+    return hf_model, specjax.Model.from_params(config, params, tokenizer)
+
+
+@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
+def test_gguf_written_from_the_same_weights_gives_the_same_logits(variant, tmp_path):
+    hf_model, model = _gguf_pair(variant, tmp_path / f"{variant}.gguf")
+    expected_config = from_hf_config(hf_model.config.to_dict())
+    assert dataclasses.replace(model.config, eos_token_ids=(), bos_token_id=None,
+                               max_position_embeddings=expected_config.max_position_embeddings
+                               ) == dataclasses.replace(expected_config, eos_token_ids=(),
+                                                        bos_token_id=None)
+    tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
+    np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf_model, tokens),
+                               atol=1e-4, rtol=0)
+    assert model.tokenizer("the")["input_ids"]  # the GGUF's tokenizer came with it
+
+
+def test_gemma_gguf_norms_without_llama_cpp_s_plus_one_are_caught(tmp_path):
+    """llama.cpp stores Gemma's norm weights plus one; a file without the shift (or a
+    loader that forgot to undo it) moves the logits far past the tolerance."""
+    hf_model, model = _gguf_pair("gemma3", tmp_path / "g.gguf", norm_shift=False)
+    tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
+    assert np.abs(_logits(model, tokens) - _hf_logits(hf_model, tokens)).max() > 1e-2
