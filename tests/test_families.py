@@ -291,3 +291,79 @@ def test_gemma_gguf_norms_without_llama_cpp_s_plus_one_are_caught(tmp_path):
     hf_model, model = _gguf_pair("gemma3", tmp_path / "g.gguf", norm_shift=False)
     tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
     assert np.abs(_logits(model, tokens) - _hf_logits(hf_model, tokens)).max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def padded_target(tmp_path_factory):
+    """A Qwen3 target whose vocabulary is its tokenizer's plus 32 padding rows (the tiny
+    GGUF vocabulary's tokenizer, read back from a GGUF file)."""
+    from helpers_checkpoints import tiny_vocabulary
+
+    _, with_tokenizer = _gguf_pair("qwen3-tied", tmp_path_factory.mktemp("tok") / "t.gguf")
+    used = len(tiny_vocabulary()[0])
+    hf_model = tiny_family_model("qwen3-tied", seed=9, vocab_size=used + 32)
+    config = from_hf_config(hf_model.config.to_dict())
+    from specjax.checkpoints_tools.keymap import params_from_hf_tensors as read
+
+    params = read(config, {k: v.numpy() for k, v in hf_model.state_dict().items()})
+    return specjax.Model.from_params(config, params, with_tokenizer.tokenizer, "qwen3-big"), used
+
+
+def test_a_draft_padded_differently_is_accepted_and_exact(padded_target):
+    """The draft is the target's first layer with 5 padding rows instead of 32, and its own
+    copy of the tokenizer: accepted, given the target's rows, and exact."""
+    import copy
+
+    target, used = padded_target
+    small = target.first_layers(1)
+    params = dict(small.params, embed=small.params["embed"][:used + 5])
+    draft = specjax.Model(dataclasses.replace(small.config, vocab_size=used + 5), params,
+                          copy.deepcopy(target.tokenizer), "qwen3-small")
+    prompt = random_prompt(3, 8, vocab=used)
+    expected = specjax.generate(target, prompt, max_new_tokens=NEW).tokens
+    for method in ("spec", "tree"):
+        out = specjax.generate(target, prompt, max_new_tokens=NEW, method=method, draft=draft)
+        assert out.tokens == expected, method
+        assert out.stats["mean_accepted"] > 1.0  # the padded draft's proposals were taken
+
+
+class _Vocabulary:
+    """A tokenizer stand-in: what the compatibility check reads."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def __len__(self):
+        return len(self.vocab)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda v: {**v, "Ġthe": v["in"], "in": v["Ġthe"]},
+     r"different tokenizers: token '.*' is id \d+ in the draft, \d+ in the target"),
+    (lambda v: {**v, "<extra>": len(v)},
+     r"different tokenizers: 1 tokens are in one only \(the first, '<extra>', in the draft\)"),
+])
+def test_a_real_tokenizer_mismatch_is_refused_in_one_line(padded_target, edit, message):
+    from specjax.model import check_draft_compatible
+
+    target, used = padded_target
+    draft = specjax.Model(dataclasses.replace(target.config, vocab_size=used + 5),
+                          dict(target.params, embed=target.params["embed"][:used + 5]),
+                          _Vocabulary(edit(target.tokenizer.get_vocab())), "other")
+    with pytest.raises(InvalidArgumentError, match=message) as info:
+        check_draft_compatible(target, draft)
+    assert "\n" not in str(info.value)
+
+
+def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
+    from specjax.model import check_draft_compatible
+
+    target, used = padded_target
+    draft = specjax.Model(dataclasses.replace(target.config, vocab_size=used - 1),
+                          dict(target.params, embed=target.params["embed"][:used - 1]),
+                          target.tokenizer, "cut")
+    with pytest.raises(InvalidArgumentError, match="differ by more than padding"):
+        check_draft_compatible(target, draft)
