@@ -367,3 +367,16 @@ def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
                           target.tokenizer, "cut")
     with pytest.raises(InvalidArgumentError, match="differ by more than padding"):
         check_draft_compatible(target, draft)
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "phi3"])
+def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
+    from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
+
+    model = pairs[variant][1]
+    save_orbax(tmp_path / "ckpt", model.config, model.params)
+    config, params, _ = load_orbax(tmp_path / "ckpt")
+    assert config == model.config
+    tokens = random_prompt(7, 20)
+    np.testing.assert_array_equal(_logits(specjax.Model(config, params), tokens),
+                                  _logits(model, tokens))
