@@ -442,7 +442,7 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         for code, value in enumerate(np.asarray(tally.origin_counts).tolist()):
             counts[ORIGIN_NAMES[code]] = int(value)
     stats["tokens_by_origin"] = counts
-    fallback = models.attention_fallback(request.loop.config)
+    fallback = models.attention_fallback(request.loop.config, _platform(state.length))
     if fallback is not None:  # never silent: what ran instead of the attention kernels
         stats["attention_fallback"] = fallback
     return stats

@@ -421,7 +421,8 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     width = int(cfg["hidden_size"])
     layers = int(cfg["num_hidden_layers"])
     gemma = model_type in _GEMMA
-    act = _get(cfg, "hidden_activation", "hidden_act", default="silu")
+    act = _get(cfg, "hidden_activation", "hidden_act",
+               default="gelu_pytorch_tanh" if gemma else "silu")
     if gemma and act in _GELU_TANH:
         act = "gelu_tanh"
     elif gemma or act != "silu":

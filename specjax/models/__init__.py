@@ -138,12 +138,19 @@ def no_fused_layers_reason(config: ModelConfig) -> str:
             f"{family.plain_layers_only(config)}, which the fused kernels do not take")
 
 
-def attention_fallback(config: ModelConfig) -> str | None:
+def attention_fallback(config: ModelConfig, platform: str = "cpu") -> str | None:
     """What the attention of ``config`` needs that the Pallas attention kernels lack, for a
     run's stats: there ``attn_impl="auto"`` runs the jnp attention (on a CPU it always
-    does) and ``"kernel"`` refuses. ``None`` when the kernels take the model."""
+    does) and ``"kernel"`` refuses. On ``platform`` ``"gpu"`` or ``"tpu"`` a head_dim the
+    verify kernel does not take is named too. ``None`` when the kernels take the model."""
     needs = [name for name, on in (("soft-capping", config.attn_softcap is not None),
                                    ("sliding windows", bool(config.layer_windows))) if on]
+    if platform in ("gpu", "tpu"):
+        import importlib  # the kernel module (Pallas) only off the CPU
+
+        kernel = importlib.import_module(f"specjax.kernels.attention_{platform}")
+        if config.head_dim not in kernel.HEAD_DIMS:
+            needs.append(f"head_dim {config.head_dim}")
     if not needs:
         return None
     return f"jnp attention: the Pallas attention kernels take no {' or '.join(needs)}"
