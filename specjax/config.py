@@ -74,9 +74,10 @@ class ModelConfig:
       attn_softcap: attention scores become ``c * tanh(s / c)`` before the mask (Gemma 2).
       final_softcap: logits become ``c * tanh(logits / c)`` (Gemma 2).
       layer_windows: per-layer sliding windows (a query at position p sees keys at
-        positions > p - w; 0 = global attention), one entry per layer, or ``()`` (every
-        layer global). Gemma 2 alternates, Gemma 3 has five sliding layers per global one,
-        Phi-3 slides in every layer.
+        positions > p - w; 0 = global attention) as a pattern: layer ``i`` has window
+        ``layer_windows[i % len(layer_windows)]``; ``()``: every layer global. Stored as
+        its shortest period: Gemma 2 ``(w, 0)``, Gemma 3 ``(w,) * 5 + (0,)``, Phi-3
+        ``(w,)``.
       local_rope_theta: RoPE base of the sliding-window layers (Gemma 3); those layers use
         no ``rope_scaling``. ``None``: every layer uses ``rope_theta``.
       feature_input: a feature draft (EAGLE-style, llama family only): its blocks read
@@ -137,11 +138,15 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise InvalidArgumentError(
                 f"unknown hidden_act {self.hidden_act!r}; expected one of {HIDDEN_ACTS}")
-        if self.layer_windows and (len(self.layer_windows) != self.num_layers or any(
-                not isinstance(w, int) or w < 0 for w in self.layer_windows)):
+        if any(not isinstance(w, int) or isinstance(w, bool) or w < 0
+               for w in self.layer_windows):
             raise InvalidArgumentError(
-                f"layer_windows must give one window >= 0 per layer ({self.num_layers}), "
-                f"got {self.layer_windows!r}")
+                f"layer_windows must be ints >= 0 (0: a global layer), got "
+                f"{self.layer_windows!r}")
+        # Kept as its shortest period, so that a config with fewer or more layers (a draft
+        # made of the first layers, a grown one) is still described, and equal configs
+        # compare equal however the pattern was written.
+        object.__setattr__(self, "layer_windows", _shortest_period(tuple(self.layer_windows)))
         if self.architecture != "llama" and self.family is not None:
             raise InvalidArgumentError(
                 f"family {self.family!r} is a llama-architecture family, got "
@@ -149,6 +154,12 @@ class ModelConfig:
         if self.feature_input and self.architecture != "llama":
             raise InvalidArgumentError(
                 f"feature_input drafts are llama-family models, got {self.architecture!r}")
+
+    @property
+    def windows_per_layer(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: global), from the ``layer_windows`` pattern."""
+        pattern = self.layer_windows or (0,)
+        return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
 
     @property
     def num_params(self) -> int:
@@ -209,6 +220,17 @@ class ModelConfig:
         if self.rope_scaling is not None:
             out["rope_scaling"] = _rope_scaling_to_hf(self.rope_scaling)
         return out
+
+
+def _shortest_period(pattern: tuple) -> tuple:
+    """The shortest prefix of ``pattern`` whose repetition gives ``pattern``; ``()`` for
+    an all-global one."""
+    if not any(pattern):
+        return ()
+    for period in range(1, len(pattern) + 1):
+        if all(pattern[i] == pattern[i % period] for i in range(len(pattern))):
+            return pattern[:period]
+    return pattern
 
 
 def _flatten(tree):
@@ -498,7 +520,7 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
         out["hidden_act"] = "silu"
     if family == "gemma3_text":
         out["rope_local_base_freq"] = config.local_rope_theta
-    windows = config.layer_windows
+    windows = config.windows_per_layer if config.layer_windows else ()
     if windows:
         out["sliding_window"] = max(windows)
         if family != "phi3":

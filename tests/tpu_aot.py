@@ -254,9 +254,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
                             fused=fused_projections)
     draft = None
     if method in ("spec", "tree", "staged"):
-        draft_config = dataclasses.replace(
-            config, num_layers=2, layer_windows=config.layer_windows[:2])
-        draft = abstract_model(draft_config, "draft-2-layers", fused=fused_projections)
+        draft = abstract_model(dataclasses.replace(config, num_layers=2), "draft-2-layers",
+                               fused=fused_projections)
     options = {} if verify is None else {"verify": verify}
     method = methods.method_options(method, backend=defaults)
     request = api._prepare(target, list(range(1, prompt_tokens + 1)), method=method,

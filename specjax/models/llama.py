@@ -149,7 +149,7 @@ def position_context(config: ModelConfig, positions: jax.Array):
 
 def layer_windows(config: ModelConfig) -> jax.Array:
     """int32 [L]: each layer's sliding window, 0 for a global layer."""
-    return jnp.asarray(config.layer_windows or (0,) * config.num_layers, jnp.int32)
+    return jnp.asarray(config.windows_per_layer, jnp.int32)
 
 
 def layer_context(config: ModelConfig, context, index):
