@@ -409,3 +409,54 @@ def test_the_flax_modules_run_the_families(pairs, api):
     prompt = random_prompt(0, 6)
     assert specjax.generate(rebuilt, prompt, max_new_tokens=8).tokens == \
         specjax.generate(model, prompt, max_new_tokens=8).tokens
+
+
+@pytest.mark.parametrize("feature", [False, True], ids=["token-draft", "feature-draft"])
+def test_train_draft_works_for_a_gemma_target(tmp_path, feature):
+    """``train-draft`` (a few steps) on a Gemma 2 target with the GGUF's tokenizer: the
+    draft keeps the target's family features, decodes exactly, and the token draft's HF
+    export is a Gemma 2 checkpoint that transformers loads with the same logits."""
+    import transformers
+    from conftest import write_corpus
+    from specjax.checkpoints_tools import train_draft
+
+    _, target = _gguf_pair("gemma2", tmp_path / "t.gguf")
+    files = write_corpus(tmp_path, [f"def f_{i}(x):\n    return x * {i} + 1\n" * 8
+                                    for i in range(12)])
+    cfg = train_draft.TrainConfig(
+        init_layers=(0,) if feature else (0, 1), steps=4, batch_size=2, seq_len=16,
+        warmup_steps=1, eval_every=2, eval_windows=2, checkpoint_every=2,
+        heldout_fraction=0.2, feature_draft=feature)
+    summary = train_draft.train_draft(target, tmp_path / "run", cfg, corpus_files=files,
+                                      export_hf=not feature, log=lambda _: None)
+    draft = specjax.load(summary["draft"])
+    assert draft.config.family == "gemma2" and draft.config.feature_input == feature
+    assert draft.config.attn_softcap == target.config.attn_softcap
+    prompt = target.tokenizer("def f_3(x):")["input_ids"]
+    expected = specjax.generate(target, prompt, max_new_tokens=12).tokens
+    assert specjax.generate(target, prompt, max_new_tokens=12, method="tree",
+                            draft=draft).tokens == expected
+    if not feature:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(summary["draft_hf"]).eval()
+        assert hf.config.model_type == "gemma2"
+        np.testing.assert_allclose(_logits(draft, prompt), _hf_logits(hf, prompt),
+                                   atol=1e-4, rtol=0)
+
+
+def test_a_phi3_directory_naming_its_own_code_loads_without_it(pairs, tmp_path):
+    """Phi-3's published config.json still carries an auto_map (code written before
+    transformers had Phi3ForCausalLM): the architecture is phi3's, so it loads; the same
+    auto_map on another model type is refused."""
+    hf_model, _ = pairs["phi3"]
+    hf_model.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["auto_map"] = {"AutoConfig": "configuration_phi3.Phi3Config",
+                       "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    tokens = random_prompt(7, 20)
+    np.testing.assert_allclose(_logits(specjax.load(tmp_path), tokens),
+                               _hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
+    raw["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="needs its own Python code"):
+        specjax.load(tmp_path)
