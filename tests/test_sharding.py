@@ -330,7 +330,7 @@ def test_mesh_and_specs_without_devices():
         sharding.check_mesh(__import__("jax").sharding.Mesh(mesh.devices, ("x", "y")))
     with pytest.raises(InvalidArgumentError, match="'model' must be a positive integer"):
         sharding.make_mesh(model=0)
-    target, _, gpt2 = _models()
+    target, _, gpt2, _ = _models()
     specs = sharding.param_specs(gpt2.config, gpt2.params)
     assert specs["layers"]["w_fc"] == P(None, None, "model")
     assert specs["layers"]["b_fc"] == P(None, "model")
