@@ -4,7 +4,8 @@ A GGUF file carries three things. :func:`read_gguf` parses the file itself, chec
 count, length and offset against the file's size first (see "reading" below); the ``gguf``
 package supplies the type tables and the dequantization:
 
-- metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``) that becomes a
+- metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, and ``qwen3``, ``gemma2``,
+  ``gemma3``, ``phi3``: :data:`FAMILY_ARCHITECTURES`) that becomes a
   :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
@@ -20,6 +21,12 @@ Two layout facts matter (DESIGN.md section 8):
 - llama.cpp's converter permutes the rows of Q and K (weights and biases) of ``llama``
   models so that its RoPE can rotate adjacent pairs; HF models rotate the two halves of a
   head. :func:`unpermute_rope_rows` undoes that. ``qwen2`` files are stored unpermuted.
+
+The families of :data:`FAMILY_ARCHITECTURES` add three more (as llama.cpp's converter
+writes them): none is permuted; Gemma's norm weights are stored plus one (llama.cpp scales
+by ``w``, HF by ``1 + w``), which :func:`params_from_gguf` subtracts (exactly: the stored
+value is the float32 ``1 + w`` that HF computes); Phi-3's fused ``attn_qkv`` and ``ffn_up``
+(gate and up) are split by the key table as for its HF checkpoint.
 """
 
 from __future__ import annotations
@@ -37,11 +44,16 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from specjax.checkpoints_tools import keymap
 from specjax.checkpoints_tools.hf import as_numpy_dtype, check_chat_template, one_line
-from specjax.config import ModelConfig, RopeScaling
+from specjax.config import ModelConfig, RopeScaling, from_hf_config
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
-_ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False}
+_ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
+                  "gemma2": False, "gemma3": False, "phi3": False}
+# GGUF architecture -> the Hugging Face model_type of the families with optional features.
+FAMILY_ARCHITECTURES = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
+                        "phi3": "phi3"}
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 # GGUF tensor name -> HF name; "{i}" is the block index.
 _TENSOR_NAMES = {
@@ -63,13 +75,36 @@ for _gguf, _hf in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_pro
         _TENSOR_NAMES[f"blk.{{i}}.{_gguf}.{_kind}"] = f"model.layers.{{i}}.self_attn.{_hf}.{_kind}"
 
 
+_QK_NORMS = {"blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+             "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"}
+# Gemma's four norms per block: llama.cpp's ffn_norm is the MLP's input norm.
+_GEMMA_NORMS = {
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+# Per architecture: names added to (or replacing) _TENSOR_NAMES.
+_FAMILY_TENSOR_NAMES = {
+    "qwen3": _QK_NORMS,
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": {**_GEMMA_NORMS, **_QK_NORMS},
+    "phi3": {"blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+             "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight"},
+}
+
+
 def _name_patterns(table: dict[str, str]) -> list[tuple[re.Pattern, str]]:
     return [(re.compile("^" + re.escape(src).replace(re.escape("{i}"), r"(\d+)") + "$"), dst)
             for src, dst in table.items()]
 
 
-_TO_HF = _name_patterns(_TENSOR_NAMES)
-_TO_GGUF = _name_patterns({hf: gguf for gguf, hf in _TENSOR_NAMES.items()})
+def _tensor_names(arch: str | None) -> dict[str, str]:
+    return {**_TENSOR_NAMES, **_FAMILY_TENSOR_NAMES.get(arch, {})}
+
+
+_TO_HF = {arch: _name_patterns(_tensor_names(arch)) for arch in (None, *_FAMILY_TENSOR_NAMES)}
+_TO_GGUF = {arch: _name_patterns({hf: gguf for gguf, hf in _tensor_names(arch).items()})
+            for arch in (None, *_FAMILY_TENSOR_NAMES)}
 
 
 def _rename(name: str, patterns) -> str | None:
@@ -80,9 +115,10 @@ def _rename(name: str, patterns) -> str | None:
     return None
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF tensor name of a GGUF tensor name, or ``None`` when it has none."""
-    return _rename(gguf_name, _TO_HF)
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The HF tensor name of a GGUF tensor name (of architecture ``arch``), or ``None``
+    when it has none."""
+    return _rename(gguf_name, _TO_HF.get(arch, _TO_HF[None]))
 
 
 def unpermute_rope_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -404,6 +440,8 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
         raise CheckpointError(
             f"{source}: tensor 'rope_freqs.weight' (per-frequency RoPE scaling, Llama 3.1 "
             "style) is not supported; load the model from its HF directory instead")
+    if arch in FAMILY_ARCHITECTURES:
+        return _family_config(reader, arch, meta, names, source)
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
     if heads == 0:
@@ -449,10 +487,84 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
                               ) from None
 
 
-def _gguf_names_in_message(message: str) -> str:
+def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -> ModelConfig:
+    """The config of a :data:`FAMILY_ARCHITECTURES` file: its metadata as the Hugging Face
+    config keys :func:`specjax.config.from_hf_config` reads, so both formats share one
+    reading of each family's features."""
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in names:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} (Phi-3 longrope scaling) is not supported")
+    hidden, heads, layers = (meta("embedding_length"), meta("attention.head_count"),
+                             meta("block_count"))
+    if heads == 0:
+        raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' is 0")
+    head_dim = meta("attention.key_length", hidden // heads)
+    if meta("rope.dimension_count", head_dim) != head_dim:
+        raise CheckpointError(f"{source}: partial RoPE ({arch}.rope.dimension_count) is not "
+                              f"supported")
+    tokens = _field(reader, "tokenizer.ggml.tokens", source=source, kind=list)
+    eos = [t for t in (_field(reader, f"tokenizer.ggml.{key}", source=source, kind=int)
+                       for key in ("eos_token_id", "eot_token_id")) if t is not None]
+    cfg = {
+        "model_type": FAMILY_ARCHITECTURES[arch],
+        "vocab_size": len(tokens) if tokens is not None else meta("vocab_size"),
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads), "head_dim": head_dim,
+        "intermediate_size": meta("feed_forward_length"),
+        "max_position_embeddings": meta("context_length"),
+        "rms_norm_eps": _float32_value(meta("attention.layer_norm_rms_epsilon", kind=float)),
+        "rope_theta": _float32_value(meta("rope.freq_base", 10000.0, kind=float)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": list(dict.fromkeys(eos)) or None,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", source=source, kind=int),
+    }
+    scaling = meta("rope.scaling.type", "none", kind=str)
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear",
+                               "factor": _float32_value(meta("rope.scaling.factor", kind=float))}
+    elif scaling != "none":
+        raise CheckpointError(f"{source}: RoPE scaling {scaling!r} is not supported")
+    window = meta("attention.sliding_window", 0)
+    if window and arch == "qwen3":  # llama.cpp's qwen3 has no sliding layers
+        raise CheckpointError(f"{source}: a qwen3 GGUF with a sliding window ({window}) is "
+                              f"not supported; load the model from its HF directory")
+    if window:
+        cfg["sliding_window"] = window
+        if arch in _GEMMA_ARCHITECTURES:
+            # llama.cpp's pattern: a period n (layer i slides iff i % n < n - 1; Gemma 2
+            # alternates, Gemma 3 slides five in six) or one flag per layer.
+            pattern = _field(reader, f"{arch}.attention.sliding_window_pattern",
+                             2 if arch == "gemma2" else 6, source=source)
+            sliding = (list(pattern) if isinstance(pattern, list) else
+                       [i % int(pattern) < int(pattern) - 1 for i in range(layers)])
+            cfg["layer_types"] = ["sliding_attention" if s else "full_attention"
+                                  for s in sliding]
+    if arch in _GEMMA_ARCHITECTURES:
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        # llama.cpp's query scale: attention.scale when written, else head_dim ** -0.5,
+        # except the 27B models (46 / 62 blocks) whose scale is (hidden / heads) ** -0.5.
+        scale = meta("attention.scale", 0.0, kind=float)
+        big = layers == (46 if arch == "gemma2" else 62)
+        cfg["query_pre_attn_scalar"] = (scale ** -2 if scale else
+                                        hidden // heads if big else head_dim)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = meta(key, 0.0, kind=float)
+            cfg[key] = _float32_value(value) if value else None
+    if arch == "gemma3":
+        cfg["rope_local_base_freq"] = _float32_value(meta("rope.freq_base_swa", 10000.0,
+                                                          kind=float))
+    try:
+        return from_hf_config(cfg)
+    except InvalidArgumentError as error:
+        raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
+                              ) from None
+
+
+def _gguf_names_in_message(message: str, arch: str | None = None) -> str:
     # keymap names tensors by their HF names; show the GGUF name the user can find too.
     def swap(match):
-        gguf = _rename(match.group(1), _TO_GGUF)
+        gguf = _rename(match.group(1), _TO_GGUF.get(arch, _TO_GGUF[None]))
         return f"'{gguf}' ({match.group(1)})" if gguf else match.group(0)
 
     return re.sub(r"'((?:model\.|lm_head\.)[^']*)'", swap, message)
@@ -493,8 +605,10 @@ def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf"
 
         items = tqdm(items, desc="dequantizing GGUF tensors", unit="tensor", leave=False)
     for tensor in items:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         array = _dequantize(tensor, source)
+        if arch in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
+            array = array - np.float32(1.0)  # stored 1 + w (see the module docstring)
         heads = (config.num_heads if ".self_attn.q_proj." in (name or "") else
                  config.num_kv_heads if ".self_attn.k_proj." in (name or "") else None)
         if name is None:
@@ -506,7 +620,7 @@ def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf"
         return keymap.params_from_hf_tensors(config, tensors, source=source,
                                              dtype=as_numpy_dtype(dtype))
     except CheckpointError as error:
-        raise CheckpointError(_gguf_names_in_message(str(error))) from None
+        raise CheckpointError(_gguf_names_in_message(str(error), arch)) from None
 
 
 # ----------------------------------------------------------------------------- tokenizer

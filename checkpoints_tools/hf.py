@@ -113,6 +113,12 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{file}: invalid model config ({one_line(error)})") from error
 
 
+# Model types whose published checkpoints still name their own code (written before
+# transformers had the class) for an architecture transformers and specjax implement:
+# Microsoft's Phi-3 repositories. Their auto_map is ignored (no code is run either way).
+NATIVE_DESPITE_AUTO_MAP = ("phi3",)
+
+
 def refuse_custom_code(raw: dict, file: Path) -> None:
     """Raises when a ``config.json`` asks for the model's own Python code (``auto_map``).
 
@@ -120,7 +126,7 @@ def refuse_custom_code(raw: dict, file: Path) -> None:
     specjax never runs (and would not match the architectures it implements anyway).
     """
     auto_map = raw.get("auto_map")
-    if not isinstance(auto_map, dict):
+    if not isinstance(auto_map, dict) or raw.get("model_type") in NATIVE_DESPITE_AUTO_MAP:
         return
     classes = {key: value for key, value in auto_map.items()
                if isinstance(key, str) and (key == "AutoConfig" or key.startswith("AutoModel"))}

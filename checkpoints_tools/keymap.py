@@ -80,6 +80,38 @@ def llama_rules(config: ModelConfig) -> list[Rule]:
     return rules
 
 
+def _t_split(leaves: tuple[str, ...], hf_name: str, widths: tuple[int, ...]) -> Rule:
+    """A fused Linear weight ``[sum(widths), in]`` split into ``[in, width]`` leaves."""
+    bounds = np.cumsum(widths)[:-1]
+    return Rule(hf_name, leaves, lambda a: tuple(np.split(a.T, bounds, axis=-1)),
+                lambda *parts: np.concatenate(parts, axis=-1).T)
+
+
+def family_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for the :data:`specjax.config.EXTENDED_FAMILIES` checkpoints: Llama's names
+    with the differences of each family."""
+    p = "model.layers.{i}."
+    rules = [rule for rule in llama_rules(config) if config.family != "phi3" or not (
+        rule.leaves[0] in ("layers/wq", "layers/wk", "layers/wv", "layers/w_gate", "layers/w_up"))]
+    if config.family == "phi3":  # fused q|k|v and gate|up in the checkpoint
+        q_width = config.num_heads * config.head_dim
+        kv_width = config.num_kv_heads * config.head_dim
+        f = config.intermediate_size
+        rules += [_t_split(("layers/wq", "layers/wk", "layers/wv"),
+                           p + "self_attn.qkv_proj.weight", (q_width, kv_width, kv_width)),
+                  _t_split(("layers/w_gate", "layers/w_up"), p + "mlp.gate_up_proj.weight",
+                           (f, f))]
+    if config.qk_norm:
+        rules += [_same("layers/q_norm", p + "self_attn.q_norm.weight"),
+                  _same("layers/k_norm", p + "self_attn.k_norm.weight")]
+    if config.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's
+        rules = [rule for rule in rules if rule.leaves != ("layers/mlp_norm",)]
+        rules += [_same("layers/post_attn_norm", p + "post_attention_layernorm.weight"),
+                  _same("layers/mlp_norm", p + "pre_feedforward_layernorm.weight"),
+                  _same("layers/post_mlp_norm", p + "post_feedforward_layernorm.weight")]
+    return rules
+
+
 def gpt2_rules(config: ModelConfig) -> list[Rule]:
     """Rules for GPT2LMHeadModel checkpoints (HF ``Conv1D`` weights are already [in, out])."""
     p = "h.{i}."
@@ -111,6 +143,8 @@ def gpt2_rules(config: ModelConfig) -> list[Rule]:
 
 
 def rules_for(config: ModelConfig) -> list[Rule]:
+    if config.family is not None:
+        return family_rules(config)
     return llama_rules(config) if config.architecture == "llama" else gpt2_rules(config)
 
 
@@ -121,10 +155,27 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
+# Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration): the text tower under
+# these prefixes (transformers >= 4.52, then older), read as a Gemma3ForCausalLM's names.
+_GEMMA3_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                         "language_model.lm_head.": "lm_head."}
+# ... and the image side, which a text model does not read.
+_GEMMA3_IMAGE_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.",
+                          "vision_tower.", "multi_modal_projector.")
+
+
+def _ignorable_family(name: str, config: ModelConfig) -> bool:
+    return config.family == "gemma3_text" and name.startswith(_GEMMA3_IMAGE_PREFIXES)
+
+
 def _normalise_name(name: str, config: ModelConfig) -> str:
     # GPT-2 checkpoints appear both with and without the "transformer." prefix.
     if config.architecture == "gpt2" and name.startswith("transformer."):
         return name[len("transformer."):]
+    if config.family == "gemma3_text":
+        for prefix, ours in _GEMMA3_TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                return ours + name[len(prefix):]
     return name
 
 
@@ -164,7 +215,7 @@ def params_from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray
     seen: dict[str, str] = {}
     for raw_name, value in tensors.items():
         name = _normalise_name(raw_name, config)
-        if _ignorable(name, config):
+        if _ignorable(name, config) or _ignorable_family(name, config):
             continue
         for pattern, rule in compiled:
             match = pattern.match(name)

@@ -46,16 +46,26 @@ _VERSION_KEY = "specjax_format_version"
 
 def config_to_dict(config: ModelConfig) -> dict[str, Any]:
     """All fields of ``config`` as JSON-ready values (``rope_scaling`` as a nested dict);
-    ``feature_input``, ``feature_layers`` and ``draft_vocab_size`` only when set, so plain
-    models read in versions without them."""
+    ``feature_input``, ``feature_layers``, ``draft_vocab_size`` and the optional family
+    fields only when set, so plain models read in versions without them."""
     out = dataclasses.asdict(config)
     out["eos_token_ids"] = list(config.eos_token_ids)
+    out["layer_windows"] = list(config.layer_windows)
     for name in ("feature_input", "feature_layers", "draft_vocab_size"):
         if not out[name]:
             out.pop(name)
     if "feature_layers" in out:
         out["feature_layers"] = list(config.feature_layers)
+    for field in dataclasses.fields(ModelConfig):
+        if field.name in _FAMILY_FIELDS and getattr(config, field.name) == field.default:
+            out.pop(field.name)
     return out
+
+
+# ModelConfig's optional fields of the families on the llama forward (Qwen3, Gemma, Phi-3).
+_FAMILY_FIELDS = ("family", "qk_norm", "norm_plus_one", "hidden_act", "embed_scale",
+                  "sandwich_norms", "query_scale", "attn_softcap", "final_softcap",
+                  "layer_windows", "local_rope_theta")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig:
@@ -75,6 +85,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig
         values["eos_token_ids"] = tuple(int(t) for t in values.get("eos_token_ids", ()))
         if "feature_layers" in values:
             values["feature_layers"] = tuple(values["feature_layers"])
+        values["layer_windows"] = tuple(values.get("layer_windows", ()))
         return ModelConfig(**values)
     except (TypeError, ValueError) as error:  # InvalidArgumentError is a ValueError
         raise CheckpointError(f"{source}: invalid model config ({one_line(error)})") from error

@@ -158,8 +158,8 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
     if attn_impl == "fused" and not models.has_fused_layers(model.config):
         # Running the default layers instead would drop the bitwise guarantee silently.
         raise InvalidArgumentError(
-            f"attn_impl='fused' needs a Llama-family model (the fused layers); "
-            f"{model.name} is {model.config.architecture}: use 'auto' or 'kernel'")
+            f"attn_impl='fused' needs a Llama-family model (the fused layers); {model.name}: "
+            f"{models.no_fused_layers_reason(model.config)}: use 'auto' or 'kernel'")
     stop = _stop_array(model, stop_tokens)
     _warn_if_slow_dtype(model)
     return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens))
@@ -442,6 +442,9 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         for code, value in enumerate(np.asarray(tally.origin_counts).tolist()):
             counts[ORIGIN_NAMES[code]] = int(value)
     stats["tokens_by_origin"] = counts
+    fallback = models.attention_fallback(request.loop.config, _platform(state.length))
+    if fallback is not None:  # never silent: what ran instead of the attention kernels
+        stats["attention_fallback"] = fallback
     return stats
 
 

@@ -62,6 +62,29 @@ def layer_slice(cache: jax.Array | None, layer) -> jax.Array | None:
     return jax.lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)
 
 
+def _scaled_queries(q: jax.Array, num_kv_heads: int, scale: float | None) -> jax.Array:
+    """q [T, H, D] as float32 [T, K, H/K, D] times the score scale (default D ** -0.5)."""
+    num_tokens, num_heads, head_dim = q.shape
+    qg = q.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    factor = 1.0 / jnp.sqrt(jnp.float32(head_dim)) if scale is None else jnp.float32(scale)
+    return qg.astype(jnp.float32) * factor
+
+
+def _capped(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping), or the scores."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def _committed_visible(slots: jax.Array, length, first_visible) -> jax.Array:
+    """bool [1, S] (or [T, S] with ``first_visible`` [T]): committed slot ``s`` is visible
+    iff ``s < length`` (and ``s >= first_visible[t]``, a sliding window; slot s holds
+    position s)."""
+    visible = (slots < length)[None, :]
+    if first_visible is None:
+        return visible
+    return visible & (slots[None, :] >= first_visible[:, None])
+
+
 def attention_reference(
     q: jax.Array,  # [T, H, D]
     k_new: jax.Array,  # [T, K, D]
@@ -73,25 +96,28 @@ def attention_reference(
     scratch_mask: jax.Array | None = None,  # bool [T, M]
     *,
     layer: jax.Array | int | None = None,  # int32 [], with [L, S, K, D] caches
+    scale: float | None = None,
+    softcap: float | None = None,
+    first_visible: jax.Array | None = None,  # int32 [T]
 ) -> jax.Array:
-    """Pure-jnp attention; returns [T, H, D] in the dtype of ``q``."""
+    """Pure-jnp attention; returns [T, H, D] in the dtype of ``q`` (``scale``,
+    ``softcap``, ``first_visible``: see :func:`attention`)."""
     k_cache, v_cache = layer_slice(k_cache, layer), layer_slice(v_cache, layer)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-    qg = qg * (1.0 / jnp.sqrt(jnp.float32(head_dim)))
+    qg = _scaled_queries(q, num_kv_heads, scale)
     neg = jnp.float32(-1e30)
 
-    s_new = _einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32))
+    s_new = _capped(_einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32)), softcap)
     s_new = jnp.where(mask[None, None], s_new, neg)
     if k_cache is None:
         probs = jax.nn.softmax(s_new, axis=-1)
         out = _einsum("kgtu,ukd->tkgd", probs, v_new.astype(jnp.float32))
     else:
-        s_old = _einsum("tkgd,skd->kgts", qg, k_cache.astype(jnp.float32))
+        s_old = _capped(_einsum("tkgd,skd->kgts", qg, k_cache.astype(jnp.float32)), softcap)
         slots = jnp.arange(k_cache.shape[0])
-        visible = (slots < length)[None, :]  # [1, S]
+        visible = _committed_visible(slots, length, first_visible)  # [1 or T, S]
         if scratch_mask is not None and scratch_mask.shape[1] > 0:
             rel = slots - length
             in_window = (rel >= 0) & (rel < scratch_mask.shape[1])
@@ -117,6 +143,9 @@ def attention_blocked(
     *,
     block: int = 128,
     layer: jax.Array | int | None = None,  # int32 [], with [L, S, K, D] caches
+    scale: float | None = None,
+    softcap: float | None = None,
+    first_visible: jax.Array | None = None,  # int32 [T]
 ) -> jax.Array:
     """Same result as :func:`attention_reference`, reading only the cache slots in use.
 
@@ -126,8 +155,9 @@ def attention_blocked(
     reads nothing. This is the CPU path of ``impl="auto"``. With ``layer``, the caches are
     [L, S, K, D] and each block is sliced straight out of layer ``layer``.
     """
+    extras = dict(scale=scale, softcap=softcap, first_visible=first_visible)
     if k_cache is None:
-        return attention_reference(q, k_new, v_new, None, None, length, mask)
+        return attention_reference(q, k_new, v_new, None, None, length, mask, **extras)
     if layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     num_tokens, num_heads, head_dim = q.shape
@@ -135,8 +165,7 @@ def attention_blocked(
     group = num_heads // num_kv_heads
     block = min(block, capacity)
     window = 0 if scratch_mask is None else scratch_mask.shape[1]
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-    qg = qg * (1.0 / jnp.sqrt(jnp.float32(head_dim)))
+    qg = _scaled_queries(q, num_kv_heads, scale)
     neg = jnp.float32(-1e30)
     length = jnp.asarray(length, jnp.int32)
     used = jnp.minimum(length + window, capacity)
@@ -150,13 +179,13 @@ def attention_blocked(
         corner, size = (layer, start, 0, 0), (1, block, num_kv_heads, head_dim)
         k_blk = jax.lax.dynamic_slice(k_cache, corner, size)[0].astype(jnp.float32)
         v_blk = jax.lax.dynamic_slice(v_cache, corner, size)[0].astype(jnp.float32)
-        visible = ((slots >= first) & (slots < length))[None, :]  # [1, B]
+        visible = _committed_visible(slots, length, first_visible) & (slots >= first)
         if window:
             rel = slots - length
             in_window = (slots >= first) & (rel >= 0) & (rel < window)
             seen = jnp.take(scratch_mask, jnp.clip(rel, 0, window - 1), axis=1)
             visible = visible | (seen & in_window[None, :])  # [T, B]
-        s = _einsum("tkgd,bkd->kgtb", qg, k_blk)
+        s = _capped(_einsum("tkgd,bkd->kgtb", qg, k_blk), softcap)
         s = jnp.where(visible[None, None], s, neg)
         m_new = jnp.maximum(m, s.max(-1))
         scale = jnp.exp(m - m_new)
@@ -170,7 +199,7 @@ def attention_blocked(
     init = (jnp.full(shape, neg), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
     m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     # The new tokens last; every row sees at least itself, so the final l is > 0.
-    s = _einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32))
+    s = _capped(_einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32)), softcap)
     s = jnp.where(mask[None, None], s, neg)
     m_new = jnp.maximum(m, s.max(-1))
     scale = jnp.exp(m - m_new)
@@ -182,7 +211,7 @@ def attention_blocked(
 
 
 def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-              impl: str = "auto", layer=None):
+              impl: str = "auto", layer=None, scale=None, softcap=None, first_visible=None):
     """Dispatches to an attention implementation; see the module docstring for semantics.
 
     Args:
@@ -195,17 +224,35 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
       scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
       impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (static).
       layer: int32 [] index of the layer to read when the caches are [L, S, K, D].
+      scale: static score scale (default ``D ** -0.5``).
+      softcap: static ``c``: scores become ``c * tanh(score / c)`` before the mask.
+      first_visible: int32 [T], a sliding window: query ``t`` sees committed slots
+        ``first_visible[t] <= s < length`` only (``mask`` carries the window among the new
+        tokens; scratch slots are not windowed: they hold tree ancestors, within the tree's
+        depth of the query).
     Returns:
       [T, H, D] attention output.
     """
     if impl not in IMPLEMENTATIONS:
         raise InvalidArgumentError(f"unknown attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
+    extras = dict(scale=scale, softcap=softcap, first_visible=first_visible)
     if impl == "reference":
         return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
-                                   layer=layer)
+                                   layer=layer, **extras)
     if impl == "auto" and jax.default_backend() == "cpu":
         return attention_blocked(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
-                                 layer=layer)
+                                 layer=layer, **extras)
+    if softcap is not None or first_visible is not None:
+        # The Pallas kernels have neither: "auto" runs the jnp reference (the API records
+        # it in the run's stats, specjax.models.attention_fallback), "kernel" refuses.
+        if impl != "auto":
+            raise InvalidArgumentError(
+                f"attn_impl={impl!r}: the attention kernels take no soft-capping or sliding "
+                f"windows; use attn_impl='auto' (jnp attention for these models)")
+        return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
+                                   layer=layer, **extras)
+    if scale is not None:  # the kernels scale by D ** -0.5
+        q = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
     from specjax import kernels, sharding  # imported lazily: Pallas is only needed off the CPU
 
     def kernel(*args, layer):

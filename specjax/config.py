@@ -1,8 +1,9 @@
 """Model configuration: a small, frozen, hashable dataclass that is static under ``jit``.
 
 One :class:`ModelConfig` describes every architecture specjax runs. ``architecture`` picks
-the forward function (``"llama"`` covers Llama 2/3, SmolLM/SmolLM2, Qwen2 and Mistral;
-``"gpt2"`` covers GPT-2). Presets are factory functions; :func:`from_hf_config` reads a
+the forward function (``"llama"`` covers Llama 2/3, SmolLM/SmolLM2, Qwen2, Mistral, and with
+the optional fields below Qwen3, Gemma 2, Gemma 3 (text) and Phi-3; ``"gpt2"`` covers
+GPT-2). Presets are factory functions; :func:`from_hf_config` reads a
 Hugging Face ``config.json`` (a dict or a ``transformers`` config object) and
 :meth:`ModelConfig.to_hf_config` writes one back, so a model can round-trip through an HF
 directory.
@@ -17,6 +18,7 @@ from typing import Any, Mapping
 from specjax.errors import InvalidArgumentError
 
 ARCHITECTURES = ("llama", "gpt2")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,28 @@ class ModelConfig:
       eos_token_ids: token ids that end generation by default.
       bos_token_id: token id prepended by tokenizers that add one (informational).
       sliding_window: attention window (Mistral); generation longer than it is refused.
+      family: the Hugging Face ``model_type`` of a family that needs the optional fields
+        below (``"qwen3"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``), so the config
+        writes the same type back; ``None`` for the others.
+      qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
+      norm_plus_one: RMSNorm scales by ``1 + w`` (Gemma), not ``w``.
+      hidden_act: the MLP's gate activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"``
+        (GeGLU with the tanh approximation, Gemma).
+      embed_scale: embeddings are multiplied by sqrt(hidden_size), rounded to the model
+        dtype first (Gemma).
+      sandwich_norms: RMSNorm also on the attention and MLP outputs before each residual
+        add (Gemma 2/3: four norms per block).
+      query_scale: attention scores scale (Gemma's ``query_pre_attn_scalar ** -0.5``);
+        ``None`` is ``head_dim ** -0.5``.
+      attn_softcap: attention scores become ``c * tanh(s / c)`` before the mask (Gemma 2).
+      final_softcap: logits become ``c * tanh(logits / c)`` (Gemma 2).
+      layer_windows: per-layer sliding windows (a query at position p sees keys at
+        positions > p - w; 0 = global attention) as a pattern: layer ``i`` has window
+        ``layer_windows[i % len(layer_windows)]``; ``()``: every layer global. Stored as
+        its shortest period: Gemma 2 ``(w, 0)``, Gemma 3 ``(w,) * 5 + (0,)``, Phi-3
+        ``(w,)``.
+      local_rope_theta: RoPE base of the sliding-window layers (Gemma 3); those layers use
+        no ``rope_scaling``. ``None``: every layer uses ``rope_theta``.
       feature_input: a feature draft (EAGLE-style, llama family only): its blocks read
         ``[embed(token_t); rms_norm(f_{t-1})] @ fc``, where ``f_{t-1}`` is the target's
         final-normed hidden state at the previous position, and its output (after its own
@@ -96,6 +120,17 @@ class ModelConfig:
     feature_input: bool = False
     feature_layers: tuple[int, ...] = ()
     draft_vocab_size: int = 0
+    family: str | None = None
+    qk_norm: bool = False
+    norm_plus_one: bool = False
+    hidden_act: str = "silu"
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -113,6 +148,22 @@ class ModelConfig:
             )
         if self.architecture == "llama" and self.head_dim % 2:
             raise InvalidArgumentError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise InvalidArgumentError(
+                f"unknown hidden_act {self.hidden_act!r}; expected one of {HIDDEN_ACTS}")
+        if any(not isinstance(w, int) or isinstance(w, bool) or w < 0
+               for w in self.layer_windows):
+            raise InvalidArgumentError(
+                f"layer_windows must be ints >= 0 (0: a global layer), got "
+                f"{self.layer_windows!r}")
+        # Kept as its shortest period, so that a config with fewer or more layers (a draft
+        # made of the first layers, a grown one) is still described, and equal configs
+        # compare equal however the pattern was written.
+        object.__setattr__(self, "layer_windows", _shortest_period(tuple(self.layer_windows)))
+        if self.architecture != "llama" and self.family is not None:
+            raise InvalidArgumentError(
+                f"family {self.family!r} is a llama-architecture family, got "
+                f"{self.architecture!r}")
         if self.feature_input and self.architecture != "llama":
             raise InvalidArgumentError(
                 f"feature_input drafts are llama-family models, got {self.architecture!r}")
@@ -130,6 +181,12 @@ class ModelConfig:
                 or not 0 <= self.draft_vocab_size <= self.vocab_size):
             raise InvalidArgumentError(f"draft_vocab_size must be an int in [0, "
                                        f"{self.vocab_size}], got {self.draft_vocab_size!r}")
+
+    @property
+    def windows_per_layer(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: global), from the ``layer_windows`` pattern."""
+        pattern = self.layer_windows or (0,)
+        return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
 
     @property
     def num_params(self) -> int:
@@ -159,6 +216,8 @@ class ModelConfig:
                 "eos_token_id": self.eos_token_ids[0] if self.eos_token_ids else None,
                 "bos_token_id": self.bos_token_id,
             }
+        if self.family is not None:
+            return _extended_to_hf(self)
         if self.qkv_bias and not self.out_bias:
             model_type, arch = "qwen2", "Qwen2ForCausalLM"
         else:
@@ -186,15 +245,19 @@ class ModelConfig:
             out["attention_bias"] = self.qkv_bias
             out["mlp_bias"] = self.mlp_bias
         if self.rope_scaling is not None:
-            scaling = {"rope_type": self.rope_scaling.kind, "factor": self.rope_scaling.factor}
-            if self.rope_scaling.kind == "llama3":
-                scaling.update(
-                    low_freq_factor=self.rope_scaling.low_freq_factor,
-                    high_freq_factor=self.rope_scaling.high_freq_factor,
-                    original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings,
-                )
-            out["rope_scaling"] = scaling
+            out["rope_scaling"] = _rope_scaling_to_hf(self.rope_scaling)
         return out
+
+
+def _shortest_period(pattern: tuple) -> tuple:
+    """The shortest prefix of ``pattern`` whose repetition gives ``pattern``; ``()`` for
+    an all-global one."""
+    if not any(pattern):
+        return ()
+    for period in range(1, len(pattern) + 1):
+        if all(pattern[i] == pattern[i % period] for i in range(len(pattern))):
+            return pattern[:period]
+    return pattern
 
 
 def _flatten(tree):
@@ -336,6 +399,174 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
             eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
             sliding_window=int(window) if window else None,
         )
+    if model_type == "gemma3":  # the multimodal checkpoints: the text tower's config
+        text = cfg.get("text_config")
+        if not isinstance(text, Mapping):
+            raise InvalidArgumentError("a gemma3 config without a text_config dict")
+        return from_hf_config({"model_type": "gemma3_text", **text})
+    if model_type in EXTENDED_FAMILIES:
+        return _extended_from_hf(model_type, cfg)
     raise InvalidArgumentError(
-        f"unsupported model_type {model_type!r}; specjax supports gpt2 and {', '.join(_LLAMA_FAMILY)}"
+        f"unsupported model_type {model_type!r}; specjax supports gpt2, "
+        f"{', '.join(_LLAMA_FAMILY)}, {', '.join(EXTENDED_FAMILIES)} and gemma3"
     )
+
+
+# Families on the llama forward with the optional fields of ModelConfig.
+EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3")
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
+_GEMMA = ("gemma2", "gemma3_text")
+
+
+def _layer_windows(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> tuple:
+    """Per-layer sliding windows (0 = global) from ``layer_types`` or the older keys."""
+    window = cfg.get("sliding_window")
+    if model_type == "qwen3" and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return ()
+    window = int(window)
+    types = cfg.get("layer_types")
+    if model_type == "phi3":  # one window for every layer
+        sliding = [True] * num_layers
+    elif types is not None:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown or len(types) != num_layers:
+            raise InvalidArgumentError(
+                f"{model_type} layer_types must be {num_layers} of sliding_attention / "
+                f"full_attention, got {types!r}")
+        sliding = [t == "sliding_attention" for t in types]
+    elif model_type == "gemma2":  # even layers slide
+        sliding = [i % 2 == 0 for i in range(num_layers)]
+    elif model_type == "gemma3_text":
+        pattern = int(_get(cfg, "sliding_window_pattern", "_sliding_window_pattern", default=6))
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:
+        sliding = [i >= int(cfg.get("max_window_layers", 0)) for i in range(num_layers)]
+    windows = tuple(window if s else 0 for s in sliding)
+    return windows if any(windows) else ()
+
+
+def _gemma3_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """(global theta, global scaling, local theta) of a Gemma 3 config: nested
+    ``rope_parameters`` per layer type (transformers >= 5) or ``rope_theta`` +
+    ``rope_scaling`` + ``rope_local_base_freq``."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        theta, scaling = _rope_from_hf({"rope_parameters": params["full_attention"]})
+        local, local_scaling = _rope_from_hf(
+            {"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}})
+        if local_scaling is not None:
+            raise InvalidArgumentError(
+                f"gemma3_text: rope scaling on the sliding layers "
+                f"({local_scaling.kind!r}) is not supported")
+        return theta, scaling, local
+    theta, scaling = _rope_from_hf(cfg)
+    return theta, scaling, float(cfg.get("rope_local_base_freq", 10000.0))
+
+
+def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
+    heads = int(cfg["num_attention_heads"])
+    width = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    gemma = model_type in _GEMMA
+    act = _get(cfg, "hidden_activation", "hidden_act",
+               default="gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and act in _GELU_TANH:
+        act = "gelu_tanh"
+    elif gemma or act != "silu":
+        raise InvalidArgumentError(
+            f"unsupported {model_type} activation {act!r}; expected "
+            f"{'gelu_pytorch_tanh' if gemma else 'silu'}")
+    if bool(cfg.get("attention_bias", False)):
+        raise InvalidArgumentError(f"{model_type} with attention_bias is not supported")
+    rope = dict(cfg.get("rope_parameters") or {})
+    partial = float(_get(cfg, "partial_rotary_factor",
+                         default=rope.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise InvalidArgumentError(
+            f"{model_type} partial_rotary_factor {partial} is not supported (RoPE on the "
+            f"whole head only)")
+    local_theta = None
+    if model_type == "gemma3_text":
+        theta, scaling, local_theta = _gemma3_rope(cfg)
+    else:
+        theta, scaling = _rope_from_hf(cfg)
+    head_dim = int(_get(cfg, "head_dim", default=width // heads))
+    query_scale = None
+    if gemma and cfg.get("query_pre_attn_scalar") is not None:
+        query_scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
+        if query_scale == head_dim ** -0.5:
+            query_scale = None
+    softcap = {name: float(cfg[name]) if gemma and cfg.get(name) is not None else None
+               for name in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return ModelConfig(
+        architecture="llama", vocab_size=int(cfg["vocab_size"]), hidden_size=width,
+        num_layers=layers, num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)), head_dim=head_dim,
+        intermediate_size=int(cfg["intermediate_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-6)), rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
+        family=model_type, qk_norm=model_type in ("qwen3", "gemma3_text"),
+        norm_plus_one=gemma, hidden_act=act, embed_scale=gemma, sandwich_norms=gemma,
+        query_scale=query_scale, attn_softcap=softcap["attn_logit_softcapping"],
+        final_softcap=softcap["final_logit_softcapping"],
+        layer_windows=_layer_windows(model_type, cfg, layers), local_rope_theta=local_theta,
+    )
+
+
+def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config of a :data:`EXTENDED_FAMILIES` model (the keys
+    :func:`_extended_from_hf` reads)."""
+    family = config.family
+    arch = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}[family]
+    out: dict[str, Any] = {
+        "model_type": family, "architectures": [arch], "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "intermediate_size": config.intermediate_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": False,
+        "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else
+        (config.eos_token_ids[0] if config.eos_token_ids else None),
+        "bos_token_id": config.bos_token_id,
+    }
+    if family in _GEMMA:
+        out["hidden_activation"] = "gelu_pytorch_tanh"
+        scalar = (config.head_dim if config.query_scale is None
+                  else round(config.query_scale ** -2, 6))
+        out["query_pre_attn_scalar"] = int(scalar) if scalar == int(scalar) else scalar
+        out["attn_logit_softcapping"] = config.attn_softcap
+        out["final_logit_softcapping"] = config.final_softcap
+    else:
+        out["hidden_act"] = "silu"
+    if family == "gemma3_text":
+        out["rope_local_base_freq"] = config.local_rope_theta
+    windows = config.windows_per_layer if config.layer_windows else ()
+    if windows:
+        out["sliding_window"] = max(windows)
+        if family != "phi3":
+            out["layer_types"] = ["sliding_attention" if w else "full_attention"
+                                  for w in windows]
+        if family == "qwen3":
+            out["use_sliding_window"] = True
+    elif family in _GEMMA:
+        # Gemma configs always slide some layers: a window past every position is global.
+        out["sliding_window"] = config.max_position_embeddings
+    if config.rope_scaling is not None:
+        out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
+    return out
+
+
+def _rope_scaling_to_hf(scaling: RopeScaling) -> dict[str, Any]:
+    out = {"rope_type": scaling.kind, "factor": scaling.factor}
+    if scaling.kind == "llama3":
+        out.update(low_freq_factor=scaling.low_freq_factor,
+                   high_freq_factor=scaling.high_freq_factor,
+                   original_max_position_embeddings=scaling.original_max_position_embeddings)
+    return out

@@ -28,7 +28,7 @@ from specjax.checkpoints_tools import sources
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
 from specjax.methods import MethodOptions
-from specjax.model import Model, check_draft_compatible, resolve_dtype
+from specjax.model import Model, check_draft_compatible, pad_draft_vocabulary, resolve_dtype
 
 DRAFT_SUFFIX = "-draft"
 FIRST_LAYERS = "first-layers:"
@@ -178,7 +178,22 @@ def resolve_draft(model: Model, draft=None, *, dtype=None, progress: bool = Fals
         raise InvalidArgumentError(f"draft must be a Model, a name or a path, got "
                                    f"{type(draft).__name__}")
     check_draft_compatible(model, draft)
-    return draft
+    return _with_target_vocabulary(model, draft)
+
+
+# Drafts padded to a target's vocabulary (pad_draft_vocabulary), per draft object: a
+# generate() call would otherwise copy the draft's embedding and head each time.
+_PADDED_DRAFTS: "weakref.WeakKeyDictionary[Model, dict]" = weakref.WeakKeyDictionary()
+
+
+def _with_target_vocabulary(model: Model, draft: Model) -> Model:
+    size = model.config.vocab_size
+    if draft.config.vocab_size == size:
+        return draft
+    entries = _PADDED_DRAFTS.setdefault(draft, {})
+    if size not in entries:
+        entries[size] = pad_draft_vocabulary(draft, size)
+    return entries[size]
 
 
 def _same_layout(model: Model, draft: Model) -> Model:

@@ -105,11 +105,26 @@ class Model:
 
 
 def check_draft_compatible(model: Model, draft: Model) -> None:
-    """Raises :class:`InvalidArgumentError` if ``draft`` cannot draft for ``model``."""
+    """Raises :class:`InvalidArgumentError` if ``draft`` cannot draft for ``model``.
+
+    Vocabulary sizes may differ by padding rows only (models of one family in different
+    sizes, e.g. Qwen2.5-0.5B's 151,936 rows and Qwen2.5-7B's 152,064 over one tokenizer):
+    both tokenizers must be known, equal, and hold no id past the smaller size;
+    :func:`pad_draft_vocabulary` then gives the draft the target's rows.
+    """
     if draft.config.vocab_size != model.config.vocab_size:
-        raise InvalidArgumentError(
-            f"draft {draft.name!r} has vocabulary size {draft.config.vocab_size}, the target "
-            f"{model.name!r} has {model.config.vocab_size}: they must share one tokenizer")
+        sizes = (f"draft {draft.name!r} has vocabulary size {draft.config.vocab_size}, the "
+                 f"target {model.name!r} has {model.config.vocab_size}")
+        if model.tokenizer is None or draft.tokenizer is None:
+            raise InvalidArgumentError(
+                f"{sizes}: without both tokenizers the extra rows cannot be told to be "
+                f"padding; they must share one tokenizer")
+        _check_same_tokenizer(model, draft)
+        used = len(model.tokenizer)
+        if used > min(draft.config.vocab_size, model.config.vocab_size):
+            raise InvalidArgumentError(
+                f"{sizes}, but their tokenizer has {used} tokens: the rows differ by more "
+                f"than padding")
     if draft.config.feature_input and draft.config.hidden_size != model.config.hidden_size:
         raise InvalidArgumentError(
             f"feature draft {draft.name!r} reads features of width {draft.config.hidden_size}, "
@@ -119,10 +134,50 @@ def check_draft_compatible(model: Model, draft: Model) -> None:
         raise InvalidArgumentError(
             f"feature draft {draft.name!r} reads the outputs of target blocks {layers}, the "
             f"target {model.name!r} has {model.config.num_layers}")
-    if (model.tokenizer is not None and draft.tokenizer is not None
-            and model.tokenizer is not draft.tokenizer):  # a shipped draft shares the target's
-        if model.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-            raise InvalidArgumentError(
-                f"draft {draft.name!r} and target {model.name!r} use different tokenizers")
+    if model.tokenizer is not None and draft.tokenizer is not None:
+        _check_same_tokenizer(model, draft)
+
+
+def _check_same_tokenizer(model: Model, draft: Model) -> None:
+    """Raises naming the first difference between the two tokenizers' vocabularies."""
+    if model.tokenizer is draft.tokenizer:  # a shipped draft shares the target's
+        return
+    ours, theirs = model.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if ours == theirs:
+        return
+    prefix = f"draft {draft.name!r} and target {model.name!r} use different tokenizers"
+    moved = sorted((i, t) for t, i in theirs.items() if t in ours and ours[t] != i)
+    if moved:
+        token = moved[0][1]
+        raise InvalidArgumentError(f"{prefix}: token {token!r} is id {theirs[token]} in the "
+                                   f"draft, {ours[token]} in the target")
+    only = sorted(set(theirs) ^ set(ours), key=lambda t: theirs.get(t, ours.get(t)))
+    where = "draft" if only[0] in theirs else "target"
+    raise InvalidArgumentError(f"{prefix}: {len(only)} tokens are in one only (the first, "
+                               f"{only[0]!r}, in the {where})")
+
+
+def pad_draft_vocabulary(draft: Model, vocab_size: int) -> Model:
+    """``draft`` with ``vocab_size`` embedding and head rows: padding rows (zeros) added,
+    or padding rows past ``vocab_size`` dropped (:func:`check_draft_compatible` checked
+    that no token uses them). A padding row's logit is 0; whatever the draft proposes, the
+    target's verification keeps the output exact."""
+    have = draft.config.vocab_size
+    if have == vocab_size:
+        return draft
+
+    def rows(table, axis):
+        if have > vocab_size:
+            return jax.lax.slice_in_dim(table, 0, vocab_size, axis=axis)
+        pad = [(0, 0)] * table.ndim
+        pad[axis] = (0, vocab_size - have)
+        return jnp.pad(table, pad)
+
+    params = dict(draft.params, embed=rows(draft.params["embed"], 0))
+    if "lm_head" in params:
+        params["lm_head"] = rows(params["lm_head"], 1)
+    config = dataclasses.replace(draft.config, vocab_size=vocab_size)
+    return dataclasses.replace(draft, config=config, params=params,
+                               name=f"{draft.name}[vocabulary {have} -> {vocab_size}]")
 
 

@@ -169,7 +169,7 @@ def run_job(job: dict) -> dict:
 
     Job: ``{"kind": "canary"}`` (:func:`canary`), or ``{"target": "h100", "method",
     "verify", "dtype", "attn_impl", "gpu_kernels", "fused_projections", "temperature",
-    "sampling_rules", "defaults"}`` (a whole generation program as ``generate`` builds it
+    "sampling_rules", "defaults", "family"}`` (a whole generation program as ``generate`` builds it
     on a GPU, SmolLM2-135M-shaped, :func:`tpu_aot.build_generation_program`; ``defaults``:
     whose method defaults, ``cpu`` unless given). The record adds ``ok``,
     ``error``, the lower and compile seconds, the kernel custom calls
@@ -198,7 +198,8 @@ def run_job(job: dict) -> dict:
             job["method"], verify=job.get("verify"), dtype=job.get("dtype", "bfloat16"),
             attn_impl=job.get("attn_impl", "kernel"),
             fused_projections=job.get("fused_projections", False),
-            temperature=job.get("temperature", 0.0), defaults=job.get("defaults", "cpu"))
+            temperature=job.get("temperature", 0.0), defaults=job.get("defaults", "cpu"),
+            family=job.get("family"))
         start = time.perf_counter()
         lowered = fn.lower(*tpu_aot._abstract(args, sharding))
         record["lower_s"] = round(time.perf_counter() - start, 3)

@@ -33,6 +33,7 @@ import os
 import pytest
 
 import gpu_aot
+import tpu_aot
 
 COMPILER_PATH, MISSING = gpu_aot.find_compiler()
 REQUIRE_ENV = "SPECJAX_REQUIRE_GPU_COMPILER"
@@ -75,10 +76,26 @@ PROGRAMS = {
 }
 
 
+# The families on the llama forward (small configs with their real features,
+# tpu_aot.FAMILY_HF_CONFIGS), bfloat16: Qwen3 with the attention kernel in every layer;
+# Gemma 2 (head_dim 256, soft-capping, windows), Gemma 3 (5:1 windows, local RoPE) and
+# Phi-3 (head_dim 96, windows) with attn_impl="auto", whose attention is the jnp fallback
+# there (soft-capping and sliding windows are not in the kernels; recorded in the stats).
+FAMILY_PROGRAMS = {
+    "ar-bf16-qwen3-kernel": dict(method="ar", family="qwen3", attn_impl="kernel"),
+    "tree-bf16-qwen3-kernel": dict(method="tree", verify="greedy", family="qwen3",
+                                   attn_impl="kernel"),
+    "ar-bf16-gemma2-auto": dict(method="ar", family="gemma2", attn_impl="auto"),
+    "tree-bf16-gemma3-auto": dict(method="tree", verify="greedy", family="gemma3",
+                                  attn_impl="auto"),
+    "ar-bf16-phi3-auto": dict(method="ar", family="phi3", attn_impl="auto"),
+}
+
+
 @pytest.fixture(scope="module")
 def records():
     jobs = [{"kind": "canary"}] + [dict(target="h100", name=name, **job)
-                                   for name, job in PROGRAMS.items()]
+                                   for name, job in {**PROGRAMS, **FAMILY_PROGRAMS}.items()]
     return {record.get("name", "canary"): record for record in gpu_aot.run_worker(jobs)}
 
 
@@ -116,3 +133,18 @@ def test_program_compiles_for_h100_with_its_kernels_and_no_cache_copy(records, n
         assert layer_loop["ops_per_iteration"] <= LAYER_OPS_AT_MOST[name], step["step_ops_by_kind"]
     else:
         assert layer_loops == [], "the fused layers are unrolled"
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", sorted(FAMILY_PROGRAMS))
+def test_family_program_compiles_for_h100(records, name):
+    record = records[name]
+    assert record["ok"], record.get("error")
+    step = record["step"]
+    assert step["cache_sized_copies_per_step"] == 0, step["largest_copies"]
+    assert "conditional" not in step["step_ops_by_kind"], step["step_ops_by_kind"]
+    if FAMILY_PROGRAMS[name]["attn_impl"] == "kernel":  # the attention kernel per layer
+        layers = tpu_aot.FAMILY_HF_CONFIGS[FAMILY_PROGRAMS[name]["family"]]["num_hidden_layers"]
+        assert step["step_ops_weighted_by_kind"].get(f"custom-call({TRITON})", 0) >= layers
+    else:  # the jnp fallback: no attention kernel
+        assert TRITON not in record["kernels"], record["kernels"]

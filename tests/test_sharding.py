@@ -14,6 +14,8 @@ tokens (batches: each row its own batch-1 tokens). The fast tier (:data:`CASES`)
 * the Pallas kernel (``attn_impl="kernel"``, interpret mode) per shard under ``shard_map``
   on 2x4;
 * a batch of 4 prompts of different lengths on 2x4 (rows over ``data``);
+* ``ar`` on 2x4 for a Gemma-style model (q/k and sandwich norms, soft-capping, a sliding
+  layer and local RoPE; ``tree`` on model=4 in the slow tier);
 * streaming (the Python-driven step) on 2x4; the parameter specs; one-line errors for a
   model whose KV heads do not divide the ``model`` axis, fused projections and a mesh
   that does not fit the devices.
@@ -47,6 +49,8 @@ CASES = [
     ("ar-kernel-dp2-tp4", (2, 4), "ar", "kernel"),
     # A batch of 4 prompts of different lengths: rows split over 'data', heads over 'model'.
     ("batch-ar-dp2-tp4", (2, 4), "batch-ar", "auto"),
+    # The Gemma-style features (q/k and sandwich norms, soft-capping, a sliding layer).
+    ("gemma-ar-dp2-tp4", (2, 4), "gemma-ar", "auto"),
 ]
 # Run by `make test-all` only (a second subprocess, about a minute more).
 SLOW_CASES = [
@@ -56,6 +60,7 @@ SLOW_CASES = [
     ("gpt2-ar-tp4", (1, 4), "gpt2-ar", "auto"),
     ("batch-ar-dp8", (8, 1), "batch-ar", "auto"),
     ("batch-tree-dp4-tp2", (4, 2), "batch-tree", "kernel"),
+    ("gemma-tree-tp4", (1, 4), "gemma-tree", "auto"),
 ]
 TEMPERATURES = (0.0, 1.0)
 METHOD_OPTIONS = {
@@ -89,7 +94,11 @@ def _models():
     draft = tiny(1, num_layers=1, num_heads=8)
     gpt2 = tiny(2, architecture="gpt2", num_heads=8, num_kv_heads=8, num_layers=2,
                 tie_word_embeddings=True)
-    return target, draft, gpt2
+    gemma = tiny(3, family="gemma3_text", qk_norm=True, norm_plus_one=True,
+                 hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
+                 attn_softcap=5.0, final_softcap=8.0, layer_windows=(4, 0),
+                 local_rope_theta=100.0, tie_word_embeddings=True)
+    return target, draft, gpt2, gemma
 
 
 def _run_checks(cases: list) -> dict:
@@ -102,7 +111,7 @@ def _run_checks(cases: list) -> dict:
     from specjax.errors import InvalidArgumentError
 
     assert len(jax.devices()) == DEVICES, jax.devices()
-    target, draft, gpt2 = _models()
+    target, draft, gpt2, gemma = _models()
     prompt = np.random.default_rng(0).integers(0, 97, 7).tolist()
     corpus = [specjax.generate(target, np.random.default_rng(s).integers(0, 97, 5).tolist(),
                                max_new_tokens=24, method="ar").tokens for s in range(4)]
@@ -127,8 +136,8 @@ def _run_checks(cases: list) -> dict:
     references = {}
     for name, (data, model_size), kind, attn_impl in cases:
         start = time.perf_counter()
-        method = kind.removeprefix("gpt2-").removeprefix("batch-")
-        one = gpt2 if kind.startswith("gpt2-") else target
+        method = kind.removeprefix("gpt2-").removeprefix("gemma-").removeprefix("batch-")
+        one = {"gpt2": gpt2, "gemma": gemma}.get(kind.split("-")[0], target)
         mesh = sharding.make_mesh(data=data, model=model_size,
                                   devices=jax.devices()[: data * model_size])
         sharded = sharding.shard_model(one, mesh)
@@ -321,7 +330,7 @@ def test_mesh_and_specs_without_devices():
         sharding.check_mesh(__import__("jax").sharding.Mesh(mesh.devices, ("x", "y")))
     with pytest.raises(InvalidArgumentError, match="'model' must be a positive integer"):
         sharding.make_mesh(model=0)
-    target, _, gpt2 = _models()
+    target, _, gpt2, _ = _models()
     specs = sharding.param_specs(gpt2.config, gpt2.params)
     assert specs["layers"]["w_fc"] == P(None, None, "model")
     assert specs["layers"]["b_fc"] == P(None, "model")

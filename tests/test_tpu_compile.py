@@ -112,6 +112,14 @@ FAST_PROGRAMS = [dict(kind="program", target="v5e:2x2", method="ar")]
 FUSED_KERNEL_JOBS = [dict(kind="fused_kernels", target="v5e:2x2", tokens=tokens)
                      for tokens in (1, 16)]
 FUSED_PROGRAM = dict(kind="program", target="v5e:2x2", method="ar", attn_impl="fused")
+# The families on the llama forward (tpu_aot.FAMILY_HF_CONFIGS), ar in bfloat16: Qwen3
+# with the TPU attention kernel (v5e), Gemma 2 and 3 (head_dim 256) and Phi-3 (head_dim 96)
+# with attn_impl="auto", the jnp fallback for soft-capping and sliding windows (v6e, v5e).
+FAMILY_KERNEL_PROGRAMS = [dict(kind="program", target="v5e:2x2", method="ar", family="qwen3")]
+FAMILY_FALLBACK_PROGRAMS = [
+    dict(kind="program", target="v6e:2x2", method="ar", family="gemma2", attn_impl="auto"),
+    dict(kind="program", target="v5e:2x2", method="ar", family="gemma3", attn_impl="auto"),
+    dict(kind="program", target="v6e:2x2", method="ar", family="phi3", attn_impl="auto")]
 # slow (CI runs it; the two take ~2.5 of its ~4 min): each speculative method and
 # acceptance rule once. benchmarks/tpu_compile_report.py compiles every program for every
 # generation (all compiled, see benchmarks/results/tpu_compile/programs.json).
@@ -139,7 +147,7 @@ SWEEP = _sweep(("v4:2x2x1",), ((1, 0), (128, 128)))
 
 def _key(job: dict) -> str:
     return "-".join(str(job.get(k)) for k in ("kind", "target", "method", "verify",
-                                              "attn_impl", "dtype",
+                                              "attn_impl", "dtype", "family",
                                               "num_heads", "num_kv_heads", "head_dim",
                                               "tokens", "window", "capacity",
                                               "vmem_limit_bytes"))
@@ -153,7 +161,8 @@ def _run(jobs: list[dict]) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def fast_records():
     jobs = (CANARIES + [VMEM_CANARY] + [shape.job(target) for target, shape in FAST_KERNELS]
-            + FAST_PROGRAMS + FUSED_KERNEL_JOBS + [FUSED_PROGRAM])
+            + FAST_PROGRAMS + FUSED_KERNEL_JOBS + [FUSED_PROGRAM] + FAMILY_KERNEL_PROGRAMS
+            + FAMILY_FALLBACK_PROGRAMS)
     return _run(jobs)
 
 
@@ -242,6 +251,21 @@ def test_generation_program_compiles(fast_records, job):
 @pytest.mark.parametrize("job", SLOW_PROGRAMS, ids=_key)
 def test_every_generation_program_compiles(slow_records, job):
     check_program(slow_records[_key(job)])
+
+
+@needs_compiler
+@pytest.mark.parametrize("job", FAMILY_KERNEL_PROGRAMS, ids=_key)
+def test_family_program_compiles_with_the_kernels(fast_records, job):
+    check_program(fast_records[_key(job)])
+
+
+@needs_compiler
+@pytest.mark.parametrize("job", FAMILY_FALLBACK_PROGRAMS, ids=_key)
+def test_family_program_compiles_with_the_attention_fallback(fast_records, job):
+    """Soft-capping and sliding windows: the jnp attention, no attention kernel."""
+    record = fast_records[_key(job)]
+    _compiled(record)
+    assert not any(record["tpu_kernels"].values()), record["tpu_kernels"]
 
 
 @needs_compiler

@@ -171,11 +171,40 @@ def kernel_estimate(job: dict) -> dict:
     return dict(dataclasses.asdict(plan), estimate=plan.estimate)
 
 
+# Small configs of the families on the llama forward with their real features (Hugging
+# Face config keys; the published vocabularies, head shapes and windows, few layers).
+FAMILY_HF_CONFIGS = {
+    # Qwen3-0.6B's heads (16 / 8 of 128) and q/k norms, 4 layers.
+    "qwen3": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024,
+                  intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                  rope_theta=1000000.0, tie_word_embeddings=True),
+    # Gemma-2-2B's heads (8 / 4 of 256), soft-capping, alternating 4096-token windows.
+    "gemma2": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304,
+                   intermediate_size=9216, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                   query_pre_attn_scalar=256, sliding_window=4096,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    # Gemma-3-270M: 4 / 1 heads of 256, q/k norms, five 512-token sliding layers per global
+    # one, local and global RoPE bases.
+    "gemma3": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640,
+                   intermediate_size=2048, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                   query_pre_attn_scalar=256, sliding_window=512, rope_theta=1000000.0,
+                   rope_local_base_freq=10000.0),
+    # Phi-3-mini-4k: 32 heads of 96, a 2047-token window in every layer, untied head.
+    "phi3": dict(model_type="phi3", vocab_size=32064, hidden_size=3072,
+                 intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
+                 num_key_value_heads=32, max_position_embeddings=4096, sliding_window=2047,
+                 tie_word_embeddings=False),
+}
+
+
 def build_generation_program(method: str, *, verify: str | None = None,
                              dtype: str = "bfloat16", prompt_tokens: int = 16,
                              max_new_tokens: int = 64, attn_impl: str = "kernel",
                              fused_projections: bool = False, temperature: float = 0.0,
-                             defaults: str = "cpu"):
+                             defaults: str = "cpu", family: str | None = None):
     """(jitted function, example arguments) of one whole generation, as ``generate`` runs it.
 
     The target has SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads of 64) with
@@ -197,6 +226,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
       defaults: whose method defaults the program takes (``cpu``, ``gpu``, ``tpu``:
         :data:`specjax.methods.options.BACKEND_DEFAULTS`). The abstract weights are on no
         device, so ``generate`` itself would take the CPU's.
+      family: a :data:`FAMILY_HF_CONFIGS` name: that config for the target (and the first
+        two of its layers for the draft) instead of SmolLM2's, without shipped assets.
     Returns:
       (fn, args): ``fn(*args)`` is the program; args hold concrete small arrays and
       ``ShapeDtypeStruct`` parameters (map them to the target with :func:`_abstract`).
@@ -209,6 +240,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
 
     key = jax.random.key(0)
     config = config_lib.smollm2_135m()
+    if family is not None:
+        config = config_lib.from_hf_config(FAMILY_HF_CONFIGS[family])
 
     def abstract_model(cfg, name, assets=None, fused=False):
         def init():
@@ -216,7 +249,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
             return models.fuse_projections(cfg, params) if fused else params
         return Model(config=cfg, params=jax.eval_shape(init), name=name, assets=assets)
 
-    target = abstract_model(config, "smollm2-135m-shaped", assets="smollm2-135m",
+    target = abstract_model(config, family or "smollm2-135m-shaped",
+                            assets=None if family else "smollm2-135m",
                             fused=fused_projections)
     draft = None
     if method in ("spec", "tree", "staged"):
@@ -412,7 +446,8 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
             _compile_kernels_for_tpu()
             fn, args = build_generation_program(job["method"], verify=job.get("verify"),
                                                 dtype=job.get("dtype", "bfloat16"),
-                                                attn_impl=job.get("attn_impl", "kernel"))
+                                                attn_impl=job.get("attn_impl", "kernel"),
+                                                family=job.get("family"))
             start = time.perf_counter()
             lowered = fn.lower(*_abstract(args, sharding))
         elif job["kind"] == "fused_kernels":

@@ -127,7 +127,35 @@ FUSED_MAX_TOKENS = 128
 def has_fused_layers(config: ModelConfig) -> bool:
     """Whether ``config``'s family has the fused-kernel layers of ``attn_impl="fused"``
     (the Llama family; GPT-2 has none)."""
-    return hasattr(_FAMILIES[config.architecture], "block_fused")
+    family = _FAMILIES[config.architecture]
+    return hasattr(family, "block_fused") and family.plain_layers_only(config) is None
+
+
+def no_fused_layers_reason(config: ModelConfig) -> str:
+    """One phrase saying why :func:`has_fused_layers` is false for ``config``."""
+    family = _FAMILIES[config.architecture]
+    if not hasattr(family, "block_fused"):
+        return f"{config.architecture} models have none"
+    return (f"the {config.family or config.architecture} layers have "
+            f"{family.plain_layers_only(config)}, which the fused kernels do not take")
+
+
+def attention_fallback(config: ModelConfig, platform: str = "cpu") -> str | None:
+    """What the attention of ``config`` needs that the Pallas attention kernels lack, for a
+    run's stats: there ``attn_impl="auto"`` runs the jnp attention (on a CPU it always
+    does) and ``"kernel"`` refuses. On ``platform`` ``"gpu"`` or ``"tpu"`` a head_dim the
+    verify kernel does not take is named too. ``None`` when the kernels take the model."""
+    needs = [name for name, on in (("soft-capping", config.attn_softcap is not None),
+                                   ("sliding windows", bool(config.layer_windows))) if on]
+    if platform in ("gpu", "tpu"):
+        import importlib  # the kernel module (Pallas) only off the CPU
+
+        kernel = importlib.import_module(f"specjax.kernels.attention_{platform}")
+        if config.head_dim not in kernel.HEAD_DIMS:
+            needs.append(f"head_dim {config.head_dim}")
+    if not needs:
+        return None
+    return f"jnp attention: the Pallas attention kernels take no {' or '.join(needs)}"
 
 
 def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> bool:
@@ -274,10 +302,19 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
     def attend_at(index):
         # Attention reads layer `index` of the whole [L, S, K, D] cache in place: scanning
         # over the cache instead would copy each layer's [S, K, D] slots every step.
+        layer_mask, extras = mask, {}
+        if hasattr(family, "layer_attention"):  # windows, soft-cap, scale: per layer
+            layer_mask, extras = family.layer_attention(config, positions, mask, index)
+
         def attend(q, k, v):
-            return attention(q, k, v, k_all, v_all, length, mask, scratch_mask, impl=attn_impl,
-                             layer=None if k_all is None else index)
+            return attention(q, k, v, k_all, v_all, length, layer_mask, scratch_mask,
+                             impl=attn_impl, layer=None if k_all is None else index, **extras)
         return attend
+
+    def context_at(index):
+        if hasattr(family, "layer_context"):  # local/global RoPE (Gemma 3)
+            return family.layer_context(config, context, index)
+        return context
 
     if fused:
         from specjax import kernels  # Pallas: imported only when the kernels run
@@ -323,7 +360,7 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
 
         def layer(carry, p):
             x, index, taps = carry
-            x, k, v = family.block(p, config, x, context, attend_at(index))
+            x, k, v = family.block(p, config, x, context_at(index), attend_at(index))
             if num_taps:
                 taps = _tap(taps, x, index, feature_layers)
             return (x, index + 1, taps), jnp.stack([k, v])
@@ -401,6 +438,13 @@ def head_subset_params(params: dict, config: ModelConfig, tokens) -> dict:
 def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits [T, V] in float32 from hidden states [T, d] (see :func:`head_subset_params`
     for parameter trees with a restricted head)."""
+    logits = _head(params, config, hidden)
+    if config.final_softcap is not None:  # Gemma 2: c * tanh(logits / c)
+        logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
+    return logits
+
+
+def _head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     precision = matmul_precision(hidden)
     if config.draft_vocab_size:
         # Probability 0 (logit -inf) outside the reduced vocabulary.

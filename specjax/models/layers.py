@@ -17,10 +17,16 @@ from specjax.attention import matmul_precision
 from specjax.config import ModelConfig
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis: ``weight * x / rms(x)``."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """RMSNorm over the last axis: ``weight * x / rms(x)``.
+
+    ``plus_one`` (Gemma): ``(1 + weight) * x / rms(x)``, the product taken in float32 before
+    the cast back, as Gemma's reference does (Llama's casts first, then scales).
+    """
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
@@ -33,11 +39,13 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:
-    """Per-pair inverse frequencies [D/2], including linear or Llama-3 scaling."""
+def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> jax.Array:
+    """Per-pair inverse frequencies [D/2], including linear or Llama-3 scaling (``local``:
+    the sliding-window layers' base ``config.local_rope_theta``, unscaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    scaling = config.rope_scaling
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
@@ -56,9 +64,12 @@ def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
-def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables [T, D] for position ids [T] (half-split layout, as in HF)."""
-    angles = positions.astype(jnp.float32)[:, None] * rope_inverse_frequencies(config)[None, :]
+def rope_tables(config: ModelConfig, positions: jax.Array,
+                local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables [T, D] for position ids [T] (half-split layout, as in HF;
+    ``local``: see :func:`rope_inverse_frequencies`)."""
+    inv_freq = rope_inverse_frequencies(config, local)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -81,6 +92,11 @@ def write_rope_rows(packed: jax.Array, qkv: jax.Array, layer, cos: jax.Array,
     qkv = jnp.concatenate([apply_rope(qkv[:, :rope_heads], cos, sin), qkv[:, rope_heads:]],
                           axis=1)
     return jax.lax.dynamic_update_index_in_dim(packed, qkv.astype(packed.dtype), layer, 0)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (PyTorch's ``gelu(approximate="tanh")``)."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 def dense(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:

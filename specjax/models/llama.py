@@ -1,5 +1,25 @@
 """Llama family (Llama 2/3, SmolLM/SmolLM2, Qwen2, Mistral): RMSNorm, RoPE, SwiGLU, GQA.
 
+The same block, switched by static fields of :class:`~specjax.config.ModelConfig`, runs the
+families that differ from Llama in a few places (``config.family``):
+
+* Qwen3: RMSNorm on each head of q and k before RoPE (``qk_norm``); no q/k/v bias.
+* Gemma 2: GeGLU (``hidden_act="gelu_tanh"``), RMSNorm by ``1 + w`` (``norm_plus_one``),
+  embeddings times sqrt(d) (``embed_scale``), norms on the attention and MLP outputs too
+  (``sandwich_norms``), soft-capped attention scores and logits (``attn_softcap``,
+  ``final_softcap``), sliding-window layers alternating with global ones
+  (``layer_windows``), scores scaled by ``query_pre_attn_scalar ** -0.5``
+  (``query_scale``).
+* Gemma 3 (text): Gemma 2 without soft-capping, with ``qk_norm``, five sliding layers per
+  global one, and the sliding layers' own RoPE base (``local_rope_theta``).
+* Phi-3: Llama itself once the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` are
+  split at load; its ``sliding_window`` slides every layer.
+
+Per-layer differences stay data, not control flow: the layer loop reads layer ``i``'s
+window from a constant [L] array at the loop index (:func:`layer_attention`), and picks
+the local or global RoPE tables by it (:func:`layer_context`); one compiled layer body
+serves every layer.
+
 Parameter tree (layers stacked on a leading axis L so the blocks run under ``lax.scan``;
 matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
 
@@ -13,6 +33,8 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
     layers/b_gate [L, F]     layers/b_up [L, F]     layers/b_down [L, d]   (mlp_bias)
     final_norm  [d]
     lm_head     [d, V]   (absent when the head is tied to ``embed``)
+    layers/q_norm [L, D]  layers/k_norm [L, D]        (qk_norm)
+    layers/post_attn_norm [L, d]  layers/post_mlp_norm [L, d]   (sandwich_norms)
     fc          [2d, d]  (feature drafts only, ``config.feature_input``)
     feature_norm [d]     (feature drafts only: RMSNorm scale of the features read)
     feature_fc  [F*d, d] (multi-layer feature drafts, ``config.feature_layers``: fuses the
@@ -36,8 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.models.layers import (apply_rope, concat_shapes, dense, fuse_groups, rms_norm,
-                                   rope_tables, unfuse_groups, write_rope_rows)
+from specjax.models.layers import (apply_rope, concat_shapes, dense, fuse_groups, gelu_tanh,
+                                   rms_norm, rope_tables, unfuse_groups, write_rope_rows)
 
 
 # fused name -> the separate parameters it concatenates, in order, along the last axis.
@@ -93,6 +115,10 @@ def _param_shapes(config: ModelConfig) -> dict:
         layers.update(bo=(L, d))
     if config.mlp_bias:
         layers.update(b_gate=(L, f), b_up=(L, f), b_down=(L, d))
+    if config.qk_norm:
+        layers.update(q_norm=(L, config.head_dim), k_norm=(L, config.head_dim))
+    if config.sandwich_norms:
+        layers.update(post_attn_norm=(L, d), post_mlp_norm=(L, d))
     shapes = {"embed": (config.vocab_size, d), "layers": layers, "final_norm": (d,)}
     if config.feature_input:
         shapes["fc"] = (2 * d, d)
@@ -124,6 +150,8 @@ def embed(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
     states are typically an order of magnitude larger than its embeddings)."""
     del positions
     x = jnp.take(params["embed"], tokens, axis=0)
+    if config.embed_scale:  # Gemma: sqrt(d) rounded to the model dtype, then the product
+        x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
     if config.feature_input:
         normed = rms_norm(features.astype(x.dtype), params["feature_norm"], config.norm_eps)
         x = dense(jnp.concatenate([x, normed], axis=-1), params["fc"])
@@ -131,8 +159,63 @@ def embed(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
 
 
 def position_context(config: ModelConfig, positions: jax.Array):
-    """RoPE (cos, sin) tables shared by every block."""
-    return rope_tables(config, positions)
+    """RoPE (cos, sin) tables shared by every block; with ``config.local_rope_theta``, a
+    pair (global tables, sliding layers' tables) that :func:`layer_context` picks from."""
+    if config.local_rope_theta is None:
+        return rope_tables(config, positions)
+    return rope_tables(config, positions), rope_tables(config, positions, local=True)
+
+
+def layer_windows(config: ModelConfig) -> jax.Array:
+    """int32 [L]: each layer's sliding window, 0 for a global layer."""
+    return jnp.asarray(config.windows_per_layer, jnp.int32)
+
+
+def layer_context(config: ModelConfig, context, index):
+    """Layer ``index``'s (cos, sin) from :func:`position_context`'s (``index`` traced)."""
+    if config.local_rope_theta is None:
+        return context
+    sliding = layer_windows(config)[index] > 0
+    (cos, sin), (cos_local, sin_local) = context
+    return jnp.where(sliding, cos_local, cos), jnp.where(sliding, sin_local, sin)
+
+
+def layer_attention(config: ModelConfig, positions: jax.Array, mask: jax.Array, index):
+    """Layer ``index``'s attention mask among the new tokens [T, T] and the keyword
+    arguments of :func:`specjax.attention.attention` (score scale, soft-cap, the sliding
+    window's first visible cache slot per query) for ``config``."""
+    extras = dict(scale=config.query_scale, softcap=config.attn_softcap)
+    if not config.layer_windows:
+        return mask, extras
+    window = layer_windows(config)[index]
+    # Query at position p sees keys at positions p - window < p' <= p; window 0 is global.
+    near = positions[:, None] - positions[None, :] < window
+    mask = mask & ((window == 0) | near)
+    lowest = jnp.iinfo(jnp.int32).min
+    extras["first_visible"] = jnp.where(window > 0, positions - window + 1, lowest)
+    return mask, extras
+
+
+def plain_layers_only(config: ModelConfig) -> str | None:
+    """Why ``config`` has no fused-kernel layers (a feature the row-tiled kernels do not
+    fold in), or ``None``: the fused layers are Llama's exactly."""
+    features = [name for name, on in (
+        ("q/k norms", config.qk_norm), ("(1 + w) norms", config.norm_plus_one),
+        ("GeGLU", config.hidden_act != "silu"), ("scaled embeddings", config.embed_scale),
+        ("post-attention/MLP norms", config.sandwich_norms),
+        ("a query scale", config.query_scale is not None),
+        ("soft-capping", config.attn_softcap is not None or config.final_softcap is not None),
+        ("sliding windows", bool(config.layer_windows)),
+        ("local RoPE", config.local_rope_theta is not None)) if on]
+    return ", ".join(features) or None
+
+
+def _norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return rms_norm(x, weight, config.norm_eps, plus_one=config.norm_plus_one)
+
+
+def _activation(config: ModelConfig):
+    return gelu_tanh if config.hidden_act == "gelu_tanh" else jax.nn.silu
 
 
 def block(p, config: ModelConfig, x: jax.Array, rope, attend):
@@ -141,7 +224,7 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     cos, sin = rope
     t = x.shape[0]
     widths = _group_widths(config)
-    h = rms_norm(x, p["attn_norm"], config.norm_eps)
+    h = _norm(config, x, p["attn_norm"])
     if "w_qkv" in p:
         q, k, v = jnp.split(dense(h, p["w_qkv"], p.get("b_qkv")),
                             np.cumsum(widths["w_qkv"])[:-1], axis=-1)
@@ -151,17 +234,24 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     q = q.reshape(t, config.num_heads, config.head_dim)
     k = k.reshape(t, config.num_kv_heads, config.head_dim)
     v = v.reshape(t, config.num_kv_heads, config.head_dim)
+    if config.qk_norm:
+        q, k = _norm(config, q, p["q_norm"]), _norm(config, k, p["k_norm"])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v).reshape(t, config.num_heads * config.head_dim)
-    x = x + dense(a, p["wo"], p.get("bo"))
-    h = rms_norm(x, p["mlp_norm"], config.norm_eps)
+    out = dense(a, p["wo"], p.get("bo"))
+    if config.sandwich_norms:
+        out = _norm(config, out, p["post_attn_norm"])
+    x = x + out
+    h = _norm(config, x, p["mlp_norm"])
     if "w_gate_up" in p:
         gate, up = jnp.split(dense(h, p["w_gate_up"], p.get("b_gate_up")),
                              np.cumsum(widths["w_gate_up"])[:-1], axis=-1)
     else:
         gate, up = dense(h, p["w_gate"], p.get("b_gate")), dense(h, p["w_up"], p.get("b_up"))
-    x = x + dense(jax.nn.silu(gate) * up, p["w_down"], p.get("b_down"))
-    return x, k, v
+    out = dense(_activation(config)(gate) * up, p["w_down"], p.get("b_down"))
+    if config.sandwich_norms:
+        out = _norm(config, out, p["post_mlp_norm"])
+    return x + out, k, v
 
 
 def _project_qkv(layers: dict, index, config: ModelConfig, x: jax.Array, linear):
@@ -260,4 +350,4 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
 
 
 def final_norm(params, config: ModelConfig, x: jax.Array) -> jax.Array:
-    return rms_norm(x, params["final_norm"], config.norm_eps)
+    return _norm(config, x, params["final_norm"])

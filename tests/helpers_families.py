@@ -1,0 +1,166 @@
+"""Tiny random checkpoints of the families on the llama forward that differ from Llama
+(Qwen3, Gemma 2, Gemma 3 text, Phi-3), made by transformers' own classes.
+
+Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
+24+ new ones), so a window that is ignored, off by one or applied to the wrong layers
+changes the logits. Weights are redrawn with spread-out values (norm scales included) so
+that a missing feature moves the logits by far more than the parity tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 97
+_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None,
+             eos_token_id=None, pad_token_id=None)
+
+# variant -> (transformers config class, kwargs)
+VARIANTS = {
+    # Qwen3: q/k norms, tied head, every layer global.
+    "qwen3-tied": (transformers.Qwen3Config, dict(_BASE, tie_word_embeddings=True)),
+    # Qwen3: untied head; layers from max_window_layers on slide (use_sliding_window).
+    "qwen3-untied-sliding": (transformers.Qwen3Config, dict(
+        _BASE, tie_word_embeddings=False, use_sliding_window=True, sliding_window=6,
+        max_window_layers=1)),
+    # Gemma 2: head_dim 256, soft-capping on, alternating sliding/global, a query scale
+    # other than head_dim ** -0.5.
+    "gemma2": (transformers.Gemma2Config, dict(
+        _BASE, num_attention_heads=2, num_key_value_heads=1, head_dim=256, num_hidden_layers=4,
+        sliding_window=5, query_pre_attn_scalar=224, attn_logit_softcapping=3.0,
+        final_logit_softcapping=6.0)),
+    # Gemma 2 with soft-capping off and an untied head.
+    "gemma2-nocap": (transformers.Gemma2Config, dict(
+        _BASE, sliding_window=4, attn_logit_softcapping=None, final_logit_softcapping=None,
+        tie_word_embeddings=False, query_pre_attn_scalar=16)),
+    # Gemma 3: q/k norms, five sliding layers then a global one, local/global RoPE bases.
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        _BASE, num_hidden_layers=6, hidden_size=32, sliding_window=5, query_pre_attn_scalar=16,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Phi-3: fused qkv_proj and gate_up_proj; sliding window in every layer.
+    "phi3": (transformers.Phi3Config, dict(
+        {k: v for k, v in _BASE.items() if k != "head_dim"}, sliding_window=6,
+        tie_word_embeddings=False)),
+    # Phi-3 without a window (its fused layers then run attn_impl="fused").
+    "phi3-global": (transformers.Phi3Config, dict(
+        {k: v for k, v in _BASE.items() if k != "head_dim"}, tie_word_embeddings=True)),
+}
+
+
+def hf_config(variant: str, **overrides):
+    config_class, kwargs = VARIANTS[variant]
+    return config_class(**{**kwargs, **overrides})
+
+
+def tiny_family_model(variant: str, seed: int = 0, **overrides):
+    """A random transformers causal LM of ``variant``, eval mode, fp32."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config(variant, **overrides)).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    gemma = variant.startswith("gemma")
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.ndim == 1:  # norm scales: near one (Gemma stores scale - 1: near 0)
+                param.copy_((0.0 if gemma else 1.0) + 0.2 * noise)
+            else:
+                param.copy_(0.25 * noise)
+    return model
+
+
+# llama.cpp's tensor names for these families (HF module -> GGUF name), as its
+# convert_hf_to_gguf.py writes them; "{i}" is the block.
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
+}
+_GEMMA_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm",
+                      "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"}
+GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+
+
+def family_gguf_name(hf_name: str, arch: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    names = dict(_GGUF_LAYER_NAMES, post_attention_layernorm="ffn_norm")
+    if arch.startswith("gemma"):
+        names.update(_GEMMA_LAYER_NAMES)
+    return f"blk.{layer}.{names[module]}.{kind}"
+
+
+def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = True):
+    """Writes a tiny Qwen3 / Gemma 2 / Gemma 3 / Phi-3 transformers model as llama.cpp's
+    converter would: its names and metadata keys, Gemma's norms stored plus one
+    (``norm_shift``), no Q/K permutation; the byte-level tiny vocabulary of
+    :func:`helpers_checkpoints.tiny_vocabulary` (the model's vocab_size must match)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+    from helpers_checkpoints import tiny_vocabulary
+
+    cfg = model.config
+    arch = GGUF_ARCH[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    if arch == "gemma3":
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    else:
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if getattr(cfg, "sliding_window", None) and arch != "qwen3":
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch.startswith("gemma"):
+        if getattr(cfg, "attn_logit_softcapping", None):
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if getattr(cfg, "final_logit_softcapping", None):
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    tokens, types, merges = tiny_vocabulary()
+    assert len(tokens) == cfg.vocab_size, (len(tokens), cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    for name, tensor in model.state_dict().items():
+        target = family_gguf_name(name, arch)
+        if target == "output.weight" and cfg.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy()
+        if norm_shift and arch.startswith("gemma") and target.endswith("norm.weight"):
+            array = array + np.float32(1.0)
+        if array.ndim == 2 and quant != "F32":
+            writer.add_tensor(target, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(target, array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

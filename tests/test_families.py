@@ -1,0 +1,462 @@
+"""Qwen3, Gemma 2, Gemma 3 (text) and Phi-3: parity with transformers, every method exact.
+
+Tolerance: logits within 1e-4 of transformers' (fp32, both sides with IEEE float32
+matmuls). What bounds it is float32 rounding of the same operations done in different
+orders (our blocked online softmax, fused score scaling; logits here span ~10 units, so
+1e-4 is ~1e-5 relative); a missing feature moves them by > 1e-2 (checked below).
+"""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import specjax
+from specjax import models
+from specjax.config import from_hf_config
+from specjax.errors import CheckpointError, InvalidArgumentError
+
+from conftest import hf_greedy, random_prompt
+from helpers_families import VARIANTS, hf_config, tiny_family_model
+
+NEW = 28  # new tokens per generation: past every variant's window
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """variant -> (transformers model, specjax Model loaded from its saved HF directory;
+    one variant saved in shards)."""
+    out = {}
+    for i, variant in enumerate(VARIANTS):
+        hf_model = tiny_family_model(variant, seed=i)
+        path = tmp_path_factory.mktemp(variant)
+        kwargs = {"max_shard_size": "60KB"} if variant == "phi3" else {}
+        hf_model.save_pretrained(path, **kwargs)
+        out[variant] = hf_model, specjax.load(path)
+    return out
+
+
+def _hf_logits(hf_model, tokens):
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def _logits(model, tokens, config=None):
+    logits, _ = models.forward(model.params, config or model.config, jnp.asarray(tokens),
+                               jnp.arange(len(tokens)))
+    return np.asarray(logits)
+
+
+def test_the_sharded_directory_is_sharded(pairs, tmp_path):
+    hf_model, _ = pairs["phi3"]
+    hf_model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(pairs, variant):
+    hf_model, model = pairs[variant]
+    assert model.config.family == hf_model.config.model_type
+    tokens = random_prompt(7, 20)
+    np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf_model, tokens),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_generation_equals_transformers_generate(pairs, variant):
+    hf_model, model = pairs[variant]
+    for seed in (0, 1):
+        prompt = random_prompt(seed, 6 + 7 * seed)
+        assert specjax.generate(model, prompt, max_new_tokens=NEW).tokens == \
+            hf_greedy(hf_model, prompt, NEW), (variant, seed)
+
+
+# A deliberately wrong variant of each feature: the parity test above would catch it.
+WRONG = [
+    ("gemma2", "attn_softcap", None), ("gemma2", "final_softcap", None),
+    ("gemma2", "layer_windows", ()), ("gemma2", "query_scale", None),
+    ("gemma2", "norm_plus_one", False), ("gemma2", "embed_scale", False),
+    ("gemma2", "sandwich_norms", False), ("gemma2", "hidden_act", "silu"),
+    ("gemma3", "local_rope_theta", None), ("gemma3", "layer_windows", (4, 4, 4, 4, 4, 0)),
+    ("qwen3-untied-sliding", "layer_windows", ()), ("phi3", "layer_windows", (7,)),
+]
+
+
+@pytest.mark.parametrize("variant,field,value", WRONG)
+def test_a_missing_or_wrong_feature_fails_parity(pairs, variant, field, value):
+    hf_model, model = pairs[variant]
+    tokens = random_prompt(7, 20)
+    wrong = dataclasses.replace(model.config, **{field: value})
+    params = model.params
+    if field == "sandwich_norms":
+        params = {**params, "layers": {k: v for k, v in params["layers"].items()
+                                       if not k.startswith("post_")}}
+    assert np.abs(_logits(model, tokens, wrong) - _hf_logits(hf_model, tokens)).max() > 1e-2
+
+
+def test_dropping_the_q_k_norms_fails_parity(pairs):
+    hf_model, model = pairs["qwen3-tied"]
+    tokens = random_prompt(7, 20)
+    wrong = dataclasses.replace(model.config, qk_norm=False)
+    params = {**model.params, "layers": {k: v for k, v in model.params["layers"].items()
+                                         if k not in ("q_norm", "k_norm")}}
+    logits, _ = models.forward(params, wrong, jnp.asarray(tokens), jnp.arange(20))
+    assert np.abs(np.asarray(logits) - _hf_logits(hf_model, tokens)).max() > 1e-2
+
+
+def test_configs_read_the_features(pairs):
+    config = pairs["gemma2"][1].config
+    assert (config.attn_softcap, config.final_softcap) == (3.0, 6.0)
+    assert config.layer_windows == (5, 0) and config.head_dim == 256
+    assert config.query_scale == pytest.approx(224 ** -0.5)
+    gemma3 = pairs["gemma3"][1].config
+    assert gemma3.layer_windows == (5, 5, 5, 5, 5, 0)
+    assert (gemma3.rope_theta, gemma3.local_rope_theta) == (10000.0, 100.0)
+    assert gemma3.attn_softcap is None and gemma3.qk_norm
+    assert pairs["qwen3-untied-sliding"][1].config.layer_windows == (0, 6, 6)
+    assert pairs["gemma2"][1].config.windows_per_layer == (5, 0, 5, 0)
+    # a draft of the first layers keeps their windows
+    first = pairs["gemma3"][1].first_layers(2)
+    assert first.config.windows_per_layer == (5, 5)
+    assert pairs["phi3"][1].config.layer_windows == (6,)
+    assert pairs["phi3-global"][1].config.layer_windows == ()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_configs_round_trip_through_transformers(pairs, variant):
+    config = pairs[variant][1].config
+    config_class, _ = VARIANTS[variant]
+    assert from_hf_config(config_class(**config.to_hf_config()).to_dict()) == config
+
+
+def test_the_multimodal_gemma3_config_reads_its_text_tower():
+    import transformers
+
+    text = hf_config("gemma3").to_dict()
+    nested = transformers.Gemma3Config(text_config=text).to_dict()
+    assert nested["model_type"] == "gemma3"
+    assert from_hf_config(nested) == from_hf_config(text)
+
+
+def test_the_multimodal_gemma3_checkpoint_names_load(pairs):
+    from specjax.checkpoints_tools.keymap import hf_tensors_from_params, params_from_hf_tensors
+
+    model = pairs["gemma3"][1]
+    tensors = hf_tensors_from_params(model.config, model.params)
+    renamed = {name.replace("model.", "model.language_model.", 1): value
+               for name, value in tensors.items()}
+    renamed["model.vision_tower.vision_model.post_layernorm.weight"] = np.ones(4, np.float32)
+    params = params_from_hf_tensors(model.config, renamed)
+    np.testing.assert_array_equal(params["layers"]["q_norm"],
+                                  np.asarray(model.params["layers"]["q_norm"]))
+
+
+@pytest.mark.parametrize("kind", ["longrope", "su"])
+def test_phi3_long_rope_is_refused_naming_the_kind(kind):
+    raw = hf_config("phi3").to_dict()
+    raw["rope_parameters"] = None
+    raw["rope_scaling"] = {"type": kind, "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}
+    with pytest.raises(InvalidArgumentError, match=f"unsupported rope scaling type '{kind}'"):
+        from_hf_config(raw)
+
+
+def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
+    from specjax.checkpoints_tools.keymap import hf_tensors_from_params, params_from_hf_tensors
+
+    model = pairs["phi3"][1]
+    tensors = hf_tensors_from_params(model.config, model.params)
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-16]
+    with pytest.raises(CheckpointError, match="qkv_proj.weight"):
+        params_from_hf_tensors(model.config, tensors)
+    del tensors[name]
+    with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
+        params_from_hf_tensors(model.config, tensors)
+
+
+def test_the_exported_directory_loads_in_transformers(pairs, tmp_path):
+    import transformers
+    from specjax.checkpoints_tools.hf import save_hf_directory
+
+    hf_model, model = pairs["gemma2"]
+    save_hf_directory(model.config, model.params, tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = random_prompt(7, 20)
+    np.testing.assert_allclose(_hf_logits(again, tokens), _hf_logits(hf_model, tokens),
+                               atol=1e-5, rtol=0)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma2"
+
+
+METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3"]
+
+
+@pytest.fixture(scope="module")
+def tables(pairs):
+    from conftest import fitted_tables
+
+    return {variant: fitted_tables(pairs[variant][1], (0, 1), 32) for variant in METHOD_VARIANTS}
+
+
+@pytest.mark.parametrize("variant", METHOD_VARIANTS)
+@pytest.mark.parametrize("method", ["spec", "tree", "ngram", "staged"])
+def test_every_method_equals_ar(pairs, tables, variant, method):
+    """Greedy and coupled sampling (temperature 1) give ``ar``'s tokens. The target drafts
+    for itself, so most tokens come from deep tree nodes, whose logits the verify pass
+    computes over windows that the committed cache and the tree straddle."""
+    from specjax.methods import METHODS
+
+    model = pairs[variant][1]
+    resources = {}
+    if METHODS[method].uses_draft:
+        resources["draft"] = model
+    if METHODS[method].uses_ngram:
+        resources["ngram"] = tables[variant]
+    for sampling in ({}, dict(temperature=1.0)):
+        for seed in (0, 1):
+            prompt = random_prompt(seed, 6)
+            expected = specjax.generate(model, prompt, max_new_tokens=NEW, seed=seed,
+                                        **sampling).tokens
+            out = specjax.generate(model, prompt, max_new_tokens=NEW, seed=seed,
+                                   method=method, **resources, **sampling)
+            assert out.tokens == expected, (variant, method, sampling, seed)
+            if not sampling and method != "ngram":
+                assert out.stats["mean_accepted"] > 1.5, out.stats["mean_accepted"]
+
+
+def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
+    """Soft-capping and sliding windows are not in the Pallas attention kernels: ``auto``
+    runs the jnp attention and says so in the stats; ``kernel`` refuses in one line."""
+    prompt = random_prompt(0, 6)
+    gemma = pairs["gemma2"][1]
+    stats = specjax.generate(gemma, prompt, max_new_tokens=4).stats
+    assert stats["attention_fallback"] == (
+        "jnp attention: the Pallas attention kernels take no soft-capping or sliding windows")
+    assert "attention_fallback" not in specjax.generate(
+        pairs["qwen3-tied"][1], prompt, max_new_tokens=4).stats
+    with pytest.raises(InvalidArgumentError, match="take no soft-capping") as info:
+        specjax.generate(gemma, prompt, max_new_tokens=4, attn_impl="kernel")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("variant,feature", [("gemma2", "soft-capping"),
+                                              ("qwen3-tied", "q/k norms")])
+def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
+    with pytest.raises(InvalidArgumentError, match=f"attn_impl='fused'.*{feature}") as info:
+        specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2, attn_impl="fused")
+    assert "\n" not in str(info.value)
+
+
+def test_phi3_runs_the_fused_layers_exactly(pairs):
+    """Phi-3 without a window is Llama once its fused tensors are split: the fused
+    (kernel, interpreted here) layers give ``ar``'s greedy tokens."""
+    model = pairs["phi3-global"][1]
+    assert models.has_fused_layers(model.config)
+    prompt = random_prompt(0, 6)
+    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
+    assert specjax.generate(model, prompt, max_new_tokens=8, attn_impl="fused").tokens == expected
+
+
+GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_window=False),
+                 # llama.cpp keeps no query_pre_attn_scalar: it is head_dim (27B aside)
+                 "gemma2": dict(query_pre_attn_scalar=256), "gemma3": {}, "phi3": {}}
+
+
+def _gguf_pair(variant, path, **kwargs):
+    from helpers_checkpoints import tiny_vocabulary
+    from helpers_families import write_family_gguf
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    hf_model = tiny_family_model(variant, seed=5, vocab_size=len(tiny_vocabulary()[0]),
+                                 **GGUF_VARIANTS[variant])
+    config, params, tokenizer = load_gguf(write_family_gguf(hf_model, path, **kwargs))
+    return hf_model, specjax.Model.from_params(config, params, tokenizer)
+
+
+@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
+def test_gguf_written_from_the_same_weights_gives_the_same_logits(variant, tmp_path):
+    hf_model, model = _gguf_pair(variant, tmp_path / f"{variant}.gguf")
+    expected_config = from_hf_config(hf_model.config.to_dict())
+    assert dataclasses.replace(model.config, eos_token_ids=(), bos_token_id=None,
+                               max_position_embeddings=expected_config.max_position_embeddings
+                               ) == dataclasses.replace(expected_config, eos_token_ids=(),
+                                                        bos_token_id=None)
+    tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
+    np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf_model, tokens),
+                               atol=1e-4, rtol=0)
+    assert model.tokenizer("the")["input_ids"]  # the GGUF's tokenizer came with it
+
+
+def test_gemma_gguf_norms_without_llama_cpp_s_plus_one_are_caught(tmp_path):
+    """llama.cpp stores Gemma's norm weights plus one; a file without the shift (or a
+    loader that forgot to undo it) moves the logits far past the tolerance."""
+    hf_model, model = _gguf_pair("gemma3", tmp_path / "g.gguf", norm_shift=False)
+    tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
+    assert np.abs(_logits(model, tokens) - _hf_logits(hf_model, tokens)).max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def padded_target(tmp_path_factory):
+    """A Qwen3 target whose vocabulary is its tokenizer's plus 32 padding rows (the tiny
+    GGUF vocabulary's tokenizer, read back from a GGUF file)."""
+    from helpers_checkpoints import tiny_vocabulary
+
+    _, with_tokenizer = _gguf_pair("qwen3-tied", tmp_path_factory.mktemp("tok") / "t.gguf")
+    used = len(tiny_vocabulary()[0])
+    hf_model = tiny_family_model("qwen3-tied", seed=9, vocab_size=used + 32)
+    config = from_hf_config(hf_model.config.to_dict())
+    from specjax.checkpoints_tools.keymap import params_from_hf_tensors as read
+
+    params = read(config, {k: v.numpy() for k, v in hf_model.state_dict().items()})
+    return specjax.Model.from_params(config, params, with_tokenizer.tokenizer, "qwen3-big"), used
+
+
+def test_a_draft_padded_differently_is_accepted_and_exact(padded_target):
+    """The draft is the target's first layer with 5 padding rows instead of 32, and its own
+    copy of the tokenizer: accepted, given the target's rows, and exact."""
+    import copy
+
+    target, used = padded_target
+    small = target.first_layers(1)
+    params = dict(small.params, embed=small.params["embed"][:used + 5])
+    draft = specjax.Model(dataclasses.replace(small.config, vocab_size=used + 5), params,
+                          copy.deepcopy(target.tokenizer), "qwen3-small")
+    prompt = random_prompt(3, 8, vocab=used)
+    expected = specjax.generate(target, prompt, max_new_tokens=NEW).tokens
+    for method in ("spec", "tree"):
+        out = specjax.generate(target, prompt, max_new_tokens=NEW, method=method, draft=draft)
+        assert out.tokens == expected, method
+        assert out.stats["mean_accepted"] > 1.0  # the padded draft's proposals were taken
+
+
+class _Vocabulary:
+    """A tokenizer stand-in: what the compatibility check reads."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def __len__(self):
+        return len(self.vocab)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda v: {**v, "Ġthe": v["in"], "in": v["Ġthe"]},
+     r"different tokenizers: token '.*' is id \d+ in the draft, \d+ in the target"),
+    (lambda v: {**v, "<extra>": len(v)},
+     r"different tokenizers: 1 tokens are in one only \(the first, '<extra>', in the draft\)"),
+])
+def test_a_real_tokenizer_mismatch_is_refused_in_one_line(padded_target, edit, message):
+    from specjax.model import check_draft_compatible
+
+    target, used = padded_target
+    draft = specjax.Model(dataclasses.replace(target.config, vocab_size=used + 5),
+                          dict(target.params, embed=target.params["embed"][:used + 5]),
+                          _Vocabulary(edit(target.tokenizer.get_vocab())), "other")
+    with pytest.raises(InvalidArgumentError, match=message) as info:
+        check_draft_compatible(target, draft)
+    assert "\n" not in str(info.value)
+
+
+def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
+    from specjax.model import check_draft_compatible
+
+    target, used = padded_target
+    draft = specjax.Model(dataclasses.replace(target.config, vocab_size=used - 1),
+                          dict(target.params, embed=target.params["embed"][:used - 1]),
+                          target.tokenizer, "cut")
+    with pytest.raises(InvalidArgumentError, match="differ by more than padding"):
+        check_draft_compatible(target, draft)
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "phi3"])
+def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
+    from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
+
+    model = pairs[variant][1]
+    save_orbax(tmp_path / "ckpt", model.config, model.params)
+    config, params, _ = load_orbax(tmp_path / "ckpt")
+    assert config == model.config
+    tokens = random_prompt(7, 20)
+    np.testing.assert_array_equal(_logits(specjax.Model(config, params), tokens),
+                                  _logits(model, tokens))
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_the_flax_modules_run_the_families(pairs, api):
+    """The Flax views of a Gemma 2 model give its logits (batched), and a model rebuilt from
+    the Flax parameters generates its tokens."""
+    from specjax.flax_modules import model_from_flax, to_flax
+
+    hf_model, model = pairs["gemma2"]
+    tokens = jnp.asarray([random_prompt(7, 20), random_prompt(8, 20)])
+    if api == "nnx":
+        module = to_flax(model, "nnx")
+        logits, _ = module(tokens)
+        rebuilt = model_from_flax(module)
+    else:
+        module, variables = to_flax(model, "linen")
+        logits, _ = module.apply(variables, tokens)
+        rebuilt = model_from_flax(variables, model.config)
+    for row in range(2):
+        np.testing.assert_allclose(np.asarray(logits[row]),
+                                   _hf_logits(hf_model, tokens[row].tolist()), atol=1e-4,
+                                   rtol=0)
+    prompt = random_prompt(0, 6)
+    assert specjax.generate(rebuilt, prompt, max_new_tokens=8).tokens == \
+        specjax.generate(model, prompt, max_new_tokens=8).tokens
+
+
+@pytest.mark.parametrize("feature", [False, True], ids=["token-draft", "feature-draft"])
+def test_train_draft_works_for_a_gemma_target(tmp_path, feature):
+    """``train-draft`` (a few steps) on a Gemma 2 target with the GGUF's tokenizer: the
+    draft keeps the target's family features, decodes exactly, and the token draft's HF
+    export is a Gemma 2 checkpoint that transformers loads with the same logits."""
+    import transformers
+    from conftest import write_corpus
+    from specjax.checkpoints_tools import train_draft
+
+    _, target = _gguf_pair("gemma2", tmp_path / "t.gguf")
+    files = write_corpus(tmp_path, [f"def f_{i}(x):\n    return x * {i} + 1\n" * 8
+                                    for i in range(12)])
+    cfg = train_draft.TrainConfig(
+        init_layers=(0,) if feature else (0, 1), steps=4, batch_size=2, seq_len=16,
+        warmup_steps=1, eval_every=2, eval_windows=2, checkpoint_every=2,
+        heldout_fraction=0.2, feature_draft=feature)
+    summary = train_draft.train_draft(target, tmp_path / "run", cfg, corpus_files=files,
+                                      export_hf=not feature, log=lambda _: None)
+    draft = specjax.load(summary["draft"])
+    assert draft.config.family == "gemma2" and draft.config.feature_input == feature
+    assert draft.config.attn_softcap == target.config.attn_softcap
+    prompt = target.tokenizer("def f_3(x):")["input_ids"]
+    expected = specjax.generate(target, prompt, max_new_tokens=12).tokens
+    assert specjax.generate(target, prompt, max_new_tokens=12, method="tree",
+                            draft=draft).tokens == expected
+    if not feature:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(summary["draft_hf"]).eval()
+        assert hf.config.model_type == "gemma2"
+        np.testing.assert_allclose(_logits(draft, prompt), _hf_logits(hf, prompt),
+                                   atol=1e-4, rtol=0)
+
+
+def test_a_phi3_directory_naming_its_own_code_loads_without_it(pairs, tmp_path):
+    """Phi-3's published config.json still carries an auto_map (code written before
+    transformers had Phi3ForCausalLM): the architecture is phi3's, so it loads; the same
+    auto_map on another model type is refused."""
+    hf_model, _ = pairs["phi3"]
+    hf_model.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["auto_map"] = {"AutoConfig": "configuration_phi3.Phi3Config",
+                       "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    tokens = random_prompt(7, 20)
+    np.testing.assert_allclose(_logits(specjax.load(tmp_path), tokens),
+                               _hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
+    raw["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="needs its own Python code"):
+        specjax.load(tmp_path)
