@@ -279,6 +279,15 @@ def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
 def _generate(args) -> int:
     options, dtype = check_generate_args(args)
     rows = None if args.prompts_file is None else read_prompts_file(args.prompts_file)
+    # Nothing here needs finishing or removing on Ctrl-C: it ends the process at once, at
+    # any moment (loading, compiling, prefill, generation), with one line.
+    with interrupts.exit_on_interrupt("specjax: interrupted") as watch:
+        status = _generate_watched(args, options, dtype, rows, watch)
+        watch.finished()
+    return status
+
+
+def _generate_watched(args, options, dtype, rows, watch) -> int:
     with progress.phases(enabled=not args.json) as shown:
         with shown.phase(f"loading {args.model}"):
             model = loading.load(args.model, dtype=dtype, progress=shown.enabled)
@@ -305,25 +314,23 @@ def _generate(args) -> int:
         stream = api.stream_generate(model, args.prompt, origins=True, **kwargs)
         with shown.phase("compiling and prefilling"):
             first = next(stream)
-    # A Ctrl-C that a garbage-collector callback swallows still stops the stream.
-    with interrupts.guard() as interrupt:
-        _print_stream(model, itertools.chain([first], stream), args.show_origin,
-                      interrupt.check)
+    _print_stream(model, itertools.chain([first], stream), args.show_origin, watch)
     return 0
 
 
-def _print_stream(model, stream, show_origin: bool, check=lambda: None) -> None:
-    """Prints the streamed text to stdout and the summary to stderr. On Ctrl-C (or an
-    error) the text printed so far stays, ended by a newline, so that the one line
-    :func:`run_command` prints starts a line of its own; ``check`` runs after every
-    chunk (it raises a pending Ctrl-C)."""
+def _print_stream(model, stream, show_origin: bool, watch) -> None:
+    """Prints the streamed text to stdout and the summary to stderr. On Ctrl-C
+    (:func:`interrupts.exit_on_interrupt`, told by ``watch.line_open``) or an error the
+    text printed so far stays, ended by a newline, so that the one line that follows
+    starts a line of its own."""
     tokens: list[int] = []
     try:
-        stats = _print_tokens(model, stream, show_origin, check, tokens)
+        stats = _print_tokens(model, stream, show_origin, watch, tokens)
     except BaseException:
         if tokens:
             sys.stdout.write("\n")
             sys.stdout.flush()
+            watch.line_open = False
         raise
     print(_summary(stats), file=sys.stderr)
     if show_origin:
@@ -332,14 +339,13 @@ def _print_stream(model, stream, show_origin: bool, check=lambda: None) -> None:
         print(f"tokens by origin: {legend}", file=sys.stderr)
 
 
-def _print_tokens(model, stream, show_origin: bool, check, tokens: list[int]) -> dict:
+def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int]) -> dict:
     """Writes the stream's text to stdout as it comes, appending to ``tokens``; returns
     the stats."""
     printed = ""
     stats = None
     colour = show_origin and sys.stdout.isatty()
     for new, names, stats in stream:
-        check()
         if not new:
             continue
         if show_origin:
@@ -351,6 +357,7 @@ def _print_tokens(model, stream, show_origin: bool, check, tokens: list[int]) ->
                 sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
                                  if colour and ORIGIN_COLOURS[origin] else piece)
             sys.stdout.flush()
+            watch.line_open = True
             continue
         tokens += new
         text = api.decode_text(model, tokens)
@@ -359,12 +366,14 @@ def _print_tokens(model, stream, show_origin: bool, check, tokens: list[int]) ->
         if stable.startswith(printed):
             sys.stdout.write(stable[len(printed):])
             sys.stdout.flush()
+            watch.line_open = True
             printed = stable
     if not show_origin:
         text = api.decode_text(model, tokens)  # the end: what was held back, U+FFFD included
         sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")
     sys.stdout.write("\n")
     sys.stdout.flush()
+    watch.line_open = False
     return stats
 
 
@@ -381,12 +390,17 @@ def _convert(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    if argv is None:  # run as the program, not called from Python
-        interrupts.run_as_program()
-        problem = use_compilation_cache()
-        if problem is not None:
-            print(f"specjax: warning: {problem}", file=sys.stderr)
-    status = run_command(args=parser.parse_args(argv))
+    try:
+        if argv is None:  # run as the program, not called from Python
+            interrupts.run_as_program()
+            problem = use_compilation_cache()
+            if problem is not None:
+                print(f"specjax: warning: {problem}", file=sys.stderr)
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:  # before the command sets its own handling of Ctrl-C
+        print("specjax: interrupted", file=sys.stderr)
+        return 130
+    status = run_command(args=args)
     if argv is None:
         # The outcome is decided and printed. A Ctrl-C while the interpreter shuts down
         # (it joins threads, runs jax's exit hooks) would otherwise add a KeyboardInterrupt
