@@ -6,8 +6,11 @@
 >>> specjax.generate(model, "def f(x):", method="tree", tree_budget=8)
 >>> specjax.generate(model, "def f(x):", method=specjax.StagedOptions(tree_budget=8))
 
-The default method is :func:`specjax.loading.default_method`: ``staged`` for a model that
-ships a draft and n-gram tables (``smollm2-135m``), else ``ar``; the CLI uses the same.
+The default method is :func:`specjax.loading.choose_default_method`'s: the method measured
+fastest on the model's backend at the request's temperature among those its shipped draft
+and n-gram tables allow, ``ar`` where none beat it (``smollm2-135m`` on a CPU: ``staged``
+at T=0, ``ar`` at T>0); ``stats["method_choice"]`` says which and why. The CLI uses the
+same.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 from specjax import decode, methods, models
 from specjax.attention import IMPLEMENTATIONS
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
-from specjax.loading import (check_resources, default_method, load, resolve_draft,
+from specjax.loading import (check_resources, choose_default_method, load, resolve_draft,
                              resolve_ngram)
 from specjax.methods import MethodOptions
 from specjax.model import Model, check_draft_compatible, resolve_dtype
@@ -53,6 +56,7 @@ class _Request:
     args: tuple  # (params, prompt, prompt_length, max_new_tokens, sampling, stop, resources)
     prompt_length: int
     options: MethodOptions
+    choice: str = "given"  # why this method: "given", or the default's reason
 
 
 def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -105,12 +109,19 @@ def _stop_array(model: Model, stop_tokens: Sequence[int] | None):
 
 
 def resolve_method(model: Model, method: str | MethodOptions | None = None,
-                   **options) -> MethodOptions:
-    """The validated options for ``method`` (default: :func:`default_method` of the
-    model) with ``options`` applied; see :func:`specjax.methods.method_options`."""
+                   temperature: float = 0.0, **options) -> MethodOptions:
+    """The validated options for ``method`` (default: :func:`choose_default_method` for
+    the model, its backend and ``temperature``) with ``options`` applied; see
+    :func:`specjax.methods.method_options`."""
+    return _resolve_method(model, method, temperature, options)[0]
+
+
+def _resolve_method(model: Model, method, temperature, options) -> tuple[MethodOptions, str]:
+    backend = model_backend(model)
+    choice = "given"
     if method is None:
-        method = default_method(model.assets)
-    return methods.method_options(method, backend=model_backend(model), **options)
+        method, choice = choose_default_method(model.assets, backend, float(temperature))
+    return methods.method_options(method, backend=backend, **options), choice
 
 
 def model_backend(model: Model) -> str:
@@ -135,6 +146,7 @@ class _Settings:
     draft_model: Model | None
     resources: decode.Resources
     max_new_tokens: int
+    choice: str = "given"
 
 
 def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
@@ -143,7 +155,8 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
     if not isinstance(model, Model):
         raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
                                    f"{type(model).__name__}")
-    opts = resolve_method(model, method, **options)
+    make_sampling_params(temperature, top_k, top_p, seed)  # a bad temperature first
+    opts, choice = _resolve_method(model, method, temperature, options)
     sampling = make_sampling_params(temperature, top_k, top_p, seed,
                                     static_rule=static_rules(model_backend(model)))
     opts.check_sampling(float(temperature))
@@ -162,7 +175,8 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
             f"{model.name} is {model.config.architecture}: use 'auto' or 'kernel'")
     stop = _stop_array(model, stop_tokens)
     _warn_if_slow_dtype(model)
-    return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens))
+    return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens),
+                     choice)
 
 
 # Half-precision parameters XLA's CPU backend runs slower than float32: its bf16/fp16 matmuls
@@ -222,7 +236,7 @@ def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k
     padded[: len(ids)] = ids
     args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new_tokens),
             settings.sampling, settings.stop, settings.resources)
-    return _Request(loop, args, len(ids), settings.options)
+    return _Request(loop, args, len(ids), settings.options, settings.choice)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -238,6 +252,7 @@ class _Batch:
     prompt_lengths: list[int]
     options: MethodOptions
     compact: bool = True  # live rows move to smaller programs as rows finish
+    choice: str = "given"  # why this method (see _Request)
 
 
 def is_batch(prompt) -> bool:
@@ -315,7 +330,8 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
                 jnp.asarray(budgets), decode.batch_sampling(settings.sampling, row_seeds),
                 stop, settings.resources)
-        batches.append(_Batch(loop, args, rows, lengths, settings.options, compact_rows))
+        batches.append(_Batch(loop, args, rows, lengths, settings.options, compact_rows,
+                              settings.choice))
     return batches
 
 
@@ -327,7 +343,7 @@ def _host_rows(state: decode.DecodeState, count: int) -> list[decode.DecodeState
 
 
 def _row_request(batch: _Batch, slot: int) -> _Request:
-    return _Request(batch.loop, (), batch.prompt_lengths[slot], batch.options)
+    return _Request(batch.loop, (), batch.prompt_lengths[slot], batch.options, batch.choice)
 
 
 def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
@@ -415,6 +431,8 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
     target_calls = int(state.target_calls) + 1  # + the prefill pass
     stats = {
         "method": request.options.name,
+        # "given" (method= named it), or why the default is this method
+        "method_choice": request.choice,
         "options": request.options.to_dict(),
         # whose defaults a method name gets here (methods.options.BACKEND_DEFAULTS)
         "backend": methods.options.backend_of(_platform(state.length)),
@@ -489,8 +507,10 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         Leviathan/Chen), ``"tree"`` (draft token tree verified in one target pass),
         ``"staged"`` (draft model helped by n-gram tables and context lookup) or
         ``"ngram"`` (n-gram + context-lookup trees, no draft model) -- or an options
-        object (:class:`~specjax.methods.StagedOptions` ...). Default: ``"staged"`` for a
-        model with a shipped draft and n-gram tables (``smollm2-135m``), else ``"ar"``.
+        object (:class:`~specjax.methods.StagedOptions` ...). Default: the method
+        measured fastest for the model's backend at ``temperature`` among those its
+        shipped draft and tables allow, ``"ar"`` where none beat it
+        (:func:`specjax.loading.choose_default_method`; ``stats["method_choice"]``).
       max_new_tokens: upper bound on generated tokens (traced: no recompilation).
       temperature: 0 for greedy; otherwise sampling temperature (traced).
       top_k: keep the k most likely tokens; 0 disables (traced).

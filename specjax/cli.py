@@ -9,6 +9,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import signal
 import sys
 import warnings
@@ -21,10 +22,11 @@ from specjax.attention import IMPLEMENTATIONS
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import ngram_build, sources, train_draft
 from specjax.checkpoints_tools.convert import convert
-from specjax.checkpoints_tools.hf import one_line
+from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
 from specjax.methods import METHODS, MethodOptions
-from specjax.methods.flags import add_method_arguments, method_from_args
+from specjax.methods.flags import add_method_arguments, flag_of, method_from_args
+from specjax.methods.options import all_option_fields, backend_of
 from specjax.sampling import make_sampling_params
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -37,14 +39,15 @@ def _add_generate(sub) -> None:
         description="Generate a continuation of PROMPT. Text streams to stdout; a one-line "
                     "summary (tokens/s, compile time apart) goes to stderr. Progress (load, "
                     "compile) shows on a terminal.",
-        epilog=f"By default {DEFAULT_MODEL} decodes with "
-               f"{loading.describe_defaults(DEFAULT_MODEL)}; a model without shipped assets "
-               "decodes with ar. spec and tree use the shipped draft too when the model has "
-               "one.")
+        epilog=f"Without --method, {DEFAULT_MODEL} decodes with "
+               f"{loading.describe_defaults(DEFAULT_MODEL)}. A model without shipped assets "
+               "decodes with ar. The JSON stats' method_choice says which method ran and why.")
     p.add_argument("prompt", nargs="?", default=None,
-                   help="the prompt text (or give --prompts-file)")
+                   help="the prompt text; - reads it from standard input (less one final "
+                        "newline); or give --prompts-file")
     p.add_argument("--prompts-file", default=None, metavar="PATH",
-                   help="generate for every prompt of a JSONL file, in batches, writing one "
+                   help="generate for every prompt of a JSONL file (- for standard input), "
+                        "in batches, writing one "
                         "JSON object per prompt (id, index, prompt, text, tokens, stats) to "
                         "--output or stdout. Each line is a JSON object with a \"prompt\" "
                         "(a string, or a list of token ids) and optionally an \"id\" and a "
@@ -59,8 +62,8 @@ def _add_generate(sub) -> None:
                         f"{DEFAULT_MODEL})")
     p.add_argument("--method", default=None, choices=tuple(METHODS),
                    help="; ".join(f"{name}: {cls.summary}" for name, cls in METHODS.items())
-                        + " (default: staged when the model ships a draft and n-gram tables, "
-                          "as smollm2-135m does; else ar)")
+                        + " (default: the method measured fastest on this backend at this "
+                          "temperature, ar where none beat it; see below)")
     p.add_argument("--draft", default=None,
                    help="spec/tree/staged: draft model: a shipped draft's name ("
                         + (", ".join(loading.shipped_draft_names()) or "none") + "), "
@@ -107,7 +110,9 @@ def _add_convert(sub) -> None:
                                    "directory. On a terminal, shows each phase with its time.")
     p.add_argument("src", help="model name, GGUF file, HF or specjax directory, or hub id")
     p.add_argument("dst", help="the checkpoint directory to create")
-    p.add_argument("--dtype", default=None, help="store parameters in this dtype (default: as loaded)")
+    p.add_argument("--dtype", default=None,
+                   help="store parameters in this dtype: float32, bfloat16 or float16 "
+                        "(default: as loaded)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_convert)
 
@@ -165,24 +170,88 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
         if not 1 <= size <= decode.MAX_BATCH_SIZE:
             raise InvalidArgumentError(f"--batch-size must be in [1, {decode.MAX_BATCH_SIZE}], "
                                        f"got {size}")
+        if args.output is not None:
+            check_output_path(args.output)
     else:
         for flag, value in (("--batch-size", args.batch_size), ("--output", args.output)):
             if value is not None:
                 raise InvalidArgumentError(f"{flag} applies to --prompts-file only")
+        if args.prompt == "-":  # standard input, less the one final newline echo adds
+            data = sys.stdin.buffer.read()
+            try:
+                args.prompt = data.decode("utf-8").removesuffix("\n")
+            except UnicodeDecodeError as error:
+                raise InvalidArgumentError(f"the prompt on standard input is not UTF-8 text "
+                                           f"(byte 0x{data[error.start]:02x} at offset "
+                                           f"{error.start})") from None
         if not args.prompt:
             raise InvalidArgumentError("prompt is empty")
+        _check_utf8(args.prompt, "the prompt")
     if args.max_new_tokens < 1:
         raise InvalidArgumentError(
             f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
-    method = args.method or loading.default_method(sources.known_origin(args.model))
-    options = method_from_args(args, method, jax.default_backend())
     make_sampling_params(args.temperature, args.top_k, args.top_p, args.seed)
+    backend = jax.default_backend()
+    method, choice = args.method, "given"
+    if method is None:
+        method, choice = loading.choose_default_method(sources.known_origin(args.model),
+                                                       backend_of(backend), args.temperature)
+    args.method_choice = choice  # for the stats: the API sees an options object, "given"
+    try:
+        options = method_from_args(args, method, backend)
+    except InvalidArgumentError as error:
+        message = _with_flag_names(str(error), args)
+        if args.method is None and "does not apply" in message:
+            # A method's flag without --method: say why the default is a method without it.
+            message += f"; without --method the default here is {choice.split(' (')[0]}"
+        raise InvalidArgumentError(message) from None
     options.check_sampling(args.temperature)
     loading.check_resources(options, args.draft, args.ngram)
-    loading.check_draft_spec(args.draft)
+    try:
+        loading.check_draft_spec(args.draft)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(_flag_draft(str(error))) from None
     if args.ngram is not None and not Path(args.ngram).expanduser().is_file():
         raise InvalidArgumentError(f"--ngram {args.ngram}: no such file")
     return options, bench_cli.resolve_dtype_flag(args.dtype)
+
+
+def _with_flag_names(message: str, args) -> str:
+    """``message`` (about method options) with options named as their flags:
+    ``tree_budget 99`` -> ``--tree-budget 99`` (each one given, and every one whose name
+    cannot be an English word: ``draft_depth``)."""
+    for name in all_option_fields():
+        if getattr(args, name, None) is not None or "_" in name:
+            message = re.sub(rf"(?<![\w-]){name}\b", flag_of(name), message)
+    return message
+
+
+def _flag_draft(message: str) -> str:
+    """A draft error from the library (``draft 'x': ...``) as the flag's: ``--draft x``."""
+    return re.sub(r"^(no )?draft '([^']*)'", r"--draft \2", message)
+
+
+def _check_utf8(text: str, what: str) -> None:
+    # Arguments that are not UTF-8 reach Python as lone surrogates (PEP 383).
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidArgumentError(f"{what} is not UTF-8 text (an undecodable byte at "
+                                   f"character {error.start})") from None
+
+
+def check_output_path(path: str) -> None:
+    """Rejects an ``--output`` that cannot be written, before anything loads: a directory,
+    or a file in a directory that does not exist or is not writable."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise InvalidArgumentError(f"--output {path}: is a directory; give a file path")
+    parent = target.parent
+    if not parent.is_dir():
+        raise InvalidArgumentError(f"--output {path}: no directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+            target.exists() and not os.access(target, os.W_OK)):
+        raise InvalidArgumentError(f"--output {path}: not writable")
 
 
 # ANSI colours of token origins for --show-origin (the paper's Figure 3 in a terminal).
@@ -202,11 +271,24 @@ def read_prompts_file(path: str) -> list[dict]:
       InvalidArgumentError: a missing or empty file, a line that is not such JSON
         (naming its line number).
     """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise InvalidArgumentError(f"--prompts-file {path}: no such file")
+    if path == "-":  # standard input
+        data = sys.stdin.buffer.read()
+    else:
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise InvalidArgumentError(f"--prompts-file {path}: no such file")
+        try:
+            data = file.read_bytes()
+        except OSError as error:
+            raise InvalidArgumentError(f"--prompts-file {path}: {error.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise InvalidArgumentError(f"--prompts-file {path}, line {line}: not UTF-8 text "
+                                   f"(byte 0x{data[error.start]:02x})") from None
     rows = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"--prompts-file {path}, line {number}"
@@ -224,6 +306,8 @@ def read_prompts_file(path: str) -> list[dict]:
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
             raise InvalidArgumentError(f"{where}: \"prompt\" must be a string or a list of "
                                        f"token ids")
+        if len(prompt) == 0:
+            raise InvalidArgumentError(f"{where}: the prompt is empty")
         seed = item.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InvalidArgumentError(f"{where}: \"seed\" must be an integer")
@@ -256,6 +340,7 @@ def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
                         message[message.index("]") + 1:]
                 raise InvalidArgumentError(message) from None
             for offset, (row, result) in enumerate(zip(chunk, results)):
+                result.stats["method_choice"] = args.method_choice
                 record = {"id": row["id"], "index": first + offset, "prompt": row["prompt"],
                           "text": result.text, "tokens": result.tokens,
                           "method": result.stats["method"], "stats": result.stats}
@@ -299,21 +384,34 @@ def _generate_watched(args, options, dtype, rows, watch) -> int:
                       ngram=args.ngram)
         if options.uses_draft:
             with shown.phase(f"loading draft {args.draft or '(shipped)'}"):
-                kwargs["draft"] = loading.resolve_draft(model, args.draft,
-                                                        progress=shown.enabled)
-        if rows is not None:
-            return _generate_file(args, model, rows, kwargs)
-        if args.json:
-            result = api.generate(model, args.prompt, **kwargs)
-            record = {"text": result.text, "tokens": result.tokens, "method": options.name,
-                      "stats": result.stats}
-            if args.show_origin:
-                record["origins"] = result.origins or ["target"] * len(result.tokens)
-            print(json.dumps(record))
-            return 0
-        stream = api.stream_generate(model, args.prompt, origins=True, **kwargs)
-        with shown.phase("compiling and prefilling"):
-            first = next(stream)
+                try:
+                    kwargs["draft"] = loading.resolve_draft(model, args.draft,
+                                                            progress=shown.enabled)
+                except InvalidArgumentError as error:
+                    raise InvalidArgumentError(_flag_draft(str(error))) from None
+        try:
+            return _generate_loaded(args, model, rows, kwargs, options, shown, watch)
+        except InvalidArgumentError as error:  # limits that depend on the loaded model
+            raise InvalidArgumentError(_with_flag_names(
+                re.sub(r"\bmax_new_tokens\b", "--max-new-tokens", str(error)), args)) from None
+
+
+def _generate_loaded(args, model, rows, kwargs, options, shown, watch) -> int:
+    """Generates with the loaded model: the prompts file, --json, or streamed text."""
+    if rows is not None:
+        return _generate_file(args, model, rows, kwargs)
+    if args.json:
+        result = api.generate(model, args.prompt, **kwargs)
+        result.stats["method_choice"] = args.method_choice
+        record = {"text": result.text, "tokens": result.tokens, "method": options.name,
+                  "stats": result.stats}
+        if args.show_origin:
+            record["origins"] = result.origins or ["target"] * len(result.tokens)
+        print(json.dumps(record))
+        return 0
+    stream = api.stream_generate(model, args.prompt, origins=True, **kwargs)
+    with shown.phase("compiling and prefilling"):
+        first = next(stream)
     _print_stream(model, itertools.chain([first], stream), args.show_origin, watch)
     return 0
 
@@ -377,7 +475,17 @@ def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int]) ->
     return stats
 
 
+# The dtypes --dtype names in its help (others numpy knows as floating types work too).
+CONVERT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _convert(args) -> int:
+    if args.dtype is not None:
+        try:
+            as_numpy_dtype(args.dtype)
+        except InvalidArgumentError:
+            raise InvalidArgumentError(f"--dtype {args.dtype}: not a parameter dtype; use "
+                                       f"{', '.join(CONVERT_DTYPES)}") from None
     # Until convert() writes (it holds Ctrl-C back then, and cleans up), nothing needs
     # cleaning up: Ctrl-C ends the process at once, so that no gc callback or import can
     # swallow or garble it. Once DST is in place, Ctrl-C is ignored (see interrupts.command).

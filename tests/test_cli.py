@@ -117,6 +117,20 @@ def test_default_method_is_staged_and_exact(capsys, served):
     assert int(match[3]) < len(expected.tokens)  # some step accepted a drafted token
 
 
+def test_default_method_at_t_above_0_on_the_cpu_is_ar_and_says_why(capsys, served):
+    """Sampling on the CPU no method beat ar in the measured table: the default is ar, and
+    the stats say it was chosen and why; a named method stays as named."""
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "4",
+                               "--temperature", "0.8", "--json")
+    stats = json.loads(out)["stats"]
+    assert status == 0 and stats["method"] == "ar", err
+    assert stats["method_choice"].startswith("ar: no method beat it for cpu, T>0")
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "4",
+                               "--temperature", "0.8", "--method", "ngram", "--json")
+    stats = json.loads(out)["stats"]
+    assert status == 0 and (stats["method"], stats["method_choice"]) == ("ngram", "given")
+
+
 def test_show_origin_counts_every_token(capsys, served):
     expected = specjax.generate(served, PROMPT, max_new_tokens=16)
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16",
@@ -300,28 +314,86 @@ def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
     ([PROMPT, "--max-new-tokens", "0"], "max-new-tokens"),
     ([PROMPT, "--dtype", "int8"], "dtype"),
     ([PROMPT, "--seed", "-1"], "seed"),
-    # Method settings, for the default method (staged for smollm2-135m) and named ones.
-    ([PROMPT, "--tree-budget", "0"], "tree_budget must be an integer >= 1"),
-    ([PROMPT, "--verify", "greedy", "--temperature", "1"], "needs temperature 0"),
+    # Method settings, for the default method (staged for smollm2-135m on the CPU at T=0;
+    # ar at T>0) and named ones.
+    ([PROMPT, "--tree-budget", "0"], "--tree-budget must be an integer >= 1"),
+    ([PROMPT, "--method", "staged", "--verify", "greedy", "--temperature", "1"],
+     "needs temperature 0"),
+    ([PROMPT, "--tree-budget", "8", "--temperature", "1"],
+     "--tree-budget does not apply to method 'ar' (it applies to tree, staged); without "
+     "--method the default here is ar: no method beat it for cpu, T>0"),
     ([PROMPT, "--draft-depth", "0"], "--draft-depth does not apply to method 'staged'"),
     ([PROMPT, "--draft-depth", "-1"], "--draft-depth does not apply to method 'staged'"),
-    ([PROMPT, "--method", "spec", "--draft-depth", "0"], "draft_depth must be"),
+    ([PROMPT, "--method", "spec", "--draft-depth", "0"], "--draft-depth must be"),
     ([PROMPT, "--method", "ar", "--tree-budget", "0"],
      "--tree-budget does not apply to method 'ar'"),
     ([PROMPT, "--method", "ar", "--no-lookup"], "--no-lookup does not apply to method 'ar'"),
     ([PROMPT, "--method", "ar", "--draft", "smollm2-135m-draft"], "takes no draft"),
     ([PROMPT, "--method", "ngram", "--draft-rounds", "2"], "does not apply to method 'ngram'"),
     ([PROMPT, "--method", "staged", "--tree-budget", "99"], "exceeds the"),
-    ([PROMPT, "--method", "staged", "--stage2-prior", "1,0"], "stage2_prior"),
+    ([PROMPT, "--method", "staged", "--stage2-prior", "1,0"], "--stage2-prior must be"),
     ([PROMPT, "--method", "tree", "--topology", "0,1"], "parent"),
     ([PROMPT, "--method", "spec", "--draft", "other-draft"], "not a shipped draft"),
     ([PROMPT, "--method", "spec", "--draft", "first-layers:two"], "first-layers:K"),
     ([PROMPT, "--method", "ngram", "--ngram", "/no/such/tables.npz"], "no such file"),
+    # Limits computed from the options, named by their flags.
+    ([PROMPT, "--method", "tree", "--tree-budget", "100000"],
+     "tree: --tree-budget 100000 exceeds the 53 candidates that --draft-depth 4 x "
+     "--draft-width 4 can draft"),
+    ([PROMPT, "--method", "tree", "--topology", "kary", "--tree-budget", "1000"],
+     "exceeds the 341 nodes of a 4-ary tree of depth 4"),
+    ([PROMPT, "--method", "spec", "--draft", "first-layers:0"],
+     "--draft first-layers:0: K must be at least 1 (and at most the target's layer count, "
+     "known once it loads)"),
+    (["a\udcffb"], "the prompt is not UTF-8 text"),
+    (["--prompts-file", "/etc/hostname", "--output", "/"], "--output /: is a directory"),
+    (["--prompts-file", "/etc/hostname", "--output", "/no/such/dir/out.jsonl"],
+     "--output /no/such/dir/out.jsonl: no directory /no/such/dir"),
 ])
 def test_bad_settings_fail_before_loading_the_model(capsys, no_load, argv, fragment):
     """Every setting is checked before the (slow) load: the ``no_load`` fixture fails the
     test if a model loads first, so a check that fires late fails here."""
     assert_one_line_error(*run_cli(capsys, "generate", *argv), fragment)
+
+
+@pytest.mark.parametrize("lines, fragment", [
+    (b'"ok"\n"\xff"\n', "--prompts-file {}, line 2: not UTF-8 text (byte 0xff)"),
+    (b'"ok"\n""\n', "--prompts-file {}, line 2: the prompt is empty"),
+    (b'{"prompt": []}\n', "--prompts-file {}, line 1: the prompt is empty"),
+])
+def test_bad_prompts_files_fail_before_loading(capsys, no_load, tmp_path, lines, fragment):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(lines)
+    assert_one_line_error(*run_cli(capsys, "generate", "--prompts-file", str(path)),
+                          fragment.format(path))
+
+
+def test_standard_input_gives_the_prompt_or_the_prompts_file(capsys, no_load, monkeypatch):
+    """``-`` reads standard input; what is read is checked before anything loads (here an
+    empty prompt and bytes that are not UTF-8 show that it was read)."""
+    import io
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    assert_one_line_error(*run_cli(capsys, "generate", "-"), "prompt is empty")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff")))
+    assert_one_line_error(*run_cli(capsys, "generate", "-"),
+                          "the prompt on standard input is not UTF-8 text")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'"a"\n{"x": 1}\n')))
+    assert_one_line_error(*run_cli(capsys, "generate", "--prompts-file", "-"),
+                          "--prompts-file -, line 2: expected an object")
+
+
+def test_convert_checks_its_destination_and_dtype_before_loading(capsys, monkeypatch):
+    from specjax.checkpoints_tools import convert as convert_module
+
+    def load(*args, **kwargs):
+        raise AssertionError("the source was loaded before the arguments were checked")
+
+    monkeypatch.setattr(convert_module, "resolve_and_load", load)
+    assert_one_line_error(*run_cli(capsys, "convert", "smollm2-135m", "/proc/foo/bar"),
+                          "cannot create /proc/foo/bar: cannot write into /proc")
+    assert_one_line_error(*run_cli(capsys, "convert", "smollm2-135m", "/tmp/x", "--dtype",
+                                   "foo"), "--dtype foo: not a parameter dtype; use float32, "
+                          "bfloat16, float16")
 
 
 @pytest.mark.parametrize("platform, expected", [
