@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import jinja2
 import numpy as np
 
-from specjax import decode, methods, models
+from specjax import decode, loading, methods, models, progress as progress_lib
+from specjax.compilation_cache import use_compilation_cache
 from specjax.attention import IMPLEMENTATIONS
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
-from specjax.loading import (check_resources, choose_default_method, load, resolve_draft,
+from specjax.loading import (check_resources, choose_default_method, resolve_draft,
                              resolve_ngram)
 from specjax.methods import MethodOptions
 from specjax.model import Model, check_draft_compatible, resolve_dtype
@@ -38,6 +39,31 @@ from specjax.sampling import make_sampling_params, static_rules
 
 __all__ = ["GenerationResult", "Model", "check_draft_compatible", "decode_text",
            "encode_prompt", "generate", "load", "resolve_dtype", "stream_generate"]
+
+
+def load(name_or_path, dtype=None, *, progress: bool = False, mesh=None) -> Model:
+    """:func:`specjax.loading.load` (same arguments), with the ``specjax`` program's
+    persistent compilation cache switched on first (:mod:`specjax.compilation_cache`: a
+    later process loads the compiled programs instead of compiling them again;
+    ``SPECJAX_COMPILATION_CACHE=off`` in the environment, or a cache directory set in
+    ``jax.config`` before, keeps it off or elsewhere).
+
+    Args:
+      progress: print what is being loaded and how long it took (stderr), with a
+        progress bar per tensor.
+    """
+    problem = use_compilation_cache()
+    if problem is not None:
+        warnings.warn(problem, PerformanceWarning, stacklevel=2)
+    if not progress:
+        return loading.load(name_or_path, dtype, progress=False, mesh=mesh)
+    with progress_lib.reported(f"loading {name_or_path}"):
+        return loading.load(name_or_path, dtype, progress=True, mesh=mesh)
+
+
+def _reporting(progress: bool):
+    """Compilations reported on stderr when ``progress`` (see :func:`generate`)."""
+    return decode.reporting_compiles(progress_lib.reported if progress else None)
 
 
 @dataclasses.dataclass
@@ -483,7 +509,8 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
              seed: int | Sequence[int] = 0, draft: Model | str | None = None, ngram=None,
              stop_tokens: Sequence[int] | None = None, chat: bool = False,
              attn_impl: str = "auto", batch_size: int | None = None,
-             compact_rows: bool = True,
+             compact_rows: bool = True, stop: str | Sequence[str] | None = None,
+             progress: bool = False,
              **options) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation as one compiled program on the device.
 
@@ -526,6 +553,13 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         file or :class:`~specjax.drafters.ngram.NgramTables`); default: the tables
         shipped for the model.
       stop_tokens: ids that end generation (default: the model's EOS ids).
+      stop: a string, or a list of strings, that ends the text: it is cut before the
+        first one found, and ``tokens`` at the token that completed it
+        (``stats["stop_string"]`` names it). Checked on the host: :func:`generate` cuts
+        after the program ran (to EOS or ``max_new_tokens``), :func:`stream_generate`
+        stops at the step that completed it.
+      progress: print each load and compilation and its time on stderr (a compiled
+        program is kept for the process: the same settings do not compile again).
       chat: wrap a string prompt in the model's chat template.
       attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (Llama family
         only: the Pallas kernels for attention and every projection, row-tiled, so a
@@ -551,25 +585,68 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
       program's real and padded row counts), ``new_tokens`` and ``tokens_per_s`` (all rows
       of the program together; ``seconds`` is the program's time, shared by its rows).
     """
+    stop = stop_strings(stop)
     if is_batch(prompt):
         batches = _prepare_batch(model, prompt, method=method, max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, draft=draft, ngram=ngram, stop_tokens=stop_tokens,
                                  chat=chat, attn_impl=attn_impl, batch_size=batch_size,
                                  options=options, compact_rows=compact_rows)
-        return _generate_batch(model, batches)
+        with _reporting(progress):
+            results = _generate_batch(model, batches)
+        return [_cut_at_stop(model, result, stop) for result in results]
     if batch_size is not None:
         raise InvalidArgumentError("batch_size applies to a list of prompts only")
     request = _prepare(model, prompt, method=method, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        draft=draft, ngram=ngram, stop_tokens=stop_tokens, chat=chat,
                        attn_impl=attn_impl, options=options)
-    state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
-                                                         *request.args[1:])
+    with _reporting(progress):
+        state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
+                                                             *request.args[1:])
     tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
     stats = _stats(state, request, len(tokens), seconds, compile_seconds)
-    return GenerationResult(text=decode_text(model, tokens), tokens=tokens, stats=stats,
-                            origins=token_origins(state))
+    return _cut_at_stop(model, GenerationResult(text=decode_text(model, tokens),
+                                                tokens=tokens, stats=stats,
+                                                origins=token_origins(state)), stop)
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    """``stop=`` as a tuple of non-empty strings (one string is a tuple of one).
+
+    Raises:
+      InvalidArgumentError: not a string or a list of non-empty strings.
+    """
+    if stop is None:
+        return ()
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(
+            isinstance(item, str) and item for item in items):
+        raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got "
+                                   f"{stop!r}")
+    return tuple(items)
+
+
+def first_stop(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
+    """(index, string) of the earliest stop string in ``text``, or ``None``."""
+    found = [(text.find(item), item) for item in stop if item in text]
+    return min(found) if found else None
+
+
+def _cut_at_stop(model: Model, result: GenerationResult, stop: Sequence[str]
+                 ) -> GenerationResult:
+    """``result`` ended at its first stop string: the text before it, the tokens up to the
+    one that completed it."""
+    if not stop or first_stop(result.text, stop) is None:
+        return result
+    count = next(k for k in range(1, len(result.tokens) + 1)
+                 if first_stop(decode_text(model, result.tokens[:k]), stop) is not None)
+    index, item = first_stop(decode_text(model, result.tokens[:count]), stop)
+    text = decode_text(model, result.tokens[:count])[:index]
+    stats = dict(result.stats, stop_string=item)
+    origins = None if result.origins is None else result.origins[:count]
+    return GenerationResult(text=text, tokens=result.tokens[:count], stats=stats,
+                            origins=origins)
 
 
 _GENERATE_SIGNATURE = inspect.signature(generate)
@@ -598,26 +675,47 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
     settings.pop("model"), settings.pop("prompt")
     batch_size = settings.pop("batch_size")
     compact_rows = settings.pop("compact_rows")
+    stop = stop_strings(settings.pop("stop"))
+    progress = settings.pop("progress")
     if is_batch(prompt):
+        if stop:
+            raise InvalidArgumentError("stop strings apply to one streamed prompt; for a "
+                                       "batch use generate")
         batches = _prepare_batch(model, prompt, batch_size=batch_size,
                                  compact_rows=compact_rows, **settings)
-        yield from _stream_batch(model, batches, len(prompt), origins)
+        with _reporting(progress):
+            yield from _stream_batch(model, batches, len(prompt), origins)
         return
     if batch_size is not None:
         raise InvalidArgumentError("batch_size applies to a list of prompts only")
     request = _prepare(model, prompt, **settings)
-    compile_total, count, state = 0.0, 0, None
+    compile_total, state, tokens, found = 0.0, None, [], None
     start = time.perf_counter()
-    for new, state, compile_seconds in decode.stream(request.args[0], request.loop,
-                                                     *request.args[1:]):
-        compile_total += compile_seconds
-        count += len(new)
-        if new and origins:
-            names = token_origins(state)
-            names = ["target"] * len(new) if names is None else names[count - len(new):count]
-            yield new, names, None
-        elif new:
-            yield new, None
+    with _reporting(progress):
+        steps = decode.stream(request.args[0], request.loop, *request.args[1:])
+        for new, state, compile_seconds in steps:
+            compile_total += compile_seconds
+            if stop and new:
+                # Keep the tokens up to the one that completes a stop string, then stop.
+                for keep in range(1, len(new) + 1):
+                    found = first_stop(decode_text(model, tokens + new[:keep]), stop)
+                    if found is not None:
+                        break
+                new = new[:keep]
+            tokens += new
+            count = len(tokens)
+            if new and origins:
+                names = token_origins(state)
+                names = (["target"] * len(new) if names is None
+                         else names[count - len(new):count])
+                yield new, names, None
+            elif new:
+                yield new, None
+            if found is not None:
+                steps.close()
+                break
     seconds = time.perf_counter() - start - compile_total
-    stats = _stats(state, request, count, seconds, compile_total)
+    stats = _stats(state, request, len(tokens), seconds, compile_total)
+    if found is not None:
+        stats["stop_string"] = found[1]
     yield ([], [], stats) if origins else ([], stats)

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 
 from specjax import api, decode, interrupts, loading, progress
+from specjax.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache  # noqa: F401
 from specjax.attention import IMPLEMENTATIONS
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import ngram_build, sources, train_draft
@@ -95,6 +96,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus mass in (0, 1]; 1 disables (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--stop", action="append", default=None, metavar="STRING",
+                   help="end the text before the first STRING generated (repeatable; "
+                        "checked on the host after each step)")
     p.add_argument("--chat", action="store_true",
                    help="apply the model's chat template to the prompt")
     p.add_argument("--dtype", default="float32",
@@ -226,6 +230,8 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
         if not args.prompt:
             raise InvalidArgumentError("prompt is empty")
         _check_utf8(args.prompt, "the prompt")
+    if args.stop is not None and not all(args.stop):
+        raise InvalidArgumentError("--stop needs a non-empty STRING")
     if args.max_new_tokens < 1:
         raise InvalidArgumentError(
             f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
@@ -420,7 +426,7 @@ def _generate_watched(args, options, dtype, rows, watch) -> int:
         kwargs = dict(method=options, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, chat=args.chat, attn_impl=args.attn_impl,
-                      ngram=args.ngram)
+                      ngram=args.ngram, stop=args.stop)
         if options.uses_draft:
             with shown.phase(f"loading draft {args.draft or '(shipped)'}"):
                 try:
@@ -451,18 +457,20 @@ def _generate_loaded(args, model, rows, kwargs, options, shown, watch) -> int:
     stream = api.stream_generate(model, args.prompt, origins=True, **kwargs)
     with shown.phase("compiling and prefilling"):
         first = next(stream)
-    _print_stream(model, itertools.chain([first], stream), args.show_origin, watch)
+    _print_stream(model, itertools.chain([first], stream), args.show_origin, watch,
+                  api.stop_strings(args.stop))
     return 0
 
 
-def _print_stream(model, stream, show_origin: bool, watch) -> None:
+def _print_stream(model, stream, show_origin: bool, watch, stop: tuple[str, ...] = ()
+                  ) -> None:
     """Prints the streamed text to stdout and the summary to stderr. On Ctrl-C
     (:func:`interrupts.exit_on_interrupt`, told by ``watch.line_open``) or an error the
     text printed so far stays, ended by a newline, so that the one line that follows
     starts a line of its own."""
     tokens: list[int] = []
     try:
-        stats = _print_tokens(model, stream, show_origin, watch, tokens)
+        stats = _print_tokens(model, stream, show_origin, watch, tokens, stop)
     except BaseException:
         if tokens:
             sys.stdout.write("\n")
@@ -476,9 +484,24 @@ def _print_stream(model, stream, show_origin: bool, watch) -> None:
         print(f"tokens by origin: {legend}", file=sys.stderr)
 
 
-def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int]) -> dict:
+def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int],
+                  stop: tuple[str, ...] = ()) -> dict:
     """Writes the stream's text to stdout as it comes, appending to ``tokens``; returns
-    the stats."""
+    the stats. With ``stop`` strings the text ends before the first one, and the last
+    characters that could begin one are held back until it is known."""
+    hold = max(map(len, stop), default=1) - 1
+
+    def visible(final: bool) -> str:
+        text = api.decode_text(model, tokens)
+        found = api.first_stop(text, stop) if stop else None
+        if found is not None:
+            return text[:found[0]]
+        if final:  # the end: what was held back, U+FFFD included
+            return text
+        # Only the stable part: a partial UTF-8 sequence decodes to U+FFFD.
+        text = text.rstrip("\ufffd")
+        return text[:len(text) - hold] if hold else text
+
     printed = ""
     stats = None
     colour = show_origin and sys.stdout.isatty()
@@ -489,25 +512,23 @@ def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int]) ->
             # Token by token, so each piece carries its origin's colour.
             for token, origin in zip(new, names):
                 tokens.append(token)
-                text = api.decode_text(model, tokens)
-                piece, printed = text[len(printed):], text
-                sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
-                                 if colour and ORIGIN_COLOURS[origin] else piece)
+                text = visible(False)
+                if text.startswith(printed) and len(text) > len(printed):
+                    piece, printed = text[len(printed):], text
+                    sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
+                                     if colour and ORIGIN_COLOURS[origin] else piece)
             sys.stdout.flush()
-            watch.line_open = True
+            watch.line_open = bool(printed)
             continue
         tokens += new
-        text = api.decode_text(model, tokens)
-        # Print only the stable part: a partial UTF-8 sequence decodes to U+FFFD.
-        stable = text.rstrip("\ufffd")
-        if stable.startswith(printed):
-            sys.stdout.write(stable[len(printed):])
+        text = visible(False)
+        if text.startswith(printed) and len(text) > len(printed):
+            sys.stdout.write(text[len(printed):])
             sys.stdout.flush()
             watch.line_open = True
-            printed = stable
-    if not show_origin:
-        text = api.decode_text(model, tokens)  # the end: what was held back, U+FFFD included
-        sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")
+            printed = text
+    text = visible(True)
+    sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")
     sys.stdout.write("\n")
     sys.stdout.flush()
     watch.line_open = False
@@ -556,52 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-COMPILATION_CACHE_ENV = "SPECJAX_COMPILATION_CACHE"
-_CACHE_OFF = ("", "0", "off", "no", "false")
-_CACHE_MAX_BYTES = 2 << 30
 _CACHE_ERRORS = ("Error reading persistent compilation cache entry",
                  "Error writing persistent compilation cache entry")
-
-
-def use_compilation_cache(environ=os.environ) -> str | None:
-    """Keeps the ``specjax`` program's compiled programs between runs: JAX's persistent
-    compilation cache, in ``$SPECJAX_COMPILATION_CACHE`` (``off`` or ``0``: no cache), else
-    ``$XDG_CACHE_HOME/specjax/xla`` (``~/.cache/specjax/xla``), every program cached, at most
-    2 GiB (least recently used entries go first).
-
-    JAX's own settings win: with ``JAX_COMPILATION_CACHE_DIR`` set this changes nothing, and
-    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` / ``JAX_COMPILATION_CACHE_MAX_SIZE`` stay.
-    Only the program calls this: the cache is process-wide JAX configuration, which code
-    importing specjax sets for itself (``jax.config.update("jax_compilation_cache_dir", ...)``).
-
-    Returns:
-      None, or a one-line reason why a directory the user named cannot be used (the run
-      goes on without a cache; an unusable default directory is skipped silently).
-    """
-    if jax.config.jax_compilation_cache_dir or environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return None
-    value = environ.get(COMPILATION_CACHE_ENV)
-    if value is not None and value.strip().lower() in _CACHE_OFF:
-        return None
-    try:
-        if value is not None:
-            directory = Path(value).expanduser()
-        else:
-            base = environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-            directory = Path(base) / "specjax" / "xla"
-        directory.mkdir(parents=True, exist_ok=True)
-        usable = os.access(directory, os.W_OK | os.X_OK)
-    except (OSError, RuntimeError):  # RuntimeError: no home directory
-        usable = False
-    if not usable:
-        return (None if value is None else f"{COMPILATION_CACHE_ENV}={value}: not a writable "
-                "directory; compiling without a cache")
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in environ:
-        jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
-    return None
 
 
 def run_command(args) -> int:

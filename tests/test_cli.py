@@ -547,3 +547,51 @@ def test_a_bare_hub_name_is_a_hub_id(capsys):
     assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", "no-such-model"),
                           "no model 'no-such-model': not an existing path, a known name "
                           "(smollm2-135m), nor a hub model found")
+
+
+def test_stop_strings_end_the_text_in_the_cli_and_the_api(capsys, tiny_gguf):
+    """--stop / stop=: the text ends before the first stop string, the tokens at the one
+    that completed it; streamed and whole-program runs agree."""
+    model = specjax.load(str(tiny_gguf))
+    full = specjax.generate(model, PROMPT, method="ar", max_new_tokens=24)
+    assert len(full.text) > 12
+    stop = full.text[8:11]
+    cut = specjax.generate(model, PROMPT, method="ar", max_new_tokens=24, stop=[stop, "\x00"])
+    expected = full.text[:full.text.index(stop)]
+    assert cut.text == expected and cut.stats["stop_string"] == stop
+    assert cut.tokens == full.tokens[:len(cut.tokens)] and len(cut.tokens) < len(full.tokens)
+    streamed = [t for new, _ in specjax.stream_generate(model, PROMPT, method="ar",
+                                                         max_new_tokens=24, stop=stop)
+                for t in new]
+    assert streamed == cut.tokens
+    status, out, err = run_cli(capsys, "generate", PROMPT, "-m", str(tiny_gguf), "--method",
+                               "ar", "--max-new-tokens", "24", "--stop", stop, "--stop", "\x01")
+    assert status == 0 and out == expected + "\n", err
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "--stop", ""),
+                          "--stop needs a non-empty STRING")
+    with pytest.raises(specjax.InvalidArgumentError, match="stop must be a non-empty string"):
+        specjax.generate(model, PROMPT, stop=[""])
+
+
+def test_api_progress_reports_loads_and_compiles(capsys, tiny_gguf):
+    model = specjax.load(str(tiny_gguf), progress=True)
+    err = capsys.readouterr().err
+    assert f"loading {tiny_gguf} ..." in err and re.search(r"\.\.\. [\d.]+ s\n", err), err
+    prompt = PROMPT * 4  # a prompt-length bucket of its own: compiled here
+    specjax.generate(model, prompt, method="ar", max_new_tokens=5, progress=True)
+    err = capsys.readouterr().err
+    assert re.search(r"compiling ar \(.*\) \.\.\. [\d.]+ s\n", err), err
+    specjax.generate(model, prompt, method="ar", max_new_tokens=6, progress=True)
+    assert "compiling" not in capsys.readouterr().err  # the same program: not compiled again
+
+
+def test_the_api_uses_the_programs_compilation_cache(tiny_gguf, tmp_path, monkeypatch,
+                                                     jax_cache_settings):
+    """specjax.load switches on the same persistent cache as the program (the suite runs
+    with SPECJAX_COMPILATION_CACHE=off, the documented way to keep it off)."""
+    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "off")
+    specjax.load(str(tiny_gguf))
+    assert jax.config.jax_compilation_cache_dir is None
+    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, str(tmp_path / "xla"))
+    specjax.load(str(tiny_gguf))
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
