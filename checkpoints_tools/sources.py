@@ -300,20 +300,21 @@ def load_bundled_draft(model: Model, directory: str | os.PathLike | None = None)
 
 
 def _check_fingerprint(model: Model, record: dict, directory: Path) -> None:
-    """The draft shares the target's embedding: refuse a target with other weights."""
-    dtype = np.dtype(model.dtype).name
-    recorded = record.get("embed_fingerprints") or {}
-    expected = recorded.get(dtype)
-    if expected is None and dtype == "float32":
-        expected = record.get("embed_fingerprint")
-    if expected is None:
-        raise InvalidArgumentError(
-            f"the draft in {directory} records no fingerprint for a {dtype} target; load the "
-            "target in float32 or bfloat16")
-    if expected != embed_fingerprint(model.params["embed"]):
+    """The draft shares the target's embedding: refuse a target with other weights.
+
+    The target's embedding may be the one the draft was trained with, or that embedding
+    rounded to any of :data:`FINGERPRINT_DTYPES` and held in any dtype: a checkpoint
+    converted to bfloat16 and loaded in float32 holds the bfloat16-rounded values, whose
+    fingerprint is the recorded bfloat16 one."""
+    recorded = dict(record.get("embed_fingerprints") or {})
+    if record.get("embed_fingerprint"):
+        recorded.setdefault("float32", record["embed_fingerprint"])
+    if embed_fingerprint(model.params["embed"]) not in recorded.values():
         raise InvalidArgumentError(
             f"the draft in {directory} was trained with another embedding than "
-            f"{model.name!r}'s: pass a draft trained for this model (draft=..., --draft)")
+            f"{model.name!r}'s (its weights match none of the draft's recorded "
+            f"{', '.join(recorded) or 'fingerprints'}): pass a draft trained for this model "
+            "(draft=..., --draft)")
 
 
 def frequent_tokens(tokens, k: int, vocab_size: int, *, mixture=None):
