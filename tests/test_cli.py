@@ -418,7 +418,7 @@ def test_settings_are_checked_before_a_model_path_is_read(capsys, tmp_path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
     assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(broken),
-                                   "--method", "tree", "--tree-budget", "0"), "tree_budget")
+                                   "--method", "tree", "--tree-budget", "0"), "--tree-budget")
     assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(broken)),
                           "neither a specjax checkpoint")
 
