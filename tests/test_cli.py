@@ -595,3 +595,20 @@ def test_the_api_uses_the_programs_compilation_cache(tiny_gguf, tmp_path, monkey
     monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, str(tmp_path / "xla"))
     specjax.load(str(tiny_gguf))
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+
+
+def test_the_demo_shows_both_rates_the_speedup_and_identical_texts(smollm2):
+    """make demo (specjax.demo): ar and the default method on one prompt, their tokens/s,
+    the speedup, whether the texts are identical, and why the default is what it is."""
+    import io
+
+    from specjax import demo
+    out = io.StringIO()
+    assert demo.run(smollm2, max_new_tokens=8, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(demo.PROMPT)
+    assert re.match(r"^ +ar: 8 tokens in [\d.]+ s, [\d.]+ tokens/s \(compile [\d.]+ s\)$",
+                    lines[-4]), lines
+    assert re.match(r"^ staged: 8 tokens in ", lines[-3]), lines
+    assert re.match(r"^speedup: [\d.]+x; texts identical: yes$", lines[-2]), lines
+    assert lines[-1].startswith("default method: staged: the fastest for cpu, T=0")
