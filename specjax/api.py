@@ -107,7 +107,9 @@ def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
         else:
-            ids = model.tokenizer(prompt)["input_ids"]
+            # verbose=False: a prompt longer than the model's context gets specjax's own
+            # one-line error (from plan_capacity), not a transformers warning beside it.
+            ids = model.tokenizer(prompt, verbose=False)["input_ids"]
         ids = list(ids)
     else:
         ids = [int(t) for t in prompt]
@@ -143,6 +145,13 @@ def resolve_method(model: Model, method: str | MethodOptions | None = None,
 
 
 def _resolve_method(model: Model, method, temperature, options) -> tuple[MethodOptions, str]:
+    if isinstance(method, MethodOptions):
+        clash = sorted(name for name, value in options.items() if value is not None
+                       and hasattr(method, name) and getattr(method, name) != value)
+        if clash:  # one place for each setting: a keyword would silently win
+            raise InvalidArgumentError(
+                f"{', '.join(clash)} given as a keyword and, with another value, in the "
+                f"{type(method).__name__} passed as method=: set it in one place")
     backend = model_backend(model)
     choice = "given"
     if method is None:
@@ -201,6 +210,11 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
             f"{model.name} is {model.config.architecture}: use 'auto' or 'kernel'")
     stop = _stop_array(model, stop_tokens)
     _warn_if_slow_dtype(model)
+    if attn_impl == "fused" and model_backend(model) == "cpu":
+        warnings.warn(
+            f"{model.name}: attn_impl='fused' on the CPU runs its Pallas kernels in Pallas' "
+            f"interpreter, several times slower than 'auto' (it is meant for GPU/TPU); use "
+            f"attn_impl='auto' on a CPU", PerformanceWarning, stacklevel=4)
     return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens),
                      choice)
 
@@ -597,6 +611,7 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         return [_cut_at_stop(model, result, stop) for result in results]
     if batch_size is not None:
         raise InvalidArgumentError("batch_size applies to a list of prompts only")
+    _check_one_seed(seed)
     request = _prepare(model, prompt, method=method, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        draft=draft, ngram=ngram, stop_tokens=stop_tokens, chat=chat,
@@ -609,6 +624,12 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
     return _cut_at_stop(model, GenerationResult(text=decode_text(model, tokens),
                                                 tokens=tokens, stats=stats,
                                                 origins=token_origins(state)), stop)
+
+
+def _check_one_seed(seed) -> None:
+    if isinstance(seed, (list, tuple, np.ndarray)):
+        raise InvalidArgumentError(f"seed: a list of seeds ({len(seed)}) goes with a list of "
+                                   "prompts; give one int for one prompt")
 
 
 def stop_strings(stop) -> tuple[str, ...]:
@@ -688,6 +709,7 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
         return
     if batch_size is not None:
         raise InvalidArgumentError("batch_size applies to a list of prompts only")
+    _check_one_seed(settings["seed"])
     request = _prepare(model, prompt, **settings)
     compile_total, state, tokens, found = 0.0, None, [], None
     start = time.perf_counter()

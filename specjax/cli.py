@@ -101,9 +101,10 @@ def _add_generate(sub) -> None:
                         "checked on the host after each step)")
     p.add_argument("--chat", action="store_true",
                    help="apply the model's chat template to the prompt")
-    p.add_argument("--dtype", default="float32",
+    p.add_argument("--dtype", default="auto",
                    help="parameter dtype: float32, bfloat16, or auto = bfloat16 on GPU/TPU, "
-                        "float32 on CPU, where bfloat16 runs ~7x slower (default: float32)")
+                        "float32 on CPU, where bfloat16 runs ~7x slower (default: auto, as "
+                        "specjax bench)")
     p.add_argument("--attn-impl", default="auto", choices=IMPLEMENTATIONS,
                    help="attention implementation (default: auto = kernel on GPU/TPU, "
                         "reference on CPU); fused: the kernels for the projections too, q|k|v "
@@ -185,11 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _counted(count: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _summary(stats: dict) -> str:
     rate = stats["tokens_per_s"]
     rate = "too fast to time" if rate is None else f"{rate:.1f} tok/s"
-    return (f"[{stats['method']}] {stats['new_tokens']} tokens in {stats['seconds']:.2f} s "
-            f"({rate}), compile {stats['compile_seconds']:.1f} s, "
+    return (f"[{stats['method']}] {_counted(stats['new_tokens'], 'token')} in "
+            f"{stats['seconds']:.2f} s ({rate}), compile {stats['compile_seconds']:.1f} s, "
             f"target calls {stats['target_calls']}, mean accepted {stats['mean_accepted']:.2f}")
 
 
@@ -303,6 +309,7 @@ def check_output_path(path: str) -> None:
 ORIGIN_COLOURS = {"ngram": "\033[32m", "lookup": "\033[36m", "draft": "\033[33m",
                   "target": ""}
 _RESET = "\033[0m"
+COLOUR_NAMES = {"ngram": "green", "lookup": "cyan", "draft": "yellow", "target": "plain"}
 
 
 def read_prompts_file(path: str) -> list[dict]:
@@ -400,8 +407,8 @@ def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
         if sink is not sys.stdout:
             sink.close()
     rate = f"{tokens / seconds:.1f} tok/s" if seconds > 0 else "too fast to time"
-    print(f"[{kwargs['method'].name}] {len(rows)} prompts in batches of {size}: "
-          f"{int(tokens)} tokens in {seconds:.2f} s ({rate} in total), compile "
+    print(f"[{kwargs['method'].name}] {_counted(len(rows), 'prompt')} in batches of {size}: "
+          f"{_counted(int(tokens), 'token')} in {seconds:.2f} s ({rate} in total), compile "
           f"{compile_seconds:.1f} s", file=sys.stderr)
     return 0
 
@@ -480,8 +487,16 @@ def _print_stream(model, stream, show_origin: bool, watch, stop: tuple[str, ...]
     print(_summary(stats), file=sys.stderr)
     if show_origin:
         counts = stats["tokens_by_origin"]
-        legend = ", ".join(f"{name} {counts.get(name, 0)}" for name in ORIGIN_COLOURS)
-        print(f"tokens by origin: {legend}", file=sys.stderr)
+        colour = sys.stdout.isatty()  # the text was coloured: the counts are the legend
+
+        def shown(name: str) -> str:
+            if not colour:
+                return f"{name} {counts.get(name, 0)}"
+            paint = ORIGIN_COLOURS[name]
+            label = f"{paint}{name}{_RESET}" if paint else name
+            return f"{label} {counts.get(name, 0)} ({COLOUR_NAMES[name]})"
+
+        print(f"tokens by origin: {', '.join(map(shown, ORIGIN_COLOURS))}", file=sys.stderr)
 
 
 def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int],

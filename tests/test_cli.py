@@ -612,3 +612,73 @@ def test_the_demo_shows_both_rates_the_speedup_and_identical_texts(smollm2):
     assert re.match(r"^ staged: 8 tokens in ", lines[-3]), lines
     assert re.match(r"^speedup: [\d.]+x; texts identical: yes$", lines[-2]), lines
     assert lines[-1].startswith("default method: staged: the fastest for cpu, T=0")
+
+
+# ----------------------------------------------------------------------------- small things
+
+
+def test_one_token_is_singular_in_the_summaries():
+    stats = {"method": "ar", "new_tokens": 1, "seconds": 0.5, "tokens_per_s": 2.0,
+             "compile_seconds": 0.1, "target_calls": 2, "mean_accepted": 0.5}
+    assert cli._summary(stats).startswith("[ar] 1 token in 0.50 s")
+    assert cli._counted(2, "prompt") == "2 prompts" and cli._counted(1, "prompt") == "1 prompt"
+
+
+def test_generate_and_bench_share_the_dtype_default():
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", PROMPT]).dtype == "auto"
+    assert parser.parse_args(["bench"]).dtype == "auto"
+
+
+def test_show_origin_on_a_terminal_names_each_colour(capsys, tiny_gguf, monkeypatch):
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    status, out, err = run_cli(capsys, "generate", PROMPT, "-m", str(tiny_gguf), "--method",
+                               "ar", "--max-new-tokens", "3", "--show-origin")
+    assert status == 0, err
+    legend = err.splitlines()[-1]
+    for name, colour in cli.COLOUR_NAMES.items():
+        assert f"{name}\033[0m" in legend or name == "target", legend
+        assert f"({colour})" in legend, legend
+
+
+def test_bench_progress_says_its_speedups_are_running_figures():
+    from specjax.benchmark import runner
+    line = runner._running_speedups({("ar", 0.0): (100, 10.0), ("staged", 0.0): (120, 10.0)},
+                                    0.0)
+    assert line == "T=0 so far: staged 1.20x ar"
+
+
+def test_api_small_refusals_and_warnings(tiny_gguf):
+    model = specjax.load(str(tiny_gguf))
+    with pytest.raises(specjax.InvalidArgumentError, match="tree_budget given as a keyword "
+                       "and, with another value, in the TreeOptions"):
+        specjax.generate(model, PROMPT, method=specjax.TreeOptions(tree_budget=8),
+                         tree_budget=4, draft="first-layers:1")
+    with pytest.raises(specjax.InvalidArgumentError, match=r"seed: a list of seeds \(2\) "
+                       "goes with a list of prompts"):
+        specjax.generate(model, PROMPT, seed=[1, 2])
+    with pytest.warns(specjax.PerformanceWarning, match="attn_impl='fused' on the CPU"):
+        with pytest.raises(specjax.InvalidArgumentError, match="prompt is empty"):
+            specjax.generate(model, "", attn_impl="fused")
+
+
+def test_a_long_prompt_is_tokenized_without_the_tokenizers_warning(tiny_gguf):
+    """A prompt beyond the model's context gets specjax's one-line error only: the
+    tokenizer is asked not to warn about the length itself."""
+    model = specjax.load(str(tiny_gguf))
+    calls = []
+    tokenizer = model.tokenizer
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, *args, **kwargs):
+            calls.append(kwargs)
+            return tokenizer(*args, **kwargs)
+
+    spied = specjax.Model(model.config, model.params, Spy(), name="spied")
+    with pytest.raises(specjax.InvalidArgumentError, match="exceeds the model's"):
+        specjax.generate(spied, "the " * 400, method="ar")
+    assert calls and all(call.get("verbose") is False for call in calls)
