@@ -511,3 +511,22 @@ def test_generate_ctrl_c_with_the_real_model(tmp_path, cache):
             assert waited < 2.0, where
         outcomes.append(status if sent else "ended first")
     assert 130 in outcomes, outcomes
+
+
+def test_a_process_started_with_ctrl_c_ignored_keeps_ignoring_it(models, tmp_path):
+    """Started with SIGINT ignored (the background of a script, nohup), the command does
+    not take Ctrl-C over while importing either: it runs to its end."""
+    # The shell ignores SIGINT, then execs the command (same process) with it ignored.
+    command = f"trap '' INT; exec {SPECJAX} convert {models['small']} {tmp_path / 'dst'}"
+    process = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while process.poll() is None and not importing_jaxlib(process.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert (process.returncode, err) == (0, f"wrote {tmp_path / 'dst'}\n")
