@@ -19,19 +19,21 @@ from pathlib import Path
 import jax
 
 from specjax import api, decode, interrupts, loading, progress
-from specjax.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache  # noqa: F401
 from specjax.attention import IMPLEMENTATIONS
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import ngram_build, sources, train_draft
 from specjax.checkpoints_tools.convert import convert
 from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
+# The program's persistent cache; COMPILATION_CACHE_ENV is re-exported for the tests.
+from specjax.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache  # noqa: F401
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
-from specjax.methods import METHODS, MethodOptions
+from specjax.methods import METHODS, MethodOptions, choice
 from specjax.methods.flags import add_method_arguments, flag_of, method_from_args
 from specjax.methods.options import all_option_fields, backend_of
 from specjax.sampling import make_sampling_params
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_BATCH_SIZE = 8
 
 
 def specjax_version() -> str:
@@ -41,7 +43,6 @@ def specjax_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         import specjax
         return specjax.__version__
-DEFAULT_BATCH_SIZE = 8
 
 
 def _add_generate(sub) -> None:
@@ -165,9 +166,10 @@ def _models(args) -> int:
         print(f"  draft: {f'{draft} ({folder})' if draft else 'none shipped'}")
         print(f"  n-gram tables: {tables or 'none shipped'}")
         for backend in ("cpu", "gpu", "tpu"):
-            greedy, reason = loading.choose_default_method(name, backend, 0.0)
-            sampled, _ = loading.choose_default_method(name, backend, 1.0)
-            timed = "" if "no timing" not in reason else " (not timed with this code)"
+            greedy = loading.default_method(name, backend, 0.0)
+            sampled = loading.default_method(name, backend, 1.0)
+            timed = ("" if (backend, "greedy") in choice.MEASURED
+                     else " (not timed with this code)")
             print(f"  default method on {backend}: {greedy} at T=0, {sampled} at T>0{timed}")
     return 0
 
@@ -243,18 +245,18 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
             f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
     make_sampling_params(args.temperature, args.top_k, args.top_p, args.seed)
     backend = jax.default_backend()
-    method, choice = args.method, "given"
+    method, reason = args.method, "given"
     if method is None:
-        method, choice = loading.choose_default_method(sources.known_origin(args.model),
+        method, reason = loading.choose_default_method(sources.known_origin(args.model),
                                                        backend_of(backend), args.temperature)
-    args.method_choice = choice  # for the stats: the API sees an options object, "given"
+    args.method_choice = reason  # for the stats: the API sees an options object, "given"
     try:
         options = method_from_args(args, method, backend)
     except InvalidArgumentError as error:
         message = _with_flag_names(str(error), args)
         if args.method is None and "does not apply" in message:
             # A method's flag without --method: say why the default is a method without it.
-            message += f"; without --method the default here is {choice.split(' (')[0]}"
+            message += f"; without --method the default here is {reason.split(' (')[0]}"
         raise InvalidArgumentError(message) from None
     options.check_sampling(args.temperature)
     loading.check_resources(options, args.draft, args.ngram)

@@ -1,4 +1,4 @@
-"""Ctrl-C (SIGINT) around work that writes files: complete output or none, and one line.
+"""Ctrl-C (SIGINT) in the command line: complete output or none, and one line.
 
 Python turns Ctrl-C into a ``KeyboardInterrupt`` raised wherever the main thread happens
 to be. Around a checkpoint export that goes wrong in three ways:
@@ -32,6 +32,10 @@ A command line sets its own policy with :func:`command`: while it has nothing to
 up yet (still reading), Ctrl-C prints one line and ends the process at once, raising
 nothing; once its output is in place, Ctrl-C is ignored, so that the status it reports
 (0, or 130 after a clean-up) is always true to what is on disk.
+
+Work that writes nothing that must be completed or removed (``specjax generate``) uses
+:func:`exit_on_interrupt` instead: Ctrl-C ends the process at once from a thread woken by
+the signal itself, even while the main thread is inside XLA (compiling, running).
 
 Signal handlers exist only in the main thread: elsewhere these helpers change nothing
 (Python delivers no ``KeyboardInterrupt`` to other threads anyway).
