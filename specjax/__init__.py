@@ -27,7 +27,7 @@ _EXPORTS = {
     "CheckpointError": "specjax.errors", "InvalidArgumentError": "specjax.errors",
     "ModelNotFoundError": "specjax.errors", "NumericalError": "specjax.errors",
     "SpecjaxError": "specjax.errors", "PerformanceWarning": "specjax.errors",
-    "load": "specjax.loading",
+    "load": "specjax.api",
     "ArOptions": "specjax.methods", "MethodOptions": "specjax.methods",
     "NgramOptions": "specjax.methods", "SpecOptions": "specjax.methods",
     "StagedOptions": "specjax.methods", "TreeOptions": "specjax.methods",
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from specjax.config import ModelConfig, from_hf_config
     from specjax.errors import (CheckpointError, InvalidArgumentError, ModelNotFoundError,
                                 NumericalError, PerformanceWarning, SpecjaxError)
-    from specjax.loading import load
+    from specjax.api import load
     from specjax.methods import (ArOptions, MethodOptions, NgramOptions, SpecOptions,
                                  StagedOptions, TreeOptions)
     from specjax.model import Model

@@ -6,8 +6,11 @@
 >>> specjax.generate(model, "def f(x):", method="tree", tree_budget=8)
 >>> specjax.generate(model, "def f(x):", method=specjax.StagedOptions(tree_budget=8))
 
-The default method is :func:`specjax.loading.default_method`: ``staged`` for a model that
-ships a draft and n-gram tables (``smollm2-135m``), else ``ar``; the CLI uses the same.
+The default method is :func:`specjax.loading.choose_default_method`'s: the method measured
+fastest on the model's backend at the request's temperature among those its shipped draft
+and n-gram tables allow, ``ar`` where none beat it (``smollm2-135m`` on a CPU: ``staged``
+at T=0, ``ar`` at T>0); ``stats["method_choice"]`` says which and why. The CLI uses the
+same.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import jax.numpy as jnp
 import jinja2
 import numpy as np
 
-from specjax import decode, methods, models
+from specjax import decode, loading, methods, models, progress as progress_lib
+from specjax.compilation_cache import use_compilation_cache
 from specjax.attention import IMPLEMENTATIONS
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
-from specjax.loading import (check_resources, default_method, load, resolve_draft,
+from specjax.loading import (check_resources, choose_default_method, resolve_draft,
                              resolve_ngram)
 from specjax.methods import MethodOptions
 from specjax.model import Model, check_draft_compatible, resolve_dtype
@@ -35,6 +39,31 @@ from specjax.sampling import make_sampling_params, static_rules
 
 __all__ = ["GenerationResult", "Model", "check_draft_compatible", "decode_text",
            "encode_prompt", "generate", "load", "resolve_dtype", "stream_generate"]
+
+
+def load(name_or_path, dtype=None, *, progress: bool = False, mesh=None) -> Model:
+    """:func:`specjax.loading.load` (same arguments), with the ``specjax`` program's
+    persistent compilation cache switched on first (:mod:`specjax.compilation_cache`: a
+    later process loads the compiled programs instead of compiling them again;
+    ``SPECJAX_COMPILATION_CACHE=off`` in the environment, or a cache directory set in
+    ``jax.config`` before, keeps it off or elsewhere).
+
+    Args:
+      progress: print what is being loaded and how long it took (stderr), with a
+        progress bar per tensor.
+    """
+    problem = use_compilation_cache()
+    if problem is not None:
+        warnings.warn(problem, PerformanceWarning, stacklevel=2)
+    if not progress:
+        return loading.load(name_or_path, dtype, progress=False, mesh=mesh)
+    with progress_lib.reported(f"loading {name_or_path}"):
+        return loading.load(name_or_path, dtype, progress=True, mesh=mesh)
+
+
+def _reporting(progress: bool):
+    """Compilations reported on stderr when ``progress`` (see :func:`generate`)."""
+    return decode.reporting_compiles(progress_lib.reported if progress else None)
 
 
 @dataclasses.dataclass
@@ -53,6 +82,7 @@ class _Request:
     args: tuple  # (params, prompt, prompt_length, max_new_tokens, sampling, stop, resources)
     prompt_length: int
     options: MethodOptions
+    choice: str = "given"  # why this method: "given", or the default's reason
 
 
 def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -77,7 +107,9 @@ def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
         else:
-            ids = model.tokenizer(prompt)["input_ids"]
+            # verbose=False: a prompt longer than the model's context gets specjax's own
+            # one-line error (from plan_capacity), not a transformers warning beside it.
+            ids = model.tokenizer(prompt, verbose=False)["input_ids"]
         ids = list(ids)
     else:
         ids = [int(t) for t in prompt]
@@ -105,12 +137,26 @@ def _stop_array(model: Model, stop_tokens: Sequence[int] | None):
 
 
 def resolve_method(model: Model, method: str | MethodOptions | None = None,
-                   **options) -> MethodOptions:
-    """The validated options for ``method`` (default: :func:`default_method` of the
-    model) with ``options`` applied; see :func:`specjax.methods.method_options`."""
+                   temperature: float = 0.0, **options) -> MethodOptions:
+    """The validated options for ``method`` (default: :func:`choose_default_method` for
+    the model, its backend and ``temperature``) with ``options`` applied; see
+    :func:`specjax.methods.method_options`."""
+    return _resolve_method(model, method, temperature, options)[0]
+
+
+def _resolve_method(model: Model, method, temperature, options) -> tuple[MethodOptions, str]:
+    if isinstance(method, MethodOptions):
+        clash = sorted(name for name, value in options.items() if value is not None
+                       and hasattr(method, name) and getattr(method, name) != value)
+        if clash:  # one place for each setting: a keyword would silently win
+            raise InvalidArgumentError(
+                f"{', '.join(clash)} given as a keyword and, with another value, in the "
+                f"{type(method).__name__} passed as method=: set it in one place")
+    backend = model_backend(model)
+    choice = "given"
     if method is None:
-        method = default_method(model.assets)
-    return methods.method_options(method, backend=model_backend(model), **options)
+        method, choice = choose_default_method(model.assets, backend, float(temperature))
+    return methods.method_options(method, backend=backend, **options), choice
 
 
 def model_backend(model: Model) -> str:
@@ -135,6 +181,7 @@ class _Settings:
     draft_model: Model | None
     resources: decode.Resources
     max_new_tokens: int
+    choice: str = "given"
 
 
 def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
@@ -143,7 +190,8 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
     if not isinstance(model, Model):
         raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
                                    f"{type(model).__name__}")
-    opts = resolve_method(model, method, **options)
+    make_sampling_params(temperature, top_k, top_p, seed)  # a bad temperature first
+    opts, choice = _resolve_method(model, method, temperature, options)
     sampling = make_sampling_params(temperature, top_k, top_p, seed,
                                     static_rule=static_rules(model_backend(model)))
     opts.check_sampling(float(temperature))
@@ -162,7 +210,13 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
             f"{models.no_fused_layers_reason(model.config)}: use 'auto' or 'kernel'")
     stop = _stop_array(model, stop_tokens)
     _warn_if_slow_dtype(model)
-    return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens))
+    if attn_impl == "fused" and model_backend(model) == "cpu":
+        warnings.warn(
+            f"{model.name}: attn_impl='fused' on the CPU runs its Pallas kernels in Pallas' "
+            f"interpreter, several times slower than 'auto' (it is meant for GPU/TPU); use "
+            f"attn_impl='auto' on a CPU", PerformanceWarning, stacklevel=4)
+    return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens),
+                     choice)
 
 
 # Half-precision parameters XLA's CPU backend runs slower than float32: its bf16/fp16 matmuls
@@ -222,7 +276,7 @@ def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k
     padded[: len(ids)] = ids
     args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new_tokens),
             settings.sampling, settings.stop, settings.resources)
-    return _Request(loop, args, len(ids), settings.options)
+    return _Request(loop, args, len(ids), settings.options, settings.choice)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -238,6 +292,7 @@ class _Batch:
     prompt_lengths: list[int]
     options: MethodOptions
     compact: bool = True  # live rows move to smaller programs as rows finish
+    choice: str = "given"  # why this method (see _Request)
 
 
 def is_batch(prompt) -> bool:
@@ -315,7 +370,8 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
                 jnp.asarray(budgets), decode.batch_sampling(settings.sampling, row_seeds),
                 stop, settings.resources)
-        batches.append(_Batch(loop, args, rows, lengths, settings.options, compact_rows))
+        batches.append(_Batch(loop, args, rows, lengths, settings.options, compact_rows,
+                              settings.choice))
     return batches
 
 
@@ -327,7 +383,7 @@ def _host_rows(state: decode.DecodeState, count: int) -> list[decode.DecodeState
 
 
 def _row_request(batch: _Batch, slot: int) -> _Request:
-    return _Request(batch.loop, (), batch.prompt_lengths[slot], batch.options)
+    return _Request(batch.loop, (), batch.prompt_lengths[slot], batch.options, batch.choice)
 
 
 def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
@@ -415,6 +471,8 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
     target_calls = int(state.target_calls) + 1  # + the prefill pass
     stats = {
         "method": request.options.name,
+        # "given" (method= named it), or why the default is this method
+        "method_choice": request.choice,
         "options": request.options.to_dict(),
         # whose defaults a method name gets here (methods.options.BACKEND_DEFAULTS)
         "backend": methods.options.backend_of(_platform(state.length)),
@@ -468,7 +526,8 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
              seed: int | Sequence[int] = 0, draft: Model | str | None = None, ngram=None,
              stop_tokens: Sequence[int] | None = None, chat: bool = False,
              attn_impl: str = "auto", batch_size: int | None = None,
-             compact_rows: bool = True,
+             compact_rows: bool = True, stop: str | Sequence[str] | None = None,
+             progress: bool = False,
              **options) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation as one compiled program on the device.
 
@@ -492,8 +551,10 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         Leviathan/Chen), ``"tree"`` (draft token tree verified in one target pass),
         ``"staged"`` (draft model helped by n-gram tables and context lookup) or
         ``"ngram"`` (n-gram + context-lookup trees, no draft model) -- or an options
-        object (:class:`~specjax.methods.StagedOptions` ...). Default: ``"staged"`` for a
-        model with a shipped draft and n-gram tables (``smollm2-135m``), else ``"ar"``.
+        object (:class:`~specjax.methods.StagedOptions` ...). Default: the method
+        measured fastest for the model's backend at ``temperature`` among those its
+        shipped draft and tables allow, ``"ar"`` where none beat it
+        (:func:`specjax.loading.choose_default_method`; ``stats["method_choice"]``).
       max_new_tokens: upper bound on generated tokens (traced: no recompilation).
       temperature: 0 for greedy; otherwise sampling temperature (traced).
       top_k: keep the k most likely tokens; 0 disables (traced).
@@ -509,6 +570,13 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         file or :class:`~specjax.drafters.ngram.NgramTables`); default: the tables
         shipped for the model.
       stop_tokens: ids that end generation (default: the model's EOS ids).
+      stop: a string, or a list of strings, that ends the text: it is cut before the
+        first one found, and ``tokens`` at the token that completed it
+        (``stats["stop_string"]`` names it). Checked on the host: :func:`generate` cuts
+        after the program ran (to EOS or ``max_new_tokens``), :func:`stream_generate`
+        stops at the step that completed it.
+      progress: print each load and compilation and its time on stderr (a compiled
+        program is kept for the process: the same settings do not compile again).
       chat: wrap a string prompt in the model's chat template.
       attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (Llama family
         only: the Pallas kernels for attention and every projection, row-tiled, so a
@@ -534,25 +602,75 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
       program's real and padded row counts), ``new_tokens`` and ``tokens_per_s`` (all rows
       of the program together; ``seconds`` is the program's time, shared by its rows).
     """
+    stop = stop_strings(stop)
     if is_batch(prompt):
         batches = _prepare_batch(model, prompt, method=method, max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, draft=draft, ngram=ngram, stop_tokens=stop_tokens,
                                  chat=chat, attn_impl=attn_impl, batch_size=batch_size,
                                  options=options, compact_rows=compact_rows)
-        return _generate_batch(model, batches)
+        with _reporting(progress):
+            results = _generate_batch(model, batches)
+        return [_cut_at_stop(model, result, stop) for result in results]
     if batch_size is not None:
         raise InvalidArgumentError("batch_size applies to a list of prompts only")
+    _check_one_seed(seed)
     request = _prepare(model, prompt, method=method, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        draft=draft, ngram=ngram, stop_tokens=stop_tokens, chat=chat,
                        attn_impl=attn_impl, options=options)
-    state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
-                                                         *request.args[1:])
+    with _reporting(progress):
+        state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
+                                                             *request.args[1:])
     tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
     stats = _stats(state, request, len(tokens), seconds, compile_seconds)
-    return GenerationResult(text=decode_text(model, tokens), tokens=tokens, stats=stats,
-                            origins=token_origins(state))
+    return _cut_at_stop(model, GenerationResult(text=decode_text(model, tokens),
+                                                tokens=tokens, stats=stats,
+                                                origins=token_origins(state)), stop)
+
+
+def _check_one_seed(seed) -> None:
+    if isinstance(seed, (list, tuple, np.ndarray)):
+        raise InvalidArgumentError(f"seed: a list of seeds ({len(seed)}) goes with a list of "
+                                   "prompts; give one int for one prompt")
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    """``stop=`` as a tuple of non-empty strings (one string is a tuple of one).
+
+    Raises:
+      InvalidArgumentError: not a string or a list of non-empty strings.
+    """
+    if stop is None:
+        return ()
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(
+            isinstance(item, str) and item for item in items):
+        raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got "
+                                   f"{stop!r}")
+    return tuple(items)
+
+
+def first_stop(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
+    """(index, string) of the earliest stop string in ``text``, or ``None``."""
+    found = [(text.find(item), item) for item in stop if item in text]
+    return min(found) if found else None
+
+
+def _cut_at_stop(model: Model, result: GenerationResult, stop: Sequence[str]
+                 ) -> GenerationResult:
+    """``result`` ended at its first stop string: the text before it, the tokens up to the
+    one that completed it."""
+    if not stop or first_stop(result.text, stop) is None:
+        return result
+    count = next(k for k in range(1, len(result.tokens) + 1)
+                 if first_stop(decode_text(model, result.tokens[:k]), stop) is not None)
+    index, item = first_stop(decode_text(model, result.tokens[:count]), stop)
+    text = decode_text(model, result.tokens[:count])[:index]
+    stats = dict(result.stats, stop_string=item)
+    origins = None if result.origins is None else result.origins[:count]
+    return GenerationResult(text=text, tokens=result.tokens[:count], stats=stats,
+                            origins=origins)
 
 
 _GENERATE_SIGNATURE = inspect.signature(generate)
@@ -581,26 +699,48 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
     settings.pop("model"), settings.pop("prompt")
     batch_size = settings.pop("batch_size")
     compact_rows = settings.pop("compact_rows")
+    stop = stop_strings(settings.pop("stop"))
+    progress = settings.pop("progress")
     if is_batch(prompt):
+        if stop:
+            raise InvalidArgumentError("stop strings apply to one streamed prompt; for a "
+                                       "batch use generate")
         batches = _prepare_batch(model, prompt, batch_size=batch_size,
                                  compact_rows=compact_rows, **settings)
-        yield from _stream_batch(model, batches, len(prompt), origins)
+        with _reporting(progress):
+            yield from _stream_batch(model, batches, len(prompt), origins)
         return
     if batch_size is not None:
         raise InvalidArgumentError("batch_size applies to a list of prompts only")
+    _check_one_seed(settings["seed"])
     request = _prepare(model, prompt, **settings)
-    compile_total, count, state = 0.0, 0, None
+    compile_total, state, tokens, found = 0.0, None, [], None
     start = time.perf_counter()
-    for new, state, compile_seconds in decode.stream(request.args[0], request.loop,
-                                                     *request.args[1:]):
-        compile_total += compile_seconds
-        count += len(new)
-        if new and origins:
-            names = token_origins(state)
-            names = ["target"] * len(new) if names is None else names[count - len(new):count]
-            yield new, names, None
-        elif new:
-            yield new, None
+    with _reporting(progress):
+        steps = decode.stream(request.args[0], request.loop, *request.args[1:])
+        for new, state, compile_seconds in steps:
+            compile_total += compile_seconds
+            if stop and new:
+                # Keep the tokens up to the one that completes a stop string, then stop.
+                for keep in range(1, len(new) + 1):
+                    found = first_stop(decode_text(model, tokens + new[:keep]), stop)
+                    if found is not None:
+                        break
+                new = new[:keep]
+            tokens += new
+            count = len(tokens)
+            if new and origins:
+                names = token_origins(state)
+                names = (["target"] * len(new) if names is None
+                         else names[count - len(new):count])
+                yield new, names, None
+            elif new:
+                yield new, None
+            if found is not None:
+                steps.close()
+                break
     seconds = time.perf_counter() - start - compile_total
-    stats = _stats(state, request, count, seconds, compile_total)
+    stats = _stats(state, request, len(tokens), seconds, compile_total)
+    if found is not None:
+        stats["stop_string"] = found[1]
     yield ([], [], stats) if origins else ([], stats)

@@ -6,9 +6,11 @@ Errors in user input print one line, ``specjax: error: ...``, and exit with stat
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import itertools
 import json
 import os
+import re
 import signal
 import sys
 import warnings
@@ -21,14 +23,26 @@ from specjax.attention import IMPLEMENTATIONS
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import ngram_build, sources, train_draft
 from specjax.checkpoints_tools.convert import convert
-from specjax.checkpoints_tools.hf import one_line
+from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
+# The program's persistent cache; COMPILATION_CACHE_ENV is re-exported for the tests.
+from specjax.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache  # noqa: F401
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
-from specjax.methods import METHODS, MethodOptions
-from specjax.methods.flags import add_method_arguments, method_from_args
+from specjax.methods import METHODS, MethodOptions, choice
+from specjax.methods.flags import add_method_arguments, flag_of, method_from_args
+from specjax.methods.options import all_option_fields, backend_of
 from specjax.sampling import make_sampling_params
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_BATCH_SIZE = 8
+
+
+def specjax_version() -> str:
+    """The installed package's version (that of the source tree when not installed)."""
+    try:
+        return importlib.metadata.version("specjax")
+    except importlib.metadata.PackageNotFoundError:
+        import specjax
+        return specjax.__version__
 
 
 def _add_generate(sub) -> None:
@@ -37,14 +51,15 @@ def _add_generate(sub) -> None:
         description="Generate a continuation of PROMPT. Text streams to stdout; a one-line "
                     "summary (tokens/s, compile time apart) goes to stderr. Progress (load, "
                     "compile) shows on a terminal.",
-        epilog=f"By default {DEFAULT_MODEL} decodes with "
-               f"{loading.describe_defaults(DEFAULT_MODEL)}; a model without shipped assets "
-               "decodes with ar. spec and tree use the shipped draft too when the model has "
-               "one.")
+        epilog=f"Without --method, {DEFAULT_MODEL} decodes with "
+               f"{loading.describe_defaults(DEFAULT_MODEL)}. A model without shipped assets "
+               "decodes with ar. The JSON stats' method_choice says which method ran and why.")
     p.add_argument("prompt", nargs="?", default=None,
-                   help="the prompt text (or give --prompts-file)")
+                   help="the prompt text; - reads it from standard input (less one final "
+                        "newline); or give --prompts-file")
     p.add_argument("--prompts-file", default=None, metavar="PATH",
-                   help="generate for every prompt of a JSONL file, in batches, writing one "
+                   help="generate for every prompt of a JSONL file (- for standard input), "
+                        "in batches, writing one "
                         "JSON object per prompt (id, index, prompt, text, tokens, stats) to "
                         "--output or stdout. Each line is a JSON object with a \"prompt\" "
                         "(a string, or a list of token ids) and optionally an \"id\" and a "
@@ -59,8 +74,8 @@ def _add_generate(sub) -> None:
                         f"{DEFAULT_MODEL})")
     p.add_argument("--method", default=None, choices=tuple(METHODS),
                    help="; ".join(f"{name}: {cls.summary}" for name, cls in METHODS.items())
-                        + " (default: staged when the model ships a draft and n-gram tables, "
-                          "as smollm2-135m does; else ar)")
+                        + " (default: the method measured fastest on this backend at this "
+                          "temperature, ar where none beat it; see below)")
     p.add_argument("--draft", default=None,
                    help="spec/tree/staged: draft model: a shipped draft's name ("
                         + (", ".join(loading.shipped_draft_names()) or "none") + "), "
@@ -82,11 +97,15 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus mass in (0, 1]; 1 disables (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--stop", action="append", default=None, metavar="STRING",
+                   help="end the text before the first STRING generated (repeatable; "
+                        "checked on the host after each step)")
     p.add_argument("--chat", action="store_true",
                    help="apply the model's chat template to the prompt")
-    p.add_argument("--dtype", default="float32",
+    p.add_argument("--dtype", default="auto",
                    help="parameter dtype: float32, bfloat16, or auto = bfloat16 on GPU/TPU, "
-                        "float32 on CPU, where bfloat16 runs ~7x slower (default: float32)")
+                        "float32 on CPU, where bfloat16 runs ~7x slower (default: auto, as "
+                        "specjax bench)")
     p.add_argument("--attn-impl", default="auto", choices=IMPLEMENTATIONS,
                    help="attention implementation (default: auto = kernel on GPU/TPU, "
                         "reference on CPU); fused: the kernels for the projections too, q|k|v "
@@ -107,7 +126,9 @@ def _add_convert(sub) -> None:
                                    "directory. On a terminal, shows each phase with its time.")
     p.add_argument("src", help="model name, GGUF file, HF or specjax directory, or hub id")
     p.add_argument("dst", help="the checkpoint directory to create")
-    p.add_argument("--dtype", default=None, help="store parameters in this dtype (default: as loaded)")
+    p.add_argument("--dtype", default=None,
+                   help="store parameters in this dtype: float32, bfloat16 or float16 "
+                        "(default: as loaded)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_convert)
 
@@ -126,22 +147,57 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
+def _add_models(sub) -> None:
+    p = sub.add_parser("models", help="list the known models and what is shipped for each",
+                       description="The models known by name (-m NAME), where their weights "
+                                   "come from, the draft and n-gram tables shipped for each, "
+                                   "and the method each decodes with by default.")
+    p.set_defaults(func=_models)
+
+
+def _models(args) -> int:
+    del args
+    for name, known in sources.KNOWN_MODELS.items():
+        draft = loading.shipped_draft_name(name)
+        folder = loading.shipped_assets(name)
+        tables = folder / "ngram.npz" if loading.has_shipped_ngram(name) else None
+        print(name)
+        print(f"  weights: {known.filename} (pip package {known.distribution})")
+        print(f"  draft: {f'{draft} ({folder})' if draft else 'none shipped'}")
+        print(f"  n-gram tables: {tables or 'none shipped'}")
+        for backend in ("cpu", "gpu", "tpu"):
+            greedy = loading.default_method(name, backend, 0.0)
+            sampled = loading.default_method(name, backend, 1.0)
+            timed = ("" if (backend, "greedy") in choice.MEASURED
+                     else " (not timed with this code)")
+            print(f"  default method on {backend}: {greedy} at T=0, {sampled} at T>0{timed}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specjax", description="Lossless speculative decoding in JAX.")
+    parser.add_argument("--version", action="version",
+                        version=f"specjax {specjax_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    _add_models(sub)
     train_draft.add_parser(sub)
     ngram_build.add_parser(sub)
     bench_cli.add_parser(sub)
     return parser
 
 
+def _counted(count: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _summary(stats: dict) -> str:
     rate = stats["tokens_per_s"]
     rate = "too fast to time" if rate is None else f"{rate:.1f} tok/s"
-    return (f"[{stats['method']}] {stats['new_tokens']} tokens in {stats['seconds']:.2f} s "
-            f"({rate}), compile {stats['compile_seconds']:.1f} s, "
+    return (f"[{stats['method']}] {_counted(stats['new_tokens'], 'token')} in "
+            f"{stats['seconds']:.2f} s ({rate}), compile {stats['compile_seconds']:.1f} s, "
             f"target calls {stats['target_calls']}, mean accepted {stats['mean_accepted']:.2f}")
 
 
@@ -165,30 +221,97 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
         if not 1 <= size <= decode.MAX_BATCH_SIZE:
             raise InvalidArgumentError(f"--batch-size must be in [1, {decode.MAX_BATCH_SIZE}], "
                                        f"got {size}")
+        if args.output is not None:
+            check_output_path(args.output)
     else:
         for flag, value in (("--batch-size", args.batch_size), ("--output", args.output)):
             if value is not None:
                 raise InvalidArgumentError(f"{flag} applies to --prompts-file only")
+        if args.prompt == "-":  # standard input, less the one final newline echo adds
+            data = sys.stdin.buffer.read()
+            try:
+                args.prompt = data.decode("utf-8").removesuffix("\n")
+            except UnicodeDecodeError as error:
+                raise InvalidArgumentError(f"the prompt on standard input is not UTF-8 text "
+                                           f"(byte 0x{data[error.start]:02x} at offset "
+                                           f"{error.start})") from None
         if not args.prompt:
             raise InvalidArgumentError("prompt is empty")
+        _check_utf8(args.prompt, "the prompt")
+    if args.stop is not None and not all(args.stop):
+        raise InvalidArgumentError("--stop needs a non-empty STRING")
     if args.max_new_tokens < 1:
         raise InvalidArgumentError(
             f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
-    method = args.method or loading.default_method(sources.known_origin(args.model))
-    options = method_from_args(args, method, jax.default_backend())
     make_sampling_params(args.temperature, args.top_k, args.top_p, args.seed)
+    backend = jax.default_backend()
+    method, reason = args.method, "given"
+    if method is None:
+        method, reason = loading.choose_default_method(sources.known_origin(args.model),
+                                                       backend_of(backend), args.temperature)
+    args.method_choice = reason  # for the stats: the API sees an options object, "given"
+    try:
+        options = method_from_args(args, method, backend)
+    except InvalidArgumentError as error:
+        message = _with_flag_names(str(error), args)
+        if args.method is None and "does not apply" in message:
+            # A method's flag without --method: say why the default is a method without it.
+            message += f"; without --method the default here is {reason.split(' (')[0]}"
+        raise InvalidArgumentError(message) from None
     options.check_sampling(args.temperature)
     loading.check_resources(options, args.draft, args.ngram)
-    loading.check_draft_spec(args.draft)
+    try:
+        loading.check_draft_spec(args.draft)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(_flag_draft(str(error))) from None
     if args.ngram is not None and not Path(args.ngram).expanduser().is_file():
         raise InvalidArgumentError(f"--ngram {args.ngram}: no such file")
     return options, bench_cli.resolve_dtype_flag(args.dtype)
+
+
+def _with_flag_names(message: str, args) -> str:
+    """``message`` (about method options) with options named as their flags:
+    ``tree_budget 99`` -> ``--tree-budget 99`` (each one given, and every one whose name
+    cannot be an English word: ``draft_depth``)."""
+    for name in all_option_fields():
+        if getattr(args, name, None) is not None or "_" in name:
+            message = re.sub(rf"(?<![\w-]){name}\b", flag_of(name), message)
+    return message
+
+
+def _flag_draft(message: str) -> str:
+    """A draft error from the library (``draft 'x': ...``) as the flag's: ``--draft x``."""
+    return re.sub(r"^(no )?draft '([^']*)'", r"--draft \2", message)
+
+
+def _check_utf8(text: str, what: str) -> None:
+    # Arguments that are not UTF-8 reach Python as lone surrogates (PEP 383).
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidArgumentError(f"{what} is not UTF-8 text (an undecodable byte at "
+                                   f"character {error.start})") from None
+
+
+def check_output_path(path: str) -> None:
+    """Rejects an ``--output`` that cannot be written, before anything loads: a directory,
+    or a file in a directory that does not exist or is not writable."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise InvalidArgumentError(f"--output {path}: is a directory; give a file path")
+    parent = target.parent
+    if not parent.is_dir():
+        raise InvalidArgumentError(f"--output {path}: no directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+            target.exists() and not os.access(target, os.W_OK)):
+        raise InvalidArgumentError(f"--output {path}: not writable")
 
 
 # ANSI colours of token origins for --show-origin (the paper's Figure 3 in a terminal).
 ORIGIN_COLOURS = {"ngram": "\033[32m", "lookup": "\033[36m", "draft": "\033[33m",
                   "target": ""}
 _RESET = "\033[0m"
+COLOUR_NAMES = {"ngram": "green", "lookup": "cyan", "draft": "yellow", "target": "plain"}
 
 
 def read_prompts_file(path: str) -> list[dict]:
@@ -202,11 +325,24 @@ def read_prompts_file(path: str) -> list[dict]:
       InvalidArgumentError: a missing or empty file, a line that is not such JSON
         (naming its line number).
     """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise InvalidArgumentError(f"--prompts-file {path}: no such file")
+    if path == "-":  # standard input
+        data = sys.stdin.buffer.read()
+    else:
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise InvalidArgumentError(f"--prompts-file {path}: no such file")
+        try:
+            data = file.read_bytes()
+        except OSError as error:
+            raise InvalidArgumentError(f"--prompts-file {path}: {error.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise InvalidArgumentError(f"--prompts-file {path}, line {line}: not UTF-8 text "
+                                   f"(byte 0x{data[error.start]:02x})") from None
     rows = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"--prompts-file {path}, line {number}"
@@ -224,6 +360,8 @@ def read_prompts_file(path: str) -> list[dict]:
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
             raise InvalidArgumentError(f"{where}: \"prompt\" must be a string or a list of "
                                        f"token ids")
+        if len(prompt) == 0:
+            raise InvalidArgumentError(f"{where}: the prompt is empty")
         seed = item.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InvalidArgumentError(f"{where}: \"seed\" must be an integer")
@@ -256,6 +394,7 @@ def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
                         message[message.index("]") + 1:]
                 raise InvalidArgumentError(message) from None
             for offset, (row, result) in enumerate(zip(chunk, results)):
+                result.stats["method_choice"] = args.method_choice
                 record = {"id": row["id"], "index": first + offset, "prompt": row["prompt"],
                           "text": result.text, "tokens": result.tokens,
                           "method": result.stats["method"], "stats": result.stats}
@@ -270,8 +409,8 @@ def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
         if sink is not sys.stdout:
             sink.close()
     rate = f"{tokens / seconds:.1f} tok/s" if seconds > 0 else "too fast to time"
-    print(f"[{kwargs['method'].name}] {len(rows)} prompts in batches of {size}: "
-          f"{int(tokens)} tokens in {seconds:.2f} s ({rate} in total), compile "
+    print(f"[{kwargs['method'].name}] {_counted(len(rows), 'prompt')} in batches of {size}: "
+          f"{_counted(int(tokens), 'token')} in {seconds:.2f} s ({rate} in total), compile "
           f"{compile_seconds:.1f} s", file=sys.stderr)
     return 0
 
@@ -279,6 +418,15 @@ def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
 def _generate(args) -> int:
     options, dtype = check_generate_args(args)
     rows = None if args.prompts_file is None else read_prompts_file(args.prompts_file)
+    # Nothing here needs finishing or removing on Ctrl-C: it ends the process at once, at
+    # any moment (loading, compiling, prefill, generation), with one line.
+    with interrupts.exit_on_interrupt("specjax: interrupted") as watch:
+        status = _generate_watched(args, options, dtype, rows, watch)
+        watch.finished()
+    return status
+
+
+def _generate_watched(args, options, dtype, rows, watch) -> int:
     with progress.phases(enabled=not args.json) as shown:
         with shown.phase(f"loading {args.model}"):
             model = loading.load(args.model, dtype=dtype, progress=shown.enabled)
@@ -287,88 +435,134 @@ def _generate(args) -> int:
         kwargs = dict(method=options, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, chat=args.chat, attn_impl=args.attn_impl,
-                      ngram=args.ngram)
+                      ngram=args.ngram, stop=args.stop)
         if options.uses_draft:
             with shown.phase(f"loading draft {args.draft or '(shipped)'}"):
-                kwargs["draft"] = loading.resolve_draft(model, args.draft,
-                                                        progress=shown.enabled)
-        if rows is not None:
-            return _generate_file(args, model, rows, kwargs)
-        if args.json:
-            result = api.generate(model, args.prompt, **kwargs)
-            record = {"text": result.text, "tokens": result.tokens, "method": options.name,
-                      "stats": result.stats}
-            if args.show_origin:
-                record["origins"] = result.origins or ["target"] * len(result.tokens)
-            print(json.dumps(record))
-            return 0
-        stream = api.stream_generate(model, args.prompt, origins=True, **kwargs)
-        with shown.phase("compiling and prefilling"):
-            first = next(stream)
-    # A Ctrl-C that a garbage-collector callback swallows still stops the stream.
-    with interrupts.guard() as interrupt:
-        _print_stream(model, itertools.chain([first], stream), args.show_origin,
-                      interrupt.check)
+                try:
+                    kwargs["draft"] = loading.resolve_draft(model, args.draft,
+                                                            progress=shown.enabled)
+                except InvalidArgumentError as error:
+                    raise InvalidArgumentError(_flag_draft(str(error))) from None
+        try:
+            return _generate_loaded(args, model, rows, kwargs, options, shown, watch)
+        except InvalidArgumentError as error:  # limits that depend on the loaded model
+            raise InvalidArgumentError(_with_flag_names(
+                re.sub(r"\bmax_new_tokens\b", "--max-new-tokens", str(error)), args)) from None
+
+
+def _generate_loaded(args, model, rows, kwargs, options, shown, watch) -> int:
+    """Generates with the loaded model: the prompts file, --json, or streamed text."""
+    if rows is not None:
+        return _generate_file(args, model, rows, kwargs)
+    if args.json:
+        result = api.generate(model, args.prompt, **kwargs)
+        result.stats["method_choice"] = args.method_choice
+        record = {"text": result.text, "tokens": result.tokens, "method": options.name,
+                  "stats": result.stats}
+        if args.show_origin:
+            record["origins"] = result.origins or ["target"] * len(result.tokens)
+        print(json.dumps(record))
+        return 0
+    stream = api.stream_generate(model, args.prompt, origins=True, **kwargs)
+    with shown.phase("compiling and prefilling"):
+        first = next(stream)
+    _print_stream(model, itertools.chain([first], stream), args.show_origin, watch,
+                  api.stop_strings(args.stop))
     return 0
 
 
-def _print_stream(model, stream, show_origin: bool, check=lambda: None) -> None:
-    """Prints the streamed text to stdout and the summary to stderr. On Ctrl-C (or an
-    error) the text printed so far stays, ended by a newline, so that the one line
-    :func:`run_command` prints starts a line of its own; ``check`` runs after every
-    chunk (it raises a pending Ctrl-C)."""
+def _print_stream(model, stream, show_origin: bool, watch, stop: tuple[str, ...] = ()
+                  ) -> None:
+    """Prints the streamed text to stdout and the summary to stderr. On Ctrl-C
+    (:func:`interrupts.exit_on_interrupt`, told by ``watch.line_open``) or an error the
+    text printed so far stays, ended by a newline, so that the one line that follows
+    starts a line of its own."""
     tokens: list[int] = []
     try:
-        stats = _print_tokens(model, stream, show_origin, check, tokens)
+        stats = _print_tokens(model, stream, show_origin, watch, tokens, stop)
     except BaseException:
         if tokens:
             sys.stdout.write("\n")
             sys.stdout.flush()
+            watch.line_open = False
         raise
     print(_summary(stats), file=sys.stderr)
     if show_origin:
         counts = stats["tokens_by_origin"]
-        legend = ", ".join(f"{name} {counts.get(name, 0)}" for name in ORIGIN_COLOURS)
-        print(f"tokens by origin: {legend}", file=sys.stderr)
+        colour = sys.stdout.isatty()  # the text was coloured: the counts are the legend
+
+        def shown(name: str) -> str:
+            if not colour:
+                return f"{name} {counts.get(name, 0)}"
+            paint = ORIGIN_COLOURS[name]
+            label = f"{paint}{name}{_RESET}" if paint else name
+            return f"{label} {counts.get(name, 0)} ({COLOUR_NAMES[name]})"
+
+        print(f"tokens by origin: {', '.join(map(shown, ORIGIN_COLOURS))}", file=sys.stderr)
 
 
-def _print_tokens(model, stream, show_origin: bool, check, tokens: list[int]) -> dict:
+def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int],
+                  stop: tuple[str, ...] = ()) -> dict:
     """Writes the stream's text to stdout as it comes, appending to ``tokens``; returns
-    the stats."""
+    the stats. With ``stop`` strings the text ends before the first one, and the last
+    characters that could begin one are held back until it is known."""
+    hold = max(map(len, stop), default=1) - 1
+
+    def visible(final: bool) -> str:
+        text = api.decode_text(model, tokens)
+        found = api.first_stop(text, stop) if stop else None
+        if found is not None:
+            return text[:found[0]]
+        if final:  # the end: what was held back, U+FFFD included
+            return text
+        # Only the stable part: a partial UTF-8 sequence decodes to U+FFFD.
+        text = text.rstrip("\ufffd")
+        return text[:len(text) - hold] if hold else text
+
     printed = ""
     stats = None
     colour = show_origin and sys.stdout.isatty()
     for new, names, stats in stream:
-        check()
         if not new:
             continue
         if show_origin:
             # Token by token, so each piece carries its origin's colour.
             for token, origin in zip(new, names):
                 tokens.append(token)
-                text = api.decode_text(model, tokens)
-                piece, printed = text[len(printed):], text
-                sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
-                                 if colour and ORIGIN_COLOURS[origin] else piece)
+                text = visible(False)
+                if text.startswith(printed) and len(text) > len(printed):
+                    piece, printed = text[len(printed):], text
+                    sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
+                                     if colour and ORIGIN_COLOURS[origin] else piece)
             sys.stdout.flush()
+            watch.line_open = bool(printed)
             continue
         tokens += new
-        text = api.decode_text(model, tokens)
-        # Print only the stable part: a partial UTF-8 sequence decodes to U+FFFD.
-        stable = text.rstrip("\ufffd")
-        if stable.startswith(printed):
-            sys.stdout.write(stable[len(printed):])
+        text = visible(False)
+        if text.startswith(printed) and len(text) > len(printed):
+            sys.stdout.write(text[len(printed):])
             sys.stdout.flush()
-            printed = stable
-    if not show_origin:
-        text = api.decode_text(model, tokens)  # the end: what was held back, U+FFFD included
-        sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")
+            watch.line_open = True
+            printed = text
+    text = visible(True)
+    sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")
     sys.stdout.write("\n")
     sys.stdout.flush()
+    watch.line_open = False
     return stats
 
 
+# The dtypes --dtype names in its help (others numpy knows as floating types work too).
+CONVERT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _convert(args) -> int:
+    if args.dtype is not None:
+        try:
+            as_numpy_dtype(args.dtype)
+        except InvalidArgumentError:
+            raise InvalidArgumentError(f"--dtype {args.dtype}: not a parameter dtype; use "
+                                       f"{', '.join(CONVERT_DTYPES)}") from None
     # Until convert() writes (it holds Ctrl-C back then, and cleans up), nothing needs
     # cleaning up: Ctrl-C ends the process at once, so that no gc callback or import can
     # swallow or garble it. Once DST is in place, Ctrl-C is ignored (see interrupts.command).
@@ -381,12 +575,17 @@ def _convert(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    if argv is None:  # run as the program, not called from Python
-        interrupts.run_as_program()
-        problem = use_compilation_cache()
-        if problem is not None:
-            print(f"specjax: warning: {problem}", file=sys.stderr)
-    status = run_command(args=parser.parse_args(argv))
+    try:
+        if argv is None:  # run as the program, not called from Python
+            interrupts.run_as_program()
+            problem = use_compilation_cache()
+            if problem is not None:
+                print(f"specjax: warning: {problem}", file=sys.stderr)
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:  # before the command sets its own handling of Ctrl-C
+        print("specjax: interrupted", file=sys.stderr)
+        return 130
+    status = run_command(args=args)
     if argv is None:
         # The outcome is decided and printed. A Ctrl-C while the interpreter shuts down
         # (it joins threads, runs jax's exit hooks) would otherwise add a KeyboardInterrupt
@@ -395,52 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-COMPILATION_CACHE_ENV = "SPECJAX_COMPILATION_CACHE"
-_CACHE_OFF = ("", "0", "off", "no", "false")
-_CACHE_MAX_BYTES = 2 << 30
 _CACHE_ERRORS = ("Error reading persistent compilation cache entry",
                  "Error writing persistent compilation cache entry")
-
-
-def use_compilation_cache(environ=os.environ) -> str | None:
-    """Keeps the ``specjax`` program's compiled programs between runs: JAX's persistent
-    compilation cache, in ``$SPECJAX_COMPILATION_CACHE`` (``off`` or ``0``: no cache), else
-    ``$XDG_CACHE_HOME/specjax/xla`` (``~/.cache/specjax/xla``), every program cached, at most
-    2 GiB (least recently used entries go first).
-
-    JAX's own settings win: with ``JAX_COMPILATION_CACHE_DIR`` set this changes nothing, and
-    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` / ``JAX_COMPILATION_CACHE_MAX_SIZE`` stay.
-    Only the program calls this: the cache is process-wide JAX configuration, which code
-    importing specjax sets for itself (``jax.config.update("jax_compilation_cache_dir", ...)``).
-
-    Returns:
-      None, or a one-line reason why a directory the user named cannot be used (the run
-      goes on without a cache; an unusable default directory is skipped silently).
-    """
-    if jax.config.jax_compilation_cache_dir or environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return None
-    value = environ.get(COMPILATION_CACHE_ENV)
-    if value is not None and value.strip().lower() in _CACHE_OFF:
-        return None
-    try:
-        if value is not None:
-            directory = Path(value).expanduser()
-        else:
-            base = environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-            directory = Path(base) / "specjax" / "xla"
-        directory.mkdir(parents=True, exist_ok=True)
-        usable = os.access(directory, os.W_OK | os.X_OK)
-    except (OSError, RuntimeError):  # RuntimeError: no home directory
-        usable = False
-    if not usable:
-        return (None if value is None else f"{COMPILATION_CACHE_ENV}={value}: not a writable "
-                "directory; compiling without a cache")
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in environ:
-        jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
-    return None
 
 
 def run_command(args) -> int:

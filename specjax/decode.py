@@ -340,6 +340,23 @@ def compiler_options(**options):
         _COMPILER_OPTIONS.reset(token)
 
 
+# Called around each compilation (not around a lookup in the in-process cache): a context
+# manager factory taking a one-line description, e.g. the API's progress line.
+_COMPILE_REPORTER: contextvars.ContextVar = contextvars.ContextVar("compile_reporter",
+                                                                   default=None)
+
+
+@contextlib.contextmanager
+def reporting_compiles(reporter) -> Iterator[None]:
+    """Within the block, each program :func:`compiled` compiles runs inside
+    ``reporter(description)`` (a context manager factory); ``None`` reports nothing."""
+    token = _COMPILE_REPORTER.set(reporter)
+    try:
+        yield
+    finally:
+        _COMPILE_REPORTER.reset(token)
+
+
 def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
              carry: int | None = None):
     """Returns (executable, compile seconds, or 0.0 when cached) of ``fn(params, loop, *rest)``
@@ -367,7 +384,12 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
             placement["out_shardings"] = jax.tree.map(lambda x: x.sharding, args[carry])
         jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate,
                          **placement)
-        with sharding.tracing(mesh):  # parameters on a mesh: see there
+        reporter = _COMPILE_REPORTER.get()
+        report = (contextlib.nullcontext() if reporter is None else
+                  reporter(f"compiling {getattr(loop.method, 'name', 'ar')} "
+                           f"({getattr(fn, '__name__', 'program').strip('_')}, cache "
+                           f"{loop.capacity})"))
+        with report, sharding.tracing(mesh):  # parameters on a mesh: see there
             executable = jitted.lower(*args).compile(dict(options) or None)
         _EXECUTABLES[key] = executable
         return executable, time.perf_counter() - start

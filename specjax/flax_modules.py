@@ -43,6 +43,7 @@ Two things worth knowing in a pipeline (flax 0.12):
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -327,10 +328,22 @@ def to_flax(model, api: str = "nnx"):
             f"model {model.name!r} has a head subset (a decoding-only view): convert the "
             "model it was made from")
     if api == "nnx":
-        return NNXCausalLM(model.config, params=model.params)
-    if api == "linen":
-        return LinenCausalLM(model.config), {"params": dict(model.params)}
-    raise InvalidArgumentError(f"unknown Flax api {api!r}; expected 'nnx' or 'linen'")
+        module = NNXCausalLM(model.config, params=model.params)
+    elif api == "linen":
+        module = LinenCausalLM(model.config)
+    else:
+        raise InvalidArgumentError(f"unknown Flax api {api!r}; expected 'nnx' or 'linen'")
+    if model.tokenizer is not None:
+        try:
+            _TOKENIZERS[module] = model.tokenizer  # save_for_specjax keeps it
+        except TypeError:  # a module that cannot be weakly referenced: pass tokenizer=
+            pass
+    return module if api == "nnx" else (module, {"params": dict(model.params)})
+
+
+# The tokenizer of the model each module of to_flax was made from (the module does not hold
+# it: a Flax module carries arrays and static config only), for save_for_specjax.
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def save_for_specjax(path: str | os.PathLike, source: Any, config: ModelConfig | None = None,
@@ -345,11 +358,17 @@ def save_for_specjax(path: str | os.PathLike, source: Any, config: ModelConfig |
     Args:
       path: a directory that does not exist yet or is empty.
       source, config: see :func:`flax_params`.
-      tokenizer: a transformers tokenizer to store alongside, or ``None``.
+      tokenizer: a transformers tokenizer to store alongside; default: that of the model
+        :func:`to_flax` made ``source`` from (an NNX module, or the linen module), if any.
     Returns:
       The checkpoint directory as an absolute path.
     """
     from specjax.checkpoints_tools.orbax_io import save_orbax
 
+    if tokenizer is None:
+        try:
+            tokenizer = _TOKENIZERS.get(source)
+        except TypeError:  # not weak-referenceable (a dict of params): nothing recorded
+            tokenizer = None
     config, params = flax_params(source, config)
     return save_orbax(path, config, params, tokenizer)

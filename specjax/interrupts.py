@@ -1,4 +1,4 @@
-"""Ctrl-C (SIGINT) around work that writes files: complete output or none, and one line.
+"""Ctrl-C (SIGINT) in the command line: complete output or none, and one line.
 
 Python turns Ctrl-C into a ``KeyboardInterrupt`` raised wherever the main thread happens
 to be. Around a checkpoint export that goes wrong in three ways:
@@ -32,6 +32,10 @@ A command line sets its own policy with :func:`command`: while it has nothing to
 up yet (still reading), Ctrl-C prints one line and ends the process at once, raising
 nothing; once its output is in place, Ctrl-C is ignored, so that the status it reports
 (0, or 130 after a clean-up) is always true to what is on disk.
+
+Work that writes nothing that must be completed or removed (``specjax generate``) uses
+:func:`exit_on_interrupt` instead: Ctrl-C ends the process at once from a thread woken by
+the signal itself, even while the main thread is inside XLA (compiling, running).
 
 Signal handlers exist only in the main thread: elsewhere these helpers change nothing
 (Python delivers no ``KeyboardInterrupt`` to other threads anyway).
@@ -263,3 +267,97 @@ def command(message: str, *, exit_at_once: bool = True, finish_on_completed: boo
         # Python's handler here would leave an instant in which Ctrl-C changes it.
         done = handler._finished and _as_program
         signal.signal(signal.SIGINT, signal.SIG_IGN if done else previous)
+
+
+class Watch:
+    """What :func:`exit_on_interrupt` yields: marks what the exit must finish or ignore."""
+
+    def __init__(self, message: str, status: int):
+        self._line = (message + "\n").encode()
+        self._status = status
+        self._lock = threading.Lock()
+        self._finished = False
+        self.line_open = False  # stdout holds a line not yet ended (streamed text)
+
+    def finished(self) -> None:
+        """The command's outcome is decided (everything is printed): Ctrl-C from now on
+        is ignored, so it changes neither the exit status nor the output."""
+        self._finished = True
+
+    def _exit(self) -> None:
+        if self._finished:
+            return
+        if not self._lock.acquire(blocking=False):
+            return  # the other path (thread or handler) is ending the process already
+        # Bytes straight to the file descriptors, then os._exit: no Python clean-up, no
+        # interpreter shutdown racing XLA's own threads (what crashed or aborted).
+        if self.line_open:
+            _write(1, b"\n")
+        _write(2, (b"\n" if _isatty(2) else b"") + self._line)
+        os._exit(self._status)
+
+    def _handle(self, signum, frame) -> None:
+        del signum, frame
+        self._exit()
+
+    def _watch(self, read_fd: int) -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:  # the write end closed: the block ended
+                return
+            if signal.SIGINT in data:
+                self._exit()
+
+
+def _write(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)
+    except OSError:  # a closed pipe: the line cannot be shown, the status still can
+        pass
+
+
+@contextlib.contextmanager
+def exit_on_interrupt(message: str, *, status: int = 130) -> Iterator[Watch]:
+    """Ctrl-C prints ``message`` and ends the process with ``status`` at once, at any
+    moment of the block, even while the main thread is inside a long C++ call (XLA
+    compiling, a device computation) that would hold Python's own handler back.
+
+    For work that writes nothing that must be completed or removed (generating to the
+    terminal). Python runs a signal handler only between bytecodes of the main thread, so
+    a press during a compile used to wait for it, then unwind through jax while its
+    threads ran and crash in the interpreter's shutdown (segfaults, ``pure virtual method
+    called``), or be swallowed by a garbage-collector callback. Here the signal's C-level
+    handler writes to a pipe (:func:`signal.set_wakeup_fd`) that a thread waits on; that
+    thread writes the line and calls ``os._exit``. Once :meth:`Watch.finished`, Ctrl-C is
+    ignored up to the end of the block (and, in a program, see :func:`run_as_program`,
+    up to its exit). Outside the main thread, or where SIGINT is ignored, nothing changes.
+
+    Yields:
+      the :class:`Watch` (set ``line_open`` while streamed text has no newline yet).
+    """
+    watch = Watch(message, status)
+    if not _in_main_thread() or signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+        yield watch
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous_handler = signal.signal(signal.SIGINT, watch._handle)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    thread = threading.Thread(target=watch._watch, args=(read_fd,), name="specjax-interrupt",
+                              daemon=True)
+    thread.start()
+    try:
+        yield watch
+    finally:
+        done = watch._finished and _as_program
+        signal.signal(signal.SIGINT, signal.SIG_IGN if done else previous_handler)
+        signal.set_wakeup_fd(previous_fd)
+        # A thread that is ending the process holds the lock: wait for the end there.
+        with watch._lock:
+            watch._finished = True
+        os.close(write_fd)
+        thread.join()
+        os.close(read_fd)

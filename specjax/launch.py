@@ -28,10 +28,15 @@ def _exit_interrupted(signum, frame) -> None:
 
 def main() -> int:
     """Runs ``specjax`` with the command line's arguments."""
-    previous = signal.signal(signal.SIGINT, _exit_interrupted)
+    # A process started with SIGINT ignored (in the background of a script, under nohup)
+    # keeps ignoring it, as the commands do.
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if not ignored:
+        previous = signal.signal(signal.SIGINT, _exit_interrupted)
     from specjax import cli  # the slow imports
 
-    signal.signal(signal.SIGINT, previous)
+    if not ignored:
+        signal.signal(signal.SIGINT, previous)
     return cli.main()
 
 

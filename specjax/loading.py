@@ -5,8 +5,9 @@
   shipped draft by name (``smollm2-135m-draft``), ``first-layers:K``, a draft asset
   folder, or any model :func:`load` accepts.
 * :func:`resolve_ngram` -- n-gram tables: given, a path, or those shipped for the model.
-* :func:`default_method` -- ``staged`` for a model with shipped assets, else ``ar``; the
-  API and the CLI share it.
+* :func:`choose_default_method` -- the method when none is named: the fastest measured
+  for the backend and temperature (:mod:`specjax.methods.choice`); the API and the CLI
+  share it.
 
 A known model (``smollm2-135m``) ships a draft and n-gram tables in ``specjax/assets``;
 a model loaded from it, from its file, or from a checkpoint converted from it carries
@@ -27,7 +28,7 @@ from specjax import models, sharding
 from specjax.checkpoints_tools import sources
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
-from specjax.methods import MethodOptions
+from specjax.methods import MethodOptions, choice
 from specjax.model import Model, check_draft_compatible, pad_draft_vocabulary, resolve_dtype
 
 DRAFT_SUFFIX = "-draft"
@@ -96,25 +97,45 @@ def shipped_draft_names() -> list[str]:
     return [name for name in map(shipped_draft_name, sources.KNOWN_MODELS) if name]
 
 
-def default_method(assets: str | None) -> str:
-    """``staged`` when a draft and n-gram tables are shipped for the model, else ``ar``.
+def shipped_resources(assets: str | None) -> frozenset[str]:
+    """What is shipped for a known model: a subset of ``{"draft", "ngram"}``."""
+    return frozenset(name for name, shipped in (("draft", shipped_draft_name(assets)),
+                                                ("ngram", has_shipped_ngram(assets)))
+                     if shipped)
+
+
+def choose_default_method(assets: str | None, backend: str = "cpu",
+                          temperature: float = 0.0) -> tuple[str, str]:
+    """The method used when none is named, and why (one line): the fastest measured on
+    ``backend`` at ``temperature`` among those the shipped assets allow, ``ar`` where
+    none beat it (:func:`specjax.methods.choice.choose_method`).
 
     Args:
       assets: ``Model.assets`` (or :func:`sources.known_origin` of a model argument, so
         that the CLI decides before loading).
+      backend: ``cpu``, ``gpu`` or ``tpu``.
+      temperature: the sampling temperature.
     """
-    if shipped_draft_name(assets) and has_shipped_ngram(assets):
-        return "staged"
-    return "ar"
+    return choice.choose_method(backend, temperature, shipped_resources(assets))
+
+
+def default_method(assets: str | None, backend: str = "cpu", temperature: float = 0.0) -> str:
+    """The name :func:`choose_default_method` chooses."""
+    return choose_default_method(assets, backend, temperature)[0]
 
 
 def describe_defaults(assets: str | None) -> str:
-    """One line on what a model decodes with by default (for ``--help`` and errors)."""
-    draft = shipped_draft_name(assets)
-    if draft is None:
+    """One line on what a model decodes with by default (for ``--help``)."""
+    if not shipped_resources(assets):
         return "ar (no shipped draft or n-gram tables)"
-    return (f"{default_method(assets)}, with the shipped draft {draft!r} and the shipped "
-            f"n-gram tables ({shipped_assets(assets)})")
+    per_backend = "; ".join(
+        f"{backend}: {default_method(assets, backend, 0.0)} at T=0, "
+        f"{default_method(assets, backend, 1.0)} at T>0"
+        + ("" if (backend, "greedy") in choice.MEASURED else " (not measured)")
+        for backend in ("cpu", "gpu", "tpu"))
+    return (f"the method measured fastest on the backend at the temperature, ar where "
+            f"none beat it ({per_backend}); spec, tree and staged use the shipped draft "
+            f"{shipped_draft_name(assets)!r}, ngram and staged the shipped n-gram tables")
 
 
 # ----------------------------------------------------------------------------- resources
@@ -130,6 +151,9 @@ def check_draft_spec(draft) -> None:
         if not text[len(FIRST_LAYERS):].isdigit():
             raise InvalidArgumentError(f"draft {text!r}: expected {FIRST_LAYERS}K with an "
                                        "integer K")
+        if int(text[len(FIRST_LAYERS):]) < 1:
+            raise InvalidArgumentError(f"draft {text!r}: K must be at least 1 (and at most "
+                                       "the target's layer count, known once it loads)")
     elif text in shipped_draft_names() or Path(text).expanduser().exists():
         return
     else:
@@ -163,7 +187,12 @@ def resolve_draft(model: Model, draft=None, *, dtype=None, progress: bool = Fals
     if draft is None:
         draft = _draft_asset(model, None)
     elif isinstance(draft, str) and draft.startswith(FIRST_LAYERS):
-        draft = model.first_layers(int(draft[len(FIRST_LAYERS):]))
+        count = int(draft[len(FIRST_LAYERS):])
+        if not 1 <= count <= model.config.num_layers:
+            raise InvalidArgumentError(
+                f"draft {draft!r}: K must be in [1, {model.config.num_layers}], the layers "
+                f"of {model.name}")
+        draft = model.first_layers(count)
     elif isinstance(draft, str) and draft in shipped_draft_names() \
             and not Path(draft).exists():
         draft = _draft_asset(model, shipped_assets(draft[: -len(DRAFT_SUFFIX)]))

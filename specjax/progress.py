@@ -142,3 +142,31 @@ def _isatty(stream: TextIO) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed file
         return False
+
+
+@contextlib.contextmanager
+def reported(description: str, stream: TextIO | None = None) -> Iterator[None]:
+    """The Python API's ``progress=True``: ``description ... <seconds> s`` on ``stream``
+    (default: stderr), drawn live on a terminal; elsewhere (a notebook, a log file) one
+    line when the block starts and one when it ends.
+
+    Args:
+      description: what the block does, e.g. ``"loading smollm2-135m"``.
+      stream: where to write.
+    """
+    stream = sys.stderr if stream is None else stream
+    if _isatty(stream):
+        with Phases(True, stream).phase(description):
+            yield
+        return
+    started = time.perf_counter()
+    print(f"{description} ...", file=stream, flush=True)
+    outcome = ""
+    try:
+        yield
+    except BaseException:
+        outcome = ", stopped"
+        raise
+    finally:
+        print(f"{description} ... {time.perf_counter() - started:.1f} s{outcome}", file=stream,
+              flush=True)

@@ -120,14 +120,22 @@ def make_mesh(model: int | None = None, data: int = 1,
 
 
 def check_mesh(mesh) -> Mesh:
-    """Returns ``mesh`` if it is a :class:`Mesh` with exactly the axes ``("data",
-    "model")``; raises :class:`InvalidArgumentError` otherwise."""
+    """``mesh`` if it is a :class:`Mesh` with exactly the axes ``("data", "model")``, with
+    every axis of type ``Auto``; raises :class:`InvalidArgumentError` otherwise.
+
+    A mesh from ``jax.make_mesh`` has ``Explicit`` axes by default (explicit sharding,
+    where a sharding constraint asserts instead of placing): specjax places arrays
+    itself, so the same devices and axes come back as an ``Auto`` mesh."""
     if not isinstance(mesh, Mesh):
         raise InvalidArgumentError(f"mesh must be a jax.sharding.Mesh (see "
                                    f"specjax.sharding.make_mesh), got {type(mesh).__name__}")
     if tuple(mesh.axis_names) != AXES:
         raise InvalidArgumentError(f"mesh axes must be {AXES}, got {tuple(mesh.axis_names)} "
                                    f"(see specjax.sharding.make_mesh)")
+    types = tuple(getattr(mesh, "axis_types", None) or ())
+    auto = jax.sharding.AxisType.Auto
+    if any(kind != auto for kind in types):
+        mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(AXES))
     return mesh
 
 
@@ -216,7 +224,7 @@ def shard_params(config: ModelConfig, params: dict, mesh: Mesh, *,
                  replicate: bool = False) -> dict:
     """``params`` placed on ``mesh``: split per :func:`param_specs`, or every parameter
     whole on every device (``replicate=True``, e.g. a small draft)."""
-    check_mesh(mesh)
+    mesh = check_mesh(mesh)
     specs = (jax.tree.map(lambda _: P(), params) if replicate
              else param_specs(config, params, mesh))
     return jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), params, specs)

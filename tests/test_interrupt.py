@@ -160,13 +160,13 @@ def test_outside_the_main_thread_nothing_changes():
 # ----------------------------------------------------------------------------- real processes
 
 
-def tiny_llama_gguf(path: Path, hidden: int, layers: int) -> Path:
+def tiny_llama_gguf(path: Path, hidden: int, layers: int, positions: int = 128) -> Path:
     """A random Llama with the tiny GGUF vocabulary, written as an F32 GGUF file."""
     tokens, _, _ = tiny_vocabulary()
     config = transformers.LlamaConfig(
         vocab_size=len(tokens), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+        max_position_embeddings=positions, bos_token_id=1, eos_token_id=2, pad_token_id=None,
         tie_word_embeddings=False)
     return write_tiny_gguf(transformers.LlamaForCausalLM(config).eval(), path)
 
@@ -176,7 +176,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sources")
     # ~20 MB: reading and writing take about a second each, so both can be hit.
     return {"medium": tiny_llama_gguf(root / "medium.gguf", hidden=256, layers=8),
-            "small": tiny_llama_gguf(root / "small.gguf", hidden=64, layers=2)}
+            "small": tiny_llama_gguf(root / "small.gguf", hidden=64, layers=2),
+            # room for a long generation: streaming lasts long enough to be hit
+            "long": tiny_llama_gguf(root / "long.gguf", hidden=64, layers=2,
+                                    positions=1024)}
 
 
 # ----------------------------------------------------------------------------- the harness
@@ -372,3 +375,158 @@ def test_train_draft_leaves_nothing_half_written_at_any_ctrl_c(models, tmp_path)
         outcomes[(moment, delay)] = status if sent else "ended first"
     assert outcomes[("checkpoint", 0.0)] == 130, outcomes
     assert outcomes[("export", 0.0)] == 130, outcomes
+
+
+# ----------------------------------------------------------------------------- generate
+# Nothing of generate needs cleaning up: Ctrl-C at any moment (loading, compiling,
+# prefill, streaming) ends it at once with status 130 and the one line, never a crash in
+# the interpreter's shutdown, a traceback, or a press swallowed by a gc callback.
+
+
+def interrupt_generate(argv: list[str], moment: Callable[[int, Path], bool], delay: float,
+                       env: dict, out_file: Path) -> tuple[int, str, str, bool, float]:
+    """Runs ``specjax generate ARGV`` (stdout to ``out_file``, so that the test can see
+    streaming begin) and sends SIGINT ``delay`` s after ``moment(pid, out_file)``.
+
+    Returns:
+      (status, stdout, stderr, whether SIGINT was sent, seconds from SIGINT to the exit).
+    """
+    with open(out_file, "w") as sink:
+        process = subprocess.Popen([str(SPECJAX), "generate", *argv], stdout=sink,
+                                   stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            deadline = time.monotonic() + 300
+            while process.poll() is None and not moment(process.pid, out_file):
+                assert time.monotonic() < deadline, "the moment never came"
+                time.sleep(0.002)
+            time.sleep(delay)
+            sent = process.poll() is None
+            pressed = time.monotonic()
+            if sent:
+                process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=300)
+            waited = time.monotonic() - pressed
+        finally:
+            process.kill()  # only if the test itself failed above
+    return process.returncode, out_file.read_text(), err, sent, waited
+
+
+def streaming(pid: int, out_file: Path) -> bool:
+    return out_file.stat().st_size > 0
+
+
+def check_generate_outcome(status: int, out: str, err: str, where: str) -> None:
+    if status == 0:
+        assert err.startswith("[") and err.count("\n") == 1, where  # the summary line
+        assert out.endswith("\n"), where
+    else:
+        assert (status, err) == (130, INTERRUPTED), where
+        assert out == "" or out.endswith("\n"), where  # streamed text, then its newline
+
+
+# (moment, delay): while the model file is read, then at moments of loading and
+# compiling (which take seconds here), then once streaming has begun.
+GENERATE_MOMENTS = [("reading", 0.0), ("reading", 0.5), ("reading", 2.0), ("streaming", 0.0)]
+
+
+@pytest.mark.parametrize("cache", ["off", "warm"])
+def test_generate_ctrl_c_at_any_moment_is_status_130_and_one_line(models, tmp_path, cache):
+    model = models["long"]
+    argv = ["-m", str(model), "the", "--max-new-tokens", "900", "--method", "ar"]
+    env = dict(ENV, SPECJAX_COMPILATION_CACHE="off")
+    if cache == "warm":
+        env["SPECJAX_COMPILATION_CACHE"] = str(tmp_path / "xla")
+        filled = subprocess.run([str(SPECJAX), "generate", *argv], env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert filled.returncode == 0, filled.stderr
+    outcomes = {}
+    for i, (moment, delay) in enumerate(GENERATE_MOMENTS):
+        watch = {"reading": lambda pid, _: mapped(model)(pid), "streaming": streaming}[moment]
+        status, out, err, sent, _ = interrupt_generate(argv, watch, delay, env,
+                                                       tmp_path / f"out{i}.txt")
+        where = f"{moment}+{delay}s: status {status}, stderr {err!r}"
+        check_generate_outcome(status, out, err, where)
+        outcomes[(moment, delay)] = status if sent else "ended first"
+    # The runs hit what they aimed at: the load and the streaming were interrupted.
+    assert outcomes[("reading", 0.0)] == 130, outcomes
+    assert outcomes[("streaming", 0.0)] == 130, outcomes
+
+
+# A program whose compile takes seconds in one XLA call (no Python runs meanwhile).
+SLOW_COMPILE = """
+import sys
+import jax, jax.numpy as jnp
+from specjax import interrupts
+
+def f(x):
+    for i in range(3000):
+        x = jnp.sin(x) * (i % 7 + 1) + jnp.cos(x[::-1])
+    return x
+
+with interrupts.exit_on_interrupt("specjax: interrupted"):
+    lowered = jax.jit(f).lower(jnp.ones(64))  # Python: tracing
+    print("compiling", flush=True)
+    lowered.compile()  # seconds in XLA
+print("compiled", flush=True)
+"""
+
+
+def test_ctrl_c_during_a_long_compile_exits_at_once(tmp_path):
+    """A press during one long XLA call ends the process within a second, with the one
+    line: no KeyboardInterrupt unwinding through jax while its compile threads run."""
+    process = subprocess.Popen([sys.executable, "-c", SLOW_COMPILE], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert process.stdout.readline() == "compiling\n"
+        time.sleep(1.0)  # inside the compile (several seconds)
+        assert process.poll() is None
+        pressed = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=300)
+        waited = time.monotonic() - pressed
+    finally:
+        process.kill()
+    assert (process.returncode, out, err) == (130, "", INTERRUPTED)
+    assert waited < 1.0, waited
+
+
+@pytest.mark.slow  # the real model: loads in seconds, compiles for tens of seconds
+@pytest.mark.parametrize("cache", ["off", "warm"])
+def test_generate_ctrl_c_with_the_real_model(tmp_path, cache):
+    argv = ["def fibonacci(n):", "--max-new-tokens", "300"]
+    env = dict(ENV, SPECJAX_COMPILATION_CACHE="off")
+    if cache == "warm":
+        env["SPECJAX_COMPILATION_CACHE"] = str(tmp_path / "xla")
+        filled = subprocess.run([str(SPECJAX), "generate", *argv], env=env,
+                                capture_output=True, text=True, timeout=900)
+        assert filled.returncode == 0, filled.stderr
+    started = lambda pid, _: importing_jaxlib(pid)  # noqa: E731
+    outcomes = []
+    for i, delay in enumerate((3.0, 6.0, 9.0, 12.0, 16.0)):
+        status, out, err, sent, waited = interrupt_generate(argv, started, delay, env,
+                                                            tmp_path / f"out{i}.txt")
+        where = f"+{delay}s: status {status}, stderr {err!r}"
+        check_generate_outcome(status, out, err, where)
+        if sent and status == 130:
+            assert waited < 2.0, where
+        outcomes.append(status if sent else "ended first")
+    assert 130 in outcomes, outcomes
+
+
+def test_a_process_started_with_ctrl_c_ignored_keeps_ignoring_it(models, tmp_path):
+    """Started with SIGINT ignored (the background of a script, nohup), the command does
+    not take Ctrl-C over while importing either: it runs to its end."""
+    # The shell ignores SIGINT, then execs the command (same process) with it ignored.
+    command = f"trap '' INT; exec {SPECJAX} convert {models['small']} {tmp_path / 'dst'}"
+    process = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while process.poll() is None and not importing_jaxlib(process.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert (process.returncode, err) == (0, f"wrote {tmp_path / 'dst'}\n")

@@ -40,3 +40,16 @@ def test_quickstart_notebook_executes_on_cpu(tmp_path, monkeypatch):
              for kind in output.get("data", {})}
     assert {"text/html", "image/png"} <= kinds  # the coloured tokens and the speedup plot
     assert os.listdir(tmp_path) == []  # the notebook writes no files
+
+
+def test_the_install_cell_installs_from_the_clone_it_is_in(monkeypatch):
+    """No placeholder URL to edit: opened from a clone (Jupyter runs it in
+    benchmarks/notebooks/), the install cell installs that clone."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    source = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
+    assert "OWNER" not in source
+    install = next(cell.source for cell in notebook.cells if "def clone_root" in cell.source)
+    namespace: dict = {"os": os}
+    exec(install.split("if importlib.util.find_spec")[0], namespace)  # the definitions
+    monkeypatch.chdir(NOTEBOOK.parent)
+    assert namespace["clone_root"]() == str(NOTEBOOK.parents[2])

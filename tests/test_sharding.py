@@ -342,3 +342,26 @@ def test_mesh_and_specs_without_devices():
 
 if __name__ == "__main__":
     print(json.dumps(_run_checks(SLOW_CASES if sys.argv[1:] == ["slow"] else CASES)))
+
+
+def test_a_mesh_from_jax_make_mesh_works_and_a_wrong_one_is_refused_at_load(tmp_path):
+    """jax.make_mesh gives Explicit axes by default (jax >= 0.10), where a sharding
+    constraint asserts: load takes the same devices as an Auto mesh and generates as one
+    device does. A mesh with other axes is refused at load, naming them (one device here:
+    the 8-device cases above cover the splitting)."""
+    import jax
+    from helpers_checkpoints import gguf_llama, write_tiny_gguf
+
+    import specjax
+
+    path = str(write_tiny_gguf(gguf_llama(seed=4), tmp_path / "tiny.gguf"))
+    expected = specjax.generate(specjax.load(path), "the", method="ar", max_new_tokens=4)
+    for kwargs in ({}, {"axis_types": (jax.sharding.AxisType.Explicit,) * 2},
+                   {"axis_types": (jax.sharding.AxisType.Auto,) * 2}):
+        mesh = jax.make_mesh((1, 1), ("data", "model"), **kwargs)
+        model = specjax.load(path, mesh=mesh)
+        got = specjax.generate(model, "the", method="ar", max_new_tokens=4)
+        assert got.tokens == expected.tokens, kwargs
+    with pytest.raises(specjax.InvalidArgumentError,
+                       match=r"mesh axes must be \('data', 'model'\), got \('x', 'y'\)"):
+        specjax.load(path, mesh=jax.make_mesh((1, 1), ("x", "y")))

@@ -64,6 +64,20 @@ def test_the_shipped_draft_loads_under_a_bfloat16_target_and_refuses_other_weigh
         loading.resolve_draft(other)
 
 
+def test_a_bfloat16_conversion_loaded_in_float32_keeps_the_shipped_draft(smollm2):
+    """specjax convert --dtype bfloat16 stores the bf16-rounded embedding; generate loads
+    it in float32 (its default): the draft recognises those weights by their recorded
+    bfloat16 fingerprint instead of calling them another embedding."""
+    import ml_dtypes
+    import numpy as np
+    rounded = np.asarray(smollm2.params["embed"]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    converted = specjax.Model.from_params(smollm2.config, dict(smollm2.params, embed=rounded),
+                                          smollm2.tokenizer, name="converted",
+                                          dtype="float32", assets=smollm2.assets)
+    draft = loading.resolve_draft(converted)
+    assert draft.config.num_layers == 2 and draft.dtype == jnp.float32
+
+
 def test_a_draft_asset_is_read_once_per_target_and_file_version(smollm2, tmp_path,
                                                                  monkeypatch):
     """generate() with no draft object used to read and fingerprint the shipped draft on

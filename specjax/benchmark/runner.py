@@ -274,7 +274,8 @@ class _Progress:
 
 
 def _running_speedups(totals: dict, temperature: float) -> str:
-    """"tree 1.52x, hf 0.61x" from running token and second totals at one temperature."""
+    """"T=0 so far: tree 1.52x, hf 0.61x ar" from the token and second totals of the
+    prompts done so far at one temperature (a running figure, not this prompt's)."""
     base = totals.get(("ar", temperature))
     if not base or not base[1]:
         return ""
@@ -282,7 +283,7 @@ def _running_speedups(totals: dict, temperature: float) -> str:
     for (label, t), (tokens, seconds) in totals.items():
         if t == temperature and label != "ar" and seconds:
             parts.append(f"{label} {(tokens / seconds) / (base[0] / base[1]):.2f}x")
-    return f"T={temperature:g} " + ", ".join(parts)
+    return f"T={temperature:g} so far: " + ", ".join(parts) + " ar"
 
 
 def _stats_row(result: api.GenerationResult, target_bytes: int, draft_bytes: int) -> dict:

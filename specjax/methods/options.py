@@ -180,6 +180,20 @@ class TreeOptions(_Verified):
             raise InvalidArgumentError(f"tree: topology must be 'dynamic', 'kary' or a list "
                                        f"of parent indices, got {topology!r}")
         self._set("topology", topology)
+        if topology == "kary":
+            self.fixed_parents  # a budget beyond the complete tree fails here, not at build
+        elif topology == "dynamic" and self.tree_budget > self.num_candidates:
+            raise InvalidArgumentError(
+                f"tree: tree_budget {self.tree_budget} exceeds the {self.num_candidates} "
+                f"candidates that draft_depth {self.draft_depth} x draft_width "
+                f"{self.draft_width} can draft (1 + W + (depth - 1) x W^2)")
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates a dynamic tree is chosen from: the root, the root's top-W children,
+        then W x W children of the W-node frontier per further level."""
+        width = self.draft_width
+        return 1 + width + (self.draft_depth - 1) * width * width
 
     @property
     def fixed_parents(self) -> tuple[int, ...] | None:

@@ -1,0 +1,108 @@
+"""Which method decodes when none is named: per backend and sampling, from measurements.
+
+The default must never be slower than ``ar``. Whether a speculative method wins depends on
+the backend (what a verify pass of N nodes costs against one token) and on the sampling
+(at T > 0 fewer drafted tokens are accepted). :data:`MEASURED` holds, per (backend,
+sampling), the median speedup over ``ar`` of each method with the model's shipped draft
+and tables, copied from a committed ``specjax bench`` suite result;
+:func:`choose_method` takes the fastest method the model has the resources for, or
+``ar`` where none is faster.
+
+To re-derive after the shipped draft, the tables or a method's defaults change: run the
+suite (``specjax bench --methods ar,spec,tree,ngram,staged --temperatures 0,1
+--max-new-tokens 128 --peers none --json FILE``), commit FILE under
+``benchmarks/results/``, and replace the entry's ``source`` and ``speedup`` with
+:func:`speedups_from_suite` of it (``tests/test_default_method.py`` checks that the
+numbers here are those of the file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Mapping
+
+# What each method needs besides the target (shipped with a known model).
+NEEDS = {"ar": (), "spec": ("draft",), "tree": ("draft",), "ngram": ("ngram",),
+         "staged": ("draft", "ngram")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One suite run of every method on one backend at one temperature."""
+
+    source: str  # the result file, relative to the repository root
+    temperature: float  # the temperature the suite sampled at
+    speedup: Mapping[str, float]  # method -> median over prompts of its tokens/s / ar's
+    where: str  # machine, prompts and commit, for the reason line
+
+
+_CPU_SUITE = "benchmarks/results/cpu/suite_all_methods_164_2026-11-25.json"
+
+# (backend, "greedy" | "sampled") -> the measurement the default follows.
+MEASURED: dict[tuple[str, str], Measurement] = {
+    ("cpu", "greedy"): Measurement(
+        _CPU_SUITE, 0.0, {"spec": 0.955, "tree": 0.850, "ngram": 1.096, "staged": 1.183},
+        "2-core CPU, smollm2-135m, 164 HumanEval prompts"),
+    ("cpu", "sampled"): Measurement(
+        _CPU_SUITE, 1.0, {"spec": 0.875, "tree": 0.768, "ngram": 0.732, "staged": 0.881},
+        "2-core CPU, smollm2-135m, 164 HumanEval prompts"),
+}
+
+# Backends without a measurement of the current code (GPU, TPU): at T = 0 staged, the
+# default before the choice was measured, which beat ar on every backend timed (on one
+# H100 at an older commit, 1.22x over 6 prompts:
+# benchmarks/results/h100-2026-11-23/suite_fp32_shipped_draft.json); at T > 0 ar, since
+# no method beat it at T > 0 on any backend timed (that H100 run included).
+UNMEASURED = {"greedy": "staged", "sampled": "ar"}
+
+def sampling_kind(temperature: float) -> str:
+    """``greedy`` at temperature 0, else ``sampled`` (measured at T = 1)."""
+    return "greedy" if float(temperature) == 0.0 else "sampled"
+
+
+def choose_method(backend: str, temperature: float, shipped: set[str] | frozenset[str]
+                  ) -> tuple[str, str]:
+    """The default method and why, in one line.
+
+    Args:
+      backend: ``cpu``, ``gpu`` or ``tpu``.
+      temperature: the sampling temperature (0: greedy).
+      shipped: what the model ships: a subset of ``{"draft", "ngram"}``.
+    Returns:
+      (method name, reason).
+    """
+    kind = sampling_kind(temperature)
+    usable = {name for name, needs in NEEDS.items() if set(needs) <= set(shipped)}
+    if usable == {"ar"}:
+        return "ar", "ar: the model ships no draft or n-gram tables"
+    measured = MEASURED.get((backend, kind))
+    setting = f"{backend}, {'T=0' if kind == 'greedy' else 'T>0'}"
+    if measured is None:
+        method = UNMEASURED[kind] if UNMEASURED[kind] in usable else "ar"
+        why = ("staged beat ar at T=0 on every backend timed" if kind == "greedy" else
+               "no method beat ar at T>0 on any backend timed")
+        return method, f"{method}: {setting}, no timing of the current code; {why}"
+    candidates = {m: s for m, s in measured.speedup.items() if m in usable}
+    best = max(candidates, key=candidates.get, default=None)
+    if best is None or candidates[best] <= 1.0:
+        return "ar", (f"ar: no method beat it for {setting} ({_listed(candidates)}; "
+                      f"{measured.where}, {measured.source})")
+    return best, (f"{best}: the fastest for {setting} ({_listed(candidates)}; "
+                  f"{measured.where}, {measured.source})")
+
+
+def _listed(speedups: Mapping[str, float]) -> str:
+    ranked = sorted(speedups.items(), key=lambda item: -item[1])
+    return ", ".join(f"{name} {value:.2f}x" for name, value in ranked) + " ar"
+
+
+def speedups_from_suite(path: str | Path, temperature: float) -> dict[str, float]:
+    """Each method's median speedup over ``ar`` at ``temperature`` in a suite result
+    (``specjax bench --json``), rounded to 3 decimals as :data:`MEASURED` holds them."""
+    data = json.loads(Path(path).read_text())
+    return {row["method"]: round(row["speedup_vs_ar"]["median"], 3)
+            for row in data["aggregates"]
+            if row.get("kind") == "specjax" and row["method"] != "ar"
+            and float(row["temperature"]) == float(temperature)}
