@@ -152,7 +152,8 @@ def attention_blocked(
     The cache is visited in blocks of ``block`` slots by a loop whose trip count is traced
     (``ceil((length + M) / block)``), with an online softmax, so the cost follows the
     committed length instead of the static capacity, and a prefill over an empty cache
-    reads nothing. This is the CPU path of ``impl="auto"``. With ``layer``, the caches are
+    reads nothing; with a sliding window (``first_visible``, no scratch) the loop starts
+    at the first block any query sees. This is the CPU path of ``impl="auto"``. With ``layer``, the caches are
     [L, S, K, D] and each block is sliced straight out of layer ``layer``.
     """
     extras = dict(scale=scale, softcap=softcap, first_visible=first_visible)
@@ -197,7 +198,12 @@ def attention_blocked(
 
     shape = (num_kv_heads, group, num_tokens)
     init = (jnp.full(shape, neg), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    first_block = 0
+    if first_visible is not None and not window:
+        # A sliding window: blocks below every query's window are skipped (exact: such a
+        # block would add weight 0 and leave the running maximum alone).
+        first_block = jnp.clip(jnp.min(first_visible), 0, capacity) // block
+    m, l, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
     # The new tokens last; every row sees at least itself, so the final l is > 0.
     s = _capped(_einsum("tkgd,ukd->kgtu", qg, k_new.astype(jnp.float32)), softcap)
     s = jnp.where(mask[None, None], s, neg)

@@ -460,3 +460,31 @@ def test_a_phi3_directory_naming_its_own_code_loads_without_it(pairs, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="needs its own Python code"):
         specjax.load(tmp_path)
+
+
+def test_windowed_blocked_attention_equals_the_reference():
+    """The CPU path skips cache blocks below every query's window: same output as the
+    reference (1e-5: both float32, summed in different orders); a window that started one
+    slot later would change it."""
+    import jax
+
+    from specjax.attention import attention_blocked, attention_reference
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    t, h, k, d, s = 3, 4, 2, 16, 64
+    q = jax.random.normal(keys[0], (t, h, d))
+    k_new, v_new = (jax.random.normal(keys[i], (t, k, d)) for i in (1, 2))
+    k_cache, v_cache = (jax.random.normal(keys[i], (s, k, d)) for i in (3, 4))
+    length = jnp.int32(40)
+    positions = length + jnp.arange(t)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    first = positions - 12 + 1
+    kwargs = dict(softcap=4.0, scale=0.2)
+    want = attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask,
+                               first_visible=first, **kwargs)
+    got = attention_blocked(q, k_new, v_new, k_cache, v_cache, length, mask, block=8,
+                            first_visible=first, **kwargs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    shifted = attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask,
+                                  first_visible=first + 1, **kwargs)
+    assert np.abs(np.asarray(shifted) - np.asarray(want)).max() > 1e-3
