@@ -296,10 +296,11 @@ METHODS: dict[str, type[MethodOptions]] = {
 
 
 # Defaults on accelerators (the CPU's are the dataclass defaults). Chosen from acceptance
-# measured on the CPU (greedy acceptance does not depend on the device) and the pass costs
-# measured on an H100 (a verify pass over N nodes vs one token: 1.01x at 4, 1.07x at 16,
-# 1.24x at 64; ../shared/measurements/h100-2026-11-23): see benchmarks/README.md,
-# "Defaults per backend".
+# measured on the CPU (greedy acceptance does not depend on the device) and the verify-pass
+# costs measured on an H100 (a pass over N nodes against one token: 1.07x at 6, 1.08x at
+# 16, 1.26x at 64; benchmarks/results/h100/README.md), which leave room for 32-node trees:
+# see benchmarks/README.md, "Defaults per backend". The default attention path stays
+# "auto" there: the fused one was 3.1x slower per `ar` token on the same H100.
 # Tokens per target pass, greedy, HumanEval prompts 20-27 x 128 tokens, smollm2-135m with
 # its shipped draft (benchmarks/results/cpu/tune_staged_strong_draft_t0*.json): staged at
 # the CPU defaults 2.64, at the settings below 3.96 (the draft's share 7% -> 15%); tree
