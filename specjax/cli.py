@@ -532,6 +532,7 @@ def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int],
                 text = visible(False)
                 if text.startswith(printed) and len(text) > len(printed):
                     piece, printed = text[len(printed):], text
+                    watch.line_open = True  # before the write: a Ctrl-C may come between
                     sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
                                      if colour and ORIGIN_COLOURS[origin] else piece)
             sys.stdout.flush()
@@ -540,9 +541,10 @@ def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int],
         tokens += new
         text = visible(False)
         if text.startswith(printed) and len(text) > len(printed):
+            # Open before the write: a Ctrl-C between the two then still ends the line.
+            watch.line_open = True
             sys.stdout.write(text[len(printed):])
             sys.stdout.flush()
-            watch.line_open = True
             printed = text
     text = visible(True)
     sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")

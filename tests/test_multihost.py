@@ -71,7 +71,7 @@ def _worker(port: int, rank: int) -> dict:
 
     assert jax.process_count() == PROCESSES and len(jax.local_devices()) == LOCAL_DEVICES
     assert len(jax.devices()) == PROCESSES * LOCAL_DEVICES
-    target, draft, _ = _models()
+    target, draft, *_ = _models()
     report = {"process": jax.process_index(), "devices": len(jax.devices()), "cases": {}}
     for name, (data, model_size), kind in CASES:
         start = time.perf_counter()
@@ -132,7 +132,7 @@ def single_process():
     """The same calls in this process, on its one device."""
     from test_sharding import _models
 
-    target, draft, _ = _models()
+    target, draft, *_ = _models()
     return {kind: {str(t): _generate(target, draft, kind, t) for t in TEMPERATURES}
             for kind in {kind for _, _, kind in CASES}}
 
