@@ -256,12 +256,13 @@ def build_generation_program(method: str, *, verify: str | None = None,
     if method in ("spec", "tree", "staged"):
         draft = abstract_model(dataclasses.replace(config, num_layers=2), "draft-2-layers",
                                fused=fused_projections)
-    options = {} if verify is None else {"verify": verify}
     method = methods.method_options(method, backend=defaults)
+    if verify is not None:  # in the options object: a keyword beside it may not differ
+        method = dataclasses.replace(method, verify=verify)
     request = api._prepare(target, list(range(1, prompt_tokens + 1)), method=method,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=0,
                            top_p=1.0, seed=0, draft=draft, ngram=None, stop_tokens=None,
-                           chat=False, attn_impl=attn_impl, options=options)
+                           chat=False, attn_impl=attn_impl, options={})
     loop = request.loop
     fn = jax.jit(lambda params, *rest: decode.run_to_completion(params, loop, *rest))
     return fn, request.args
