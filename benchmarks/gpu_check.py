@@ -46,6 +46,9 @@ Environment: ``GPU_CHECK_BUDGET`` (seconds for all steps, default 420; 900 for t
 rehearsal),
 ``GPU_CHECK_STEP_LIMIT`` (seconds, one limit for every step instead of each step's share
 of the budget), ``GPU_CHECK_STEPS`` (comma-separated step names: only these),
+``GPU_CHECK_STEP_PATHS`` (``default``, ``fused`` or both, comma-separated: the paths the
+step-cost step times; default both), ``GPU_CHECK_EXACT_COMBOS`` (``DTYPE:PATH`` pairs,
+comma-separated: what the exactness step compares, in that order; default every pair),
 ``SPECJAX_GPU_CHECK_CPU=1`` (tiny shapes on the CPU: a rehearsal, not a measurement).
 ``GPU_CHECK_BREAK=METHOD/DTYPE`` is for the tests only: the exactness step changes one
 token of ``METHOD``'s output in ``DTYPE`` before comparing, to show that a difference is
@@ -116,6 +119,28 @@ class Shapes:
 
 
 def shapes(cpu: bool) -> Shapes:
+    """The shapes of this run: :func:`default_shapes`, narrowed by ``GPU_CHECK_STEP_PATHS``
+    and ``GPU_CHECK_EXACT_COMBOS`` (module docstring)."""
+    sh = default_shapes(cpu)
+    paths = [p.strip() for p in os.environ.get("GPU_CHECK_STEP_PATHS", "").split(",")
+             if p.strip()]
+    if paths:
+        if any(p not in ("default", "fused") for p in paths):
+            raise SystemExit(f"GPU_CHECK_STEP_PATHS: expected default and/or fused, got "
+                             f"{','.join(paths)}")
+        sh = dataclasses.replace(sh, step_paths=tuple(paths))
+    combos = [c.strip() for c in os.environ.get("GPU_CHECK_EXACT_COMBOS", "").split(",")
+              if c.strip()]
+    if combos:
+        pairs = tuple(tuple(c.split(":", 1)) for c in combos)
+        if any(pair not in EXACT_COMBOS for pair in pairs):
+            raise SystemExit("GPU_CHECK_EXACT_COMBOS: expected DTYPE:PATH pairs among "
+                             + ",".join(f"{d}:{p}" for d, p in EXACT_COMBOS))
+        sh = dataclasses.replace(sh, exact_combos=pairs)
+    return sh
+
+
+def default_shapes(cpu: bool) -> Shapes:
     if cpu:
         return Shapes(target="tiny", exact_layers=2, exact_prompts=2, exact_prompt_length=6,
                       exact_tokens=12, prompt_length=20, new_tokens=8, repeats=1, prefix=24,

@@ -72,7 +72,13 @@
 # STAGE3_STEPS (560).
 # Both: TARGET_BATCH (rows the target writes at once, --target-batch-size: default 256; the
 # shipped stages used 64 on the CPU, and a row's text does not depend on its batch).
-# RECIPE=eagle3 only: OUT_DIR, BUDGET (300 s), E3_MARGIN (30 s), E3_TARGET_TOKENS (2000000),
+# RECIPE=eagle3 only: E3_DTYPE (bfloat16: --compute-dtype, float32 master weights; float32
+# multiplies at IEEE precision, several times slower on a GPU), E3_GEN_SECONDS (stop writing
+# the target's text after this many seconds: --target-gen-seconds), E3_PRIOR_CORPUS (an
+# earlier run's target_corpus.npz added to the text this run writes: --prior-target-corpus),
+# E3_CKPT_EVERY (steps between checkpoints, default E3_EVAL_EVERY), E3_KEEP_CORPUS (1: copy
+# the text this run wrote, target_corpus.npz, into OUT_DIR),
+# OUT_DIR, BUDGET (300 s), E3_MARGIN (30 s), E3_TARGET_TOKENS (2000000),
 # E3_GEN_LEN (256), E3_GREEDY (0.5), E3_TEMPERATURE (1.0), E3_STEPS (2000), E3_BATCH (48), E3_SEQ (256),
 # E3_LR (1e-3), E3_WARMUP (100), E3_UNROLL (4), E3_VOCAB (8192), E3_LAYERS (the default
 # feature layers: 1, L/2-1, L-4), E3_ACCEPTANCE (0: weight of the acceptance objective),
@@ -180,6 +186,9 @@ if [ "$RECIPE" = eagle3 ]; then
     E3_GREEDY=${E3_GREEDY:-0}  # what the record says; the text is the file's
     say "eagle3: the target's text from $E3_TARGET_CORPUS, not written again"
   fi
+  if [ -n "${E3_PRIOR_CORPUS:-}" ]; then
+    [ -f "$E3_PRIOR_CORPUS" ] || die "E3_PRIOR_CORPUS=$E3_PRIOR_CORPUS: no such file"
+  fi
   ARGS=(--eagle3 --init-layers 0 --max-corpus-tokens "${E3_MAX_TOKENS:-1000000}"
         --corpus-from-target "${E3_TARGET_TOKENS:-2000000}" --target-corpus-fraction 1
         --target-temperature "${E3_TEMPERATURE:-1.0}" --target-greedy-fraction "${E3_GREEDY:-0.5}"
@@ -189,9 +198,12 @@ if [ "$RECIPE" = eagle3 ]; then
         --learning-rate "${E3_LR:-1e-3}" --warmup-steps "${E3_WARMUP:-100}"
         --unroll "${E3_UNROLL:-4}" --draft-vocab "${E3_VOCAB:-8192}"
         --acceptance-weight "${E3_ACCEPTANCE:-0}" --eval-every "${E3_EVAL_EVERY:-250}"
-        --checkpoint-every "${E3_EVAL_EVERY:-250}" --eval-windows 32
+        --checkpoint-every "${E3_CKPT_EVERY:-${E3_EVAL_EVERY:-250}}" --eval-windows 32
+        --compute-dtype "${E3_DTYPE:-bfloat16}"
         --time-budget "$LEFT" --asset "$OUT/asset")
   if [ -n "${E3_LAYERS:-}" ]; then ARGS+=(--feature-layers "$E3_LAYERS"); fi
+  if [ -n "${E3_GEN_SECONDS:-}" ]; then ARGS+=(--target-gen-seconds "$E3_GEN_SECONDS"); fi
+  if [ -n "${E3_PRIOR_CORPUS:-}" ]; then ARGS+=(--prior-target-corpus "$E3_PRIOR_CORPUS"); fi
   if [ "$DRY_RUN" != 0 ]; then
     train_draft "$OUT" "${ARGS[@]}"
     exit 0
@@ -203,6 +215,9 @@ if [ "$RECIPE" = eagle3 ]; then
            "$OUT/train_config.json"; do
     cp "$f" "$OUT_DIR/"
   done
+  if [ -n "${E3_KEEP_CORPUS:-}" ] && [ -f "$OUT/target_corpus.npz" ]; then
+    cp "$OUT/target_corpus.npz" "$OUT_DIR/"  # the text this run wrote, for reuse
+  fi
   size=$(stat -c %s "$OUT_DIR/draft.safetensors")
   if [ "$size" -gt 15000000 ]; then
     rm -f "$OUT_DIR"/draft.safetensors.part*

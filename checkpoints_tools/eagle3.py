@@ -262,7 +262,8 @@ def eagle3_loss(params: dict, config, windows, target_logits, target_features,
     total, metrics = 0.0, {}
     for i, out in enumerate(outputs):
         logq = jax.nn.log_softmax(
-            jax.vmap(lambda h: models.draft_logits(params, config, h))(out), axis=-1)
+            jax.vmap(lambda h: models.draft_logits(params, config, h))(out).astype(jnp.float32),
+            axis=-1)
         valid = jnp.broadcast_to(positions >= i, target_best.shape)
         counted = valid & in_vocab
         # KL(soft || q): the cross-entropy against the soft labels less their entropy.
@@ -279,13 +280,17 @@ def eagle3_loss(params: dict, config, windows, target_logits, target_features,
     return total, metrics
 
 
-def make_eagle3_steps(target_config, draft_config, loss_cfg: Eagle3LossConfig, optimizer):
+def make_eagle3_steps(target_config, draft_config, loss_cfg: Eagle3LossConfig, optimizer,
+                      compute_dtype: str = "float32"):
     """Jitted ``(train_step, eval_step)`` with the signatures of
     :func:`specjax.checkpoints_tools.train_draft.make_steps`: windows [B, T + 1] (the last
     token only ends the window), the target's logits and block outputs computed inside
-    the step by a frozen target pass. ``eval_step`` returns the metrics dict (per-depth
+    the step by a frozen target pass (``target_params`` already in ``compute_dtype``; the
+    draft's float32 parameters are cast to it inside the step, so its products run in that
+    dtype and its gradients and optimizer state stay float32). ``eval_step`` returns the metrics dict (per-depth
     agreement included) with ``agreement`` and ``kl`` those of depth 1."""
     import jax
+    import jax.numpy as jnp
     import optax
 
     layers = draft_config.feature_layers
@@ -293,8 +298,12 @@ def make_eagle3_steps(target_config, draft_config, loss_cfg: Eagle3LossConfig, o
     def loss_fn(trainable, frozen, target_params, windows):
         windows = windows[:, :-1]
         logits, features = target_pass(target_params, target_config, windows, layers)
-        return eagle3_loss({**trainable, **frozen}, draft_config, windows, logits, features,
-                           loss_cfg)
+        # Float32 master weights; the products in compute_dtype (the target's params come
+        # already cast).
+        params = jax.tree.map(
+            lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            {**trainable, **frozen})
+        return eagle3_loss(params, draft_config, windows, logits, features, loss_cfg)
 
     @jax.jit
     def train_step(trainable, opt_state, frozen, target_params, windows):

@@ -102,7 +102,7 @@ def _sample_batch(params, config, capacity: int, num_new: int, prompts, prompt_l
 def sample_continuations(params, config, prompts: Sequence[Sequence[int]], *,
                          num_new_tokens: int, temperature: float, seed: int = 0,
                          batch_size: int = 16, stop_tokens: Sequence[int] = (),
-                         progress=None) -> np.ndarray:
+                         progress=None, first_row: int = 0) -> np.ndarray:
     """Samples one continuation per prompt, in batches of rows (see the module docstring).
 
     Args:
@@ -111,12 +111,13 @@ def sample_continuations(params, config, prompts: Sequence[Sequence[int]], *,
       num_new_tokens: ``L``, tokens sampled after each prompt (static: one program per
         ``(batch_size, prompt bucket, L)``).
       temperature: ``T >= 0`` (0: greedy); traced, a new value does not recompile.
-      seed: row ``i`` samples with :func:`row_seed` ``(seed, i)``.
+      seed: row ``i`` samples with :func:`row_seed` ``(seed, first_row + i)``.
       batch_size: rows per program run, taken in order of prompt length (the last batch
         is padded with copies). The output keeps the order of ``prompts``.
       stop_tokens: a row is cut after its first stop token (kept) and padded with
         :data:`PAD`.
       progress: optional callable, called with the rows done after each batch.
+      first_row: the index of ``prompts[0]`` in a corpus drawn in parts (its seeds).
     Returns:
       int32 ``[R, L]``.
     Raises:
@@ -138,7 +139,8 @@ def sample_continuations(params, config, prompts: Sequence[Sequence[int]], *,
         raise InvalidArgumentError(
             f"longest prompt ({lengths.max()}) + {num_new_tokens} new tokens exceeds the "
             f"model's {config.max_position_embeddings} positions")
-    seeds = np.asarray([row_seed(seed, i) for i in range(len(prompts))], np.uint32)
+    seeds = np.asarray([row_seed(seed, first_row + i) for i in range(len(prompts))],
+                       np.uint32)
     out = np.empty((len(prompts), num_new_tokens), np.int32)
     # Rows run in order of prompt length, so that a batch pads its prompts to its own
     # longest one, not the corpus's (docstring prompts run from a line to ~400 tokens).

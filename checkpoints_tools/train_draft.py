@@ -108,6 +108,19 @@ from specjax import interrupts
 from specjax.errors import InvalidArgumentError
 
 LOSSES = ("kl", "tvd", "ce", "ce+kl")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def cast_floats(tree, dtype: str):
+    """``tree`` with its floating-point leaves cast to ``dtype`` (integer leaves, such as
+    an id map, unchanged). Works on numpy and jax arrays, outside and inside ``jit``."""
+    import jax
+    import jax.numpy as jnp
+
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +163,14 @@ class TrainConfig:
     unroll: int = 4
     unroll_decay: float = 0.8
     acceptance_weight: float = 0.0
+    # Arithmetic of the target's passes (generation and the frozen pass of each step) and of
+    # the draft's forward and backward: "bfloat16" keeps float32 master weights and
+    # optimizer state but multiplies in bfloat16 (float32 runs at IEEE precision, which on
+    # a GPU is several times slower). Recorded only when not float32.
+    compute_dtype: str = "float32"
+    # Seconds the target may spend writing its training text: rows not begun by then are
+    # left out (the held-out rows are written first). Recorded only when set.
+    target_gen_seconds: float | None = None
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -160,6 +181,12 @@ class TrainConfig:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.init_layers:
             raise InvalidArgumentError("init_layers must name at least one target layer")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise InvalidArgumentError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got "
+                                       f"{self.compute_dtype!r}")
+        if self.target_gen_seconds is not None and not self.target_gen_seconds > 0:
+            raise InvalidArgumentError(
+                f"target_gen_seconds must be > 0, got {self.target_gen_seconds}")
         if any(int(i) < 0 for i in self.add_layers):
             raise InvalidArgumentError(f"add_layers must be target layer indices >= 0, got "
                                        f"{tuple(self.add_layers)}")
@@ -226,6 +253,10 @@ class TrainConfig:
         if not self.eagle3:
             for name in _EAGLE3_FIELDS:
                 record.pop(name)
+        if self.compute_dtype == "float32":
+            record.pop("compute_dtype")
+        if self.target_gen_seconds is None:
+            record.pop("target_gen_seconds")
         return record
 
     def loss_config(self):
@@ -294,27 +325,34 @@ def tokenize_corpus(files: Sequence[Path], tokenizer, *, max_tokens: int, heldou
     return np.concatenate(train), np.concatenate(held)
 
 
-def _generation_rows(target, prompts: list[str], rows: int, cfg: "TrainConfig", seed: int,
-                     separator: int, progress) -> np.ndarray:
-    """``rows`` documents (prompt + generation + separator), joined as one int32 stream:
-    the first ``round(target_greedy_fraction * rows)`` written greedily, the others at
-    ``target_temperature``."""
+def _generation_rows(target, params, prompts: list[str], rows: int, cfg: "TrainConfig",
+                     seed: int, separator: int, progress,
+                     deadline: float | None = None) -> np.ndarray:
+    """Up to ``rows`` documents (prompt + generation + separator), joined as one int32
+    stream, written in chunks of ``cfg.target_batch_size`` rows: a share
+    ``target_greedy_fraction`` of the chunks greedily, spread evenly so that a run cut
+    short keeps that share, the others at ``target_temperature``. Row ``i`` samples with
+    ``row_seed(seed, i)`` whatever its chunk. No chunk begins after ``deadline``
+    (``time.monotonic()``), except the first."""
     from specjax.checkpoints_tools import sample_corpus
 
     order = np.random.default_rng(seed).permutation(len(prompts))
     texts = [prompts[order[i % len(prompts)]] for i in range(rows)]  # cycled: seeds differ
     encoded = [target.tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]
                for t in texts]
-    greedy = int(round(cfg.target_greedy_fraction * rows))
+    size, share = cfg.target_batch_size, cfg.target_greedy_fraction
     parts = []
-    for begin, end, temperature in ((0, greedy, 0.0), (greedy, rows, cfg.target_temperature)):
-        if end > begin:
-            parts.append(sample_corpus.sample_continuations(
-                target.params, target.config, encoded[begin:end],
-                num_new_tokens=cfg.target_gen_len, temperature=temperature, seed=seed + begin,
-                batch_size=cfg.target_batch_size,
-                stop_tokens=tuple(target.config.eos_token_ids) or (separator,),
-                progress=lambda n, begin=begin: progress(begin + n)))
+    for chunk, begin in enumerate(range(0, rows, size)):
+        if chunk and deadline is not None and time.monotonic() >= deadline:
+            break
+        greedy = np.floor((chunk + 1) * share) > np.floor(chunk * share)
+        parts.append(sample_corpus.sample_continuations(
+            params, target.config, encoded[begin:begin + size],
+            num_new_tokens=cfg.target_gen_len,
+            temperature=0.0 if greedy else cfg.target_temperature, seed=seed,
+            first_row=begin, batch_size=size,
+            stop_tokens=tuple(target.config.eos_token_ids) or (separator,)))
+        progress(begin + len(parts[-1]))
     generated = np.concatenate(parts)
     documents = []
     for prompt, row in zip(encoded, generated):
@@ -373,20 +411,26 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
         f"({cfg.target_greedy_fraction:g} of them greedy) from "
         f"{len(train_prompts)} + {len(held_prompts)} docstring prompts")
     began = time.perf_counter()
+    params = cast_floats(target.params, cfg.compute_dtype)
+    # The held-out rows first: a deadline (target_gen_seconds) cuts the training rows only.
+    deadline = (None if cfg.target_gen_seconds is None
+                else time.monotonic() + cfg.target_gen_seconds)
     try:
-        train = _generation_rows(target, train_prompts, rows, cfg, cfg.seed, separator,
-                                 lambda n: advance(n, 0))
-        held = _generation_rows(target, held_prompts, held_rows, cfg,
+        held = _generation_rows(target, params, held_prompts, held_rows, cfg,
                                 cfg.seed + 1_000_003, separator, lambda n: advance(n, rows))
+        train = _generation_rows(target, params, train_prompts, rows, cfg, cfg.seed,
+                                 separator, lambda n: advance(n, 0), deadline)
     finally:
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - began
     info = {"rows": rows, "heldout_rows": held_rows, "prompts": len(train_prompts),
+            "train_tokens": int(train.size), "heldout_tokens": int(held.size),
+            "compute_dtype": cfg.compute_dtype,
             "heldout_prompts": len(held_prompts), "humaneval_names_excluded": len(exclude),
             "seconds": round(seconds, 1),
-            "generated_tokens_per_s": round((rows + held_rows) * cfg.target_gen_len
-                                            / max(seconds, 1e-9), 1)}
+            # Documents (prompts included) written per second.
+            "generated_tokens_per_s": round((train.size + held.size) / max(seconds, 1e-9), 1)}
     return train, held, info
 
 
@@ -503,7 +547,8 @@ def make_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
     if cfg.eagle3:
         from specjax.checkpoints_tools.eagle3 import make_eagle3_steps
 
-        return make_eagle3_steps(target_config, draft_config, cfg.loss_config(), optimizer)
+        return make_eagle3_steps(target_config, draft_config, cfg.loss_config(), optimizer,
+                                 cfg.compute_dtype)
 
     from specjax.flax_modules import LinenCausalLM
 
@@ -515,7 +560,8 @@ def make_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
 
     def loss_fn(trainable, frozen, target_params, windows):
         inputs, labels = windows[:, :-1], windows[:, 1:]
-        q_logits = batched({**trainable, **frozen}, draft_config, inputs)
+        q_logits = batched(cast_floats({**trainable, **frozen}, cfg.compute_dtype),
+                           draft_config, inputs)
         log_q = jax.nn.log_softmax(q_logits, axis=-1)
         terms = {}
         if cfg.loss in ("ce", "ce+kl"):
@@ -546,7 +592,8 @@ def make_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
     def eval_step(trainable, frozen, target_params, windows):
         """(top-1 agreement, KL(p || q)) on held-out windows."""
         inputs = windows[:, :-1]
-        q = batched({**trainable, **frozen}, draft_config, inputs)
+        q = batched(cast_floats({**trainable, **frozen}, cfg.compute_dtype), draft_config,
+                    inputs)
         p = batched(target_params, target_config, inputs)
         log_p, log_q = jax.nn.log_softmax(p, -1), jax.nn.log_softmax(q, -1)
         kl = jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
@@ -580,8 +627,8 @@ def make_feature_train_steps(target_config, draft_config, cfg: TrainConfig, opti
         # Noise drawn per batch (the key follows the batch's tokens: reruns repeat it).
         key = jax.random.fold_in(base_key, jnp.sum(windows))
         windows, features, rows = inputs(frozen, target_params, windows)
-        return fd.feature_loss({**trainable, **frozen}, draft_config, windows, features, rows,
-                               loss_cfg, key)
+        return fd.feature_loss(cast_floats({**trainable, **frozen}, cfg.compute_dtype),
+                               draft_config, windows, features, rows, loss_cfg, key)
 
     @jax.jit
     def train_step(trainable, opt_state, frozen, target_params, windows):
@@ -594,16 +641,66 @@ def make_feature_train_steps(target_config, draft_config, cfg: TrainConfig, opti
     def eval_step(trainable, frozen, target_params, windows):
         """(depth-1 top-1 agreement, KL(p || q)) on held-out windows."""
         windows, features, rows = inputs(frozen, target_params, windows)
-        metrics = fd.feature_loss({**trainable, **frozen}, draft_config, windows, features,
-                                  rows, plain, base_key)[1]
+        metrics = fd.feature_loss(cast_floats({**trainable, **frozen}, cfg.compute_dtype),
+                                  draft_config, windows, features, rows, plain, base_key)[1]
         return metrics["agreement"], metrics["kl"]
 
     return train_step, eval_step
 
 
+def learning_rate(cfg: TrainConfig, step: int, clock: float = 0.0) -> float:
+    """The learning rate of step ``step`` (0-based) of an EAGLE-3 run: linear warm-up over
+    ``warmup_steps``, then a cosine from ``learning_rate`` down to a tenth of it over the
+    run's progress, the larger of ``step / steps`` and ``clock`` (the fraction of a time
+    budget spent; 0 without one)."""
+    warmup = min(cfg.warmup_steps, cfg.steps - 1)
+    if step < warmup:
+        return cfg.learning_rate * step / max(warmup, 1)
+    progress = max((step - warmup) / max(cfg.steps - warmup, 1), clock)
+    progress = min(max(progress, 0.0), 1.0)
+    return cfg.learning_rate * (0.1 + 0.45 * (1.0 + np.cos(np.pi * progress)))
+
+
+def set_learning_rate(opt_state, value: float):
+    """``opt_state`` of :func:`make_optimizer` for an EAGLE-3 run, its learning rate set
+    to ``value`` (an input of the jitted step, so a new value does not recompile)."""
+    import jax.numpy as jnp
+
+    opt_state[1].hyperparams["learning_rate"] = jnp.asarray(value, jnp.float32)
+    return opt_state
+
+
+def _clock_fraction(began: float, deadline: float | None) -> float:
+    """The fraction of the time from ``began`` to ``deadline`` (both ``time.monotonic``)
+    spent so far; 0 without a deadline."""
+    if deadline is None:
+        return 0.0
+    return (time.monotonic() - began) / max(deadline - began, 1e-9)
+
+
+def _add_prior_corpus(path, train: np.ndarray, held: np.ndarray, vocab_size: int):
+    """(train, held) with the streams of the ``target_corpus.npz`` at ``path`` appended."""
+    try:
+        with np.load(path) as data:
+            prior_train, prior_held = data["train"], data["heldout"]
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidArgumentError(f"prior target corpus {path} is not a target_corpus.npz "
+                                   f"with train and heldout streams ({e})") from None
+    for stream in (prior_train, prior_held):
+        if stream.ndim != 1 or stream.size == 0 or stream.min() < 0 or stream.max() >= vocab_size:
+            raise InvalidArgumentError(f"prior target corpus {path} holds ids outside the "
+                                       f"target's vocabulary of {vocab_size}")
+    return (np.concatenate([train, prior_train.astype(np.int32)]),
+            np.concatenate([held, prior_held.astype(np.int32)]))
+
+
 def make_optimizer(cfg: TrainConfig):
     import optax
 
+    if cfg.eagle3:  # the rate is set before each step (learning_rate, set_learning_rate)
+        adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=cfg.learning_rate,
+                                                      weight_decay=cfg.weight_decay)
+        return optax.chain(optax.clip_by_global_norm(1.0), adamw)
     warmup = min(cfg.warmup_steps, cfg.steps - 1)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1),
@@ -640,7 +737,8 @@ def mixed_windows(stream: np.ndarray, target_stream: np.ndarray | None,
 
 def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
                 corpus_files: Sequence[Path] | None = None, export_hf: bool = False,
-                progress: bool = False, log=print, time_budget: float | None = None) -> dict:
+                progress: bool = False, log=print, time_budget: float | None = None,
+                prior_target_corpora: Sequence[str | os.PathLike] = ()) -> dict:
     """Trains (or resumes training) a draft for ``target`` into ``out``.
 
     Args:
@@ -655,6 +753,9 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
         after which training stops at the end of a step, saves a checkpoint and exports
         the draft as if ``cfg.steps`` were reached (a rerun resumes from there); ``None``:
         no limit.
+      prior_target_corpora: ``target_corpus.npz`` files of earlier runs (text the target
+        wrote, ``train`` and ``heldout`` streams): added to this run's target text
+        (needs ``cfg.target_corpus_tokens``).
     Returns:
       A summary dict (steps done, final held-out agreement, seconds, paths;
       ``stopped_by_time_budget`` when the budget ended it).
@@ -665,7 +766,7 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
     """
     with interrupts.guard() as interrupt:
         return _train(target, out, cfg, corpus_files, export_hf, progress, log, interrupt,
-                      time_budget)
+                      time_budget, tuple(prior_target_corpora))
 
 
 def _scores(result) -> dict:
@@ -696,7 +797,8 @@ def draft_vocabulary(out: Path, cfg: "TrainConfig", vocab_size: int):
 
 def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
            corpus_files: Sequence[Path] | None, export_hf: bool, progress: bool, log,
-           interrupt: interrupts.Interrupt, time_budget: float | None = None) -> dict:
+           interrupt: interrupts.Interrupt, time_budget: float | None = None,
+           prior_target_corpora: tuple = ()) -> dict:
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -710,6 +812,12 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
     if export_hf and (cfg.feature_draft or cfg.eagle3):
         raise InvalidArgumentError("--export-hf: a feature draft has no Hugging Face "
                                    "equivalent (it reads the target's hidden states)")
+    if prior_target_corpora and not cfg.target_corpus_tokens:
+        raise InvalidArgumentError("--prior-target-corpus adds to the target's own text: it "
+                                   "needs --corpus-from-target N")
+    for prior in prior_target_corpora:
+        if not Path(prior).is_file():
+            raise InvalidArgumentError(f"prior target corpus {prior} does not exist")
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     record = json.dumps(cfg.record(), sort_keys=True)
@@ -753,6 +861,10 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
                       info=np.frombuffer(json.dumps(info).encode(), np.uint8))
             log(f"target corpus: {info['seconds']} s, {info['generated_tokens_per_s']} "
                 "generated tokens/s")
+        for prior in prior_target_corpora:
+            target_train, target_held = _add_prior_corpus(prior, target_train, target_held,
+                                                          target.config.vocab_size)
+            log(f"target corpus: added the text of {prior}")
         log(f"target corpus: {target_train.size} training tokens, {target_held.size} "
             "held-out tokens")
 
@@ -763,7 +875,7 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
     trainable, frozen = split_trainable(draft_params, cfg.train_embeddings)
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(trainable)
-    target_params = jax.device_put(target.params)
+    target_params = jax.device_put(cast_floats(target.params, cfg.compute_dtype))
     frozen = jax.device_put(frozen)
 
     manager = ocp.CheckpointManager(out / "train_state",
@@ -830,8 +942,15 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         # The first timing window includes compiling.
         window_start, window_first = time.perf_counter(), start
         out_of_time = False
+        # An EAGLE-3 run's learning rate follows the clock too: with a time budget the
+        # schedule ends when the budget does, if that comes before the last step.
+        deadline = None if time_budget is None else started + time_budget
+        loop_began = time.monotonic()
         for step in range(start, cfg.steps):
             interrupt.check()  # one that a gc callback swallowed during the last step
+            if cfg.eagle3:
+                opt_state = set_learning_rate(opt_state, learning_rate(
+                    cfg, step, _clock_fraction(loop_began, deadline)))
             windows = jnp.asarray(batch_windows(rng))
             trainable, opt_state, loss, aux = train_step(trainable, opt_state, frozen,
                                                          target_params, windows)
@@ -1057,8 +1176,10 @@ def main(args) -> int:
                           ("target_temperature", args.target_temperature),
                           ("target_gen_len", args.target_gen_len),
                           ("target_batch_size", args.target_batch_size),
-                          ("target_greedy_fraction", args.target_greedy_fraction))
+                          ("target_greedy_fraction", args.target_greedy_fraction),
+                          ("target_gen_seconds", args.target_gen_seconds))
                          if value is not None},
+                      compute_dtype=args.compute_dtype,
                       init_draft=(str(Path(args.init_draft).expanduser().absolute())
                                   if args.init_draft else None),
                       add_layers=tuple(int(x) for x in args.add_layers.split(","))
@@ -1089,6 +1210,10 @@ def main(args) -> int:
     if not args.corpus_from_target:
         given = [f"--{name.replace('_', '-')}" for name in _TARGET_CORPUS_FIELDS[1:]
                  if getattr(args, name) is not None]
+        if args.target_gen_seconds is not None:
+            given.append("--target-gen-seconds")
+        if args.prior_target_corpus:
+            given.append("--prior-target-corpus")
         if given:
             raise InvalidArgumentError(f"{', '.join(given)} only apply with "
                                        "--corpus-from-target N")
@@ -1105,7 +1230,8 @@ def main(args) -> int:
         summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
                               export_hf=args.export_hf, progress=progress,
                               log=lambda msg: print(msg, file=sys.stderr, flush=True),
-                              time_budget=args.time_budget)
+                              time_budget=args.time_budget,
+                              prior_target_corpora=args.prior_target_corpus or ())
         if args.asset:
             summary.update(export_latest(target, args.out, args.asset,
                                          head_tokens=args.head_tokens, note=args.note))
@@ -1202,6 +1328,16 @@ def add_parser(subparsers) -> None:
                         "--target-temperature (default: 0)")
     g.add_argument("--target-batch-size", type=int, default=None,
                    help="generations run at once (default: 16)")
+    g.add_argument("--target-gen-seconds", type=float, default=None, metavar="SECONDS",
+                   help="stop writing the target's text after this many seconds (rows not "
+                        "begun are left out; the held-out rows are written first)")
+    g.add_argument("--prior-target-corpus", action="append", default=None, metavar="NPZ",
+                   help="also train on the text of an earlier run's target_corpus.npz "
+                        "(repeatable)")
+    p.add_argument("--compute-dtype", default="float32", choices=COMPUTE_DTYPES,
+                   help="dtype of the target's passes and of the draft's products (float32 "
+                        "master weights either way; bfloat16 is several times faster on a "
+                        "GPU or TPU)")
     p.add_argument("--export-hf", action="store_true",
                    help="also write OUT/draft-hf, loadable by transformers")
     p.add_argument("--asset", default=None, metavar="DIR",

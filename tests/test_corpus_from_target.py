@@ -121,8 +121,9 @@ def test_target_corpus_is_the_targets_generations(tiny_target, corpus_files, mon
 
 def test_a_greedy_fraction_of_the_rows_is_written_greedily(tiny_target, corpus_files,
                                                            monkeypatch):
-    """``target_greedy_fraction``: the first half of the rows are the target's greedy
-    continuations, the rest its samples at the temperature (their own seeds)."""
+    """``target_greedy_fraction``: that share of the chunks of ``target_batch_size`` rows
+    (spread evenly: here the second of two) are the target's greedy continuations, the
+    others its samples at the temperature; row ``i`` samples with ``row_seed(seed, i)``."""
     monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
     cfg = _cfg(target_greedy_fraction=0.5)
     assert cfg.record()["target_greedy_fraction"] == 0.5
@@ -136,15 +137,66 @@ def test_a_greedy_fraction_of_the_rows_is_written_greedily(tiny_target, corpus_f
         text = tok.decode(document.tolist())
         prompt = tok(text[:text.index('"""', text.index('"""') + 3) + 3] + "\n",
                      add_special_tokens=False)["input_ids"]
-        greedy = i < 2
+        greedy = i >= 3  # rows 0-2 are the first chunk, row 3 the second
         expected = specjax.generate(
             tiny_target, prompt, method="ar", max_new_tokens=24,
-            temperature=0.0 if greedy else 1.0,
-            seed=sample_corpus.row_seed(0 if greedy else 2, i if greedy else i - 2),
+            temperature=0.0 if greedy else 1.0, seed=sample_corpus.row_seed(0, i),
             stop_tokens=[2])
         assert document[len(prompt):-1].tolist() == [t for t in expected.tokens if t != 2]
     with pytest.raises(InvalidArgumentError, match="target_greedy_fraction must be in"):
         _cfg(target_greedy_fraction=1.5)
+
+
+def test_a_deadline_cuts_the_training_rows_not_the_held_out_ones(tiny_target, corpus_files,
+                                                                  monkeypatch):
+    """``target_gen_seconds``: no chunk of training rows begins after it (the first always
+    does), while the held-out rows, written first, are all there and the same."""
+    monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
+    whole = train_draft.generate_target_corpus(tiny_target, corpus_files, _cfg(),
+                                               separator=2, log=lambda _: None)
+    cut = train_draft.generate_target_corpus(tiny_target, corpus_files,
+                                             _cfg(target_gen_seconds=1e-9), separator=2,
+                                             log=lambda _: None)
+    assert np.count_nonzero(whole[0] == 2) == 4 and np.count_nonzero(cut[0] == 2) == 3
+    assert np.array_equal(cut[0], whole[0][:cut[0].size])  # the same first chunk
+    assert np.array_equal(cut[1], whole[1])
+    assert cut[2]["train_tokens"] == cut[0].size
+    assert _cfg(target_gen_seconds=5.0).record()["target_gen_seconds"] == 5.0
+    assert "target_gen_seconds" not in _cfg().record()
+    with pytest.raises(InvalidArgumentError, match="target_gen_seconds must be > 0"):
+        _cfg(target_gen_seconds=0.0)
+
+
+def test_a_prior_target_corpus_is_added_and_checked(tiny_target, corpus_files, tmp_path,
+                                                   monkeypatch):
+    """``--prior-target-corpus``: an earlier run's text joins this run's (the log says so);
+    a file that is not one, or ids outside the vocabulary, are refused in one line, and
+    so is a prior corpus without ``--corpus-from-target``."""
+    monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
+    prior = tmp_path / "prior.npz"
+    np.savez(prior, train=np.arange(100, 400, dtype=np.int32),
+             heldout=np.arange(500, 600, dtype=np.int32))
+    messages = []
+    train_draft.train_draft(tiny_target, tmp_path / "run", _cfg(steps=1),
+                            corpus_files=corpus_files, log=messages.append,
+                            prior_target_corpora=[prior])
+    assert f"target corpus: added the text of {prior}" in messages
+    sizes = [m for m in messages if m.startswith("target corpus:") and "training tokens" in m]
+    with np.load(tmp_path / "run" / "target_corpus.npz") as own:
+        assert sizes == [f"target corpus: {own['train'].size + 300} training tokens, "
+                         f"{own['heldout'].size + 100} held-out tokens"]
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, train=np.asarray([5, 10 ** 6]), heldout=np.asarray([5]))
+    for path, message in ((bad, "outside the target's vocabulary"),
+                          (tmp_path / "run" / "train_config.json", "not a target_corpus.npz"),
+                          (tmp_path / "none.npz", "does not exist")):
+        with pytest.raises(InvalidArgumentError, match=message) as err:
+            train_draft.train_draft(tiny_target, tmp_path / "run2", _cfg(steps=1),
+                                    corpus_files=corpus_files, prior_target_corpora=[path])
+        assert "\n" not in str(err.value)
+    with pytest.raises(InvalidArgumentError, match="needs --corpus-from-target"):
+        train_draft.train_draft(tiny_target, tmp_path / "run3", _cfg(target_corpus_tokens=0),
+                                corpus_files=corpus_files, prior_target_corpora=[prior])
 
 
 def test_mixed_windows_take_the_fraction_from_the_target():

@@ -218,10 +218,14 @@ def test_the_state_keeps_the_targets_block_outputs(target):
     np.testing.assert_allclose(state.features[:length], taps, rtol=1e-4, atol=1e-4)
 
 
-def test_training_lowers_the_loss(target):
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_training_lowers_the_loss(target, compute_dtype):
     """AdamW steps on the target's own text lower the EAGLE-3 loss (the depth-weighted KL
     to the target, every depth reading the draft's own features below the first) on that
-    text, at every depth, and raise the depth-1 agreement."""
+    text, at every depth, and raise the depth-1 agreement; in float32 and with bfloat16
+    products (float32 master weights, as ``--compute-dtype bfloat16`` trains)."""
+    from specjax.checkpoints_tools.train_draft import cast_floats
+
     vocab = np.arange(target.config.vocab_size)
     config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
                                                      LAYERS)
@@ -230,21 +234,47 @@ def test_training_lowers_the_loss(target):
     opt_state = optimizer.init(trainable)
     loss_cfg = eagle3.Eagle3LossConfig(unroll=3)
     train_step, eval_step = eagle3.make_eagle3_steps(target.config, config, loss_cfg,
-                                                     optimizer)
+                                                     optimizer, compute_dtype)
+    target_params = cast_floats(target.params, compute_dtype)
     texts = []
     for seed in range(8):
         prompt = random_prompt(seed, 5)
         texts.append(prompt + specjax.generate(target, prompt, max_new_tokens=28).tokens)
     batch = jnp.asarray(texts, jnp.int32)
-    before = eval_step(trainable, frozen, target.params, batch)
+    before = eval_step(trainable, frozen, target_params, batch)
     for _ in range(30):
         trainable, opt_state, loss, _ = train_step(trainable, opt_state, frozen,
-                                                   target.params, batch)
-    after = eval_step(trainable, frozen, target.params, batch)
+                                                   target_params, batch)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(trainable))
+    after = eval_step(trainable, frozen, target_params, batch)
     for depth in (1, 2, 3):
         assert after[f"kl{depth}"] < 0.7 * before[f"kl{depth}"], (depth, before, after)
     assert after["agreement1"] > before["agreement1"], (before, after)
     assert np.isfinite(float(loss))
+
+
+def test_the_learning_rate_follows_steps_or_the_clock():
+    """An EAGLE-3 run's rate: linear warm-up, then a cosine to a tenth, ended by the last
+    step or by the time budget, whichever comes first; set between steps without
+    rebuilding the optimizer."""
+    from specjax.checkpoints_tools import train_draft
+
+    cfg = train_draft.TrainConfig(eagle3=True, init_layers=(0,), steps=110, warmup_steps=10,
+                                  learning_rate=1e-3)
+    rate = train_draft.learning_rate
+    assert rate(cfg, 0) == 0.0 and rate(cfg, 5) == pytest.approx(5e-4)
+    assert rate(cfg, 10) == pytest.approx(1e-3) and rate(cfg, 60) == pytest.approx(5.5e-4)
+    assert rate(cfg, 110) == pytest.approx(1e-4)
+    assert rate(cfg, 20, clock=1.0) == pytest.approx(1e-4)  # the budget is spent
+    assert rate(cfg, 20, clock=0.5) == pytest.approx(5.5e-4)
+    assert rate(cfg, 60, clock=0.1) == rate(cfg, 60)  # the steps are further along
+    optimizer = train_draft.make_optimizer(cfg)
+    state = optimizer.init({"w": jnp.ones(3)})
+    state = train_draft.set_learning_rate(state, 0.25)
+    updates, _ = optimizer.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
+    np.testing.assert_allclose(updates["w"], -0.25 * np.ones(3), rtol=1e-3)
+    with pytest.raises(InvalidArgumentError, match="compute_dtype must be one of"):
+        train_draft.TrainConfig(compute_dtype="float16")
 
 
 def test_an_eagle3_asset_round_trips(target, tmp_path):

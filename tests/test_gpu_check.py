@@ -82,6 +82,26 @@ def test_targets_from_figures():
         {"device": "x", "jax": "y", "targets": gpu_check.targets(steps), "steps": []})
 
 
+def test_the_paths_and_combos_can_be_narrowed(monkeypatch):
+    """GPU_CHECK_STEP_PATHS and GPU_CHECK_EXACT_COMBOS narrow what a short window runs;
+    a name outside the known ones stops the run with the choices."""
+    monkeypatch.setenv("GPU_CHECK_STEP_PATHS", "default")
+    monkeypatch.setenv("GPU_CHECK_EXACT_COMBOS", "float32:default,bfloat16:fused")
+    sh = gpu_check.shapes(False)
+    assert sh.step_paths == ("default",)
+    assert sh.exact_combos == (("float32", "default"), ("bfloat16", "fused"))
+    assert sh.target == gpu_check.default_shapes(False).target
+    monkeypatch.setenv("GPU_CHECK_EXACT_COMBOS", "float16:default")
+    with pytest.raises(SystemExit, match="float32:default"):
+        gpu_check.shapes(False)
+    monkeypatch.delenv("GPU_CHECK_EXACT_COMBOS")
+    monkeypatch.setenv("GPU_CHECK_STEP_PATHS", "triton")
+    with pytest.raises(SystemExit, match="default and/or fused"):
+        gpu_check.shapes(False)
+    monkeypatch.delenv("GPU_CHECK_STEP_PATHS")
+    assert gpu_check.shapes(True) == gpu_check.default_shapes(True)
+
+
 def test_a_budget_cut_short_leaves_a_valid_partial_json(tmp_path):
     """With 14 s the environment step runs, exactness is stopped at the budget with what it
     had recorded, and the rest are recorded as not run."""

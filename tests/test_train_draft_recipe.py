@@ -139,6 +139,26 @@ def test_the_eagle3_recipe_reuses_text_the_target_wrote_before(tmp_path):
     assert "no such file" in missing.stderr
 
 
+def test_the_eagle3_recipe_adds_earlier_text_and_bounds_the_writing(tmp_path):
+    """E3_PRIOR_CORPUS adds an earlier run's text to what this run writes, E3_GEN_SECONDS
+    bounds the writing, E3_DTYPE picks the arithmetic (bfloat16 unless told), E3_CKPT_EVERY
+    the checkpoints; a missing prior file is one line."""
+    corpus = tmp_path / "target_corpus.npz"
+    corpus.write_bytes(b"npz")
+    done = dry_run(tmp_path, RECIPE="eagle3", E3_PRIOR_CORPUS=str(corpus), E3_GEN_SECONDS="80",
+                   E3_CKPT_EVERY="2000", E3_EVAL_EVERY="500")
+    assert done.returncode == 0, done.stderr
+    (command,) = parsed_commands(done.stdout)
+    assert command.prior_target_corpus == [str(corpus)] and command.target_gen_seconds == 80
+    assert command.compute_dtype == "bfloat16" and command.target_greedy_fraction == 0.5
+    assert (command.checkpoint_every, command.eval_every) == (2000, 500)
+    (plain,) = parsed_commands(dry_run(tmp_path, RECIPE="eagle3", E3_DTYPE="float32").stdout)
+    assert plain.compute_dtype == "float32" and plain.prior_target_corpus is None
+    missing = dry_run(tmp_path, RECIPE="eagle3", E3_PRIOR_CORPUS=str(tmp_path / "no.npz"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "no such file" in missing.stderr
+
+
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
 def test_a_finished_stage_is_skipped_on_a_rerun(tmp_path, stage):
     """The dry run prints every stage; a real rerun skips stages whose asset exists. Check
