@@ -784,15 +784,26 @@ def _scores(result) -> dict:
     return out
 
 
-def draft_vocabulary(out: Path, cfg: "TrainConfig", vocab_size: int):
+def draft_vocabulary(out: Path, cfg: "TrainConfig", vocab_size: int,
+                     generated: np.ndarray | None = None):
     """(ids, description) of an EAGLE-3 draft's vocabulary: the ``cfg.draft_vocab`` most
-    frequent ids of the run's training mix (:func:`_head_subset`), ``None`` for others."""
+    frequent ids of the run's training mix (:func:`_head_subset`; ``generated``: the
+    target's text it trains on, prior corpora included, else the run's own file), ``None``
+    for others. Chosen once and kept in ``out/draft_vocab.npy``: a resumed run and its
+    export read the same map whatever they are given."""
     if not cfg.eagle3:
         return None, None
     if cfg.draft_vocab > vocab_size:
         raise InvalidArgumentError(f"draft_vocab {cfg.draft_vocab} exceeds the target's "
                                    f"vocabulary of {vocab_size}")
-    return _head_subset(out, cfg, cfg.draft_vocab, vocab_size)
+    kept = Path(out) / "draft_vocab.npy"
+    if kept.exists():
+        return np.load(kept), f"the {cfg.draft_vocab} ids chosen when the run began ({kept})"
+    ids, description = _head_subset(out, cfg, cfg.draft_vocab, vocab_size, generated)
+    with open(kept.with_suffix(".tmp"), "wb") as f:
+        np.save(f, np.asarray(ids, np.int32))
+    os.replace(kept.with_suffix(".tmp"), kept)
+    return ids, description
 
 
 def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
@@ -868,7 +879,7 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         log(f"target corpus: {target_train.size} training tokens, {target_held.size} "
             "held-out tokens")
 
-    vocab, vocab_source = draft_vocabulary(out, cfg, target.config.vocab_size)
+    vocab, vocab_source = draft_vocabulary(out, cfg, target.config.vocab_size, target_train)
     if vocab is not None:
         log(f"draft vocabulary: {vocab_source}")
     draft_config, draft_params = initial_draft(target, cfg, vocab)
@@ -1056,7 +1067,8 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _head_subset(out: Path, cfg: "TrainConfig", k: int, vocab_size: int):
+def _head_subset(out: Path, cfg: "TrainConfig", k: int, vocab_size: int,
+                 generated: np.ndarray | None = None):
     """(ids, description) of the ``k`` most frequent tokens of the run's training mix: the
     file corpus alone, or with ``--corpus-from-target`` the file corpus and the target's
     generations weighted by the windows each gives a batch (the draft must cover what the
@@ -1068,11 +1080,12 @@ def _head_subset(out: Path, cfg: "TrainConfig", k: int, vocab_size: int):
     target_file = out / "target_corpus.npz"
     share = (round(cfg.target_corpus_fraction * cfg.batch_size) / cfg.batch_size
              if cfg.target_corpus_tokens else 0.0)
-    if share == 0 or not target_file.exists():
+    if share == 0 or (generated is None and not target_file.exists()):
         return (frequent_tokens(files, k, vocab_size),
                 f"the {k} most frequent ids of the run's training corpus")
-    with np.load(target_file) as data:
-        generated = data["train"]
+    if generated is None:
+        with np.load(target_file) as data:
+            generated = data["train"]
     mixture = [(files, 1.0 - share), (generated, share)]
     return (frequent_tokens(None, k, vocab_size, mixture=mixture),
             f"the {k} most frequent ids of the run's training mix: relative frequencies of "

@@ -185,6 +185,24 @@ def test_a_prior_target_corpus_is_added_and_checked(tiny_target, corpus_files, t
     with np.load(tmp_path / "run" / "target_corpus.npz") as own:
         assert sizes == [f"target corpus: {own['train'].size + 300} training tokens, "
                          f"{own['heldout'].size + 100} held-out tokens"]
+    # An EAGLE-3 draft's vocabulary counts the prior text too, and is kept for the resume.
+    heavy = tmp_path / "heavy.npz"
+    np.savez(heavy, train=np.repeat(np.arange(100, 400, dtype=np.int32), 9),
+             heldout=np.arange(500, 600, dtype=np.int32))
+    eagle = dict(eagle3=True, init_layers=(0,), draft_vocab=300, feature_layers=(0, 1),
+                 unroll=2, target_corpus_fraction=1.0)
+    train_draft.train_draft(tiny_target, tmp_path / "e3", _cfg(steps=2, **eagle),
+                            corpus_files=corpus_files, prior_target_corpora=[heavy],
+                            time_budget=1e-3)  # stops after its first step
+    vocab = np.load(tmp_path / "e3" / "draft_vocab.npy")
+    assert np.isin(np.arange(100, 400), vocab).sum() >= 250, vocab
+    again = []
+    train_draft.train_draft(tiny_target, tmp_path / "e3", _cfg(steps=2, **eagle),
+                            corpus_files=corpus_files, log=again.append)
+    assert any("chosen when the run began" in m for m in again), again
+    assert "resumed from step 1" in again
+    draft = specjax.load(str(tmp_path / "e3" / "draft"))
+    assert np.array_equal(np.asarray(draft.params["draft_vocab"]), vocab)
     bad = tmp_path / "bad.npz"
     np.savez(bad, train=np.asarray([5, 10 ** 6]), heldout=np.asarray([5]))
     for path, message in ((bad, "outside the target's vocabulary"),
