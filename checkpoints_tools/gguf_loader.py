@@ -12,7 +12,8 @@ package supplies the type tables and the dequantization:
   renamed to their Hugging Face names and handed to the strict
   :func:`~specjax.checkpoints_tools.keymap.params_from_hf_tensors`, so an unmapped, missing
   or mis-shaped tensor is rejected exactly as for an HF checkpoint;
-- a tokenizer in ``tokenizer.ggml.*`` fields, rebuilt with the ``tokenizers`` library.
+- a tokenizer in ``tokenizer.ggml.*`` fields (byte-level BPE or SentencePiece BPE),
+  rebuilt with the ``tokenizers`` library.
 
 Two layout facts matter (DESIGN.md section 8):
 
@@ -646,7 +647,10 @@ _PRE_TOKENIZER_SPLITS = {
 # there and ["\n    ", "0"] in llama.cpp. ``split_digits`` picks llama.cpp's behaviour.
 _DIGIT_PRE_TOKENIZERS = frozenset({"smollm", "starcoder", "refact", "codeshell", "command-r"})
 
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # tokenizer.ggml.token_type values
+# tokenizer.ggml.token_type values (SentencePiece's piece types, which llama.cpp writes for
+# every vocabulary kind).
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_SPACE_MARK = "\u2581"  # SentencePiece writes a space as "▁"
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -772,8 +776,88 @@ def _byte_level_tokenizer(reader: GGUFFile, vocabulary: _Vocabulary, source: str
     return backend, lambda token: set(token) <= alphabet
 
 
+def sentencepiece_merges(tokens: list[str], token_types: list[int],
+                         scores) -> list[tuple[str, str]]:
+    """BPE merges that tokenize as SentencePiece BPE does with these scores.
+
+    SentencePiece (and llama.cpp's SPM tokenizer) repeatedly joins the adjacent pair of
+    pieces whose joined piece is in the vocabulary with the highest score. A ranked merge
+    list says the same: each way to cut a piece into two pieces of the vocabulary is a
+    merge, ranked by the joined piece's score, best first. Equal scores rank by the joined
+    piece's id (SentencePiece writes pieces in merge order); among equal scores
+    SentencePiece joins the leftmost pair instead, which differs only for ties.
+
+    Only normal pieces take part: control and byte tokens are never the result of joining,
+    and user-defined ones are matched whole before BPE runs.
+
+    Args:
+      tokens: the vocabulary [V].
+      token_types: ``tokenizer.ggml.token_type`` [V].
+      scores: ``tokenizer.ggml.scores`` [V].
+    Returns:
+      (left, right) pairs, best first.
+    """
+    scores = np.asarray(scores, np.float64).tolist()  # Python floats: faster to index
+    mergeable: dict[str, int] = {}
+    for index, (token, kind) in enumerate(zip(tokens, token_types)):
+        if kind == _NORMAL:
+            mergeable.setdefault(token, index)
+    ranked = []
+    for token, index in mergeable.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append((-scores[index], index, mergeable[left], left, right))
+    ranked.sort()  # (score, id, left id) is unique per merge: the strings never compare
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _sentencepiece_tokenizer(reader: GGUFFile, vocabulary: _Vocabulary, source: str):
+    """(tokenizers.Tokenizer, keep) for ``tokenizer.ggml.model == "llama"`` (SentencePiece
+    BPE: Llama 2, Mistral, Gemma 2/3, Phi-3), tokenizing as llama.cpp does.
+
+    Spaces become "▁" and, where ``tokenizer.ggml.add_space_prefix`` says so (llama.cpp's
+    default; Gemma's files say no), every stretch of text between special tokens starts
+    with one. Characters outside the vocabulary fall back to ``<0xNN>`` byte tokens. The
+    file's merges, if any, are ignored as llama.cpp ignores them: the scores rank merging.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    get, _ = _metadata_reader(reader, source)
+    tokens = vocabulary.tokens
+    scores = get("ggml.scores", kind=list)
+    if scores is None:
+        scores = np.zeros(len(tokens), np.float32)  # llama.cpp reads a missing score as 0
+    if (not isinstance(scores, np.ndarray) or scores.dtype.kind not in "fiu"
+            or len(scores) != len(tokens)):
+        raise CheckpointError(f"{source}: GGUF metadata 'tokenizer.ggml.scores' should be an "
+                              f"array of {len(tokens)} numbers, one per token")
+    byte_tokens = {f"<0x{byte:02X}>" for byte in range(256)}
+    if vocabulary.special("unknown") is None and not byte_tokens <= set(tokens):
+        # BPE would then drop the characters it cannot spell, silently.
+        raise CheckpointError(f"{source}: the GGUF SentencePiece vocabulary has neither an "
+                              "unknown token (tokenizer.ggml.unknown_token_id) nor the 256 "
+                              "byte tokens <0x00>..<0xFF>, so it cannot encode every text")
+    add_prefix = get("ggml.add_space_prefix", True, kind=bool)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = sentencepiece_merges(tokens, vocabulary.token_types, scores)
+    backend = Tokenizer(models.BPE(vocab, merges, unk_token=vocabulary.special("unknown"),
+                                   fuse_unk=True, byte_fallback=True))
+    # The normalizer runs on each stretch between added tokens, so Prepend puts "▁" after
+    # every special token too, as llama.cpp does; a pre-tokenizer would split words, which
+    # SentencePiece does not.
+    replace = normalizers.Replace(" ", _SPACE_MARK)
+    backend.normalizer = (normalizers.Sequence([normalizers.Prepend(_SPACE_MARK), replace])
+                          if add_prefix else replace)
+    steps = [decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))  # the prefix space of the first word
+    backend.decoder = decoders.Sequence(steps)
+    return backend, lambda token: True
+
+
 # tokenizer.ggml.model values supported, and what they name.
-_TOKENIZER_KINDS = {"gpt2": "byte-level BPE"}
+_TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}
 
 
 def tokenizer_from_gguf(reader: GGUFFile, source: str = "gguf", model_max_length: int | None = None,
@@ -782,7 +866,9 @@ def tokenizer_from_gguf(reader: GGUFFile, source: str = "gguf", model_max_length
 
     Supports byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: SmolLM,
     Llama 3, Qwen2, StarCoder ...), tokenized as transformers' own GGUF loader does
-    (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``), without needing torch.
+    (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``), and SentencePiece BPE
+    vocabularies (``"llama"``: Llama 2, Mistral, Gemma 2/3, Phi-3), tokenized as llama.cpp
+    does (see :func:`_sentencepiece_tokenizer`); neither needs torch or sentencepiece.
     Tokens marked control become special tokens and those marked user-defined become added
     tokens, so both stay whole.
 
@@ -806,9 +892,12 @@ def tokenizer_from_gguf(reader: GGUFFile, source: str = "gguf", model_max_length
         raise CheckpointError(
             f"{source}: GGUF tokenizer model {kind!r} is not supported (only {supported}); "
             "load the model's HF directory for its tokenizer")
-    vocabulary = _read_vocabulary(reader, source, add_bos_default=False)
+    vocabulary = _read_vocabulary(reader, source, add_bos_default=kind == "llama")
     try:
-        backend, keep = _byte_level_tokenizer(reader, vocabulary, source, split_digits)
+        if kind == "gpt2":
+            backend, keep = _byte_level_tokenizer(reader, vocabulary, source, split_digits)
+        else:
+            backend, keep = _sentencepiece_tokenizer(reader, vocabulary, source)
         return _wrap_tokenizer(backend, keep, vocabulary, model_max_length)
     except CheckpointError:
         raise
