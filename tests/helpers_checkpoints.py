@@ -103,6 +103,66 @@ def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+# A SentencePiece BPE vocabulary laid out as Llama 2's (ids 0-2 <unk> <s> </s>, then the
+# 256 byte tokens), with Phi-3-style chat tokens, one user-defined token (Gemma's files
+# mark HTML tags so), printable ASCII and "▁" as single pieces (no "\n" or "\t": those
+# fall back to bytes), and pieces made by these joins, best (highest score) first.
+# "e r" before "r e" makes the order matter: "ere" is "er" "e", not "e" "re".
+SENTENCEPIECE_JOINS = [
+    "▁ t", "h e", "▁t he", "e r", "r e", "i n", "▁ a", "o n", "▁ ▁", "▁▁ ▁▁", "▁ d", "e f",
+    "▁d ef", "▁ r", "▁r e", "t u", "r n", "tu rn", "▁re turn", "▁ i", "▁i f", "▁i n",
+    "( )", "() :", "▁ 1", "▁ f", "▁ x", "▁ =", "▁ +", "a t", "▁ w", "▁w er", "▁th at",
+]
+SENTENCEPIECE_CONTROL = ["<|user|>", "<|assistant|>", "<|end|>"]
+SENTENCEPIECE_USER_DEFINED = ["<br>"]
+UNKNOWN, NORMAL, CONTROL, USER_DEFINED, BYTE = 2, 1, 3, 4, 6  # token_type values
+
+
+def tiny_sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a SentencePiece BPE vocabulary as llama.cpp writes
+    it: special and byte tokens score 0, single characters rank below every joined piece,
+    joined pieces score minus their rank."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256
+    tokens += SENTENCEPIECE_CONTROL + SENTENCEPIECE_USER_DEFINED
+    types += [CONTROL] * len(SENTENCEPIECE_CONTROL) + [USER_DEFINED]
+    scores = [0.0] * len(tokens)
+    characters = ["▁"] + [chr(c) for c in range(0x21, 0x7F)]
+    tokens += characters
+    scores += [-1000.0 - i for i in range(len(characters))]
+    joined = [join.replace(" ", "") for join in SENTENCEPIECE_JOINS]
+    assert len(set(joined)) == len(joined) and not set(joined) & set(tokens)
+    tokens += joined
+    scores += [-float(rank) for rank in range(len(joined))]
+    types += [NORMAL] * (len(characters) + len(joined))
+    return tokens, scores, types
+
+
+def add_sentencepiece_vocabulary(writer, *, add_space_prefix: bool | None = True,
+                                 add_bos: bool = True, chat_template: str | None = None,
+                                 scores: list[float] | None = None) -> None:
+    """Writes :func:`tiny_sentencepiece_vocabulary` as llama.cpp's converter writes a
+    Llama 2 / Gemma / Phi-3 vocabulary (no merges; ``add_space_prefix=None`` leaves the
+    flag out, as older files do; ``scores`` replaces the vocabulary's)."""
+    tokens, default_scores, types = tiny_sentencepiece_vocabulary()
+    scores = default_scores if scores is None else scores
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(tokens.index("<|end|>"))
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(add_bos)
+    writer.add_add_eos_token(False)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+
 def _llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter: per head, rows (first half, second half) interleaved."""
     head_dim = rows.shape[0] // num_heads
@@ -199,3 +259,37 @@ def gguf_llama(seed: int = 0, tied: bool = False):
     kwargs = dict(_LLAMA, vocab_size=len(tokens), num_hidden_layers=2, num_key_value_heads=2,
                   tie_word_embeddings=tied)
     return _build(transformers.LlamaConfig, kwargs, seed)
+
+
+def sentencepiece_reference(text: str, tokens: list[str], scores: list[float],
+                            types: list[int], add_space_prefix: bool = True) -> list[int]:
+    """llama.cpp's SentencePiece BPE tokenization, written directly (no BOS): control and
+    user-defined tokens cut the text (longest first); each stretch between them gets a
+    leading space if ``add_space_prefix``, spaces become "▁", and the adjacent pair whose
+    join is a normal piece of highest score is joined (leftmost on ties) until none is;
+    a piece outside the vocabulary is spelled by its UTF-8 byte tokens."""
+    import re
+
+    ids = {token: index for index, token in enumerate(tokens)}
+    score = {t: s for t, s, kind in zip(tokens, scores, types) if kind == NORMAL}
+    whole = sorted((t for t, kind in zip(tokens, types) if kind in (CONTROL, USER_DEFINED)),
+                   key=len, reverse=True)
+    out = []
+    for index, fragment in enumerate(re.split("(" + "|".join(map(re.escape, whole)) + ")", text)):
+        if index % 2:
+            out.append(ids[fragment])
+            continue
+        if not fragment:
+            continue
+        pieces = list((" " + fragment if add_space_prefix else fragment).replace(" ", "▁"))
+        while True:
+            joins = [(score[a + b], -i) for i, (a, b) in enumerate(zip(pieces, pieces[1:]))
+                     if a + b in score]
+            if not joins:
+                break
+            i = -max(joins)[1]
+            pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
+        for piece in pieces:
+            out += ([ids[piece]] if piece in score else
+                    [ids[f"<0x{b:02X}>"] for b in piece.encode("utf-8")])
+    return out

@@ -101,15 +101,19 @@ def family_gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
-def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = True):
+def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = True,
+                      vocabulary: str = "byte-level", chat_template: str | None = None):
     """Writes a tiny Qwen3 / Gemma 2 / Gemma 3 / Phi-3 transformers model as llama.cpp's
     converter would: its names and metadata keys, Gemma's norms stored plus one
     (``norm_shift``), no Q/K permutation; the byte-level tiny vocabulary of
-    :func:`helpers_checkpoints.tiny_vocabulary` (the model's vocab_size must match)."""
+    :func:`helpers_checkpoints.tiny_vocabulary` or, with ``vocabulary="sentencepiece"``,
+    :func:`helpers_checkpoints.tiny_sentencepiece_vocabulary` as the real Gemma and Phi-3
+    files carry (no space prefix for Gemma). The model's vocab_size must match."""
     import gguf
     import numpy as np
     from gguf.quants import quantize
-    from helpers_checkpoints import tiny_vocabulary
+    from helpers_checkpoints import (add_sentencepiece_vocabulary,
+                                     tiny_sentencepiece_vocabulary, tiny_vocabulary)
 
     cfg = model.config
     arch = GGUF_ARCH[cfg.model_type]
@@ -138,15 +142,22 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
             writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         if getattr(cfg, "final_logit_softcapping", None):
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    tokens, types, merges = tiny_vocabulary()
-    assert len(tokens) == cfg.vocab_size, (len(tokens), cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    if vocabulary == "sentencepiece":
+        assert len(tiny_sentencepiece_vocabulary()[0]) == cfg.vocab_size
+        add_sentencepiece_vocabulary(writer, add_space_prefix=not arch.startswith("gemma"),
+                                     chat_template=chat_template)
+    else:
+        tokens, types, merges = tiny_vocabulary()
+        assert len(tokens) == cfg.vocab_size, (len(tokens), cfg.vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
     qtype = getattr(gguf.GGMLQuantizationType, quant)
     for name, tensor in model.state_dict().items():
         target = family_gguf_name(name, arch)

@@ -265,11 +265,13 @@ GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_wind
 
 
 def _gguf_pair(variant, path, **kwargs):
-    from helpers_checkpoints import tiny_vocabulary
+    from helpers_checkpoints import tiny_sentencepiece_vocabulary, tiny_vocabulary
     from helpers_families import write_family_gguf
     from specjax.checkpoints_tools.gguf_loader import load_gguf
 
-    hf_model = tiny_family_model(variant, seed=5, vocab_size=len(tiny_vocabulary()[0]),
+    tokens = (tiny_sentencepiece_vocabulary() if kwargs.get("vocabulary") == "sentencepiece"
+              else tiny_vocabulary())[0]
+    hf_model = tiny_family_model(variant, seed=5, vocab_size=len(tokens),
                                  **GGUF_VARIANTS[variant])
     config, params, tokenizer = load_gguf(write_family_gguf(hf_model, path, **kwargs))
     return hf_model, specjax.Model.from_params(config, params, tokenizer)
@@ -287,6 +289,32 @@ def test_gguf_written_from_the_same_weights_gives_the_same_logits(variant, tmp_p
     np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf_model, tokens),
                                atol=1e-4, rtol=0)
     assert model.tokenizer("the")["input_ids"]  # the GGUF's tokenizer came with it
+
+
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3", "phi3"])
+def test_gguf_with_a_sentencepiece_vocabulary_brings_its_tokenizer(variant, tmp_path):
+    """Real Gemma 2/3 and Phi-3 GGUF files carry a SentencePiece vocabulary
+    (``tokenizer.ggml.model == "llama"``): ``load_gguf`` rebuilds it (ids exactly as
+    llama.cpp's algorithm, Gemma without the space prefix), and a chat prompt through its
+    template generates what transformers generates from the same ids."""
+    from helpers_checkpoints import sentencepiece_reference, tiny_sentencepiece_vocabulary
+
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    hf_model, model = _gguf_pair(variant, tmp_path / f"{variant}.gguf",
+                                 vocabulary="sentencepiece", chat_template=template)
+    tokens, scores, types = tiny_sentencepiece_vocabulary()
+    prefix = not variant.startswith("gemma")
+    for text in ["def f(x):\n    return x + 1\n", "  were there ✓", "<|user|>\nhi<|end|>"]:
+        ids = model.tokenizer(text)["input_ids"]
+        assert ids == [1] + sentencepiece_reference(text, tokens, scores, types, prefix), text
+    code = "def f(x):\n    return x + 1\n"
+    assert model.tokenizer.decode(model.tokenizer(code)["input_ids"],
+                                  skip_special_tokens=True) == code
+    prompt = sentencepiece_reference("<|user|>\nhi there<|end|>\n<|assistant|>\n",
+                                     tokens, scores, types, prefix)
+    assert specjax.generate(model, "hi there", chat=True, max_new_tokens=8,
+                            stop_tokens=[]).tokens == hf_greedy(hf_model, prompt, 8)
 
 
 def test_gemma_gguf_norms_without_llama_cpp_s_plus_one_are_caught(tmp_path):
