@@ -76,7 +76,8 @@
 # multiplies at IEEE precision, several times slower on a GPU), E3_GEN_SECONDS (stop writing
 # the target's text after this many seconds: --target-gen-seconds), E3_PRIOR_CORPUS (an
 # earlier run's target_corpus.npz added to the text this run writes: --prior-target-corpus),
-# E3_CKPT_EVERY (steps between checkpoints, default E3_EVAL_EVERY), E3_KEEP_CORPUS (1: copy
+# E3_CHAT (0.25: the share of prompts asked through the target's chat template,
+# --target-chat-fraction), E3_CKPT_EVERY (steps between checkpoints, default E3_EVAL_EVERY), E3_KEEP_CORPUS (1: copy
 # the text this run wrote, target_corpus.npz, into OUT_DIR),
 # OUT_DIR, BUDGET (300 s), E3_MARGIN (30 s), E3_TARGET_TOKENS (2000000),
 # E3_GEN_LEN (256), E3_GREEDY (0.5), E3_TEMPERATURE (1.0), E3_STEPS (2000), E3_BATCH (48), E3_SEQ (256),
@@ -184,6 +185,7 @@ if [ "$RECIPE" = eagle3 ]; then
       cp "$E3_TARGET_CORPUS" "$OUT/target_corpus.npz"
     fi
     E3_GREEDY=${E3_GREEDY:-0}  # what the record says; the text is the file's
+    E3_CHAT=${E3_CHAT:-0}
     say "eagle3: the target's text from $E3_TARGET_CORPUS, not written again"
   fi
   if [ -n "${E3_PRIOR_CORPUS:-}" ]; then
@@ -192,6 +194,7 @@ if [ "$RECIPE" = eagle3 ]; then
   ARGS=(--eagle3 --init-layers 0 --max-corpus-tokens "${E3_MAX_TOKENS:-1000000}"
         --corpus-from-target "${E3_TARGET_TOKENS:-2000000}" --target-corpus-fraction 1
         --target-temperature "${E3_TEMPERATURE:-1.0}" --target-greedy-fraction "${E3_GREEDY:-0.5}"
+        --target-chat-fraction "${E3_CHAT:-0.25}"
         --target-gen-len "${E3_GEN_LEN:-256}"
         --target-batch-size "$TARGET_BATCH" --steps "${E3_STEPS:-2000}"
         --batch-size "${E3_BATCH:-48}" --seq-len "${E3_SEQ:-256}"

@@ -36,7 +36,9 @@ the signature and docstring of functions found in the training files
 own (its package is not a source, and functions named like its problems are left out).
 A further ``heldout_fraction`` of generations (at least ``eval_windows`` windows' worth)
 comes from held-out files' prompts under other seeds: agreement on them is logged as
-``heldout_target_agreement``. Each document is prompt + generation. Mixing rule: every
+``heldout_target_agreement``. Each document is prompt + generation; with
+``--target-chat-fraction`` that share of the prompts asks for the function through the
+target's chat template instead, as a chat user would. Mixing rule: every
 training batch takes ``round(target_corpus_fraction * batch_size)`` windows from the
 generations and the rest from the file corpus (a fraction of 0 trains on none of them:
 a control run that still measures agreement on them). The generations are cached in
@@ -149,6 +151,7 @@ class TrainConfig:
     target_gen_len: int = 256
     target_batch_size: int = 16
     target_greedy_fraction: float = 0.0  # recorded only when set
+    target_chat_fraction: float = 0.0  # recorded only when set
     init_draft: str | None = None
     add_layers: tuple[int, ...] = ()
     # Feature drafts (module docstring); recorded in train_config.json only when used.
@@ -224,9 +227,10 @@ class TrainConfig:
             if not 0 <= self.target_corpus_fraction <= 1:
                 raise InvalidArgumentError("target_corpus_fraction must be in [0, 1], got "
                                            f"{self.target_corpus_fraction}")
-            if not 0 <= self.target_greedy_fraction <= 1:
-                raise InvalidArgumentError("target_greedy_fraction must be in [0, 1], got "
-                                           f"{self.target_greedy_fraction}")
+            for name in ("target_greedy_fraction", "target_chat_fraction"):
+                if not 0 <= getattr(self, name) <= 1:
+                    raise InvalidArgumentError(f"{name} must be in [0, 1], got "
+                                               f"{getattr(self, name)}")
             if not (self.target_temperature >= 0 and np.isfinite(self.target_temperature)):
                 raise InvalidArgumentError("target_temperature must be a finite number >= 0, "
                                            f"got {self.target_temperature}")
@@ -241,8 +245,10 @@ class TrainConfig:
         if not self.target_corpus_tokens:
             for name in _TARGET_CORPUS_FIELDS:
                 record.pop(name)
-        elif not self.target_greedy_fraction:
-            record.pop("target_greedy_fraction")
+        else:
+            for name in ("target_greedy_fraction", "target_chat_fraction"):
+                if not getattr(self, name):
+                    record.pop(name)
         if self.init_draft is None:
             record.pop("init_draft")
         if not self.add_layers:
@@ -272,7 +278,7 @@ _EAGLE3_FIELDS = ("eagle3", "feature_layers", "draft_vocab", "unroll", "unroll_d
                   "acceptance_weight")
 _TARGET_CORPUS_FIELDS = ("target_corpus_tokens", "target_corpus_fraction",
                          "target_temperature", "target_gen_len", "target_batch_size",
-                         "target_greedy_fraction")
+                         "target_greedy_fraction", "target_chat_fraction")
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -325,27 +331,46 @@ def tokenize_corpus(files: Sequence[Path], tokenizer, *, max_tokens: int, heldou
     return np.concatenate(train), np.concatenate(held)
 
 
+CHAT_REQUEST = "Write the body of this Python function.\n\n```python\n{prompt}```"
+
+
+def _spread(index: int, share: float) -> bool:
+    """Whether item ``index`` of a sequence is one of a ``share`` of them, spread evenly."""
+    return bool(np.floor((index + 1) * share) > np.floor(index * share))
+
+
+def _encode_row(target, prompt: str, chat: bool) -> list[int]:
+    """A generation row's prompt ids: the code itself, or (``chat``) a request to complete
+    it through the target's chat template, the way a chat user asks (:data:`CHAT_REQUEST`)."""
+    if not chat:
+        return target.tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"]
+    from specjax.api import encode_prompt
+
+    return encode_prompt(target, CHAT_REQUEST.format(prompt=prompt), chat=True)
+
+
 def _generation_rows(target, params, prompts: list[str], rows: int, cfg: "TrainConfig",
                      seed: int, separator: int, progress,
                      deadline: float | None = None) -> np.ndarray:
     """Up to ``rows`` documents (prompt + generation + separator), joined as one int32
     stream, written in chunks of ``cfg.target_batch_size`` rows: a share
     ``target_greedy_fraction`` of the chunks greedily, spread evenly so that a run cut
-    short keeps that share, the others at ``target_temperature``. Row ``i`` samples with
-    ``row_seed(seed, i)`` whatever its chunk. No chunk begins after ``deadline``
+    short keeps that share, the others at ``target_temperature``; a share
+    ``target_chat_fraction`` of the rows, spread evenly too, asks through the chat template
+    (:func:`_encode_row`). Row ``i`` samples with ``row_seed(seed, i)`` whatever its chunk. No chunk begins after ``deadline``
     (``time.monotonic()``), except the first."""
     from specjax.checkpoints_tools import sample_corpus
 
     order = np.random.default_rng(seed).permutation(len(prompts))
     texts = [prompts[order[i % len(prompts)]] for i in range(rows)]  # cycled: seeds differ
-    encoded = [target.tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]
-               for t in texts]
+    encoded = [_encode_row(target, text, _spread(i, cfg.target_chat_fraction))
+               for i, text in enumerate(texts)]
     size, share = cfg.target_batch_size, cfg.target_greedy_fraction
     parts = []
     for chunk, begin in enumerate(range(0, rows, size)):
         if chunk and deadline is not None and time.monotonic() >= deadline:
             break
-        greedy = np.floor((chunk + 1) * share) > np.floor(chunk * share)
+        greedy = _spread(chunk, share)
         parts.append(sample_corpus.sample_continuations(
             params, target.config, encoded[begin:begin + size],
             num_new_tokens=cfg.target_gen_len,
@@ -408,7 +433,8 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
 
     log(f"target corpus: generating {rows} + {held_rows} held-out rows of "
         f"{cfg.target_gen_len} tokens at temperature {cfg.target_temperature} "
-        f"({cfg.target_greedy_fraction:g} of them greedy) from "
+        f"({cfg.target_greedy_fraction:g} of them greedy, {cfg.target_chat_fraction:g} "
+        "through the chat template) from "
         f"{len(train_prompts)} + {len(held_prompts)} docstring prompts")
     began = time.perf_counter()
     params = cast_floats(target.params, cfg.compute_dtype)
@@ -1190,6 +1216,7 @@ def main(args) -> int:
                           ("target_gen_len", args.target_gen_len),
                           ("target_batch_size", args.target_batch_size),
                           ("target_greedy_fraction", args.target_greedy_fraction),
+                          ("target_chat_fraction", args.target_chat_fraction),
                           ("target_gen_seconds", args.target_gen_seconds))
                          if value is not None},
                       compute_dtype=args.compute_dtype,
@@ -1341,6 +1368,10 @@ def add_parser(subparsers) -> None:
                         "--target-temperature (default: 0)")
     g.add_argument("--target-batch-size", type=int, default=None,
                    help="generations run at once (default: 16)")
+    g.add_argument("--target-chat-fraction", type=float, default=None,
+                   help="fraction of the prompts asked through the target's chat template "
+                        "(a request to complete the function), so that chat users' text is "
+                        "in the mix too (default: 0)")
     g.add_argument("--target-gen-seconds", type=float, default=None, metavar="SECONDS",
                    help="stop writing the target's text after this many seconds (rows not "
                         "begun are left out; the held-out rows are written first)")

@@ -147,6 +147,42 @@ def test_a_greedy_fraction_of_the_rows_is_written_greedily(tiny_target, corpus_f
         _cfg(target_greedy_fraction=1.5)
 
 
+def test_a_chat_fraction_of_the_prompts_goes_through_the_chat_template(tiny_target,
+                                                                        corpus_files,
+                                                                        monkeypatch):
+    """``target_chat_fraction``: that share of the rows (spread evenly: rows 1 and 3 of 4)
+    asks for the function through the target's chat template, the others are the code
+    itself; either way the continuation is the target's own sample after that prompt."""
+    monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
+    cfg = _cfg(target_chat_fraction=0.5)
+    assert cfg.record()["target_chat_fraction"] == 0.5
+    assert "target_chat_fraction" not in _cfg().record()
+    # Separator 0: the chat template's own turns end with token 2.
+    train = train_draft.generate_target_corpus(tiny_target, corpus_files, cfg, separator=0,
+                                               log=lambda _: None)[0]
+    tok = tiny_target.tokenizer
+    header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    documents = np.split(train, np.flatnonzero(train == 0) + 1)[:-1]
+    assert len(documents) == 4
+    for i, document in enumerate(documents):
+        ids = document[:-1].tolist()
+        text = tok.decode(ids)
+        if i in (1, 3):
+            assert text.startswith("<|im_start|>system") and "Write the body of this" in text
+            end = next(k + len(header) for k in range(len(ids))
+                       if ids[k:k + len(header)] == header)
+        else:
+            assert text.startswith("def ") and "<|im_start|>" not in text
+            end = len(tok(text[:text.index('"""', text.index('"""') + 3) + 3] + "\n",
+                          add_special_tokens=False)["input_ids"])
+        expected = specjax.generate(tiny_target, ids[:end], method="ar", max_new_tokens=24,
+                                    temperature=1.0, seed=sample_corpus.row_seed(0, i),
+                                    stop_tokens=[2])
+        assert ids[end:] == [t for t in expected.tokens if t != 2], i
+    with pytest.raises(InvalidArgumentError, match="target_chat_fraction must be in"):
+        _cfg(target_chat_fraction=2.0)
+
+
 def test_a_deadline_cuts_the_training_rows_not_the_held_out_ones(tiny_target, corpus_files,
                                                                   monkeypatch):
     """``target_gen_seconds``: no chunk of training rows begins after it (the first always

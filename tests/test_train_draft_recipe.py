@@ -133,7 +133,8 @@ def test_the_eagle3_recipe_reuses_text_the_target_wrote_before(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "not written again" in done.stderr
     (command,) = parsed_commands(done.stdout)
-    assert command.target_greedy_fraction == 0  # the record matches the reused text
+    # the record matches the reused text
+    assert command.target_greedy_fraction == 0 and command.target_chat_fraction == 0
     missing = dry_run(tmp_path, RECIPE="eagle3", E3_TARGET_CORPUS=str(tmp_path / "no.npz"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
     assert "no such file" in missing.stderr
@@ -151,6 +152,7 @@ def test_the_eagle3_recipe_adds_earlier_text_and_bounds_the_writing(tmp_path):
     (command,) = parsed_commands(done.stdout)
     assert command.prior_target_corpus == [str(corpus)] and command.target_gen_seconds == 80
     assert command.compute_dtype == "bfloat16" and command.target_greedy_fraction == 0.5
+    assert command.target_chat_fraction == 0.25
     assert (command.checkpoint_every, command.eval_every) == (2000, 500)
     (plain,) = parsed_commands(dry_run(tmp_path, RECIPE="eagle3", E3_DTYPE="float32").stdout)
     assert plain.compute_dtype == "float32" and plain.prior_target_corpus is None
