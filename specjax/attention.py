@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax import kernels, sharding
 from specjax.errors import InvalidArgumentError
 from specjax.kernels.numerics import matmul_precision
 
@@ -248,7 +249,6 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
                                    layer=layer, **extras)
     if scale is not None:  # the kernels scale by D ** -0.5
         q = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
-    from specjax import kernels, sharding  # imported lazily: Pallas is only needed off the CPU
 
     def kernel(*args, layer):
         if impl == "fused":
