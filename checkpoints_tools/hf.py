@@ -39,6 +39,7 @@ import numpy as np
 from specjax.checkpoints_tools import keymap
 from specjax.config import ModelConfig, from_hf_config
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
+from specjax.models import HEAD_SUBSET, check_params
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -621,8 +622,6 @@ def save_hf_directory(config: ModelConfig, params: dict, path: str | os.PathLike
       ``path`` as a :class:`~pathlib.Path`.
     """
     from safetensors.numpy import save_file
-
-    from specjax.models import HEAD_SUBSET, check_params
 
     # A restricted draft head is a specjax runtime option, not part of the architecture.
     params = {k: v for k, v in params.items() if k != HEAD_SUBSET}

@@ -55,9 +55,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from specjax import interrupts
+from specjax import api, interrupts, loading
+from specjax.checkpoints_tools import sample_corpus, sources
+from specjax.checkpoints_tools.hf import hub_snapshot, load_hf_tokenizer, read_hf_config
+from specjax.checkpoints_tools.orbax_io import CONFIG_FILE, read_orbax_config
 from specjax.drafters.ngram import NUM_PROBES, NgramTables, save_ngram, trigram_slots
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
+from specjax.model import Model
 
 DEFAULT_TOP_K = 12
 DEFAULT_TRIGRAM_TOP_K = 8
@@ -413,10 +417,6 @@ def load_tokenizer(name_or_path: str) -> tuple[Any, int]:
       InvalidArgumentError: the model has no tokenizer.
       CheckpointError: its files are corrupt.
     """
-    from specjax.checkpoints_tools import sources
-    from specjax.checkpoints_tools.hf import hub_snapshot, load_hf_tokenizer, read_hf_config
-    from specjax.checkpoints_tools.orbax_io import CONFIG_FILE, read_orbax_config
-
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
     if not path.exists():
@@ -637,9 +637,6 @@ def build_ngram_from_draft(out: str | os.PathLike, target, draft, num_samples: i
       InvalidArgumentError: bad settings, ``out`` (or ``samples_out``) exists.
       KeyboardInterrupt: Ctrl-C; nothing half-written is left (see build_ngram_files).
     """
-    import specjax
-    from specjax.checkpoints_tools import sample_corpus
-
     started = time.perf_counter()
     out = Path(out).expanduser().absolute()
     overwrite = corpus.get("overwrite", False)
@@ -660,8 +657,8 @@ def build_ngram_from_draft(out: str | os.PathLike, target, draft, num_samples: i
         ("top_k", DEFAULT_TOP_K), ("trigram_top_k", DEFAULT_TRIGRAM_TOP_K),
         ("trigram_buckets", DEFAULT_TRIGRAM_BUCKETS),
         ("min_context_count", DEFAULT_MIN_CONTEXT_COUNT))))
-    model = target if isinstance(target, specjax.Model) else specjax.load(target)
-    draft_model = specjax.loading.resolve_draft(model, draft)
+    model = target if isinstance(target, Model) else api.load(target)
+    draft_model = loading.resolve_draft(model, draft)
     files = (collect_text_files(prompt_text, "*.py", ()) if prompt_text is not None
              else None)
     streams = sample_corpus.prompt_streams(model.tokenizer, files, seed=seed)
@@ -675,8 +672,8 @@ def build_ngram_from_draft(out: str | os.PathLike, target, draft, num_samples: i
     seconds = time.perf_counter() - began
     if samples_out:
         _save_samples(Path(samples_out).expanduser().absolute(), samples)
-    sources = {"draft_samples": {
-        "draft": str(draft) if not isinstance(draft, specjax.Model) else draft.name,
+    recorded = {"draft_samples": {
+        "draft": str(draft) if not isinstance(draft, Model) else draft.name,
         "target": model.name, "tokens": int(num_samples),
         "tokens_kept": int((samples >= 0).sum()), "rows": int(samples.shape[0]),
         "temperature": float(temperature), "seed": int(seed), "batch_size": int(batch_size),
@@ -688,7 +685,7 @@ def build_ngram_from_draft(out: str | os.PathLike, target, draft, num_samples: i
     tokenizer = corpus.pop("tokenizer", None) or os.fspath(target if isinstance(target, str)
                                                            else model.name)
     path, metadata = build_ngram_files(out, tokenizer, sequences=list(samples),
-                                       sources=sources, progress=progress, **corpus)
+                                       sources=recorded, progress=progress, **corpus)
     metadata["total_seconds"] = round(time.perf_counter() - started, 2)
     return path, metadata
 

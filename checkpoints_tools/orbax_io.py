@@ -36,6 +36,7 @@ from specjax.checkpoints_tools.hf import (as_numpy_dtype, has_tokenizer, load_hf
                                           read_json_object)
 from specjax.config import ModelConfig, RopeScaling
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
+from specjax.models import check_params
 
 CONFIG_FILE = "specjax_config.json"
 PARAMS_DIR = "params"
@@ -117,8 +118,6 @@ def save_orbax(path: str | os.PathLike, config: ModelConfig, params: dict,
     """
     import orbax.checkpoint as ocp
 
-    from specjax.models import check_params
-
     path = Path(path).absolute()
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise InvalidArgumentError(f"{path} already exists and is not an empty directory")
@@ -191,8 +190,6 @@ def load_orbax(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict, 
       CheckpointError: the config or parameters are missing, unreadable or inconsistent
         (the message names which).
     """
-    from specjax.models import check_params
-
     path = Path(path).absolute()
     if not path.is_dir():
         raise ModelNotFoundError(f"{path}: no such checkpoint directory")
@@ -253,8 +250,6 @@ _DECLARED_ALLOWANCE = 256 << 20
 def _check_stored_arrays(tree, config: ModelConfig, params_dir: Path) -> None:
     """Checks the arrays a checkpoint declares (shapes, dtypes, total size) before any is
     restored: restoring allocates each declared array first."""
-    from specjax.models import check_params
-
     if not isinstance(tree, dict):
         raise CheckpointError(f"{params_dir}: corrupt or incomplete orbax checkpoint (its "
                               f"metadata holds {type(tree).__name__}, not a parameter tree)")

@@ -68,6 +68,7 @@ import os
 import jax
 
 from specjax.errors import InvalidArgumentError
+from .numerics import write_rope_rows
 
 __all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes",
            "MosaicGpuLinearBlockSizes", "TpuBlockSizes", "TpuLinearBlockSizes",
@@ -271,11 +272,9 @@ def qkv_rope_into(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
     On the GPU variant with the Triton backend (native, or interpreted off a GPU), shapes
     :func:`.linear_gpu.check_rope_into` accepts run that kernel: one launch, written in
     place. Otherwise :func:`fused_linear` (with its fallback) projects and
-    :func:`specjax.models.layers.write_rope_rows` rotates and writes. The choice reads
+    :func:`.numerics.write_rope_rows` rotates and writes. The choice reads
     shapes and dtypes only, so a verify pass and the one-token step take the same path.
     """
-    from specjax.models.layers import write_rope_rows  # models import kernels lazily
-
     variant, interpret = select_variant(variant)
     if variant == "gpu" and gpu_kernel_backend() == "triton":
         module = _kernel_module("gpu", _LINEAR_MODULES)

@@ -32,7 +32,7 @@ row. So a row's arithmetic is the same whether it is alone (a one-token step, pa
 one 16-row tile) or one of 64 tree nodes: a verify pass reproduces the one-token step's
 logits bit for bit (``tests/test_linear_kernel.py`` checks this for whole models).
 
-Numerics follow :mod:`specjax.models.layers`: float32 accumulation; float32 products at
+Numerics follow the models' (:mod:`.numerics`): float32 accumulation; float32 products at
 ``Precision.HIGHEST`` (never TF32); the norm in float32, cast back to the input dtype
 before the norm weight, as the reference does. :func:`fused_linear_reference` is the same
 computation in ``jax.numpy`` (the ground truth the tests compare against).
@@ -52,9 +52,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from specjax.attention import matmul_precision
 from specjax.errors import InvalidArgumentError
 from . import layout
+from .numerics import matmul_precision, rms_norm, write_rope_rows
 
 KERNEL_NAME = "GPU fused linear kernel"
 DTYPES = layout.FLOAT_DTYPES
@@ -361,9 +361,7 @@ def fused_linear_reference(x, weights, *, norm=None, biases=None, residual=None,
                            offsets=(0,), width: int | None = None, transposed: bool = False,
                            eps: float = 1e-6, float32_out: bool = False):
     """The same computation as :func:`fused_linear_gpu` in ``jax.numpy`` (the models'
-    reference layers: :func:`specjax.models.layers.rms_norm` and ``dense``)."""
-    from specjax.models.layers import rms_norm  # models import kernels lazily, not back
-
+    reference layers: :func:`.numerics.rms_norm` and ``specjax.models.layers.dense``)."""
     weights = tuple(weights)
     pick = (lambda a: a) if layer is None else (
         lambda a: None if a is None else lax.dynamic_index_in_dim(a, layer, keepdims=False))
@@ -416,7 +414,7 @@ def _qkv_rope_kernel(layer_ref, x_ref, weight_ref, *refs, has_norm: bool, has_bi
                                 bias_ref[layer, pl.ds(col, block_n)],),
                       None, dtype=dtype, float32_out=False)
             for part, col in zip(parts, (first, second)))
-    # RoPE as models.layers.apply_rope computes it: x * cos + rotate_half(x) * sin in
+    # RoPE as numerics.apply_rope computes it: x * cos + rotate_half(x) * sin in
     # float32, rotate_half(x) = (-x[D/2:], x[:D/2]).
     af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
     first_cols, second_cols = pl.ds(offset, block_n), pl.ds(offset + half, block_n)
@@ -540,8 +538,6 @@ def qkv_rope_into_gpu(packed, x, weight, cos, sin, layer, *, norm=None, bias=Non
 def qkv_rope_into_reference(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
                             rope_heads: int, eps: float = 1e-6):
     """:func:`qkv_rope_into_gpu` in ``jax.numpy``: :func:`fused_linear_reference`, then
-    :func:`specjax.models.layers.write_rope_rows`."""
-    from specjax.models.layers import write_rope_rows  # models import kernels lazily
-
+    :func:`.numerics.write_rope_rows`."""
     qkv = fused_linear_reference(x, (weight,), norm=norm, biases=(bias,), layer=layer, eps=eps)
     return write_rope_rows(packed, qkv, layer, cos, sin, rope_heads)

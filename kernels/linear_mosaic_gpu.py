@@ -14,7 +14,7 @@ matmul) on tiles that TMA copies from global to shared memory, double-buffered b
 
 **Only bfloat16 and float16.** ``wgmma`` takes float32 operands only as TF32, which would
 break what ``float32`` means in this library (exact float32 products, see
-:func:`specjax.attention.matmul_precision`). A float32 call is refused in one line and
+:func:`.numerics.matmul_precision`). A float32 call is refused in one line and
 :func:`specjax.kernels.fused_linear` gives it to the Triton kernel, whose float32 path
 multiplies at ``Precision.HIGHEST``.
 

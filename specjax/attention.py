@@ -26,7 +26,7 @@ step; the kernels read the layer in place, the jnp paths slice only what they re
 Precision: float32 products run at ``Precision.HIGHEST`` (IEEE float32; a GPU's default
 for float32 would be TF32, which rounds a verify pass and a one-token step differently),
 narrower dtypes at the default (tensor cores, float32 accumulation). See
-:func:`matmul_precision`.
+:func:`specjax.kernels.numerics.matmul_precision`.
 """
 
 from __future__ import annotations
@@ -34,21 +34,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax import kernels, sharding
 from specjax.errors import InvalidArgumentError
+from specjax.kernels.numerics import matmul_precision
 
 IMPLEMENTATIONS = ("auto", "reference", "kernel", "fused")
-
-
-def matmul_precision(*operands) -> jax.lax.Precision:
-    """``HIGHEST`` when any operand is float32 (or wider), else ``DEFAULT``.
-
-    The precision every matmul/einsum in the models and the jnp attention paths states
-    explicitly, so that ``float32`` means float32 on every backend whatever the global
-    ``jax_default_matmul_precision``; bf16/fp16 products keep the fast default.
-    """
-    wide = any(jnp.dtype(x.dtype).itemsize >= 4 and jnp.issubdtype(x.dtype, jnp.floating)
-               for x in operands)
-    return jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT
 
 
 def _einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -259,7 +249,6 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
                                    layer=layer, **extras)
     if scale is not None:  # the kernels scale by D ** -0.5
         q = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
-    from specjax import kernels, sharding  # imported lazily: Pallas is only needed off the CPU
 
     def kernel(*args, layer):
         if impl == "fused":

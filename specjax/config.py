@@ -12,7 +12,7 @@ directory.
 from __future__ import annotations
 
 import dataclasses
-import math
+import warnings
 from typing import Any, Mapping
 
 from specjax.errors import InvalidArgumentError
@@ -190,10 +190,15 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        """Number of parameters (embedding counted once when the head is tied)."""
-        from specjax.models import param_shapes  # local import: models depend on config
+        """Deprecated: :func:`specjax.models.num_params` (the parameter layout is the
+        models', and config sits below the models)."""
+        warnings.warn("ModelConfig.num_params is deprecated; use "
+                      "specjax.models.num_params(config)", DeprecationWarning, stacklevel=2)
+        # The one import inside a function in the core, for this deprecated alias only
+        # (tests/test_import_layers.py allows it); it goes with the alias.
+        from specjax.models import num_params
 
-        return sum(math.prod(shape) for shape in _flatten(param_shapes(self)))
+        return num_params(self)
 
     def to_hf_config(self) -> dict[str, Any]:
         """Returns a Hugging Face ``config.json`` dict describing the same model."""
@@ -258,14 +263,6 @@ def _shortest_period(pattern: tuple) -> tuple:
         if all(pattern[i] == pattern[i % period] for i in range(len(pattern))):
             return pattern[:period]
     return pattern
-
-
-def _flatten(tree):
-    if isinstance(tree, Mapping):
-        for value in tree.values():
-            yield from _flatten(value)
-    else:
-        yield tree
 
 
 # ----------------------------------------------------------------------------- presets

@@ -53,6 +53,7 @@ from flax import linen, nnx
 
 from specjax import models
 from specjax.cache import KVCache
+from specjax.checkpoints_tools.orbax_io import save_orbax
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
 
@@ -363,8 +364,6 @@ def save_for_specjax(path: str | os.PathLike, source: Any, config: ModelConfig |
     Returns:
       The checkpoint directory as an absolute path.
     """
-    from specjax.checkpoints_tools.orbax_io import save_orbax
-
     if tokenizer is None:
         try:
             tokenizer = _TOKENIZERS.get(source)

@@ -95,9 +95,15 @@ def test_vmap_over_a_batch_equals_single_calls():
 
 
 def test_presets_have_the_published_sizes():
-    assert abs(gpt2("124m").num_params - 124.4e6) < 0.5e6
-    assert abs(gpt2("1.5b").num_params - 1557.6e6) < 2e6
-    assert abs(smollm2_135m().num_params - 134.5e6) < 0.5e6
+    assert abs(models.num_params(gpt2("124m")) - 124.4e6) < 0.5e6
+    assert abs(models.num_params(gpt2("1.5b")) - 1557.6e6) < 2e6
+    assert abs(models.num_params(smollm2_135m()) - 134.5e6) < 0.5e6
+
+
+def test_config_num_params_is_a_deprecated_alias():
+    config = smollm2_135m()
+    with pytest.warns(DeprecationWarning, match=r"specjax\.models\.num_params"):
+        assert config.num_params == models.num_params(config)
 
 
 def test_config_round_trips_through_hf_dict():

@@ -31,6 +31,10 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from specjax import models
+from specjax.checkpoints_tools.hf import save_hf_directory
+from specjax.errors import InvalidArgumentError
+
 PEERS = ("hf", "hf-assisted", "hf-lookup")
 PROMPT_LOOKUP_NUM_TOKENS = 10
 
@@ -38,8 +42,6 @@ PROMPT_LOOKUP_NUM_TOKENS = 10
 def parse_peers(spec: str) -> list[str]:
     """``"none"`` -> [], ``"all"`` -> every peer, else a comma-separated subset of
     :data:`PEERS`."""
-    from specjax.errors import InvalidArgumentError
-
     spec = spec.strip()
     if spec == "none":
         return []
@@ -127,9 +129,6 @@ class TransformersPeers:
     def _load(self, model):
         import torch
         import transformers
-
-        from specjax import models
-        from specjax.checkpoints_tools.hf import save_hf_directory
 
         bars = transformers.utils.logging.is_progress_bar_enabled()
         transformers.utils.logging.disable_progress_bar()  # keep the benchmark's own output

@@ -19,15 +19,18 @@ family module documents its tree and gives ``param_shapes``, which drives
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import kernels, sharding
 from specjax.attention import attention, matmul_precision
 from specjax.cache import KVCache, write_scratch
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, InvalidArgumentError
+from specjax.kernels.layout import round_up
 from specjax.models import gpt2, llama
 
 _FAMILIES = {"llama": llama, "gpt2": gpt2}
@@ -43,6 +46,20 @@ def param_shapes(config: ModelConfig, fused: bool = False) -> dict:
                 f"{config.architecture} models have no fused-projection layout")
         return family.param_shapes(config, fused=True)
     return family.param_shapes(config)
+
+
+def num_params(config: ModelConfig) -> int:
+    """Number of parameters of ``config`` (the embedding counted once when the head is
+    tied)."""
+    return sum(math.prod(shape) for shape in _shape_leaves(param_shapes(config)))
+
+
+def _shape_leaves(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _shape_leaves(value)
+    else:
+        yield tree
 
 
 def projections_fused(params: dict) -> bool:
@@ -178,8 +195,6 @@ def _packed_attention(family, scratch_mask) -> bool:
     kernel), and no tensor-parallel mesh (the packed rows mix query and KV heads on one
     axis, which one head split cannot divide; :func:`sharding.attention_per_shard` runs
     the other layout per shard)."""
-    from specjax import sharding
-
     return (hasattr(family, "block_fused_packed")
             and (scratch_mask is None or scratch_mask.shape[1] == 0)
             and sharding.axis_size(sharding.active_mesh(), sharding.MODEL) == 1)
@@ -197,8 +212,6 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
     read out of the buffer after the loop, so the cache holds exactly the keys and values
     the chains were read from.
     """
-    from specjax import kernels
-
     rows = x.shape[0]
     links, depth = kernels.packed_links(mask, rows)
     cos, sin = context
@@ -252,8 +265,6 @@ def _unrolled(config: ModelConfig) -> bool:
 def _kernels_compiled() -> bool:
     """Whether this process compiles the Pallas kernels (a GPU or TPU) rather than
     interpreting them (the CPU)."""
-    from specjax import kernels  # Pallas: imported only when it is needed
-
     return not kernels.select_variant()[1]
 
 
@@ -317,9 +328,6 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         return context
 
     if fused:
-        from specjax import kernels  # Pallas: imported only when the kernels run
-        from specjax.kernels.layout import round_up
-
         layers = params["layers"]
         # The residual stream at the kernels' row tile for the whole pass: padded here
         # once, not by every projection (a pad before and a slice after each kernel call
@@ -503,8 +511,6 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
     taps_wanted = tuple(feature_layers) if return_features else ()
     if (uses_fused_layers(config, tokens.shape[0], attn_impl) and HEAD_SUBSET not in params
             and not config.draft_vocab_size):
-        from specjax import kernels
-
         x, cache, taps = _residual_stream(params, config, tokens, positions, cache, mask,
                                           scratch_mask, attn_impl, features, taps_wanted)
         # Final norm and head in one kernel call, row-tiled like the layers.

@@ -4,6 +4,9 @@ All functions are pure and shape-polymorphic over leading axes. Norm statistics 
 computed in float32 and cast back to the input dtype, as the reference implementations do.
 Matmuls state their precision (HIGHEST for float32 operands) rather than relying on the
 global ``jax_default_matmul_precision``.
+
+RMSNorm, RoPE and the precision rule are defined in :mod:`specjax.kernels.numerics` (the
+kernels' references call them too) and imported here for the families.
 """
 
 from __future__ import annotations
@@ -13,21 +16,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from specjax.attention import matmul_precision
 from specjax.config import ModelConfig
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
-    """RMSNorm over the last axis: ``weight * x / rms(x)``.
-
-    ``plus_one`` (Gemma): ``(1 + weight) * x / rms(x)``, the product taken in float32 before
-    the cast back, as Gemma's reference does (Llama's casts first, then scales).
-    """
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if plus_one:
-        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * xf.astype(x.dtype)
+from specjax.kernels.numerics import (apply_rope, matmul_precision, rms_norm,  # noqa: F401
+                                      write_rope_rows)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -74,26 +65,6 @@ def rope_tables(config: ModelConfig, positions: jax.Array,
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x [T, heads, D] by the tables [T, D] (pairs are (i, i + D/2))."""
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
-
-
-def write_rope_rows(packed: jax.Array, qkv: jax.Array, layer, cos: jax.Array,
-                    sin: jax.Array, rope_heads: int) -> jax.Array:
-    """Layer ``layer`` of ``packed`` [L, R, heads, D] := the rows ``qkv`` [R, heads * D]
-    split into heads, RoPE (:func:`apply_rope`, tables [R, D]) applied to the first
-    ``rope_heads`` (queries and keys): one in-place write of the buffer."""
-    rows, heads, dim = packed.shape[1:]
-    qkv = qkv.reshape(rows, heads, dim)
-    qkv = jnp.concatenate([apply_rope(qkv[:, :rope_heads], cos, sin), qkv[:, rope_heads:]],
-                          axis=1)
-    return jax.lax.dynamic_update_index_in_dim(packed, qkv.astype(packed.dtype), layer, 0)
-
-
 def gelu_tanh(x: jax.Array) -> jax.Array:
     """GELU with the tanh approximation (PyTorch's ``gelu(approximate="tanh")``)."""
     return jax.nn.gelu(x, approximate=True)
@@ -101,7 +72,7 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 def dense(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """``x @ weight (+ bias)`` with weight stored [in, out], at the precision of the dtype
-    (float32: IEEE float32, never TF32; see :func:`specjax.attention.matmul_precision`)."""
+    (float32: IEEE float32, never TF32; see :func:`specjax.kernels.numerics.matmul_precision`)."""
     weight = weight.astype(x.dtype)
     y = jnp.dot(x, weight, precision=matmul_precision(x, weight))
     return y if bias is None else y + bias.astype(x.dtype)

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import kernels
 from specjax.config import ModelConfig
 from specjax.models.layers import (apply_rope, concat_shapes, dense, fuse_groups, gelu_tanh,
                                    rms_norm, rope_tables, unfuse_groups, write_rope_rows)
@@ -336,8 +337,6 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
     cos, sin = rope
     heads = config.num_heads + config.num_kv_heads  # those RoPE rotates
     if "w_qkv" in layers:
-        from specjax import kernels  # Pallas: imported only when the kernels run
-
         # One launch on a GPU: the projection, RoPE and the write in one kernel.
         packed = kernels.qkv_rope_into(packed, x, layers["w_qkv"], cos, sin, index,
                                        norm=layers["attn_norm"], bias=layers.get("b_qkv"),

@@ -1,0 +1,270 @@
+"""Imports run one way (STYLE.md habit 15), checked on the source without importing it.
+
+The check parses every module of ``specjax/``, ``kernels/`` and ``checkpoints_tools/``
+under the names they are installed as (``specjax.kernels``, ``specjax.checkpoints_tools``,
+see ``pyproject.toml``) and builds the graph of project imports that run at import time:
+those at module level, outside ``if TYPE_CHECKING:`` blocks. Importing ``a.b.c`` runs the
+``__init__`` of ``a`` and ``a.b`` first, so an import also depends on every package above
+its target, except the packages above the importer itself (they are already initialising).
+
+``from specjax import NAME`` for a name of the lazy package face (``specjax/__init__.py``'s
+``_EXPORTS``) counts as importing the module that defines it. Imports by
+``importlib.import_module`` (the lazy faces of ``specjax`` and ``specjax.kernels``) are not
+seen.
+
+It fails, naming the modules, on
+- any import cycle;
+- a kernels module importing a project module other than ``specjax.errors`` or a kernel;
+- a core module importing ``specjax.checkpoints_tools`` (the loaders sit above the core);
+- a project import inside a function, outside the allowlists below (an import inside a
+  function is for an optional third-party package or a CLI's start-up time, never to hide
+  a cycle), or an allowlist entry that no longer matches anything.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folder -> the package name it is installed as.
+PACKAGES = {"specjax": "specjax", "kernels": "specjax.kernels",
+            "checkpoints_tools": "specjax.checkpoints_tools"}
+KERNELS = "specjax.kernels"
+LOADERS = "specjax.checkpoints_tools"
+# The layers the loaders sit above; specjax.api, cli, loading and the other modules of the
+# loading/API layer may import the loaders.
+CORE = ("specjax.config", "specjax.models", "specjax.attention", "specjax.cache",
+        "specjax.sharding", "specjax.sampling", "specjax.tree", "specjax.verify",
+        "specjax.decode", "specjax.methods", "specjax.drafters", KERNELS)
+
+# (module, function, imported module): imports allowed inside a function, and why.
+FUNCTION_IMPORT_ALLOWLIST = {
+    # The CLI entry point takes over Ctrl-C before the slow imports.
+    ("specjax.launch", "main", "specjax.cli"):
+        "CLI start-up",
+    # Reading GGUF files needs the optional gguf package; everything else imports without it
+    # (tests/test_device_run.py).
+    ("specjax.checkpoints_tools.sources", "_load_path",
+     "specjax.checkpoints_tools.gguf_loader"):
+        "optional gguf package",
+    ("specjax.checkpoints_tools.ngram_build", "load_tokenizer",
+     "specjax.checkpoints_tools.gguf_loader"):
+        "optional gguf package",
+    # A deprecated alias of specjax.models.num_params; config sits below the models. The
+    # entry goes with the alias.
+    ("specjax.config", "num_params", "specjax.models"):
+        "deprecated alias",
+}
+# Modules whose functions may all import project modules when they run. Draft training,
+# corpus sampling and the feature drafts import each other and the core inside functions
+# (sample_corpus and train_draft form a cycle that way); they are to move into a training
+# package, which removes these imports and these entries.
+MODULE_IMPORT_ALLOWLIST = {
+    "specjax.checkpoints_tools.train_draft",
+    "specjax.checkpoints_tools.sample_corpus",
+    "specjax.checkpoints_tools.eagle3",
+    "specjax.checkpoints_tools.feature_draft",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One project import: ``source`` imports ``target`` at ``line`` (in ``function``)."""
+    source: str
+    target: str
+    line: int
+    function: str | None  # None at module level
+
+
+def module_names() -> dict[str, Path]:
+    """Every project module by its installed name."""
+    names = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            names[".".join([package, *parts])] = path
+    return names
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def lazy_exports() -> dict[str, str]:
+    """The lazy package face: public name -> the module that defines it."""
+    tree = ast.parse((ROOT / "specjax" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "_EXPORTS"
+                for target in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("specjax/__init__.py has no _EXPORTS table")
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, exports: dict) -> list[str]:
+    """The dotted names an import statement loads (modules where they are modules)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    assert isinstance(node, ast.ImportFrom)
+    base = node.module or ""
+    if node.level:
+        anchor = module.split(".")
+        anchor = anchor[:len(anchor) - node.level + (1 if is_package else 0)]
+        base = ".".join(anchor + ([base] if base else []))
+    names = [f"{base}.{alias.name}" for alias in node.names]
+    if base == "specjax":
+        names += [exports[alias.name] for alias in node.names if alias.name in exports]
+    return [base] + names
+
+
+def _walk(node: ast.AST, function: str | None):
+    """(import node, enclosing function) for every import, skipping TYPE_CHECKING blocks."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child):
+            for orelse in child.orelse:
+                yield from _walk(orelse, function)
+            continue
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, function
+        inner = function
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inner = child.name if function is None else f"{function}.{child.name}"
+        yield from _walk(child, inner)
+
+
+def _depends_on(source: str, target: str, modules: dict[str, Path]) -> list[str]:
+    """The project modules that importing ``target`` from ``source`` runs."""
+    parts = target.split(".")
+    runs = []
+    for end in range(1, len(parts) + 1):
+        name = ".".join(parts[:end])
+        if name in modules and not (source + ".").startswith(name + "."):
+            runs.append(name)
+    return runs
+
+
+@functools.cache
+def project_imports() -> tuple[Import, ...]:
+    """Every import of a project module, at module level or inside a function."""
+    modules, exports = module_names(), lazy_exports()
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        for node, function in _walk(tree, None):
+            targets = set()
+            for name in _imported(node, module, is_package, exports):
+                targets.update(_depends_on(module, name, modules))
+            found += [Import(module, target, node.lineno, function)
+                      for target in sorted(targets)]
+    return tuple(found)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for after in sorted(edges.get(node, ())):
+            if after not in index:
+                visit(after)
+                low[node] = min(low[node], low[after])
+            elif after in on_stack:
+                low[node] = min(low[node], index[after])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def _in_layer(module: str, layer: str) -> bool:
+    return module == layer or module.startswith(layer + ".")
+
+
+def _describe(imports) -> str:
+    return "\n".join(f"  {i.source}:{i.line} imports {i.target}"
+                     + (f" inside {i.function}()" if i.function else "") for i in imports)
+
+
+def test_the_graph_sees_the_known_edges():
+    imports = project_imports()
+    # A deliberately wrong graph (no edges, or names the check never resolves) would pass
+    # every test below; these edges exist and must be found.
+    edges = {(i.source, i.target) for i in imports if i.function is None}
+    assert ("specjax.models", "specjax.config") in edges
+    assert ("specjax.kernels.attention_gpu", "specjax.errors") in edges
+    assert ("specjax.kernels.attention_gpu", "specjax.kernels.layout") in edges
+    assert ("specjax.checkpoints_tools.hf", "specjax.config") in edges
+
+
+def test_no_import_cycle():
+    imports = project_imports()
+    edges: dict[str, set[str]] = {}
+    for i in imports:
+        if i.function is None:
+            edges.setdefault(i.source, set()).add(i.target)
+    cycles = _cycles(edges)
+    message = []
+    for cycle in cycles:
+        inside = [i for i in imports if i.function is None
+                  and i.source in cycle and i.target in cycle]
+        message.append(f"cycle among {', '.join(cycle)}:\n{_describe(inside)}")
+    assert not cycles, "\n".join(message)
+
+
+def test_kernels_are_a_leaf():
+    imports = project_imports()
+    upward = [i for i in imports if _in_layer(i.source, KERNELS)
+              and not _in_layer(i.target, KERNELS) and i.target != "specjax.errors"]
+    assert not upward, f"kernels import only jax, Pallas and specjax.errors:\n{_describe(upward)}"
+
+
+def test_the_core_never_imports_the_loaders():
+    imports = project_imports()
+    upward = [i for i in imports if any(_in_layer(i.source, layer) for layer in CORE)
+              and _in_layer(i.target, LOADERS)]
+    assert not upward, f"the core imports the loaders:\n{_describe(upward)}"
+
+
+def _allowed(i: Import) -> bool:
+    return (i.source in MODULE_IMPORT_ALLOWLIST
+            or (i.source, i.function, i.target) in FUNCTION_IMPORT_ALLOWLIST)
+
+
+def test_no_project_import_inside_a_function():
+    imports = project_imports()
+    hidden = [i for i in imports if i.function is not None and not _allowed(i)]
+    assert not hidden, ("project imports inside functions (import them at module level; an "
+                        "import in a function is for an optional package or a CLI's start-up "
+                        f"time):\n{_describe(hidden)}")
+
+
+def test_every_allowlist_entry_is_still_needed():
+    imports = project_imports()
+    inside = [i for i in imports if i.function is not None]
+    stale = [entry for entry in FUNCTION_IMPORT_ALLOWLIST
+             if entry not in {(i.source, i.function, i.target) for i in inside}]
+    stale += [module for module in MODULE_IMPORT_ALLOWLIST
+              if module not in {i.source for i in inside}]
+    assert not stale, f"allowlist entries that match no import any more: {stale}"
