@@ -566,8 +566,8 @@ def step_gpt2_roofline(sh: Shapes, record) -> None:
     param_bytes = tree_bytes(params)
     kv_bytes = (2 * config.num_layers * sh.prefix * config.num_kv_heads * config.head_dim
                 * jnp.dtype(dtype).itemsize)
-    figures = {"model": f"gpt2-{sh.gpt2}", "dtype": "bfloat16", "num_params": models.num_params(config),
-               "param_bytes": param_bytes, "kv_prefix_bytes": kv_bytes, "prefix": sh.prefix,
+    figures = {"model": f"gpt2-{sh.gpt2}", "dtype": "bfloat16",
+               "num_params": models.num_params(config), "param_bytes": param_bytes, "kv_prefix_bytes": kv_bytes, "prefix": sh.prefix,
                "ar_ms": program.ms, "init_seconds": init_seconds,
                "compile_seconds": compile_seconds}
     device_kind = jax.devices()[0].device_kind
