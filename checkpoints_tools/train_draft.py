@@ -832,15 +832,10 @@ def draft_vocabulary(out: Path, cfg: "TrainConfig", vocab_size: int,
     return ids, description
 
 
-def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
-           corpus_files: Sequence[Path] | None, export_hf: bool, progress: bool, log,
-           interrupt: interrupts.Interrupt, time_budget: float | None = None,
-           prior_target_corpora: tuple = ()) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-
-    started = time.monotonic()
+def _start_run(target: Any, out: str | os.PathLike, cfg: TrainConfig, export_hf: bool,
+               prior_target_corpora: tuple) -> Path:
+    """Checks the request and claims ``out`` for it (its ``train_config.json``); refuses a
+    folder that holds a run with other settings."""
     if target.tokenizer is None:
         raise InvalidArgumentError(f"target {target.name} has no tokenizer to read the corpus")
     if target.config.architecture != "llama":
@@ -863,6 +858,15 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         raise InvalidArgumentError(
             f"{out} holds a run with different settings ({run_file}); use a new directory")
     run_file.write_text(record + "\n")
+    return out
+
+
+def _corpora(target: Any, out: Path, cfg: TrainConfig, corpus_files, prior_target_corpora,
+             interrupt: interrupts.Interrupt, log, progress: bool):
+    """(train, held-out, target train, target held-out) streams of a run: the file corpus
+    (tokenized once into ``out/corpus.npz``) and, with ``cfg.target_corpus_tokens``, the
+    target's own text (written once into ``out/target_corpus.npz``) plus prior corpora;
+    ``None`` for the target's streams otherwise."""
 
     def corpus_file_list() -> list[Path]:
         files = stdlib_files() if corpus_files is None else [Path(f) for f in corpus_files]
@@ -883,37 +887,45 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
                                       separator=separator, progress=progress)
         _save_npz(corpus_path, interrupt, train=train, heldout=held)
     log(f"corpus: {train.size} training tokens, {held.size} held-out tokens")
-    target_train = target_held = None
-    if cfg.target_corpus_tokens:
-        target_path = out / "target_corpus.npz"
-        if target_path.exists():
-            with np.load(target_path) as data:
-                target_train, target_held = data["train"], data["heldout"]
-            log("target corpus: reusing " + str(target_path))
-        else:
-            target_train, target_held, info = generate_target_corpus(
-                target, corpus_file_list(), cfg, separator=separator, log=log,
-                progress=progress)
-            _save_npz(target_path, interrupt, train=target_train, heldout=target_held,
-                      info=np.frombuffer(json.dumps(info).encode(), np.uint8))
-            log(f"target corpus: {info['seconds']} s, {info['generated_tokens_per_s']} "
-                "generated tokens/s")
-        for prior in prior_target_corpora:
-            target_train, target_held = _add_prior_corpus(prior, target_train, target_held,
-                                                          target.config.vocab_size)
-            log(f"target corpus: added the text of {prior}")
-        log(f"target corpus: {target_train.size} training tokens, {target_held.size} "
-            "held-out tokens")
+    if not cfg.target_corpus_tokens:
+        return train, held, None, None
+    target_path = out / "target_corpus.npz"
+    if target_path.exists():
+        with np.load(target_path) as data:
+            target_train, target_held = data["train"], data["heldout"]
+        log("target corpus: reusing " + str(target_path))
+    else:
+        target_train, target_held, info = generate_target_corpus(
+            target, corpus_file_list(), cfg, separator=separator, log=log, progress=progress)
+        _save_npz(target_path, interrupt, train=target_train, heldout=target_held,
+                  info=np.frombuffer(json.dumps(info).encode(), np.uint8))
+        log(f"target corpus: {info['seconds']} s, {info['generated_tokens_per_s']} "
+            "generated tokens/s")
+    for prior in prior_target_corpora:
+        target_train, target_held = _add_prior_corpus(prior, target_train, target_held,
+                                                      target.config.vocab_size)
+        log(f"target corpus: added the text of {prior}")
+    log(f"target corpus: {target_train.size} training tokens, {target_held.size} "
+        "held-out tokens")
+    return train, held, target_train, target_held
 
-    vocab, vocab_source = draft_vocabulary(out, cfg, target.config.vocab_size, target_train)
-    if vocab is not None:
-        log(f"draft vocabulary: {vocab_source}")
-    draft_config, draft_params = initial_draft(target, cfg, vocab)
-    trainable, frozen = split_trainable(draft_params, cfg.train_embeddings)
-    optimizer = make_optimizer(cfg)
-    opt_state = optimizer.init(trainable)
+
+def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
+           corpus_files: Sequence[Path] | None, export_hf: bool, progress: bool, log,
+           interrupt: interrupts.Interrupt, time_budget: float | None = None,
+           prior_target_corpora: tuple = ()) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    started = time.monotonic()
+    out = _start_run(target, out, cfg, export_hf, prior_target_corpora)
+    train, held, target_train, target_held = _corpora(
+        target, out, cfg, corpus_files, prior_target_corpora, interrupt, log, progress)
+
+    draft_config, trainable, frozen, optimizer, opt_state = _initial_state(
+        target, out, cfg, target_train, log)
     target_params = jax.device_put(cast_floats(target.params, cfg.compute_dtype))
-    frozen = jax.device_put(frozen)
 
     manager = ocp.CheckpointManager(out / "train_state",
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
@@ -931,31 +943,9 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
             log(f"resumed from step {start}")
 
         train_step, eval_step = make_steps(target.config, draft_config, cfg, optimizer)
-        eval_rng = np.random.default_rng(cfg.seed + 1)
-        eval_windows = sample_windows(held, eval_rng, cfg.eval_windows, cfg.seq_len + 1)
-        target_windows = None if target_held is None else sample_windows(
-            target_held, eval_rng, cfg.eval_windows, cfg.seq_len + 1)
+        evaluate_all = _evaluator(eval_step, frozen, target_params, cfg, held, target_held)
         num_target = 0 if target_train is None else int(
             round(cfg.target_corpus_fraction * cfg.batch_size))
-
-        def evaluate_all(params) -> dict:
-            scores = _scores(eval_step(params, frozen, target_params,
-                                       jnp.asarray(eval_windows)))
-            entry = {f"heldout_{name}": value for name, value in scores.items()}
-            if target_windows is not None:
-                scores = _scores(eval_step(params, frozen, target_params,
-                                           jnp.asarray(target_windows)))
-                entry.update({f"heldout_target_{name}": value
-                              for name, value in scores.items()})
-            return entry
-
-        def describe(entry) -> str:
-            text = f"held-out top-1 agreement {entry['heldout_agreement']:.3f}"
-            if "heldout_target_agreement" in entry:
-                text += f" (on target generations {entry['heldout_target_agreement']:.3f})"
-            if "heldout_target_agreement_depth" in entry:
-                text += f", per depth {entry['heldout_target_agreement_depth']}"
-            return text
 
         def batch_windows(rng):
             return mixed_windows(train, target_train, rng, cfg.batch_size, cfg.seq_len + 1,
@@ -965,7 +955,7 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         if start == 0:  # where the draft starts from
             entry = evaluate_all(trainable)
             log_file.write(json.dumps({"step": 0, **entry, "time": time.time()}) + "\n")
-            log(f"step 0: {describe(entry)}, KL {entry['heldout_kl']:.4f}")
+            log(f"step 0: {_describe(entry)}, KL {entry['heldout_kl']:.4f}")
         rng = np.random.default_rng(cfg.seed + start)
         bar = None
         if progress:
@@ -1010,7 +1000,7 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
                          "time": time.time()}
                 log_file.write(json.dumps(entry) + "\n")
                 log_file.flush()
-                log(f"step {done}: loss {float(loss):.4f}, {describe(scores)}")
+                log(f"step {done}: loss {float(loss):.4f}, {_describe(scores)}")
                 target_agreement = scores.get("heldout_target_agreement")
                 window_start, window_first = time.perf_counter(), done
             if done % cfg.checkpoint_every == 0 or last:
@@ -1025,7 +1015,6 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         agreement = scores["heldout_agreement"]
         target_agreement = scores.get("heldout_target_agreement")
 
-    params = jax.tree.map(np.asarray, {**trainable, **frozen})
     summary = {"steps": done if out_of_time else cfg.steps, "heldout_agreement": agreement,
                "seconds": time.perf_counter() - began, "draft": str(out / "draft")}
     if target_held is not None:
@@ -1034,9 +1023,56 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         summary["stopped_by_time_budget"] = True
     if export_hf:
         summary["draft_hf"] = str(out / "draft-hf")
+    params = jax.tree.map(np.asarray, {**trainable, **frozen})
     with interrupt.deferred():
         _export(out, draft_config, params, target.tokenizer, export_hf, summary, interrupt)
     return summary
+
+
+def _initial_state(target: Any, out: Path, cfg: TrainConfig, target_train, log):
+    """(draft config, trainable and frozen parameters on the device, optimizer, its state)
+    of a run's first step (a resumed run then restores the trainable part)."""
+    import jax
+
+    vocab, vocab_source = draft_vocabulary(out, cfg, target.config.vocab_size, target_train)
+    if vocab is not None:
+        log(f"draft vocabulary: {vocab_source}")
+    draft_config, draft_params = initial_draft(target, cfg, vocab)
+    trainable, frozen = split_trainable(draft_params, cfg.train_embeddings)
+    optimizer = make_optimizer(cfg)
+    return draft_config, trainable, jax.device_put(frozen), optimizer, optimizer.init(trainable)
+
+
+def _evaluator(eval_step, frozen, target_params, cfg: TrainConfig, held, target_held):
+    """``evaluate(params) -> entry``: agreement and KL (per depth for EAGLE-3 drafts) on
+    fixed held-out windows of the file corpus (``heldout_*``) and of the target's own text
+    (``heldout_target_*``, when there is one)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(cfg.seed + 1)
+    windows = {"heldout": sample_windows(held, rng, cfg.eval_windows, cfg.seq_len + 1)}
+    if target_held is not None:
+        windows["heldout_target"] = sample_windows(target_held, rng, cfg.eval_windows,
+                                                   cfg.seq_len + 1)
+
+    def evaluate(params) -> dict:
+        entry = {}
+        for prefix, batch in windows.items():
+            scores = _scores(eval_step(params, frozen, target_params, jnp.asarray(batch)))
+            entry.update({f"{prefix}_{name}": value for name, value in scores.items()})
+        return entry
+
+    return evaluate
+
+
+def _describe(entry: dict) -> str:
+    """One log line's account of a held-out evaluation."""
+    text = f"held-out top-1 agreement {entry['heldout_agreement']:.3f}"
+    if "heldout_target_agreement" in entry:
+        text += f" (on target generations {entry['heldout_target_agreement']:.3f})"
+    if "heldout_target_agreement_depth" in entry:
+        text += f", per depth {entry['heldout_target_agreement_depth']}"
+    return text
 
 
 def _save_npz(path: Path, interrupt: interrupts.Interrupt, **arrays) -> None:
