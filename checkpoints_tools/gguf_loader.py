@@ -15,7 +15,7 @@ package supplies the type tables and the dequantization:
 - a tokenizer in ``tokenizer.ggml.*`` fields (byte-level BPE or SentencePiece BPE),
   rebuilt with the ``tokenizers`` library.
 
-Two layout facts matter (DESIGN.md section 8):
+Two layout facts matter:
 
 - GGUF lists a tensor's shape fastest-axis first (``[in, out]``), but the arrays read
   from it are numpy row-major ``[out, in]``: the HF ``nn.Linear`` layout.

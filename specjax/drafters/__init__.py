@@ -1,6 +1,6 @@
 """Drafters: cheap proposers of tokens for the draft and target models to check.
 
-Stage 2 of staged speculative decoding (DESIGN.md §1, §5):
+Stage 2 of staged speculative decoding (Spector & Ré 2023; docs/guide.md):
 
 * :mod:`specjax.drafters.ngram`: Katz-backoff trigram tables as static-size arrays,
   :func:`ngram_topk` and the proposal tree :func:`propose`;

@@ -3,7 +3,7 @@
 If the last ``n`` tokens of the sequence occurred earlier in it, the tokens that followed
 that earlier occurrence are a cheap, often right guess of what comes next: code restates
 names, signatures and whole lines (on HumanEval prompts SmolLM2's next token is found this
-way 63% of the time, DESIGN.md §8).
+way 63% of the time).
 
 :func:`lookup_continuation` tries suffix lengths ``n = max_n .. min_n`` (static, longest
 first) and takes the most recent earlier occurrence of the longest suffix that has one.

@@ -1,7 +1,7 @@
 """Stage-2 n-gram drafter: Katz-backoff trigram tables as static-size arrays.
 
 The staged-speculation paper's lowest stage is a Katz-backoff trigram model that proposes a
-small fixed-shape token tree for the draft model to score (DESIGN.md §1, §5 step 1). Here
+small fixed-shape token tree for the draft model to score. Here
 the model is reduced to what drafting needs, ranked next-token lists, stored as arrays of
 static size so that lookups run inside ``jit`` and ``vmap`` with no host round trip.
 
