@@ -357,8 +357,12 @@ def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
     written = []  # the JSON is saved after every prompt, then whole
     real_write = environment.write_json
     monkeypatch.setattr(environment, "write_json",
-                        lambda path, result: (written.append(result["complete"]),
-                                              real_write(path, result))[1])
+                        lambda path, result, **kw: (written.append(result["complete"]),
+                                                    real_write(path, result, **kw))[1])
+    # A run from a tree with uncommitted changes says so in the file, once on stderr and in
+    # both reports.
+    monkeypatch.setattr(environment, "git_commit", lambda: {
+        "commit": "0" * 40, "dirty_files": [" M specjax/decode.py"]})
     status, out, err = bench(capsys, "--methods", "ar,tree", "--draft", "tiny-draft", *TREE,
                              "--temperatures", "0,1", "--limit", "2", "--peers", "none",
                              "--json", str(out_json), "--plot", str(plot_dir))
@@ -366,6 +370,9 @@ def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
     assert "MISMATCH" not in err
     assert written == [False, False, True]
     result = json.loads(out_json.read_text())
+    assert next(iter(result)) == "dirty_tree" and result["dirty_tree"] is True
+    assert err.count("dirty tree") == 1 and "specjax/decode.py" in err, err
+    assert out.startswith("warning: dirty tree: run with uncommitted changes to 1 tracked")
     for key in ("command", "date", "device", "device_kind", "platform", "cpu_count",
                 "load_average_start", "load_average_end", "versions", "git", "flags",
                 "config", "models", "systems", "peers", "warmup", "rows", "aggregates",
@@ -398,6 +405,8 @@ def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
     assert "| system | T=0 tok/s | T=0 speedup | T=0 accepted | T=0 weights/token | T=1 tok/s" in markdown
     assert "| `tree` |" in markdown and "yes (4/4)" in markdown
     assert result["command"] in markdown and result["device_kind"] in markdown
+    assert "**Warning, dirty tree: run with uncommitted changes to 1 tracked file(s) " \
+           "(M specjax/decode.py)" in markdown
     assert cli.main(["bench", "--report", str(out_json)]) == 0
     captured = capsys.readouterr()
     assert "T=1    tree" in captured.out and "stopped part-way" not in captured.err
@@ -717,6 +726,37 @@ def test_write_json_writes_whole_results_or_nothing(tmp_path, monkeypatch):
         write_json(path, {"rows": [4]})
     assert json.loads(path.read_text()) == {"rows": [3]}
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["new", "result.json"]
+
+
+def test_write_json_marks_a_result_from_a_dirty_tree(tmp_path, capsys):
+    """A result that records git state gets a first key ``dirty_tree``: false from a clean
+    tree; true, with one warning line on stderr, from a tree with uncommitted changes,
+    wherever the git record sits (a resumed run's parts included). A result without git
+    state is written as it is."""
+    from specjax.benchmark import environment
+
+    clean = {"commit": "a" * 40, "dirty_files": []}
+    dirty = {"commit": "b" * 40, "dirty_files": [" M specjax/api.py", " M README.md"]}
+    path = environment.write_json(tmp_path / "clean.json", {"git": clean, "rows": [1]})
+    assert json.loads(path.read_text()) == {"dirty_tree": False, "git": clean, "rows": [1]}
+    assert capsys.readouterr().err == ""
+
+    resumed = {"machine": {"git": clean}, "segments": [{"git": clean}, {"git": dirty}]}
+    path = environment.write_json(tmp_path / "dirty.json", resumed)
+    written = json.loads(path.read_text())
+    assert list(written)[0] == "dirty_tree" and written["dirty_tree"] is True
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specjax: warning: ") and (
+        "uncommitted changes to 2 tracked file(s) (M README.md, M specjax/api.py)" in err)
+    assert environment.tree_changes(written) == [" M README.md", " M specjax/api.py"]
+    # bench_sharding's layout: git_commit()'s keys at the top level.
+    environment.write_json(path, {**dirty, "rows": []}, warn=False)
+    assert json.loads(path.read_text())["dirty_tree"] is True
+    assert capsys.readouterr().err == ""
+
+    path = environment.write_json(tmp_path / "plain.json", {"rows": [2]})
+    assert json.loads(path.read_text()) == {"rows": [2]}
+    assert environment.dirty_tree_warning({"git": clean}) is None
 
 
 def test_bench_kernels_checks_fp32_and_bf16_then_times_chained_calls(tmp_path, monkeypatch):
