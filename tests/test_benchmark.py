@@ -648,7 +648,7 @@ def test_bench_ar_times_ar_and_its_prefill_reuses_the_generation_program(monkeyp
     assert count == 1 and seconds > 0
 
 
-# ----------------------------------------------------------------------------- ab_compiler_options.py
+# ------------------------------------------------------------ experiments/ab_compiler_options.py
 
 
 def test_ab_compiler_options_applies_the_options_to_one_side_only(monkeypatch):
@@ -664,7 +664,8 @@ def test_ab_compiler_options_applies_the_options_to_one_side_only(monkeypatch):
     from specjax import decode
     from specjax.errors import InvalidArgumentError
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_compiler_options.py"
+    path = (Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"
+            / "ab_compiler_options.py")
     spec = importlib.util.spec_from_file_location("ab_compiler_options", path)
     ab = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "ab_compiler_options", ab)
@@ -822,11 +823,13 @@ def test_bench_linear_checks_each_backend_before_timing_it(tmp_path, monkeypatch
 
 
 def test_bench_truncation_checks_the_kept_tokens_then_times(tmp_path, monkeypatch):
-    """``bench_truncation.py``: every truncating setting is checked against the sort-based
-    truncation before either is timed; a truncation keeping other tokens exits 1."""
+    """``experiments/bench_truncation.py``: every truncating setting is checked against the
+    sort-based truncation before either is timed; a truncation keeping other tokens exits
+    1."""
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"
+                                    / "experiments"))
     import bench_truncation
 
     out = tmp_path / "truncation.json"
@@ -842,11 +845,12 @@ def test_bench_truncation_checks_the_kept_tokens_then_times(tmp_path, monkeypatc
 
 def test_bench_cpu_layer_loop_checks_the_four_programs_agree_then_times(tmp_path,
                                                                          monkeypatch):
-    """``bench_cpu_layer_loop.py``: the four forms of the layer loop give the same output
-    before they are timed; a form computing something else exits 1."""
+    """``experiments/bench_cpu_layer_loop.py``: the four forms of the layer loop give the
+    same output before they are timed; a form computing something else exits 1."""
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"
+                                    / "experiments"))
     import bench_cpu_layer_loop
 
     out = tmp_path / "loop.json"
