@@ -23,11 +23,10 @@ def git_commit() -> dict:
     """``{"commit": HEAD or "unknown", "dirty_files": tracked files with changes}``."""
 
     def git(*args):
-        return subprocess.check_output(["git", *args], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(["git", *args], text=True, stderr=subprocess.DEVNULL)
 
-    try:
-        return {"commit": git("rev-parse", "HEAD"),
+    try:  # status lines keep their leading space (" M path": changed, not staged)
+        return {"commit": git("rev-parse", "HEAD").strip(),
                 "dirty_files": git("status", "--porcelain", "--untracked-files=no").splitlines()}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": "unknown", "dirty_files": []}
@@ -49,10 +48,11 @@ def _git_records(result):
 
 
 def tree_changes(result) -> list[str]:
-    """The uncommitted tracked files a result records (``git status --porcelain`` lines),
-    sorted; empty for a run from a clean tree or a result that records no git state."""
+    """The uncommitted tracked files a result records (``git status --porcelain`` lines;
+    older results lost the first line's leading space), sorted by path; empty for a run from a clean tree or a result that records no git
+    state."""
     return sorted({line for record in _git_records(result)
-                   for line in record.get("dirty_files") or ()})
+                   for line in record.get("dirty_files") or ()}, key=lambda line: line[2:].strip())
 
 
 def dirty_tree_warning(result) -> str | None:
