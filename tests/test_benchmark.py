@@ -531,6 +531,49 @@ def test_bad_flags_fail_in_one_line_before_loading(capsys, monkeypatch):
         assert err.count("\n") == 1
 
 
+def test_run_suite_script_is_specjax_bench(served, capsys, tmp_path, monkeypatch):
+    """``benchmarks/run_suite.py`` (what gpu_run.sh and gpu_check.py run) takes ``specjax
+    bench``'s flags, prints its summary, writes its JSON and exits with its status."""
+    import runpy
+    from pathlib import Path
+
+    out = tmp_path / "suite.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run_suite.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "-m", "tiny", "--methods", "ar",
+                                      "--temperatures", "0", "--limit", "1", "--peers", "none",
+                                      "--max-new-tokens", str(NEW), "--warmup-tokens", "2",
+                                      "--json", str(out)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exited.value.code == 0
+    assert "T=0    ar" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "suite" and isinstance(result["dirty_tree"], bool)
+    assert [(a["system"], a["temperature"]) for a in result["aggregates"]] == [("ar", 0.0)]
+    assert [r["new_tokens"] for r in result["rows"]] == [NEW]
+
+
+def test_bench_verify_times_each_tree_size_against_one_node(models, tmp_path, monkeypatch):
+    """``benchmarks/bench_verify.py`` (gpu_run.sh's verify step) on a tiny model: one row
+    per tree size, timed relative to one node, with the git state in the JSON."""
+    from conftest import load_benchmark
+
+    import specjax
+
+    script = load_benchmark("bench_verify")
+    monkeypatch.setattr(specjax, "load", lambda name, dtype: models[0])
+    out = tmp_path / "verify.json"
+    assert script.main(["--model", "tiny", "--nodes", "1,4", "--prefix", "16", "--capacity",
+                        "128", "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "verify_pass" and "commit" in result["git"]
+    assert isinstance(result["dirty_tree"], bool)
+    assert [r["nodes"] for r in result["rows"]] == [1, 4]
+    assert result["rows"][0]["relative_to_one_token"] == 1.0
+    assert all(r["ms"] > 0 for r in result["rows"])
+
+
 # ----------------------------------------------------------------------------- scaling projection
 
 
