@@ -335,12 +335,13 @@ def test_tune_staged_saves_after_every_prompt(monkeypatch, tmp_path):
     saved = []
     real_write = environment.write_json
     monkeypatch.setattr(environment, "write_json",
-                        lambda path, record: (saved.append(json.loads(json.dumps(record))),
-                                              real_write(path, record))[1])
+                        lambda path, record, **kw: (saved.append(json.loads(json.dumps(record))),
+                                                    real_write(path, record, **kw))[1])
     out = tmp_path / "tune.json"
     assert tune_staged.main(["--limit", "3", "--max-new-tokens", "6", "--configs", "ar;ar:",
                              "--json", str(out)]) == 0
     assert [record["complete"] for record in saved] == [False, False, True]
     assert [len(record["rows"]) for record in saved] == [2, 4, 6]  # two configs per prompt
     final = json.loads(out.read_text())
+    assert isinstance(final.pop("dirty_tree"), bool)  # write_json's mark of the git state
     assert final == saved[-1] and final["summary"]["ar:"]["all_same_as_ar"]
