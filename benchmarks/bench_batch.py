@@ -28,7 +28,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import specjax
 from specjax import api
@@ -125,14 +124,10 @@ def main(argv=None) -> int:
     result = {"benchmark": "batch", "command": " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
               **machine, "load_average_end": os.getloadavg(), "flags": vars(args),
               "points": points}
-    text = json.dumps(result, indent=1)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        print(f"wrote {environment.write_json(args.json, result)}", file=sys.stderr)
     else:
-        print(text)
+        print(json.dumps(result, indent=1))
     return 0
 
 

@@ -385,6 +385,7 @@ def main(argv=None) -> int:
         "interpret": interpret, "peak_hbm_bytes_per_s": peak,
         "platform": platform.platform(), "python": platform.python_version(),
         "versions": {"jax": jax.__version__, "jaxlib": _jaxlib_version()},
+        "git": environment.git_commit(),
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "timing": f"{args.inner} chained calls in one jitted program per run, median of "
                   f"{args.repeats} runs",

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import specjax
 from specjax import models
-from specjax.benchmark.environment import write_json
+from specjax.benchmark.environment import git_commit, write_json
 from specjax.cache import init_cache
 from specjax.tree import ancestor_mask, depths, kary_parents
 
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "verify_pass", "date": time.strftime("%Y-%m-%d"),
               "device": jax.devices()[0].device_kind, "platform": platform.platform(),
               "cpu_count": os.cpu_count(), "versions": {"jax": jax.__version__},
-              "config": vars(args), "rows": rows}
+              "git": git_commit(), "config": vars(args), "rows": rows}
     if args.json:
         write_json(args.json, result)
     return 0

@@ -31,7 +31,6 @@ Positions are pooled over prompts; ``per_prompt`` medians are given too.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -127,7 +126,7 @@ def head_tokens(draft):
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import specjax
-    from specjax.benchmark.environment import git_commit, machine, versions
+    from specjax.benchmark.environment import git_commit, machine, versions, write_json
     from specjax.benchmark.humaneval import humaneval_prompts
     from specjax.checkpoints_tools import sample_corpus
     from specjax.checkpoints_tools.sources import load_bundled_draft
@@ -201,7 +200,7 @@ def main(argv=None) -> int:
                   "versions": versions(), "seconds": round(time.time() - began, 1),
                   "settings": {k: v for k, v in vars(args).items() if k != "json"},
                   "summary": summary, "per_prompt": per_prompt}
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        write_json(args.json, record)
     return 0
 
 

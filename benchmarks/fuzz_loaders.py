@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import test_fuzz_loaders as fuzz
-    from specjax.benchmark.environment import machine
+    from specjax.benchmark.environment import machine, write_json
     from specjax.checkpoints_tools.assets import check_draft_asset
     from specjax.checkpoints_tools.gguf_loader import load_gguf, read_gguf
     from specjax.checkpoints_tools.hf import load_hf_directory
@@ -242,8 +242,7 @@ def main(argv=None) -> int:
                       | {"violations": len(entry["violations"])}
                       for loader, entry in summary.items()}, indent=1))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_json(args.json, out)
     broken = sum(len(e["violations"]) + len(e.get("escaped", [])) for e in summary.values())
     return 1 if broken else 0
 

@@ -478,7 +478,7 @@ def main(argv=None) -> int:
     except (InvalidArgumentError, ValueError, TypeError) as error:
         parser.error(str(error).splitlines()[0])
 
-    from specjax.benchmark.environment import machine
+    from specjax.benchmark.environment import machine, write_json
 
     info = machine()
     versions, git = info.pop("versions"), info.pop("git")
@@ -527,8 +527,7 @@ def main(argv=None) -> int:
         "projection": projection,
         "load_average_end": os.getloadavg(),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+    write_json(path, json.loads(json.dumps(result, default=_json_default)))
     print(f"wrote {path}")
     return 0
 

@@ -46,7 +46,7 @@ import numpy as np
 
 import specjax
 from specjax import decode, methods, models
-from specjax.benchmark.environment import machine
+from specjax.benchmark.environment import machine, write_json
 from specjax.checkpoints_tools.ngram_build import build_ngram
 from specjax.config import ModelConfig
 
@@ -454,8 +454,7 @@ def main(argv=None) -> int:
         f"{report['rss_end_bytes'] / 2**20:.1f} MiB; "
         + ("passed" if not found else "; ".join(found)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1, default=str)
+        write_json(args.json, json.loads(json.dumps(record, default=str)))
     return 0 if not found else 1
 
 

@@ -170,7 +170,8 @@ def main(argv=None) -> int:
                       f"same as ar: {summary[name]['all_same_as_ar']}", flush=True)
         if args.json:
             record = {**header, "summary": summary, "rows": rows, "complete": complete}
-            write_json(args.json, json.loads(json.dumps(record, default=str)))
+            write_json(args.json, json.loads(json.dumps(record, default=str)),
+                       warn=complete)  # a dirty tree is said once, at the last save
 
     for index, prompt in enumerate(prompts):
         reference = None

@@ -224,13 +224,18 @@ def smollm2():
 
 
 def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` as a module (``benchmarks/`` is no package),
-    registered in ``sys.modules`` under ``name`` (dataclasses look their module up there)."""
+    """The script ``benchmarks/<name>.py`` (a maintained tool) or
+    ``benchmarks/experiments/<name>.py`` (a one-off experiment) as a module (neither folder
+    is a package), registered in ``sys.modules`` under ``name`` (dataclasses look their
+    module up there)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    path = folder / f"{name}.py"
+    if not path.exists():
+        path = folder / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -357,8 +357,12 @@ def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
     written = []  # the JSON is saved after every prompt, then whole
     real_write = environment.write_json
     monkeypatch.setattr(environment, "write_json",
-                        lambda path, result: (written.append(result["complete"]),
-                                              real_write(path, result))[1])
+                        lambda path, result, **kw: (written.append(result["complete"]),
+                                                    real_write(path, result, **kw))[1])
+    # A run from a tree with uncommitted changes says so in the file, once on stderr and in
+    # both reports.
+    monkeypatch.setattr(environment, "git_commit", lambda: {
+        "commit": "0" * 40, "dirty_files": [" M specjax/decode.py"]})
     status, out, err = bench(capsys, "--methods", "ar,tree", "--draft", "tiny-draft", *TREE,
                              "--temperatures", "0,1", "--limit", "2", "--peers", "none",
                              "--json", str(out_json), "--plot", str(plot_dir))
@@ -366,6 +370,9 @@ def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
     assert "MISMATCH" not in err
     assert written == [False, False, True]
     result = json.loads(out_json.read_text())
+    assert next(iter(result)) == "dirty_tree" and result["dirty_tree"] is True
+    assert err.count("dirty tree") == 1 and "specjax/decode.py" in err, err
+    assert out.startswith("warning: dirty tree: run with uncommitted changes to 1 tracked")
     for key in ("command", "date", "device", "device_kind", "platform", "cpu_count",
                 "load_average_start", "load_average_end", "versions", "git", "flags",
                 "config", "models", "systems", "peers", "warmup", "rows", "aggregates",
@@ -398,6 +405,8 @@ def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
     assert "| system | T=0 tok/s | T=0 speedup | T=0 accepted | T=0 weights/token | T=1 tok/s" in markdown
     assert "| `tree` |" in markdown and "yes (4/4)" in markdown
     assert result["command"] in markdown and result["device_kind"] in markdown
+    assert "**Warning, dirty tree: run with uncommitted changes to 1 tracked file(s) " \
+           "(M specjax/decode.py)" in markdown
     assert cli.main(["bench", "--report", str(out_json)]) == 0
     captured = capsys.readouterr()
     assert "T=1    tree" in captured.out and "stopped part-way" not in captured.err
@@ -522,6 +531,49 @@ def test_bad_flags_fail_in_one_line_before_loading(capsys, monkeypatch):
         assert err.count("\n") == 1
 
 
+def test_run_suite_script_is_specjax_bench(served, capsys, tmp_path, monkeypatch):
+    """``benchmarks/run_suite.py`` (what gpu_run.sh and gpu_check.py run) takes ``specjax
+    bench``'s flags, prints its summary, writes its JSON and exits with its status."""
+    import runpy
+    from pathlib import Path
+
+    out = tmp_path / "suite.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run_suite.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "-m", "tiny", "--methods", "ar",
+                                      "--temperatures", "0", "--limit", "1", "--peers", "none",
+                                      "--max-new-tokens", str(NEW), "--warmup-tokens", "2",
+                                      "--json", str(out)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exited.value.code == 0
+    assert "T=0    ar" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "suite" and isinstance(result["dirty_tree"], bool)
+    assert [(a["system"], a["temperature"]) for a in result["aggregates"]] == [("ar", 0.0)]
+    assert [r["new_tokens"] for r in result["rows"]] == [NEW]
+
+
+def test_bench_verify_times_each_tree_size_against_one_node(models, tmp_path, monkeypatch):
+    """``benchmarks/bench_verify.py`` (gpu_run.sh's verify step) on a tiny model: one row
+    per tree size, timed relative to one node, with the git state in the JSON."""
+    from conftest import load_benchmark
+
+    import specjax
+
+    script = load_benchmark("bench_verify")
+    monkeypatch.setattr(specjax, "load", lambda name, dtype: models[0])
+    out = tmp_path / "verify.json"
+    assert script.main(["--model", "tiny", "--nodes", "1,4", "--prefix", "16", "--capacity",
+                        "128", "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "verify_pass" and "commit" in result["git"]
+    assert isinstance(result["dirty_tree"], bool)
+    assert [r["nodes"] for r in result["rows"]] == [1, 4]
+    assert result["rows"][0]["relative_to_one_token"] == 1.0
+    assert all(r["ms"] > 0 for r in result["rows"])
+
+
 # ----------------------------------------------------------------------------- scaling projection
 
 
@@ -639,7 +691,7 @@ def test_bench_ar_times_ar_and_its_prefill_reuses_the_generation_program(monkeyp
     assert count == 1 and seconds > 0
 
 
-# ----------------------------------------------------------------------------- ab_compiler_options.py
+# ------------------------------------------------------------ experiments/ab_compiler_options.py
 
 
 def test_ab_compiler_options_applies_the_options_to_one_side_only(monkeypatch):
@@ -655,7 +707,8 @@ def test_ab_compiler_options_applies_the_options_to_one_side_only(monkeypatch):
     from specjax import decode
     from specjax.errors import InvalidArgumentError
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_compiler_options.py"
+    path = (Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"
+            / "ab_compiler_options.py")
     spec = importlib.util.spec_from_file_location("ab_compiler_options", path)
     ab = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "ab_compiler_options", ab)
@@ -717,6 +770,37 @@ def test_write_json_writes_whole_results_or_nothing(tmp_path, monkeypatch):
         write_json(path, {"rows": [4]})
     assert json.loads(path.read_text()) == {"rows": [3]}
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["new", "result.json"]
+
+
+def test_write_json_marks_a_result_from_a_dirty_tree(tmp_path, capsys):
+    """A result that records git state gets a first key ``dirty_tree``: false from a clean
+    tree; true, with one warning line on stderr, from a tree with uncommitted changes,
+    wherever the git record sits (a resumed run's parts included). A result without git
+    state is written as it is."""
+    from specjax.benchmark import environment
+
+    clean = {"commit": "a" * 40, "dirty_files": []}
+    dirty = {"commit": "b" * 40, "dirty_files": [" M specjax/api.py", " M README.md"]}
+    path = environment.write_json(tmp_path / "clean.json", {"git": clean, "rows": [1]})
+    assert json.loads(path.read_text()) == {"dirty_tree": False, "git": clean, "rows": [1]}
+    assert capsys.readouterr().err == ""
+
+    resumed = {"machine": {"git": clean}, "segments": [{"git": clean}, {"git": dirty}]}
+    path = environment.write_json(tmp_path / "dirty.json", resumed)
+    written = json.loads(path.read_text())
+    assert list(written)[0] == "dirty_tree" and written["dirty_tree"] is True
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specjax: warning: ") and (
+        "uncommitted changes to 2 tracked file(s) (M README.md, M specjax/api.py)" in err)
+    assert environment.tree_changes(written) == [" M README.md", " M specjax/api.py"]
+    # bench_sharding's layout: git_commit()'s keys at the top level.
+    environment.write_json(path, {**dirty, "rows": []}, warn=False)
+    assert json.loads(path.read_text())["dirty_tree"] is True
+    assert capsys.readouterr().err == ""
+
+    path = environment.write_json(tmp_path / "plain.json", {"rows": [2]})
+    assert json.loads(path.read_text()) == {"rows": [2]}
+    assert environment.dirty_tree_warning({"git": clean}) is None
 
 
 def test_bench_kernels_checks_fp32_and_bf16_then_times_chained_calls(tmp_path, monkeypatch):
@@ -782,11 +866,13 @@ def test_bench_linear_checks_each_backend_before_timing_it(tmp_path, monkeypatch
 
 
 def test_bench_truncation_checks_the_kept_tokens_then_times(tmp_path, monkeypatch):
-    """``bench_truncation.py``: every truncating setting is checked against the sort-based
-    truncation before either is timed; a truncation keeping other tokens exits 1."""
+    """``experiments/bench_truncation.py``: every truncating setting is checked against the
+    sort-based truncation before either is timed; a truncation keeping other tokens exits
+    1."""
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"
+                                    / "experiments"))
     import bench_truncation
 
     out = tmp_path / "truncation.json"
@@ -802,11 +888,12 @@ def test_bench_truncation_checks_the_kept_tokens_then_times(tmp_path, monkeypatc
 
 def test_bench_cpu_layer_loop_checks_the_four_programs_agree_then_times(tmp_path,
                                                                          monkeypatch):
-    """``bench_cpu_layer_loop.py``: the four forms of the layer loop give the same output
-    before they are timed; a form computing something else exits 1."""
+    """``experiments/bench_cpu_layer_loop.py``: the four forms of the layer loop give the
+    same output before they are timed; a form computing something else exits 1."""
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"
+                                    / "experiments"))
     import bench_cpu_layer_loop
 
     out = tmp_path / "loop.json"

@@ -37,6 +37,61 @@ def absent_packages(folder: Path, *names: str) -> str:
     return str(folder)
 
 
+# ----------------------------------------------------------------------------- specjax importable
+
+
+def test_specjax_importable_falls_back_to_a_symlinked_layout(tmp_path):
+    """``benchmarks/specjax_importable.sh`` (sourced by gpu_run.sh and gpu_check.sh) where
+    specjax is not installed and ``pip install -e .`` fails (no network): the symlinked
+    layout makes ``import specjax.kernels`` work from any folder. An interpreter that does
+    not exist stops it with a message naming it."""
+    hide = tmp_path / "hide"  # drops the editable install's finder, as on a bare machine
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path\n"
+        "                    if not getattr(f, '__module__', '').startswith('__editable__')]\n")
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1 $2" = "-m pip" ]; then echo "pip: no network" >&2; exit 1; fi\n'
+        f'export PYTHONPATH="{hide}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+        f'exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TMPDIR"] = str(tmp_path)
+    bare = subprocess.run([str(python), "-c", "import specjax"], cwd="/", env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert bare.returncode != 0, "the wrapper should hide the installed specjax"
+
+    def source(interpreter: str) -> subprocess.CompletedProcess:
+        script = (
+            'say() { echo "say: $*"; }\n'
+            'die() { echo "die: $*"; exit 1; }\n'
+            f'PY="{interpreter}"; ROOT="{ROOT}"\n'
+            'source "$ROOT/benchmarks/specjax_importable.sh"\n'
+            f'make_specjax_importable "{tmp_path}/pip.log"\n'
+            'cd / && "$PY" -c "import specjax, specjax.kernels; '
+            'print(\'from\', specjax.__file__)"\n')
+        return subprocess.run(["bash", "-c", script], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    done = source(str(python))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("say: specjax not importable: pip install"), lines
+    assert "say: pip install failed" in lines[1] and "pip: no network" in (
+        tmp_path / "pip.log").read_text()
+    assert lines[2].startswith("say: specjax from a symlinked layout: PYTHONPATH="), lines
+    shim = lines[-1].removeprefix("from ")
+    assert shim.startswith(str(tmp_path)) and "specjax-shim." in shim, lines
+
+    done = source(str(tmp_path / "no-such-python"))
+    assert done.returncode == 1
+    assert done.stdout.strip() == f"die: no Python interpreter '{tmp_path}/no-such-python' " \
+                                  "(set PYTHON)"
+
+
 # ----------------------------------------------------------------------------- no gguf
 
 
@@ -280,12 +335,13 @@ def test_tune_staged_saves_after_every_prompt(monkeypatch, tmp_path):
     saved = []
     real_write = environment.write_json
     monkeypatch.setattr(environment, "write_json",
-                        lambda path, record: (saved.append(json.loads(json.dumps(record))),
-                                              real_write(path, record))[1])
+                        lambda path, record, **kw: (saved.append(json.loads(json.dumps(record))),
+                                                    real_write(path, record, **kw))[1])
     out = tmp_path / "tune.json"
     assert tune_staged.main(["--limit", "3", "--max-new-tokens", "6", "--configs", "ar;ar:",
                              "--json", str(out)]) == 0
     assert [record["complete"] for record in saved] == [False, False, True]
     assert [len(record["rows"]) for record in saved] == [2, 4, 6]  # two configs per prompt
     final = json.loads(out.read_text())
+    assert isinstance(final.pop("dirty_tree"), bool)  # write_json's mark of the git state
     assert final == saved[-1] and final["summary"]["ar:"]["all_same_as_ar"]

@@ -1046,3 +1046,24 @@ def test_generated_asset_tensors_pass_only_when_valid(asset):
                 assert np.all(np.diff(value) > 0)
 
     run()
+
+
+# ----------------------------------------------------------------------------- the script
+
+
+def test_fuzz_loaders_script_writes_a_summary_per_loader(tmp_path):
+    """``benchmarks/fuzz_loaders.py`` at 3 cases a loader (its own campaigns, seeded): every
+    loader is fuzzed, nothing escapes, and the JSON records the machine and git state."""
+    from conftest import load_benchmark
+
+    script = load_benchmark("fuzz_loaders")
+    out = tmp_path / "fuzz.json"
+    assert script.main(["--cases", "3", "--seed", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "fuzz_loaders" and isinstance(result["dirty_tree"], bool)
+    assert set(result["loaders"]) == {"gguf", "safetensors", "shard index", "orbax", "ngram",
+                                      "draft asset"}
+    for name, loader in result["loaders"].items():
+        assert loader["violations"] == [] and not loader.get("escaped"), name
+        assert loader["cases"] == loader["loaded"] + loader["rejected"], name
+    assert "commit" in result["machine"]["git"]

@@ -238,7 +238,7 @@ def run(args) -> int:
                 "model_load_seconds": load_seconds, "segments": [*segments, here], **result}
 
     def save_so_far(result: dict) -> None:  # a run stopped part-way keeps its prompts
-        environment.write_json(args.json, wrap(result))
+        environment.write_json(args.json, wrap(result), warn=False)  # the last write warns
 
     result = wrap(run_suite(config, target, draft, prompts,
                             on_prompt=save_so_far if args.json else None, resume=resume))

@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
+from specjax.benchmark.environment import dirty_tree_warning
 from specjax.errors import InvalidArgumentError
 
 
@@ -93,6 +94,9 @@ def _heading(result: dict) -> list[str]:
         f"Command: `{result.get('command', '?')}`",
         "",
     ]
+    dirty = dirty_tree_warning(result)
+    if dirty:
+        lines += [f"**Warning, {dirty}.**", ""]
     parts = _parts(result)
     return lines + ([parts, ""] if parts else [])
 
@@ -320,8 +324,10 @@ def _status(result: dict, system: str) -> str:
 
 
 def render_text(result: dict) -> str:
-    """One line per (system, temperature): the end-of-run summary."""
-    lines = []
+    """One line per (system, temperature): the end-of-run summary, after a warning line
+    when the run was made from a tree with uncommitted changes."""
+    dirty = dirty_tree_warning(result)
+    lines = [f"warning: {dirty}"] if dirty else []
     for a in result["aggregates"]:
         head = f"T={a['temperature']:<4g} {a['system']:<14}"
         if a.get("status") != "ok":

@@ -13,7 +13,7 @@ weights, the matmul part of SmolLM2-135M's MLPs) over M rows, four ways:
 The programs are timed interleaved (each round times each once, in an order rotated from
 round to round), median of ``--repeats`` rounds; all four must give the same output first (to float32 rounding).
 
-    .venv/bin/python benchmarks/bench_cpu_layer_loop.py --json benchmarks/results/cpu/layer_loop_2026-11-26.json
+    .venv/bin/python benchmarks/experiments/bench_cpu_layer_loop.py --json benchmarks/results/cpu/layer_loop_2026-11-26.json
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                                             for name in programs))
     if args.json:
         out = {"benchmark": "cpu_layer_loop", "command": " ".join(
-                   ["benchmarks/bench_cpu_layer_loop.py", *sys.argv[1:]]),
+                   ["benchmarks/experiments/bench_cpu_layer_loop.py", *sys.argv[1:]]),
                **machine, "load_average_end": os.getloadavg(), "layers": args.layers,
                "weight_bytes": int(up.nbytes + down.nbytes), "results": results}
         print(f"wrote {environment.write_json(args.json, out)}", file=sys.stderr)

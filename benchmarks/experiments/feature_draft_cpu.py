@@ -4,10 +4,10 @@
 2-core CPU that doubles a step, so the direction checks of the feature draft (issue 15)
 cache the target's features once and train on the cache::
 
-    python benchmarks/feature_draft_cpu.py extract WORK --tokens 400000
-    python benchmarks/feature_draft_cpu.py train WORK RUN --steps 300 --from-draft \\
+    python benchmarks/experiments/feature_draft_cpu.py extract WORK --tokens 400000
+    python benchmarks/experiments/feature_draft_cpu.py train WORK RUN --steps 300 --from-draft \\
         --only fc,feature_norm --lr 3e-4 --feature-weight 0.1
-    python benchmarks/feature_draft_cpu.py bench RUN OUT.json --from-draft --start 8 \\
+    python benchmarks/experiments/feature_draft_cpu.py bench RUN OUT.json --from-draft --start 8 \\
         --count 12 --temperatures 0,1 --systems ar,staged,spec,spec-f,tree,tree-f
 
 ``extract`` tokenizes the standard library the way ``train-draft`` does (files split by a

@@ -6,7 +6,7 @@ the shipped draft's first staged pass (``--chunk`` catch-up rows + ``--proposal`
 the head on the root row and the proposal rows) with its restricted head and with the full
 vocabulary head.
 
-    .venv/bin/python benchmarks/bench_draft_cost.py --json benchmarks/results/draft_cost_cpu.json
+    .venv/bin/python benchmarks/experiments/bench_draft_cost.py --json benchmarks/results/draft_cost_cpu.json
 
 ``--layers 2,3,4`` adds drafts of the target's first K blocks with the shipped draft's head
 subset (the cost of a larger draft's pass; its weights are untrained, which does not change
@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import jax
     import jax.numpy as jnp
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     for name, value in best.items():
         print(f"{name:32s} {value:7.2f} ms  {value / base:5.2f}x target step")
     if args.json:
-        record = {"command": " ".join(["python", "benchmarks/bench_draft_cost.py", *sys.argv[1:]]),
+        record = {"command": " ".join(["python", "benchmarks/experiments/bench_draft_cost.py", *sys.argv[1:]]),
                   "machine": machine(), "versions": versions(), "git": git_commit(),
                   "config": vars(args), "head_size": draft.head_size, "ms": best,
                   "relative_to_target_step": {k: v / base for k, v in best.items()},

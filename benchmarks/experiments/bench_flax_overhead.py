@@ -22,7 +22,7 @@ per-round ratios (each round against the function's round beside it), whether th
 optimized HLO of each variant equals the function's (after dropping names and source
 metadata), and the load average.
 
-    python benchmarks/bench_flax_overhead.py --json benchmarks/results/flax_overhead_cpu.json
+    python benchmarks/experiments/bench_flax_overhead.py --json benchmarks/results/flax_overhead_cpu.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 draft, on the same HumanEval prompts, interleaved per prompt (so load drifts hit every
 configuration alike), after a warm-up that compiles each program::
 
-    python benchmarks/compare_drafts.py --skip 8 --limit 32 --temperatures 0,1 \\
+    python benchmarks/experiments/compare_drafts.py --skip 8 --limit 32 --temperatures 0,1 \\
         --methods staged,spec --drafts shipped=specjax/assets/smollm2-135m new=RUN/asset \\
         --json benchmarks/results/cpu/compare_drafts.json
 
@@ -29,7 +29,7 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import specjax
     from specjax.benchmark.environment import git_commit, machine, versions
     from specjax.benchmark.humaneval import humaneval_prompts

@@ -18,7 +18,7 @@ processes only ever add time), with the ratio to the one-device step of the same
 and whether the tokens equal the one-device tokens. JSON with device, versions, commit,
 load average and every repeat's seconds::
 
-    python benchmarks/bench_sharding.py --json benchmarks/results/cpu/bench_sharding.json
+    python benchmarks/experiments/bench_sharding.py --json benchmarks/results/cpu/bench_sharding.json
 """
 
 from __future__ import annotations

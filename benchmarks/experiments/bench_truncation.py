@@ -2,7 +2,7 @@
 SmolLM2-sized logits (49,152), with and without truncation, against a sort-based
 truncation (how specjax truncated before 6b579f6).
 
-    .venv/bin/python benchmarks/bench_truncation.py --json benchmarks/results/cpu/truncation.json
+    .venv/bin/python benchmarks/experiments/bench_truncation.py --json benchmarks/results/cpu/truncation.json
 
 Each row of the output is one jitted program, timed as the median of ``--repeats`` calls
 after a warm-up; the sort-based version is checked to keep the same tokens on these logits
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
                         help="one rule per program (a GPU's programs), not traced rules")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
             print(f"{n:3d} rows  {name:22s} specjax {row['specjax_ms']:8.2f} ms"
                   + (f"   sort {row['sort_ms']:8.2f} ms" if "sort_ms" in row else ""))
     if args.json:
-        out = {"benchmark": "truncation", "command": " ".join(["benchmarks/bench_truncation.py",
+        out = {"benchmark": "truncation", "command": " ".join(["benchmarks/experiments/bench_truncation.py",
                                                               *sys.argv[1:]]),
                **machine, "load_average_end": os.getloadavg(),
                "static_rules": args.static, "vocab": VOCAB, "results": results}

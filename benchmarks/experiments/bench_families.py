@@ -14,7 +14,7 @@ machine drift hits all), each a greedy generation of ``--new-tokens`` tokens aft
 time) and its ratio to Llama's. The JSON records device, versions, commit and the load
 average at start and end (the CPU is shared).
 
-    python benchmarks/bench_families.py --json benchmarks/results/cpu/families_ar.json
+    python benchmarks/experiments/bench_families.py --json benchmarks/results/cpu/families_ar.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ prompts of the per-prompt tokens/s ratio (options / none) and the total tokens/s
 side, and checks that both sides produced the same tokens. A row's ``prompt`` is its
 position in the run: the HumanEval problem is number ``--skip`` + ``prompt``.
 
-    python benchmarks/ab_compiler_options.py \\
+    python benchmarks/experiments/ab_compiler_options.py \\
         --option xla_cpu_enable_concurrency_optimized_scheduler=false \\
         --methods ar,spec,tree,staged --limit 8 --max-new-tokens 128 --json ab.json
 """

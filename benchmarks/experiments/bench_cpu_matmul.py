@@ -7,7 +7,7 @@ every XLA CPU option passed on the command line as a variant (``--flags``). A sp
 target pass multiplies M = nodes rows by every weight, so the ratio to M = 1 is the
 pass's cost over an `ar` step's before attention.
 
-    .venv/bin/python benchmarks/bench_cpu_matmul.py --json benchmarks/results/cpu/matmul_rows.json
+    .venv/bin/python benchmarks/experiments/bench_cpu_matmul.py --json benchmarks/results/cpu/matmul_rows.json
 
 Each variant runs in its own process (XLA_FLAGS are read once per process).
 """
@@ -44,7 +44,7 @@ def _product(form: str):
 
 
 def measure(rows, repeats: int, form: str = "x@w") -> dict:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -3,7 +3,7 @@ file, on the same prompts, interleaved per prompt, after a warm-up that compiles
 program. Reports per configuration the median and total tokens/s, the median
 ``mean_accepted``, the summed ``tokens_by_origin`` and whether every output equals ``ar``.
 
-    python benchmarks/compare_ngram_tables.py --skip 150 --limit 158 \\
+    python benchmarks/experiments/compare_ngram_tables.py --skip 150 --limit 158 \\
         --draft-asset ../shared/assets/smollm2-135m-draft-h100 \\
         --tables shipped=specjax/assets/smollm2-135m/ngram.npz drafted=ngram_draft.npz \\
         --json benchmarks/results/cpu/ngram_from_draft.json
@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import specjax
     from specjax.benchmark.environment import git_commit, machine, versions
     from specjax.benchmark.humaneval import humaneval_prompts

@@ -6,7 +6,7 @@ at ``Precision.HIGHEST`` as the models run them, median of ``--repeats`` calls e
 weights. Compare with a whole step of ``bench_batch.py`` at the same batch: the difference
 is the per-row rest of the step (attention, norms, RoPE, sampling over the vocabulary).
 
-    .venv/bin/python benchmarks/bench_batch_matmuls.py --json benchmarks/results/cpu/batch_matmuls.json
+    .venv/bin/python benchmarks/experiments/bench_batch_matmuls.py --json benchmarks/results/cpu/batch_matmuls.json
 """
 
 from __future__ import annotations
