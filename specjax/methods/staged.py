@@ -347,6 +347,21 @@ class Staged(DraftFeatures):
                      child_scores=node_scores, child_tokens=node_tokens)
         return candidates, nodes
 
+    def _select(self, cands: dict, kill: jax.Array) -> tuple[Tree, jax.Array]:
+        """The target tree: the best ``budget`` candidates (prefix-closed) of every pass,
+        but those in ``kill``, and the origin int8 [N] of each node's token."""
+        cand_tokens, cand_parents = jnp.concatenate(cands["tokens"]), jnp.concatenate(
+            cands["parents"])
+        cand_scores, cand_origin = jnp.concatenate(cands["scores"]), jnp.concatenate(
+            cands["origin"])
+        cand_valid = jnp.concatenate(cands["valid"]) & ~kill
+        cand_valid = cand_valid & jnp.isfinite(cand_scores)
+        # select_top_nodes orders nodes exactly as select_top_indices does.
+        tree = select_top_nodes(cand_parents, cand_scores, cand_tokens, cand_valid, self.budget)
+        tree_origin = cand_origin[select_top_indices(cand_parents, cand_scores, cand_valid,
+                                                     self.budget)]
+        return tree, tree_origin
+
     def step(self, params, loop: DecodeLoop, state: DecodeState,
              resources: StagedResources) -> DecodeState:
         sampling, config = state.sampling, self.draft_config
@@ -446,16 +461,7 @@ class Staged(DraftFeatures):
         cache = advance(cache, fresh)
 
         # 3. Select the target tree.
-        cand_tokens, cand_parents = jnp.concatenate(cands["tokens"]), jnp.concatenate(
-            cands["parents"])
-        cand_scores, cand_origin = jnp.concatenate(cands["scores"]), jnp.concatenate(
-            cands["origin"])
-        cand_valid = jnp.concatenate(cands["valid"]) & ~kill
-        cand_valid = cand_valid & jnp.isfinite(cand_scores)
-        # select_top_nodes orders nodes exactly as select_top_indices does.
-        tree = select_top_nodes(cand_parents, cand_scores, cand_tokens, cand_valid, self.budget)
-        tree_origin = cand_origin[select_top_indices(cand_parents, cand_scores, cand_valid,
-                                                     self.budget)]
+        tree, tree_origin = self._select(cands, kill)
 
         # 4. Verify and commit.
         verified = verify_tree(params, loop, state, tree, self.max_depth, width, self.verify,
