@@ -33,9 +33,11 @@ from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarn
 from specjax.loading import (check_resources, choose_default_method, resolve_draft,
                              resolve_ngram)
 from specjax.methods import MethodOptions
+from specjax.methods.common import tally_of
 from specjax.model import Model, check_draft_compatible, resolve_dtype
 from specjax.origins import ORIGIN_NAMES, origin_name
 from specjax.sampling import make_sampling_params, static_rules
+from specjax.state import Method, without_buffers
 
 __all__ = ["GenerationResult", "Model", "check_draft_compatible", "decode_text",
            "encode_prompt", "generate", "load", "resolve_dtype", "stream_generate"]
@@ -177,9 +179,9 @@ class _Settings:
     options: MethodOptions
     sampling: Any  # SamplingParams (scalars)
     stop: Any  # int32 [MAX_STOP_TOKENS]
-    method: decode.Method
+    method: Method
     draft_model: Model | None
-    resources: decode.Resources
+    resources: Any  # the method's own (Method.build_resources)
     max_new_tokens: int
     choice: str = "given"
 
@@ -215,7 +217,7 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
             f"{model.name}: attn_impl='fused' on the CPU runs its Pallas kernels in Pallas' "
             f"interpreter, several times slower than 'auto' (it is meant for GPU/TPU); use "
             f"attn_impl='auto' on a CPU", PerformanceWarning, stacklevel=4)
-    return _Settings(opts, sampling, stop, None, None, decode.Resources(), int(max_new_tokens),
+    return _Settings(opts, sampling, stop, None, None, None, int(max_new_tokens),
                      choice)
 
 
@@ -246,7 +248,7 @@ def _load_resources(model: Model, settings: _Settings, draft, ngram) -> None:
     tables = resolve_ngram(model, ngram) if opts.uses_ngram else None
     settings.method = methods.build(opts, None if draft_model is None else draft_model.config)
     settings.draft_model = draft_model
-    settings.resources = decode.Resources(
+    settings.resources = settings.method.build_resources(
         draft_params=None if draft_model is None else draft_model.params, tables=tables)
 
 
@@ -377,7 +379,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
 
 def _host_rows(state: decode.DecodeState, count: int) -> list[decode.DecodeState]:
     """The first ``count`` rows of a batched state, on the host (caches left out)."""
-    host = jax.device_get(state.replace(cache=None, draft_cache=None, features=None))
+    host = jax.device_get(without_buffers(state))
     return [jax.tree_util.tree_map(lambda x, i=i: x[i] if np.ndim(x) else x, host)
             for i in range(count)]
 
@@ -487,7 +489,7 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         "mean_accepted": new_tokens / target_calls,
     }
     counts = dict.fromkeys(ORIGIN_NAMES.values(), 0)
-    tally = state.tally
+    tally = tally_of(state)
     if tally is None:  # ar: every token is the target's
         counts["target"] = new_tokens
     else:
@@ -508,9 +510,10 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
 
 def token_origins(state: decode.DecodeState) -> list[str] | None:
     """The origin of every generated token, or ``None`` for ``ar``."""
-    if state.tally is None:
+    tally = tally_of(state)
+    if tally is None:
         return None
-    codes = np.asarray(state.tally.origins)[int(state.prompt_length): int(state.length)]
+    codes = np.asarray(tally.origins)[int(state.prompt_length): int(state.length)]
     return [origin_name(c) for c in codes]
 
 

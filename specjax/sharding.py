@@ -260,7 +260,7 @@ def place_arguments(args: tuple, rows: int | None = None) -> tuple:
     program over a global mesh must be a global array).
 
     Args:
-      args: the program's arguments, ``args[-1]`` its :class:`~specjax.decode.Resources`.
+      args: the program's arguments, ``args[-1]`` its method's resources.
       rows: a batch program's row count B: arrays of the per-row arguments with a leading
         axis B are split over ``data`` (when B divides by it), so each ``data`` group
         decodes its own rows. Everything else is replicated.
@@ -311,8 +311,7 @@ def active_mesh():
     return mesh
 
 
-def readable_by_every_process(state, keep: tuple[str, ...] = ("cache", "draft_cache",
-                                                            "features")):
+def readable_by_every_process(state, keep: tuple[str, ...] = ("cache",)):
     """``state`` (a flax struct) with every field but ``keep`` constrained to be
     replicated, when tracing over a mesh that spans several processes; unchanged
     otherwise. A batch split by row over ``data`` leaves each process only its own rows'

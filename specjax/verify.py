@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import models
-from specjax.decode import DecodeLoop, DecodeState
 from specjax.errors import InvalidArgumentError
 from specjax.sampling import first_argmax, sample_tokens, target_log_probs, top_k
+from specjax.state import DecodeLoop, DecodeState
 from specjax.tree import Tree, ancestor_mask, children_table, depths
 
 CHILDREN_MODES = ("with_replacement", "without_replacement", "deterministic")

@@ -201,8 +201,8 @@ def test_staged_greedy_and_coupled_equal_ar(target, dtype):
 
 
 def test_the_state_keeps_the_targets_block_outputs(target):
-    """After decoding, ``state.features`` holds at every committed position the target's
-    block outputs there (those of a plain forward over the whole output)."""
+    """After decoding, ``state.method_state.features`` holds at every committed position
+    the target's block outputs there (those of a plain forward over the whole output)."""
     draft = eagle3_draft(target, seed=5)
     prompt = random_prompt(8, 9)
     options = {k: v for k, v in SHAPES["dynamic"].items() if k != "method"}
@@ -215,7 +215,8 @@ def test_the_state_keeps_the_targets_block_outputs(target):
     _, taps, _ = models.hidden_states(target.params, target.config, tokens,
                                       jnp.arange(length, dtype=jnp.int32),
                                       feature_layers=LAYERS)
-    np.testing.assert_allclose(state.features[:length], taps, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(state.method_state.features[:length], taps, rtol=1e-4,
+                               atol=1e-4)
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])

@@ -65,9 +65,10 @@ def _final_state(target, draft, prompt, method, **options):
 
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])
 def test_kept_features_are_the_targets_at_every_committed_position(target, shape):
-    """``state.features`` after generation equals the target's features of the whole
-    sequence by teacher forcing, at every position the target ran (all but the pending
-    token): the prefill's and each accepted path's, written at the right offset."""
+    """The kept features (``state.method_state.features``) after generation equal the
+    target's features of the whole sequence by teacher forcing, at every position the
+    target ran (all but the pending token): the prefill's and each accepted path's,
+    written at the right offset."""
     draft = feature_draft(target, seed=2)
     prompt = random_prompt(3, 9)
     state = _final_state(target, draft, prompt, **SHAPES[shape])
@@ -75,8 +76,8 @@ def test_kept_features_are_the_targets_at_every_committed_position(target, shape
     tokens = jnp.asarray(state.tokens[: length - 1])
     expected, _ = models.hidden_states(target.params, target.config, tokens,
                                        jnp.arange(length - 1, dtype=jnp.int32))
-    np.testing.assert_allclose(np.asarray(state.features[: length - 1]), np.asarray(expected),
-                               atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.method_state.features[: length - 1]),
+                               np.asarray(expected), atol=2e-5, rtol=1e-5)
     assert int(state.target_calls) < NEW  # some drafted tokens were accepted on the way
 
 

@@ -1,8 +1,8 @@
 """What every speculative method shares: per-step statistics, keys, ranking, commit.
 
-* :class:`Tally` -- the typed per-step statistics a method carries in
-  :attr:`specjax.decode.DecodeState.tally` (accepted-count histogram, origin of every
-  token); :func:`specjax.api.generate` turns it into ``stats``.
+* :class:`Tally` -- the typed per-step statistics a speculative method carries in its
+  state's ``tally`` (accepted-count histogram, origin of every token);
+  :func:`specjax.api.generate` turns it into ``stats`` (:func:`tally_of`).
 * :func:`step_key` -- the PRNG key of one step (fresh per position, never per call).
 * :func:`rank_children` -- how a draft ranks the children it proposes, per verify rule.
 * :func:`commit_step` -- keep the accepted path's K/V, append the emitted tokens, count
@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import commit_path
-from specjax.decode import DecodeState, append_tokens, flag_nonfinite
 from specjax.origins import NUM_ORIGINS, ORIGIN_TARGET
 from specjax.sampling import (SamplingParams, by_temperature, perturbed_scores,
                               target_log_probs)
+from specjax.state import DecodeState, append_tokens, flag_nonfinite
 from specjax.tree import Tree
 from specjax.verify import Verdict, emitted_tokens
 
@@ -65,6 +65,12 @@ class PassPlan:
 
     target_nodes: int = 1
     draft_passes: tuple[tuple[int, int], ...] = ()
+
+
+def tally_of(state: DecodeState) -> Tally | None:
+    """The tally in ``state``'s method state, or ``None`` for a method that keeps none
+    (``ar``: every token is the target's)."""
+    return getattr(state.method_state, "tally", None)
 
 
 def init_tally(state: DecodeState, max_depth: int) -> Tally:
@@ -120,8 +126,7 @@ def rank_children(logits: jax.Array, sampling: SamplingParams, child_positions: 
 
 
 def commit_step(state: DecodeState, tree: Tree, tree_origin: jax.Array, verdict: Verdict,
-                target_cache, finite: jax.Array, draft_calls: int,
-                **method_state) -> DecodeState:
+                target_cache, finite: jax.Array, draft_calls: int, kept) -> DecodeState:
     """Ends a speculative step: commits the accepted path, appends the emitted tokens (cut
     at a stop token and ``max_length``) and tallies them.
 
@@ -131,9 +136,10 @@ def commit_step(state: DecodeState, tree: Tree, tree_origin: jax.Array, verdict:
       verdict: the verify rule's verdict.
       target_cache: the target cache holding the tree's K/V in scratch.
       finite: bool [], whether the valid nodes' target logits were all finite; if not,
-        the step appends nothing and generation stops (:func:`decode.flag_nonfinite`).
+        the step appends nothing and generation stops (:func:`specjax.state.flag_nonfinite`).
       draft_calls: draft passes this step ran (static).
-      **method_state: other state fields the step updates (e.g. ``draft_cache``).
+      kept: the method's state after this step (e.g. its new draft cache) but for its
+        ``tally``, which this updates.
     """
     tokens = emitted_tokens(tree, verdict)
     slots = jnp.arange(tokens.shape[0])
@@ -144,16 +150,17 @@ def commit_step(state: DecodeState, tree: Tree, tree_origin: jax.Array, verdict:
     state = state.replace(
         cache=commit_path(target_cache, verdict.path, verdict.count),
         target_calls=state.target_calls + 1,
-        draft_calls=state.draft_calls + draft_calls, **method_state)
+        draft_calls=state.draft_calls + draft_calls)
     state = flag_nonfinite(state, finite)
     state = append_tokens(state, tokens, jnp.where(finite, verdict.count, 0))
-    kept = slots < state.length - start  # after stop tokens and max_length
-    tally = state.tally
+    kept_slots = slots < state.length - start  # after stop tokens and max_length
+    tally = kept.tally
     origins = jax.lax.dynamic_update_slice(tally.origins,
-                                           jnp.where(kept, origin, -1).astype(jnp.int8),
+                                           jnp.where(kept_slots, origin, -1).astype(jnp.int8),
                                            (start,))
     counts = tally.origin_counts + jnp.sum(
-        (origin[None, :] == jnp.arange(NUM_ORIGINS, dtype=jnp.int8)[:, None]) & kept[None, :],
-        axis=1).astype(jnp.int32)
+        (origin[None, :] == jnp.arange(NUM_ORIGINS, dtype=jnp.int8)[:, None])
+        & kept_slots[None, :], axis=1).astype(jnp.int32)
     accepted = tally.accepted.at[verdict.count - 1].add(1)
-    return state.replace(tally=Tally(accepted=accepted, origins=origins, origin_counts=counts))
+    tally = Tally(accepted=accepted, origins=origins, origin_counts=counts)
+    return state.replace(method_state=kept.replace(tally=tally))

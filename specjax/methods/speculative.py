@@ -3,8 +3,9 @@
 A :class:`Speculative` method (``spec`` or ``tree``) is a hashable static object built
 from its options (:class:`~specjax.methods.options.SpecOptions`,
 :class:`~specjax.methods.options.TreeOptions`) and the draft's config; it sits in the
-:class:`~specjax.decode.DecodeLoop` and the drivers in :mod:`specjax.decode` run it exactly
-like ``ar``. One step:
+:class:`~specjax.state.DecodeLoop` and the drivers in :mod:`specjax.decode` run it exactly
+like ``ar``. It decodes with :class:`DraftResources` and keeps a :class:`DraftState` (the
+draft's cache, kept target features, a tally). One step:
 
 1. **Draft catch-up.** The draft cache lags the sequence by the tokens accepted in the
    previous step; one draft pass over a fixed chunk of ``depth + 1`` tokens brings it up to
@@ -36,8 +37,8 @@ rejection), whatever the draft.
 ``feature_input``): the draft's input at position ``t`` is its token and the target's
 feature (final-normed hidden state) at ``t - 1``, and its output feature goes through its
 head. The target's features of every committed position are kept in
-``state.features`` (the prefill and each verify pass compute them anyway; the step commits
-the accepted path's). Catch-up reads them; below the root, a drafted node reads the
+``DraftState.features`` (the prefill and each verify pass compute them anyway; the step
+commits the accepted path's). Catch-up reads them; below the root, a drafted node reads the
 feature the draft predicted for its parent. A multi-layer feature draft (EAGLE-3 class,
 ``draft_config.feature_layers``) reads the outputs of several target blocks instead, which
 the prefill and verify passes return beside their logits, kept as [S, F*d] and fused by
@@ -52,17 +53,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from specjax import models
-from specjax.cache import advance, init_cache
+from specjax.cache import KVCache, advance, init_cache
 from specjax.config import ModelConfig
-from specjax.decode import DecodeLoop, DecodeState, Resources
 from specjax.errors import InvalidArgumentError
-from specjax.methods.common import (DraftFeatures, PassPlan, commit_step, init_tally,
+from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
                                     rank_children, step_key)
 from specjax.methods.options import SpecOptions, TreeOptions, fixed_topology_shape
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_TARGET
 from specjax.sampling import target_log_probs, top_k
+from specjax.state import DecodeLoop, DecodeState
 from specjax.tree import Tree, chain_parents, select_top_nodes
 from specjax.verify import verify_tree
 
@@ -97,37 +99,76 @@ class TreeShape:
         return max(self.budget, self.depth + 1, self.width * self.depth + 1) + 1
 
 
-def previous_features(draft_params, draft_config: ModelConfig, state: DecodeState,
-                      positions: jax.Array):
+@struct.dataclass
+class DraftResources:
+    """What a method with a draft model decodes with (``spec``, ``tree``)."""
+
+    draft_params: dict  # the draft model's parameter tree
+
+
+@struct.dataclass
+class DraftState:
+    """The state of a method with a draft model (``spec``, ``tree``, ``staged``), in
+    ``DecodeState.method_state``."""
+
+    draft_cache: KVCache  # the draft's cache; lags the sequence by the last step's tokens
+    tally: Tally  # per-step statistics
+    # float [S, d]: the target's features (final-normed hidden states) at every position
+    # the target has run, for a draft that reads them (``method.uses_features``); [S, F*d],
+    # the outputs of target blocks ``method.feature_layers``, for a multi-layer feature
+    # draft (the draft fuses them itself: the target pass stays the draft's). ``None``
+    # for other drafts.
+    features: jax.Array | None = None
+
+    buffers = ("draft_cache", "features")  # read on the device only (specjax.state)
+
+
+def start_draft(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
+                state: DecodeState, prompt_features, max_depth: int) -> DecodeState:
+    """``state`` after the target prefill, with a :class:`DraftState`: the draft's cache
+    holding the prompt (one draft pass), the prompt's target features kept when the
+    draft reads them (``prompt_features`` [P, F], else ``None``), an empty tally."""
+    features = None
+    if prompt_features is not None:
+        features = jnp.zeros((loop.capacity, prompt_features.shape[1]), prompt_features.dtype)
+        features = features.at[: loop.prompt_bucket].set(prompt_features)
+    kept = DraftState(draft_cache=None, tally=init_tally(state, max_depth), features=features)
+    cache = draft_prefill(draft_params, draft_config, loop, state, kept)
+    return state.replace(method_state=kept.replace(draft_cache=cache),
+                         draft_calls=state.draft_calls + 1)
+
+
+def previous_features(draft_params, draft_config: ModelConfig, kept, positions: jax.Array):
     """What a feature draft reads beside the tokens at ``positions`` [T]: the target's
-    features at ``positions - 1`` (zeros at position 0), fused to [T, d] by a multi-layer
-    draft (:func:`specjax.models.fuse_features`); ``None`` for other drafts."""
+    features kept in ``kept.features`` (a :class:`DraftState`) at ``positions - 1`` (zeros
+    at position 0), fused to [T, d] by a multi-layer draft
+    (:func:`specjax.models.fuse_features`); ``None`` for other drafts."""
     if not draft_config.feature_input:
         return None
-    rows = jnp.take(state.features, jnp.maximum(positions - 1, 0), axis=0)
+    rows = jnp.take(kept.features, jnp.maximum(positions - 1, 0), axis=0)
     rows = models.fuse_features(draft_params, draft_config, rows)
     return jnp.where((positions > 0)[:, None], rows, jnp.zeros_like(rows))
 
 
 def commit_features(state: DecodeState, node_features: jax.Array, path: jax.Array):
-    """``state.features`` with the accepted path's target features written from the root's
-    position on ([max_depth + 1] rows; those past the accepted count are overwritten
-    before any read)."""
-    return jax.lax.dynamic_update_slice(
-        state.features, node_features[path].astype(state.features.dtype),
-        (state.length - 1, jnp.int32(0)))
+    """The kept target features (``state.method_state.features``) with the accepted
+    path's written from the root's position on ([max_depth + 1] rows; those past the
+    accepted count are overwritten before any read)."""
+    kept = state.method_state.features
+    return jax.lax.dynamic_update_slice(kept, node_features[path].astype(kept.dtype),
+                                        (state.length - 1, jnp.int32(0)))
 
 
 def draft_prefill(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
-                  state: DecodeState):
+                  state: DecodeState, kept: DraftState):
     """A draft cache holding the prompt (the draft's own prefill; no head needed)."""
     cache = init_cache(draft_config, loop.capacity, draft_params["embed"].dtype)
     positions = jnp.arange(loop.prompt_bucket, dtype=jnp.int32)
     _, cache = models.hidden_states(draft_params, draft_config,
                                     state.tokens[: loop.prompt_bucket], positions, cache,
                                     attn_impl=loop.attn_impl,
-                                    features=previous_features(draft_params, draft_config, state,
-                                                              positions))
+                                    features=previous_features(draft_params, draft_config, kept,
+                                                               positions))
     return advance(cache, state.prompt_length)
 
 
@@ -148,7 +189,8 @@ def draft_catch_up(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
     hidden, cache = models.hidden_states(draft_params, draft_config, tokens, positions,
                                          cache, attn_impl=loop.attn_impl,
                                          features=previous_features(draft_params, draft_config,
-                                                                    state, positions))
+                                                                    state.method_state,
+                                                                    positions))
     fresh = state.length - cache.length
     root_hidden = jax.lax.dynamic_index_in_dim(hidden, fresh - 1, keepdims=True)
     return (advance(cache, fresh), models.lm_head(draft_params, draft_config, root_hidden),
@@ -289,23 +331,28 @@ class Speculative(DraftFeatures):
 
     # ------------------------------------------------------------------ method protocol
 
-    def init(self, params, loop: DecodeLoop, state: DecodeState,
-             resources: Resources) -> DecodeState:
-        """Prefills the draft cache with the prompt."""
+    def build_resources(self, draft_params=None, tables=None) -> DraftResources:
+        del tables
+        return DraftResources(draft_params=draft_params)
+
+    def init(self, params, loop: DecodeLoop, state: DecodeState, resources: DraftResources,
+             prompt_features) -> DecodeState:
+        """Prefills the draft cache with the prompt; keeps the prompt's target features for
+        a feature draft."""
         del params
-        return state.replace(
-            draft_cache=draft_prefill(resources.draft_params, self.draft_config, loop, state),
-            tally=init_tally(state, self.shape.depth), draft_calls=state.draft_calls + 1)
+        return start_draft(resources.draft_params, self.draft_config, loop, state,
+                           prompt_features, self.shape.depth)
 
     def step(self, params, loop: DecodeLoop, state: DecodeState,
-             resources: Resources) -> DecodeState:
+             resources: DraftResources) -> DecodeState:
         shape, sampling, draft_params = self.shape, state.sampling, resources.draft_params
         root_position = state.length - 1
         draft_key, verify_key = jax.random.split(step_key(sampling, state.length, _KEY_TAG))
 
         # 1. Catch the draft cache up to the root.
         cache, root_logits, root_hidden = draft_catch_up(
-            draft_params, self.draft_config, loop, state, state.draft_cache, shape.depth + 1)
+            draft_params, self.draft_config, loop, state, state.method_state.draft_cache,
+            shape.depth + 1)
         root_token = state.tokens[root_position]
 
         # 2. Draft the tree.
@@ -320,14 +367,14 @@ class Speculative(DraftFeatures):
                                return_features=self.uses_features,
                                feature_layers=self.feature_layers)
         verdict, target_cache, finite = verified[:3]
-        kept = {"draft_cache": cache}
+        kept = state.method_state.replace(draft_cache=cache)
         if self.uses_features:
-            kept["features"] = commit_features(state, verified[3], verdict.path)
+            kept = kept.replace(features=commit_features(state, verified[3], verdict.path))
 
         # 4. Commit (catch-up + one draft pass per expanded level = depth passes).
         origin = jnp.full((tree.size,), ORIGIN_DRAFT, jnp.int8).at[0].set(ORIGIN_TARGET)
         return commit_step(state, tree, origin, verdict, target_cache, finite, shape.depth,
-                           **kept)
+                           kept)
 
     # ------------------------------------------------------------------ tree builders
 

@@ -52,8 +52,8 @@ context, so ``rejection`` runs in ``deterministic`` children mode.
 
 Token origins: each emitted token is counted as proposed by the n-gram tables, context
 lookup, the draft model, or the target (the token the target adds after the accepted
-path). ``state.tally`` (:class:`~specjax.methods.common.Tally`) holds the origin of every
-generated token.
+path). The method state's ``tally`` (:class:`~specjax.methods.common.Tally`) holds the
+origin of every generated token.
 """
 
 from __future__ import annotations
@@ -63,22 +63,39 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from specjax import models
 from specjax.cache import advance
 from specjax.config import ModelConfig
-from specjax.decode import DecodeLoop, DecodeState, Resources
-from specjax.drafters.ngram import propose
-from specjax.methods.common import (DraftFeatures, PassPlan, commit_step, init_tally,
+from specjax.drafters.ngram import NgramTables, propose
+from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
                                     rank_children, step_key)
 from specjax.methods.options import NgramOptions, StagedOptions
-from specjax.methods.speculative import commit_features, draft_prefill, previous_features
+from specjax.methods.speculative import commit_features, previous_features, start_draft
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_LOOKUP, ORIGIN_TARGET
 from specjax.sampling import top_k
+from specjax.state import DecodeLoop, DecodeState
 from specjax.tree import Tree, ancestor_mask, select_top_indices, select_top_nodes
 from specjax.verify import verify_tree
 
 _KEY_TAG = 0x57A6
+
+
+@struct.dataclass
+class StagedResources:
+    """What ``staged`` decodes with."""
+
+    draft_params: dict  # the draft model's parameter tree
+    tables: NgramTables  # stage-2 n-gram tables
+
+
+@struct.dataclass
+class NgramState:
+    """The state of ``ngram`` in ``DecodeState.method_state`` (``staged`` keeps a
+    :class:`~specjax.methods.speculative.DraftState`)."""
+
+    tally: Tally  # per-step statistics
 
 
 def _log(probability: float) -> float:
@@ -158,6 +175,8 @@ class NgramOnly:
     options: NgramOptions = NgramOptions()
 
     name = "ngram"
+    uses_features = False
+    feature_layers = ()
 
     @property
     def proposal(self) -> tuple[int, ...]:
@@ -180,15 +199,19 @@ class NgramOnly:
     def pass_plan(self) -> PassPlan:
         return PassPlan(target_nodes=self.budget)
 
-    def init(self, params, loop: DecodeLoop, state: DecodeState,
-             resources: Resources) -> DecodeState:
-        del params, loop, resources
-        return state.replace(tally=init_tally(state, self.max_depth))
+    def build_resources(self, draft_params=None, tables=None) -> NgramTables:
+        del draft_params
+        return tables
+
+    def init(self, params, loop: DecodeLoop, state: DecodeState, resources: NgramTables,
+             prompt_features) -> DecodeState:
+        del params, loop, resources, prompt_features
+        return state.replace(method_state=NgramState(tally=init_tally(state, self.max_depth)))
 
     def step(self, params, loop: DecodeLoop, state: DecodeState,
-             resources: Resources) -> DecodeState:
+             resources: NgramTables) -> DecodeState:
         key = step_key(state.sampling, state.length, _KEY_TAG)
-        prop = propose(resources.tables, state.tokens, state.length, self.proposal,
+        prop = propose(resources, state.tokens, state.length, self.proposal,
                        use_lookup=self.options.use_lookup)
         root = state.tokens[state.length - 1]
         tree = Tree(tokens=jnp.concatenate([root[None], prop.tokens]),
@@ -198,7 +221,7 @@ class NgramOnly:
         origin = jnp.concatenate([jnp.array([ORIGIN_TARGET], jnp.int8), prop.origin])
         verdict, cache, finite = verify_tree(params, loop, state, tree, self.max_depth,
                                              max(self.proposal), self.options.verify, key)
-        return commit_step(state, tree, origin, verdict, cache, finite, 0)
+        return commit_step(state, tree, origin, verdict, cache, finite, 0, state.method_state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,13 +297,16 @@ class Staged(DraftFeatures):
         """Ranking log-scores [E, V] for the children of E evaluated nodes."""
         return rank_children(logits, sampling, child_positions, self.verify)
 
-    def init(self, params, loop: DecodeLoop, state: DecodeState,
-             resources: Resources) -> DecodeState:
-        """Prefills the draft cache with the prompt."""
+    def build_resources(self, draft_params=None, tables=None) -> StagedResources:
+        return StagedResources(draft_params=draft_params, tables=tables)
+
+    def init(self, params, loop: DecodeLoop, state: DecodeState, resources: StagedResources,
+             prompt_features) -> DecodeState:
+        """Prefills the draft cache with the prompt; keeps the prompt's target features for
+        a feature draft."""
         del params
-        return state.replace(
-            draft_cache=draft_prefill(resources.draft_params, self.draft_config, loop, state),
-            tally=init_tally(state, self.max_depth), draft_calls=state.draft_calls + 1)
+        return start_draft(resources.draft_params, self.draft_config, loop, state,
+                           prompt_features, self.max_depth)
 
     def _pass_candidates(self, pass_tokens, pass_valid, pass_origin, rank, first_parent,
                          first_score, base: int):
@@ -321,15 +347,30 @@ class Staged(DraftFeatures):
                      child_scores=node_scores, child_tokens=node_tokens)
         return candidates, nodes
 
+    def _select(self, cands: dict, kill: jax.Array) -> tuple[Tree, jax.Array]:
+        """The target tree: the best ``budget`` candidates (prefix-closed) of every pass,
+        but those in ``kill``, and the origin int8 [N] of each node's token."""
+        cand_tokens, cand_parents = jnp.concatenate(cands["tokens"]), jnp.concatenate(
+            cands["parents"])
+        cand_scores, cand_origin = jnp.concatenate(cands["scores"]), jnp.concatenate(
+            cands["origin"])
+        cand_valid = jnp.concatenate(cands["valid"]) & ~kill
+        cand_valid = cand_valid & jnp.isfinite(cand_scores)
+        # select_top_nodes orders nodes exactly as select_top_indices does.
+        tree = select_top_nodes(cand_parents, cand_scores, cand_tokens, cand_valid, self.budget)
+        tree_origin = cand_origin[select_top_indices(cand_parents, cand_scores, cand_valid,
+                                                     self.budget)]
+        return tree, tree_origin
+
     def step(self, params, loop: DecodeLoop, state: DecodeState,
-             resources: Resources) -> DecodeState:
+             resources: StagedResources) -> DecodeState:
         sampling, config = state.sampling, self.draft_config
         draft_params, tables = resources.draft_params, resources.tables
         width, size, depth_p = self.width, self.pass_size, len(self.proposal)
         chunk, n_prop = self.chunk, sum(self.proposal)
         root_position = state.length - 1
         key = step_key(sampling, state.length, _KEY_TAG)
-        cache = state.draft_cache
+        cache = state.method_state.draft_cache
         fresh = state.length - cache.length  # tokens the draft lags by, root included
         proposal_depth = _proposal_depths(self.proposal)
         proposal_parents = _static_parents(self.proposal)
@@ -353,7 +394,7 @@ class Staged(DraftFeatures):
         features = None
         if self.uses_features:  # the proposal reads what the root reads (module docstring)
             features = previous_features(
-                draft_params, config, state,
+                draft_params, config, state.method_state,
                 jnp.concatenate([positions[:chunk],
                                  jnp.full((n_prop,), root_position, jnp.int32)]))
         hidden, cache = models.hidden_states(draft_params, config,
@@ -420,24 +461,15 @@ class Staged(DraftFeatures):
         cache = advance(cache, fresh)
 
         # 3. Select the target tree.
-        cand_tokens, cand_parents = jnp.concatenate(cands["tokens"]), jnp.concatenate(
-            cands["parents"])
-        cand_scores, cand_origin = jnp.concatenate(cands["scores"]), jnp.concatenate(
-            cands["origin"])
-        cand_valid = jnp.concatenate(cands["valid"]) & ~kill
-        cand_valid = cand_valid & jnp.isfinite(cand_scores)
-        # select_top_nodes orders nodes exactly as select_top_indices does.
-        tree = select_top_nodes(cand_parents, cand_scores, cand_tokens, cand_valid, self.budget)
-        tree_origin = cand_origin[select_top_indices(cand_parents, cand_scores, cand_valid,
-                                                     self.budget)]
+        tree, tree_origin = self._select(cands, kill)
 
         # 4. Verify and commit.
         verified = verify_tree(params, loop, state, tree, self.max_depth, width, self.verify,
                                key, return_features=self.uses_features,
                                feature_layers=self.feature_layers)
         verdict, target_cache, finite = verified[:3]
-        kept = {"draft_cache": cache}
+        kept = state.method_state.replace(draft_cache=cache)
         if self.uses_features:
-            kept["features"] = commit_features(state, verified[3], verdict.path)
+            kept = kept.replace(features=commit_features(state, verified[3], verdict.path))
         return commit_step(state, tree, tree_origin, verdict, target_cache, finite,
-                           self.rounds, **kept)
+                           self.rounds, kept)
