@@ -3,7 +3,7 @@
 The drivers know only what every method shares (:mod:`specjax.state`); each method, in
 :mod:`specjax.methods`, builds its own resources and state and runs its own step.
 
-The rule that keeps jit fast (DESIGN.md section 4):
+The rule that keeps jit fast:
 
 * **Static** -- part of the compiled program, held by the hashable
   :class:`~specjax.state.DecodeLoop`: model config, cache capacity, prompt bucket,
