@@ -310,39 +310,13 @@ def build_ngram(token_sequences: Iterable[Sequence[int]], vocab_size: int, *,
     eligible = np.flatnonzero(context_count >= min_context_count)
     starts = np.searchsorted(tri_ctx_id, np.arange(num_contexts + 1))
 
-    kept_ids, kept_tokens, kept_scores = [], [], []
-    for begin in range(0, len(eligible), _CHUNK_CONTEXTS):
-        ids = eligible[begin:begin + _CHUNK_CONTEXTS]
-        lo, hi = starts[ids[0]], starts[ids[-1] + 1]
-        local = np.full(ids[-1] - ids[0] + 1, -1, np.int64)
-        local[ids - ids[0]] = np.arange(len(ids))
-        entry_local = local[tri_ctx_id[lo:hi] - ids[0]]
-        mine = entry_local >= 0
-        prev1_row = bigram_index[context_keys[ids] % vocab]
-        tokens, scores = _merge_rows(
-            len(ids), entry_local[mine], tri_next[lo:hi][mine], _log(p_trigram[lo:hi][mine]),
-            bi_token[prev1_row], _log(tri_alpha[ids])[:, None] + bi_score[prev1_row],
-            trigram_top_k, vocab)
-        same = np.all(tokens == bi_token[prev1_row, :trigram_top_k], axis=1)
-        kept_ids.append(ids[~same])
-        kept_tokens.append(tokens[~same])
-        kept_scores.append(scores[~same])
-    kept = np.concatenate(kept_ids) if kept_ids else np.zeros(0, np.int64)
-    tokens = np.concatenate(kept_tokens) if kept_tokens else np.zeros((0, trigram_top_k), np.int64)
-    scores = np.concatenate(kept_scores) if kept_scores else np.zeros((0, trigram_top_k))
+    kept, tokens, scores = _trigram_lists(
+        eligible, starts, tri_ctx_id, tri_next, _log(p_trigram), _log(tri_alpha), context_keys,
+        bigram_index, bi_token, bi_score, trigram_top_k, vocab)
     priority = np.lexsort((context_keys[kept], -context_count[kept]))
-    kept, tokens, scores = kept[priority], tokens[priority], scores[priority]
-    prev2, prev1 = context_keys[kept] // vocab, context_keys[kept] % vocab
-    bucket = _place_in_buckets(prev2, prev1, trigram_buckets)
-    placed = bucket >= 0
-    tri_keys = np.full((trigram_buckets, 2), -1, np.int64)
-    tri_tokens = np.full((trigram_buckets, trigram_top_k), -1, np.int64)
-    tri_scores = np.full((trigram_buckets, trigram_top_k), -np.inf)
-    tri_log_alpha = np.zeros(trigram_buckets)
-    at = bucket[placed]
-    tri_keys[at, 0], tri_keys[at, 1] = prev2[placed], prev1[placed]
-    tri_tokens[at], tri_scores[at] = tokens[placed], scores[placed]
-    tri_log_alpha[at] = _log(tri_alpha[kept[placed]])
+    (tri_keys, tri_tokens, tri_scores, tri_log_alpha), placed = _trigram_table(
+        kept[priority], tokens[priority], scores[priority], context_keys, tri_alpha,
+        trigram_buckets, vocab)
 
     if rows == 0:  # keep every array non-empty so that lookups can always gather
         bi_token = np.full((1, width), -1, np.int64)
@@ -375,6 +349,55 @@ def build_ngram(token_sequences: Iterable[Sequence[int]], vocab_size: int, *,
         "build_seconds": round(time.perf_counter() - started, 2),
     }
     return BuiltNgram(tables, metadata)
+
+
+def _trigram_lists(eligible, starts, tri_ctx_id, tri_next, log_p_trigram, log_tri_alpha,
+                   context_keys, bigram_index, bi_token, bi_score, trigram_top_k: int,
+                   vocab: int):
+    """(context ids, token lists, score lists) of the trigram contexts worth storing: each
+    eligible context's top ``trigram_top_k`` of its own and its bigram backoff's candidates,
+    in chunks of contexts, those whose list equals their bigram row's left out."""
+    kept_ids, kept_tokens, kept_scores = [], [], []
+    for begin in range(0, len(eligible), _CHUNK_CONTEXTS):
+        ids = eligible[begin:begin + _CHUNK_CONTEXTS]
+        lo, hi = starts[ids[0]], starts[ids[-1] + 1]
+        local = np.full(ids[-1] - ids[0] + 1, -1, np.int64)
+        local[ids - ids[0]] = np.arange(len(ids))
+        entry_local = local[tri_ctx_id[lo:hi] - ids[0]]
+        mine = entry_local >= 0
+        prev1_row = bigram_index[context_keys[ids] % vocab]
+        tokens, scores = _merge_rows(
+            len(ids), entry_local[mine], tri_next[lo:hi][mine], log_p_trigram[lo:hi][mine],
+            bi_token[prev1_row], log_tri_alpha[ids][:, None] + bi_score[prev1_row],
+            trigram_top_k, vocab)
+        same = np.all(tokens == bi_token[prev1_row, :trigram_top_k], axis=1)
+        kept_ids.append(ids[~same])
+        kept_tokens.append(tokens[~same])
+        kept_scores.append(scores[~same])
+    kept = np.concatenate(kept_ids) if kept_ids else np.zeros(0, np.int64)
+    tokens = np.concatenate(kept_tokens) if kept_tokens else np.zeros((0, trigram_top_k), np.int64)
+    scores = np.concatenate(kept_scores) if kept_scores else np.zeros((0, trigram_top_k))
+    return kept, tokens, scores
+
+
+def _trigram_table(kept, tokens, scores, context_keys, tri_alpha, trigram_buckets: int,
+                   vocab: int):
+    """((keys, tokens, scores, log alphas) of the hashed trigram table, placed mask): the
+    contexts ``kept`` (most frequent first) put in their buckets; those that find no free
+    bucket are dropped (``placed`` False)."""
+    trigram_top_k = tokens.shape[1]
+    prev2, prev1 = context_keys[kept] // vocab, context_keys[kept] % vocab
+    bucket = _place_in_buckets(prev2, prev1, trigram_buckets)
+    placed = bucket >= 0
+    tri_keys = np.full((trigram_buckets, 2), -1, np.int64)
+    tri_tokens = np.full((trigram_buckets, trigram_top_k), -1, np.int64)
+    tri_scores = np.full((trigram_buckets, trigram_top_k), -np.inf)
+    tri_log_alpha = np.zeros(trigram_buckets)
+    at = bucket[placed]
+    tri_keys[at, 0], tri_keys[at, 1] = prev2[placed], prev1[placed]
+    tri_tokens[at], tri_scores[at] = tokens[placed], scores[placed]
+    tri_log_alpha[at] = _log(tri_alpha[kept[placed]])
+    return (tri_keys, tri_tokens, tri_scores, tri_log_alpha), placed
 
 
 def _check_settings(vocab_size, top_k, trigram_top_k, trigram_buckets, min_context_count):
