@@ -415,20 +415,7 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
                                               "draft": _describe_model(draft)}, len(ids))
         rows = [r for r in copy.deepcopy(resume["rows"]) if r.get("prompt") is not None]
     warmup = copy.deepcopy(resume.get("warmup", [])) if resume is not None else []
-    for temperature in config.temperatures:
-        for system in systems:
-            out = run_ours(system, ids[0], temperature, min(config.warmup_tokens, n))
-            warmup.append({"system": system.label, "temperature": temperature,
-                           "compile_seconds": out.stats.get("compile_seconds", 0.0),
-                           "seconds": out.stats["seconds"]})
-        for name in config.peers:
-            if not peers.available(name):
-                continue
-            try:
-                _, seconds = run_peer(name, ids[0], temperature, min(config.warmup_tokens, n))
-                warmup.append({"system": name, "temperature": temperature, "seconds": seconds})
-            except Exception as err:  # a failing peer is reported, not fatal
-                peers.disable(name, f"failed at warm-up: {one_line(err)}")
+    warmup += _warm_up(config, systems, peers, run_ours, run_peer, ids[0])
     for name in config.peers:
         if not peers.available(name):
             for temperature in config.temperatures:
@@ -437,26 +424,8 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
                              **peers.status[name]})
 
     def results(rows: list[dict], breakdown: dict, complete: bool) -> dict[str, Any]:
-        metrics.derive(rows)
-        failed = metrics.mismatches(rows)
-        return {
-            "config": dataclasses.asdict(config),
-            "models": {"target": _describe_model(target), "draft": _describe_model(draft)},
-            "systems": [{"label": s.label, "kind": s.kind, "method": s.method,
-                         "tree_budget": s.tree_budget,
-                         "options": _describe_options(s, config),
-                         "resolved_options": dict(s.resolved)}
-                        for s in systems],
-            "peers": peers.describe(),
-            "warmup": warmup,
-            "rows": rows,
-            "aggregates": metrics.aggregate(rows),
-            "pass_breakdown": breakdown,
-            "mismatches": [{k: r.get(k) for k in ("prompt", "system", "temperature",
-                                                  "first_mismatch")} for r in failed],
-            "all_outputs_match": not failed,
-            "complete": complete,
-        }
+        return _results(config, target, draft, systems, peers, warmup, rows, breakdown,
+                        complete)
 
     bar = _Progress(len(ids), progress, log, done=first)
     totals: dict[tuple, list] = {}  # (label, temperature) -> [tokens, seconds] so far
@@ -472,32 +441,11 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
             if any(peers.available(p) for p in config.peers):
                 peers.tune_threads()
             for temperature in config.temperatures:
-                best: dict[str, dict] = {}
-                tokens: dict[str, list[int]] = {}
-                for _ in range(config.repeats):
-                    for system in systems:
-                        out = run_ours(system, prompt_ids, temperature, n)
-                        row = _stats_row(out, target_bytes, draft_bytes)
-                        if system.label not in best or row["seconds"] < best[system.label]["seconds"]:
-                            best[system.label], tokens[system.label] = row, out.tokens
-                    for name in config.peers:
-                        if not peers.available(name):
-                            continue
-                        try:
-                            new, seconds = run_peer(name, prompt_ids, temperature, n)
-                        except Exception as err:
-                            peers.disable(name, f"failed on prompt {i}: {one_line(err)}")
-                            rows.append({"prompt": i, "system": name, "kind": "peer",
-                                         "method": name, "temperature": temperature,
-                                         "tree_budget": None, **peers.status[name]})
-                            best.pop(name, None)
-                            continue
-                        row = {"new_tokens": len(new), "seconds": seconds,
-                               "tokens_per_s": len(new) / seconds if seconds > 0 else None,
-                               "compile_seconds": 0.0,
-                               "torch_threads_probe_ms": dict(peers.threads_probe)}
-                        if name not in best or seconds < best[name]["seconds"]:
-                            best[name], tokens[name] = row, new
+                best, tokens = _best_of_repeats(
+                    config, systems, peers, lambda system: run_ours(
+                        system, prompt_ids, temperature, n),
+                    lambda name: run_peer(name, prompt_ids, temperature, n),
+                    (target_bytes, draft_bytes), rows, i, temperature)
                 for label, row in best.items():
                     row = _finish_row(row, i, prompt_ids, label, systems_by_label.get(label),
                                       temperature, tokens, log)
@@ -511,16 +459,100 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
     finally:
         bar.close()
 
-    breakdown = {}
-    if config.pass_breakdown:
-        steps = {}
-        for system in systems:
-            options = build_options(system.method, backend=jax.default_backend(),
-                                    **{k: v for k, v in system.options
-                                       if k not in ("draft", "ngram")})
-            steps[system.label] = (options, draft if needs_draft(system.method) else None)
-        breakdown = passcost.step_breakdowns(target, steps, attn_impl=config.attn_impl)
+    breakdown = _pass_breakdown(config, systems, target, draft) if config.pass_breakdown else {}
     return results(rows, breakdown, complete=True)
+
+
+def _best_of_repeats(config: SuiteConfig, systems, peers, run_ours, run_peer,
+                     weight_bytes_of: tuple[int, int], rows: list, prompt: int,
+                     temperature: float) -> tuple[dict, dict]:
+    """(best row, its tokens) per system and peer on one prompt at one temperature: the
+    fastest of ``config.repeats`` runs. A peer that fails is disabled and its failure
+    appended to ``rows``."""
+    best: dict[str, dict] = {}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(config.repeats):
+        for system in systems:
+            out = run_ours(system)
+            row = _stats_row(out, *weight_bytes_of)
+            if system.label not in best or row["seconds"] < best[system.label]["seconds"]:
+                best[system.label], tokens[system.label] = row, out.tokens
+        for name in config.peers:
+            if not peers.available(name):
+                continue
+            try:
+                new, seconds = run_peer(name)
+            except Exception as err:
+                peers.disable(name, f"failed on prompt {prompt}: {one_line(err)}")
+                rows.append({"prompt": prompt, "system": name, "kind": "peer",
+                             "method": name, "temperature": temperature,
+                             "tree_budget": None, **peers.status[name]})
+                best.pop(name, None)
+                continue
+            row = {"new_tokens": len(new), "seconds": seconds,
+                   "tokens_per_s": len(new) / seconds if seconds > 0 else None,
+                   "compile_seconds": 0.0,
+                   "torch_threads_probe_ms": dict(peers.threads_probe)}
+            if name not in best or seconds < best[name]["seconds"]:
+                best[name], tokens[name] = row, new
+    return best, tokens
+
+
+def _warm_up(config: SuiteConfig, systems, peers, run_ours, run_peer, prompt_ids) -> list:
+    """Compiles and warms every system (and peer) on the first prompt, at each temperature;
+    returns the warm-up rows. A peer that fails here is disabled, not fatal."""
+    warmup = []
+    tokens = min(config.warmup_tokens, config.max_new_tokens)
+    for temperature in config.temperatures:
+        for system in systems:
+            out = run_ours(system, prompt_ids, temperature, tokens)
+            warmup.append({"system": system.label, "temperature": temperature,
+                           "compile_seconds": out.stats.get("compile_seconds", 0.0),
+                           "seconds": out.stats["seconds"]})
+        for name in config.peers:
+            if not peers.available(name):
+                continue
+            try:
+                _, seconds = run_peer(name, prompt_ids, temperature, tokens)
+                warmup.append({"system": name, "temperature": temperature, "seconds": seconds})
+            except Exception as err:  # a failing peer is reported, not fatal
+                peers.disable(name, f"failed at warm-up: {one_line(err)}")
+    return warmup
+
+
+def _results(config: SuiteConfig, target, draft, systems, peers, warmup: list, rows: list,
+             breakdown: dict, complete: bool) -> dict[str, Any]:
+    """The suite's JSON-ready results (see :func:`run_suite`)."""
+    metrics.derive(rows)
+    failed = metrics.mismatches(rows)
+    return {
+        "config": dataclasses.asdict(config),
+        "models": {"target": _describe_model(target), "draft": _describe_model(draft)},
+        "systems": [{"label": s.label, "kind": s.kind, "method": s.method,
+                     "tree_budget": s.tree_budget,
+                     "options": _describe_options(s, config),
+                     "resolved_options": dict(s.resolved)}
+                    for s in systems],
+        "peers": peers.describe(),
+        "warmup": warmup,
+        "rows": rows,
+        "aggregates": metrics.aggregate(rows),
+        "pass_breakdown": breakdown,
+        "mismatches": [{k: r.get(k) for k in ("prompt", "system", "temperature",
+                                              "first_mismatch")} for r in failed],
+        "all_outputs_match": not failed,
+        "complete": complete,
+    }
+
+
+def _pass_breakdown(config: SuiteConfig, systems, target, draft) -> dict:
+    """Each system's step split into its parts (:mod:`specjax.benchmark.passcost`)."""
+    steps = {}
+    for system in systems:
+        options = build_options(system.method, backend=jax.default_backend(),
+                                **{k: v for k, v in system.options if k not in ("draft", "ngram")})
+        steps[system.label] = (options, draft if needs_draft(system.method) else None)
+    return passcost.step_breakdowns(target, steps, attn_impl=config.attn_impl)
 
 
 def _finish_row(timing: dict, prompt: int, prompt_ids: list[int], label: str,
