@@ -304,7 +304,11 @@ def load_bundled_draft(model: Model, directory: str | os.PathLike | None = None)
     params = {**own, "embed": model.params["embed"]}
     if "lm_head" in model.params and not config.draft_vocab_size:
         params["lm_head"] = model.params["lm_head"]
-    name = f"{model.assets}-draft" if model.assets else f"{model.name}-draft"
+    # Named for what it is: the shipped draft by the model's name, any other asset by its
+    # folder (so that reports say which draft ran).
+    shipped = (model.assets is not None
+               and directory.resolve() == (assets_dir() / model.assets).resolve())
+    name = f"{model.assets}-draft" if shipped else str(directory)
     draft = Model.from_params(config, params, model.tokenizer, name=name)
     return draft if head_tokens is None else draft.with_head_subset(head_tokens)
 

@@ -101,6 +101,7 @@ def test_distillation_learns_resumes_and_exports(tiny_target, corpus_files, tmp_
     exported = train_draft.export_latest(tiny_target, out, asset)
     assert exported["step"] == 6
     shipped = sources.load_bundled_draft(tiny_target, directory=asset)
+    assert shipped.name == str(asset)  # reports name the folder that ran, not the shipped one
     got = specjax.generate(tiny_target, ids, max_new_tokens=8, method="spec", draft=shipped)
     assert got.tokens == specjax.generate(tiny_target, ids, max_new_tokens=8).tokens
     # With a head subset (the corpus's most frequent ids): stored, restored, still exact.
