@@ -138,6 +138,22 @@ def tiny_sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def add_bpe_vocabulary(writer, vocab_size: int, chat_template: str | None = None) -> None:
+    """Writes :func:`tiny_vocabulary` as llama.cpp writes a byte-level BPE tokenizer
+    (SmolLM2's pre-tokenizer; BOS 1, EOS 2) into a ``gguf.GGUFWriter``."""
+    tokens, types, merges = tiny_vocabulary()
+    assert len(tokens) == vocab_size, (len(tokens), vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+
 def add_sentencepiece_vocabulary(writer, *, add_space_prefix: bool | None = True,
                                  add_bos: bool = True, chat_template: str | None = None,
                                  scores: list[float] | None = None) -> None:
@@ -216,15 +232,7 @@ def write_tiny_gguf(model, path: Path, quant: str = "F32", *, drop: str | None =
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    tokens, types, merges = tiny_vocabulary()
-    assert len(tokens) == cfg.vocab_size, (len(tokens), cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_bpe_vocabulary(writer, cfg.vocab_size)
     writer.add_unk_token_id(0)
     writer.add_pad_token_id(2)
     writer.add_add_bos_token(False)

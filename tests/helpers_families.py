@@ -112,8 +112,8 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
     import gguf
     import numpy as np
     from gguf.quants import quantize
-    from helpers_checkpoints import (add_sentencepiece_vocabulary,
-                                     tiny_sentencepiece_vocabulary, tiny_vocabulary)
+    from helpers_checkpoints import (add_bpe_vocabulary, add_sentencepiece_vocabulary,
+                                     tiny_sentencepiece_vocabulary)
 
     cfg = model.config
     arch = GGUF_ARCH[cfg.model_type]
@@ -147,17 +147,7 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
         add_sentencepiece_vocabulary(writer, add_space_prefix=not arch.startswith("gemma"),
                                      chat_template=chat_template)
     else:
-        tokens, types, merges = tiny_vocabulary()
-        assert len(tokens) == cfg.vocab_size, (len(tokens), cfg.vocab_size)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("smollm")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        if chat_template is not None:
-            writer.add_chat_template(chat_template)
+        add_bpe_vocabulary(writer, cfg.vocab_size, chat_template)
     qtype = getattr(gguf.GGMLQuantizationType, quant)
     for name, tensor in model.state_dict().items():
         target = family_gguf_name(name, arch)
