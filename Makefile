@@ -1,12 +1,12 @@
 # Quick start: `make demo` (set up and generate), `make test` (set up and run the suite but
 # the tests marked slow), `make test-all` (everything). CI (.ci/run) runs `make test`, then
-# `make test-tpu` and `make test-gpu`.
+# `make test-tpu` and `make test-gpu`, then `make test-slow`: the whole suite.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all bench clean
+.PHONY: install demo test test-all test-slow bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ test: install
 test-all: install
 	$(PYTEST)
 
+# The slow tier without the TPU compile tests (those run in `make test-tpu`, which CI runs
+# whole): CI runs it after the compile suites, so that every claim of the README is
+# checked by a test CI runs.
+test-slow: install
+	$(PYTEST) -m "slow and not tpu_compiler"
+
 bench: install
 	$(BIN)/python benchmarks/bench_ar.py
 
@@ -57,7 +63,7 @@ $(TPU_COMPILER)/.installed: pyproject.toml | $(STAMP)
 tpu-compiler: $(TPU_COMPILER)/.installed
 
 test-tpu: install tpu-compiler
-	SPECJAX_REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q -m "tpu_compiler and not slow" \
+	SPECJAX_REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q -m "tpu_compiler" \
 		tests/test_tpu_compile.py
 
 # Likewise the CUDA compiler (JAX's CUDA PJRT plugin, pinned to the installed jaxlib): the
