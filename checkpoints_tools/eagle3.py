@@ -287,10 +287,10 @@ def make_eagle3_steps(target_config, draft_config, loss_cfg: Eagle3LossConfig, o
     token only ends the window), the target's logits and block outputs computed inside
     the step by a frozen target pass (``target_params`` already in ``compute_dtype``; the
     draft's float32 parameters are cast to it inside the step, so its products run in that
-    dtype and its gradients and optimizer state stay float32). ``eval_step`` returns the metrics dict (per-depth
-    agreement included) with ``agreement`` and ``kl`` those of depth 1."""
+    dtype and its gradients and optimizer state stay float32). ``eval_step`` returns the
+    metrics dict (per-depth agreement included) with ``agreement`` and ``kl`` those of
+    depth 1."""
     import jax
-    import jax.numpy as jnp
     import optax
 
     layers = draft_config.feature_layers
@@ -300,9 +300,9 @@ def make_eagle3_steps(target_config, draft_config, loss_cfg: Eagle3LossConfig, o
         logits, features = target_pass(target_params, target_config, windows, layers)
         # Float32 master weights; the products in compute_dtype (the target's params come
         # already cast).
-        params = jax.tree.map(
-            lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-            {**trainable, **frozen})
+        from specjax.models import cast_floats
+
+        params = cast_floats({**trainable, **frozen}, compute_dtype)
         return eagle3_loss(params, draft_config, windows, logits, features, loss_cfg)
 
     @jax.jit

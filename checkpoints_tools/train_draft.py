@@ -108,21 +108,10 @@ import numpy as np
 
 from specjax import interrupts
 from specjax.errors import InvalidArgumentError
+from specjax.models import cast_floats
 
 LOSSES = ("kl", "tvd", "ce", "ce+kl")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-
-
-def cast_floats(tree, dtype: str):
-    """``tree`` with its floating-point leaves cast to ``dtype`` (integer leaves, such as
-    an id map, unchanged). Works on numpy and jax arrays, outside and inside ``jit``."""
-    import jax
-    import jax.numpy as jnp
-
-    def cast(x):
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    return jax.tree.map(cast, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,19 +346,20 @@ def _generation_rows(target, params, prompts: list[str], rows: int, cfg: "TrainC
     ``target_greedy_fraction`` of the chunks greedily, spread evenly so that a run cut
     short keeps that share, the others at ``target_temperature``; a share
     ``target_chat_fraction`` of the rows, spread evenly too, asks through the chat template
-    (:func:`_encode_row`). Row ``i`` samples with ``row_seed(seed, i)`` whatever its chunk. No chunk begins after ``deadline``
-    (``time.monotonic()``), except the first."""
+    (:func:`_encode_row`). Row ``i`` samples with ``row_seed(seed, i)`` whatever its chunk.
+    No chunk begins after ``deadline`` (``time.monotonic()``), except the first."""
     from specjax.checkpoints_tools import sample_corpus
 
     order = np.random.default_rng(seed).permutation(len(prompts))
     texts = [prompts[order[i % len(prompts)]] for i in range(rows)]  # cycled: seeds differ
-    encoded = [_encode_row(target, text, _spread(i, cfg.target_chat_fraction))
-               for i, text in enumerate(texts)]
     size, share = cfg.target_batch_size, cfg.target_greedy_fraction
-    parts = []
+    encoded, parts = [], []
     for chunk, begin in enumerate(range(0, rows, size)):
         if chunk and deadline is not None and time.monotonic() >= deadline:
             break
+        # Encoded chunk by chunk: rows a deadline leaves out are never tokenized.
+        encoded += [_encode_row(target, texts[i], _spread(i, cfg.target_chat_fraction))
+                    for i in range(begin, min(begin + size, rows))]
         greedy = _spread(chunk, share)
         parts.append(sample_corpus.sample_continuations(
             params, target.config, encoded[begin:begin + size],

@@ -52,10 +52,9 @@ class Model:
         ``draft_vocab`` map, keep theirs)."""
         check_params(config, params, source=name)
         dtype = resolve_dtype(dtype)
-        params = jax.tree.map(lambda a: jnp.asarray(a, dtype if dtype is not None and
-                                                    jnp.issubdtype(jnp.asarray(a).dtype,
-                                                                   jnp.floating) else None),
-                              params)
+        if dtype is not None:
+            params = models.cast_floats(params, dtype)
+        params = jax.tree.map(jnp.asarray, params)
         return cls(config=config, params=params, tokenizer=tokenizer, name=name,
                    assets=assets)
 

@@ -473,6 +473,15 @@ def _head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
                       preferred_element_type=jnp.float32, precision=precision)
 
 
+def cast_floats(tree, dtype):
+    """``tree`` with its floating-point leaves cast to ``dtype`` (integer leaves, such as a
+    reduced head's ``draft_vocab`` map, unchanged); numpy or jax arrays, inside ``jit`` too
+    (where a float32 master copy then gets its gradient through the cast)."""
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, tree)
+
 def draft_logits(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits [T, K] float32 of a reduced-vocabulary head (``config.draft_vocab_size`` K)
     over its own K ids (``params["draft_vocab"]`` maps them to the full vocabulary)."""
