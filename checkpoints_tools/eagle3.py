@@ -44,6 +44,7 @@ from typing import Sequence
 import numpy as np
 
 from specjax.errors import InvalidArgumentError
+from specjax.models import cast_floats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,8 +301,6 @@ def make_eagle3_steps(target_config, draft_config, loss_cfg: Eagle3LossConfig, o
         logits, features = target_pass(target_params, target_config, windows, layers)
         # Float32 master weights; the products in compute_dtype (the target's params come
         # already cast).
-        from specjax.models import cast_floats
-
         params = cast_floats({**trainable, **frozen}, compute_dtype)
         return eagle3_loss(params, draft_config, windows, logits, features, loss_cfg)
 
