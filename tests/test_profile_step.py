@@ -157,7 +157,9 @@ def test_profile_step_writes_sane_counts(profile_step, tmp_path):
     assert trace["kind"] == "cpu_thunk" and trace["where"]["threads"]
     # At least one thunk per layer per step ran (the layer loop alone runs 3 bodies).
     assert trace["thunks_per_pass"] >= 3
-    assert trace["thunk_ms_per_pass"] > 0
+    # Thunk time per pass is also a difference of two runs' totals: its sign is noise too.
+    assert np.isfinite(trace["thunk_ms_per_pass"])
+    assert all(np.isfinite(t["ms_per_pass"]) for t in trace["top_thunks"])
     assert trace["top_thunks"] and all(t["calls_per_pass"] >= 0 for t in trace["top_thunks"])
 
 
