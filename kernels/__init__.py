@@ -23,17 +23,18 @@ Which kernel runs (``variant=None``):
 * ``jax.default_backend()`` is ``gpu`` -> the GPU kernel, ``tpu`` -> the TPU kernel;
 * anywhere else (CPU): with a ``fallback`` (``impl="auto"``) the fallback runs; without one
   (``impl="kernel"``) the kernel runs in *interpret mode*: the GPU kernel under Pallas'
-  generic interpreter, or the TPU kernel under the TPU interpreter when the environment
-  variable ``SPECJAX_KERNEL_INTERPRET=tpu`` is set (default ``gpu``). Interpret mode is
-  exact but slow: it is for tests, not for speed.
+  generic interpreter, or the TPU kernel under the TPU interpreter with
+  ``interpret_variant="tpu"`` (default ``gpu``; ``KernelOptions.interpret_variant``, which
+  the model functions pass down). Interpret mode is exact but slow: it is for tests, not
+  for speed.
 
 :func:`ordered_attention` sums each query's keys in an order fixed by absolute position,
-so that a tree node reproduces the one-token step bit for bit; ``attn_impl="fused"`` uses
+so that a tree node reproduces the one-token step bit for bit; ``attention="fused"`` uses
 it for every call without a scratch window. :func:`fused_linear` is the row-tiled
 projection kernel (RMSNorm, bias, SwiGLU and residual folded into one matmul launch) that
-``attn_impl="fused"`` uses for every projection of the Llama family. Each has a GPU and a
+``attention="fused"`` uses for every projection of the Llama family. Each has a GPU and a
 TPU kernel, chosen like :func:`verify_attention`'s (natively on that backend, interpreted
-elsewhere; ``SPECJAX_KERNEL_INTERPRET=tpu`` picks the TPU ones):
+elsewhere; ``interpret_variant="tpu"`` picks the TPU ones):
 
 * :func:`ordered_attention_gpu` in :mod:`.attention_ordered_gpu` (Triton;
   :class:`GpuOrderedBlockSizes`), :func:`ordered_attention_tpu` in
@@ -49,10 +50,10 @@ elsewhere; ``SPECJAX_KERNEL_INTERPRET=tpu`` picks the TPU ones):
 
 The GPU linear kernel has a second backend, :func:`fused_linear_mosaic_gpu` in
 :mod:`.linear_mosaic_gpu` (Mosaic GPU: TMA copies and Hopper ``wgmma``, bfloat16/float16
-only). It is opt-in while it has not been timed on a GPU: with the environment variable
-``SPECJAX_GPU_KERNELS=mosaic`` (read when a program is traced, so set it before the first
-``generate``), :func:`fused_linear` gives it every call it takes and the Triton kernel the
-rest (float32, a transposed head, widths that are not multiples of 64); the default,
+only). It is opt-in while it has not been timed on a GPU: with ``gpu_linear="mosaic"``
+(``KernelOptions(gpu_linear="mosaic")``, passed down by the model functions),
+:func:`fused_linear` gives it every call it takes and the Triton kernel the rest (float32,
+a transposed head, widths that are not multiples of 64); the default,
 ``triton``, never uses it. Off a GPU it runs under JAX's Mosaic GPU interpreter.
 
 With a ``fallback``, shapes the chosen kernel does not take (more than 128 new tokens, an
@@ -63,7 +64,6 @@ unsupported head_dim or dtype, ...) go to the fallback; without one they raise
 from __future__ import annotations
 
 import importlib
-import os
 
 import jax
 
@@ -77,10 +77,8 @@ __all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes",
            "ordered_attention_gpu", "ordered_attention_packed", "ordered_attention_tpu",
            "packed_attention_takes", "qkv_rope_into", "qkv_rope_into_gpu", "verify_attention",
            "verify_attention_gpu", "verify_attention_tpu", "gpu_kernel_backend",
-           "linear_row_tile", "select_variant", "GPU_KERNELS_ENV", "INTERPRET_ENV"]
+           "linear_row_tile", "select_variant"]
 
-INTERPRET_ENV = "SPECJAX_KERNEL_INTERPRET"
-GPU_KERNELS_ENV = "SPECJAX_GPU_KERNELS"
 GPU_KERNEL_BACKENDS = ("triton", "mosaic")
 VARIANTS = ("gpu", "tpu")
 _MODULES = {"gpu": "attention_gpu", "tpu": "attention_tpu"}
@@ -114,35 +112,38 @@ def _kernel_module(variant: str, modules: dict = _MODULES):
     return importlib.import_module(f"{__name__}.{modules[variant]}")
 
 
-def select_variant(variant: str | None = None) -> tuple[str, bool]:
+def select_variant(variant: str | None = None, interpret_variant: str = "gpu"
+                   ) -> tuple[str, bool]:
     """(kernel variant, interpret) for this process: see the module docstring.
 
     Args:
       variant: ``"gpu"``, ``"tpu"`` or ``None`` (choose from the default backend).
+      interpret_variant: the variant ``None`` chooses off GPU/TPU, interpreted
+        (``KernelOptions.interpret_variant``).
     """
     backend = jax.default_backend()
     native = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu" if backend == "tpu" else None
     if variant is None:
-        variant = native or os.environ.get(INTERPRET_ENV, "gpu").strip().lower()
+        variant = native or interpret_variant
     if variant not in VARIANTS:
         raise InvalidArgumentError(
-            f"unknown kernel variant {variant!r} (from {INTERPRET_ENV} or variant=); "
+            f"unknown kernel variant {variant!r} (from interpret_variant or variant=); "
             f"expected one of {VARIANTS}")
     return variant, variant != native
 
 
-def gpu_kernel_backend() -> str:
-    """The GPU linear kernel's backend from ``SPECJAX_GPU_KERNELS``: ``"triton"`` (the
-    default) or ``"mosaic"``; see the module docstring."""
-    value = os.environ.get(GPU_KERNELS_ENV, "").strip().lower() or "triton"
-    if value not in GPU_KERNEL_BACKENDS:
+def gpu_kernel_backend(gpu_linear: str = "triton") -> str:
+    """``gpu_linear`` checked: the GPU linear kernel's backend, ``"triton"`` (the default)
+    or ``"mosaic"`` (``KernelOptions.gpu_linear``); see the module docstring."""
+    if gpu_linear not in GPU_KERNEL_BACKENDS:
         raise InvalidArgumentError(
-            f"{GPU_KERNELS_ENV}={value!r} is not a GPU kernel backend; expected one of "
+            f"gpu_linear={gpu_linear!r} is not a GPU kernel backend; expected one of "
             f"{GPU_KERNEL_BACKENDS}")
-    return value
+    return gpu_linear
 
 
-def linear_row_tile(dtype, variant: str | None = None) -> int:
+def linear_row_tile(dtype, variant: str | None = None, *, interpret_variant: str = "gpu",
+                    gpu_linear: str = "triton") -> int:
     """The rows :func:`fused_linear` pads a call to (its kernel's row tile) for this
     process's variant and GPU backend: 64 for the Mosaic GPU kernel's 16-bit calls (one
     ``wgmma`` M), else 16 (Triton's and the TPU kernel's default ``block_rows``). A caller
@@ -150,8 +151,8 @@ def linear_row_tile(dtype, variant: str | None = None) -> int:
     """
     import jax.numpy as jnp
 
-    variant, _ = select_variant(variant)
-    if variant == "gpu" and gpu_kernel_backend() == "mosaic":
+    variant, _ = select_variant(variant, interpret_variant)
+    if variant == "gpu" and gpu_kernel_backend(gpu_linear) == "mosaic":
         mosaic = importlib.import_module(f"{__name__}.linear_mosaic_gpu")
         if jnp.dtype(dtype) in mosaic.DTYPES:
             return mosaic.ROWS
@@ -161,7 +162,8 @@ def linear_row_tile(dtype, variant: str | None = None) -> int:
 
 
 def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-                     fallback=None, variant: str | None = None, block_sizes=None, layer=None):
+                     fallback=None, variant: str | None = None, block_sizes=None, layer=None,
+                     interpret_variant: str = "gpu"):
     """Tree/decode attention by a Pallas kernel; see :func:`specjax.attention.attention`.
 
     Args:
@@ -183,7 +185,7 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
       InvalidArgumentError: without a fallback, shapes/dtypes the kernel cannot take.
     """
     args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
-    variant, interpret = select_variant(variant)
+    variant, interpret = select_variant(variant, interpret_variant)
     if fallback is not None and interpret:
         # "auto" never interprets: the reference is faster.
         return fallback(*args) if layer is None else fallback(*args, layer=layer)
@@ -207,7 +209,8 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
 
 
 def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
-                 fallback: bool = False, **kwargs):
+                 fallback: bool = False, interpret_variant: str = "gpu",
+                 gpu_linear: str = "triton", **kwargs):
     """``residual + act(rms_norm(x) @ W + b)`` by the row-tiled Pallas kernel; see
     :func:`specjax.kernels.linear_gpu.fused_linear_gpu` for the arguments (the TPU kernel,
     :func:`~.linear_tpu.fused_linear_tpu`, takes the same).
@@ -217,20 +220,22 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
     a GPU a width that is not a multiple of 16, such as a 50257-token vocabulary; on a TPU
     blocks over its VMEM budget) run :func:`~.linear_gpu.fused_linear_reference`.
 
-    On the GPU variant with ``SPECJAX_GPU_KERNELS=mosaic``, a call the Mosaic GPU kernel
+    On the GPU variant with ``gpu_linear="mosaic"``, a call the Mosaic GPU kernel
     takes (:func:`.linear_mosaic_gpu.check_supported`) runs it; the others go on as above.
     The choice reads shapes and dtypes only, never the row count, so a verify pass and the
     one-token step take the same kernel for the same projection.
 
     Args:
       variant: ``"gpu"``, ``"tpu"`` or ``None`` (see :func:`select_variant`).
+      interpret_variant: see :func:`select_variant`.
+      gpu_linear: ``"triton"`` or ``"mosaic"``: the GPU variant's backend.
       block_sizes: optional :class:`GpuLinearBlockSizes` / :class:`TpuLinearBlockSizes`
         (or :class:`MosaicGpuLinearBlockSizes` for the Mosaic GPU kernel).
     Raises:
       InvalidArgumentError: without ``fallback``, shapes the kernel does not take.
     """
-    variant, interpret = select_variant(variant)
-    if variant == "gpu" and gpu_kernel_backend() == "mosaic":
+    variant, interpret = select_variant(variant, interpret_variant)
+    if variant == "gpu" and gpu_kernel_backend(gpu_linear) == "mosaic":
         mosaic = importlib.import_module(f"{__name__}.linear_mosaic_gpu")
         mosaic_sizes = block_sizes if isinstance(block_sizes,
                                                  mosaic.MosaicGpuLinearBlockSizes) else None
@@ -264,7 +269,8 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
 
 
 def qkv_rope_into(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
-                  rope_heads: int, eps: float = 1e-6, variant: str | None = None):
+                  rope_heads: int, eps: float = 1e-6, variant: str | None = None,
+                  interpret_variant: str = "gpu", gpu_linear: str = "triton"):
     """Layer ``layer`` of a packed q|k|v buffer [L, R, heads, D] := the heads of
     ``rms_norm(x) @ W + b``, RoPE on the first ``rope_heads``; arguments as
     :func:`.linear_gpu.qkv_rope_into_gpu`.
@@ -275,8 +281,8 @@ def qkv_rope_into(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
     :func:`.numerics.write_rope_rows` rotates and writes. The choice reads
     shapes and dtypes only, so a verify pass and the one-token step take the same path.
     """
-    variant, interpret = select_variant(variant)
-    if variant == "gpu" and gpu_kernel_backend() == "triton":
+    variant, interpret = select_variant(variant, interpret_variant)
+    if variant == "gpu" and gpu_kernel_backend(gpu_linear) == "triton":
         module = _kernel_module("gpu", _LINEAR_MODULES)
         try:
             module.check_rope_into(packed, x, weight, cos, sin, norm=norm, bias=bias,
@@ -288,19 +294,19 @@ def qkv_rope_into(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
                                             bias=bias, rope_heads=rope_heads, eps=eps,
                                             interpret=interpret)
     qkv = fused_linear(x, (weight,), norm=norm, biases=(bias,), layer=layer, eps=eps,
-                       variant=variant, fallback=True)
+                       variant=variant, fallback=True, gpu_linear=gpu_linear)
     return write_rope_rows(packed, qkv, layer, cos, sin, rope_heads)
 
 
 def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-                      variant: str | None = None, layer=None):
+                      variant: str | None = None, layer=None, interpret_variant: str = "gpu"):
     """Position-ordered attention (:mod:`.attention_ordered_gpu`,
     :mod:`.attention_ordered_tpu`, chosen like :func:`verify_attention`'s kernel); a call it
     does not take (a drafting call with a scratch window, a capacity that is not a multiple
     of its block) runs :func:`verify_attention` with that variant's kernel forced. Same
     arguments as that function.
     """
-    variant, interpret = select_variant(variant)
+    variant, interpret = select_variant(variant, interpret_variant)
     module = _kernel_module(variant, _ORDERED_MODULES)
     args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
     try:
@@ -312,12 +318,12 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
 
 
 def packed_attention_takes(packed_shape, dtype, k_cache, v_cache, *, num_heads: int,
-                           variant: str | None = None) -> bool:
+                           variant: str | None = None, interpret_variant: str = "gpu") -> bool:
     """Whether :func:`ordered_attention_packed` runs for packed rows of ``packed_shape``
     [L, R, H + 2K, D] and ``dtype`` with these caches: the GPU variant (native, or
     interpreted off a GPU) and shapes its kernel takes. The TPU variant has no packed
     kernel: its fused layers call :func:`ordered_attention`."""
-    variant, _ = select_variant(variant)
+    variant, _ = select_variant(variant, interpret_variant)
     if variant != "gpu":
         return False
     module = _kernel_module("gpu", _ORDERED_MODULES)
@@ -330,10 +336,11 @@ def packed_attention_takes(packed_shape, dtype, k_cache, v_cache, *, num_heads: 
 
 
 def ordered_attention_packed(packed, layer, k_cache, v_cache, length, links, depth, *,
-                             num_heads: int, variant: str | None = None):
+                             num_heads: int, variant: str | None = None,
+                             interpret_variant: str = "gpu"):
     """:func:`ordered_attention_packed_gpu` (see there), natively on a GPU and interpreted
     elsewhere; only where :func:`packed_attention_takes` says so."""
-    variant, interpret = select_variant(variant)
+    variant, interpret = select_variant(variant, interpret_variant)
     if variant != "gpu":
         raise InvalidArgumentError(
             f"packed ordered attention has a GPU kernel only, not {variant!r} (the TPU's "

@@ -26,7 +26,7 @@ bit. This kernel sums in an order fixed by *absolute position* alone:
 By induction over depth (a node's keys/values come from projections that are themselves
 row-independent, :mod:`.linear_gpu`), a verify pass then reproduces the one-token steps bit
 for bit. The price: the cache is read once per *query* head (no GQA sharing) and no split
-over the KV length; ``attn_impl="fused"`` uses it, the default path does not.
+over the KV length; ``attention="fused"`` uses it, the default path does not.
 
 Drafting calls with a scratch window (``scratch_mask``) are not ordered this way; the
 dispatcher sends them to :mod:`.attention_gpu`.

@@ -68,7 +68,7 @@ def check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask, *, head_
     if not 1 <= num_tokens <= MAX_TOKENS:
         raise InvalidArgumentError(
             f"{kernel}: {num_tokens} new tokens per call; the kernel supports 1..{MAX_TOKENS} "
-            "(use attn_impl='auto' or 'reference' for longer prefills)")
+            "(use attention 'auto' or 'reference' for longer prefills)")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise InvalidArgumentError(
             f"{kernel}: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads")

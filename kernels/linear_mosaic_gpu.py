@@ -36,7 +36,8 @@ interpreter (``InterpretGPUParams``, private in jax 0.10), which simulates share
 TMA copies, barriers and ``wgmma`` on the CPU; ``tests/test_linear_mosaic_gpu.py`` checks
 it against :func:`~specjax.kernels.linear_gpu.fused_linear_reference` and lowers it for
 CUDA. It has not been timed on a GPU yet: the Triton kernel stays the default, and
-``SPECJAX_GPU_KERNELS=mosaic`` opts in (see :func:`specjax.kernels.fused_linear`).
+``gpu_linear="mosaic"`` (``KernelOptions.gpu_linear``) opts in (see
+:func:`specjax.kernels.fused_linear`).
 """
 
 from __future__ import annotations

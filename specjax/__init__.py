@@ -28,6 +28,7 @@ _EXPORTS = {
     "ModelNotFoundError": "specjax.errors", "NumericalError": "specjax.errors",
     "SpecjaxError": "specjax.errors", "PerformanceWarning": "specjax.errors",
     "load": "specjax.api",
+    "BatchOptions": "specjax.backend_options", "KernelOptions": "specjax.backend_options",
     "ArOptions": "specjax.methods", "MethodOptions": "specjax.methods",
     "NgramOptions": "specjax.methods", "SpecOptions": "specjax.methods",
     "StagedOptions": "specjax.methods", "TreeOptions": "specjax.methods",
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from specjax.errors import (CheckpointError, InvalidArgumentError, ModelNotFoundError,
                                 NumericalError, PerformanceWarning, SpecjaxError)
     from specjax.api import load
+    from specjax.backend_options import BatchOptions, KernelOptions
     from specjax.methods import (ArOptions, MethodOptions, NgramOptions, SpecOptions,
                                  StagedOptions, TreeOptions)
     from specjax.model import Model

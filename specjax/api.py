@@ -27,8 +27,8 @@ import jinja2
 import numpy as np
 
 from specjax import decode, loading, methods, models, progress as progress_lib
+from specjax.backend_options import BatchOptions, KernelOptions
 from specjax.compilation_cache import use_compilation_cache
-from specjax.attention import IMPLEMENTATIONS
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
 from specjax.loading import (check_resources, choose_default_method, resolve_draft,
                              resolve_ngram)
@@ -39,8 +39,9 @@ from specjax.origins import ORIGIN_NAMES, origin_name
 from specjax.sampling import make_sampling_params, static_rules
 from specjax.state import Method, without_buffers
 
-__all__ = ["GenerationResult", "Model", "check_draft_compatible", "decode_text",
-           "encode_prompt", "generate", "load", "resolve_dtype", "stream_generate"]
+__all__ = ["BatchOptions", "GenerationResult", "KernelOptions", "Model",
+           "check_draft_compatible", "decode_text", "encode_prompt", "generate", "load",
+           "resolve_dtype", "stream_generate"]
 
 
 def load(name_or_path, dtype=None, *, progress: bool = False, mesh=None) -> Model:
@@ -186,37 +187,57 @@ class _Settings:
     choice: str = "given"
 
 
+def kernel_options(model: Model, kernels: KernelOptions | None = None) -> KernelOptions:
+    """The :class:`KernelOptions` a request on ``model`` runs with: ``kernels`` with its
+    ``auto`` values made concrete for the model's backend, or that backend's
+    :meth:`KernelOptions.default`; the options of an enclosing (deprecated)
+    ``specjax.decode.compiler_options()`` block added under its compiler options."""
+    backend = model_backend(model)
+    if kernels is None:
+        kernels = KernelOptions.default(backend)
+    elif not isinstance(kernels, KernelOptions):
+        raise InvalidArgumentError(f"kernels must be a specjax.KernelOptions, got "
+                                   f"{type(kernels).__name__}")
+    kernels = kernels.resolved(backend)
+    legacy = decode.context_compiler_options()
+    if legacy:
+        kernels = kernels.replace(compiler_options={**legacy, **dict(kernels.compiler_options)})
+    return kernels
+
+
+def _check_kernels(model: Model, kernels: KernelOptions) -> None:
+    if kernels.attention == "fused" and not models.has_fused_layers(model.config):
+        # Running the default layers instead would drop the bitwise guarantee silently.
+        raise InvalidArgumentError(
+            f"attention 'fused' needs a Llama-family model (the fused layers); {model.name}: "
+            f"{models.no_fused_layers_reason(model.config)}: use 'auto' or 'kernel'")
+    if kernels.attention == "fused" and model_backend(model) == "cpu":
+        warnings.warn(
+            f"{model.name}: attention 'fused' on the CPU runs its Pallas kernels in Pallas' "
+            f"interpreter, several times slower than 'auto' (it is meant for GPU/TPU); use "
+            f"KernelOptions(attention='auto') on a CPU", PerformanceWarning, stacklevel=5)
+
+
 def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
-              draft, ngram, stop_tokens, attn_impl, options) -> _Settings:
+              draft, ngram, stop_tokens, kernels, options) -> _Settings:
     # Every setting is checked before anything loads (the draft, the tables).
     if not isinstance(model, Model):
         raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
                                    f"{type(model).__name__}")
     make_sampling_params(temperature, top_k, top_p, seed)  # a bad temperature first
     opts, choice = _resolve_method(model, method, temperature, options)
-    sampling = make_sampling_params(temperature, top_k, top_p, seed,
-                                    static_rule=static_rules(model_backend(model)))
+    sampling = make_sampling_params(
+        temperature, top_k, top_p, seed,
+        static_rule=static_rules(model_backend(model), kernels.sampling_rules))
     opts.check_sampling(float(temperature))
     check_resources(opts, draft, ngram)
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
             or max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got "
                                    f"{max_new_tokens}")
-    if attn_impl not in IMPLEMENTATIONS:
-        raise InvalidArgumentError(f"attn_impl must be one of {', '.join(IMPLEMENTATIONS)}, "
-                                   f"got {attn_impl!r}")
-    if attn_impl == "fused" and not models.has_fused_layers(model.config):
-        # Running the default layers instead would drop the bitwise guarantee silently.
-        raise InvalidArgumentError(
-            f"attn_impl='fused' needs a Llama-family model (the fused layers); {model.name}: "
-            f"{models.no_fused_layers_reason(model.config)}: use 'auto' or 'kernel'")
     stop = _stop_array(model, stop_tokens)
     _warn_if_slow_dtype(model)
-    if attn_impl == "fused" and model_backend(model) == "cpu":
-        warnings.warn(
-            f"{model.name}: attn_impl='fused' on the CPU runs its Pallas kernels in Pallas' "
-            f"interpreter, several times slower than 'auto' (it is meant for GPU/TPU); use "
-            f"attn_impl='auto' on a CPU", PerformanceWarning, stacklevel=4)
+    _check_kernels(model, kernels)
     return _Settings(opts, sampling, stop, None, None, None, int(max_new_tokens),
                      choice)
 
@@ -263,16 +284,16 @@ def _plan(model: Model, settings: _Settings, prompt_length: int) -> tuple[int, i
 
 
 def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k, top_p,
-             seed, draft, ngram, stop_tokens, chat, attn_impl, options) -> _Request:
+             seed, draft, ngram, stop_tokens, chat, kernels, options) -> _Request:
     settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                          draft=draft, ngram=ngram, stop_tokens=stop_tokens,
-                         attn_impl=attn_impl, options=options)
+                         kernels=kernels, options=options)
     ids = encode_prompt(model, prompt, chat)
     _load_resources(model, settings, draft, ngram)
     prompt_bucket, capacity = _plan(model, settings, len(ids))
     loop = decode.DecodeLoop(config=model.config, capacity=capacity,
-                             prompt_bucket=prompt_bucket, attn_impl=attn_impl,
+                             prompt_bucket=prompt_bucket, kernels=kernels,
                              method=settings.method)
     padded = np.zeros(prompt_bucket, np.int32)
     padded[: len(ids)] = ids
@@ -320,28 +341,24 @@ def _row_seeds(seed, rows: int) -> list[int]:
 
 
 def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature, top_k,
-                   top_p, seed, draft, ngram, stop_tokens, chat, attn_impl, batch_size,
-                   options, compact_rows: bool = True) -> list[_Batch]:
+                   top_p, seed, draft, ngram, stop_tokens, chat, kernels, batch: BatchOptions,
+                   options) -> list[_Batch]:
     if len(prompts) == 0:
         raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
     limit = decode.MAX_BATCH_SIZE
+    batch_size = batch.size
     if batch_size is None:
         if len(prompts) > limit:
             raise InvalidArgumentError(
                 f"{len(prompts)} prompts exceed the maximum batch size {limit}: pass "
-                f"batch_size=B (at most {limit}) to run them in batches of B")
+                f"batch=specjax.BatchOptions(size=B) (B at most {limit}) to run them in "
+                f"batches of B")
         batch_size = len(prompts)
-    if isinstance(batch_size, bool) or int(batch_size) != batch_size \
-            or not 1 <= batch_size <= limit:
-        raise InvalidArgumentError(f"batch_size must be an integer in [1, {limit}], got "
-                                   f"{batch_size!r}")
-    if not isinstance(compact_rows, bool):
-        raise InvalidArgumentError(f"compact_rows must be True or False, got {compact_rows!r}")
     seeds = _row_seeds(seed, len(prompts))
     settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[0],
                          draft=draft, ngram=ngram, stop_tokens=stop_tokens,
-                         attn_impl=attn_impl, options=options)
+                         kernels=kernels, options=options)
     encoded = []
     for index, prompt in enumerate(prompts):
         try:
@@ -355,7 +372,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         lengths = [len(encoded[row]) for row in rows]
         prompt_bucket, capacity = _plan(model, settings, max(lengths))
         loop = decode.DecodeLoop(config=model.config, capacity=capacity,
-                                 prompt_bucket=prompt_bucket, attn_impl=attn_impl,
+                                 prompt_bucket=prompt_bucket, kernels=kernels,
                                  method=settings.method)
         size = decode.batch_bucket(len(rows))
         # Padding rows: one token, one new token: done at prefill, then held.
@@ -372,8 +389,8 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
                 jnp.asarray(budgets), decode.batch_sampling(settings.sampling, row_seeds),
                 stop, settings.resources)
-        batches.append(_Batch(loop, args, rows, lengths, settings.options, compact_rows,
-                              settings.choice))
+        batches.append(_Batch(loop, args, rows, lengths, settings.options,
+                              batch.compact_rows, settings.choice))
     return batches
 
 
@@ -476,6 +493,8 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         # "given" (method= named it), or why the default is this method
         "method_choice": request.choice,
         "options": request.options.to_dict(),
+        # how the program was built (KernelOptions, the backend's defaults made concrete)
+        "kernels": request.loop.kernels.to_dict(),
         # whose defaults a method name gets here (methods.options.BACKEND_DEFAULTS)
         "backend": methods.options.backend_of(_platform(state.length)),
         # the sampling rule compiled alone, or "traced": every rule, chosen on the device
@@ -523,14 +542,67 @@ def decode_text(model: Model, tokens: list[int]) -> str:
     return model.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
+# Keywords of generate that an options object or another keyword replaced: accepted (with
+# a DeprecationWarning naming the replacement) for one release.
+_DEPRECATED = {"stop_tokens": "stop=[token ids]",
+               "attn_impl": "kernels=specjax.KernelOptions(attention=...)",
+               "batch_size": "batch=specjax.BatchOptions(size=...)",
+               "compact_rows": "batch=specjax.BatchOptions(compact_rows=...)"}
+
+
+@dataclasses.dataclass
+class _Arguments:
+    """:func:`generate`'s keywords as the request functions take them."""
+
+    settings: dict  # _prepare's keywords (and _prepare_batch's, but for batch)
+    stop: tuple[str, ...]  # stop strings (checked on the host)
+    batch: BatchOptions | None
+    progress: bool
+
+
+def _arguments(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
+               stop, chat, kernels, batch, progress, options: dict) -> _Arguments:
+    """Maps the deprecated keywords in ``options`` (each with a warning) and takes the
+    resources (``draft``, ``ngram``) out of them."""
+    if not isinstance(model, Model):
+        raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
+                                   f"{type(model).__name__}")
+    options = dict(options)
+    old = {name: options.pop(name) for name in _DEPRECATED if name in options}
+    for name in old:
+        warnings.warn(f"generate({name}=...) is deprecated: use {_DEPRECATED[name]}",
+                      DeprecationWarning, stacklevel=3)
+    strings, stop_tokens = split_stop(stop)
+    if "stop_tokens" in old:
+        if stop_tokens is not None:
+            raise InvalidArgumentError("stop_tokens and token ids in stop: give them in stop")
+        stop_tokens = old["stop_tokens"]
+    if "attn_impl" in old:
+        if kernels is not None:
+            raise InvalidArgumentError("attn_impl and kernels: give kernels only")
+        kernels = KernelOptions.default(model_backend(model)).replace(
+            attention=old["attn_impl"])
+    if {"batch_size", "compact_rows"} & set(old):
+        if batch is not None:
+            raise InvalidArgumentError(f"{', '.join(sorted(old))} and batch: give batch only")
+        batch = BatchOptions(size=old.get("batch_size"),
+                             compact_rows=old.get("compact_rows", True))
+    if batch is not None and not isinstance(batch, BatchOptions):
+        raise InvalidArgumentError(f"batch must be a specjax.BatchOptions, got "
+                                   f"{type(batch).__name__}")
+    settings = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature,
+                    top_k=top_k, top_p=top_p, seed=seed, draft=options.pop("draft", None),
+                    ngram=options.pop("ngram", None), stop_tokens=stop_tokens, chat=chat,
+                    kernels=kernel_options(model, kernels), options=options)
+    return _Arguments(settings, strings, batch, bool(progress))
+
+
 def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], *,
              method: str | MethodOptions | None = None, max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int | Sequence[int] = 0, draft: Model | str | None = None, ngram=None,
-             stop_tokens: Sequence[int] | None = None, chat: bool = False,
-             attn_impl: str = "auto", batch_size: int | None = None,
-             compact_rows: bool = True, stop: str | Sequence[str] | None = None,
-             progress: bool = False,
+             seed: int | Sequence[int] = 0, stop: str | int | Sequence[str | int] | None = None,
+             chat: bool = False, kernels: KernelOptions | None = None,
+             batch: BatchOptions | None = None, progress: bool = False,
              **options) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation as one compiled program on the device.
 
@@ -549,7 +621,7 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
       model: a :class:`Model` from :func:`load` (or :meth:`Model.from_params`).
       prompt: a string (tokenized with the model's tokenizer) or a list of token ids;
         or a list of such prompts (a batch; at most ``MAX_BATCH_SIZE`` = 64 unless
-        ``batch_size`` is given).
+        ``batch`` gives a size).
       method: a method name -- ``"ar"`` (autoregressive), ``"spec"`` (draft chain,
         Leviathan/Chen), ``"tree"`` (draft token tree verified in one target pass),
         ``"staged"`` (draft model helped by n-gram tables and context lookup) or
@@ -565,39 +637,38 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
       seed: sampling seed; the noise of token t depends only on (seed, t) (traced). For
         a batch: one int used by every row (so a row's output does not depend on its
         place in the list), or a list with one seed per prompt.
-      draft: ``spec``/``tree``/``staged``: a :class:`Model`, a shipped draft's name
-        (``"smollm2-135m-draft"``), ``"first-layers:K"``, a draft asset folder or any
-        model :func:`load` accepts; default: the draft shipped for the model. It must
-        share the target's tokenizer.
-      ngram: ``staged``/``ngram``: n-gram tables (a path to a ``specjax build-ngram``
-        file or :class:`~specjax.drafters.ngram.NgramTables`); default: the tables
-        shipped for the model.
-      stop_tokens: ids that end generation (default: the model's EOS ids).
-      stop: a string, or a list of strings, that ends the text: it is cut before the
-        first one found, and ``tokens`` at the token that completed it
-        (``stats["stop_string"]`` names it). Checked on the host: :func:`generate` cuts
-        after the program ran (to EOS or ``max_new_tokens``), :func:`stream_generate`
-        stops at the step that completed it.
+      stop: what ends generation: a string, a token id, or a list of them. Token ids
+        end it on the device, in place of the model's EOS ids (the default; list them
+        too to keep them); an empty list ends it at ``max_new_tokens`` only (no EOS). A
+        string ends the text: it is cut before the first one
+        found, and ``tokens`` at the token that completed it (``stats["stop_string"]``
+        names it). Strings are checked on the host: :func:`generate` cuts after the
+        program ran (to EOS or ``max_new_tokens``), :func:`stream_generate` stops at the
+        step that completed it.
+      chat: wrap a string prompt in the model's chat template.
+      kernels: a :class:`~specjax.KernelOptions`: the attention implementation (``"fused"``,
+        Llama family, GPU/TPU: the Pallas kernels for attention and every projection,
+        row-tiled, so a verify pass reproduces the one-token step bit for bit; fuse the
+        weights first, :meth:`Model.with_fused_projections`), the kernels' backends,
+        sampling rules and XLA compiler options. Default: the model's backend's
+        (:meth:`KernelOptions.default`); ``stats["kernels"]`` records what ran.
+      batch: a batch only: a :class:`~specjax.BatchOptions` (rows per compiled program,
+        moving live rows to smaller programs as rows finish). Default: the whole list in
+        one program, compacted.
       progress: print each load and compilation and its time on stderr (a compiled
         program is kept for the process: the same settings do not compile again).
-      chat: wrap a string prompt in the model's chat template.
-      attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (Llama family
-        only: the Pallas kernels for attention and every projection, row-tiled, so a
-        verify pass reproduces the one-token step bit for bit; GPU or TPU). Fuse the
-        weights once first (:meth:`Model.with_fused_projections`): q|k|v and gate|up then
-        run in one kernel each.
-      batch_size: a batch only: rows per compiled program, in [1, 64]; a longer list
-        runs as consecutive batches of this size. Default: the whole list in one batch.
-        The program's row count is rounded up to a power of two (padding rows are
-        discarded), so batches of 5 to 8 rows share one compiled program.
-      compact_rows: a batch only: once at most half of a program's rows are still
-        generating, move them to a program of the next smaller power of two, so that
-        finished rows stop costing work (compiles up to log2(B) more programs, once per
-        process each; no effect on any row's tokens, nor over a device mesh).
       **options: the method's options by name (see its options class: e.g.
         ``tree_budget``, ``draft_depth``, ``draft_width``, ``draft_rounds``,
-        ``proposal``, ``use_lookup``, ``stage2_prior``, ``topology``, ``verify``). An
-        option the method does not take is an error naming both.
+        ``proposal``, ``use_lookup``, ``stage2_prior``, ``topology``, ``verify``), an
+        option the method does not take being an error naming both; and the resources it
+        decodes with: ``draft`` (``spec``/``tree``/``staged``: a :class:`Model`, a
+        shipped draft's name such as ``"smollm2-135m-draft"``, ``"first-layers:K"``, a
+        draft asset folder or any model :func:`load` accepts, sharing the target's
+        tokenizer; default: the draft shipped for the model) and ``ngram``
+        (``staged``/``ngram``: a ``specjax build-ngram`` file or
+        :class:`~specjax.drafters.ngram.NgramTables`; default: the shipped tables).
+        Deprecated, for one release: ``stop_tokens`` (``stop``), ``attn_impl``
+        (``kernels``), ``batch_size`` and ``compact_rows`` (``batch``).
     Returns:
       :class:`GenerationResult` with ``text``, ``tokens``, ``stats`` and, for the
       speculative methods, ``origins``; for a batch a list of them, whose ``stats`` also
@@ -605,31 +676,34 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
       program's real and padded row counts), ``new_tokens`` and ``tokens_per_s`` (all rows
       of the program together; ``seconds`` is the program's time, shared by its rows).
     """
-    stop = stop_strings(stop)
+    call = _arguments(model, method=method, max_new_tokens=max_new_tokens,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                      chat=chat, kernels=kernels, batch=batch, progress=progress,
+                      options=options)
     if is_batch(prompt):
-        batches = _prepare_batch(model, prompt, method=method, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed, draft=draft, ngram=ngram, stop_tokens=stop_tokens,
-                                 chat=chat, attn_impl=attn_impl, batch_size=batch_size,
-                                 options=options, compact_rows=compact_rows)
-        with _reporting(progress):
+        batches = _prepare_batch(model, prompt, batch=call.batch or BatchOptions(),
+                                 **call.settings)
+        with _reporting(call.progress):
             results = _generate_batch(model, batches)
-        return [_cut_at_stop(model, result, stop) for result in results]
-    if batch_size is not None:
-        raise InvalidArgumentError("batch_size applies to a list of prompts only")
-    _check_one_seed(seed)
-    request = _prepare(model, prompt, method=method, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                       draft=draft, ngram=ngram, stop_tokens=stop_tokens, chat=chat,
-                       attn_impl=attn_impl, options=options)
-    with _reporting(progress):
+        return [_cut_at_stop(model, result, call.stop) for result in results]
+    _check_one_prompt(call)
+    request = _prepare(model, prompt, **call.settings)
+    with _reporting(call.progress):
         state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
                                                              *request.args[1:])
     tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
     stats = _stats(state, request, len(tokens), seconds, compile_seconds)
     return _cut_at_stop(model, GenerationResult(text=decode_text(model, tokens),
                                                 tokens=tokens, stats=stats,
-                                                origins=token_origins(state)), stop)
+                                                origins=token_origins(state)), call.stop)
+
+
+def _check_one_prompt(call: _Arguments) -> None:
+    if call.batch is not None and call.batch.size is not None:
+        # (compact_rows alone is harmless on one prompt, as it always was)
+        raise InvalidArgumentError("a batch size (BatchOptions.size) applies to a list of "
+                                   "prompts only")
+    _check_one_seed(call.settings["seed"])
 
 
 def _check_one_seed(seed) -> None:
@@ -652,6 +726,25 @@ def stop_strings(stop) -> tuple[str, ...]:
         raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got "
                                    f"{stop!r}")
     return tuple(items)
+
+
+def split_stop(stop) -> tuple[tuple[str, ...], list[int] | None]:
+    """``stop=`` as (stop strings, stop token ids): the ids are ``None`` (the model's EOS
+    ids) unless ids are given, and ``[]`` (no stop token) for an empty list.
+
+    Raises:
+      InvalidArgumentError: not a string, a token id, or a list of them.
+    """
+    items = [stop] if isinstance(stop, (int, np.integer)) else stop
+    if not isinstance(items, (list, tuple)):
+        return stop_strings(stop), None
+    if not items:
+        return (), []
+    ids = [item for item in items if isinstance(item, (int, np.integer))]
+    if any(isinstance(item, bool) for item in ids):
+        raise InvalidArgumentError(f"stop: a token id must be an integer, got {stop!r}")
+    strings = stop_strings([item for item in items if not isinstance(item, (int, np.integer))])
+    return strings, ([int(item) for item in ids] or None)
 
 
 def first_stop(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
@@ -698,25 +791,21 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
     except TypeError as error:
         raise InvalidArgumentError(str(error)) from None
     bound.apply_defaults()
-    settings = dict(bound.arguments)
-    settings.pop("model"), settings.pop("prompt")
-    batch_size = settings.pop("batch_size")
-    compact_rows = settings.pop("compact_rows")
-    stop = stop_strings(settings.pop("stop"))
-    progress = settings.pop("progress")
+    arguments = dict(bound.arguments)
+    arguments.pop("model"), arguments.pop("prompt")
+    call = _arguments(model, **arguments)
+    stop, progress = call.stop, call.progress
     if is_batch(prompt):
         if stop:
             raise InvalidArgumentError("stop strings apply to one streamed prompt; for a "
                                        "batch use generate")
-        batches = _prepare_batch(model, prompt, batch_size=batch_size,
-                                 compact_rows=compact_rows, **settings)
+        batches = _prepare_batch(model, prompt, batch=call.batch or BatchOptions(),
+                                 **call.settings)
         with _reporting(progress):
             yield from _stream_batch(model, batches, len(prompt), origins)
         return
-    if batch_size is not None:
-        raise InvalidArgumentError("batch_size applies to a list of prompts only")
-    _check_one_seed(settings["seed"])
-    request = _prepare(model, prompt, **settings)
+    _check_one_prompt(call)
+    request = _prepare(model, prompt, **call.settings)
     compile_total, state, tokens, found = 0.0, None, [], None
     start = time.perf_counter()
     with _reporting(progress):

@@ -35,10 +35,11 @@ import jax
 import jax.numpy as jnp
 
 from specjax import kernels, sharding
+from specjax.backend_options import ATTENTION_IMPLEMENTATIONS
 from specjax.errors import InvalidArgumentError
 from specjax.kernels.numerics import matmul_precision
 
-IMPLEMENTATIONS = ("auto", "reference", "kernel", "fused")
+IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS
 
 
 def _einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -207,7 +208,8 @@ def attention_blocked(
 
 
 def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-              impl: str = "auto", layer=None, scale=None, softcap=None, first_visible=None):
+              impl: str = "auto", layer=None, scale=None, softcap=None, first_visible=None,
+              interpret_variant: str = "gpu"):
     """Dispatches to an attention implementation; see the module docstring for semantics.
 
     Args:
@@ -226,6 +228,8 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
         ``first_visible[t] <= s < length`` only (``mask`` carries the window among the new
         tokens; scratch slots are not windowed: they hold tree ancestors, within the tree's
         depth of the query).
+      interpret_variant: the kernels interpreted off GPU/TPU (``"gpu"`` or ``"tpu"``,
+        ``KernelOptions.interpret_variant``).
     Returns:
       [T, H, D] attention output.
     """
@@ -243,8 +247,8 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
         # it in the run's stats, specjax.models.attention_fallback), "kernel" refuses.
         if impl != "auto":
             raise InvalidArgumentError(
-                f"attn_impl={impl!r}: the attention kernels take no soft-capping or sliding "
-                f"windows; use attn_impl='auto' (jnp attention for these models)")
+                f"attention {impl!r}: the attention kernels take no soft-capping or sliding "
+                f"windows; use attention 'auto' (jnp attention for these models)")
         return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
                                    layer=layer, **extras)
     if scale is not None:  # the kernels scale by D ** -0.5
@@ -252,8 +256,9 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
 
     def kernel(*args, layer):
         if impl == "fused":
-            return kernels.ordered_attention(*args, layer=layer)
-        return kernels.verify_attention(*args, layer=layer,
+            return kernels.ordered_attention(*args, layer=layer,
+                                             interpret_variant=interpret_variant)
+        return kernels.verify_attention(*args, layer=layer, interpret_variant=interpret_variant,
                                         fallback=attention_reference if impl == "auto" else None)
 
     # Over a device mesh, once per shard of the heads (a Pallas call is opaque to XLA's

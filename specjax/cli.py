@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 
 from specjax import api, decode, interrupts, loading, progress
-from specjax.attention import IMPLEMENTATIONS
+from specjax.backend_options import KernelOptions, add_kernel_arguments
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import ngram_build, sources, train_draft
 from specjax.checkpoints_tools.convert import convert
@@ -106,10 +106,7 @@ def _add_generate(sub) -> None:
                    help="parameter dtype: float32, bfloat16, or auto = bfloat16 on GPU/TPU, "
                         "float32 on CPU, where bfloat16 runs ~7x slower (default: auto, as "
                         "specjax bench)")
-    p.add_argument("--attn-impl", default="auto", choices=IMPLEMENTATIONS,
-                   help="attention implementation (default: auto = kernel on GPU/TPU, "
-                        "reference on CPU); fused: the kernels for the projections too, q|k|v "
-                        "and gate|up fused at load (GPU/TPU)")
+    add_kernel_arguments(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of streaming text")
     p.set_defaults(func=_generate)
@@ -259,6 +256,7 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
             message += f"; without --method the default here is {reason.split(' (')[0]}"
         raise InvalidArgumentError(message) from None
     options.check_sampling(args.temperature)
+    args.kernels = KernelOptions.from_args(args, backend_of(backend))
     loading.check_resources(options, args.draft, args.ngram)
     try:
         loading.check_draft_spec(args.draft)
@@ -430,11 +428,11 @@ def _generate_watched(args, options, dtype, rows, watch) -> int:
     with progress.phases(enabled=not args.json) as shown:
         with shown.phase(f"loading {args.model}"):
             model = loading.load(args.model, dtype=dtype, progress=shown.enabled)
-            if args.attn_impl == "fused":  # one kernel for q|k|v and one for gate|up
+            if args.kernels.attention == "fused":  # one kernel for q|k|v, one for gate|up
                 model = model.with_fused_projections()
         kwargs = dict(method=options, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      seed=args.seed, chat=args.chat, attn_impl=args.attn_impl,
+                      seed=args.seed, chat=args.chat, kernels=args.kernels,
                       ngram=args.ngram, stop=args.stop)
         if options.uses_draft:
             with shown.phase(f"loading draft {args.draft or '(shipped)'}"):
@@ -596,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+# The deprecation warnings of specjax's own deprecated flags, variables and keywords.
+_DEPRECATED_MESSAGES = r"(--attn-impl|SPECJAX_\w+|generate\(\w+=\.\.\.\)) is deprecated"
+
 _CACHE_ERRORS = ("Error reading persistent compilation cache entry",
                  "Error writing persistent compilation cache entry")
 
@@ -609,7 +610,7 @@ def run_command(args) -> int:
     def show_one_line(message, category, filename, lineno, file=None, line=None):
         nonlocal cache_reported
         file = sys.stderr if file is None else file
-        if issubclass(category, PerformanceWarning):
+        if issubclass(category, (PerformanceWarning, DeprecationWarning)):
             print(f"specjax: warning: {message}", file=file)
         elif str(message).startswith(_CACHE_ERRORS):
             # JAX warns per entry, on every run, and never rewrites an unreadable entry.
@@ -624,6 +625,9 @@ def run_command(args) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = show_one_line
+            # specjax's deprecated flags and variables: shown once each, not ignored.
+            warnings.filterwarnings("default", message=_DEPRECATED_MESSAGES,
+                                    category=DeprecationWarning)
             return args.func(args)
     except SpecjaxError as err:
         print(f"specjax: error: {err}", file=sys.stderr)

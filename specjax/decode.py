@@ -7,9 +7,10 @@ The rule that keeps jit fast:
 
 * **Static** -- part of the compiled program, held by the hashable
   :class:`~specjax.state.DecodeLoop`: model config, cache capacity, prompt bucket,
-  attention implementation, method and tree shape (budget, depth, width), number of
-  stop-token slots; where the sampling rule is fixed (``SamplingParams.rule``: a GPU's
-  default), the rule.
+  kernel options (:class:`~specjax.backend_options.KernelOptions`: attention
+  implementation, kernel backends, XLA compiler options), method and tree shape (budget,
+  depth, width), number of stop-token slots; where the sampling rule is fixed
+  (``SamplingParams.rule``: a GPU's default), the rule.
 * **Traced** -- arrays; changing them never recompiles: prompt tokens and length,
   max_new_tokens, temperature, top-k, top-p, seed (``SamplingParams``), stop tokens,
   the method's resources (draft weights, n-gram tables) and everything in
@@ -51,6 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding
+# The deprecated compiler-options block, where it has always been found.
+from specjax.backend_options import (_COMPILER_OPTIONS, compiler_options,  # noqa: F401
+                                     context_compiler_options, context_options)
 from specjax.state import (DecodeLoop, DecodeState, RowBook, hold_finished, prefill,
                            row_sampling, state_axes, take_rows, with_buffers, without_buffers)
 # The sizes callers plan a program with, where they have always found them.
@@ -100,28 +104,6 @@ def clear_compiled() -> None:
     _EXECUTABLES.clear()
 
 
-_COMPILER_OPTIONS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
-    "specjax_compiler_options", default=())
-
-
-@contextlib.contextmanager
-def compiler_options(**options):
-    """Generation programs compiled inside this block get these XLA compiler options
-    (``Lowered.compile(compiler_options=...)``), e.g. ``xla_backend_optimization_level=0``
-    to compile small models faster at some cost in run time. The options are part of the
-    executable cache key; a block inside another adds to its options, and an option
-    given as ``None`` is removed. The options are a context variable: a new thread starts
-    without them (run it in ``contextvars.copy_context()`` to carry them).
-    """
-    merged = {**dict(_COMPILER_OPTIONS.get()), **options}
-    token = _COMPILER_OPTIONS.set(tuple(sorted((name, value) for name, value in merged.items()
-                                               if value is not None)))
-    try:
-        yield
-    finally:
-        _COMPILER_OPTIONS.reset(token)
-
-
 # Called around each compilation (not around a lookup in the in-process cache): a context
 # manager factory taking a one-line description, e.g. the API's progress line.
 _COMPILE_REPORTER: contextvars.ContextVar = contextvars.ContextVar("compile_reporter",
@@ -142,7 +124,8 @@ def reporting_compiles(reporter) -> Iterator[None]:
 def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
              carry: int | None = None):
     """Returns (executable, compile seconds, or 0.0 when cached) of ``fn(params, loop, *rest)``
-    for ``args = (params, *rest)``. Executables are cached per (fn, loop, argument shapes).
+    for ``args = (params, *rest)``. Executables are cached per (fn, loop, argument shapes);
+    the loop's ``kernels.compiler_options`` go to XLA (``Lowered.compile``).
 
     ``carry``: the index in ``args`` of the state ``fn`` returns updated (a step). With
     parameters on a device mesh the result is then placed like that argument, so that the
@@ -150,8 +133,8 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
 
     Thread-safe: concurrent callers needing the same new program compile it once (see
     ``_COMPILE_LOCK``; compilations are serialised)."""
-    options = _COMPILER_OPTIONS.get()
-    key = (fn, loop, donate, carry, options, _signature(args))
+    legacy = _COMPILER_OPTIONS.get()
+    key = (fn, loop, donate, carry, legacy, _signature(args))
     hit = _EXECUTABLES.get(key)
     if hit is not None:
         return hit, 0.0
@@ -172,7 +155,8 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
                            f"({getattr(fn, '__name__', 'program').strip('_')}, cache "
                            f"{loop.capacity})"))
         with report, sharding.tracing(mesh):  # parameters on a mesh: see there
-            executable = jitted.lower(*args).compile(dict(options) or None)
+            options = {**dict(legacy), **dict(loop.kernels.compiler_options)}
+            executable = jitted.lower(*args).compile(options or None)
         _EXECUTABLES[key] = executable
         return executable, time.perf_counter() - start
 

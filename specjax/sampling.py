@@ -25,7 +25,6 @@ node at position ``t`` the same ``g_t`` reproduces autoregressive sampling token
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,6 @@ NEG_INF = -jnp.inf
 # The sampling rules a program can be specialised to (SamplingParams.rule).
 GREEDY, SAMPLE, TRUNCATE = "greedy", "sample", "truncate"
 RULES = (GREEDY, SAMPLE, TRUNCATE)
-RULES_ENV = "SPECJAX_SAMPLING_RULES"
 _RULES_SETTINGS = ("auto", "static", "traced")
 
 
@@ -68,10 +66,11 @@ def rule_of(temperature: float, top_k: int, top_p: float) -> str:
     return TRUNCATE if top_k > 0 or top_p < 1.0 else SAMPLE
 
 
-def static_rules(platform: str) -> bool:
+def static_rules(platform: str, setting: str = "auto") -> bool:
     """Whether programs for ``platform`` get one sampling rule each (no conditional).
 
-    ``SPECJAX_SAMPLING_RULES``: ``auto`` (the default) is static on a GPU only: there XLA
+    ``setting`` (``KernelOptions.sampling_rules``): ``auto`` (the default) is static on a
+    GPU only: there XLA
     runs a ``lax.cond`` by copying its predicate to the host and blocking until the device
     is idle (a fused ``tree`` step held 18 sampling conditionals and ran 5 of them at
     temperature 0, all 18 above),
@@ -80,12 +79,11 @@ def static_rules(platform: str) -> bool:
     recompile. ``static`` / ``traced`` force either way.
 
     Raises:
-      InvalidArgumentError: the variable holds another value.
+      InvalidArgumentError: ``setting`` is another value.
     """
-    setting = os.environ.get(RULES_ENV, "auto").strip().lower() or "auto"
     if setting not in _RULES_SETTINGS:
-        raise InvalidArgumentError(f"{RULES_ENV} must be one of {', '.join(_RULES_SETTINGS)}, "
-                                   f"got {setting!r}")
+        raise InvalidArgumentError(f"sampling_rules must be one of "
+                                   f"{', '.join(_RULES_SETTINGS)}, got {setting!r}")
     if setting == "auto":
         return platform in ("gpu", "cuda", "rocm")
     return setting == "static"

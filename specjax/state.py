@@ -38,6 +38,9 @@ import numpy as np
 from flax import struct
 
 from specjax import models, sharding
+# MAX_BATCH_SIZE: the most rows one compiled batch program takes (callers split longer
+# lists); defined beside BatchOptions, which checks it.
+from specjax.backend_options import MAX_BATCH_SIZE, KernelOptions  # noqa: F401
 from specjax.cache import KVCache, advance, init_cache
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
@@ -45,8 +48,6 @@ from specjax.sampling import SamplingParams, sample_tokens
 
 MIN_BUCKET = 16
 MAX_STOP_TOKENS = 8
-# The most rows one compiled batch program takes (callers split longer lists).
-MAX_BATCH_SIZE = 64
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -128,7 +129,9 @@ class DecodeLoop:
       config: target model config.
       capacity: S, cache slots and sequence-buffer length.
       prompt_bucket: P, padded prompt length.
-      attn_impl: attention implementation (``auto``, ``reference``, ``kernel``).
+      kernels: the :class:`~specjax.backend_options.KernelOptions` the program is built
+        with (attention implementation, kernel backends, sampling rules, compiler
+        options); the methods pass it to the model functions as ``attn_impl=``.
       method: the :class:`Method` (``specjax.methods.build`` makes it from its options;
         ``ar`` is :class:`specjax.methods.ar.Autoregressive`); ``capacity`` must hold the
         longest sequence plus its ``scratch``.
@@ -137,7 +140,7 @@ class DecodeLoop:
     config: ModelConfig
     capacity: int
     prompt_bucket: int
-    attn_impl: str = "auto"
+    kernels: KernelOptions = KernelOptions()
     method: Method = None
 
     def __post_init__(self):
@@ -145,6 +148,9 @@ class DecodeLoop:
             raise InvalidArgumentError(
                 "DecodeLoop needs a method: build one with specjax.methods.build(options) "
                 "(specjax.methods.ar.Autoregressive() for ar)")
+        if not isinstance(self.kernels, KernelOptions):
+            raise InvalidArgumentError(f"DecodeLoop.kernels must be a KernelOptions, got "
+                                       f"{self.kernels!r}")
 
 
 @struct.dataclass
@@ -184,7 +190,7 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
     uses_features = loop.method.uses_features
     feature_layers = loop.method.feature_layers if uses_features else ()
     out = models.hidden_states(params, config, prompt, positions, cache,
-                               attn_impl=loop.attn_impl, feature_layers=feature_layers)
+                               attn_impl=loop.kernels, feature_layers=feature_layers)
     hidden, cache = out[0], out[-1]
     features = (out[1] if feature_layers else hidden) if uses_features else None
     cache = advance(cache, prompt_length)

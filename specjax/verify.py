@@ -351,7 +351,7 @@ def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_de
     mask = ancestor_mask(tree.parents, tree.valid, max_depth)
     positions = state.length - 1 + node_depths
     out = models.forward(params, loop.config, tree.tokens, positions, state.cache, mask,
-                         attn_impl=loop.attn_impl, return_features=return_features,
+                         attn_impl=loop.kernels, return_features=return_features,
                          feature_layers=feature_layers)
     logits, cache = out[0], out[-1]
     finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])

@@ -213,7 +213,7 @@ def _fast_compiles(request):
     if request.node.get_closest_marker("slow") or "smollm2" in request.fixturenames:
         yield
         return
-    with decode.compiler_options(**fast_compiler_options()):
+    with decode.context_options(**fast_compiler_options()):
         yield
 
 

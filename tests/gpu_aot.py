@@ -118,14 +118,12 @@ def _sharding(target: str):
     return jax.sharding.SingleDeviceSharding(topology.devices[0])
 
 
-def _compile_kernels_for_gpu(gpu_kernels: str) -> None:
-    """Makes ``attn_impl="kernel"``/``"fused"`` pick the GPU kernels, compiled (the
-    dispatcher chooses from ``jax.default_backend()``, the CPU in this process), and
-    ``gpu_kernels`` (``triton``/``mosaic``) the linear kernel's backend."""
+def _compile_kernels_for_gpu() -> None:
+    """Makes attention ``"kernel"``/``"fused"`` pick the GPU kernels, compiled (the
+    dispatcher chooses from ``jax.default_backend()``, the CPU in this process)."""
     from specjax import kernels
 
-    kernels.select_variant = lambda variant=None: ("gpu", False)
-    os.environ[kernels.GPU_KERNELS_ENV] = gpu_kernels
+    kernels.select_variant = lambda variant=None, interpret_variant="gpu": ("gpu", False)
 
 
 def kernel_counts(text: str) -> dict[str, int]:
@@ -190,16 +188,17 @@ def run_job(job: dict) -> dict:
             fn.lower(*args).compile()
             record["ok"] = True
             return record
-        _compile_kernels_for_gpu(job.get("gpu_kernels", "triton"))
+        _compile_kernels_for_gpu()
         # On a GPU, generate fixes the sampling rule when tracing (one program per rule);
-        # the abstract weights are on no device, so say so.
-        os.environ["SPECJAX_SAMPLING_RULES"] = job.get("sampling_rules", "static")
+        # the abstract weights are on no device, so say so. ``gpu_kernels``: the linear
+        # kernel's backend (triton/mosaic).
         fn, args = tpu_aot.build_generation_program(
             job["method"], verify=job.get("verify"), dtype=job.get("dtype", "bfloat16"),
             attn_impl=job.get("attn_impl", "kernel"),
             fused_projections=job.get("fused_projections", False),
             temperature=job.get("temperature", 0.0), defaults=job.get("defaults", "cpu"),
-            family=job.get("family"))
+            family=job.get("family"), sampling_rules=job.get("sampling_rules", "static"),
+            gpu_linear=job.get("gpu_kernels", "triton"))
         start = time.perf_counter()
         lowered = fn.lower(*tpu_aot._abstract(args, sharding))
         record["lower_s"] = round(time.perf_counter() - start, 3)

@@ -53,8 +53,8 @@ def _singles(target, prompts, seeds, **kwargs):
 def test_each_row_equals_its_batch_1_output(spec_target, spec_drafts, tables, method, sizes):
     # Live-row compaction (its extra programs) for the method that uses every piece;
     # test_live_rows_move_to_smaller_programs covers ar.
-    kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[],
-                  compact_rows=method == "staged")
+    kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW, stop=[],
+                  batch=specjax.BatchOptions(compact_rows=method == "staged"))
     for name, sampling in SAMPLINGS.items():
         singles = _singles(spec_target, PROMPTS, SEEDS, **kwargs, **sampling)
         for size in sizes:
@@ -76,7 +76,7 @@ def test_each_row_equals_its_batch_1_output(spec_target, spec_drafts, tables, me
 @pytest.mark.parametrize("method, verify_rule", [("tree", "rejection"), ("spec", "match")])
 def test_stochastic_rules_equal_batch_1_with_per_row_seeds(spec_target, spec_drafts, tables,
                                                            method, verify_rule):
-    kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[],
+    kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW, stop=[],
                   temperature=1.0, verify=verify_rule)
     singles = _singles(spec_target, PROMPTS, SEEDS, **kwargs)
     outs = specjax.generate(spec_target, PROMPTS, seed=SEEDS, **kwargs)
@@ -84,7 +84,7 @@ def test_stochastic_rules_equal_batch_1_with_per_row_seeds(spec_target, spec_dra
 
 
 def test_an_int_seed_is_every_row_s_seed(spec_target):
-    kwargs = dict(max_new_tokens=NEW, temperature=1.0, stop_tokens=[], seed=11)
+    kwargs = dict(max_new_tokens=NEW, temperature=1.0, stop=[], seed=11)
     outs = specjax.generate(spec_target, [PROMPTS[0], PROMPTS[0], PROMPTS[2]], **kwargs)
     assert outs[0].tokens == outs[1].tokens
     assert outs[2].tokens == specjax.generate(spec_target, PROMPTS[2], **kwargs).tokens
@@ -93,20 +93,21 @@ def test_an_int_seed_is_every_row_s_seed(spec_target):
 @pytest.mark.parametrize("method", ["ar", "staged"])
 def test_rows_stop_on_their_own_stop_tokens(spec_target, spec_drafts, tables, method):
     kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW)
-    free = _singles(spec_target, PROMPTS, [0] * 5, stop_tokens=[], **kwargs)
+    free = _singles(spec_target, PROMPTS, [0] * 5, stop=[], **kwargs)
     # Row 0 stops at its third token; the others when they meet it, or never.
     stop = [free[0].tokens[2]]
-    singles = _singles(spec_target, PROMPTS, [0] * 5, stop_tokens=stop, **kwargs)
-    outs = specjax.generate(spec_target, PROMPTS, stop_tokens=stop, **kwargs)
+    singles = _singles(spec_target, PROMPTS, [0] * 5, stop=stop, **kwargs)
+    outs = specjax.generate(spec_target, PROMPTS, stop=stop, **kwargs)
     assert [o.tokens for o in outs] == [s.tokens for s in singles]
     assert len(outs[0].tokens) <= 3 and outs[0].tokens[-1] == stop[0]
     assert max(len(o.tokens) for o in outs) > len(outs[0].tokens)  # the others went on
 
 
 def test_batch_size_splits_a_long_list_into_programs(spec_target):
-    kwargs = dict(max_new_tokens=6, stop_tokens=[], compact_rows=False)
+    kwargs = dict(max_new_tokens=6, stop=[])
     whole = specjax.generate(spec_target, PROMPTS, **kwargs)
-    split = specjax.generate(spec_target, PROMPTS, batch_size=2, **kwargs)
+    split = specjax.generate(spec_target, PROMPTS, **kwargs, batch=specjax.BatchOptions(
+        size=2, compact_rows=False))
     assert [o.tokens for o in split] == [o.tokens for o in whole]
     assert [o.stats["batch"]["rows"] for o in split] == [2, 2, 2, 2, 1]
     assert [o.stats["batch"]["row"] for o in split] == list(range(5))
@@ -115,7 +116,7 @@ def test_batch_size_splits_a_long_list_into_programs(spec_target):
 def test_one_compiled_program_per_batch_bucket(spec_target):
     """Batches of 3 and 4 rows (bucket 4), other prompts of the same prompt bucket, other
     seeds and budgets of the same capacity: no new compilation."""
-    kwargs = dict(max_new_tokens=NEW, temperature=1.0, stop_tokens=[])
+    kwargs = dict(max_new_tokens=NEW, temperature=1.0, stop=[])
     specjax.generate(spec_target, PROMPTS[2:5], seed=[1, 2, 3], **kwargs)
     before = len(decode._EXECUTABLES)
     others = [random_prompt(90 + i, n) for i, n in enumerate([4, 12, 7, 9])]
@@ -126,8 +127,9 @@ def test_one_compiled_program_per_batch_bucket(spec_target):
 
 
 def test_stream_generate_yields_per_row_tokens(spec_target, spec_drafts, tables):
-    kwargs = dict(_method("ngram", spec_drafts, tables), max_new_tokens=NEW, stop_tokens=[],
-                  compact_rows=False)  # one program: compaction has its own test
+    kwargs = dict(_method("ngram", spec_drafts, tables), max_new_tokens=NEW, stop=[],
+                  # one program: compaction has its own test
+                  batch=specjax.BatchOptions(compact_rows=False))
     expected = specjax.generate(spec_target, PROMPTS, **kwargs)
     rows, origins = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
     *steps, (last_tokens, last_origins, stats) = specjax.stream_generate(
@@ -145,11 +147,13 @@ def test_stream_generate_yields_per_row_tokens(spec_target, spec_drafts, tables)
 
 @pytest.mark.slow  # interpret mode
 def test_the_pallas_kernel_batches_under_vmap(spec_target):
-    """``attn_impl="kernel"`` (interpret mode on CPU) gives each row its batch-1 tokens."""
-    kwargs = dict(max_new_tokens=4, stop_tokens=[])
-    outs = specjax.generate(spec_target, PROMPTS[:2], attn_impl="kernel", **kwargs)
+    """Attention ``"kernel"`` (interpret mode on CPU) gives each row its batch-1 tokens."""
+    kwargs = dict(max_new_tokens=4, stop=[])
+    outs = specjax.generate(spec_target, PROMPTS[:2],
+                            kernels=specjax.KernelOptions(attention="kernel"), **kwargs)
     assert [o.tokens for o in outs] == [
-        specjax.generate(spec_target, p, attn_impl="reference", **kwargs).tokens
+        specjax.generate(spec_target, p, kernels=specjax.KernelOptions(attention="reference"),
+                         **kwargs).tokens
         for p in PROMPTS[:2]]
 
 
@@ -157,17 +161,22 @@ def test_the_pallas_kernel_batches_under_vmap(spec_target):
     ([], {}, "the list of prompts is empty"),
     ([[1, 2], []], {}, r"prompts\[1\]: prompt is empty"),
     ([[1, 2]] * (decode.MAX_BATCH_SIZE + 1), {}, "exceed the maximum batch size 64"),
-    ([[1, 2]] * 3, dict(batch_size=decode.MAX_BATCH_SIZE + 1), "batch_size must be"),
-    ([[1, 2]] * 3, dict(batch_size=0), "batch_size must be"),
+    ([[1, 2]] * 3, dict(batch=lambda: specjax.BatchOptions(size=decode.MAX_BATCH_SIZE + 1)),
+     "BatchOptions.size must be"),
+    ([[1, 2]] * 3, dict(batch=lambda: specjax.BatchOptions(size=0)), "BatchOptions.size must be"),
     ([[1, 2]] * 3, dict(seed=[1, 2]), "got 2 seeds for 3 prompts"),
     ([[1, 2]] * 2, dict(seed=[1, -1]), "seed must be an integer"),
-    ([1, 2], dict(batch_size=2), "batch_size applies to a list of prompts only"),
+    ([1, 2], dict(batch=lambda: specjax.BatchOptions(size=2)),
+     "applies to a list of prompts only"),
     ([[1, 2], [1, TINY_VOCAB]], {}, r"prompts\[1\]: prompt token id"),
 ])
 def test_bad_batches_are_one_line_errors(spec_target, prompts, kwargs, fragment):
-    for call in (lambda: specjax.generate(spec_target, prompts, max_new_tokens=2, **kwargs),
+    def built():  # a bad BatchOptions refuses itself when made: inside pytest.raises
+        return {name: value() if callable(value) else value for name, value in kwargs.items()}
+
+    for call in (lambda: specjax.generate(spec_target, prompts, max_new_tokens=2, **built()),
                  lambda: next(specjax.stream_generate(spec_target, prompts, max_new_tokens=2,
-                                                      **kwargs))):
+                                                      **built()))):
         with pytest.raises(InvalidArgumentError, match=fragment) as error:
             call()
         assert "\n" not in str(error.value)
@@ -188,8 +197,9 @@ def test_staged_rejection_samples_the_target_distribution_with_many_rows(spec_ta
     for first in range(0, len(seeds), decode.MAX_BATCH_SIZE):
         chunk = seeds[first: first + decode.MAX_BATCH_SIZE]
         outs = specjax.generate(spec_target, [dist.PROMPT] * len(chunk), seed=chunk,
-                                max_new_tokens=2, stop_tokens=[], ngram=tables,
-                                draft=spec_target, verify="rejection", compact_rows=False,
+                                max_new_tokens=2, stop=[], ngram=tables,
+                                draft=spec_target, verify="rejection",
+                                batch=specjax.BatchOptions(compact_rows=False),
                                 **dist.SAMPLING, **dist.STAGED)
         tokens += [o.tokens[1] for o in outs]
     statistic, dof = dist._pooled_chi2(np.bincount(tokens, minlength=TINY_VOCAB), marginal)
@@ -225,22 +235,22 @@ def test_live_rows_move_to_smaller_programs(spec_target, monkeypatch, driver):
     (5 rows in a bucket of 8: three padding rows are done at prefill; row 0 stops at its
     third token, leaving 4 live), and every row still gets its batch-1 tokens."""
     kwargs = dict(max_new_tokens=NEW)
-    free = _singles(spec_target, PROMPTS, [0] * 5, stop_tokens=[], **kwargs)
+    free = _singles(spec_target, PROMPTS, [0] * 5, stop=[], **kwargs)
     stop = [free[0].tokens[2]]
-    singles = _singles(spec_target, PROMPTS, [0] * 5, stop_tokens=stop, **kwargs)
+    singles = _singles(spec_target, PROMPTS, [0] * 5, stop=stop, **kwargs)
     sizes = []
     take = decode._take_rows
     monkeypatch.setattr(decode, "_take_rows",
                         lambda state, rows: sizes.append(len(rows)) or take(state, rows))
-    off = specjax.generate(spec_target, PROMPTS, stop_tokens=stop, compact_rows=False,
-                           **kwargs)
+    off = specjax.generate(spec_target, PROMPTS, stop=stop,
+                           batch=specjax.BatchOptions(compact_rows=False), **kwargs)
     assert [o.tokens for o in off] == [s.tokens for s in singles] and not sizes
     if driver == "generate":
-        tokens = [o.tokens for o in specjax.generate(spec_target, PROMPTS, stop_tokens=stop,
+        tokens = [o.tokens for o in specjax.generate(spec_target, PROMPTS, stop=stop,
                                                      **kwargs)]
     else:
         tokens = [[] for _ in PROMPTS]
-        for new, _ in specjax.stream_generate(spec_target, PROMPTS, stop_tokens=stop,
+        for new, _ in specjax.stream_generate(spec_target, PROMPTS, stop=stop,
                                               **kwargs):
             for row, ids in enumerate(new):
                 tokens[row] += ids
@@ -248,7 +258,7 @@ def test_live_rows_move_to_smaller_programs(spec_target, monkeypatch, driver):
     assert sizes and sizes[0] <= 4
 
 
-def test_compact_rows_must_be_a_bool(spec_target):
+def test_compact_rows_must_be_a_bool():
     with pytest.raises(InvalidArgumentError, match="compact_rows") as info:
-        specjax.generate(spec_target, PROMPTS[:2], max_new_tokens=2, compact_rows="yes")
+        specjax.BatchOptions(compact_rows="yes")
     assert "\n" not in str(info.value)

@@ -729,7 +729,7 @@ def test_ab_compiler_options_applies_the_options_to_one_side_only(monkeypatch):
     real_compiled = decode.compiled
 
     def spy(fn, loop, args, *rest, **kwargs):
-        seen.append(decode._COMPILER_OPTIONS.get())
+        seen.append(loop.kernels.compiler_options)
         return real_compiled(fn, loop, args, *rest, **kwargs)
 
     monkeypatch.setattr(decode, "compiled", spy)

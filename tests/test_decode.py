@@ -82,22 +82,19 @@ def test_no_recompilation_across_prompts_and_sampling_settings():
 
 
 def test_compiler_options_compile_their_own_program_with_the_same_tokens():
-    """``decode.compiler_options`` reaches XLA (a misspelt option fails to compile), keys
-    the executable cache (a new compile inside the block, none on return), and changes no
-    token: the backend optimisation level does not change the arithmetic."""
-    from specjax import decode
-
+    """``KernelOptions.compiler_options`` reach XLA (a misspelt option fails to compile),
+    key the executable cache (a new compile with them, none again), and change no token:
+    the backend optimisation level does not change the arithmetic."""
     _, model = tiny_pair("llama-gqa", seed=16, num_hidden_layers=2)
     prompt = random_prompt(3, 11)
     plain = specjax.generate(model, prompt, max_new_tokens=12, temperature=1.0, seed=4)
-    with decode.compiler_options(xla_backend_optimization_level=1):  # the suite's is 0
-        fast = specjax.generate(model, prompt, max_new_tokens=12, temperature=1.0, seed=4)
-        with decode.compiler_options(xla_no_such_option=1), pytest.raises(Exception,
-                                                                           match="no_such"):
-            specjax.generate(model, prompt, max_new_tokens=12)
-        with decode.compiler_options(xla_backend_optimization_level=None, xla_foo=2):
-            options = dict(decode._COMPILER_OPTIONS.get())  # None removes, others add
-            assert "xla_backend_optimization_level" not in options and options["xla_foo"] == 2
+    level = specjax.KernelOptions(compiler_options={"xla_backend_optimization_level": 1})
+    fast = specjax.generate(model, prompt, max_new_tokens=12, temperature=1.0, seed=4,
+                            kernels=level)  # the suite's is 0
+    assert fast.stats["kernels"]["compiler_options"]["xla_backend_optimization_level"] == 1
+    with pytest.raises(Exception, match="no_such"):
+        specjax.generate(model, prompt, max_new_tokens=12, kernels=specjax.KernelOptions(
+            compiler_options={"xla_no_such_option": 1}))
     again = specjax.generate(model, prompt, max_new_tokens=12, temperature=1.0, seed=4)
     assert fast.stats["compile_seconds"] > 0 and again.stats["compile_seconds"] == 0.0
     assert fast.tokens == plain.tokens == again.tokens
@@ -109,7 +106,7 @@ def test_stop_tokens_end_generation_and_are_kept():
     free = specjax.generate(model, prompt, max_new_tokens=20).tokens
     stop = free[5]
     first = free.index(stop)
-    out = specjax.generate(model, prompt, max_new_tokens=20, stop_tokens=[stop]).tokens
+    out = specjax.generate(model, prompt, max_new_tokens=20, stop=[stop]).tokens
     assert out == free[: first + 1]
 
 
@@ -128,10 +125,11 @@ def test_max_new_tokens_is_respected():
     (dict(top_p=0.0), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(method="beam"), "unknown method"),
-    (dict(stop_tokens=list(range(9))), "stop tokens"),
-    (dict(attn_impl="flash"), "attn_impl must be one of"),
-    # GPT-2 has no fused layers: running the default ones would drop the bitwise guarantee.
-    (dict(attn_impl="fused"), "attn_impl='fused' needs a Llama-family model"),
+    (dict(stop=list(range(9))), "stop tokens"),
+    (dict(kernels=specjax.KernelOptions(attention="fused")),
+     # GPT-2 has no fused layers: running the default ones would drop the bitwise guarantee.
+     "attention 'fused' needs a Llama-family model"),
+    (dict(kernels="fused"), "kernels must be a specjax.KernelOptions"),
 ])
 def test_bad_input_is_a_one_line_error(kwargs, match):
     _, model = tiny_pair("gpt2", seed=18)

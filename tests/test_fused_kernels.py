@@ -47,6 +47,7 @@ import pytest
 
 import specjax
 from specjax import kernels, models
+from specjax.backend_options import KernelOptions
 from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
@@ -577,10 +578,11 @@ def test_kernel_calls_per_layer(fused_projections, head_dim, per_layer, qkv):
 TREE_PARENTS = [-1, 0, 0, 1, 3, 2, 0, 6, 7, 7, 1, 4, 11, 12, 5, 2, 15]  # 17 nodes, depth 6
 
 
-def _path_versus_tree(config, params, prompt_length):
+def _path_versus_tree(config, params, prompt_length, options=KernelOptions(attention="fused")):
     """For the two deepest leaves of :data:`TREE_PARENTS`: per node on the root-to-leaf
     path, whether ``ar``'s one-token step (after committing the path before it) gives
-    bitwise the logits of that node in the one verify pass over the whole tree."""
+    bitwise the logits of that node in the one verify pass over the whole tree (both with
+    ``options``)."""
     cache = _prefilled(config, params, prompt_length)
     depth = []
     for p in TREE_PARENTS:
@@ -589,9 +591,9 @@ def _path_versus_tree(config, params, prompt_length):
     positions = prompt_length + jnp.asarray(depth, jnp.int32)
     mask = ancestor_mask(jnp.asarray(TREE_PARENTS, jnp.int32), jnp.ones(len(depth), bool))
     tree = jax.jit(lambda c: models.forward(params, config, tokens, positions, c, mask,
-                                            attn_impl="fused")[0])(cache)
+                                            attn_impl=options)[0])(cache)
     step = jax.jit(lambda c, t, p: models.forward(params, config, t[None], p[None], c,
-                                                  attn_impl="fused"))
+                                                  attn_impl=options))
     same = []
     for leaf in (13, 16):
         path, node = [], leaf

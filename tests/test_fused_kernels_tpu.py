@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 
 from specjax import kernels
+from specjax.backend_options import KernelOptions
 from specjax.errors import InvalidArgumentError
 from specjax.kernels.attention_ordered_tpu import ordered_attention_tpu
 from specjax.kernels.linear_tpu import (TpuLinearBlockSizes, check_supported,
@@ -178,24 +179,25 @@ def test_ordered_attention_refuses_what_it_does_not_order():
 
 # --- through the dispatcher, whole models ------------------------------------------------
 
-def test_the_dispatcher_picks_the_tpu_kernels(monkeypatch):
-    monkeypatch.setenv(kernels.INTERPRET_ENV, "tpu")
-    assert kernels.select_variant() == ("tpu", True)
+def test_the_dispatcher_picks_the_tpu_kernels():
+    assert kernels.select_variant(interpret_variant="tpu") == ("tpu", True)
     x, w, *_ = _arrays(jnp.float32)
     np.testing.assert_array_equal(
-        kernels.fused_linear(x, (w,), layer=jnp.int32(0), fallback=True),
+        kernels.fused_linear(x, (w,), layer=jnp.int32(0), fallback=True,
+                             interpret_variant="tpu"),
         fused_linear_tpu(x, (w,), layer=jnp.int32(0), interpret=True))
     huge = jnp.zeros((50257, 64))  # over the VMEM budget: the reference runs
     np.testing.assert_array_equal(
-        kernels.fused_linear(x, (huge,), transposed=True, fallback=True),
+        kernels.fused_linear(x, (huge,), transposed=True, fallback=True,
+                             interpret_variant="tpu"),
         fused_linear_reference(x, (huge,), transposed=True))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32,
                                    pytest.param(jnp.bfloat16, marks=pytest.mark.slow)],
                          ids=["fp32", "bf16"])
-def test_every_node_on_a_path_is_bitwise_the_ar_step(monkeypatch, dtype):
-    monkeypatch.setenv(kernels.INTERPRET_ENV, "tpu")
+def test_every_node_on_a_path_is_bitwise_the_ar_step(dtype):
     config = _tiny_config()
     params = jax.tree.map(lambda a: a.astype(dtype), _params(config))
-    assert all(_path_versus_tree(config, params, 12))
+    assert all(_path_versus_tree(config, params, 12, KernelOptions(attention="fused",
+                                                                  interpret_variant="tpu")))

@@ -193,13 +193,12 @@ def test_generate_with_kernel_equals_reference(tiny_models, method):
         assert got.stats["draft_calls"] > 0
 
 
-def test_tpu_variant_through_the_dispatcher(monkeypatch):
-    """``SPECJAX_KERNEL_INTERPRET=tpu`` routes ``impl="kernel"`` to the TPU kernel (no cache)."""
-    monkeypatch.setenv(kernels.INTERPRET_ENV, "tpu")
-    assert kernels.select_variant() == ("tpu", True)
+def test_tpu_variant_through_the_dispatcher():
+    """``interpret_variant="tpu"`` routes ``impl="kernel"`` to the TPU kernel (no cache)."""
+    assert kernels.select_variant(interpret_variant="tpu") == ("tpu", True)
     case = Case("tpu-no-cache-g1", 6, 2, 2, 128, None, 0)
     args, reference_args = make_inputs(case, seed=7)
-    out = attention(*args, impl="kernel")
+    out = attention(*args, impl="kernel", interpret_variant="tpu")
     tol = TOLERANCE[jnp.float32]
     np.testing.assert_allclose(out, reference(*reference_args), rtol=tol, atol=tol)
 
@@ -229,7 +228,7 @@ def test_bad_input_is_refused(kernel, bad, match):
         kernel(*bad(_valid_args()), interpret=True)
 
 
-def test_bad_block_sizes_and_variant_are_refused(monkeypatch):
+def test_bad_block_sizes_and_variant_are_refused():
     args = _valid_args()
     with pytest.raises(InvalidArgumentError, match="block_kv=24 must be a power of two"):
         verify_attention_gpu(*args, block_sizes=GpuBlockSizes(block_kv=24), interpret=True)
@@ -237,9 +236,8 @@ def test_bad_block_sizes_and_variant_are_refused(monkeypatch):
         verify_attention_tpu(*args, block_sizes=TpuBlockSizes(block_kv=48), interpret=True)
     with pytest.raises(InvalidArgumentError, match="dtype float16 is not supported"):
         verify_attention_tpu(*_valid_args(dtype=jnp.float16), interpret=True)
-    monkeypatch.setenv(kernels.INTERPRET_ENV, "cuda")
     with pytest.raises(InvalidArgumentError, match="unknown kernel variant 'cuda'"):
-        kernels.verify_attention(*args)
+        kernels.verify_attention(*args, interpret_variant="cuda")
 
 
 def test_auto_uses_the_fallback_where_the_kernel_does_not_run(monkeypatch):

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from specjax import kernels, models
+from specjax.backend_options import KernelOptions
 from specjax.errors import InvalidArgumentError
 from specjax.kernels import linear_mosaic_gpu
 from specjax.kernels.linear_gpu import fused_linear_reference
@@ -116,44 +117,43 @@ def _mosaic_calls(fn, *args) -> int:
     return count(jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr)
 
 
-def test_dispatch_is_opt_in_and_by_shape_and_dtype(monkeypatch):
+def test_dispatch_is_opt_in_and_by_shape_and_dtype():
     x, w, w2, *_ = _arrays(jnp.bfloat16)
     table = jnp.zeros((256, K_IN), jnp.bfloat16)
     odd = jnp.zeros((3, K_IN, 96), jnp.bfloat16)
     layer = jnp.int32(0)
-    plain = lambda x, w: kernels.fused_linear(x, (w,), layer=layer)  # noqa: E731
-    head = lambda x, t: kernels.fused_linear(x, (t,), transposed=True)  # noqa: E731
-    monkeypatch.delenv(kernels.GPU_KERNELS_ENV, raising=False)
+    mosaic = dict(gpu_linear="mosaic")
+    plain = lambda x, w, **o: kernels.fused_linear(x, (w,), layer=layer, **o)  # noqa: E731
+    head = lambda x, t: kernels.fused_linear(x, (t,), transposed=True, **mosaic)  # noqa: E731
     assert kernels.gpu_kernel_backend() == "triton"
     assert _mosaic_calls(plain, x, w2) == 0
-    monkeypatch.setenv(kernels.GPU_KERNELS_ENV, "mosaic")
+    plain = functools.partial(plain, **mosaic)
     assert kernels.select_variant() == ("gpu", True)
     assert _mosaic_calls(plain, x, w2) == 1
     assert _mosaic_calls(plain, x.astype(jnp.float32), w2.astype(jnp.float32)) == 0
     assert _mosaic_calls(head, x, table) == 0
     assert _mosaic_calls(plain, x, odd) == 0
-    got = kernels.fused_linear(x, (w2,), layer=layer)  # the Mosaic kernel, interpreted
+    got = kernels.fused_linear(x, (w2,), layer=layer, **mosaic)  # Mosaic, interpreted
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(
         fused_linear_reference(x, (w2,), layer=layer), np.float32), rtol=3e-2, atol=3e-2)
-    monkeypatch.setenv(kernels.GPU_KERNELS_ENV, "cutlass")
-    with pytest.raises(InvalidArgumentError, match="SPECJAX_GPU_KERNELS='cutlass'") as info:
-        kernels.fused_linear(x, (w2,), layer=layer)
+    with pytest.raises(InvalidArgumentError, match="gpu_linear='cutlass'") as info:
+        kernels.fused_linear(x, (w2,), layer=layer, gpu_linear="cutlass")
     assert "\n" not in str(info.value)
 
 
-def test_model_tree_nodes_are_bitwise_the_ar_steps(monkeypatch):
+def test_model_tree_nodes_are_bitwise_the_ar_steps():
     """bfloat16, ``attn_impl="fused"`` with the Mosaic kernel for q, o, gate|up and down
     (k and v are 32 wide and the tied head is transposed: the Triton kernel's). One layer:
     the interpreter is slow, and the layer loop is the same for more."""
-    monkeypatch.setenv(kernels.GPU_KERNELS_ENV, "mosaic")
+    fused = KernelOptions(attention="fused", gpu_linear="mosaic")
     config = _tiny_config(num_layers=1)
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _params(config))
     tokens, positions = jnp.arange(3, dtype=jnp.int32), 12 + jnp.arange(3, dtype=jnp.int32)
     cache = _prefilled(config, params)
     forward = lambda: models.forward(params, config, tokens, positions, cache,  # noqa: E731
-                                     attn_impl="fused")[0]
+                                     attn_impl=fused)[0]
     assert _mosaic_calls(forward) == 4  # q, o, gate|up, down
-    assert all(_path_versus_tree(config, params, 12))
+    assert all(_path_versus_tree(config, params, 12, fused))
 
 
 S = jax.ShapeDtypeStruct

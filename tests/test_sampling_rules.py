@@ -1,5 +1,5 @@
 """Sampling rules fixed when a program is traced (``SamplingParams.rule``, the GPU's default,
-forced here with ``SPECJAX_SAMPLING_RULES=static``): the same numbers and tokens as rules
+forced here with ``KernelOptions(sampling_rules="static")``): the same numbers and tokens as rules
 chosen on the device, no conditional left in a program, one compile per rule, bad settings
 refused in one line."""
 
@@ -24,8 +24,8 @@ CONDITIONAL = re.compile(r"\bconditional\(")
 
 
 @pytest.fixture
-def static(monkeypatch):
-    monkeypatch.setenv(sampling.RULES_ENV, "static")
+def static():
+    return specjax.KernelOptions(sampling_rules="static")
 
 
 @pytest.fixture(scope="module")
@@ -108,26 +108,26 @@ def test_fixed_rules_give_ar_tokens_with_no_conditional(static, spec_target, spe
     prompt = random_prompt(3, 9)
     for setting in (SETTINGS[0], SETTINGS[4]):  # greedy; sampled with top-k and top-p
         decode.clear_compiled()
-        expected = _run(spec_target, prompt, setting)
+        expected = _run(spec_target, prompt, setting, kernels=static)
         assert _conditionals() == 0
-        out = _run(spec_target, prompt, setting, verify="coupled", **options)
+        out = _run(spec_target, prompt, setting, verify="coupled", kernels=static, **options)
         assert out.tokens == expected.tokens, (method, setting)
         assert out.stats["sampling_rule"] == sampling.rule_of(*setting)
         assert _conditionals() == 0, (method, setting)
 
 
-def test_rules_chosen_on_the_device_leave_conditionals(spec_target, spec_drafts, monkeypatch):
+def test_rules_chosen_on_the_device_leave_conditionals(spec_target, spec_drafts):
     """Sanity of the test above: the traced rules' program has its conditionals, and a rule
     fixed by a stochastic verify rule gives the same tokens as the traced ones."""
     prompt = random_prompt(4, 9)
     options = dict(METHODS["tree"], draft=spec_drafts["weak"], verify="rejection")
-    monkeypatch.setenv(sampling.RULES_ENV, "traced")
     decode.clear_compiled()
-    traced = _run(spec_target, prompt, SETTINGS[3], **options)
+    traced = _run(spec_target, prompt, SETTINGS[3],
+                  kernels=specjax.KernelOptions(sampling_rules="traced"), **options)
     assert traced.stats["sampling_rule"] == "traced"
     assert _conditionals() > 0
-    monkeypatch.setenv(sampling.RULES_ENV, "static")
-    fixed = _run(spec_target, prompt, SETTINGS[3], **options)
+    fixed = _run(spec_target, prompt, SETTINGS[3],
+                 kernels=specjax.KernelOptions(sampling_rules="static"), **options)
     assert fixed.tokens == traced.tokens
     assert fixed.stats["sampling_rule"] == "truncate"
 
@@ -137,27 +137,28 @@ def test_one_compile_per_rule(static, spec_target):
     compiles = []
     for i, setting in enumerate([(1.0, 0, 1.0), (0.5, 0, 1.0), (0.0, 0, 1.0), (0.0, 3, 0.5),
                                  (0.9, 5, 1.0), (1.2, 0, 0.8), (2.0, 0, 1.0)]):
-        out = _run(spec_target, random_prompt(i + 20, 9 + i), setting)
+        out = _run(spec_target, random_prompt(i + 20, 9 + i), setting, kernels=static)
         compiles.append(out.stats["compile_seconds"] > 0)
     assert compiles == [True, False, True, False, True, False, False]
 
 
-def test_a_batch_with_a_fixed_rule_matches_the_traced_one(spec_target, monkeypatch):
+def test_a_batch_with_a_fixed_rule_matches_the_traced_one(spec_target):
     prompts = [random_prompt(30, 8), random_prompt(31, 11), random_prompt(32, 5)]
     tokens = {}
     for rules in ("traced", "static"):
-        monkeypatch.setenv(sampling.RULES_ENV, rules)
         out = specjax.generate(spec_target, prompts, max_new_tokens=NEW, temperature=0.8,
-                               seed=[1, 2, 3])
+                               seed=[1, 2, 3], kernels=specjax.KernelOptions(sampling_rules=rules))
         tokens[rules] = [row.tokens for row in out]
     assert tokens["static"] == tokens["traced"]
 
 
 @pytest.mark.parametrize("value", ["sometimes", "Static!"])
-def test_a_bad_rules_setting_is_one_line(spec_target, monkeypatch, value):
-    monkeypatch.setenv(sampling.RULES_ENV, value)
-    with pytest.raises(InvalidArgumentError, match="SPECJAX_SAMPLING_RULES must be one of"):
-        specjax.generate(spec_target, random_prompt(0, 5), max_new_tokens=2)
+def test_a_bad_rules_setting_is_one_line(value):
+    with pytest.raises(InvalidArgumentError, match="sampling_rules must be one of") as info:
+        specjax.KernelOptions(sampling_rules=value)
+    assert "\n" not in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="sampling_rules must be one of"):
+        sampling.static_rules("cpu", value)
 
 
 def test_a_bad_rule_is_one_line():

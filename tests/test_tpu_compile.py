@@ -43,7 +43,6 @@ import pytest
 import specjax
 import tpu_aot
 from conftest import random_prompt, tiny_pair
-from specjax import kernels
 from specjax.attention import attention_reference
 from specjax.errors import InvalidArgumentError
 from specjax.kernels import TpuBlockSizes, attention_tpu, verify_attention_tpu
@@ -335,15 +334,16 @@ def test_layer_of_a_stacked_cache_is_read_in_place(window):
         verify_attention_tpu(*args[:3], *stacked, *args[5:], interpret=True)
 
 
-def test_generate_with_the_tpu_kernel_equals_reference(monkeypatch):
+def test_generate_with_the_tpu_kernel_equals_reference():
     """Through the dispatcher (which hands the TPU kernel the stacked cache and the layer):
     greedy ``ar`` with the TPU kernel in the interpreter gives the reference's tokens."""
-    monkeypatch.setenv(kernels.INTERPRET_ENV, "tpu")
     # H=4, K=2, D=64 (the kernel takes head_dim 64, 128, 256).
     target = tiny_pair("llama-gqa", seed=31, num_hidden_layers=2, hidden_size=256)[1]
     prompt = random_prompt(5, 11)
-    expected = specjax.generate(target, prompt, max_new_tokens=4, attn_impl="reference")
-    got = specjax.generate(target, prompt, max_new_tokens=4, attn_impl="kernel")
+    expected = specjax.generate(target, prompt, max_new_tokens=4,
+                                kernels=specjax.KernelOptions(attention="reference"))
+    got = specjax.generate(target, prompt, max_new_tokens=4, kernels=specjax.KernelOptions(
+        attention="kernel", interpret_variant="tpu"))
     assert got.tokens == expected.tokens
 
 

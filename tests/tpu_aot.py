@@ -204,7 +204,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
                              dtype: str = "bfloat16", prompt_tokens: int = 16,
                              max_new_tokens: int = 64, attn_impl: str = "kernel",
                              fused_projections: bool = False, temperature: float = 0.0,
-                             defaults: str = "cpu", family: str | None = None):
+                             defaults: str = "cpu", family: str | None = None,
+                             sampling_rules: str = "auto", gpu_linear: str = "triton"):
     """(jitted function, example arguments) of one whole generation, as ``generate`` runs it.
 
     The target has SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads of 64) with
@@ -221,8 +222,10 @@ def build_generation_program(method: str, *, verify: str | None = None,
         (:func:`specjax.models.fuse_projections`), and the draft's (a draft resolved for a
         fused target takes its layout: :func:`specjax.loading.resolve_draft`).
       temperature: the request's (0: greedy). Whether the program holds one sampling rule
-        or all of them follows ``SPECJAX_SAMPLING_RULES`` (:func:`specjax.sampling.
-        static_rules`; the abstract weights are on no device, so ``auto`` means traced).
+        or all of them follows ``sampling_rules`` (``KernelOptions.sampling_rules``,
+        :func:`specjax.sampling.static_rules`; the abstract weights are on no device, so
+        ``auto`` means traced).
+      gpu_linear: ``KernelOptions.gpu_linear`` (the GPU linear kernel's backend).
       defaults: whose method defaults the program takes (``cpu``, ``gpu``, ``tpu``:
         :data:`specjax.methods.options.BACKEND_DEFAULTS`). The abstract weights are on no
         device, so ``generate`` itself would take the CPU's.
@@ -262,7 +265,10 @@ def build_generation_program(method: str, *, verify: str | None = None,
     request = api._prepare(target, list(range(1, prompt_tokens + 1)), method=method,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=0,
                            top_p=1.0, seed=0, draft=draft, ngram=None, stop_tokens=None,
-                           chat=False, attn_impl=attn_impl, options={})
+                           chat=False, kernels=api.KernelOptions(
+                               attention=attn_impl, sampling_rules=sampling_rules,
+                               gpu_linear=gpu_linear),
+                           options={})
     loop = request.loop
     fn = jax.jit(lambda params, *rest: decode.run_to_completion(params, loop, *rest))
     return fn, request.args
@@ -406,7 +412,7 @@ def _compile_kernels_for_tpu() -> None:
     """
     from specjax import kernels
 
-    kernels.select_variant = lambda variant=None: ("tpu", False)
+    kernels.select_variant = lambda variant=None, interpret_variant="gpu": ("tpu", False)
 
 
 def compile_timed(lowered, record: dict):

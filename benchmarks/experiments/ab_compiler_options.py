@@ -5,7 +5,7 @@ make generation faster: the generation program is one ``while_loop`` holding the
 and the draft's passes, the sampler and the bookkeeping, and XLA schedules it as a whole.
 This script settles it for a given option set, on the programs users run: for each method
 and each HumanEval prompt it runs ``specjax.generate`` once with the options
-(``specjax.decode.compiler_options``) and once without, alternating which goes first from
+(``specjax.KernelOptions(compiler_options=...)``) and once without, alternating which goes first from
 prompt to prompt, after one compiling run of each. It reports, per method, the median over
 prompts of the per-prompt tokens/s ratio (options / none) and the total tokens/s of each
 side, and checks that both sides produced the same tokens. A row's ``prompt`` is its
@@ -19,13 +19,11 @@ position in the run: the HumanEval problem is number ``--skip`` + ``prompt``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 
 import specjax
-from specjax import decode
 from specjax.benchmark.environment import machine, write_json
 from specjax.benchmark.humaneval import humaneval_prompts
 from specjax.errors import InvalidArgumentError
@@ -50,13 +48,11 @@ def run_ab(model, prompts: list[list[int]], methods: list[str], options: dict,
            max_new_tokens: int) -> dict:
     """Per method: every prompt's tokens/s with and without ``options``, their ratios, and
     whether the two sides generated the same tokens."""
-    def context(side):
-        return decode.compiler_options(**options) if side == "with" else contextlib.nullcontext()
+    with_options = specjax.KernelOptions(compiler_options=options)
 
     def run(method, ids, side):
-        with context(side):
-            return specjax.generate(model, ids, method=method, max_new_tokens=max_new_tokens,
-                                    stop_tokens=[])
+        return specjax.generate(model, ids, method=method, max_new_tokens=max_new_tokens,
+                                stop=[], kernels=with_options if side == "with" else None)
 
     for method in methods:  # compile both programs before timing anything
         for side in ("with", "without"):

@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 
 from specjax import decode, loading
-from specjax.attention import IMPLEMENTATIONS
+from specjax.backend_options import KernelOptions, add_kernel_arguments
 from specjax.benchmark import environment, humaneval, plots
 from specjax.benchmark import report as reporting
 from specjax.benchmark.peers import one_line, parse_peers
@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # The method options' flags, shared with `specjax generate` (one help text each); in a
     # suite each applies to the methods that take it.
     add_method_arguments(p, budget_flag=False)
-    p.add_argument("--attn-impl", default="auto", choices=IMPLEMENTATIONS)
+    add_kernel_arguments(p)  # the KernelOptions flags, as specjax generate's
     p.add_argument("--peers", default="none",
                    help="transformers peers: none, all, or a subset of hf,hf-assisted,hf-lookup "
                         "(default: none)")
@@ -149,7 +149,8 @@ def suite_config(args) -> SuiteConfig:
         top_p=args.top_p, tree_budgets=budgets, draft_depth=args.draft_depth,
         draft_width=args.draft_width, draft_rounds=args.draft_rounds, proposal=args.proposal,
         ngram=args.ngram, use_lookup=args.use_lookup is not False, verify=args.verify,
-        stage2_prior=args.stage2_prior, topology=args.topology, attn_impl=args.attn_impl,
+        stage2_prior=args.stage2_prior, topology=args.topology,
+        kernels=KernelOptions.from_args(args, backend_of(jax.default_backend())),
         peers=tuple(parse_peers(args.peers)), repeats=args.repeats,
         warmup_tokens=args.warmup_tokens, torch_threads=args.torch_threads,
         pass_breakdown=args.pass_breakdown)
@@ -172,7 +173,8 @@ def load_models(args, dtype: str, want_draft: str = "no"):
     ``"optional"`` (only the ``hf-assisted`` peer would use it)."""
     progress = sys.stderr.isatty()
     target = loading.load(args.model, dtype=dtype, progress=progress)
-    if getattr(args, "attn_impl", None) == "fused":  # one kernel for q|k|v, one for gate|up
+    attention = getattr(args, "attention", None) or getattr(args, "attn_impl", None)
+    if attention == "fused":  # one kernel for q|k|v, one for gate|up
         target = target.with_fused_projections()
     if args.draft == "none" or (args.draft is None and want_draft == "no"):
         return target, None

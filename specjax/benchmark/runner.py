@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from specjax import api
 from specjax.benchmark import metrics, passcost
 from specjax.benchmark.peers import PEERS, TransformersPeers, one_line
+from specjax.backend_options import KernelOptions
 from specjax.errors import InvalidArgumentError
 from specjax.loading import resolve_ngram
 from specjax.methods import METHODS
@@ -65,6 +66,8 @@ class SuiteConfig:
       draft_depth, draft_width, draft_rounds, proposal, ngram, use_lookup, stage2_prior,
       verify: passed
         to the methods that take them (see :data:`METHOD_OPTIONS`); ``None``: defaults.
+      kernels: the :class:`~specjax.backend_options.KernelOptions` every system runs with
+        (``specjax bench`` builds it from the same flags as ``specjax generate``).
       peers: subset of :data:`~specjax.benchmark.peers.PEERS`.
       repeats: rounds per prompt; each row keeps its fastest.
       warmup_tokens: new tokens of each warm-up generation.
@@ -91,7 +94,7 @@ class SuiteConfig:
     stage2_prior: tuple[float, float] | None = None
     verify: str | None = None
     topology: Any = None
-    attn_impl: str = "auto"
+    kernels: KernelOptions = KernelOptions()
     peers: tuple[str, ...] = ()
     repeats: int = 1
     warmup_tokens: int = 4
@@ -396,8 +399,8 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
     draft_bytes = weight_bytes(draft) if draft is not None else 0
     peers = TransformersPeers(config.peers, target, draft, config.torch_threads)
     n = config.max_new_tokens
-    common = dict(top_k=config.top_k, top_p=config.top_p, seed=config.seed, stop_tokens=[],
-                  attn_impl=config.attn_impl)
+    common = dict(top_k=config.top_k, top_p=config.top_p, seed=config.seed, stop=[],
+                  kernels=config.kernels)
 
     def run_ours(system: System, prompt_ids, temperature, max_new_tokens):
         return generate(target, prompt_ids, max_new_tokens=max_new_tokens,
@@ -552,7 +555,7 @@ def _pass_breakdown(config: SuiteConfig, systems, target, draft) -> dict:
         options = build_options(system.method, backend=jax.default_backend(),
                                 **{k: v for k, v in system.options if k not in ("draft", "ngram")})
         steps[system.label] = (options, draft if needs_draft(system.method) else None)
-    return passcost.step_breakdowns(target, steps, attn_impl=config.attn_impl)
+    return passcost.step_breakdowns(target, steps, attn_impl=config.kernels)
 
 
 def _finish_row(timing: dict, prompt: int, prompt_ids: list[int], label: str,
@@ -619,8 +622,8 @@ def run_batch_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | 
     systems = build_systems(config, draft, ngram)
     if draft is not None:
         check_draft_compatible(target, draft)
-    common = dict(top_k=config.top_k, top_p=config.top_p, seed=config.seed, stop_tokens=[],
-                  attn_impl=config.attn_impl)
+    common = dict(top_k=config.top_k, top_p=config.top_p, seed=config.seed, stop=[],
+                  kernels=config.kernels)
     chunks = [ids[i: i + batch_size] for i in range(0, len(ids), batch_size)]
 
     def run(system: System, rows, temperature, max_new_tokens):

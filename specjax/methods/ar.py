@@ -24,7 +24,7 @@ def ar_step(params, loop: DecodeLoop, state: DecodeState) -> DecodeState:
     position = state.length - 1
     token = jax.lax.dynamic_index_in_dim(state.tokens, position, keepdims=True)  # [1]
     logits, cache = models.forward(params, loop.config, token, position[None], state.cache,
-                                   attn_impl=loop.attn_impl)
+                                   attn_impl=loop.kernels)
     state = state.replace(cache=advance(cache, 1), target_calls=state.target_calls + 1)
     state = check_finite(state, logits)
     new = sample_tokens(logits, state.sampling, state.length[None])

@@ -166,7 +166,7 @@ def draft_prefill(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
     positions = jnp.arange(loop.prompt_bucket, dtype=jnp.int32)
     _, cache = models.hidden_states(draft_params, draft_config,
                                     state.tokens[: loop.prompt_bucket], positions, cache,
-                                    attn_impl=loop.attn_impl,
+                                    attn_impl=loop.kernels,
                                     features=previous_features(draft_params, draft_config, kept,
                                                                positions))
     return advance(cache, state.prompt_length)
@@ -187,7 +187,7 @@ def draft_catch_up(draft_params, draft_config: ModelConfig, loop: DecodeLoop,
     tokens = jax.lax.dynamic_slice(state.tokens, (cache.length,), (chunk,))
     positions = cache.length + jnp.arange(chunk, dtype=jnp.int32)
     hidden, cache = models.hidden_states(draft_params, draft_config, tokens, positions,
-                                         cache, attn_impl=loop.attn_impl,
+                                         cache, attn_impl=loop.kernels,
                                          features=previous_features(draft_params, draft_config,
                                                                     state.method_state,
                                                                     positions))
@@ -325,7 +325,7 @@ class Speculative(DraftFeatures):
         count = tokens.shape[0]
         out = models.forward(draft_params, self.draft_config, tokens, positions, cache,
                              jnp.eye(count, dtype=jnp.bool_), scratch_mask,
-                             attn_impl=loop.attn_impl, features=features,
+                             attn_impl=loop.kernels, features=features,
                              return_features=self.uses_features)
         return out[0], out[-1], out[1] if self.uses_features else None
 

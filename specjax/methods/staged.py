@@ -399,7 +399,7 @@ class Staged(DraftFeatures):
                                  jnp.full((n_prop,), root_position, jnp.int32)]))
         hidden, cache = models.hidden_states(draft_params, config,
                                              jnp.concatenate([pending, prop.tokens]), positions,
-                                             cache, mask, attn_impl=loop.attn_impl,
+                                             cache, mask, attn_impl=loop.kernels,
                                              features=features)
         rows = jnp.concatenate([jax.lax.dynamic_index_in_dim(hidden, fresh - 1, keepdims=True),
                                 hidden[chunk:]])
@@ -440,7 +440,7 @@ class Staged(DraftFeatures):
             if self.uses_features:  # the spine end's output (module docstring)
                 features = jnp.broadcast_to(pass_hidden[node], (size, pass_hidden.shape[1]))
             out = models.forward(draft_params, config, pass_tokens, positions, cache, mask,
-                                 scratch_mask, attn_impl=loop.attn_impl, features=features,
+                                 scratch_mask, attn_impl=loop.kernels, features=features,
                                  return_features=self.uses_features)
             logits, cache = out[0], out[-1]
             if self.uses_features:

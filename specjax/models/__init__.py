@@ -27,6 +27,7 @@ import numpy as np
 
 from specjax import kernels, sharding
 from specjax.attention import attention, matmul_precision
+from specjax.backend_options import KernelOptions
 from specjax.cache import KVCache, write_scratch
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, InvalidArgumentError
@@ -135,14 +136,14 @@ def causal_mask(num_tokens: int) -> jax.Array:
     return jnp.tril(jnp.ones((num_tokens, num_tokens), jnp.bool_))
 
 
-# ``attn_impl="fused"`` runs the projections through the row-tiled linear kernel for calls
+# Attention ``"fused"`` runs the projections through the row-tiled linear kernel for calls
 # of at most this many new tokens (decode steps, verify passes, draft levels); longer calls
 # (prefill) take the reference layers. Both methods being compared share the prefill.
 FUSED_MAX_TOKENS = 128
 
 
 def has_fused_layers(config: ModelConfig) -> bool:
-    """Whether ``config``'s family has the fused-kernel layers of ``attn_impl="fused"``
+    """Whether ``config``'s family has the fused-kernel layers of attention ``"fused"``
     (the Llama family; GPT-2 has none)."""
     family = _FAMILIES[config.architecture]
     return hasattr(family, "block_fused") and family.plain_layers_only(config) is None
@@ -159,7 +160,7 @@ def no_fused_layers_reason(config: ModelConfig) -> str:
 
 def attention_fallback(config: ModelConfig, platform: str = "cpu") -> str | None:
     """What the attention of ``config`` needs that the Pallas attention kernels lack, for a
-    run's stats: there ``attn_impl="auto"`` runs the jnp attention (on a CPU it always
+    run's stats: there attention ``"auto"`` runs the jnp attention (on a CPU it always
     does) and ``"kernel"`` refuses. On ``platform`` ``"gpu"`` or ``"tpu"`` a head_dim the
     verify kernel does not take is named too. ``None`` when the kernels take the model."""
     needs = [name for name, on in (("soft-capping", config.attn_softcap is not None),
@@ -175,8 +176,10 @@ def attention_fallback(config: ModelConfig, platform: str = "cpu") -> str | None
     return f"jnp attention: the Pallas attention kernels take no {' or '.join(needs)}"
 
 
-def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> bool:
-    """Whether a call over ``num_tokens`` new tokens runs the fused-kernel layers.
+def uses_fused_layers(config: ModelConfig, num_tokens: int,
+                      attn_impl: KernelOptions | str) -> bool:
+    """Whether a call over ``num_tokens`` new tokens runs the fused-kernel layers
+    (``attn_impl``: :class:`KernelOptions` or an attention implementation's name).
 
     Then every projection and the head are one :func:`specjax.kernels.fused_linear` call
     each (a projection whose shape the kernel does not take, e.g. a width that is not a
@@ -185,7 +188,7 @@ def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> b
     many rows share the call nor on whether its context is committed or in the tree, so a
     verify pass reproduces the one-token steps bit for bit.
     """
-    return (attn_impl == "fused" and num_tokens <= FUSED_MAX_TOKENS
+    return (KernelOptions.of(attn_impl).attention == "fused" and num_tokens <= FUSED_MAX_TOKENS
             and has_fused_layers(config))
 
 
@@ -201,7 +204,8 @@ def _packed_attention(family, scratch_mask) -> bool:
 
 
 def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape, k_all,
-                   v_all, length, mask, linear, taps, feature_layers: tuple[int, ...]):
+                   v_all, length, mask, linear, taps, feature_layers: tuple[int, ...],
+                   options: KernelOptions):
     """The fused layers with attention reading packed rows
     (:func:`specjax.kernels.ordered_attention_packed`): (x, kv_new [L, 2, rows, K, D],
     ``taps`` with the outputs of blocks ``feature_layers``, :func:`_tap`).
@@ -219,12 +223,14 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
 
     def attend(packed, index):
         return kernels.ordered_attention_packed(packed, index, k_all, v_all, length, links,
-                                                depth, num_heads=config.num_heads)
+                                                depth, num_heads=config.num_heads,
+                                                interpret_variant=options.interpret_variant)
 
     def packed_layer(carry, _):
         x, index, packed, taps = carry
         x, packed = family.block_fused_packed(layers, index, config, x, rope, packed, attend,
-                                              linear)
+                                              linear, interpret_variant=options.interpret_variant,
+                                              gpu_linear=options.gpu_linear)
         if feature_layers:
             taps = _tap(taps, x, index, feature_layers)
         return (x, index + 1, packed, taps), None
@@ -283,7 +289,7 @@ def _join_taps(taps, num_tokens: int):
 
 
 def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask,
-                     scratch_mask, attn_impl: str, features=None,
+                     scratch_mask, attn_impl: KernelOptions | str, features=None,
                      feature_layers: tuple[int, ...] = ()):
     """The blocks' output [T, d] before the final norm, the cache with scratch written,
     and the outputs of blocks ``feature_layers`` [T, F*d] (``None`` when there are none)."""
@@ -305,10 +311,13 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
     context = family.position_context(config, positions)
     length = None if cache is None else cache.length
     k_all, v_all = (None, None) if cache is None else (cache.k, cache.v)
-    fused = uses_fused_layers(config, tokens.shape[0], attn_impl)
+    options = KernelOptions.of(attn_impl)
+    fused = uses_fused_layers(config, tokens.shape[0], options)
     num_taps = len(feature_layers)
-    if attn_impl == "fused" and not fused:
-        attn_impl = "auto"  # a long prefill, or a family without fused layers
+    impl = options.attention
+    if impl == "fused" and not fused:
+        impl = "auto"  # a long prefill, or a family without fused layers
+    choice = dict(interpret_variant=options.interpret_variant)  # the kernels' variant
 
     def attend_at(index):
         # Attention reads layer `index` of the whole [L, S, K, D] cache in place: scanning
@@ -319,7 +328,8 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
 
         def attend(q, k, v):
             return attention(q, k, v, k_all, v_all, length, layer_mask, scratch_mask,
-                             impl=attn_impl, layer=None if k_all is None else index, **extras)
+                             impl=impl, layer=None if k_all is None else index, **choice,
+                             **extras)
         return attend
 
     def context_at(index):
@@ -333,19 +343,21 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         # once, not by every projection (a pad before and a slice after each kernel call
         # are launches of their own on a GPU); block_fused keeps the extra rows apart.
         num_tokens = x.shape[0]
-        rows = round_up(num_tokens, kernels.linear_row_tile(x.dtype))
+        rows = round_up(num_tokens, kernels.linear_row_tile(x.dtype, **choice,
+                                                            gpu_linear=options.gpu_linear))
         x = jnp.pad(x, ((0, rows - num_tokens), (0, 0)))
         taps = jnp.zeros((num_taps, rows, config.hidden_size), x.dtype)
 
-        linear = functools.partial(kernels.fused_linear, fallback=True)
+        linear = functools.partial(kernels.fused_linear, fallback=True, **choice,
+                                   gpu_linear=options.gpu_linear)
         packed_shape = (config.num_layers, rows, config.num_heads + 2 * config.num_kv_heads,
                         config.head_dim)
         if (_packed_attention(family, scratch_mask)
                 and kernels.packed_attention_takes(packed_shape, x.dtype, k_all, v_all,
-                                                   num_heads=config.num_heads)):
+                                                   num_heads=config.num_heads, **choice)):
             x, kv_new, taps = _packed_layers(family, layers, config, x, context,
                                              packed_shape, k_all, v_all, length, mask, linear,
-                                             taps, feature_layers)
+                                             taps, feature_layers, options)
             x, kv_new = x[:num_tokens], kv_new[:, :, :num_tokens]
         else:
             def fused_layer(carry, _):
@@ -394,7 +406,8 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
 
 
 def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache | None = None,
-                  mask=None, scratch_mask=None, *, attn_impl: str = "auto", features=None,
+                  mask=None, scratch_mask=None, *, attn_impl: KernelOptions | str = "auto",
+                  features=None,
                   feature_layers: tuple[int, ...] = ()):
     """Final-normed hidden states [T, d] and the cache with scratch slots written.
 
@@ -491,7 +504,7 @@ def draft_logits(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache | None = None, mask: jax.Array | None = None,
-            scratch_mask: jax.Array | None = None, *, attn_impl: str = "auto",
+            scratch_mask: jax.Array | None = None, *, attn_impl: KernelOptions | str = "auto",
             features: jax.Array | None = None, return_features: bool = False,
             feature_layers: tuple[int, ...] = ()):
     """Runs the model over T new tokens.
@@ -505,9 +518,11 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
       mask: bool [T, T] visibility among the new tokens; ``None`` means causal.
       scratch_mask: optional bool [T, M]: the new tokens also see scratch slot
         ``length + m`` where set, and are written after those M slots (tree drafting).
-      attn_impl: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (static; the
-        last also runs the Llama family's projections and head through the row-tiled
-        kernel, :func:`uses_fused_layers`).
+      attn_impl: a :class:`~specjax.backend_options.KernelOptions` (static: its
+        ``attention`` and the kernels' backends), or just the attention implementation's
+        name, ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (the last also runs
+        the Llama family's projections and head through the row-tiled kernel,
+        :func:`uses_fused_layers`).
       features: [T, d] the target's features at the previous positions (feature drafts
         only, ``config.feature_input``).
       return_features: also return the final-normed hidden states [T, d] (static).
@@ -525,8 +540,11 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
         # Final norm and head in one kernel call, row-tiled like the layers.
         tied = config.tie_word_embeddings
         head = params["embed"] if tied else params["lm_head"]
+        options = KernelOptions.of(attn_impl)
         logits = kernels.fused_linear(x, (head,), norm=params["final_norm"], transposed=tied,
-                                      eps=config.norm_eps, float32_out=True, fallback=True)
+                                      eps=config.norm_eps, float32_out=True, fallback=True,
+                                      interpret_variant=options.interpret_variant,
+                                      gpu_linear=options.gpu_linear)
         if taps_wanted:
             return logits, taps, cache
         if return_features:

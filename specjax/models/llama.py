@@ -322,7 +322,8 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
 
 
 def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, rope,
-                       packed: jax.Array, attend, linear):
+                       packed: jax.Array, attend, linear, *, interpret_variant: str = "gpu",
+                       gpu_linear: str = "triton"):
     """:func:`block_fused` for an attention kernel that reads the layer's rows in place
     (:func:`specjax.kernels.ordered_attention_packed`).
 
@@ -331,8 +332,9 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
     one in-place write, which is also how each layer's K/V leave the loop. With fused
     q|k|v weights the projection, RoPE and the write are one call,
     :func:`specjax.kernels.qkv_rope_into` (one kernel on a GPU).
-    ``attend(packed, index)`` returns the [rows, H*D] input of the output projection.
-    Returns (x, packed).
+    ``attend(packed, index)`` returns the [rows, H*D] input of the output projection;
+    ``interpret_variant`` and ``gpu_linear`` pick that kernel's variant and backend
+    (:class:`~specjax.backend_options.KernelOptions`). Returns (x, packed).
     """
     cos, sin = rope
     heads = config.num_heads + config.num_kv_heads  # those RoPE rotates
@@ -340,7 +342,9 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
         # One launch on a GPU: the projection, RoPE and the write in one kernel.
         packed = kernels.qkv_rope_into(packed, x, layers["w_qkv"], cos, sin, index,
                                        norm=layers["attn_norm"], bias=layers.get("b_qkv"),
-                                       rope_heads=heads, eps=config.norm_eps)
+                                       rope_heads=heads, eps=config.norm_eps,
+                                       interpret_variant=interpret_variant,
+                                       gpu_linear=gpu_linear)
     else:
         packed = write_rope_rows(packed, _project_qkv(layers, index, config, x, linear),
                                  index, cos, sin, heads)

@@ -1,0 +1,293 @@
+"""Kernel and backend options: how a program is built for the device, one typed object.
+
+:class:`KernelOptions` is the single place for the settings that pick kernels and compile
+programs: the attention implementation (which, at ``"fused"``, also runs the Llama
+family's projections and head through the row-tiled kernels), the GPU linear kernel's
+backend, the kernel variant interpreted off GPU/TPU, whether sampling rules are compiled
+apart, and XLA compiler options. It is frozen and hashable: a
+:class:`~specjax.state.DecodeLoop` holds it, so it is part of every compiled program's
+cache key. None of its settings changes a token (the exactness tests run every
+attention implementation); they change what runs and how fast.
+
+>>> KernelOptions.default("gpu")                    # one default per backend
+>>> KernelOptions(attention="fused", gpu_linear="mosaic")
+>>> KernelOptions(compiler_options={"xla_backend_optimization_level": 0})
+
+:func:`specjax.generate` takes it as ``kernels=``; ``specjax generate`` and
+``specjax bench`` build it from the same flags (:func:`add_kernel_arguments`,
+:meth:`KernelOptions.from_args`). :class:`BatchOptions` holds how a list of prompts is cut
+into compiled batches (``batch=``).
+
+The ``SPECJAX_SAMPLING_RULES``, ``SPECJAX_KERNEL_INTERPRET`` and ``SPECJAX_GPU_KERNELS``
+environment variables are deprecated: :meth:`KernelOptions.default` still reads them (and
+nothing else does), with a :class:`DeprecationWarning` naming the field that replaces each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+import warnings
+from typing import Any, Mapping
+
+from specjax.errors import InvalidArgumentError
+
+ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "kernel", "fused")
+GPU_LINEAR_BACKENDS = ("triton", "mosaic")
+INTERPRET_VARIANTS = ("gpu", "tpu")
+SAMPLING_RULES = ("auto", "static", "traced")
+PLATFORMS = ("cpu", "gpu", "tpu")
+# specjax.state.MAX_BATCH_SIZE (the state sits above this module; a test keeps them equal).
+MAX_BATCH_SIZE = 64
+
+# Deprecated environment variables -> the field each set (read by KernelOptions.default).
+DEPRECATED_ENV = {"SPECJAX_SAMPLING_RULES": "sampling_rules",
+                  "SPECJAX_KERNEL_INTERPRET": "interpret_variant",
+                  "SPECJAX_GPU_KERNELS": "gpu_linear"}
+
+_HELP = {
+    "attention": "attention implementation: auto (the Pallas kernel on GPU/TPU where it "
+                 "takes the shapes, jnp attention otherwise and on CPU), reference (jnp), "
+                 "kernel (the Pallas kernel, interpreted on CPU), fused (Llama family, "
+                 "GPU/TPU: the position-ordered attention kernel and the row-tiled kernels "
+                 "for every projection and the head)",
+    "gpu_linear": "GPU backend of the row-tiled linear kernel (attention fused): triton, or "
+                  "mosaic (Mosaic GPU, Hopper, bfloat16/float16 calls; untimed)",
+    "interpret_variant": "off GPU/TPU, which kernels run in the Pallas interpreter (tests)",
+    "sampling_rules": "compile each sampling rule apart (static) or every rule with a "
+                      "device-side choice (traced); auto: static on a GPU only",
+    "compiler_options": "an XLA compiler option for the generation programs, NAME=VALUE "
+                        "(repeatable; e.g. xla_backend_optimization_level=0)",
+}
+
+
+def _choice(field: str, value, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise InvalidArgumentError(f"KernelOptions.{field} must be one of "
+                                   f"{', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _compiler_options(value) -> tuple[tuple[str, Any], ...]:
+    """A mapping (or pairs) of XLA option names to scalars, as a sorted tuple of pairs."""
+    try:
+        pairs = dict(value.items() if isinstance(value, Mapping) else value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"KernelOptions.compiler_options must be a mapping of "
+                                   f"option names to values, got {value!r}") from None
+    for name, item in pairs.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"KernelOptions.compiler_options: an option name must "
+                                       f"be a non-empty string, got {name!r}")
+        if not isinstance(item, (str, int, float, bool)):
+            raise InvalidArgumentError(f"KernelOptions.compiler_options: {name} must be a "
+                                       f"string, number or bool, got {item!r}")
+    return tuple(sorted(pairs.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How generation programs are built: kernels, sampling rules, compiler options.
+
+    Attributes:
+      attention: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (what
+        ``attn_impl`` was).
+      gpu_linear: ``"triton"`` or ``"mosaic"``: the GPU linear kernel's backend (what
+        ``SPECJAX_GPU_KERNELS`` was).
+      interpret_variant: ``"gpu"`` or ``"tpu"``: the kernels interpreted off GPU/TPU (what
+        ``SPECJAX_KERNEL_INTERPRET`` was).
+      sampling_rules: ``"auto"``, ``"static"`` or ``"traced"`` (what
+        ``SPECJAX_SAMPLING_RULES`` was; ``auto`` is static on a GPU only, see
+        :func:`specjax.sampling.static_rules`).
+      compiler_options: XLA compiler options, given as a mapping, kept as a sorted tuple
+        of (name, value) pairs (what ``specjax.decode.compiler_options()`` set).
+    """
+
+    attention: str = "auto"
+    gpu_linear: str = "triton"
+    interpret_variant: str = "gpu"
+    sampling_rules: str = "auto"
+    compiler_options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        _choice("attention", self.attention, ATTENTION_IMPLEMENTATIONS)
+        _choice("gpu_linear", self.gpu_linear, GPU_LINEAR_BACKENDS)
+        _choice("interpret_variant", self.interpret_variant, INTERPRET_VARIANTS)
+        _choice("sampling_rules", self.sampling_rules, SAMPLING_RULES)
+        object.__setattr__(self, "compiler_options", _compiler_options(self.compiler_options))
+
+    @classmethod
+    def default(cls, platform: str) -> "KernelOptions":
+        """The default for ``platform`` (``cpu``, ``gpu`` or ``tpu``), the one place the
+        defaults are chosen: ``auto`` sampling rules made concrete (static on a GPU),
+        everything else as the field defaults. A deprecated ``SPECJAX_*`` variable that is
+        set overrides its field, with a :class:`DeprecationWarning`."""
+        _choice("platform", platform, PLATFORMS)
+        return cls(**_environment_overrides()).resolved(platform)
+
+    def resolved(self, platform: str) -> "KernelOptions":
+        """These options with ``sampling_rules="auto"`` made concrete for ``platform``."""
+        if self.sampling_rules != "auto":
+            return self
+        return self.replace(sampling_rules="static" if platform == "gpu" else "traced")
+
+    @classmethod
+    def of(cls, value: "KernelOptions | str | None") -> "KernelOptions":
+        """``value`` as options: an attention implementation's name (the internal model
+        functions' ``attn_impl=``) gets the other fields' defaults."""
+        if isinstance(value, cls):
+            return value
+        return cls() if value is None else cls(attention=value)
+
+    def replace(self, **changes) -> "KernelOptions":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for a run's stats (``stats["kernels"]``) and JSON."""
+        values = dataclasses.asdict(self)
+        values["compiler_options"] = dict(self.compiler_options)
+        return values
+
+    @classmethod
+    def from_args(cls, args, platform: str | None = None) -> "KernelOptions":
+        """The options of the flags :func:`add_kernel_arguments` added, over
+        :meth:`default` for ``platform`` (``None``: over the field defaults; the API
+        resolves them for the model's backend)."""
+        base = cls(**_environment_overrides()) if platform is None else cls.default(platform)
+        changes = {name: getattr(args, name) for name in
+                   ("attention", "gpu_linear", "interpret_variant", "sampling_rules")
+                   if getattr(args, name, None) is not None}
+        legacy = getattr(args, "attn_impl", None)
+        if legacy is not None:
+            if changes.get("attention", legacy) != legacy:
+                raise InvalidArgumentError("--attn-impl and --attention disagree: give "
+                                           "--attention only")
+            warnings.warn("--attn-impl is deprecated: use --attention", DeprecationWarning,
+                          stacklevel=2)
+            changes["attention"] = legacy
+        pairs = getattr(args, "compiler_option", None) or []
+        if pairs:
+            changes["compiler_options"] = dict(parse_compiler_option(p) for p in pairs)
+        return base.replace(**changes)
+
+
+def parse_compiler_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` as (name, value): VALUE as an int, float, or ``true``/``false`` where
+    it reads as one, else the string."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise InvalidArgumentError(f"--compiler-option {text!r}: expected NAME=VALUE")
+    lowered = value.strip().lower()
+    if lowered in ("true", "false"):
+        return name, lowered == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
+
+
+def add_kernel_arguments(parser) -> None:
+    """The flags of :class:`KernelOptions` (``specjax generate`` and ``specjax bench``
+    both): ``--attention``, ``--gpu-linear``, ``--interpret-variant``,
+    ``--sampling-rules``, ``--compiler-option`` (repeatable), and the deprecated
+    ``--attn-impl``. Unset flags are ``None``: the backend's default."""
+    group = parser.add_argument_group("kernels (KernelOptions; default: the backend's)")
+    group.add_argument("--attention", default=None, choices=ATTENTION_IMPLEMENTATIONS,
+                       help=_HELP["attention"] + " (default: auto)")
+    group.add_argument("--gpu-linear", default=None, choices=GPU_LINEAR_BACKENDS,
+                       help=_HELP["gpu_linear"] + " (default: triton)")
+    group.add_argument("--interpret-variant", default=None, choices=INTERPRET_VARIANTS,
+                       help=_HELP["interpret_variant"] + " (default: gpu)")
+    group.add_argument("--sampling-rules", default=None, choices=SAMPLING_RULES,
+                       help=_HELP["sampling_rules"] + " (default: auto)")
+    group.add_argument("--compiler-option", action="append", default=None,
+                       metavar="NAME=VALUE", help=_HELP["compiler_options"])
+    group.add_argument("--attn-impl", default=None, choices=ATTENTION_IMPLEMENTATIONS,
+                       help="deprecated: --attention")
+
+
+def _environment_overrides() -> dict[str, str]:
+    """The fields the deprecated ``SPECJAX_*`` variables set, each with a warning."""
+    overrides = {}
+    for name, field in DEPRECATED_ENV.items():
+        value = os.environ.get(name, "").strip().lower()
+        if value:
+            warnings.warn(f"{name} is deprecated: use KernelOptions({field}={value!r}) "
+                          f"(generate(kernels=...)) or the --{field.replace('_', '-')} flag",
+                          DeprecationWarning, stacklevel=3)
+            overrides[field] = value
+    return overrides
+
+
+# The deprecated compiler_options() block's options (sorted (name, value) pairs).
+_COMPILER_OPTIONS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "specjax_compiler_options", default=())
+
+
+@contextlib.contextmanager
+def compiler_options(**options):
+    """Deprecated (``specjax.decode.compiler_options``): ``KernelOptions(compiler_options=
+    {...})`` (``generate(kernels=...)``).
+
+    Generation programs compiled inside this block get these XLA compiler options under
+    those of their :class:`KernelOptions` (:func:`specjax.generate` records them there, in
+    ``stats["kernels"]``). A block inside another adds to its
+    options, and an option given as ``None`` is removed. The options are a context
+    variable: a new thread starts without them.
+    """
+    warnings.warn("specjax.decode.compiler_options() is deprecated: use "
+                  "KernelOptions(compiler_options={...}) (generate(kernels=...))",
+                  DeprecationWarning, stacklevel=3)
+    with context_options(**options):
+        yield
+
+
+@contextlib.contextmanager
+def context_options(**options):
+    """:func:`compiler_options` without its warning: the test suite's fast compiles
+    (``tests/conftest.py``) until the deprecated block goes."""
+    merged = {**dict(_COMPILER_OPTIONS.get()), **options}
+    token = _COMPILER_OPTIONS.set(tuple(sorted((name, value) for name, value in merged.items()
+                                               if value is not None)))
+    try:
+        yield
+    finally:
+        _COMPILER_OPTIONS.reset(token)
+
+
+def context_compiler_options() -> dict:
+    """The options of the enclosing (deprecated) :func:`compiler_options` blocks."""
+    return dict(_COMPILER_OPTIONS.get())
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOptions:
+    """How a list of prompts runs (``generate(prompts, batch=...)``); no row's tokens
+    depend on it.
+
+    Attributes:
+      size: rows per compiled program, in [1, 64]; a longer list runs as consecutive
+        batches of this size. ``None``: the whole list in one batch. The program's row
+        count is rounded up to a power of two (padding rows are discarded).
+      compact_rows: once at most half of a program's rows are still generating, move
+        them to a program of the next smaller power of two, so that finished rows stop
+        costing work (compiles up to log2(B) more programs, once per process each; no
+        effect over a device mesh).
+    """
+
+    size: int | None = None
+    compact_rows: bool = True
+
+    def __post_init__(self):
+        size = self.size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool)
+                                 or not 1 <= size <= MAX_BATCH_SIZE):
+            raise InvalidArgumentError(f"BatchOptions.size must be an integer in "
+                                       f"[1, {MAX_BATCH_SIZE}], got {size!r}")
+        if not isinstance(self.compact_rows, bool):
+            raise InvalidArgumentError(f"BatchOptions.compact_rows must be True or False, "
+                                       f"got {self.compact_rows!r}")
