@@ -122,7 +122,9 @@ def method_options(method: str, model, draft_layers: int, tables,
                    tree_budget: int | None = None, attn_impl: str = "auto") -> dict:
     """Keyword arguments of :func:`specjax.generate` for ``method`` on a random model;
     ``tree_budget`` applies to :data:`BUDGET_METHODS` (``None``: the backend's default)."""
-    options = {"method": method, "attn_impl": attn_impl}
+    import specjax
+
+    options = {"method": method, "kernels": specjax.KernelOptions(attention=attn_impl)}
     if method in DRAFT_METHODS:
         # At most all but one of the target's layers, so that the draft is a smaller model.
         layers = max(1, min(draft_layers, model.config.num_layers - 1))
@@ -172,7 +174,7 @@ def compile_step_programs(model, prompt: list[int], options: dict, max_new_token
     from specjax import decode
 
     decode.clear_compiled()
-    kwargs = dict(options, stop_tokens=[])  # exactly max_new_tokens: random weights hit EOS
+    kwargs = dict(options, stop=[])  # exactly max_new_tokens: random weights hit EOS
 
     def run(new_tokens: int):
         result = specjax.generate(model, prompt, max_new_tokens=new_tokens, **kwargs)

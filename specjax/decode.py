@@ -133,8 +133,9 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
 
     Thread-safe: concurrent callers needing the same new program compile it once (see
     ``_COMPILE_LOCK``; compilations are serialised)."""
-    legacy = _COMPILER_OPTIONS.get()
-    key = (fn, loop, donate, carry, legacy, _signature(args))
+    # The loop's options over those of a (deprecated) compiler_options() block.
+    options = {**dict(_COMPILER_OPTIONS.get()), **dict(loop.kernels.compiler_options)}
+    key = (fn, loop, donate, carry, tuple(sorted(options.items())), _signature(args))
     hit = _EXECUTABLES.get(key)
     if hit is not None:
         return hit, 0.0
@@ -155,7 +156,6 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
                            f"({getattr(fn, '__name__', 'program').strip('_')}, cache "
                            f"{loop.capacity})"))
         with report, sharding.tracing(mesh):  # parameters on a mesh: see there
-            options = {**dict(legacy), **dict(loop.kernels.compiler_options)}
             executable = jitted.lower(*args).compile(options or None)
         _EXECUTABLES[key] = executable
         return executable, time.perf_counter() - start

@@ -93,15 +93,15 @@ def test_generate_streams_text_to_stdout_and_one_summary_line_to_stderr(capsys, 
 
 
 def test_fused_attention_fuses_the_target_and_draft_projections(capsys, served, monkeypatch):
-    # --attn-impl fused runs q|k|v and gate|up in one kernel each: the CLI fuses the weights
+    # --attention fused runs q|k|v and gate|up in one kernel each: the CLI fuses the weights
     # once at load, and the shipped draft follows the target's layout.
     calls = []
     monkeypatch.setattr(api, "generate", lambda model, prompt, **kwargs: calls.append(
         (model, kwargs)) or api.GenerationResult(text="", tokens=[], stats={}))
-    status, out, err = run_cli(capsys, "generate", PROMPT, "--attn-impl", "fused", "--json")
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--attention", "fused", "--json")
     assert status == 0, err
     (model, kwargs), = calls
-    assert kwargs["attn_impl"] == "fused" and models.projections_fused(model.params)
+    assert kwargs["kernels"].attention == "fused" and models.projections_fused(model.params)
     assert models.projections_fused(kwargs["draft"].params)
     assert not models.projections_fused(served.params)  # the loaded model is left as it was
 
@@ -658,9 +658,9 @@ def test_api_small_refusals_and_warnings(tiny_gguf):
     with pytest.raises(specjax.InvalidArgumentError, match=r"seed: a list of seeds \(2\) "
                        "goes with a list of prompts"):
         specjax.generate(model, PROMPT, seed=[1, 2])
-    with pytest.warns(specjax.PerformanceWarning, match="attn_impl='fused' on the CPU"):
+    with pytest.warns(specjax.PerformanceWarning, match="attention 'fused' on the CPU"):
         with pytest.raises(specjax.InvalidArgumentError, match="prompt is empty"):
-            specjax.generate(model, "", attn_impl="fused")
+            specjax.generate(model, "", kernels=specjax.KernelOptions(attention="fused"))
 
 
 def test_a_long_prompt_is_tokenized_without_the_tokenizers_warning(tiny_gguf):

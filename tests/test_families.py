@@ -237,15 +237,16 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
     assert "attention_fallback" not in specjax.generate(
         pairs["qwen3-tied"][1], prompt, max_new_tokens=4).stats
     with pytest.raises(InvalidArgumentError, match="take no soft-capping") as info:
-        specjax.generate(gemma, prompt, max_new_tokens=4, attn_impl="kernel")
+        specjax.generate(gemma, prompt, max_new_tokens=4, kernels=specjax.KernelOptions(attention="kernel"))
     assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("variant,feature", [("gemma2", "soft-capping"),
                                               ("qwen3-tied", "q/k norms")])
 def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
-    with pytest.raises(InvalidArgumentError, match=f"attn_impl='fused'.*{feature}") as info:
-        specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2, attn_impl="fused")
+    with pytest.raises(InvalidArgumentError, match=f"attention 'fused'.*{feature}") as info:
+        specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
+                         kernels=specjax.KernelOptions(attention="fused"))
     assert "\n" not in str(info.value)
 
 
@@ -256,7 +257,8 @@ def test_phi3_runs_the_fused_layers_exactly(pairs):
     assert models.has_fused_layers(model.config)
     prompt = random_prompt(0, 6)
     expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
-    assert specjax.generate(model, prompt, max_new_tokens=8, attn_impl="fused").tokens == expected
+    assert specjax.generate(model, prompt, max_new_tokens=8,
+                            kernels=specjax.KernelOptions(attention="fused")).tokens == expected
 
 
 GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_window=False),
@@ -314,7 +316,7 @@ def test_gguf_with_a_sentencepiece_vocabulary_brings_its_tokenizer(variant, tmp_
     prompt = sentencepiece_reference("<|user|>\nhi there<|end|>\n<|assistant|>\n",
                                      tokens, scores, types, prefix)
     assert specjax.generate(model, "hi there", chat=True, max_new_tokens=8,
-                            stop_tokens=[]).tokens == hf_greedy(hf_model, prompt, 8)
+                            stop=[]).tokens == hf_greedy(hf_model, prompt, 8)
 
 
 def test_gemma_gguf_norms_without_llama_cpp_s_plus_one_are_caught(tmp_path):

@@ -92,7 +92,7 @@ def test_tree_budget_applies_to_the_methods_that_take_one(profile_step):
     for method in profile_step.METHODS:
         options = profile_step.method_options(method, model, 2, None, tree_budget=5,
                                               attn_impl="reference")
-        assert options["attn_impl"] == "reference"  # --attn-impl reaches generate
+        assert options["kernels"].attention == "reference"  # --attn-impl reaches generate
         assert options.get("tree_budget") == (5 if method in ("tree", "staged") else None)
     assert "tree_budget" not in profile_step.method_options("tree", model, 2, None)
 

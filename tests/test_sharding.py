@@ -128,7 +128,8 @@ def _run_checks(cases: list) -> dict:
         if method == "staged":
             resources["ngram"] = tables
         out = specjax.generate(model, prompts, max_new_tokens=NEW_TOKENS, method=method,
-                               temperature=temperature, seed=3, attn_impl=attn_impl,
+                               temperature=temperature, seed=3,
+                               kernels=specjax.KernelOptions(attention=attn_impl),
                                **METHOD_OPTIONS[method], **resources)
         return [o.tokens for o in out] if isinstance(out, list) else out.tokens
 

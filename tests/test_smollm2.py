@@ -2,7 +2,7 @@
 
 transformers loads the same GGUF file (dequantized to float32) and is the reference:
 specjax's greedy ``ar`` decoding must produce its ``generate(do_sample=False)`` output token
-for token on HumanEval prompts. Stop tokens are off on both sides (``stop_tokens=[]`` here,
+for token on HumanEval prompts. Stop tokens are off on both sides (``stop=[]`` here,
 ``eos_token_id=None`` there) without suppressing EOS as a candidate, so a generation that
 passes through EOS keeps going identically on both sides.
 
@@ -105,7 +105,7 @@ def generation(smollm2, hf_smollm2, prompt_ids):
             # ``ar`` by name: the model's default method is staged, whose equality with
             # ``ar`` tests/test_smollm2_speculative.py checks.
             ours = specjax.generate(smollm2, ids, method="ar", max_new_tokens=NEW_TOKENS,
-                                    stop_tokens=[])
+                                    stop=[])
             assert ours.stats["new_tokens"] == NEW_TOKENS
             return ours.tokens, hf_greedy_no_stop(hf_smollm2, ids, NEW_TOKENS)
         finally:

@@ -66,7 +66,7 @@ def _second_tokens(target, tables, **options):
     decode.clear_compiled()
     tokens = []
     for seed in range(SEEDS):
-        out = specjax.generate(target, PROMPT, max_new_tokens=2, seed=seed, stop_tokens=[],
+        out = specjax.generate(target, PROMPT, max_new_tokens=2, seed=seed, stop=[],
                                ngram=tables, **SAMPLING, **options)
         tokens.append(out.tokens[1])
     decode.clear_compiled()
