@@ -53,7 +53,7 @@ from specjax.cache import init_cache
 
 # What is timed: ``ar`` by name (a known model's default method is ``staged``), exactly
 # ``max_new_tokens`` tokens (no stop tokens), greedy.
-AR = dict(method="ar", stop_tokens=[])
+AR = dict(method="ar", stop=[])
 
 
 def ar_program(model, ids: list[int], budget: int):
@@ -62,7 +62,7 @@ def ar_program(model, ids: list[int], budget: int):
     executable can be run with a smaller (traced) ``max_new_tokens``."""
     request = api._prepare(model, ids, method=AR["method"], max_new_tokens=budget,
                            temperature=0.0, top_k=0, top_p=1.0, seed=0, draft=None,
-                           ngram=None, stop_tokens=AR["stop_tokens"], chat=False,
+                           ngram=None, stop_tokens=[], chat=False,
                            kernels=api.KernelOptions(), options={})
     return request.loop, request.args
 

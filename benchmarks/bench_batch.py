@@ -46,7 +46,8 @@ def _median_run(model, prompts, repeats: int, **kwargs) -> tuple[float, list]:
 def measure(model, prompts, method: str, max_new_tokens: int, repeats: int,
             compact_rows: bool = True) -> dict:
     """One point: ``method`` on the batch ``prompts``."""
-    common = dict(method=method, stop_tokens=[], temperature=0.0, compact_rows=compact_rows)
+    common = dict(method=method, stop=[], temperature=0.0,
+                  batch=specjax.BatchOptions(compact_rows=compact_rows))
     seconds, outs = _median_run(model, prompts, repeats, max_new_tokens=max_new_tokens,
                                 **common)
     prefill, _ = _median_run(model, prompts, repeats, max_new_tokens=1, **common)
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compaction", default="on",
                         help="on, off or on,off: live rows gathered into smaller programs "
-                             "as rows finish (generate's compact_rows); with on,off "
+                             "as rows finish (BatchOptions.compact_rows); with on,off "
                              "every point runs both ways, one after the other")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)

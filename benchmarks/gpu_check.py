@@ -282,6 +282,7 @@ def step_exactness(sh: Shapes, record) -> None:
     from specjax import models
     from specjax.checkpoints_tools.ngram_build import build_ngram
     from specjax.methods import METHODS
+    from specjax.methods.options import backend_of
     from specjax.sampling import static_rules
 
     broken = _broken()
@@ -302,12 +303,13 @@ def step_exactness(sh: Shapes, record) -> None:
         if path == "fused":
             params = models.fuse_projections(config, params)
         model = specjax.Model(config, params, None, f"random-exact-{dtype}-{path}")
-        attn_impl = "fused" if path == "fused" else "auto"
+        kernels = specjax.KernelOptions.default(backend_of(jax.default_backend())).replace(
+            attention="fused" if path == "fused" else "auto")
 
         def outputs(method: str, sampling: str, resources: dict) -> tuple[list, list]:
             results = [specjax.generate(model, prompt, max_new_tokens=sh.exact_tokens,
-                                        seed=seed, method=method, attn_impl=attn_impl,
-                                        stop_tokens=[], **SAMPLINGS[sampling], **resources)
+                                        seed=seed, method=method, kernels=kernels,
+                                        stop=[], **SAMPLINGS[sampling], **resources)
                        for seed, prompt in enumerate(prompts)]
             return ([r.tokens for r in results],
                     [r.stats["mean_accepted"] for r in results])
@@ -334,7 +336,7 @@ def step_exactness(sh: Shapes, record) -> None:
         # of this step's time; the outputs do not depend on the order of the runs. One
         # task per program: where the sampling rule is chosen on the device (the CPU) both
         # samplings share a method's program.
-        if static_rules(jax.default_backend()):
+        if static_rules(jax.default_backend(), kernels.sampling_rules):
             groups = [(m, (s,)) for m in ("ar", *SPEC_METHODS) for s in SAMPLINGS]
         else:
             groups = [(m, tuple(SAMPLINGS)) for m in ("ar", *SPEC_METHODS)]

@@ -14,13 +14,13 @@
 #        profile_<model>.json  benchmarks/profile_step.py, per method and dtype: ms per
 #                       target pass, kernels, memcpys, top kernels (jax.profiler) and the
 #                       compiled step's HLO counts; HLO texts in hlo/
-#        profile_fused_<model>.json  the same with --attn-impl fused --fused-projections
-#        profile_fused_mosaic_<model>.json  the same in bfloat16 with SPECJAX_GPU_KERNELS=mosaic
+#        profile_fused_<model>.json  the same with --attention fused --fused-projections
+#        profile_fused_mosaic_<model>.json  the same in bfloat16 with --gpu-linear mosaic
 #                       (the projections in the Mosaic GPU wgmma kernel instead of Triton's)
 #        profile_tree16_<model>.json  fused ar and tree at 16 nodes (the GPU's tree default
 #                       is 32; issue 14's tree target is for 16)
 #        profile_traced_rules_<model>.json  fused bf16 ar and tree with the sampling rule
-#                       chosen on the device (SPECJAX_SAMPLING_RULES=traced): its cost
+#                       chosen on the device (--sampling-rules traced): its cost
 #        logs/exact.log the fused path's and the fixed sampling rules' exactness tests,
 #                       compiled for the GPU (pytest)
 #        kernels.json   benchmarks/bench_kernels.py --device-time --sweep (checks fp32 and
@@ -171,25 +171,25 @@ for model in ${PROFILE_MODELS:-smollm2-135m}; do
     step "profile-fused-$model" "$PY" benchmarks/profile_step.py --model "$model" \
         --dtypes "${PROFILE_DTYPES:-float32,bfloat16}" \
         --methods "${PROFILE_METHODS:-ar,ngram,spec,tree,staged}" \
-        --attn-impl fused --fused-projections \
+        --attention fused --fused-projections \
         --json "$DIR/profile_fused_$model.json" --hlo-dir "$DIR/hlo/fused-$model"
     # And with the projections in the Mosaic GPU kernel (opt-in, bfloat16/float16 only;
     # float32 calls and the tied head stay on Triton): against the bfloat16 rows above.
-    step "profile-fused-mosaic-$model" env SPECJAX_GPU_KERNELS=mosaic "$PY" \
+    step "profile-fused-mosaic-$model" "$PY" \
         benchmarks/profile_step.py --model "$model" --dtypes bfloat16 \
         --methods "${PROFILE_METHODS:-ar,ngram,spec,tree,staged}" \
-        --attn-impl fused --fused-projections \
+        --attention fused --gpu-linear mosaic --fused-projections \
         --json "$DIR/profile_fused_mosaic_$model.json" --hlo-dir "$DIR/hlo/fused-mosaic-$model"
     # Issue 14's tree target is stated for 16 nodes; the GPU's default tree budget is 32.
     step "profile-tree16-$model" "$PY" benchmarks/profile_step.py --model "$model" \
         --dtypes "${PROFILE_DTYPES:-float32,bfloat16}" --methods ar,tree --tree-budget 16 \
-        --attn-impl fused --fused-projections --json "$DIR/profile_tree16_$model.json"
+        --attention fused --fused-projections --json "$DIR/profile_tree16_$model.json"
     # The sampling rule chosen on the device (lax.cond: the predicate copied to the host and
     # the device drained, per conditional) instead of fixed when tracing (the GPU's default):
     # what the fixed rules save, against the bfloat16 ar and tree rows of profile_fused.
-    step "profile-traced-rules-$model" env SPECJAX_SAMPLING_RULES=traced "$PY" \
+    step "profile-traced-rules-$model" "$PY" \
         benchmarks/profile_step.py --model "$model" --dtypes bfloat16 --methods ar,tree \
-        --attn-impl fused --fused-projections \
+        --attention fused --sampling-rules traced --fused-projections \
         --json "$DIR/profile_traced_rules_$model.json"
 done
 # Exactness of attn_impl="fused" on the device: the model-level tests of
@@ -253,7 +253,7 @@ for variant in fp32 fused-bf16; do
     fi
     case $variant in
         fp32) variant_args=(--dtype float32) ;;
-        fused-bf16) variant_args=(--dtype bfloat16 --attn-impl fused) ;;
+        fused-bf16) variant_args=(--dtype bfloat16 --attention fused) ;;
     esac
     step "suite-$variant" "$PY" benchmarks/run_suite.py --methods ar,spec,tree,ngram,staged \
         --temperatures 0,1 --limit 6 --max-new-tokens 128 --peers none \

@@ -119,12 +119,20 @@ def random_ngram_tables(vocab_size: int, seed: int = 0, tokens: int = 20000):
 
 
 def method_options(method: str, model, draft_layers: int, tables,
-                   tree_budget: int | None = None, attn_impl: str = "auto") -> dict:
+                   tree_budget: int | None = None, attn_impl="auto") -> dict:
     """Keyword arguments of :func:`specjax.generate` for ``method`` on a random model;
-    ``tree_budget`` applies to :data:`BUDGET_METHODS` (``None``: the backend's default)."""
+    ``tree_budget`` applies to :data:`BUDGET_METHODS` (``None``: the backend's default);
+    ``attn_impl``: a :class:`specjax.KernelOptions`, or an attention implementation's name
+    (the backend's default options with that attention)."""
+    import jax
     import specjax
+    from specjax.methods.options import backend_of
 
-    options = {"method": method, "kernels": specjax.KernelOptions(attention=attn_impl)}
+    kernels = attn_impl
+    if isinstance(kernels, str):
+        kernels = specjax.KernelOptions.default(backend_of(jax.default_backend())).replace(
+            attention=attn_impl)
+    options = {"method": method, "kernels": kernels}
     if method in DRAFT_METHODS:
         # At most all but one of the target's layers, so that the draft is a smaller model.
         layers = max(1, min(draft_layers, model.config.num_layers - 1))
@@ -694,7 +702,7 @@ def _per_pass(long: dict, short: dict, passes: int, key: str) -> float | None:
 def profile_method(model, method: str, prompt: list[int], new_tokens: int, repeats: int,
                    draft_layers: int, tables, trace: bool, hlo_dir: str | None,
                    top: int = 15, tree_budget: int | None = None,
-                   attn_impl: str = "auto", with_step: bool = True) -> dict:
+                   attn_impl="auto", with_step: bool = True) -> dict:
     """One row of the report (see the module docstring); ``with_step=False`` skips the
     streaming step's program (one compile fewer, no ``hlo_step_program``)."""
     options = method_options(method, model, draft_layers, tables, tree_budget, attn_impl)
@@ -708,7 +716,8 @@ def profile_method(model, method: str, prompt: list[int], new_tokens: int, repea
     long_s, passes_long, draft_long = min(long_runs)
     short_s, passes_short, draft_short = min(short_runs)
     passes = passes_long - passes_short
-    row = {"method": method, "options": programs.options, "attn_impl": attn_impl,
+    row = {"method": method, "options": programs.options,
+           "attn_impl": options["kernels"].attention, "kernels": options["kernels"].to_dict(),
            "target_passes": passes,
            "draft_passes_per_target_pass": (draft_long - draft_short) / max(passes, 1),
            "new_tokens": new_tokens, "compile_seconds": programs.compile_seconds,
@@ -775,9 +784,10 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv=None) -> int:
+    from specjax.backend_options import KernelOptions, add_kernel_arguments
     from specjax.errors import InvalidArgumentError
     from specjax.methods import method_options as resolve_options
-    from specjax.methods.options import describe_defaults
+    from specjax.methods.options import backend_of, describe_defaults
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m",
@@ -792,9 +802,7 @@ def main(argv=None) -> int:
                         help=f"nodes per target pass of {' and '.join(BUDGET_METHODS)} "
                              f"(default: the backend's, {describe_defaults('tree_budget')}); "
                              f"each row records its method's options")
-    parser.add_argument("--attn-impl", default="auto",
-                        choices=["auto", "reference", "kernel", "fused"],
-                        help="fused: the row-tiled Pallas kernels for every projection too")
+    add_kernel_arguments(parser)  # --attention etc., as specjax generate's
     parser.add_argument("--fused-projections", action="store_true",
                         help="fuse q|k|v and gate|up weights (models.fuse_projections)")
     parser.add_argument("--no-trace", action="store_true", help="skip the profiler traces")
@@ -803,6 +811,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None,
                         help="output (default benchmarks/results/profile_<model>_<device>.json)")
     args = parser.parse_args(argv)
+    try:
+        kernels = KernelOptions.from_args(args, backend_of(jax.default_backend()))
+    except InvalidArgumentError as error:
+        parser.error(str(error))
 
     from specjax.benchmark import environment
     from specjax.benchmark.environment import machine
@@ -853,7 +865,7 @@ def main(argv=None) -> int:
                                      args.draft_layers, tables, not args.no_trace,
                                      args.hlo_dir and os.path.join(args.hlo_dir, dtype),
                                      args.top, tree_budget=args.tree_budget,
-                                     attn_impl=args.attn_impl)
+                                     attn_impl=kernels)
             except Exception as error:  # one failed method is a row, not a lost run
                 row = {"method": method, "error": f"{type(error).__name__}: {error}"[:500]}
             budget = row.get("options", {}).get("tree_budget")

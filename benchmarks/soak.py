@@ -187,7 +187,7 @@ class Call:
     def kwargs(self, fixture: Fixture) -> dict:
         out = dict(method=self.method, max_new_tokens=self.max_new_tokens,
                    temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                   seed=self.seed, stop_tokens=self.stop_tokens,
+                   seed=self.seed, stop=self.stop_tokens,
                    **fixture.resources(self.method, self.draft))
         if self.verify is not None:
             out["verify"] = self.verify

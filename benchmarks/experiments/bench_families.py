@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     env = machine()
     prompt = np.random.default_rng(0).integers(0, 32000, 16).tolist()
-    run = dict(max_new_tokens=args.new_tokens, method="ar", stop_tokens=[])
+    run = dict(max_new_tokens=args.new_tokens, method="ar", stop=[])
     family_models = {name: family_model(name) for name in FAMILIES}
     rows = {}
     for name, model in family_models.items():

@@ -56,7 +56,7 @@ def tiny_model(layers: int, hidden: int) -> specjax.Model:
 
 def timed(model, prompts, new_tokens: int) -> tuple[float, list]:
     out = specjax.generate(model, prompts, max_new_tokens=new_tokens, method="ar",
-                           stop_tokens=[])
+                           stop=[])
     results = out if isinstance(out, list) else [out]
     return results[0].stats["seconds"], [r.tokens for r in results]
 

@@ -192,7 +192,7 @@ def bench(args) -> None:
     names = args.systems.split(",")
     temperatures = [float(t) for t in args.temperatures.split(",")]
     prompts = humaneval_prompts()[args.start: args.start + args.count]
-    common = dict(max_new_tokens=128, stop_tokens=[], seed=0)
+    common = dict(max_new_tokens=128, stop=[], seed=0)
     for temperature in temperatures:  # compile every program before timing
         for name in names:
             specjax.generate(target, api.encode_prompt(target, prompts[0]),
