@@ -582,9 +582,10 @@ def _arguments(model: Model, *, method, max_new_tokens, temperature, top_k, top_
             raise InvalidArgumentError("attn_impl and kernels: give kernels only")
         kernels = KernelOptions.default(model_backend(model)).replace(
             attention=old["attn_impl"])
-    if {"batch_size", "compact_rows"} & set(old):
+    given = sorted({"batch_size", "compact_rows"} & set(old))
+    if given:
         if batch is not None:
-            raise InvalidArgumentError(f"{', '.join(sorted(old))} and batch: give batch only")
+            raise InvalidArgumentError(f"{' and '.join(given)} and batch: give batch only")
         batch = BatchOptions(size=old.get("batch_size"),
                              compact_rows=old.get("compact_rows", True))
     if batch is not None and not isinstance(batch, BatchOptions):

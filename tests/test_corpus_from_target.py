@@ -115,7 +115,7 @@ def test_target_corpus_is_the_targets_generations(tiny_target, corpus_files, mon
         generated = document[len(prompt):-1]
         expected = specjax.generate(tiny_target, prompt, method="ar", max_new_tokens=24,
                                     temperature=1.0, seed=sample_corpus.row_seed(0, i),
-                                    stop_tokens=[2])
+                                    stop=[2])
         assert generated.tolist() == [t for t in expected.tokens if t != 2]
 
 
@@ -141,7 +141,7 @@ def test_a_greedy_fraction_of_the_rows_is_written_greedily(tiny_target, corpus_f
         expected = specjax.generate(
             tiny_target, prompt, method="ar", max_new_tokens=24,
             temperature=0.0 if greedy else 1.0, seed=sample_corpus.row_seed(0, i),
-            stop_tokens=[2])
+            stop=[2])
         assert document[len(prompt):-1].tolist() == [t for t in expected.tokens if t != 2]
     with pytest.raises(InvalidArgumentError, match="target_greedy_fraction must be in"):
         _cfg(target_greedy_fraction=1.5)
@@ -177,7 +177,7 @@ def test_a_chat_fraction_of_the_prompts_goes_through_the_chat_template(tiny_targ
                           add_special_tokens=False)["input_ids"])
         expected = specjax.generate(tiny_target, ids[:end], method="ar", max_new_tokens=24,
                                     temperature=1.0, seed=sample_corpus.row_seed(0, i),
-                                    stop_tokens=[2])
+                                    stop=[2])
         assert ids[end:] == [t for t in expected.tokens if t != 2], i
     with pytest.raises(InvalidArgumentError, match="target_chat_fraction must be in"):
         _cfg(target_chat_fraction=2.0)

@@ -647,14 +647,14 @@ def test_a_row_count_dependent_blocking_is_caught(monkeypatch, packed):
     """The same comparison fails for the ordered kernel with its KV block chosen from the
     number of new tokens (16 slots for a one-token step, 32 for a verify pass): the bug the
     fixed blocking rules out."""
-    def blocked_by_row_count(q, *args, layer):
+    def blocked_by_row_count(q, *args, layer, interpret_variant):
         sizes = GpuOrderedBlockSizes(block_kv=16 if q.shape[0] == 1 else 32)
         return ordered_attention_gpu(q, *args, layer=layer, block_sizes=sizes, interpret=True)
 
     def sizes_for(rows):  # 16 packed rows: a one-token step (and short verify passes)
         return GpuOrderedBlockSizes(block_kv=16 if rows == 16 else 32)
 
-    def packed_blocked_by_row_count(packed, *args, num_heads):
+    def packed_blocked_by_row_count(packed, *args, num_heads, interpret_variant):
         return ordered_attention_packed_gpu(packed, *args, num_heads=num_heads,
                                             block_sizes=sizes_for(packed.shape[1]),
                                             interpret=True)
@@ -678,17 +678,20 @@ def test_fused_generation_equals_reference(method):
     target = specjax.Model.from_params(config, _params(config, seed=5), name="fused-target")
     prompts = [random_prompt(7, 9, vocab=config.vocab_size),
                random_prompt(8, 5, vocab=config.vocab_size)]
-    expected = [specjax.generate(target, p, max_new_tokens=5, attn_impl="reference").tokens
+    expected = [specjax.generate(target, p, max_new_tokens=5,
+                                 kernels=KernelOptions(attention="reference")).tokens
                 for p in prompts]
     if method == "ar-batch":
-        got = specjax.generate(target, prompts, max_new_tokens=5, attn_impl="fused")
+        got = specjax.generate(target, prompts, max_new_tokens=5,
+                               kernels=KernelOptions(attention="fused"))
         assert [r.tokens for r in got] == expected
         return
     draft_config = _tiny_config(num_layers=1)
     draft = specjax.Model.from_params(draft_config, _params(draft_config, seed=6),
                                       name="fused-draft")
     # The draft's levels attend through a scratch window (the split kernel's calls).
-    tree = specjax.generate(target, prompts[0], max_new_tokens=5, attn_impl="fused",
+    tree = specjax.generate(target, prompts[0], max_new_tokens=5,
+                            kernels=KernelOptions(attention="fused"),
                             method="tree", draft=draft, tree_budget=6, draft_depth=3,
                             draft_width=2)
     assert tree.tokens == expected[0] and tree.stats["draft_calls"] > 0
@@ -698,5 +701,6 @@ def test_unknown_attention_implementation_is_one_line():
     config = _tiny_config()
     model = specjax.Model.from_params(config, _params(config), name="tiny")
     with pytest.raises(InvalidArgumentError, match="fused") as info:
-        specjax.generate(model, [1, 2, 3], max_new_tokens=2, attn_impl="fast")
+        specjax.generate(model, [1, 2, 3], max_new_tokens=2,
+                         kernels=KernelOptions(attention="fast"))
     assert "\n" not in str(info.value)

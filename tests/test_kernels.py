@@ -174,7 +174,7 @@ def tiny_models():
     target = tiny_pair("llama-gqa", seed=31, num_hidden_layers=2)[1]  # H=4, K=2, D=16
     draft = tiny_pair("llama-gqa", seed=32, num_hidden_layers=1)[1]
     expected = specjax.generate(target, PROMPT, max_new_tokens=NEW_TOKENS,
-                                attn_impl="reference").tokens
+                                kernels=specjax.KernelOptions(attention="reference")).tokens
     return target, draft, expected
 
 
@@ -186,8 +186,8 @@ def test_generate_with_kernel_equals_reference(tiny_models, method):
     # Depth 3: the draft's last level attends to the level before it through a scratch window.
     options = {} if method == "ar" else dict(method="tree", draft=draft, tree_budget=6,
                                              draft_depth=3, draft_width=2)
-    got = specjax.generate(target, PROMPT, max_new_tokens=NEW_TOKENS, attn_impl="kernel",
-                           **options)
+    got = specjax.generate(target, PROMPT, max_new_tokens=NEW_TOKENS,
+                           kernels=specjax.KernelOptions(attention="kernel"), **options)
     assert got.tokens == expected
     if method == "tree":
         assert got.stats["draft_calls"] > 0

@@ -91,7 +91,7 @@ def test_sampler_rows_are_ar_generations(draft, temperature):
     for i, prompt in enumerate(prompts):
         ref = specjax.generate(draft, prompt, method="ar", max_new_tokens=10,
                                temperature=temperature, seed=sample_corpus.row_seed(9, i),
-                               stop_tokens=[])
+                               stop=[])
         assert out[i].tolist() == list(ref.tokens), (i, temperature)
 
 
@@ -222,5 +222,5 @@ def test_sampler_batches_pad_to_their_own_longest_prompt(draft, monkeypatch):
     assert shapes == [((2, 16), 128), ((2, 64), 128)]
     for i, prompt in enumerate(prompts):
         ref = specjax.generate(draft, prompt, method="ar", max_new_tokens=6, temperature=1.0,
-                               seed=sample_corpus.row_seed(3, i), stop_tokens=[])
+                               seed=sample_corpus.row_seed(3, i), stop=[])
         assert out[i].tolist() == list(ref.tokens), i
