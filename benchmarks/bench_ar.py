@@ -63,7 +63,7 @@ def ar_program(model, ids: list[int], budget: int):
     request = api._prepare(model, ids, method=AR["method"], max_new_tokens=budget,
                            temperature=0.0, top_k=0, top_p=1.0, seed=0, draft=None,
                            ngram=None, stop_tokens=[], chat=False,
-                           kernels=api.KernelOptions(), options={})
+                           kernels=api.kernel_options(model), options={})
     return request.loop, request.args
 
 
