@@ -74,7 +74,7 @@ class Model:
 
     def with_fused_projections(self) -> "Model":
         """This model with each layer's q|k|v and gate|up matrices fused into one each
-        (:func:`specjax.models.fuse_projections`): ``attn_impl="fused"`` then runs each in
+        (:func:`specjax.models.fuse_projections`): attention ``"fused"`` then runs each in
         one kernel (on a GPU a Llama-family layer is 5 launches, 7 with separate q, k, v).
         The weights are concatenated once, into new arrays (drop this model to free the
         old ones); this model itself if they are fused already. A draft resolved for a

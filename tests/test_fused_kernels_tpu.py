@@ -13,7 +13,7 @@ GPU kernels, reusing its inputs and helpers:
 * row independence: a row computed in calls of 1, 5, 16 and 17 rows is bitwise the same,
   and a reduction chunk chosen from the row count (the bug the tiling rules out) is caught;
 * the ordered attention against ``attention_reference`` (the GPU test's cases);
-* whole models through the dispatcher (``SPECJAX_KERNEL_INTERPRET=tpu``): every node on a
+* whole models through the dispatcher (``KernelOptions(interpret_variant="tpu")``): every node on a
   root-to-leaf path of a 17-node tree is bitwise the one-token ``ar`` step at its position
   (fp32; bf16 in the slow tier), on the GPU test's tiny model.
 

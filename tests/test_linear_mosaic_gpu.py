@@ -9,9 +9,9 @@ NaN and raises on out-of-bounds reads. Checked:
   head), stacked weights at a traced layer, bfloat16 and float16, one and two row tiles;
 * row independence: each row of a 5/64/70-row call is bitwise the row computed alone, and
   a reduction chunk chosen from the row count (the bug the fixed chunk rules out) is caught;
-* the dispatcher: ``SPECJAX_GPU_KERNELS=mosaic`` sends the calls the kernel takes to it and
-  the rest (float32, a transposed head, a width off 64) to the Triton kernel; the default
-  never uses it; a bad value is one line;
+* the dispatcher: ``gpu_linear="mosaic"`` (``KernelOptions.gpu_linear``) sends the calls
+  the kernel takes to it and the rest (float32, a transposed head, a width off 64) to the
+  Triton kernel; the default never uses it; a bad value is one line;
 * a whole bfloat16 model with it: every node on a root-to-leaf path of a 17-node verify
   pass is bitwise the one-token step ``ar`` runs there;
 * the CUDA lowering accepts it at the SmolLM2 and Llama-7B shapes (the Pallas -> Mosaic GPU
