@@ -222,9 +222,8 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
 
 
 # Half-precision parameters XLA's CPU backend runs slower than float32: its bf16/fp16 matmuls
-# and conversions are not vectorised like its float32 ones. Measured on the 2-core AVX-512
-# test machine (jax 0.10.2), one smollm2-135m one-token forward: float32 27.5 ms, float16
-# 53 ms, bfloat16 206 ms (benchmarks/README.md, "Half precision on the CPU").
+# and conversions are not vectorised like its float32 ones (benchmarks/README.md, "Half
+# precision on the CPU").
 _SLOW_ON_CPU = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
