@@ -15,6 +15,7 @@ from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
 
 from conftest import random_prompt, tiny_pair
+from tolerances import assert_sums_close, forward_sums
 
 NEW = 24
 SHAPES = {
@@ -76,8 +77,10 @@ def test_kept_features_are_the_targets_at_every_committed_position(target, shape
     tokens = jnp.asarray(state.tokens[: length - 1])
     expected, _ = models.hidden_states(target.params, target.config, tokens,
                                        jnp.arange(length - 1, dtype=jnp.int32))
-    np.testing.assert_allclose(np.asarray(state.method_state.features[: length - 1]),
-                               np.asarray(expected), atol=2e-5, rtol=1e-5)
+    # The decode's passes (prefill, tree passes through the cache) against one forward,
+    # summed in other orders (tests/tolerances.py).
+    assert_sums_close(state.method_state.features[: length - 1], expected,
+                      **forward_sums(target.config, length))
     assert int(state.target_calls) < NEW  # some drafted tokens were accepted on the way
 
 
