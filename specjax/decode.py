@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding
+from specjax.kernels import fallbacks
 from specjax.state import (DecodeLoop, DecodeState, RowBook, hold_finished, prefill,
                            row_sampling, state_axes, take_rows, with_buffers, without_buffers)
 # The sizes callers plan a program with, where they have always found them.
@@ -81,7 +82,7 @@ def _step(params, loop: DecodeLoop, state: DecodeState, resources: Any) -> Decod
 # ----------------------------------------------------------------------------- compiled programs
 
 
-_EXECUTABLES: dict = {}
+_EXECUTABLES: dict = {}  # key -> (executable, the fallbacks recorded lowering it)
 # Held while compiling: threads that need the same new program compile it once (the
 # others wait and reuse it); a thread whose program is cached never takes it.
 _COMPILE_LOCK = threading.Lock()
@@ -149,16 +150,19 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
     step runs again on its own output (XLA may otherwise choose other shardings for it).
 
     Thread-safe: concurrent callers needing the same new program compile it once (see
-    ``_COMPILE_LOCK``; compilations are serialised)."""
+    ``_COMPILE_LOCK``; compilations are serialised). The fallbacks recorded lowering the
+    program go to the active :func:`.kernels.fallbacks.collecting` block, cached or not."""
     options = _COMPILER_OPTIONS.get()
     key = (fn, loop, donate, carry, options, _signature(args))
     hit = _EXECUTABLES.get(key)
     if hit is not None:
-        return hit, 0.0
+        fallbacks.record_all(hit[1])
+        return hit[0], 0.0
     with _COMPILE_LOCK:
         hit = _EXECUTABLES.get(key)
         if hit is not None:  # another thread compiled it while this one waited
-            return hit, 0.0
+            fallbacks.record_all(hit[1])
+            return hit[0], 0.0
         start = time.perf_counter()
         mesh = sharding.mesh_of(args[0])
         placement = {}
@@ -171,9 +175,10 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
                   reporter(f"compiling {getattr(loop.method, 'name', 'ar')} "
                            f"({getattr(fn, '__name__', 'program').strip('_')}, cache "
                            f"{loop.capacity})"))
-        with report, sharding.tracing(mesh):  # parameters on a mesh: see there
+        with report, sharding.tracing(mesh), fallbacks.collecting() as reasons:  # mesh: see there
             executable = jitted.lower(*args).compile(dict(options) or None)
-        _EXECUTABLES[key] = executable
+        _EXECUTABLES[key] = executable, frozenset(reasons)
+        fallbacks.record_all(reasons)
         return executable, time.perf_counter() - start
 
 
