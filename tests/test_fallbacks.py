@@ -4,8 +4,9 @@ other than what was asked for is recorded while its program is traced
 
 Checked here, on tiny random models on the CPU:
 
-* the kernel sites record a precise reason when they fall back, and nothing when the
-  kernel takes the call; tracing under a collector gives the same program;
+* the kernel sites (fused_linear, verify_attention, ordered_attention) record a precise
+  reason when they fall back, and nothing when the kernel takes the call; tracing under a
+  collector gives the same program;
 * the models layer records ``attn_impl="fused"`` running ``"auto"`` for a pass over
   ``FUSED_MAX_TOKENS`` tokens and for a family without fused layers;
 * a run: a fused generation with a prompt over 128 tokens lists the fused -> auto
@@ -27,6 +28,7 @@ from specjax.config import ModelConfig
 from specjax.kernels import fallbacks
 
 from conftest import random_prompt
+from test_kernels import _valid_args
 
 SDS = jax.ShapeDtypeStruct
 # attn_impl="fused" on the CPU warns that it is slow (interpreted kernels): meant here.
@@ -70,6 +72,22 @@ def test_recording_leaves_the_program_unchanged():
     with fallbacks.collecting() as reasons:
         collected = lowered()
     assert reasons and collected == plain
+
+
+def test_verify_attention_records_what_auto_runs_instead(monkeypatch):
+    def fallback(*args):
+        return jnp.zeros_like(args[0])
+
+    with fallbacks.collecting() as interpreted:  # a direct call on the CPU
+        kernels.verify_attention(*_valid_args(), fallback=fallback)
+    assert interpreted == {"verify_attention: no Pallas kernel runs natively on the cpu "
+                           "backend; attn_impl='auto' ran the jnp attention"}
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with fallbacks.collecting() as refused:
+        kernels.verify_attention(*_valid_args(t=129), fallback=fallback)
+    (reason,) = refused
+    assert reason.startswith("verify_attention: GPU verify-attention kernel: 129 new tokens")
+    assert reason.endswith("; attn_impl='auto' ran the jnp attention")
 
 
 def test_ordered_attention_records_a_refused_capacity_but_not_a_drafting_call():
