@@ -180,13 +180,27 @@ def uses_fused_layers(config: ModelConfig, num_tokens: int, attn_impl: str) -> b
 
     Then every projection and the head are one :func:`specjax.kernels.fused_linear` call
     each (a projection whose shape the kernel does not take, e.g. a width that is not a
-    multiple of 16, runs its jnp reference instead) and attention is
+    multiple of 16, runs its jnp reference instead, recorded in the run's
+    ``stats["fallbacks"]``) and attention is
     :func:`specjax.kernels.ordered_attention`: a row's arithmetic depends neither on how
     many rows share the call nor on whether its context is committed or in the tree, so a
     verify pass reproduces the one-token steps bit for bit.
     """
     return (attn_impl == "fused" and num_tokens <= FUSED_MAX_TOKENS
             and has_fused_layers(config))
+
+
+def _record_unfused(config: ModelConfig, num_tokens: int) -> None:
+    """Records (:mod:`specjax.kernels.fallbacks`) why a call with ``attn_impl="fused"``
+    runs the ``"auto"`` layers: a pass over more than :data:`FUSED_MAX_TOKENS` tokens (a
+    long prefill, shared by the methods compared), or a family without fused layers (a
+    draft's: the API refuses such a target)."""
+    if has_fused_layers(config):
+        why = (f"a {num_tokens}-token pass (the fused kernels take at most "
+               f"{FUSED_MAX_TOKENS} tokens)")
+    else:
+        why = no_fused_layers_reason(config)
+    kernels.fallbacks.record("fused layers", f"{why}; attn_impl='auto' ran")
 
 
 def _packed_attention(family, scratch_mask) -> bool:
@@ -308,6 +322,7 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
     fused = uses_fused_layers(config, tokens.shape[0], attn_impl)
     num_taps = len(feature_layers)
     if attn_impl == "fused" and not fused:
+        _record_unfused(config, tokens.shape[0])
         attn_impl = "auto"  # a long prefill, or a family without fused layers
 
     def attend_at(index):
@@ -532,6 +547,9 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
         if return_features:
             return logits, _FAMILIES[config.architecture].final_norm(params, config, x), cache
         return logits, cache
+    if uses_fused_layers(config, tokens.shape[0], attn_impl):  # fused layers, a jnp head
+        kernels.fallbacks.record("fused layers", "a reduced head (a draft's head subset or "
+                                 "draft_vocab_size) has no kernel; the jnp head ran")
     out = hidden_states(params, config, tokens, positions, cache, mask, scratch_mask,
                         attn_impl=attn_impl, features=features, feature_layers=taps_wanted)
     hidden, cache = out[0], out[-1]
