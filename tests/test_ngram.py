@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specjax import cli
-from specjax.checkpoints_tools.ngram_build import (build_ngram, count_ngrams, katz_discounts,
+from specjax.training.ngram_build import (build_ngram, count_ngrams, katz_discounts,
                                                    load_tokenizer)
 from specjax.drafters import (ORIGIN_LOOKUP, ORIGIN_NGRAM, NgramTables, load_ngram,
                               lookup_continuation, ngram_topk, propose, read_ngram_metadata,

@@ -9,7 +9,7 @@ import transformers
 
 import specjax
 from specjax import cli
-from specjax.checkpoints_tools import ngram_build, sample_corpus
+from specjax.training import ngram_build, sample_corpus
 from specjax.checkpoints_tools.keymap import params_from_hf_tensors
 from specjax.checkpoints_tools.orbax_io import save_orbax
 from specjax.config import from_hf_config

@@ -107,7 +107,7 @@ def _run_checks(cases: list) -> dict:
 
     import specjax
     from specjax import models, sharding
-    from specjax.checkpoints_tools.ngram_build import build_ngram
+    from specjax.training.ngram_build import build_ngram
     from specjax.errors import InvalidArgumentError
 
     assert len(jax.devices()) == DEVICES, jax.devices()

@@ -10,7 +10,8 @@ import torch
 import transformers
 
 import specjax
-from specjax.checkpoints_tools import sources, train_draft
+from specjax.checkpoints_tools import sources
+from specjax.training import train_draft
 from specjax.errors import InvalidArgumentError
 
 from conftest import tiny_target_with_tokenizer, write_corpus
