@@ -11,8 +11,8 @@ import pytest
 import specjax
 from specjax import cli
 from specjax.checkpoints_tools import sources
-from specjax.training import drafts, ngram_build, sample_corpus, target_corpus, train_draft
 from specjax.errors import InvalidArgumentError
+from specjax.training import drafts, ngram_build, sample_corpus, target_corpus, train_draft
 
 from conftest import tiny_target_with_tokenizer, write_corpus
 

@@ -12,8 +12,8 @@ import pytest
 import specjax
 from specjax import api, decode, models
 from specjax.cache import advance, init_cache
-from specjax.training import eagle3
 from specjax.errors import CheckpointError, InvalidArgumentError
+from specjax.training import eagle3
 
 from conftest import random_prompt, tiny_pair
 

@@ -10,9 +10,9 @@ import pytest
 
 import specjax
 from specjax import api, decode, models
-from specjax.training import feature_draft as fd
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
+from specjax.training import feature_draft as fd
 
 from conftest import random_prompt, tiny_pair
 

@@ -14,10 +14,10 @@ from flax.training import train_state
 import specjax
 from specjax import models, tree
 from specjax.cache import advance, init_cache
-from specjax.training.ngram_build import build_ngram
 from specjax.errors import CheckpointError, InvalidArgumentError
 from specjax.flax_modules import (LinenCausalLM, NNXCausalLM, flax_params, model_from_flax,
                                   save_for_specjax, to_flax)
+from specjax.training.ngram_build import build_ngram
 
 from conftest import TINY_VOCAB, random_prompt, tiny_pair
 from tolerances import assert_sums_close, forward_sums

@@ -14,8 +14,8 @@ import pytest
 
 import specjax
 from specjax import decode, models, verify
-from specjax.training.ngram_build import build_ngram
 from specjax.sampling import make_sampling_params, target_log_probs
+from specjax.training.ngram_build import build_ngram
 
 from conftest import TINY_VOCAB, random_prompt
 from test_verify import chi2_threshold

@@ -101,8 +101,8 @@ import specjax
 from specjax import interrupts
 from specjax.errors import InvalidArgumentError
 # The public names of draft training, importable from here as before the package split.
-from specjax.training.config import COMPUTE_DTYPES, EAGLE3_FIELDS, FEATURE_FIELDS, LOSSES, \
-    TARGET_CORPUS_FIELDS, TrainConfig
+from specjax.training.config import (COMPUTE_DTYPES, EAGLE3_FIELDS, FEATURE_FIELDS, LOSSES,
+                                     TARGET_CORPUS_FIELDS, TrainConfig)
 from specjax.training.corpus import mixed_windows, sample_windows, stdlib_files, tokenize_corpus
 from specjax.training.drafts import (draft_from_target, draft_vocabulary, grow_draft,
                                      initial_draft, split_trainable)
