@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import models
-from specjax.benchmark.humaneval import humaneval_prompts
+from specjax.benchmark import humaneval
 from specjax.cache import advance, init_cache
 from specjax.decode import bucket
 from specjax.errors import InvalidArgumentError
@@ -236,7 +236,7 @@ def humaneval_entry_points() -> frozenset[str]:
         and a corpus written without excluding them must not pass for one that did).
     """
     try:
-        texts = humaneval_prompts()
+        texts = humaneval.humaneval_prompts()
     except InvalidArgumentError as error:
         raise InvalidArgumentError(
             f"the target's prompts exclude the HumanEval problems' names, which need the "
