@@ -12,8 +12,8 @@ import pytest
 import specjax
 from specjax import api, decode, models
 from specjax.cache import advance, init_cache
-from specjax.checkpoints_tools import eagle3
 from specjax.errors import CheckpointError, InvalidArgumentError
+from specjax.training import eagle3
 
 from conftest import random_prompt, tiny_pair
 from tolerances import assert_sums_close, forward_sums
@@ -188,7 +188,7 @@ def test_greedy_and_coupled_equal_ar(target, shape, dtype):
 def test_staged_greedy_and_coupled_equal_ar(target, dtype):
     """``staged`` with an EAGLE-3 draft (n-gram tables and context lookup proposing, the
     draft scoring): greedy and coupled output equal ``ar``'s."""
-    from specjax.checkpoints_tools.ngram_build import build_ngram
+    from specjax.training.ngram_build import build_ngram
 
     model = target if dtype == "float32" else specjax.Model.from_params(
         target.config, target.params, name="bf16", dtype=dtype)
@@ -231,7 +231,7 @@ def test_training_lowers_the_loss(target, compute_dtype):
     to the target, every depth reading the draft's own features below the first) on that
     text, at every depth, and raise the depth-1 agreement; in float32 and with bfloat16
     products (float32 master weights, as ``--compute-dtype bfloat16`` trains)."""
-    from specjax.checkpoints_tools.train_draft import cast_floats
+    from specjax.models import cast_floats
 
     vocab = np.arange(target.config.vocab_size)
     config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
@@ -264,7 +264,7 @@ def test_the_learning_rate_follows_steps_or_the_clock():
     """An EAGLE-3 run's rate: linear warm-up, then a cosine to a tenth, ended by the last
     step or by the time budget, whichever comes first; set between steps without
     rebuilding the optimizer."""
-    from specjax.checkpoints_tools import train_draft
+    from specjax.training import train_draft
 
     cfg = train_draft.TrainConfig(eagle3=True, init_layers=(0,), steps=110, warmup_steps=10,
                                   learning_rate=1e-3)
@@ -357,7 +357,7 @@ def scale_{i}(shape, factor):
 
 @pytest.fixture(scope="module")
 def tokenizer_target():
-    from specjax.checkpoints_tools import ngram_build
+    from specjax.training import ngram_build
 
     from conftest import tiny_target_with_tokenizer
 
@@ -372,7 +372,8 @@ def test_train_draft_stops_at_its_time_budget_resumes_and_exports(tokenizer_targ
     saves and exports at that step; the rerun resumes there and finishes; the log has
     per-depth held-out agreement on the target's continuations; the draft's vocabulary is
     the most frequent ids of that text; the asset decodes exactly."""
-    from specjax.checkpoints_tools import sample_corpus, sources, train_draft
+    from specjax.checkpoints_tools import sources
+    from specjax.training import sample_corpus, train_draft
 
     from conftest import write_corpus
 

@@ -10,9 +10,9 @@ import pytest
 
 import specjax
 from specjax import api, decode, models
-from specjax.checkpoints_tools import feature_draft as fd
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
+from specjax.training import feature_draft as fd
 
 from conftest import random_prompt, tiny_pair
 from tolerances import assert_sums_close, forward_sums
@@ -174,7 +174,7 @@ def test_training_brings_the_draft_closer_to_the_target(target):
 def test_staged_with_a_feature_draft_equals_ar(target):
     """``staged`` takes a feature draft (its proposal nodes read a stale feature, which
     changes only the ranking): greedy and coupled output equal ``ar``'s."""
-    from specjax.checkpoints_tools.ngram_build import build_ngram
+    from specjax.training.ngram_build import build_ngram
 
     draft = feature_draft(target, seed=6)
     for seed, temperature in ((0, 0.0), (1, 1.0)):

@@ -414,7 +414,7 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
     """Final-normed hidden states [T, d] and the cache with scratch slots written.
 
     These are also the *features* a feature draft reads (``features``: [T, d], required
-    when ``config.feature_input``; see :mod:`specjax.checkpoints_tools.feature_draft`).
+    when ``config.feature_input``; see :mod:`specjax.training.feature_draft`).
     With ``feature_layers`` (static, block indices) the outputs of those blocks [T, F*d]
     come too, between the two (what a multi-layer feature draft reads,
     ``draft_config.feature_layers``): ``(hidden, layer_features, cache)``."""
