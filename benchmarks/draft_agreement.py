@@ -128,8 +128,8 @@ def main(argv=None) -> int:
     import specjax
     from specjax.benchmark.environment import git_commit, machine, versions, write_json
     from specjax.benchmark.humaneval import humaneval_prompts
-    from specjax.checkpoints_tools import sample_corpus
     from specjax.checkpoints_tools.sources import load_bundled_draft
+    from specjax.training import sample_corpus
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")

@@ -280,10 +280,10 @@ def step_exactness(sh: Shapes, record) -> None:
     import specjax
     from profile_step import model_configs
     from specjax import models
-    from specjax.checkpoints_tools.ngram_build import build_ngram
     from specjax.methods import METHODS
     from specjax.methods.options import backend_of
     from specjax.sampling import static_rules
+    from specjax.training.ngram_build import build_ngram
 
     broken = _broken()
     base = model_configs()[sh.target]

@@ -110,7 +110,7 @@ def random_model(name: str, dtype: str, seed: int = 0, fused: bool = False):
 
 def random_ngram_tables(vocab_size: int, seed: int = 0, tokens: int = 20000):
     """N-gram tables fitted to a random corpus (the stage-2 drafter's shape and cost)."""
-    from specjax.checkpoints_tools.ngram_build import build_ngram
+    from specjax.training.ngram_build import build_ngram
 
     rng = np.random.default_rng(seed)
     # A small alphabet repeats bigrams and trigrams, so every table has rows.

@@ -47,8 +47,8 @@ import numpy as np
 import specjax
 from specjax import decode, methods, models
 from specjax.benchmark.environment import machine, write_json
-from specjax.checkpoints_tools.ngram_build import build_ngram
 from specjax.config import ModelConfig
+from specjax.training.ngram_build import build_ngram
 
 VOCAB = 97
 CAPACITY = 128  # the cache capacity of every regular call (see Soak.max_new_tokens)

@@ -20,7 +20,7 @@
 #   stage (its asset written) is skipped on a rerun and an unfinished one resumes.
 # - one: a single train-draft run into $OUT, shaped by the variables below (the default
 #   when any of LAYERS, INIT_DRAFT, ADD_LAYERS, FEATURE and TARGET_TOKENS is set).
-# - eagle3: an EAGLE-3 draft (train-draft --eagle3, specjax.checkpoints_tools.eagle3) in a
+# - eagle3: an EAGLE-3 draft (train-draft --eagle3, specjax.training.eagle3) in a
 #   wall-time budget: the target writes E3_TARGET_TOKENS tokens (after docstring prompts of
 #   the standard library, HumanEval names excluded; rows of E3_GEN_LEN, a fraction
 #   E3_GREEDY of them greedy and the rest at temperature E3_TEMPERATURE, TARGET_BATCH at

@@ -59,6 +59,28 @@ a transposed head, widths that are not multiples of 64); the default,
 With a ``fallback``, shapes the chosen kernel does not take (more than 128 new tokens, an
 unsupported head_dim or dtype, ...) go to the fallback; without one they raise
 :class:`specjax.errors.InvalidArgumentError`.
+
+Fallbacks are never silent: each site below calls :func:`.fallbacks.record` with a
+one-line reason while the program is traced, and a run lists them in
+``stats["fallbacks"]`` (see :mod:`.fallbacks`):
+
+* :func:`verify_attention` with a fallback (``impl="auto"``): no kernel runs natively on
+  this backend (a CPU's ``"auto"`` runs jnp attention before reaching it, by design, and
+  records nothing), or the kernel refuses the shapes: the jnp attention runs;
+* :func:`fused_linear` with ``fallback``: the kernel refuses the projection (a width that
+  is not a multiple of 16, blocks over a TPU's VMEM budget): its jnp reference runs; with
+  ``SPECJAX_GPU_KERNELS=mosaic``, a call the Mosaic GPU kernel refuses goes to Triton;
+* :func:`qkv_rope_into`: the Triton kernel refuses the call: :func:`fused_linear` and
+  :func:`.numerics.write_rope_rows` run;
+* :func:`ordered_attention`: the kernel refuses the shapes (a cache capacity that is not a
+  multiple of its block): :func:`verify_attention`'s kernel runs, which is not
+  position-ordered (drafting calls with a scratch window take that kernel by design, and
+  are not recorded: a draft's numbers never decide a token);
+* :func:`packed_attention_takes`: the packed GPU kernel refuses the shapes: the fused
+  layers run :func:`ordered_attention` unpacked.
+
+The models layer records its own: ``attn_impl="fused"`` over a pass of more than
+:data:`specjax.models.FUSED_MAX_TOKENS` tokens, or for a family without fused layers.
 """
 
 from __future__ import annotations
@@ -68,6 +90,7 @@ import importlib
 import jax
 
 from specjax.errors import InvalidArgumentError
+from . import fallbacks
 from .numerics import write_rope_rows
 
 __all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes",
@@ -188,6 +211,9 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
     variant, interpret = select_variant(variant, interpret_variant)
     if fallback is not None and interpret:
         # "auto" never interprets: the reference is faster.
+        fallbacks.record("verify_attention", f"no Pallas kernel runs natively on the "
+                         f"{jax.default_backend()} backend; attn_impl='auto' ran the jnp "
+                         f"attention")
         return fallback(*args) if layer is None else fallback(*args, layer=layer)
     module = _kernel_module(variant)
     options = {} if block_sizes is None else {"block_sizes": block_sizes}
@@ -203,7 +229,9 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
         try:
             module.check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                                    **{k: v for k, v in options.items() if k != "layer"})
-        except InvalidArgumentError:
+        except InvalidArgumentError as error:
+            fallbacks.record("verify_attention", f"{error}; attn_impl='auto' ran the jnp "
+                             f"attention")
             return fallback(*args) if layer is None else fallback(*args, layer=layer)
     return getattr(module, f"verify_attention_{variant}")(*args, interpret=interpret, **options)
 
@@ -244,8 +272,9 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
             mosaic.check_supported(
                 x, weights, stacked=kwargs.get("layer") is not None, **options,
                 **{k: kwargs[k] for k in ("offsets", "width", "transposed") if k in kwargs})
-        except InvalidArgumentError:
-            pass  # the Triton kernel (or, with fallback, the reference) takes it
+        except InvalidArgumentError as error:
+            # the Triton kernel (or, with fallback, the reference) takes it
+            fallbacks.record("fused_linear", f"{error}; the call goes to the Triton kernel")
         else:
             return mosaic.fused_linear_mosaic_gpu(x, tuple(weights), interpret=interpret,
                                                   **options, **kwargs)
@@ -262,7 +291,8 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
         try:
             module.check_supported(x, weights, stacked=kwargs.get("layer") is not None,
                                    **shape, **options)
-        except InvalidArgumentError:
+        except InvalidArgumentError as error:
+            fallbacks.record("fused_linear", f"{error}; its jnp reference ran")
             return module.fused_linear_reference(x, tuple(weights), **kwargs)
     return getattr(module, f"fused_linear_{variant}")(x, tuple(weights), interpret=interpret,
                                                       **options, **kwargs)
@@ -287,8 +317,8 @@ def qkv_rope_into(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
         try:
             module.check_rope_into(packed, x, weight, cos, sin, norm=norm, bias=bias,
                                    rope_heads=rope_heads)
-        except InvalidArgumentError:
-            pass
+        except InvalidArgumentError as error:
+            fallbacks.record("qkv_rope_into", f"{error}; fused_linear and write_rope_rows ran")
         else:
             return module.qkv_rope_into_gpu(packed, x, weight, cos, sin, layer, norm=norm,
                                             bias=bias, rope_heads=rope_heads, eps=eps,
@@ -309,9 +339,14 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
     variant, interpret = select_variant(variant, interpret_variant)
     module = _kernel_module(variant, _ORDERED_MODULES)
     args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
+    if scratch_mask is not None and scratch_mask.shape[1] > 0:
+        return verify_attention(*args, variant=variant, layer=layer)  # a drafting call
     try:
         module.check_supported(*args[:5], mask, scratch_mask)
-    except InvalidArgumentError:
+    except InvalidArgumentError as error:
+        fallbacks.record("ordered_attention", f"{error}; verify_attention's kernel ran (not "
+                         f"position-ordered: a verify pass may differ from the one-token "
+                         f"step in the last bits)")
         return verify_attention(*args, variant=variant, layer=layer)
     return getattr(module, f"ordered_attention_{variant}")(*args, layer=layer,
                                                            interpret=interpret)
@@ -330,7 +365,9 @@ def packed_attention_takes(packed_shape, dtype, k_cache, v_cache, *, num_heads: 
     try:
         module.check_packed(jax.ShapeDtypeStruct(packed_shape, dtype), k_cache, v_cache,
                             num_heads=num_heads)
-    except InvalidArgumentError:
+    except InvalidArgumentError as error:
+        fallbacks.record("ordered_attention_packed", f"{error}; the fused layers run "
+                         f"ordered_attention unpacked")
         return False
     return True
 

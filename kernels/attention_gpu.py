@@ -27,10 +27,10 @@ Tiling (:class:`GpuBlockSizes`): every call uses the same ``block_rows`` (16 by 
 whatever the number of query rows, more rows meaning more row blocks in the grid, and the
 number of KV splits depends on the KV heads and the capacity only. So a query row's
 arithmetic (its blocks, splits and merge order) does not depend on how many tree nodes
-share the call. The 16-row tile is also the one the one-token call has always used: on an
-H100 (2026-11-23, float32) calls with 48 rows, which then got a 64-row tile, took ~0.3 ms
-against ~10 us for one-token calls; [64, 64] float32 tiles for q, k, v, the scores and
-the accumulator under IEEE (non-tensor-core) dots on 4 warps very likely spill registers.
+share the call. The 16-row tile is also the one the one-token call has always used: a
+64-row tile was ~30x slower per call on an H100 in float32 (benchmarks/README.md,
+"Kernels"), as [64, 64] float32 tiles for q, k, v, the scores and the accumulator under
+IEEE (non-tensor-core) dots on 4 warps very likely spill registers.
 ``benchmarks/bench_kernels.py --sweep`` times 16/32/64 rows x 4/8 warps x fp32/bf16.
 
 ``interpret=True`` runs the same kernels with Pallas' generic interpreter on any backend

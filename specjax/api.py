@@ -30,6 +30,7 @@ from specjax import decode, loading, methods, models, progress as progress_lib
 from specjax.backend_options import BatchOptions, KernelOptions
 from specjax.compilation_cache import use_compilation_cache
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
+from specjax.kernels import fallbacks
 from specjax.loading import (check_resources, choose_default_method, resolve_draft,
                              resolve_ngram)
 from specjax.methods import MethodOptions
@@ -67,6 +68,22 @@ def load(name_or_path, dtype=None, *, progress: bool = False, mesh=None) -> Mode
 def _reporting(progress: bool):
     """Compilations reported on stderr when ``progress`` (see :func:`generate`)."""
     return decode.reporting_compiles(progress_lib.reported if progress else None)
+
+
+def _collected(steps: Iterator, reasons: set) -> Iterator:
+    """``steps`` (a decode driver's generator) with the fallbacks of the programs it runs
+    added to ``reasons`` (:mod:`specjax.kernels.fallbacks`); the collector is set while a
+    step runs, never across a yield to the caller."""
+    try:
+        while True:
+            with fallbacks.collecting(reasons):
+                try:
+                    item = next(steps)
+                except StopIteration:
+                    return
+            yield item
+    finally:
+        steps.close()
 
 
 @dataclasses.dataclass
@@ -243,9 +260,8 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
 
 
 # Half-precision parameters XLA's CPU backend runs slower than float32: its bf16/fp16 matmuls
-# and conversions are not vectorised like its float32 ones. Measured on the 2-core AVX-512
-# test machine (jax 0.10.2), one smollm2-135m one-token forward: float32 27.5 ms, float16
-# 53 ms, bfloat16 206 ms (benchmarks/README.md, "Half precision on the CPU").
+# and conversions are not vectorised like its float32 ones (benchmarks/README.md, "Half
+# precision on the CPU").
 _SLOW_ON_CPU = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -406,13 +422,13 @@ def _row_request(batch: _Batch, slot: int) -> _Request:
 
 
 def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
-                 compile_seconds: float) -> list[dict[str, Any]]:
+                 compile_seconds: float, reasons=()) -> list[dict[str, Any]]:
     total = sum(counts)
     all_stats = []
     for slot, row in enumerate(batch.rows):
         try:
             stats = _stats(rows_state[slot], _row_request(batch, slot), counts[slot], seconds,
-                           compile_seconds)
+                           compile_seconds, reasons)
         except NumericalError as error:
             raise NumericalError(f"prompts[{row}]: {error}") from None
         stats["batch"] = {
@@ -428,14 +444,15 @@ def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
 def _generate_batch(model: Model, batches: list[_Batch]) -> list[GenerationResult]:
     results = []
     for batch in batches:
-        state, compile_seconds, seconds = decode.run_batch(batch.args[0], batch.loop,
-                                                           *batch.args[1:],
-                                                           compact=batch.compact)
+        with fallbacks.collecting() as reasons:
+            state, compile_seconds, seconds = decode.run_batch(batch.args[0], batch.loop,
+                                                               *batch.args[1:],
+                                                               compact=batch.compact)
         rows_state = _host_rows(state, len(batch.rows))
         tokens = [np.asarray(r.tokens)[int(r.prompt_length): int(r.length)].tolist()
                   for r in rows_state]
         stats = _batch_stats(rows_state, batch, [len(t) for t in tokens], seconds,
-                             compile_seconds)
+                             compile_seconds, reasons)
         for slot in range(len(batch.rows)):
             results.append(GenerationResult(
                 text=decode_text(model, tokens[slot]), tokens=tokens[slot], stats=stats[slot],
@@ -447,12 +464,12 @@ def _stream_batch(model: Model, batches: list[_Batch], total_rows: int, origins:
     del model
     all_stats: list = [None] * total_rows
     for batch in batches:
-        compile_total, state = 0.0, None
+        compile_total, state, reasons = 0.0, None, set()
         counts = [0] * len(batch.rows)
         start = time.perf_counter()
-        for new, state, compile_seconds in decode.stream_batch(batch.args[0], batch.loop,
-                                                               *batch.args[1:],
-                                                               compact=batch.compact):
+        for new, state, compile_seconds in _collected(
+                decode.stream_batch(batch.args[0], batch.loop, *batch.args[1:],
+                                    compact=batch.compact), reasons):
             compile_total += compile_seconds
             rows_new: list[list[int]] = [[] for _ in range(total_rows)]
             for slot, row in enumerate(batch.rows):
@@ -474,13 +491,13 @@ def _stream_batch(model: Model, batches: list[_Batch], total_rows: int, origins:
         seconds = time.perf_counter() - start - compile_total
         rows_state = _host_rows(state, len(batch.rows))
         for slot, stats in enumerate(_batch_stats(rows_state, batch, counts, seconds,
-                                                  compile_total)):
+                                                  compile_total, reasons)):
             all_stats[batch.rows[slot]] = stats
     yield ([], [], all_stats) if origins else ([], all_stats)
 
 
 def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, seconds: float,
-           compile_seconds: float) -> dict[str, Any]:
+           compile_seconds: float, reasons=()) -> dict[str, Any]:
     if bool(state.nonfinite):
         position = int(state.nonfinite_position)
         raise NumericalError(
@@ -524,6 +541,8 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
     fallback = models.attention_fallback(request.loop.config, _platform(state.length))
     if fallback is not None:  # never silent: what ran instead of the attention kernels
         stats["attention_fallback"] = fallback
+    # What the programs ran instead of what was asked for (specjax.kernels.fallbacks).
+    stats["fallbacks"] = sorted(reasons)
     return stats
 
 
@@ -689,11 +708,11 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         return [_cut_at_stop(model, result, call.stop) for result in results]
     _check_one_prompt(call)
     request = _prepare(model, prompt, **call.settings)
-    with _reporting(call.progress):
+    with _reporting(call.progress), fallbacks.collecting() as reasons:
         state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
                                                              *request.args[1:])
     tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
-    stats = _stats(state, request, len(tokens), seconds, compile_seconds)
+    stats = _stats(state, request, len(tokens), seconds, compile_seconds, reasons)
     return _cut_at_stop(model, GenerationResult(text=decode_text(model, tokens),
                                                 tokens=tokens, stats=stats,
                                                 origins=token_origins(state)), call.stop)
@@ -807,10 +826,11 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
         return
     _check_one_prompt(call)
     request = _prepare(model, prompt, **call.settings)
-    compile_total, state, tokens, found = 0.0, None, [], None
+    compile_total, state, tokens, found, reasons = 0.0, None, [], None, set()
     start = time.perf_counter()
     with _reporting(progress):
-        steps = decode.stream(request.args[0], request.loop, *request.args[1:])
+        steps = _collected(decode.stream(request.args[0], request.loop, *request.args[1:]),
+                           reasons)
         for new, state, compile_seconds in steps:
             compile_total += compile_seconds
             if stop and new:
@@ -833,7 +853,7 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
                 steps.close()
                 break
     seconds = time.perf_counter() - start - compile_total
-    stats = _stats(state, request, len(tokens), seconds, compile_total)
+    stats = _stats(state, request, len(tokens), seconds, compile_total, reasons)
     if found is not None:
         stats["stop_string"] = found[1]
     yield ([], [], stats) if origins else ([], stats)

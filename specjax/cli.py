@@ -21,7 +21,7 @@ import jax
 from specjax import api, decode, interrupts, loading, progress
 from specjax.backend_options import KernelOptions, add_kernel_arguments
 from specjax.benchmark import cli as bench_cli
-from specjax.checkpoints_tools import ngram_build, sources, train_draft
+from specjax.checkpoints_tools import sources
 from specjax.checkpoints_tools.convert import convert
 from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
 # The program's persistent cache; COMPILATION_CACHE_ENV is re-exported for the tests.
@@ -31,6 +31,7 @@ from specjax.methods import METHODS, MethodOptions, choice
 from specjax.methods.flags import add_method_arguments, flag_of, method_from_args
 from specjax.methods.options import all_option_fields, backend_of
 from specjax.sampling import make_sampling_params
+from specjax.training import ngram_build, train_draft
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_BATCH_SIZE = 8

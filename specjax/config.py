@@ -84,12 +84,12 @@ class ModelConfig:
         ``[embed(token_t); rms_norm(f_{t-1})] @ fc``, where ``f_{t-1}`` is the target's
         final-normed hidden state at the previous position, and its output (after its own
         final norm) predicts the target's feature at ``t`` (see
-        :mod:`specjax.checkpoints_tools.feature_draft`).
+        :mod:`specjax.training.feature_draft`).
       feature_layers: a multi-layer feature draft (EAGLE-3 class; needs ``feature_input``):
         the target blocks (0-based) whose outputs it reads, concatenated [T, F*d] and fused
         to [T, d] by the draft's ``feature_fc`` [F*d, d] before ``fc``; its own output
         (after its final norm) is what its deeper positions read instead (see
-        :mod:`specjax.checkpoints_tools.eagle3`). Empty: the target's final-normed hidden
+        :mod:`specjax.training.eagle3`). Empty: the target's final-normed hidden
         state, as above.
       draft_vocab_size: a head of the model's own over a reduced vocabulary of this many
         ids (``draft_head`` [K, d] and the int32 map ``draft_vocab`` [K] to the full

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sharding
+from specjax import kernels, sharding
 # The deprecated compiler-options block, where it has always been found.
 from specjax.backend_options import (_COMPILER_OPTIONS, compiler_options,  # noqa: F401
                                      context_compiler_options, context_options)
@@ -86,6 +86,7 @@ def _step(params, loop: DecodeLoop, state: DecodeState, resources: Any) -> Decod
 
 
 _EXECUTABLES: dict = {}
+_FALLBACKS: dict = {}  # the same keys -> the fallbacks recorded lowering that program
 # Held while compiling: threads that need the same new program compile it once (the
 # others wait and reuse it); a thread whose program is cached never takes it.
 _COMPILE_LOCK = threading.Lock()
@@ -102,6 +103,7 @@ def _signature(args) -> tuple:
 def clear_compiled() -> None:
     """Drops every cached executable (they hold device and host memory)."""
     _EXECUTABLES.clear()
+    _FALLBACKS.clear()
 
 
 # Called around each compilation (not around a lookup in the in-process cache): a context
@@ -132,19 +134,22 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
     step runs again on its own output (XLA may otherwise choose other shardings for it).
 
     Thread-safe: concurrent callers needing the same new program compile it once (see
-    ``_COMPILE_LOCK``; compilations are serialised)."""
+    ``_COMPILE_LOCK``; compilations are serialised). The fallbacks recorded lowering the
+    program go to the active :func:`.kernels.fallbacks.collecting` block, cached or not."""
     # The loop's options over those of a (deprecated) compiler_options() block.
     options = {**dict(_COMPILER_OPTIONS.get()), **dict(loop.kernels.compiler_options)}
     key = (fn, loop, donate, carry, tuple(sorted(options.items())), _signature(args))
     hit = _EXECUTABLES.get(key)
     if hit is not None:
+        kernels.fallbacks.record_all(_FALLBACKS[key])
         return hit, 0.0
     with _COMPILE_LOCK:
         hit = _EXECUTABLES.get(key)
         if hit is not None:  # another thread compiled it while this one waited
+            kernels.fallbacks.record_all(_FALLBACKS[key])
             return hit, 0.0
         start = time.perf_counter()
-        mesh = sharding.mesh_of(args[0])
+        mesh = sharding.mesh_of(args[0])  # parameters on a mesh: see sharding.tracing
         placement = {}
         if carry is not None and mesh is not None:
             placement["out_shardings"] = jax.tree.map(lambda x: x.sharding, args[carry])
@@ -155,9 +160,11 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
                   reporter(f"compiling {getattr(loop.method, 'name', 'ar')} "
                            f"({getattr(fn, '__name__', 'program').strip('_')}, cache "
                            f"{loop.capacity})"))
-        with report, sharding.tracing(mesh):  # parameters on a mesh: see there
+        with report, sharding.tracing(mesh), kernels.fallbacks.collecting() as reasons:
             executable = jitted.lower(*args).compile(options or None)
+        _FALLBACKS[key] = frozenset(reasons)  # first: a reader without the lock finds both
         _EXECUTABLES[key] = executable
+        kernels.fallbacks.record_all(reasons)
         return executable, time.perf_counter() - start
 
 

@@ -32,9 +32,8 @@ Two things worth knowing in a pipeline (flax 0.12):
   under ``jax.jit``, or ``nnx.jit(..., graph=False)``: both compile to the same program
   as the function (``benchmarks/experiments/bench_flax_overhead.py``). A default
   ``nnx.jit`` step returns every variable of the module it was given, which copies all the
-  weights on each call: for a 135M-parameter model on the 2-core CPU that is ~0.4 s a
-  call, ~6-10x a decode step (``benchmarks/results/flax_overhead_cpu.json``). Training
-  steps, which update the weights anyway, do not mind.
+  weights on each call: for a 135M-parameter model on a CPU, several times a decode
+  step. Training steps, which update the weights anyway, do not mind.
 * An ``nnx.State`` written by orbax as is stores every leaf as ``{"value": array}``;
   ``specjax.load`` refuses that tree by name. Write checkpoints for specjax with
   :func:`save_for_specjax` (or save ``nnx.to_pure_dict(state)`` under ``params/``).

@@ -141,7 +141,7 @@ def write_corpus(root, texts) -> list:
 def fitted_tables(model, seeds, max_new_tokens: int):
     """Stage-2 n-gram tables fitted to ``model``'s own greedy text (one 6-token random
     prompt per seed), so that stage 2 proposes tokens the model will accept."""
-    from specjax.checkpoints_tools.ngram_build import build_ngram
+    from specjax.training.ngram_build import build_ngram
 
     corpus = [specjax.generate(model, random_prompt(s, 6), max_new_tokens=max_new_tokens).tokens
               for s in seeds]

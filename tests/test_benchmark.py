@@ -1003,7 +1003,7 @@ def test_draft_agreement_teacher_forced_logits_reproduce_the_greedy_continuation
     import numpy as np
 
     import specjax
-    from specjax.checkpoints_tools import sample_corpus
+    from specjax.training import sample_corpus
 
     agreement = _draft_agreement(monkeypatch)
     _, target = tiny_pair("llama-gqa")

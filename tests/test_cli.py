@@ -453,6 +453,13 @@ def test_prompt_plus_budget_beyond_the_model_positions(capsys, served):
                           "exceeds the model's 8192 positions")
 
 
+def test_draft_layers_beyond_the_model_are_an_error_once_it_loads(capsys, served):
+    layers = served.config.num_layers
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "--method", "spec", "--draft",
+                                   f"first-layers:{layers + 1}"),
+                          f"K must be in [1, {layers}]")
+
+
 def test_prompt_without_tokenizer_is_an_error(capsys, tmp_path):
     path = save_tiny(tiny_model("llama-mha-tied"), tmp_path / "hf")  # no tokenizer files
     assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(path)),

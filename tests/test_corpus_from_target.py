@@ -10,8 +10,9 @@ import pytest
 
 import specjax
 from specjax import cli
-from specjax.checkpoints_tools import ngram_build, sample_corpus, sources, train_draft
+from specjax.checkpoints_tools import sources
 from specjax.errors import InvalidArgumentError
+from specjax.training import drafts, ngram_build, sample_corpus, target_corpus, train_draft
 
 from conftest import tiny_target_with_tokenizer, write_corpus
 
@@ -277,21 +278,20 @@ def test_head_subset_counts_the_training_mix(tmp_path):
     files = np.repeat(np.arange(10), [300 - 10 * i for i in range(10)])  # ids 0..9, 3,000
     generated = np.repeat(np.arange(20, 30), 3)  # ids 20..29, 30 tokens
     np.savez(tmp_path / "corpus.npz", train=files, heldout=files[:10])
-    frequent = train_draft._head_subset(tmp_path, _cfg(batch_size=8), 10, vocab)[0]
+    frequent = drafts.head_subset(tmp_path, _cfg(batch_size=8), 10, vocab)[0]
     np.testing.assert_array_equal(frequent, np.arange(10))  # no target_corpus.npz yet
     np.savez(tmp_path / "target_corpus.npz", train=generated, heldout=generated[:3])
-    ids, source = train_draft._head_subset(tmp_path, _cfg(batch_size=8,
-                                                          target_corpus_fraction=0.75), 10,
-                                           vocab)
+    ids, source = drafts.head_subset(tmp_path, _cfg(batch_size=8,
+                                                    target_corpus_fraction=0.75), 10, vocab)
     np.testing.assert_array_equal(ids, np.arange(20, 30))
     assert "weighted 0.25" in source and "generations 0.75" in source
-    ids = train_draft._head_subset(tmp_path, _cfg(batch_size=8, target_corpus_fraction=0.25),
-                                   14, vocab)[0]
+    ids = drafts.head_subset(tmp_path, _cfg(batch_size=8, target_corpus_fraction=0.25),
+                             14, vocab)[0]
     # 1/4 of the windows: every file id (relative frequency x 3/4 >= 0.06) outranks the
     # generated ones (0.1 x 1/4), which fill the rest, lower ids first
     np.testing.assert_array_equal(ids, list(range(10)) + [20, 21, 22, 23])
     np.testing.assert_array_equal(
-        train_draft._head_subset(tmp_path, _cfg(target_corpus_fraction=0.0), 10, vocab)[0],
+        drafts.head_subset(tmp_path, _cfg(target_corpus_fraction=0.0), 10, vocab)[0],
         np.arange(10))
     with pytest.raises(InvalidArgumentError, match="not both"):
         sources.frequent_tokens(files, 4, vocab, mixture=[(files, 1.0)])
@@ -316,7 +316,7 @@ def test_training_mixes_caches_and_continues_an_asset(tiny_target, corpus_files,
     def no_generation(*args, **kwargs):
         raise AssertionError("generated again")
 
-    monkeypatch.setattr(train_draft, "generate_target_corpus", no_generation)
+    monkeypatch.setattr(target_corpus, "generate_target_corpus", no_generation)
     train_draft.train_draft(tiny_target, out, _cfg(), corpus_files=corpus_files,
                             log=lambda _: None)
     with np.load(out / "target_corpus.npz") as data:

@@ -21,6 +21,7 @@ from specjax.errors import CheckpointError, InvalidArgumentError
 
 from conftest import hf_greedy, random_prompt
 from helpers_families import VARIANTS, hf_config, tiny_family_model
+from tolerances import assert_sums_close, forward_sums
 
 NEW = 28  # new tokens per generation: past every variant's window
 
@@ -44,6 +45,13 @@ def _hf_logits(hf_model, tokens):
         return hf_model(torch.tensor([tokens])).logits[0].numpy()
 
 
+def _assert_same_logits(got, want, config, tokens) -> None:
+    """Two float32 forward passes of ``config`` over ``tokens`` (specjax's and transformers',
+    or two of transformers'), summing in different orders: held to the rounding bound of
+    that pass's chained sums (tests/tolerances.py)."""
+    assert_sums_close(got, want, **forward_sums(config, len(tokens)))
+
+
 def _logits(model, tokens, config=None):
     logits, _ = models.forward(model.params, config or model.config, jnp.asarray(tokens),
                                jnp.arange(len(tokens)))
@@ -61,8 +69,8 @@ def test_logits_match_transformers(pairs, variant):
     hf_model, model = pairs[variant]
     assert model.config.family == hf_model.config.model_type
     tokens = random_prompt(7, 20)
-    np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf_model, tokens),
-                               atol=1e-4, rtol=0)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), model.config,
+                        tokens)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -185,8 +193,8 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path):
     save_hf_directory(model.config, model.params, tmp_path)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     tokens = random_prompt(7, 20)
-    np.testing.assert_allclose(_hf_logits(again, tokens), _hf_logits(hf_model, tokens),
-                               atol=1e-5, rtol=0)
+    _assert_same_logits(_hf_logits(again, tokens), _hf_logits(hf_model, tokens), model.config,
+                        tokens)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma2"
 
 
@@ -288,8 +296,8 @@ def test_gguf_written_from_the_same_weights_gives_the_same_logits(variant, tmp_p
                                ) == dataclasses.replace(expected_config, eos_token_ids=(),
                                                         bos_token_id=None)
     tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
-    np.testing.assert_allclose(_logits(model, tokens), _hf_logits(hf_model, tokens),
-                               atol=1e-4, rtol=0)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), model.config,
+                        tokens)
     assert model.tokenizer("the")["input_ids"]  # the GGUF's tokenizer came with it
 
 
@@ -433,9 +441,8 @@ def test_the_flax_modules_run_the_families(pairs, api):
         logits, _ = module.apply(variables, tokens)
         rebuilt = model_from_flax(variables, model.config)
     for row in range(2):
-        np.testing.assert_allclose(np.asarray(logits[row]),
-                                   _hf_logits(hf_model, tokens[row].tolist()), atol=1e-4,
-                                   rtol=0)
+        _assert_same_logits(np.asarray(logits[row]), _hf_logits(hf_model, tokens[row].tolist()),
+                            model.config, tokens[row])
     prompt = random_prompt(0, 6)
     assert specjax.generate(rebuilt, prompt, max_new_tokens=8).tokens == \
         specjax.generate(model, prompt, max_new_tokens=8).tokens
@@ -448,7 +455,7 @@ def test_train_draft_works_for_a_gemma_target(tmp_path, feature):
     export is a Gemma 2 checkpoint that transformers loads with the same logits."""
     import transformers
     from conftest import write_corpus
-    from specjax.checkpoints_tools import train_draft
+    from specjax.training import train_draft
 
     _, target = _gguf_pair("gemma2", tmp_path / "t.gguf")
     files = write_corpus(tmp_path, [f"def f_{i}(x):\n    return x * {i} + 1\n" * 8
@@ -469,8 +476,8 @@ def test_train_draft_works_for_a_gemma_target(tmp_path, feature):
     if not feature:
         hf = transformers.AutoModelForCausalLM.from_pretrained(summary["draft_hf"]).eval()
         assert hf.config.model_type == "gemma2"
-        np.testing.assert_allclose(_logits(draft, prompt), _hf_logits(hf, prompt),
-                                   atol=1e-4, rtol=0)
+        _assert_same_logits(_logits(draft, prompt), _hf_logits(hf, prompt), draft.config,
+                            prompt)
 
 
 def test_a_phi3_directory_naming_its_own_code_loads_without_it(pairs, tmp_path):
@@ -484,8 +491,9 @@ def test_a_phi3_directory_naming_its_own_code_loads_without_it(pairs, tmp_path):
                        "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     tokens = random_prompt(7, 20)
-    np.testing.assert_allclose(_logits(specjax.load(tmp_path), tokens),
-                               _hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
+    loaded = specjax.load(tmp_path)
+    _assert_same_logits(_logits(loaded, tokens), _hf_logits(hf_model, tokens), loaded.config,
+                        tokens)
     raw["model_type"] = "llama"
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="needs its own Python code"):
@@ -494,8 +502,9 @@ def test_a_phi3_directory_naming_its_own_code_loads_without_it(pairs, tmp_path):
 
 def test_windowed_blocked_attention_equals_the_reference():
     """The CPU path skips cache blocks below every query's window: same output as the
-    reference (1e-5: both float32, summed in different orders); a window that started one
-    slot later would change it."""
+    reference (both float32, summed in different orders: the bound of a softmax over the
+    cache and a weighted sum, tests/tolerances.py); a window that started one slot later
+    would change it."""
     import jax
 
     from specjax.attention import attention_blocked, attention_reference
@@ -514,7 +523,7 @@ def test_windowed_blocked_attention_equals_the_reference():
                                first_visible=first, **kwargs)
     got = attention_blocked(q, k_new, v_new, k_cache, v_cache, length, mask, block=8,
                             first_visible=first, **kwargs)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    assert_sums_close(got, want, longest_sum=s + t, stages=2)
     shifted = attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask,
                                   first_visible=first + 1, **kwargs)
     assert np.abs(np.asarray(shifted) - np.asarray(want)).max() > 1e-3

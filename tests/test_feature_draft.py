@@ -10,11 +10,12 @@ import pytest
 
 import specjax
 from specjax import api, decode, models
-from specjax.checkpoints_tools import feature_draft as fd
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
+from specjax.training import feature_draft as fd
 
 from conftest import random_prompt, tiny_pair
+from tolerances import assert_sums_close, forward_sums
 
 NEW = 24
 SHAPES = {
@@ -77,8 +78,10 @@ def test_kept_features_are_the_targets_at_every_committed_position(target, shape
     tokens = jnp.asarray(state.tokens[: length - 1])
     expected, _ = models.hidden_states(target.params, target.config, tokens,
                                        jnp.arange(length - 1, dtype=jnp.int32))
-    np.testing.assert_allclose(np.asarray(state.method_state.features[: length - 1]),
-                               np.asarray(expected), atol=2e-5, rtol=1e-5)
+    # The decode's passes (prefill, tree passes through the cache) against one forward,
+    # summed in other orders (tests/tolerances.py).
+    assert_sums_close(state.method_state.features[: length - 1], expected,
+                      **forward_sums(target.config, length))
     assert int(state.target_calls) < NEW  # some drafted tokens were accepted on the way
 
 
@@ -172,7 +175,7 @@ def test_training_brings_the_draft_closer_to_the_target(target):
 def test_staged_with_a_feature_draft_equals_ar(target):
     """``staged`` takes a feature draft (its proposal nodes read a stale feature, which
     changes only the ranking): greedy and coupled output equal ``ar``'s."""
-    from specjax.checkpoints_tools.ngram_build import build_ngram
+    from specjax.training.ngram_build import build_ngram
 
     draft = feature_draft(target, seed=6)
     for seed, temperature in ((0, 0.0), (1, 1.0)):

@@ -243,7 +243,7 @@ def files(tmp_path_factory):
 
 
 def _tiny_tables():
-    from specjax.checkpoints_tools.ngram_build import build_ngram
+    from specjax.training.ngram_build import build_ngram
 
     rng = np.random.default_rng(0)
     corpus = [rng.integers(0, 12, 60).tolist() for _ in range(8)]

@@ -1,11 +1,12 @@
 """Imports run one way (STYLE.md habit 15), checked on the source without importing it.
 
-The check parses every module of ``specjax/``, ``kernels/`` and ``checkpoints_tools/``
-under the names they are installed as (``specjax.kernels``, ``specjax.checkpoints_tools``,
-see ``pyproject.toml``) and builds the graph of project imports that run at import time:
-those at module level, outside ``if TYPE_CHECKING:`` blocks. Importing ``a.b.c`` runs the
-``__init__`` of ``a`` and ``a.b`` first, so an import also depends on every package above
-its target, except the packages above the importer itself (they are already initialising).
+The check parses every module of ``specjax/`` (``specjax/training/`` included),
+``kernels/`` and ``checkpoints_tools/`` under the names they are installed as
+(``specjax.kernels``, ``specjax.checkpoints_tools``, see ``pyproject.toml``) and builds
+the graph of project imports that run at import time: those at module level, outside
+``if TYPE_CHECKING:`` blocks. Importing ``a.b.c`` runs the ``__init__`` of ``a`` and ``a.b``
+first, so an import also depends on every package above its target, except the packages
+above the importer itself (they are already initialising).
 
 ``from specjax import NAME`` for a name of the lazy package face (``specjax/__init__.py``'s
 ``_EXPORTS``) counts as importing the module that defines it. Imports by
@@ -16,9 +17,15 @@ It fails, naming the modules, on
 - any import cycle;
 - a kernels module importing a project module other than ``specjax.errors`` or a kernel;
 - a core module importing ``specjax.checkpoints_tools`` (the loaders sit above the core);
+- a core or loader module importing ``specjax.training`` (draft training sits above both);
 - a project import inside a function, outside the allowlists below (an import inside a
   function is for an optional third-party package or a CLI's start-up time, never to hide
   a cycle), or an allowlist entry that no longer matches anything.
+
+Deprecated aliases (``DEPRECATED_ALIASES``: the old paths of moved modules, kept one release)
+import the module that replaced them and nothing else: the layer rules skip them, and the
+check fails if one imports anything else or if any project module imports one (so an alias
+cannot carry an upward import or close a cycle).
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ PACKAGES = {"specjax": "specjax", "kernels": "specjax.kernels",
             "checkpoints_tools": "specjax.checkpoints_tools"}
 KERNELS = "specjax.kernels"
 LOADERS = "specjax.checkpoints_tools"
+TRAINING = "specjax.training"
 # The layers the loaders sit above; specjax.api, cli, loading and the other modules of the
-# loading/API layer may import the loaders.
+# loading/API layer may import the loaders. Training sits above the core and the loaders.
 CORE = ("specjax.config", "specjax.models", "specjax.attention", "specjax.cache",
         "specjax.sharding", "specjax.sampling", "specjax.tree", "specjax.verify",
         "specjax.decode", "specjax.methods", "specjax.drafters", KERNELS)
@@ -50,7 +58,7 @@ FUNCTION_IMPORT_ALLOWLIST = {
     ("specjax.checkpoints_tools.sources", "_load_path",
      "specjax.checkpoints_tools.gguf_loader"):
         "optional gguf package",
-    ("specjax.checkpoints_tools.ngram_build", "load_tokenizer",
+    ("specjax.training.ngram_build", "load_tokenizer",
      "specjax.checkpoints_tools.gguf_loader"):
         "optional gguf package",
     # A deprecated alias of specjax.models.num_params; config sits below the models. The
@@ -58,15 +66,11 @@ FUNCTION_IMPORT_ALLOWLIST = {
     ("specjax.config", "num_params", "specjax.models"):
         "deprecated alias",
 }
-# Modules whose functions may all import project modules when they run. Draft training,
-# corpus sampling and the feature drafts import each other and the core inside functions
-# (sample_corpus and train_draft form a cycle that way); they are to move into a training
-# package, which removes these imports and these entries.
-MODULE_IMPORT_ALLOWLIST = {
-    "specjax.checkpoints_tools.train_draft",
-    "specjax.checkpoints_tools.sample_corpus",
-    "specjax.checkpoints_tools.eagle3",
-    "specjax.checkpoints_tools.feature_draft",
+# Old module path -> the module that replaced it (each old module warns and hands back the
+# new one; tests/test_training_aliases.py). The entries go with the aliases.
+DEPRECATED_ALIASES = {
+    f"{LOADERS}.{name}": f"{TRAINING}.{name}"
+    for name in ("train_draft", "eagle3", "sample_corpus", "feature_draft", "ngram_build")
 }
 
 
@@ -216,6 +220,9 @@ def test_the_graph_sees_the_known_edges():
     assert ("specjax.kernels.attention_gpu", "specjax.errors") in edges
     assert ("specjax.kernels.attention_gpu", "specjax.kernels.layout") in edges
     assert ("specjax.checkpoints_tools.hf", "specjax.config") in edges
+    assert ("specjax.training.sample_corpus", "specjax.training.corpus") in edges
+    assert ("specjax.training.drafts", "specjax.checkpoints_tools.sources") in edges
+    assert ("specjax.checkpoints_tools.train_draft", "specjax.training.train_draft") in edges
 
 
 def test_no_import_cycle():
@@ -247,9 +254,31 @@ def test_the_core_never_imports_the_loaders():
     assert not upward, f"the core imports the loaders:\n{_describe(upward)}"
 
 
+def test_the_core_and_the_loaders_never_import_training():
+    imports = project_imports()
+    upward = [i for i in imports if i.source not in DEPRECATED_ALIASES
+              and any(_in_layer(i.source, layer) for layer in (*CORE, LOADERS))
+              and _in_layer(i.target, TRAINING)]
+    assert not upward, f"the core or the loaders import specjax.training:\n{_describe(upward)}"
+
+
+def test_deprecated_aliases_import_only_their_new_module():
+    imports = project_imports()
+    modules = module_names()
+    assert set(DEPRECATED_ALIASES) <= set(modules), "an alias module is missing"
+    for alias, new in DEPRECATED_ALIASES.items():
+        targets = {i.target for i in imports if i.source == alias}
+        assert targets == {TRAINING, new}, f"{alias} imports {sorted(targets)}, not just {new}"
+    users = [i for i in imports if i.target in DEPRECATED_ALIASES]
+    assert not users, f"import the new modules, not the deprecated aliases:\n{_describe(users)}"
+
+
 def _allowed(i: Import) -> bool:
-    return (i.source in MODULE_IMPORT_ALLOWLIST
-            or (i.source, i.function, i.target) in FUNCTION_IMPORT_ALLOWLIST)
+    """Whether an allowlist entry covers ``i``: its target, or a package above the target
+    (importing a module runs its packages' ``__init__`` too)."""
+    return any((source, function) == (i.source, i.function)
+               and (target == i.target or target.startswith(i.target + "."))
+               for source, function, target in FUNCTION_IMPORT_ALLOWLIST)
 
 
 def test_no_project_import_inside_a_function():
@@ -265,6 +294,4 @@ def test_every_allowlist_entry_is_still_needed():
     inside = [i for i in imports if i.function is not None]
     stale = [entry for entry in FUNCTION_IMPORT_ALLOWLIST
              if entry not in {(i.source, i.function, i.target) for i in inside}]
-    stale += [module for module in MODULE_IMPORT_ALLOWLIST
-              if module not in {i.source for i in inside}]
     assert not stale, f"allowlist entries that match no import any more: {stale}"

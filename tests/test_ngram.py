@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specjax import cli
-from specjax.checkpoints_tools.ngram_build import (build_ngram, count_ngrams, katz_discounts,
-                                                   load_tokenizer)
 from specjax.drafters import (ORIGIN_LOOKUP, ORIGIN_NGRAM, NgramTables, load_ngram,
                               lookup_continuation, ngram_topk, propose, read_ngram_metadata,
                               save_ngram)
 from specjax.drafters.ngram import _ngram_first, trigram_slots
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
+from specjax.training.ngram_build import (build_ngram, count_ngrams, katz_discounts,
+                                          load_tokenizer)
 
 V = 10  # with top_k = 5 the builder's 2 * top_k backoff candidates cover the vocabulary,
 K = 5   # so its lists must equal the exact Katz ranking

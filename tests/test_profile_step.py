@@ -351,7 +351,7 @@ def test_feature_draft_steps_copy_no_cache_and_no_features(profile_step, method,
     shape) too: XLA inlines its one-trip layer loop, and the cache was copied per draft
     pass until the scratch write was ordered after the attention's reads."""
     import specjax
-    from specjax.checkpoints_tools import feature_draft as fd
+    from specjax.training import feature_draft as fd
 
     model = profile_step.random_model("tiny", "float32")
     config, params = fd.feature_draft_from_target(model.config, model.params, blocks)

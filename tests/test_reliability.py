@@ -57,14 +57,14 @@ def llama(soak):
     """Llama target (RoPE, 512 positions), two drafts sharing a config, n-gram tables
     (fitted to the target's text by programs compiled as the fast tests' are, so that the
     soak counts one program per method)."""
-    with decode.compiler_options(**fast_compiler_options()):
+    with decode.context_options(**fast_compiler_options()):
         return soak.build_fixture("llama", 512)
 
 
 @pytest.fixture(scope="module")
 def gpt2(soak, llama):
     """GPT-2 target (learned positions) with a 100-position table, and its drafts."""
-    with decode.compiler_options(**fast_compiler_options()):
+    with decode.context_options(**fast_compiler_options()):
         return soak.build_fixture("gpt2", 100, tables=llama.tables)
 
 

@@ -107,8 +107,8 @@ def _run_checks(cases: list) -> dict:
 
     import specjax
     from specjax import models, sharding
-    from specjax.checkpoints_tools.ngram_build import build_ngram
     from specjax.errors import InvalidArgumentError
+    from specjax.training.ngram_build import build_ngram
 
     assert len(jax.devices()) == DEVICES, jax.devices()
     target, draft, gpt2, gemma = _models()

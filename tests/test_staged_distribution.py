@@ -14,8 +14,8 @@ import pytest
 
 import specjax
 from specjax import decode, models, verify
-from specjax.checkpoints_tools.ngram_build import build_ngram
 from specjax.sampling import make_sampling_params, target_log_probs
+from specjax.training.ngram_build import build_ngram
 
 from conftest import TINY_VOCAB, random_prompt
 from test_verify import chi2_threshold
@@ -107,7 +107,7 @@ def test_a_reduced_vocabulary_feature_draft_keeps_the_distribution(setup, method
     """An EAGLE-3 draft (target block outputs fused, probability 0 outside a vocabulary of
     half the ids): the sampled second token still follows the target's distribution
     through the whole step, staged or tree, under the rejection rule."""
-    from specjax.checkpoints_tools import eagle3
+    from specjax.training import eagle3
 
     target, tables, marginal = setup
     vocab = np.sort(np.random.default_rng(3).choice(TINY_VOCAB, TINY_VOCAB // 2,

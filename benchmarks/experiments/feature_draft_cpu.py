@@ -17,7 +17,7 @@ states of 512-token chunks (float16) for the training stream, the held-out strea
 when ``--target-corpus`` names a ``train-draft`` ``target_corpus.npz``, the target's own
 generations. ``train`` trains a feature draft (one target block, or ``--from-draft``: the
 shipped draft with ``fc = [I; 0]``) with the loss of
-:mod:`specjax.checkpoints_tools.feature_draft` and logs held-out agreement (over the
+:mod:`specjax.training.feature_draft` and logs held-out agreement (over the
 shipped draft's 8192 head tokens) to ``RUN.jsonl``; the trainable tensors go to
 ``RUN.npz``. ``bench`` runs the systems interleaved per prompt on HumanEval prompts
 ``start .. start + count`` (128 new tokens, stop tokens off) and writes per-generation
@@ -49,7 +49,7 @@ def extract(args) -> None:
     import jax.numpy as jnp
 
     from specjax import models
-    from specjax.checkpoints_tools import train_draft
+    from specjax.training import train_draft
 
     target = _target()
     work = Path(args.work)
@@ -90,8 +90,8 @@ def _initial(target, from_draft: bool):
     import jax
 
     from specjax import models
-    from specjax.checkpoints_tools import feature_draft as fd
     from specjax.checkpoints_tools.sources import load_bundled_draft
+    from specjax.training import feature_draft as fd
 
     if from_draft:
         draft = load_bundled_draft(target)
@@ -113,7 +113,7 @@ def train(args) -> None:
     import jax.numpy as jnp
     import optax
 
-    from specjax.checkpoints_tools import feature_draft as fd
+    from specjax.training import feature_draft as fd
 
     target = _target()
     work = Path(args.work)

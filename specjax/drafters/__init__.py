@@ -6,7 +6,7 @@ Stage 2 of staged speculative decoding (Spector & Ré 2023; docs/guide.md):
   :func:`ngram_topk` and the proposal tree :func:`propose`;
 * :mod:`specjax.drafters.lookup`: context (prompt) lookup, :func:`lookup_continuation`.
 
-Tables are built by ``specjax build-ngram`` (:mod:`specjax.checkpoints_tools.ngram_build`).
+Tables are built by ``specjax build-ngram`` (:mod:`specjax.training.ngram_build`).
 """
 
 from specjax.drafters.lookup import Continuation, lookup_continuation

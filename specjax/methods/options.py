@@ -230,15 +230,10 @@ class NgramOptions(_Verified):
         self._set("use_lookup", bool(self.use_lookup))
 
 
-# Staged defaults (CPU): measured with benchmarks/tune_staged.py on the 2-core CPU,
-# smollm2-135m. With the weak draft (35% agreement; prompts 5-13,
-# benchmarks/results/tune_staged_cpu_*.json) budget 6, one round and priors (0.7, 0.3) won.
-# With the H100 draft (69%, shipped 11-23 to 11-25; prompts 20-27, greedy,
-# benchmarks/results/cpu/tune_staged_strong_draft_t0.json) they still give the most tokens
-# per unit of CPU time: priors (0, 0) accept about as many tokens per pass (2.59 vs 2.64),
-# and each extra round adds ~0.3 then ~0.05 tokens per pass for a draft pass of 1 + 7 rows
-# (0.12-0.15x a target step here), while the target pass grows with the budget
-# (compute-bound: 8 nodes 1.23x one token, 16 nodes 1.58x). Accelerators: BACKEND_DEFAULTS.
+# The CPU defaults (these dataclass defaults) favour cheap steps: a small tree, one draft
+# round, stage-2 priors that let lookups and n-grams outrank weak draft guesses. Each extra
+# round or node buys fewer tokens than it costs where a target pass grows with its node
+# count (a compute-bound CPU). Measurements: benchmarks/README.md, "Method defaults".
 @dataclasses.dataclass(frozen=True)
 class StagedOptions(NgramOptions):
     """``staged`` (Spector & Re 2023): the draft model builds the target's tree, helped by
@@ -295,22 +290,12 @@ METHODS: dict[str, type[MethodOptions]] = {
     cls.name: cls for cls in (ArOptions, SpecOptions, TreeOptions, NgramOptions, StagedOptions)}
 
 
-# Defaults on accelerators (the CPU's are the dataclass defaults). Chosen from acceptance
-# measured on the CPU (greedy acceptance does not depend on the device) and the verify-pass
-# costs measured on an H100 (a pass over N nodes against one token: 1.07x at 6, 1.08x at
-# 16, 1.26x at 64; benchmarks/results/h100/README.md), which leave room for 32-node trees:
-# see benchmarks/README.md, "Defaults per backend". The default attention path stays
-# "auto" there: the fused one was 3.1x slower per `ar` token on the same H100.
-# Tokens per target pass, greedy, HumanEval prompts 20-27 x 128 tokens, smollm2-135m with
-# its shipped draft (benchmarks/results/cpu/tune_staged_strong_draft_t0*.json): staged at
-# the CPU defaults 2.64, at the settings below 3.96 (the draft's share 7% -> 15%); tree
-# 2.67 at budget 8, 3.27 below; ngram 2.76 -> 2.98. On the GPU the bigger trees cost a
-# verify pass of ~1.1x one token and three more draft passes of 2 of 30 blocks each. The
-# TPU takes the GPU's (not measured on TPU hardware). `spec` keeps depth 4 everywhere: a
-# chain gains a level only where every level above it was accepted (greedy, prompts 0-41
-# of benchmarks/results/cpu/suite_all_methods_164_2026-11-25.json: all 4 drafted tokens
-# accepted in 9.8% of steps; after 3 accepted, the 4th in 70%), so depth 6 would add
-# ~0.12 tokens to 1.91 per step (~6%) for two more sequential draft passes per step.
+# Defaults on accelerators (the CPU's are the dataclass defaults): greedy acceptance does
+# not depend on the device, and a verify pass over tens of nodes costs little more than one
+# token there, so trees grow to 32 nodes and the draft gets more rounds and width. `spec`
+# keeps depth 4 everywhere: a chain gains a level only where every level above it was
+# accepted, so a deeper chain adds little for more sequential draft passes. The TPU takes
+# the GPU's. Measurements: benchmarks/README.md, "Method defaults".
 _ACCELERATOR = {
     "staged": dict(tree_budget=32, draft_rounds=4, draft_width=2, stage2_prior=(0.3, 0.1),
                    proposal=(4, 2, 1, 1, 1, 1)),

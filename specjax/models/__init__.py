@@ -183,13 +183,27 @@ def uses_fused_layers(config: ModelConfig, num_tokens: int,
 
     Then every projection and the head are one :func:`specjax.kernels.fused_linear` call
     each (a projection whose shape the kernel does not take, e.g. a width that is not a
-    multiple of 16, runs its jnp reference instead) and attention is
+    multiple of 16, runs its jnp reference instead, recorded in the run's
+    ``stats["fallbacks"]``) and attention is
     :func:`specjax.kernels.ordered_attention`: a row's arithmetic depends neither on how
     many rows share the call nor on whether its context is committed or in the tree, so a
     verify pass reproduces the one-token steps bit for bit.
     """
     return (KernelOptions.of(attn_impl).attention == "fused" and num_tokens <= FUSED_MAX_TOKENS
             and has_fused_layers(config))
+
+
+def _record_unfused(config: ModelConfig, num_tokens: int) -> None:
+    """Records (:mod:`specjax.kernels.fallbacks`) why a call with ``attn_impl="fused"``
+    runs the ``"auto"`` layers: a pass over more than :data:`FUSED_MAX_TOKENS` tokens (a
+    long prefill, shared by the methods compared), or a family without fused layers (a
+    draft's: the API refuses such a target)."""
+    if has_fused_layers(config):
+        why = (f"a {num_tokens}-token pass (the fused kernels take at most "
+               f"{FUSED_MAX_TOKENS} tokens)")
+    else:
+        why = no_fused_layers_reason(config)
+    kernels.fallbacks.record("fused layers", f"{why}; attn_impl='auto' ran")
 
 
 def _packed_attention(family, scratch_mask) -> bool:
@@ -316,6 +330,7 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
     num_taps = len(feature_layers)
     impl = options.attention
     if impl == "fused" and not fused:
+        _record_unfused(config, tokens.shape[0])
         impl = "auto"  # a long prefill, or a family without fused layers
     choice = dict(interpret_variant=options.interpret_variant)  # the kernels' variant
 
@@ -412,7 +427,7 @@ def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache
     """Final-normed hidden states [T, d] and the cache with scratch slots written.
 
     These are also the *features* a feature draft reads (``features``: [T, d], required
-    when ``config.feature_input``; see :mod:`specjax.checkpoints_tools.feature_draft`).
+    when ``config.feature_input``; see :mod:`specjax.training.feature_draft`).
     With ``feature_layers`` (static, block indices) the outputs of those blocks [T, F*d]
     come too, between the two (what a multi-layer feature draft reads,
     ``draft_config.feature_layers``): ``(hidden, layer_features, cache)``."""
@@ -550,6 +565,9 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
         if return_features:
             return logits, _FAMILIES[config.architecture].final_norm(params, config, x), cache
         return logits, cache
+    if uses_fused_layers(config, tokens.shape[0], attn_impl):  # fused layers, a jnp head
+        kernels.fallbacks.record("fused layers", "a reduced head (a draft's head subset or "
+                                 "draft_vocab_size) has no kernel; the jnp head ran")
     out = hidden_states(params, config, tokens, positions, cache, mask, scratch_mask,
                         attn_impl=attn_impl, features=features, feature_layers=taps_wanted)
     hidden, cache = out[0], out[-1]
