@@ -212,7 +212,7 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
     if fallback is not None and interpret:
         # "auto" never interprets: the reference is faster.
         fallbacks.record("verify_attention", f"no Pallas kernel runs natively on the "
-                         f"{jax.default_backend()} backend; attn_impl='auto' ran the jnp "
+                         f"{jax.default_backend()} backend; attention='auto' ran the jnp "
                          f"attention")
         return fallback(*args) if layer is None else fallback(*args, layer=layer)
     module = _kernel_module(variant)
@@ -230,7 +230,9 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
             module.check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                                    **{k: v for k, v in options.items() if k != "layer"})
         except InvalidArgumentError as error:
-            fallbacks.record("verify_attention", f"{error}; attn_impl='auto' ran the jnp "
+            # The refusal's advice ("use attention 'auto' ...") is what ran: leave it out.
+            reason = str(error).split(" (use attention ")[0]
+            fallbacks.record("verify_attention", f"{reason}; attention='auto' ran the jnp "
                              f"attention")
             return fallback(*args) if layer is None else fallback(*args, layer=layer)
     return getattr(module, f"verify_attention_{variant}")(*args, interpret=interpret, **options)

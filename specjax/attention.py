@@ -250,7 +250,7 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
                 f"attention {impl!r}: the attention kernels take no soft-capping or sliding "
                 f"windows; use attention 'auto' (jnp attention for these models)")
         kernels.fallbacks.record("attention", "the Pallas attention kernels take no "
-                                 "soft-capping or sliding windows; attn_impl='auto' ran the "
+                                 "soft-capping or sliding windows; attention='auto' ran the "
                                  "jnp attention")
         return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
                                    layer=layer, **extras)

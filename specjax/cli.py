@@ -194,9 +194,12 @@ def _counted(count: int, noun: str) -> str:
 def _summary(stats: dict) -> str:
     rate = stats["tokens_per_s"]
     rate = "too fast to time" if rate is None else f"{rate:.1f} tok/s"
+    fallbacks = stats.get("fallbacks") or ()
     return (f"[{stats['method']}] {_counted(stats['new_tokens'], 'token')} in "
             f"{stats['seconds']:.2f} s ({rate}), compile {stats['compile_seconds']:.1f} s, "
-            f"target calls {stats['target_calls']}, mean accepted {stats['mean_accepted']:.2f}")
+            f"target calls {stats['target_calls']}, mean accepted {stats['mean_accepted']:.2f}"
+            + (f", {_counted(len(fallbacks), 'kernel fallback')} (--json lists them)"
+               if fallbacks else ""))
 
 
 def _progress() -> bool:

@@ -628,6 +628,9 @@ def test_one_token_is_singular_in_the_summaries():
     stats = {"method": "ar", "new_tokens": 1, "seconds": 0.5, "tokens_per_s": 2.0,
              "compile_seconds": 0.1, "target_calls": 2, "mean_accepted": 0.5}
     assert cli._summary(stats).startswith("[ar] 1 token in 0.50 s")
+    assert "fallback" not in cli._summary({**stats, "fallbacks": []})
+    assert cli._summary({**stats, "fallbacks": ["fused layers: ..."]}).endswith(
+        ", 1 kernel fallback (--json lists them)")
     assert cli._counted(2, "prompt") == "2 prompts" and cli._counted(1, "prompt") == "1 prompt"
 
 

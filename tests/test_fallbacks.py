@@ -81,13 +81,13 @@ def test_verify_attention_records_what_auto_runs_instead(monkeypatch):
     with fallbacks.collecting() as interpreted:  # a direct call on the CPU
         kernels.verify_attention(*_valid_args(), fallback=fallback)
     assert interpreted == {"verify_attention: no Pallas kernel runs natively on the cpu "
-                           "backend; attn_impl='auto' ran the jnp attention"}
+                           "backend; attention='auto' ran the jnp attention"}
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with fallbacks.collecting() as refused:
         kernels.verify_attention(*_valid_args(t=129), fallback=fallback)
     (reason,) = refused
     assert reason.startswith("verify_attention: GPU verify-attention kernel: 129 new tokens")
-    assert reason.endswith("; attn_impl='auto' ran the jnp attention")
+    assert reason.endswith("supports 1..128; attention='auto' ran the jnp attention"), reason
 
 
 def test_ordered_attention_records_a_refused_capacity_but_not_a_drafting_call():
@@ -127,13 +127,13 @@ def _forward_reasons(config: ModelConfig, num_tokens: int) -> set:
 def test_models_record_fused_layers_running_auto():
     assert _forward_reasons(_config(), 200) == {
         "fused layers: a 200-token pass (the fused kernels take at most 128 tokens); "
-        "attn_impl='auto' ran"}
+        "attention='auto' ran"}
     assert _forward_reasons(_config(), 16) == set()
     gpt2 = ModelConfig("gpt2", vocab_size=128, hidden_size=64, num_layers=1, num_heads=4,
                        num_kv_heads=4, head_dim=16, intermediate_size=128,
                        max_position_embeddings=256)
     assert _forward_reasons(gpt2, 16) == {
-        "fused layers: gpt2 models have none; attn_impl='auto' ran"}
+        "fused layers: gpt2 models have none; attention='auto' ran"}
 
 
 def _model():
@@ -147,7 +147,7 @@ def test_a_fused_run_over_128_tokens_lists_the_fallback_cached_or_not():
     model = _model()
     prompt = random_prompt(11, 130, vocab=model.config.vocab_size)  # a 256-token prefill
     expected = ["fused layers: a 256-token pass (the fused kernels take at most 128 "
-                "tokens); attn_impl='auto' ran"]
+                "tokens); attention='auto' ran"]
     auto = specjax.generate(model, prompt, max_new_tokens=3,
                             kernels=specjax.KernelOptions(attention="auto"))
     assert auto.stats["fallbacks"] == []
@@ -182,4 +182,4 @@ def test_a_streamed_run_lists_its_fallbacks_and_keeps_none_set_between_steps():
         fallbacks.record("caller", "between steps")  # no collector is active here
     assert items[-1][1]["fallbacks"] == [
         "fused layers: a 256-token pass (the fused kernels take at most 128 tokens); "
-        "attn_impl='auto' ran"]
+        "attention='auto' ran"]

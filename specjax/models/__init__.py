@@ -203,7 +203,7 @@ def _record_unfused(config: ModelConfig, num_tokens: int) -> None:
                f"{FUSED_MAX_TOKENS} tokens)")
     else:
         why = no_fused_layers_reason(config)
-    kernels.fallbacks.record("fused layers", f"{why}; attn_impl='auto' ran")
+    kernels.fallbacks.record("fused layers", f"{why}; attention='auto' ran")
 
 
 def _packed_attention(family, scratch_mask) -> bool:
