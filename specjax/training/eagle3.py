@@ -47,7 +47,7 @@ from specjax import models
 from specjax.attention import attention_reference
 from specjax.errors import InvalidArgumentError
 from specjax.models import cast_floats, llama
-from specjax.training.feature_draft import feature_draft_from_target
+from specjax.training.feature_draft import feature_draft_from_target, jitted_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +285,6 @@ def make_eagle3_steps(target_config, draft_config, loss_cfg: Eagle3LossConfig, o
     metrics dict (per-depth agreement included) with ``agreement`` and ``kl`` those of
     depth 1."""
     import jax
-    import optax
 
     layers = draft_config.feature_layers
 
@@ -297,12 +296,7 @@ def make_eagle3_steps(target_config, draft_config, loss_cfg: Eagle3LossConfig, o
         params = cast_floats({**trainable, **frozen}, compute_dtype)
         return eagle3_loss(params, draft_config, windows, logits, features, loss_cfg)
 
-    @jax.jit
-    def train_step(trainable, opt_state, frozen, target_params, windows):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            trainable, frozen, target_params, windows)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss, aux
+    train_step = jitted_train_step(loss_fn, optimizer)
 
     @jax.jit
     def eval_step(trainable, frozen, target_params, windows):

@@ -215,3 +215,21 @@ def split_feature_trainable(params: dict) -> tuple[dict, dict]:
     embedding and head stay the target's."""
     frozen = {k: v for k, v in params.items() if k in ("embed", "lm_head")}
     return {k: v for k, v in params.items() if k not in frozen}, frozen
+
+
+def jitted_train_step(loss_fn, optimizer):
+    """``train_step(trainable, opt_state, frozen, target_params, windows)``, jitted: one
+    ``optimizer`` update along the gradient of ``loss_fn`` (same arguments less
+    ``opt_state``, returning ``(loss, aux)``) with respect to ``trainable``; returns the
+    new ``(trainable, opt_state, loss, aux)``. The feature and EAGLE-3 drafts' step."""
+    import jax
+    import optax
+
+    @jax.jit
+    def train_step(trainable, opt_state, frozen, target_params, windows):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            trainable, frozen, target_params, windows)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss, aux
+
+    return train_step

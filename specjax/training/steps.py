@@ -82,7 +82,6 @@ def make_feature_train_steps(target_config, draft_config, cfg: TrainConfig, opti
     feature_loss` over the full head; evaluation reports depth-1 agreement and KL."""
     import jax
     import jax.numpy as jnp
-    import optax
 
     loss_cfg = fd.FeatureLossConfig(noise=cfg.feature_noise, unroll=cfg.feature_unroll,
                                     feature_weight=cfg.feature_weight)
@@ -102,12 +101,7 @@ def make_feature_train_steps(target_config, draft_config, cfg: TrainConfig, opti
         return fd.feature_loss(cast_floats({**trainable, **frozen}, cfg.compute_dtype),
                                draft_config, windows, features, rows, loss_cfg, key)
 
-    @jax.jit
-    def train_step(trainable, opt_state, frozen, target_params, windows):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            trainable, frozen, target_params, windows)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss, aux
+    train_step = fd.jitted_train_step(loss_fn, optimizer)
 
     @jax.jit
     def eval_step(trainable, frozen, target_params, windows):
