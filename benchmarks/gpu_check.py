@@ -632,7 +632,7 @@ def step_suite(sh: Shapes, record) -> None:
                # The rehearsal checks the plumbing: fp32 on the CPU's own path (the fused
                # kernels would run interpreted there, minutes for 30 layers).
                "--dtype", "float32" if cpu else "bfloat16",
-               "--attn-impl", "auto" if cpu else "fused", "--json", str(raw)]
+               "--attention", "auto" if cpu else "fused", "--json", str(raw)]
     record(command=" ".join(command[1:]))
 
     def summarize(complete: bool) -> None:

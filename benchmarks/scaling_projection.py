@@ -427,7 +427,9 @@ def main(argv=None) -> int:
                         help="tokens the draft's head scores")
     parser.add_argument("--draft-pass-tokens", type=int, default=12,
                         help="tokens in one draft pass")
-    parser.add_argument("--attn-impl", default="auto", choices=("auto", "reference", "kernel"))
+    parser.add_argument("--attention", dest="attn_impl", default="auto",
+                        choices=("auto", "reference", "kernel"),
+                        help="the attention path timed (KernelOptions.attention)")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30,
                         help="array size of the bandwidth probe (default 1 GiB)")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds (median kept)")

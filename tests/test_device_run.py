@@ -156,7 +156,7 @@ def test_dry_run_selects_steps_and_skips_the_model_steps_without_gguf(tmp_path):
     assert set(lines) == {"profile-fused-smollm2-135m", "profile-fused-mosaic-smollm2-135m",
                           "kernels", "suite", "verify"}, status
     assert "DRY" in lines["kernels"] and "bench_kernels.py --device-time" in lines["kernels"]
-    assert "--attn-impl fused" in lines["profile-fused-smollm2-135m"]
+    assert "--attention fused" in lines["profile-fused-smollm2-135m"]
     for name in ("suite", "verify"):
         assert "SKIPPED" in lines[name] and "gguf package" in lines[name], lines[name]
     assert status.startswith("#") and "(dry run)" in status.splitlines()[0]
@@ -185,7 +185,7 @@ def test_the_exactness_suites_run_fp32_and_fused_bf16_without_peers(tmp_path):
     lines = status_lines(status)
     assert set(lines) == {"suite", "suite-fp32", "suite-fused-bf16"}, status
     for name, args in (("suite-fp32", "--dtype float32"),
-                       ("suite-fused-bf16", "--dtype bfloat16 --attn-impl fused")):
+                       ("suite-fused-bf16", "--dtype bfloat16 --attention fused")):
         line = lines[name]
         assert "DRY" in line and args in line and "--peers none" in line, line
         assert "--methods ar,spec,tree,ngram,staged --temperatures 0,1 --limit 6" in line
@@ -194,7 +194,7 @@ def test_the_exactness_suites_run_fp32_and_fused_bf16_without_peers(tmp_path):
     # The 16-node tree profile of issue 14's whole-step target.
     done, status = run_gpu_script(tmp_path, DRY_RUN="1", STEPS="profile-tree16-*")
     line = status_lines(status)["profile-tree16-smollm2-135m"]
-    assert "--methods ar,tree --tree-budget 16" in line and "--attn-impl fused" in line, line
+    assert "--methods ar,tree --tree-budget 16" in line and "--attention fused" in line, line
 
 
 def test_a_step_over_its_time_limit_is_stopped_and_the_next_one_runs(tmp_path):
