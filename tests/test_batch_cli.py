@@ -107,6 +107,7 @@ def served(monkeypatch):
     return serve_models(monkeypatch, {"tiny": target, "tiny-draft": draft}, PROMPTS)
 
 
+@pytest.mark.slow  # 20-40 s: the slow tier keeps `make test` under 15 minutes
 def test_bench_batch_size_reports_total_and_per_row_rates(capsys, tmp_path, served):
     out_json = tmp_path / "batch.json"
     status, out, err = run_cli(capsys, "bench", "-m", "tiny", "--methods", "ar,tree",

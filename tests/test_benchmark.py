@@ -803,6 +803,7 @@ def test_write_json_marks_a_result_from_a_dirty_tree(tmp_path, capsys):
     assert environment.dirty_tree_warning({"git": clean}) is None
 
 
+@pytest.mark.slow  # 20-40 s: the slow tier keeps `make test` under 15 minutes
 def test_bench_kernels_checks_fp32_and_bf16_then_times_chained_calls(tmp_path, monkeypatch):
     """``bench_kernels.py --interpret --quick --sweep`` (the CPU smoke run of the GPU
     kernel's benchmark): the kernel is checked against the reference in float32 and

@@ -195,6 +195,7 @@ def test_chat_applies_the_chat_template(capsys, served):
     assert status == 0 and out == expected.text + "\n" and SUMMARY.match(err)
 
 
+@pytest.mark.slow  # 20-40 s: the slow tier keeps `make test` under 15 minutes
 def test_console_script_runs_for_real():
     """The installed entry point, the real load path, a real pipe for stderr."""
     script = Path(sys.executable).with_name("specjax")

@@ -204,6 +204,7 @@ def test_a_deadline_cuts_the_training_rows_not_the_held_out_ones(tiny_target, co
         _cfg(target_gen_seconds=0.0)
 
 
+@pytest.mark.slow  # 20-40 s: the slow tier keeps `make test` under 15 minutes
 def test_a_prior_target_corpus_is_added_and_checked(tiny_target, corpus_files, tmp_path,
                                                    monkeypatch):
     """``--prior-target-corpus``: an earlier run's text joins this run's (the log says so);

@@ -367,6 +367,7 @@ def tokenizer_target():
                                       bos_token_id=1)
 
 
+@pytest.mark.slow  # 20-40 s: the slow tier keeps `make test` under 15 minutes
 def test_train_draft_stops_at_its_time_budget_resumes_and_exports(tokenizer_target, tmp_path,
                                                                  monkeypatch):
     """``train-draft --eagle3`` on the target's own text: a run stopped by its time budget

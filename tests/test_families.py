@@ -448,6 +448,7 @@ def test_the_flax_modules_run_the_families(pairs, api):
         specjax.generate(model, prompt, max_new_tokens=8).tokens
 
 
+@pytest.mark.slow  # 20-40 s: the slow tier keeps `make test` under 15 minutes
 @pytest.mark.parametrize("feature", [False, True], ids=["token-draft", "feature-draft"])
 def test_train_draft_works_for_a_gemma_target(tmp_path, feature):
     """``train-draft`` (a few steps) on a Gemma 2 target with the GGUF's tokenizer: the

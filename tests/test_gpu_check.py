@@ -102,6 +102,7 @@ def test_the_paths_and_combos_can_be_narrowed(monkeypatch):
     assert gpu_check.shapes(True) == gpu_check.default_shapes(True)
 
 
+@pytest.mark.slow  # 20-40 s: the slow tier keeps `make test` under 15 minutes
 def test_a_budget_cut_short_leaves_a_valid_partial_json(tmp_path):
     """With 14 s the environment step runs, exactness is stopped at the budget with what it
     had recorded, and the rest are recorded as not run."""

@@ -75,6 +75,7 @@ def ar_tokens(fixture, prompt, **kwargs) -> list[int]:
 # ----------------------------------------------------------------------------- soak
 
 
+@pytest.mark.slow  # 20-40 s: the slow tier keeps `make test` under 15 minutes
 def test_short_soak_is_exact_with_bounded_programs_and_flat_memory(soak, llama):
     # 150 random calls after a warm-up over every method: prompts of every length up to
     # 16, temperatures, top-k/top-p, seeds, both drafts, stop tokens, and generations
