@@ -33,6 +33,7 @@ import warnings
 from typing import Any, Mapping
 
 from specjax.errors import InvalidArgumentError
+from specjax.sampling import static_rules
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "kernel", "fused")
 GPU_LINEAR_BACKENDS = ("triton", "mosaic")
@@ -131,7 +132,8 @@ class KernelOptions:
         """These options with ``sampling_rules="auto"`` made concrete for ``platform``."""
         if self.sampling_rules != "auto":
             return self
-        return self.replace(sampling_rules="static" if platform == "gpu" else "traced")
+        static = static_rules(platform, "auto")  # the one statement of what auto means
+        return self.replace(sampling_rules="static" if static else "traced")
 
     @classmethod
     def of(cls, value: "KernelOptions | str | None") -> "KernelOptions":
