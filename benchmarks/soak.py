@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 import specjax
-from specjax import decode, methods, models
+from specjax import api, decode, methods, models
 from specjax.benchmark.environment import machine, write_json
 from specjax.config import ModelConfig
 from specjax.training.ngram_build import build_ngram
@@ -314,12 +314,15 @@ class Soak:
                 self.check(self.random_call())
 
 
-def programs(config: ModelConfig) -> list[tuple]:
+def programs(config: ModelConfig, kernels=None) -> list[tuple]:
     """The compiled generation programs of a target: (method, verify, prompt bucket,
-    capacity) of every :func:`specjax.generate` executable cached for ``config``."""
+    capacity) of every :func:`specjax.generate` executable cached for ``config`` (and,
+    given ``kernels``, compiled with those :class:`~specjax.KernelOptions`: a program the
+    fixture compiled under other compiler options is another program, not the soak's)."""
     out = []
     for fn, loop, *_ in decode._EXECUTABLES:
-        if fn is decode.run_to_completion and loop.config == config:
+        if (fn is decode.run_to_completion and loop.config == config
+                and (kernels is None or loop.kernels == kernels)):
             verify = getattr(getattr(loop.method, "options", None), "verify", None)
             out.append((loop.method.name, verify, loop.prompt_bucket, loop.capacity))
     return sorted(out)
@@ -343,6 +346,7 @@ def soak(fixture: Fixture, calls: int, combos=DEFAULT_COMBOS, buckets=(16,), see
     report: dict[str, Any] = {"rss_start_bytes": rss_bytes()}
     compiles_before = backend_compiles()
     start = time.perf_counter()
+    kernels = api.kernel_options(fixture.target)  # what every soak call runs with
     runner = Soak(fixture, combos, buckets, seed, limits)
     runner.warm_up()
     warm = time.perf_counter()
@@ -365,8 +369,8 @@ def soak(fixture: Fixture, calls: int, combos=DEFAULT_COMBOS, buckets=(16,), see
         exact_comparisons=runner.exact_checked, soak_seconds=end - warm,
         wall_seconds=end - start, failures=runner.failures[:20],
         failure_count=len(runner.failures),
-        compiled_programs=len(programs(fixture.target.config)),
-        programs=programs(fixture.target.config),
+        compiled_programs=len(programs(fixture.target.config, kernels)),
+        programs=programs(fixture.target.config, kernels),
         expected_programs=expected_programs(fixture, combos, buckets, limits),
         backend_compiles_after_warm_up=backend_compiles() - compiles_warm,
         max_new_tokens=runner.max_new_tokens, combos=[list(c) for c in combos],
