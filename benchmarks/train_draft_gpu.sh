@@ -76,6 +76,8 @@
 # multiplies at IEEE precision, several times slower on a GPU), E3_GEN_SECONDS (stop writing
 # the target's text after this many seconds: --target-gen-seconds), E3_PRIOR_CORPUS (an
 # earlier run's target_corpus.npz added to the text this run writes: --prior-target-corpus),
+# E3_INIT_DRAFT (an EAGLE-3 draft asset of an earlier window, e.g. its draft.json and
+# draft.safetensors in one folder: trained further, --init-draft, so that windows add up),
 # E3_CHAT (0.25: the share of prompts asked through the target's chat template,
 # --target-chat-fraction), E3_CKPT_EVERY (steps between checkpoints, default E3_EVAL_EVERY), E3_KEEP_CORPUS (1: copy
 # the text this run wrote, target_corpus.npz, into OUT_DIR),
@@ -199,11 +201,20 @@ if [ "$RECIPE" = eagle3 ]; then
         --target-batch-size "$TARGET_BATCH" --steps "${E3_STEPS:-2000}"
         --batch-size "${E3_BATCH:-48}" --seq-len "${E3_SEQ:-256}"
         --learning-rate "${E3_LR:-1e-3}" --warmup-steps "${E3_WARMUP:-100}"
-        --unroll "${E3_UNROLL:-4}" --draft-vocab "${E3_VOCAB:-8192}"
+        --unroll "${E3_UNROLL:-4}"
         --acceptance-weight "${E3_ACCEPTANCE:-0}" --eval-every "${E3_EVAL_EVERY:-250}"
         --checkpoint-every "${E3_CKPT_EVERY:-${E3_EVAL_EVERY:-250}}" --eval-windows 32
         --compute-dtype "${E3_DTYPE:-bfloat16}"
         --time-budget "$LEFT" --asset "$OUT/asset")
+  if [ -n "${E3_INIT_DRAFT:-}" ]; then
+    # Train an earlier window's draft further: its vocabulary and feature layers are the
+    # run's (train-draft reads them from the asset), so E3_VOCAB applies only if set.
+    [ -f "$E3_INIT_DRAFT/draft.safetensors" ] || die "E3_INIT_DRAFT=$E3_INIT_DRAFT: no draft.safetensors there"
+    ARGS+=(--init-draft "$E3_INIT_DRAFT")
+    if [ -n "${E3_VOCAB:-}" ]; then ARGS+=(--draft-vocab "$E3_VOCAB"); fi
+  else
+    ARGS+=(--draft-vocab "${E3_VOCAB:-8192}")
+  fi
   if [ -n "${E3_LAYERS:-}" ]; then ARGS+=(--feature-layers "$E3_LAYERS"); fi
   if [ -n "${E3_GEN_SECONDS:-}" ]; then ARGS+=(--target-gen-seconds "$E3_GEN_SECONDS"); fi
   if [ -n "${E3_PRIOR_CORPUS:-}" ]; then ARGS+=(--prior-target-corpus "$E3_PRIOR_CORPUS"); fi

@@ -1,6 +1,7 @@
 """EAGLE-3-class drafts: the target's block outputs, the training-time test, the reduced
 vocabulary, exactness of decoding with them, the asset, and training (resumed)."""
 
+import dataclasses
 import json
 
 import jax
@@ -319,6 +320,50 @@ def test_an_eagle3_asset_round_trips(target, tmp_path):
         load_bundled_draft(target, asset)
 
 
+def test_a_run_continues_an_eagle3_asset(target, tmp_path):
+    """``--eagle3 --init-draft ASSET`` starts from the asset's own tensors (float16-stored,
+    so the same values rounded) and keeps its id map, saved as the run's vocabulary; flags
+    that disagree with the asset, or a draft that is not EAGLE-3, fail in one line."""
+    from specjax.checkpoints_tools.sources import save_draft_asset
+    from specjax.training import drafts
+    from specjax.training.config import TrainConfig
+
+    config, params = eagle3_params(target, seed=8)
+    asset = save_draft_asset(tmp_path / "a", target.config, params, target.params["embed"],
+                             {"note": "test"}, feature_layers=config.feature_layers)
+    cfg = TrainConfig(eagle3=True, init_draft=str(asset), feature_layers=LAYERS,
+                      draft_vocab=40)
+    out = tmp_path / "run"
+    out.mkdir()
+    vocab, source = drafts.draft_vocabulary(out, cfg, target.config.vocab_size)
+    np.testing.assert_array_equal(vocab, params["draft_vocab"])
+    assert str(asset) in source
+    np.testing.assert_array_equal(np.load(out / "draft_vocab.npy"), params["draft_vocab"])
+    got_config, got = drafts.initial_draft(target, cfg, vocab)
+    assert got_config == config
+    stored = jax.tree.map(lambda a: np.asarray(a).astype(np.float16).astype(np.float32),
+                          {k: v for k, v in params.items() if k not in ("embed", "draft_vocab")})
+    jax.tree.map(np.testing.assert_array_equal,
+                 {k: v for k, v in got.items() if k in stored}, stored)
+    assert set(got) == set(params)
+    np.testing.assert_array_equal(got["draft_vocab"], params["draft_vocab"])
+    trainable, frozen = drafts.split_trainable(got, False)
+    assert "fc" in trainable and "draft_vocab" in frozen
+
+    with pytest.raises(InvalidArgumentError, match="scores 40 ids, not the run's"):
+        drafts.initial_draft(target, TrainConfig(eagle3=True, init_draft=str(asset),
+                                                 feature_layers=LAYERS), None)
+    with pytest.raises(InvalidArgumentError, match=r"reads target blocks \(0, 1, 2\)"):
+        drafts.initial_draft(target, TrainConfig(eagle3=True, init_draft=str(asset),
+                                                 feature_layers=(0, 1), draft_vocab=40), None)
+    token_draft = save_draft_asset(tmp_path / "t", target.config,
+                                   {k: v for k, v in target.params.items() if k != "embed"},
+                                   target.params["embed"], {"note": "token draft"})
+    with pytest.raises(InvalidArgumentError, match="is not an EAGLE-3 draft"):
+        drafts.initial_draft(target, TrainConfig(eagle3=True, init_draft=str(token_draft)),
+                             None)
+
+
 def test_errors_are_one_line(target):
     with pytest.raises(InvalidArgumentError, match="draft_vocab must be distinct ids"):
         eagle3.eagle3_draft_from_target(target.config, target.params, [1, 1, 2], LAYERS)
@@ -414,5 +459,17 @@ def test_train_draft_stops_at_its_time_budget_resumes_and_exports(tokenizer_targ
                                 draft=draft).tokens == expected
     with pytest.raises(InvalidArgumentError, match="head-tokens"):
         train_draft.export_latest(target, out, tmp_path / "bad", head_tokens=64)
-    with pytest.raises(InvalidArgumentError, match="--init-draft and --add-layers do not"):
+
+    # Trained further (--init-draft): the second run starts where the first ended (its
+    # step-0 held-out KL is the first run's last, the asset's float16 rounding aside).
+    more = dataclasses.replace(cfg, init_draft=str(asset), steps=2)
+    train_draft.train_draft(target, tmp_path / "more", more, corpus_files=files,
+                            log=messages.append)
+    log2 = [json.loads(line)
+            for line in (tmp_path / "more" / "train_log.jsonl").read_text().splitlines()]
+    first_kl, last_kl = (log[0]["heldout_target_kl_depth"][0],
+                         log[-1]["heldout_target_kl_depth"][0])
+    start_kl = log2[0]["heldout_target_kl_depth"][0]
+    assert abs(start_kl - last_kl) < 0.1 * abs(first_kl - last_kl), (first_kl, last_kl, start_kl)
+    with pytest.raises(InvalidArgumentError, match="--feature-draft and --add-layers do not"):
         train_draft.TrainConfig(eagle3=True, feature_draft=True)

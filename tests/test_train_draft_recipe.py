@@ -192,3 +192,25 @@ exec {sys.executable} "$@"
     assert ran == [str(out / name) for name in STAGE_CONFIGS
                    if list(STAGE_CONFIGS).index(name) >= list(STAGE_CONFIGS).index(stage)]
     assert (out / "asset" / "draft.json").exists()
+
+
+def test_the_eagle3_recipe_trains_an_earlier_draft_further(tmp_path):
+    """E3_INIT_DRAFT: the draft of an earlier window trained further (--init-draft); its
+    vocabulary comes from the asset, so --draft-vocab is passed only when E3_VOCAB is set;
+    a folder without a draft is one line."""
+    asset = tmp_path / "asset"
+    asset.mkdir()
+    (asset / "draft.safetensors").write_bytes(b"st")
+    done = dry_run(tmp_path, RECIPE="eagle3", E3_INIT_DRAFT=str(asset))
+    assert done.returncode == 0, done.stderr
+    (command,) = parsed_commands(done.stdout)
+    assert command.init_draft == str(asset) and command.draft_vocab is None
+    assert command.eagle3 and command.unroll == 4
+    (sized,) = parsed_commands(dry_run(tmp_path, RECIPE="eagle3", E3_INIT_DRAFT=str(asset),
+                                       E3_VOCAB="12288").stdout)
+    assert sized.draft_vocab == 12288
+    (fresh,) = parsed_commands(dry_run(tmp_path, RECIPE="eagle3").stdout)
+    assert fresh.init_draft is None and fresh.draft_vocab == 8192
+    missing = dry_run(tmp_path, RECIPE="eagle3", E3_INIT_DRAFT=str(tmp_path / "none"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "no draft.safetensors" in missing.stderr

@@ -98,10 +98,11 @@ class TrainConfig:
             FeatureLossConfig(noise=self.feature_noise, unroll=self.feature_unroll,
                               feature_weight=self.feature_weight)
         if self.eagle3:
-            if self.feature_draft or self.init_draft is not None or self.add_layers:
+            if self.feature_draft or self.add_layers:
                 raise InvalidArgumentError("an EAGLE-3 draft starts from the target's blocks "
-                                           "--init-layers: --feature-draft, --init-draft and "
-                                           "--add-layers do not apply")
+                                           "--init-layers or from an EAGLE-3 asset "
+                                           "--init-draft: --feature-draft and --add-layers "
+                                           "do not apply")
             if self.loss != "kl":
                 raise InvalidArgumentError("an EAGLE-3 draft trains on the target's soft "
                                            "labels (--loss kl)")

@@ -13,10 +13,12 @@ from typing import Sequence
 import numpy as np
 
 from specjax import models
+from specjax.checkpoints_tools.assets import DRAFT_CONFIG, DRAFT_TENSORS, DRAFT_VOCAB
+from specjax.checkpoints_tools.hf import read_json_object
 from specjax.checkpoints_tools.sources import frequent_tokens, load_bundled_draft
 from specjax.errors import InvalidArgumentError
 from specjax.training.config import TrainConfig
-from specjax.training.eagle3 import eagle3_draft_from_target
+from specjax.training.eagle3 import default_feature_layers, eagle3_draft_from_target
 from specjax.training.feature_draft import feature_draft_from_draft, feature_draft_from_target
 
 
@@ -41,6 +43,8 @@ def initial_draft(target, cfg: "TrainConfig", draft_vocab=None):
     the draft asset ``cfg.init_draft`` (its own tensors, full head); then grown by the
     target blocks ``cfg.add_layers`` (:func:`grow_draft`). An EAGLE-3 draft
     (``cfg.eagle3``) scores the ids ``draft_vocab`` (:func:`draft_vocabulary`)."""
+    if cfg.eagle3 and cfg.init_draft is not None:
+        return eagle3_from_asset(target, cfg)
     if cfg.eagle3:
         return eagle3_draft_from_target(target.config, target.params, draft_vocab,
                                         cfg.feature_layers, cfg.init_layers)
@@ -65,6 +69,52 @@ def initial_draft(target, cfg: "TrainConfig", draft_vocab=None):
         config, params = grow_draft(config, params, target.config, target.params,
                                     cfg.add_layers)
     return config, params
+
+
+def eagle3_asset_record(directory) -> dict:
+    """The ``draft.json`` of the EAGLE-3 draft asset ``directory`` (``--eagle3
+    --init-draft``): its ``feature_layers`` and ``draft_vocab_size`` are the run's."""
+    record = read_json_object(Path(directory) / DRAFT_CONFIG)
+    if not (record.get("feature_input") and record.get("draft_vocab_size")):
+        raise InvalidArgumentError(
+            f"--init-draft {directory} is not an EAGLE-3 draft (its draft.json has no "
+            "feature_input and draft_vocab_size): with --eagle3 pass an asset of an "
+            "earlier --eagle3 run, or drop --eagle3")
+    return record
+
+
+def eagle3_from_asset(target, cfg: "TrainConfig"):
+    """(config, params) of the EAGLE-3 draft asset ``cfg.init_draft``, to train further:
+    the same blocks, fusion, head and id map. The run's feature layers and vocabulary size
+    must be the asset's (a draft reads the blocks it was trained on)."""
+    import jax
+
+    record = eagle3_asset_record(cfg.init_draft)
+    layers = (cfg.feature_layers if cfg.feature_layers is not None
+              else default_feature_layers(target.config.num_layers))
+    if tuple(record.get("feature_layers") or ()) != tuple(layers):
+        raise InvalidArgumentError(
+            f"--init-draft {cfg.init_draft} reads target blocks "
+            f"{tuple(record.get('feature_layers') or ())}, not the run's --feature-layers "
+            f"{tuple(layers)}")
+    if int(record["draft_vocab_size"]) != cfg.draft_vocab:
+        raise InvalidArgumentError(
+            f"--init-draft {cfg.init_draft} scores {record['draft_vocab_size']} ids, not the "
+            f"run's --draft-vocab {cfg.draft_vocab}")
+    draft = load_bundled_draft(target, cfg.init_draft)
+    params = {k: v for k, v in draft.params.items() if k != models.HEAD_SUBSET}
+    return draft.config, jax.tree.map(np.asarray, params)
+
+
+def _asset_vocabulary(directory) -> np.ndarray:
+    """The id map [K] of the EAGLE-3 draft asset ``directory``."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(directory) / DRAFT_TENSORS), framework="numpy") as tensors:
+        if DRAFT_VOCAB not in tensors.keys():
+            raise InvalidArgumentError(f"--init-draft {directory}: {DRAFT_TENSORS} holds no "
+                                       f"{DRAFT_VOCAB} (not an EAGLE-3 draft)")
+        return np.asarray(tensors.get_tensor(DRAFT_VOCAB), np.int32)
 
 
 # The parameters through which a Llama block writes to the residual stream.
@@ -125,7 +175,11 @@ def draft_vocabulary(out: Path, cfg: "TrainConfig", vocab_size: int,
     kept = Path(out) / "draft_vocab.npy"
     if kept.exists():
         return np.load(kept), f"the {cfg.draft_vocab} ids chosen when the run began ({kept})"
-    ids, description = head_subset(out, cfg, cfg.draft_vocab, vocab_size, generated)
+    if cfg.init_draft is not None:  # a draft trained further keeps its vocabulary
+        ids = _asset_vocabulary(cfg.init_draft)
+        description = f"the {ids.size} ids of the draft it starts from ({cfg.init_draft})"
+    else:
+        ids, description = head_subset(out, cfg, cfg.draft_vocab, vocab_size, generated)
     with open(kept.with_suffix(".tmp"), "wb") as f:
         np.save(f, np.asarray(ids, np.int32))
     os.replace(kept.with_suffix(".tmp"), kept)

@@ -68,7 +68,9 @@ training-time-test passes weighted ``--unroll-decay ** i`` on the target's soft 
 logits come from the frozen target pass inside each step. Held-out agreement is logged per
 depth (``*_agreement_depth``, with ``*_acceptance_depth`` and ``*_kl_depth``). With
 ``--corpus-from-target N --target-corpus-fraction 1`` it trains on the target's own text
-alone.
+alone. ``--eagle3 --init-draft ASSET`` trains the EAGLE-3 draft asset of an earlier run
+further (its blocks, fusion, head and id map; its feature layers and vocabulary size
+become the run's), so that short GPU windows add up.
 
 ``--time-budget SECONDS`` stops training that long after the run starts (the corpora and
 compilation included), saves a checkpoint and exports as if the last step were reached; a
@@ -104,8 +106,8 @@ from specjax.errors import InvalidArgumentError
 from specjax.training.config import (COMPUTE_DTYPES, EAGLE3_FIELDS, FEATURE_FIELDS, LOSSES,
                                      TARGET_CORPUS_FIELDS, TrainConfig)
 from specjax.training.corpus import mixed_windows, sample_windows, stdlib_files, tokenize_corpus
-from specjax.training.drafts import (draft_from_target, draft_vocabulary, grow_draft,
-                                     initial_draft, split_trainable)
+from specjax.training.drafts import (draft_from_target, draft_vocabulary, eagle3_asset_record,
+                                     grow_draft, initial_draft, split_trainable)
 from specjax.training.export import export_latest
 from specjax.training.loop import train_draft
 from specjax.training.steps import (learning_rate, make_feature_train_steps, make_optimizer,
@@ -135,6 +137,14 @@ def _layer_list(text: str | None, flag: str):
 def main(args) -> int:
     """Entry point of ``specjax train-draft`` (``args`` from the CLI parser)."""
     init_layers = args.init_layers or ("0" if args.eagle3 else "0,1")
+    if args.eagle3 and args.init_draft:
+        # Training an EAGLE-3 draft further: it reads the blocks and scores the ids it was
+        # trained on (given flags must agree: checked when the draft loads).
+        record = eagle3_asset_record(Path(args.init_draft).expanduser())
+        if args.draft_vocab is None:
+            args.draft_vocab = int(record["draft_vocab_size"])
+        if args.feature_layers is None:
+            args.feature_layers = ",".join(str(int(i)) for i in record["feature_layers"])
     cfg = TrainConfig(init_layers=_layer_list(init_layers, "--init-layers"),
                       loss=args.loss, steps=args.steps, batch_size=args.batch_size,
                       seq_len=args.seq_len, learning_rate=args.learning_rate,
@@ -243,7 +253,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-corpus-tokens", type=int, default=20_000_000)
     p.add_argument("--init-draft", default=None, metavar="ASSET",
                    help="start from this draft asset (specjax train-draft --asset) instead "
-                        "of the target blocks --init-layers")
+                        "of the target blocks --init-layers; with --eagle3, an EAGLE-3 "
+                        "asset trained further")
     p.add_argument("--add-layers", default=None, metavar="LAYERS",
                    help="grow the starting draft by these target blocks (comma-separated), "
                         "their output projections zeroed: the grown draft starts out "
