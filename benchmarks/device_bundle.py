@@ -11,6 +11,9 @@ Here (with a package index)::
 
     python benchmarks/device_bundle.py pack            # -> .device/call-1, call-2, ...
 
+(``--files`` adds other files, e.g. a draft to train further, joined and checked in the
+stash but not installed: ``/tmp/specjax-device/<name>``.)
+
 fetches the wheels (the versions installed here), cuts them into pieces that fit beside
 the checkout's current size, one folder per call, and prints the plan. There, at the start
 of call *i* (with ``.device/call-i`` carried)::
@@ -109,10 +112,16 @@ def pack(args) -> int:
         if args.wheels:
             wheels = [Path(w).resolve() for w in args.wheels]
         else:
-            wheels = download(args.packages, scratch)
-        for wheel in wheels:
-            if not wheel.is_file():
-                raise BundleError(f"{wheel}: no such file")
+            wheels = download(args.packages, scratch) if args.packages else []
+        others = [Path(f).resolve() for f in args.files or ()]
+        for path in wheels + others:
+            if not path.is_file():
+                raise BundleError(f"{path}: no such file")
+        names = [path.name for path in wheels + others]
+        if len(set(names)) != len(names):
+            raise BundleError(f"two files share a name ({', '.join(sorted(names))}): the "
+                              "stash holds one file per name")
+        wheels = wheels + others
         tree = travelling_bytes(root)
         room = args.limit_bytes - args.margin_bytes - tree
         sizes = {w.name: w.stat().st_size for w in wheels}
@@ -123,7 +132,8 @@ def pack(args) -> int:
         manifest = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "calls": len(calls), "checkout_bytes": tree, "room_bytes": room,
                     "files": {w.name: {"sha256": sha256(w), "bytes": sizes[w.name],
-                                       "pieces": []} for w in wheels}}
+                                       "install": w not in others, "pieces": []}
+                              for w in wheels}}
         for number, pieces in enumerate(calls, start=1):
             folder = out / f"call-{number}"
             folder.mkdir()
@@ -217,7 +227,8 @@ def unpack(args) -> int:
                 f.write(path.read_bytes())
         if sha256(whole) != entry["sha256"]:
             raise BundleError(f"{whole}: joined file does not match its SHA-256")
-        if not args.no_install:
+        install = entry.get("install", True) and not args.no_install
+        if install:
             command = [args.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                        "--no-compile", str(whole)]
             if args.target:
@@ -229,8 +240,8 @@ def unpack(args) -> int:
         stamp.write_text(entry["sha256"])
         for piece in entry["pieces"]:
             (stash / piece["name"]).unlink()
-        print(f"[device_bundle] {name}: joined, checked"
-              + ("" if args.no_install else ", installed"))
+        print(f"[device_bundle] {name}: joined, checked" + (", installed" if install else
+                                                             f" ({whole})"))
     return status
 
 
@@ -242,6 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("--root", default=".", help="the checkout that the device calls send")
     p.add_argument("--packages", nargs="*", default=list(PACKAGES))
     p.add_argument("--wheels", nargs="*", help="wheel files to bundle instead of downloading")
+    p.add_argument("--files", nargs="*", help="other files to carry (joined in the stash, "
+                   "not installed)")
     p.add_argument("--limit-bytes", type=int, default=CALL_LIMIT_BYTES)
     p.add_argument("--margin-bytes", type=int, default=MARGIN_BYTES)
     p.add_argument("--force", action="store_true")

@@ -272,6 +272,36 @@ def test_pieces_fit_beside_the_checkout_and_join_back_over_the_calls(tmp_path, c
     assert "missing or damaged" in capsys.readouterr().err
 
 
+def test_other_files_travel_beside_the_wheels_and_stay_in_the_stash(tmp_path, capsys):
+    """``--files``: a draft to train further travels in pieces like a wheel, and is joined
+    and checked in the stash but never given to pip (``unpack`` installs the wheel)."""
+    checkout = git_checkout(tmp_path / "repo", 10)
+    wheel = tmp_path / "w.whl"
+    wheel.write_bytes(b"not a wheel")
+    draft = tmp_path / "draft.safetensors"
+    draft.write_bytes(np.random.default_rng(2).bytes(5000))
+    assert bundle.main(["pack", "--root", str(checkout), "--wheels", str(wheel), "--files",
+                        str(draft), "--limit-bytes", "4000", "--margin-bytes", "500"]) == 0
+    calls = sorted((checkout / ".device").iterdir())
+    assert len(calls) == 2
+    stash = tmp_path / "stash"
+    assert bundle.main(["unpack", str(calls[0]), "--stash", str(stash), "--no-install"]) == 0
+    capsys.readouterr()
+    # The wheel was joined in call 1 (and would have been installed); the draft is not, so a
+    # pip run on it would fail the call: here unpack only joins and checks it.
+    assert bundle.main(["unpack", str(calls[1]), "--stash", str(stash),
+                        "--python", "/nonexistent/python"]) == 0
+    assert f"draft.safetensors: joined, checked ({stash / 'draft.safetensors'})" \
+        in capsys.readouterr().out
+    assert (stash / "draft.safetensors").read_bytes() == draft.read_bytes()
+    twice = tmp_path / "other"
+    twice.mkdir()
+    (twice / "w.whl").write_bytes(b"x")
+    assert bundle.main(["pack", "--root", str(checkout), "--force", "--wheels", str(wheel),
+                        "--files", str(twice / "w.whl")]) == 1
+    assert "share a name" in capsys.readouterr().err
+
+
 def test_pack_refuses_a_folder_git_would_send(tmp_path, capsys):
     checkout = git_checkout(tmp_path / "repo", 10)
     (tmp_path / "a.whl").write_bytes(b"a")
