@@ -74,8 +74,9 @@
 # shipped stages used 64 on the CPU, and a row's text does not depend on its batch).
 # RECIPE=eagle3 only: E3_DTYPE (bfloat16: --compute-dtype, float32 master weights; float32
 # multiplies at IEEE precision, several times slower on a GPU), E3_GEN_SECONDS (stop writing
-# the target's text after this many seconds: --target-gen-seconds), E3_PRIOR_CORPUS (an
-# earlier run's target_corpus.npz added to the text this run writes: --prior-target-corpus),
+# the target's text after this many seconds: --target-gen-seconds), E3_PRIOR_CORPUS (the
+# earlier runs' target_corpus.npz files, comma-separated, added to the text this run writes:
+# --prior-target-corpus),
 # E3_INIT_DRAFT (an EAGLE-3 draft asset of an earlier window, e.g. its draft.json and
 # draft.safetensors in one folder: trained further, --init-draft, so that windows add up),
 # E3_CHAT (0.25: the share of prompts asked through the target's chat template,
@@ -190,8 +191,10 @@ if [ "$RECIPE" = eagle3 ]; then
     E3_CHAT=${E3_CHAT:-0}
     say "eagle3: the target's text from $E3_TARGET_CORPUS, not written again"
   fi
+  PRIOR=()
   if [ -n "${E3_PRIOR_CORPUS:-}" ]; then
-    [ -f "$E3_PRIOR_CORPUS" ] || die "E3_PRIOR_CORPUS=$E3_PRIOR_CORPUS: no such file"
+    read -r -a PRIOR <<< "${E3_PRIOR_CORPUS//,/ }"  # one file or several, comma-separated
+    for f in "${PRIOR[@]}"; do [ -f "$f" ] || die "E3_PRIOR_CORPUS: $f: no such file"; done
   fi
   ARGS=(--eagle3 --init-layers 0 --max-corpus-tokens "${E3_MAX_TOKENS:-1000000}"
         --corpus-from-target "${E3_TARGET_TOKENS:-2000000}" --target-corpus-fraction 1
@@ -217,7 +220,7 @@ if [ "$RECIPE" = eagle3 ]; then
   fi
   if [ -n "${E3_LAYERS:-}" ]; then ARGS+=(--feature-layers "$E3_LAYERS"); fi
   if [ -n "${E3_GEN_SECONDS:-}" ]; then ARGS+=(--target-gen-seconds "$E3_GEN_SECONDS"); fi
-  if [ -n "${E3_PRIOR_CORPUS:-}" ]; then ARGS+=(--prior-target-corpus "$E3_PRIOR_CORPUS"); fi
+  for f in "${PRIOR[@]}"; do ARGS+=(--prior-target-corpus "$f"); done
   if [ "$DRY_RUN" != 0 ]; then
     train_draft "$OUT" "${ARGS[@]}"
     exit 0

@@ -159,6 +159,11 @@ def test_the_eagle3_recipe_adds_earlier_text_and_bounds_the_writing(tmp_path):
     missing = dry_run(tmp_path, RECIPE="eagle3", E3_PRIOR_CORPUS=str(tmp_path / "no.npz"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
     assert "no such file" in missing.stderr
+    other = tmp_path / "other.npz"
+    other.write_bytes(b"npz")
+    (both,) = parsed_commands(dry_run(tmp_path, RECIPE="eagle3",
+                                      E3_PRIOR_CORPUS=f"{corpus},{other}").stdout)
+    assert both.prior_target_corpus == [str(corpus), str(other)]
 
 
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
