@@ -44,12 +44,14 @@ def _singles(target, prompts, seeds, **kwargs):
 
 # One batch program per speculative method (5 rows: bucket 8, three padding rows); ar,
 # cheap to compile, at several sizes.
-# spec, tree and ngram (whose pieces staged also runs) are in the slow tier: CI time.
-# (test_stream_generate_yields_per_row_tokens batches ngram in the fast tier.)
+# spec, tree, ngram and staged are in the slow tier: CI time. (In the fast tier,
+# test_stream_generate_yields_per_row_tokens batches ngram, and
+# test_staged_rejection_samples_the_target_distribution_with_many_rows and
+# test_rows_stop_on_their_own_stop_tokens batch staged.)
 @pytest.mark.parametrize("method, sizes", [
     ("ar", (1, 2, 3, 5)),
     *(pytest.param(m, (5,), marks=pytest.mark.slow) for m in ("spec", "tree", "ngram")),
-    ("staged", (5,))])
+    pytest.param("staged", (5,), marks=pytest.mark.slow)])  # 25 s
 def test_each_row_equals_its_batch_1_output(spec_target, spec_drafts, tables, method, sizes):
     # Live-row compaction (its extra programs) for the method that uses every piece;
     # test_live_rows_move_to_smaller_programs covers ar.

@@ -79,6 +79,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 # ----------------------------------------------------------------------------- generate
 
 
+@pytest.mark.slow  # 20 s: the slow tier keeps `make test` under 15 minutes
 def test_generate_streams_text_to_stdout_and_one_summary_line_to_stderr(capsys, served):
     expected = specjax.generate(served, PROMPT, method="ar", max_new_tokens=16)
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16",
@@ -106,6 +107,7 @@ def test_fused_attention_fuses_the_target_and_draft_projections(capsys, served, 
     assert not models.projections_fused(served.params)  # the loaded model is left as it was
 
 
+@pytest.mark.slow  # 35 s (staged compiles the real model): the slow tier keeps `make test` under 15 minutes
 def test_default_method_is_staged_and_exact(capsys, served):
     """No options: the embedded model runs staged with its shipped draft and tables, and
     prints exactly the autoregressive text."""
@@ -243,6 +245,7 @@ def test_the_program_caches_compiled_programs_where_it_is_told(tmp_path, jax_cac
     assert jax.config.jax_compilation_cache_max_size == 2 << 30
 
 
+@pytest.mark.slow  # 15 s: the slow tier keeps `make test` under 15 minutes
 def test_the_program_finds_its_cached_programs_and_survives_a_damaged_cache(
         tiny_gguf, tmp_path):
     """A real process fills the cache; the next one looks its programs up there (it reads

@@ -429,7 +429,7 @@ def check_generate_outcome(status: int, out: str, err: str, where: str) -> None:
 GENERATE_MOMENTS = [("reading", 0.0), ("reading", 0.5), ("reading", 2.0), ("streaming", 0.0)]
 
 
-@pytest.mark.parametrize("cache", ["off", "warm"])
+@pytest.mark.parametrize("cache", ["off", pytest.param("warm", marks=pytest.mark.slow)])
 def test_generate_ctrl_c_at_any_moment_is_status_130_and_one_line(models, tmp_path, cache):
     model = models["long"]
     argv = ["-m", str(model), "the", "--max-new-tokens", "900", "--method", "ar"]

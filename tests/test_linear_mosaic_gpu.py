@@ -141,6 +141,7 @@ def test_dispatch_is_opt_in_and_by_shape_and_dtype():
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # 18 s: the slow tier keeps `make test` under 15 minutes
 def test_model_tree_nodes_are_bitwise_the_ar_steps():
     """bfloat16, ``attn_impl="fused"`` with the Mosaic kernel for q, o, gate|up and down
     (k and v are 32 wide and the tied head is transposed: the Triton kernel's). One layer:

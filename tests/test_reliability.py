@@ -115,6 +115,7 @@ def test_each_method_ends_cleanly_at_a_learned_position_limit(soak, gpt2, method
     assert runner.failures == []
 
 
+@pytest.mark.slow  # 25 s: the slow tier keeps `make test` under 15 minutes
 def test_every_method_fills_the_cache_to_its_last_slot(soak, llama):
     runner = soak.Soak(llama, limits=("fill",))
     calls = soak.limit_calls(llama, random.Random(1), ("fill",))

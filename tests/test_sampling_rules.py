@@ -99,7 +99,9 @@ METHODS = {  # spec shares tree's code (a chain is a tree)
 }
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+# tree in the fast tier; staged and ngram (13-15 s each) in the slow tier.
+@pytest.mark.parametrize("method", [m if m == "tree" else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in sorted(METHODS)])
 def test_fixed_rules_give_ar_tokens_with_no_conditional(static, spec_target, spec_drafts,
                                                         tables, method):
     options = dict(METHODS[method], ngram=tables if method in ("staged", "ngram") else None)

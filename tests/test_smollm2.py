@@ -139,6 +139,7 @@ def test_greedy_equals_transformers_generate(smollm2, hf_smollm2, prompt_ids, ge
 THROUGH_EOS = 2
 
 
+@pytest.mark.slow  # 25 s: the slow tier keeps `make test` under 15 minutes
 def test_stop_tokens_disabled_on_both_sides(smollm2, generation):
     """A greedy continuation that runs through EOS is the same on both sides and went on
     past it: so EOS was neither a stop token nor suppressed (``min_new_tokens`` would
