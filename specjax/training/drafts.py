@@ -14,9 +14,9 @@ import numpy as np
 
 from specjax import models
 from specjax.checkpoints_tools.assets import DRAFT_CONFIG, DRAFT_TENSORS, DRAFT_VOCAB
-from specjax.checkpoints_tools.hf import read_json_object
+from specjax.checkpoints_tools.hf import one_line, read_json_object
 from specjax.checkpoints_tools.sources import frequent_tokens, load_bundled_draft
-from specjax.errors import InvalidArgumentError
+from specjax.errors import CheckpointError, InvalidArgumentError
 from specjax.training.config import TrainConfig
 from specjax.training.eagle3 import default_feature_layers, eagle3_draft_from_target
 from specjax.training.feature_draft import feature_draft_from_draft, feature_draft_from_target
@@ -110,11 +110,17 @@ def _asset_vocabulary(directory) -> np.ndarray:
     """The id map [K] of the EAGLE-3 draft asset ``directory``."""
     from safetensors import safe_open
 
-    with safe_open(str(Path(directory) / DRAFT_TENSORS), framework="numpy") as tensors:
-        if DRAFT_VOCAB not in tensors.keys():
-            raise InvalidArgumentError(f"--init-draft {directory}: {DRAFT_TENSORS} holds no "
-                                       f"{DRAFT_VOCAB} (not an EAGLE-3 draft)")
-        return np.asarray(tensors.get_tensor(DRAFT_VOCAB), np.int32)
+    path = Path(directory) / DRAFT_TENSORS
+    try:
+        with safe_open(str(path), framework="numpy") as tensors:
+            vocab = (np.asarray(tensors.get_tensor(DRAFT_VOCAB), np.int32)
+                     if DRAFT_VOCAB in tensors.keys() else None)
+    except Exception as error:  # safetensors' errors on a missing or damaged file
+        raise CheckpointError(f"{path}: unreadable ({one_line(error)})") from error
+    if vocab is None:
+        raise InvalidArgumentError(f"--init-draft {directory}: {DRAFT_TENSORS} holds no "
+                                   f"{DRAFT_VOCAB} (not an EAGLE-3 draft)")
+    return vocab
 
 
 # The parameters through which a Llama block writes to the residual stream.
