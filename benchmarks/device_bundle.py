@@ -114,30 +114,30 @@ def pack(args) -> int:
         else:
             wheels = download(args.packages, scratch) if args.packages else []
         others = [Path(f).resolve() for f in args.files or ()]
-        for path in wheels + others:
+        for path in (*wheels, *others):
             if not path.is_file():
                 raise BundleError(f"{path}: no such file")
-        names = [path.name for path in wheels + others]
+        files = wheels + others
+        names = [path.name for path in files]
         if len(set(names)) != len(names):
             raise BundleError(f"two files share a name ({', '.join(sorted(names))}): the "
                               "stash holds one file per name")
-        wheels = wheels + others
         tree = travelling_bytes(root)
         room = args.limit_bytes - args.margin_bytes - tree
-        sizes = {w.name: w.stat().st_size for w in wheels}
+        sizes = {path.name: path.stat().st_size for path in files}
         calls = plan_pieces(sizes, room)
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
         manifest = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "calls": len(calls), "checkout_bytes": tree, "room_bytes": room,
-                    "files": {w.name: {"sha256": sha256(w), "bytes": sizes[w.name],
-                                       "install": w not in others, "pieces": []}
-                              for w in wheels}}
+                    "files": {path.name: {"sha256": sha256(path), "bytes": sizes[path.name],
+                                          "install": path in wheels, "pieces": []}
+                              for path in files}}
+        source = {path.name: path for path in files}
         for number, pieces in enumerate(calls, start=1):
             folder = out / f"call-{number}"
             folder.mkdir()
-            source = {w.name: w for w in wheels}
             for name, offset, length in pieces:
                 index = len(manifest["files"][name]["pieces"]) + 1
                 piece = folder / f"{name}.{index:02d}"

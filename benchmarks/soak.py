@@ -363,14 +363,14 @@ def soak(fixture: Fixture, calls: int, combos=DEFAULT_COMBOS, buckets=(16,), see
             log(f"{done}/{calls} calls, {len(runner.failures)} failures, "
                 f"rss {rss_bytes() / 2**20:.1f} MiB")
     end = time.perf_counter()
+    compiled = programs(fixture.target.config, kernels)
     report.update(
         rss_end_bytes=rss_bytes(), soak_calls=runner.calls - report["warm_up_calls"],
         calls=runner.calls, calls_by_method=runner.calls_by_method,
         exact_comparisons=runner.exact_checked, soak_seconds=end - warm,
         wall_seconds=end - start, failures=runner.failures[:20],
         failure_count=len(runner.failures),
-        compiled_programs=len(programs(fixture.target.config, kernels)),
-        programs=programs(fixture.target.config, kernels),
+        compiled_programs=len(compiled), programs=compiled,
         expected_programs=expected_programs(fixture, combos, buckets, limits),
         backend_compiles_after_warm_up=backend_compiles() - compiles_warm,
         max_new_tokens=runner.max_new_tokens, combos=[list(c) for c in combos],

@@ -82,10 +82,11 @@ def test_greedy_equals_ar(target, drafts, tables, shape):
 
 
 # The two other staged shapes (15 s each) in the slow tier.
-@pytest.mark.parametrize("shape", ["staged-default",
-                                   *(pytest.param(s, marks=pytest.mark.slow)
-                                     for s in ("staged-wide-no-lookup", "staged-priors-two-rounds")),
-                                   "ngram-default"])
+@pytest.mark.parametrize("shape", [
+    "staged-default",
+    *(pytest.param(s, marks=pytest.mark.slow)
+      for s in ("staged-wide-no-lookup", "staged-priors-two-rounds")),
+    "ngram-default"])
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0),
                                       dict(temperature=0.7, top_k=20, top_p=0.9)])
 def test_coupled_sampling_equals_ar_sampling(target, drafts, tables, shape, sampling):

@@ -24,19 +24,18 @@ verification always uses the target's full head, so exactness is the verify rule
 
 Training (:func:`eagle3_loss`): the target's block outputs and logits come from a frozen
 target pass inside the jitted step. They are not written to disk (the issue asked for 16-bit
-feature shards): three SmolLM2 block outputs are 3 x 576 x 2 = 3.5 KB per token in 16
-bits, so one H100 window's 42 M training tokens would be ~145 GB, over the device's 64 GB
-disk, and the frozen bf16 pass costs less than reading them back. **Training-time test**: ``unroll`` passes over each
-window; pass 0 reads the target's features, pass ``i`` reads pass ``i - 1``'s outputs
-shifted by one position, which is what a depth-``i + 1`` node reads when decoding. Its
-attention sees exactly what that node sees: pass 0's keys up to position ``t - i`` (the
-draft's cache), then the keys of passes ``1 .. i`` at ``t - i + 1 .. t`` (the node's
-drafted ancestors and itself). Loss per pass: KL from the target's probabilities over the
-draft's vocabulary (soft labels, renormalised; the cross-entropy against them less their
-entropy, so the same gradient; positions whose target argmax lies outside the vocabulary
-are left out, as in EAGLE-3), plus optionally
-``acceptance_weight`` x (1 - sum_k min(p_k, q_k)) (p over the full vocabulary: the
-acceptance rate at temperature 1), weighted ``decay ** i``.
+feature shards): three SmolLM2 block outputs are 3 x 576 x 2 = 3.5 KB per token in 16 bits,
+so one H100 window's 42 M training tokens would be ~145 GB, over the device's 64 GB disk.
+**Training-time test**: ``unroll`` passes over each window; pass 0 reads the target's
+features, pass ``i`` reads pass ``i - 1``'s outputs shifted by one position, which is what a
+depth-``i + 1`` node reads when decoding. Its attention sees exactly what that node sees:
+pass 0's keys up to position ``t - i`` (the draft's cache), then the keys of passes 1 to i
+at positions ``t - i + 1`` to ``t`` (the node's drafted ancestors and itself). Loss per
+pass: KL from the target's probabilities over the draft's vocabulary (soft labels,
+renormalised; the cross-entropy against them less their entropy, so the same gradient;
+positions whose target argmax lies outside the vocabulary are left out, as in EAGLE-3), plus
+optionally ``acceptance_weight`` x (1 - sum_k min(p_k, q_k)) (p over the full vocabulary:
+the acceptance rate at temperature 1), weighted ``decay ** i``.
 """
 
 from __future__ import annotations
