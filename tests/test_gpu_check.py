@@ -118,6 +118,19 @@ def test_a_budget_cut_short_leaves_a_valid_partial_json(tmp_path):
     assert "| target | goal | measured | met |" in done.stdout
 
 
+@pytest.mark.slow  # ~20 s
+def test_chosen_steps_still_record_the_machine(tmp_path):
+    """``GPU_CHECK_STEPS`` narrows the run, but the environment step always runs, so that
+    the JSON names the machine (an H100 run of 2026-11-27 without it said "unknown
+    device")."""
+    done, report = rehearse(tmp_path / "one", 300, GPU_CHECK_STEPS="gpt2_roofline",
+                            GPU_CHECK_BUDGET="200")
+    assert [s["name"] for s in report["steps"]] == ["environment", "gpt2_roofline"], \
+        done.stdout + done.stderr
+    assert report["device"] == "cpu" and report["jax"]
+    assert "unknown device" not in (tmp_path / "one" / "gpu_check.md").read_text()
+
+
 @pytest.mark.slow
 def test_the_cpu_rehearsal_runs_every_step_and_catches_a_wrong_method(tmp_path):
     """Every step runs to its end on tiny shapes; ``tree``'s bf16 output is made wrong by
