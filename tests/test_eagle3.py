@@ -364,6 +364,22 @@ def test_a_run_continues_an_eagle3_asset(target, tmp_path):
                              None)
 
 
+def test_the_pass_cost_split_times_a_feature_draft(target):
+    """``specjax bench``'s pass-cost split (after the prompts) runs an EAGLE-3 draft's
+    passes with feature rows, as decoding does; it stopped a whole suite run with "a feature
+    draft needs features" on 2026-11-27."""
+    from specjax.benchmark import passcost
+    from specjax.methods import method_options
+
+    draft = eagle3_draft(target, seed=5, vocab=vocabulary(5))
+    out = passcost.step_breakdowns(
+        target, {"spec": (method_options("spec", draft_depth=2), draft),
+                 "staged": (method_options("staged"), draft)}, prefix=8, repeats=1)
+    for label in ("spec", "staged"):
+        assert out[label]["draft_passes"], out[label]
+        assert out[label]["draft_ms"] > 0 and out[label]["target_ms"] > 0
+
+
 def test_errors_are_one_line(target):
     with pytest.raises(InvalidArgumentError, match="draft_vocab must be distinct ids"):
         eagle3.eagle3_draft_from_target(target.config, target.params, [1, 1, 2], LAYERS)

@@ -54,14 +54,20 @@ def _pass(model: Model, rows: int, head_rows: int, prefix: int, attn_impl: str,
         mask = models.causal_mask(rows)
         positions = prefix + jnp.arange(rows, dtype=jnp.int32)
     ids = jnp.asarray(np.arange(rows) % config.vocab_size, jnp.int32)
+    # A feature draft (EAGLE-style) reads one feature row per token beside its id: the
+    # target's (fused) block outputs or its own last output; their values do not change
+    # the pass's cost.
+    features = (jnp.zeros((rows, config.hidden_size), model.params["embed"].dtype)
+                if config.feature_input else None)
 
     @jax.jit
-    def run(params, cache, ids, positions, mask):
+    def run(params, cache, ids, positions, mask, features):
         hidden, _ = models.hidden_states(params, config, ids, positions, cache, mask,
-                                         attn_impl=attn_impl)
+                                         attn_impl=attn_impl, features=features)
         return models.lm_head(params, config, hidden[:head_rows])
 
-    return lambda: jax.block_until_ready(run(model.params, cache, ids, positions, mask))
+    return lambda: jax.block_until_ready(run(model.params, cache, ids, positions, mask,
+                                             features))
 
 
 def step_breakdown(target: Model, draft: Model | None, options, *, prefix: int = 256,
