@@ -364,6 +364,7 @@ def test_a_run_continues_an_eagle3_asset(target, tmp_path):
                              None)
 
 
+@pytest.mark.slow  # ~18 s of compiling: the slow tier keeps `make test` under 15 minutes
 def test_the_pass_cost_split_times_a_feature_draft(target):
     """``specjax bench``'s pass-cost split (after the prompts) runs an EAGLE-3 draft's
     passes with feature rows, as decoding does; it stopped a whole suite run with "a feature
