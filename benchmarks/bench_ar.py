@@ -51,7 +51,7 @@ from specjax.benchmark.peers import fastest_torch_threads
 from specjax.cache import init_cache
 
 
-# What is timed: ``ar`` by name (a known model's default method is ``staged``), exactly
+# What is timed: ``ar`` by name (a known model's default method is ``spec``), exactly
 # ``max_new_tokens`` tokens (no stop tokens), greedy.
 AR = dict(method="ar", stop=[])
 

@@ -8,8 +8,8 @@
 
 The default method is :func:`specjax.loading.choose_default_method`'s: the method measured
 fastest on the model's backend at the request's temperature among those its shipped draft
-and n-gram tables allow, ``ar`` where none beat it (``smollm2-135m`` on a CPU: ``staged``
-at T=0, ``ar`` at T>0); ``stats["method_choice"]`` says which and why. The CLI uses the
+and n-gram tables allow, ``ar`` where none beat it (``smollm2-135m`` on a CPU: ``spec``
+at every temperature); ``stats["method_choice"]`` says which and why. The CLI uses the
 same.
 """
 

@@ -660,8 +660,8 @@ def test_weight_bytes_of_a_subset_head_draft_skip_the_gathered_embedding(spec_ta
 
 def test_bench_ar_times_ar_and_its_prefill_reuses_the_generation_program(monkeypatch):
     """``bench_ar.py`` times ``ar`` by name, whatever the model's default method (a known
-    model's is ``staged``: the script once timed that as "ar"), and its prefill run is the
-    generation's own executable with ``max_new_tokens=1``."""
+    model's is ``spec``; the script once timed ``staged``, then the default, as "ar"), and
+    its prefill run is the generation's own executable with ``max_new_tokens=1``."""
     import importlib.util
     from pathlib import Path
 
@@ -680,9 +680,9 @@ def test_bench_ar_times_ar_and_its_prefill_reuses_the_generation_program(monkeyp
         architecture="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=256)
     params = specjax.models.init_params(config, jax.random.PRNGKey(0))
-    # Named after a known model, so that its default method is staged.
+    # Named after a known model, so that its default method is spec.
     model = specjax.Model.from_params(config, params, name="tiny", assets="smollm2-135m")
-    assert loading.default_method(model.assets) == "staged"
+    assert loading.default_method(model.assets) == "spec"
     ids = list(range(3, 40))
     out = specjax.generate(model, ids, max_new_tokens=6, **bench_ar.AR)
     assert out.stats["method"] == "ar" and len(out.tokens) == 6

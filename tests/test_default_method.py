@@ -40,10 +40,11 @@ def test_the_choice_is_the_fastest_measured_or_ar(key):
 
 
 def test_the_measured_cpu_choices():
-    """What the committed 164-prompt CPU run says: staged at T=0, ar at T>0."""
-    assert loading.default_method("smollm2-135m", "cpu", 0.0) == "staged"
-    assert loading.default_method("smollm2-135m", "cpu", 1.0) == "ar"
-    assert loading.default_method("smollm2-135m", "cpu", 0.8) == "ar"
+    """What the committed 164-prompt CPU run with the EAGLE-3 draft says: spec at T=0 and
+    at T>0 (with the token draft it was staged at T=0 and ar at T>0)."""
+    assert loading.default_method("smollm2-135m", "cpu", 0.0) == "spec"
+    assert loading.default_method("smollm2-135m", "cpu", 1.0) == "spec"
+    assert loading.default_method("smollm2-135m", "cpu", 0.8) == "spec"
 
 
 def test_unmeasured_backends_and_models_without_assets():
@@ -57,8 +58,9 @@ def test_unmeasured_backends_and_models_without_assets():
 
 
 def test_the_api_default_follows_the_temperature(smollm2):
-    assert api.resolve_method(smollm2).name == "staged"
-    assert api.resolve_method(smollm2, temperature=0.8).name == "ar"
+    assert api.resolve_method(smollm2).name == "spec"
+    assert api.resolve_method(smollm2, temperature=0.8).name == "spec"
+    assert api.resolve_method(smollm2, "ar", temperature=0.8).name == "ar"
     assert api.resolve_method(smollm2, "tree", temperature=0.8).name == "tree"
 
 
@@ -66,5 +68,5 @@ def test_the_help_says_what_the_default_is(capsys):
     with pytest.raises(SystemExit):
         specjax.cli.main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "cpu: staged at T=0, ar at T>0" in text
+    assert "cpu: spec at T=0, spec at T>0" in text
     assert "method_choice" in text

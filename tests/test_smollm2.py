@@ -102,7 +102,7 @@ def generation(smollm2, hf_smollm2, prompt_ids):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            # ``ar`` by name: the model's default method is staged, whose equality with
+            # ``ar`` by name: the model's default method is spec, whose equality with
             # ``ar`` tests/test_smollm2_speculative.py checks.
             ours = specjax.generate(smollm2, ids, method="ar", max_new_tokens=NEW_TOKENS,
                                     stop=[])
