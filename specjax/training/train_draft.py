@@ -74,7 +74,9 @@ become the run's), so that short GPU windows add up.
 
 ``--time-budget SECONDS`` stops training that long after the run starts (the corpora and
 compilation included), saves a checkpoint and exports as if the last step were reached; a
-rerun resumes from there.
+rerun resumes from there. An EAGLE-3 run's learning rate then anneals by the clock if that
+ends first; ``--schedule-start`` replays such a schedule by step count (``--steps`` the
+steps the budgeted run made; see :func:`~specjax.training.steps.learning_rate`).
 
 ``--init-draft ASSET`` starts from a trained draft asset (e.g. continue the shipped draft
 on the target's own text) instead of the target's blocks ``init_layers``.
@@ -176,7 +178,8 @@ def train_config(args) -> TrainConfig:
                            ("feature_layers", _layer_list(args.feature_layers, "--feature-layers")),
                            ("draft_vocab", args.draft_vocab), ("unroll", args.unroll),
                            ("unroll_decay", args.unroll_decay),
-                           ("acceptance_weight", args.acceptance_weight)) if value is not None})
+                           ("acceptance_weight", args.acceptance_weight),
+                           ("schedule_start", args.schedule_start)) if value is not None})
 
 
 def main(args) -> int:
@@ -302,6 +305,10 @@ def add_parser(subparsers) -> None:
                    help="loss weight of pass i is DECAY**i (default: 0.8)")
     e.add_argument("--acceptance-weight", type=float, default=None,
                    help="weight of the acceptance objective 1 - sum min(p, q) (default: 0)")
+    e.add_argument("--schedule-start", type=float, default=None, metavar="FRACTION",
+                   help="the share of the learning rate's cosine already spent when warm-up "
+                        "ends (default: 0): replays by step count a --time-budget run, whose "
+                        "schedule followed a clock that ran on while it compiled")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="stop training this many seconds after the run starts (corpus "
                         "generation and compilation included), save and export as if the "
