@@ -84,10 +84,11 @@ def recorded_schedule_starts():
     ended: run 1 from the times in its train_log.jsonl (the first 500 steps' window holds
     the compile); run 2 kept no train_log.jsonl, so from its summary's seconds at run 1's
     time per step."""
-    log = [json.loads(line) for line in
-           (RECORDS / SHIPPED_RUNS["run1"] / "train_log.jsonl").read_text().splitlines()]
-    tokens = 64 * 256
-    step_time = 500 * tokens / log[2]["tokens_per_s"] / 500  # steps 501-1000
+    run1 = RECORDS / SHIPPED_RUNS["run1"]
+    log = [json.loads(line) for line in (run1 / "train_log.jsonl").read_text().splitlines()]
+    config = json.loads((run1 / "train_config.json").read_text())
+    tokens = config["batch_size"] * config["seq_len"]  # per step
+    step_time = tokens / log[2]["tokens_per_s"]  # steps 501-1000
     compile_time = 500 * tokens / log[1]["tokens_per_s"] - 500 * step_time
     loop = log[-1]["time"] - log[0]["time"]  # from step 0's evaluation to the last step's
     first = (compile_time + 100 * step_time) / loop
@@ -123,7 +124,8 @@ def test_the_default_recipe_replays_the_shipped_drafts_two_runs(tmp_path):
     copies = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("cp ")]
     assert copies == [[text["26b"], str(out / "run1" / "target_corpus.npz")],
                       [text["27"], str(out / "run2" / "target_corpus.npz")]]
-    # train.log of each: "added the text of" the first window's, then the second's.
+    # The order of each run's train.log lines "added the text of": the first window's, then
+    # the second's.
     assert [c.prior_target_corpus for c in commands] == [[text["26"]],
                                                          [text["26"], text["26b"]]]
     assert [c.init_draft for c in commands] == [None, str(out / "run1" / "asset")]
