@@ -288,6 +288,43 @@ def test_the_learning_rate_follows_steps_or_the_clock():
         train_draft.TrainConfig(compute_dtype="float16")
 
 
+def test_a_schedule_start_replays_a_budgeted_runs_clock_by_step_count(capsys):
+    """--schedule-start S: after warm-up the cosine starts at S and ends at the last step.
+    A budgeted run whose clock stood at S when warm-up ended and ran on evenly to the
+    budget's end at its last step had the same rates (its --steps far beyond), which is
+    how the shipped draft's recipe replays its runs. 0 (the default) changes nothing and
+    is not recorded; the option is EAGLE-3's only and a fraction below 1."""
+    import argparse
+
+    from specjax import cli
+    from specjax.training import train_draft
+
+    rate = train_draft.learning_rate
+    base = dict(eagle3=True, init_layers=(0,), warmup_steps=10, learning_rate=1e-3)
+    replay = train_draft.TrainConfig(steps=110, schedule_start=0.2, **base)
+    budgeted = train_draft.TrainConfig(steps=40_000, **base)
+    plain = train_draft.TrainConfig(steps=110, **base)
+    for step in (0, 5, 10, 35, 60, 109, 110):
+        clock = 0.2 + 0.8 * (step - 10) / 100 if step >= 10 else 0.0
+        assert rate(replay, step) == pytest.approx(rate(budgeted, step, clock=clock)), step
+    assert rate(replay, 5) == rate(plain, 5)  # the warm-up is the steps'
+    assert rate(replay, 10) == pytest.approx(1e-4 + 9e-4 * (1 + np.cos(0.2 * np.pi)) / 2)
+    assert rate(replay, 110) == pytest.approx(1e-4)
+    assert rate(replay, 20, clock=0.9) == pytest.approx(rate(plain, 20, clock=0.9))
+    assert "schedule_start" not in plain.record()
+    assert replay.record()["schedule_start"] == 0.2
+
+    parser = argparse.ArgumentParser()
+    train_draft.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train-draft", "out", "--eagle3", "--schedule-start", "0.25"])
+    assert train_draft.train_config(args).schedule_start == 0.25
+    for argv, message in ((["--schedule-start", "0.25"], "it needs --eagle3"),
+                          (["--eagle3", "--schedule-start", "1"], "schedule_start must be in")):
+        assert cli.main(["train-draft", "out", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
 def test_an_eagle3_asset_round_trips(target, tmp_path):
     """``save_draft_asset`` stores the draft's own tensors (float16) and its id map
     (int32), records the feature layers and vocabulary size, and never the shared

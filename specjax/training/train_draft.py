@@ -74,7 +74,9 @@ become the run's), so that short GPU windows add up.
 
 ``--time-budget SECONDS`` stops training that long after the run starts (the corpora and
 compilation included), saves a checkpoint and exports as if the last step were reached; a
-rerun resumes from there.
+rerun resumes from there. An EAGLE-3 run's learning rate then anneals by the clock if that
+ends first; ``--schedule-start`` replays such a schedule by step count (``--steps`` the
+steps the budgeted run made; see :func:`~specjax.training.steps.learning_rate`).
 
 ``--init-draft ASSET`` starts from a trained draft asset (e.g. continue the shipped draft
 on the target's own text) instead of the target's blocks ``init_layers``.
@@ -119,7 +121,7 @@ __all__ = [
     "draft_vocabulary", "export_latest", "generate_target_corpus", "grow_draft",
     "initial_draft", "learning_rate", "main", "make_feature_train_steps", "make_optimizer",
     "make_steps", "mixed_windows", "sample_windows", "set_learning_rate", "split_trainable",
-    "stdlib_files", "tokenize_corpus", "train_draft",
+    "stdlib_files", "tokenize_corpus", "train_config", "train_draft",
 ]
 
 
@@ -134,9 +136,54 @@ def _layer_list(text: str | None, flag: str):
             from None
 
 
+def train_config(args) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed ``train-draft`` arguments, as given: its
+    ``record()`` is the run's ``train_config.json`` (:func:`main` first fills an EAGLE-3
+    ``--init-draft``'s vocabulary size and feature layers from the asset when not given).
+
+    Raises:
+      InvalidArgumentError: a setting out of range, or a layer list that is not integers.
+    """
+    init_layers = args.init_layers or ("0" if args.eagle3 else "0,1")
+    return TrainConfig(init_layers=_layer_list(init_layers, "--init-layers"),
+                       loss=args.loss, steps=args.steps, batch_size=args.batch_size,
+                       seq_len=args.seq_len, learning_rate=args.learning_rate,
+                       warmup_steps=args.warmup_steps, train_embeddings=args.train_embeddings,
+                       seed=args.seed, eval_every=args.eval_every,
+                       eval_windows=args.eval_windows,
+                       checkpoint_every=args.checkpoint_every,
+                       max_corpus_tokens=args.max_corpus_tokens,
+                       target_corpus_tokens=args.corpus_from_target or 0,
+                       **{name: value for name, value in (
+                           ("target_corpus_fraction", args.target_corpus_fraction),
+                           ("target_temperature", args.target_temperature),
+                           ("target_gen_len", args.target_gen_len),
+                           ("target_batch_size", args.target_batch_size),
+                           ("target_greedy_fraction", args.target_greedy_fraction),
+                           ("target_chat_fraction", args.target_chat_fraction),
+                           ("target_gen_seconds", args.target_gen_seconds))
+                          if value is not None},
+                       compute_dtype=args.compute_dtype,
+                       init_draft=(str(Path(args.init_draft).expanduser().absolute())
+                                   if args.init_draft else None),
+                       add_layers=tuple(int(x) for x in args.add_layers.split(","))
+                       if args.add_layers else (),
+                       feature_draft=args.feature_draft,
+                       **{name: value for name, value in (
+                           ("feature_noise", args.feature_noise),
+                           ("feature_unroll", args.feature_unroll),
+                           ("feature_weight", args.feature_weight)) if value is not None},
+                       eagle3=args.eagle3,
+                       **{name: value for name, value in (
+                           ("feature_layers", _layer_list(args.feature_layers, "--feature-layers")),
+                           ("draft_vocab", args.draft_vocab), ("unroll", args.unroll),
+                           ("unroll_decay", args.unroll_decay),
+                           ("acceptance_weight", args.acceptance_weight),
+                           ("schedule_start", args.schedule_start)) if value is not None})
+
+
 def main(args) -> int:
     """Entry point of ``specjax train-draft`` (``args`` from the CLI parser)."""
-    init_layers = args.init_layers or ("0" if args.eagle3 else "0,1")
     if args.eagle3 and args.init_draft:
         # Training an EAGLE-3 draft further: it reads the blocks and scores the ids it was
         # trained on (given flags must agree: checked when the draft loads).
@@ -145,40 +192,7 @@ def main(args) -> int:
             args.draft_vocab = int(record["draft_vocab_size"])
         if args.feature_layers is None:
             args.feature_layers = ",".join(str(int(i)) for i in record["feature_layers"])
-    cfg = TrainConfig(init_layers=_layer_list(init_layers, "--init-layers"),
-                      loss=args.loss, steps=args.steps, batch_size=args.batch_size,
-                      seq_len=args.seq_len, learning_rate=args.learning_rate,
-                      warmup_steps=args.warmup_steps, train_embeddings=args.train_embeddings,
-                      seed=args.seed, eval_every=args.eval_every,
-                      eval_windows=args.eval_windows,
-                      checkpoint_every=args.checkpoint_every,
-                      max_corpus_tokens=args.max_corpus_tokens,
-                      target_corpus_tokens=args.corpus_from_target or 0,
-                      **{name: value for name, value in (
-                          ("target_corpus_fraction", args.target_corpus_fraction),
-                          ("target_temperature", args.target_temperature),
-                          ("target_gen_len", args.target_gen_len),
-                          ("target_batch_size", args.target_batch_size),
-                          ("target_greedy_fraction", args.target_greedy_fraction),
-                          ("target_chat_fraction", args.target_chat_fraction),
-                          ("target_gen_seconds", args.target_gen_seconds))
-                         if value is not None},
-                      compute_dtype=args.compute_dtype,
-                      init_draft=(str(Path(args.init_draft).expanduser().absolute())
-                                  if args.init_draft else None),
-                      add_layers=tuple(int(x) for x in args.add_layers.split(","))
-                      if args.add_layers else (),
-                      feature_draft=args.feature_draft,
-                      **{name: value for name, value in (
-                          ("feature_noise", args.feature_noise),
-                          ("feature_unroll", args.feature_unroll),
-                          ("feature_weight", args.feature_weight)) if value is not None},
-                      eagle3=args.eagle3,
-                      **{name: value for name, value in (
-                          ("feature_layers", _layer_list(args.feature_layers, "--feature-layers")),
-                          ("draft_vocab", args.draft_vocab), ("unroll", args.unroll),
-                          ("unroll_decay", args.unroll_decay),
-                          ("acceptance_weight", args.acceptance_weight)) if value is not None})
+    cfg = train_config(args)
     if not args.feature_draft:
         given = [f"--{name.replace('_', '-')}" for name in FEATURE_FIELDS[1:]
                  if getattr(args, name) is not None]
@@ -291,6 +305,10 @@ def add_parser(subparsers) -> None:
                    help="loss weight of pass i is DECAY**i (default: 0.8)")
     e.add_argument("--acceptance-weight", type=float, default=None,
                    help="weight of the acceptance objective 1 - sum min(p, q) (default: 0)")
+    e.add_argument("--schedule-start", type=float, default=None, metavar="FRACTION",
+                   help="the share of the learning rate's cosine already spent when warm-up "
+                        "ends (default: 0): replays by step count a --time-budget run, whose "
+                        "schedule followed a clock that ran on while it compiled")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="stop training this many seconds after the run starts (corpus "
                         "generation and compilation included), save and export as if the "
