@@ -119,7 +119,8 @@ def main(argv=None) -> int:
                          "this CPU (gpu_compile_report.py)",
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": machine, "target": "NVIDIA H100 80GB HBM3 (compile-only device)",
-            "model": "smollm2-135m shapes (30 layers), draft = 2 layers of the same shapes",
+            "model": "smollm2-135m shapes (30 layers); draft: the shipped kind, a one-block "
+                     "EAGLE-3 feature draft (tests/tpu_aot.py, program_configs)",
             "method_defaults": args.defaults,
             "records": records})
         print(f"wrote {args.json}")

@@ -103,7 +103,9 @@ def programs(targets, methods) -> None:
     records = tpu_aot.run_worker(jobs, vmem_report=False, timeout=4 * 3600)
     write("programs.json", {"environment": environment(),
                             "model": "smollm2-135m shapes, bfloat16, abstract parameters; "
-                                     "draft: 2 layers of the same shapes; attn_impl=kernel",
+                                     "draft: the shipped kind, a one-block EAGLE-3 feature "
+                                     "draft (tests/tpu_aot.py, program_configs); "
+                                     "attn_impl=kernel",
                             "wall_s": round(time.perf_counter() - start, 1),
                             "records": records})
 

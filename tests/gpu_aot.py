@@ -135,14 +135,17 @@ def kernel_counts(text: str) -> dict[str, int]:
     return counts
 
 
-def _cache_shapes(compiled, method: str) -> list[tuple[int, ...]]:
-    """The KV cache shapes [L, S, K, D] of a SmolLM2-shaped generation (the target's 30
-    layers; the draft's 2 for the draft methods), S read from the compiled program."""
+def _cache_shapes(compiled, job: dict) -> list[tuple[int, ...]]:
+    """The KV cache shapes [L, S, K, D] of the job's generation: the target's and, for the
+    draft methods, the draft's (:func:`tpu_aot.program_configs`), S read from the compiled
+    program."""
     import profile_step
+    import tpu_aot
 
     capacity = profile_step._capacity(compiled)
-    layers = (30, 2) if method in ("spec", "tree", "staged") else (30,)
-    return [(n, capacity, 3, 64) for n in layers]
+    configs = tpu_aot.program_configs(job["method"], family=job.get("family"),
+                                      draft=job.get("draft"))
+    return [(c.num_layers, capacity, c.num_kv_heads, c.head_dim) for c in configs if c]
 
 
 def canary(sharding):
@@ -167,9 +170,10 @@ def run_job(job: dict) -> dict:
 
     Job: ``{"kind": "canary"}`` (:func:`canary`), or ``{"target": "h100", "method",
     "verify", "dtype", "attn_impl", "gpu_kernels", "fused_projections", "temperature",
-    "sampling_rules", "defaults", "family"}`` (a whole generation program as ``generate`` builds it
-    on a GPU, SmolLM2-135M-shaped, :func:`tpu_aot.build_generation_program`; ``defaults``:
-    whose method defaults, ``cpu`` unless given). The record adds ``ok``,
+    "sampling_rules", "defaults", "family", "draft"}`` (a whole generation program as
+    ``generate`` builds it on a GPU, SmolLM2-135M-shaped, :func:`tpu_aot.build_generation_program`;
+    ``defaults``: whose method defaults, ``cpu`` unless given; ``draft``: the shipped kind
+    unless given, :func:`tpu_aot.program_configs`). The record adds ``ok``,
     ``error``, the lower and compile seconds, the kernel custom calls
     (:func:`kernel_counts`) and :func:`profile_step.analyze_program`'s per-step counts.
     """
@@ -198,20 +202,20 @@ def run_job(job: dict) -> dict:
             fused_projections=job.get("fused_projections", False),
             temperature=job.get("temperature", 0.0), defaults=job.get("defaults", "cpu"),
             family=job.get("family"), sampling_rules=job.get("sampling_rules", "static"),
-            gpu_linear=job.get("gpu_kernels", "triton"))
+            gpu_linear=job.get("gpu_kernels", "triton"), draft=job.get("draft"))
         start = time.perf_counter()
         lowered = fn.lower(*tpu_aot._abstract(args, sharding))
         record["lower_s"] = round(time.perf_counter() - start, 3)
         compiled = tpu_aot.compile_timed(lowered, record)
         text = compiled.as_text()
         record["kernels"] = kernel_counts(text)
-        record["cache_shapes"] = _cache_shapes(compiled, job["method"])
+        record["cache_shapes"] = _cache_shapes(compiled, job)
         analysis = profile_step.analyze_program(text, cache_shapes=record["cache_shapes"])
         record["step"] = {k: analysis[k] for k in (
             "step_ops", "step_ops_weighted", "step_ops_by_kind", "step_ops_weighted_by_kind",
             "loops", "copies", "copy_bytes_per_step", "largest_copies",
-            "data_movement_bytes_per_step", "cache_sized_copies_per_step",
-            "donated_parameters")}
+            "data_movement_bytes_per_step", "cache_sized_copies_per_step", "cache_copies",
+            "cache_writes", "donated_parameters")}
         record["ok"] = True
     except Exception as error:  # noqa: BLE001 -- the record carries it to the test
         record["error"] = f"{type(error).__name__}: {error}"[:4000]

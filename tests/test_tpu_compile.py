@@ -20,13 +20,15 @@ generations, each kernel's VMEM (as the compiler reports it) against the kernel'
 and the generation's VMEM, and the whole ``ar`` program for v5e; the ``attn_impl="fused"``
 kernels (``kernels/linear_tpu.py``, ``kernels/attention_ordered_tpu.py``) at SmolLM2's decode
 and verify shapes and the whole fused ``ar`` program, for v5e. ``slow`` (run by CI):
-``tree`` (greedy acceptance, v5e) and ``staged`` (coupled, v4), and a 40-compile kernel
-sweep on v4 (every head shape and dtype at 1 node, and at 128 nodes with a 128-slot
-window). ``benchmarks/tpu_compile_report.py`` compiles every program and a 180-compile
-kernel sweep for every generation and records the times.
+``tree`` (greedy acceptance, v5e), ``staged`` (coupled, v4) and ``spec`` (rejection, v6e)
+with the kind of draft shipped for SmolLM2-135M (an EAGLE-3 feature draft), and a
+40-compile kernel sweep on v4 (every head shape and dtype at 1 node, and at 128 nodes with
+a 128-slot window). ``benchmarks/tpu_compile_report.py`` compiles every program and a
+180-compile kernel sweep for every generation and records the times.
 
-Also here, without libtpu (the TPU interpreter): the kernel's row tiles and its reading of
-one layer of a stacked cache against the reference, and every model shape's tiling plan.
+Also here, without libtpu: the draft of those programs has the shipped draft's tensors; in
+the TPU interpreter, the kernel's row tiles and its reading of one layer of a stacked cache
+against the reference, and every model shape's tiling plan.
 """
 
 from __future__ import annotations
@@ -119,11 +121,15 @@ FAMILY_FALLBACK_PROGRAMS = [
     dict(kind="program", target="v6e:2x2", method="ar", family="gemma2", attn_impl="auto"),
     dict(kind="program", target="v5e:2x2", method="ar", family="gemma3", attn_impl="auto"),
     dict(kind="program", target="v6e:2x2", method="ar", family="phi3", attn_impl="auto")]
-# slow (CI runs it; the two take ~2.5 of its ~4 min): each speculative method and
-# acceptance rule once. benchmarks/tpu_compile_report.py compiles every program for every
-# generation (all compiled, see benchmarks/results/tpu_compile/programs.json).
+# slow (CI runs it; the three compile in ~2 min, benchmarks/README.md): each speculative
+# method with the draft shipped for SmolLM2-135M (an EAGLE-3 feature draft: one block
+# reading three of the target's, a 12,288-id head; tpu_aot.program_configs), in bfloat16
+# with the TPU attention kernel, on each generation, with three of the acceptance rules.
+# benchmarks/tpu_compile_report.py compiles every program for every generation (see
+# benchmarks/results/tpu_compile/programs.json).
 SLOW_PROGRAMS = [dict(kind="program", target="v5e:2x2", method="tree", verify="greedy"),
-                 dict(kind="program", target="v4:2x2x1", method="staged", verify="coupled")]
+                 dict(kind="program", target="v4:2x2x1", method="staged", verify="coupled"),
+                 dict(kind="program", target="v6e:2x2", method="spec", verify="rejection")]
 # Model head shapes (H, K, D): GPT-2 small, medium with head_dim 128, XL; Llama-2-7B (MHA);
 # SmolLM2; Llama-3.2-3B; Llama-3.2-1B; Llama-3-8B; G=8 at head_dim 64 and 128.
 HEADS = [(12, 12, 64), (16, 16, 128), (25, 25, 64), (32, 32, 128), (9, 3, 64), (24, 8, 128),
@@ -146,7 +152,7 @@ SWEEP = _sweep(("v4:2x2x1",), ((1, 0), (128, 128)))
 
 def _key(job: dict) -> str:
     return "-".join(str(job.get(k)) for k in ("kind", "target", "method", "verify",
-                                              "attn_impl", "dtype", "family",
+                                              "attn_impl", "dtype", "family", "draft",
                                               "num_heads", "num_kv_heads", "head_dim",
                                               "tokens", "window", "capacity",
                                               "vmem_limit_bytes"))
@@ -285,6 +291,33 @@ def test_fused_program_compiles(fast_records):
     record = fast_records[_key(FUSED_PROGRAM)]
     _compiled(record)
     assert all(count > 0 for count in record["fused_kernels"].values()), record["fused_kernels"]
+
+
+def test_the_draft_programs_take_a_draft_of_the_shipped_ones_tensors():
+    """Without libtpu: ``spec``/``tree``/``staged`` programs are built, by default, with a
+    draft holding the tensors the shipped draft stores (names and shapes of
+    ``specjax/assets/smollm2-135m/draft.safetensors``: an EAGLE-3 feature draft), so that the
+    compile tests compile what users get; ``draft="token"`` gives the 2-layer token draft."""
+    from safetensors import safe_open
+
+    from specjax.checkpoints_tools import assets, sources
+
+    with safe_open(str(sources.assets_dir() / "smollm2-135m" / assets.DRAFT_TENSORS),
+                   "numpy") as f:
+        shipped = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+    def draft_params(method, **options):
+        _, args = tpu_aot.build_generation_program(method, **options)
+        (draft,) = [arg.draft_params for arg in args if hasattr(arg, "draft_params")]
+        return assets.flatten_tree(draft)
+
+    for method in ("spec", "tree", "staged"):
+        draft = draft_params(method, verify="greedy")
+        assert {name: tuple(array.shape) for name, array in draft.items()
+                if name not in assets.SHARED} == shipped, method
+        assert draft["draft_vocab"].dtype == jnp.int32
+    token = draft_params("tree", verify="greedy", draft="token")
+    assert token["layers.wq"].shape[0] == 2 and "fc" not in token
 
 
 # ----------------------------------------------------------------------------- tiling (no libtpu)

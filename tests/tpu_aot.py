@@ -200,19 +200,60 @@ FAMILY_HF_CONFIGS = {
 }
 
 
+# The drafts a program's ``spec``/``tree``/``staged`` can take (:func:`program_configs`).
+DRAFTS = ("feature", "token")
+
+
+def program_configs(method: str, *, family: str | None = None, draft: str | None = None):
+    """(target config, draft config or None) of :func:`build_generation_program`'s program.
+
+    The target is SmolLM2-135M's config, or ``family``'s (:data:`FAMILY_HF_CONFIGS`). The
+    draft, for ``spec``/``tree``/``staged`` only: ``feature``, the kind shipped for
+    SmolLM2-135M, its config read from the shipped ``draft.json`` as the loader reads it
+    (an EAGLE-3 feature draft: one block of the target's shapes reading blocks (1, 14, 26)
+    of the target, a 12,288-id head of its own); ``token``, the target's first two layers'
+    shapes with the full head (the kind shipped before; for a family, its first two layers).
+    ``None``: ``feature`` for SmolLM2, ``token`` for a family (none is shipped for one).
+
+    Raises:
+      ValueError: an unknown draft, or ``feature`` with a family.
+    """
+    from specjax import config as config_lib
+    from specjax.checkpoints_tools import assets, sources
+
+    config = config_lib.smollm2_135m()
+    if family is not None:
+        config = config_lib.from_hf_config(FAMILY_HF_CONFIGS[family])
+    if method not in ("spec", "tree", "staged"):
+        return config, None
+    draft = draft or ("token" if family else "feature")
+    if draft not in DRAFTS:
+        raise ValueError(f"unknown draft {draft!r}; expected one of {DRAFTS}")
+    if draft == "token":
+        return config, dataclasses.replace(config, num_layers=2)
+    if family is not None:
+        raise ValueError(f"no feature draft is shipped for family {family!r}: draft='token'")
+    record = json.loads((sources.assets_dir() / "smollm2-135m" / assets.DRAFT_CONFIG)
+                        .read_text())
+    return config, assets.draft_config(config, record)
+
+
 def build_generation_program(method: str, *, verify: str | None = None,
                              dtype: str = "bfloat16", prompt_tokens: int = 16,
                              max_new_tokens: int = 64, attn_impl: str = "kernel",
                              fused_projections: bool = False, temperature: float = 0.0,
                              defaults: str = "cpu", family: str | None = None,
-                             sampling_rules: str = "auto", gpu_linear: str = "triton"):
+                             sampling_rules: str = "auto", gpu_linear: str = "triton",
+                             draft: str | None = None):
     """(jitted function, example arguments) of one whole generation, as ``generate`` runs it.
 
     The target has SmolLM2-135M's shapes (30 layers, 9 query / 3 KV heads of 64) with
-    abstract parameters (never materialised); the draft for ``tree``/``staged`` is two
-    layers of the same shapes (the shipped draft's depth, full head); ``staged`` uses the
-    shipped n-gram tables. The only place that knows how ``specjax.generate`` assembles its
-    program: adapt it here when the API changes.
+    abstract parameters (never materialised); the draft for ``spec``/``tree``/``staged`` is
+    by default the kind shipped for it (an EAGLE-3 feature draft: one block reading the
+    target's blocks 1, 14 and 26, a 12,288-id head; :func:`program_configs`), with
+    ``draft="token"`` two layers of the target's shapes with the full head; ``staged`` uses
+    the shipped n-gram tables. The only place that knows how ``specjax.generate``
+    assembles its program: adapt it here when the API changes.
 
     Args:
       method: ``ar``, ``tree``, ``staged`` (or ``spec``, ``ngram``).
@@ -231,6 +272,8 @@ def build_generation_program(method: str, *, verify: str | None = None,
         device, so ``generate`` itself would take the CPU's.
       family: a :data:`FAMILY_HF_CONFIGS` name: that config for the target (and the first
         two of its layers for the draft) instead of SmolLM2's, without shipped assets.
+      draft: ``feature`` or ``token`` (:func:`program_configs`); ``None``: the shipped
+        kind, ``feature`` (``token`` for a family).
     Returns:
       (fn, args): ``fn(*args)`` is the program; args hold concrete small arrays and
       ``ShapeDtypeStruct`` parameters (map them to the target with :func:`_abstract`).
@@ -238,13 +281,11 @@ def build_generation_program(method: str, *, verify: str | None = None,
     import jax
     import jax.numpy as jnp
 
-    from specjax import api, config as config_lib, decode, methods, models
+    from specjax import api, decode, methods, models
     from specjax.model import Model
 
     key = jax.random.key(0)
-    config = config_lib.smollm2_135m()
-    if family is not None:
-        config = config_lib.from_hf_config(FAMILY_HF_CONFIGS[family])
+    config, draft_config = program_configs(method, family=family, draft=draft)
 
     def abstract_model(cfg, name, assets=None, fused=False):
         def init():
@@ -255,17 +296,18 @@ def build_generation_program(method: str, *, verify: str | None = None,
     target = abstract_model(config, family or "smollm2-135m-shaped",
                             assets=None if family else "smollm2-135m",
                             fused=fused_projections)
-    draft = None
-    if method in ("spec", "tree", "staged"):
-        draft = abstract_model(dataclasses.replace(config, num_layers=2), "draft-2-layers",
-                               fused=fused_projections)
+    draft_model = None
+    if draft_config is not None:
+        name = (f"draft-{draft_config.num_layers}-layers"
+                + ("-feature" if draft_config.feature_input else ""))
+        draft_model = abstract_model(draft_config, name, fused=fused_projections)
     method = methods.method_options(method, backend=defaults)
     if verify is not None:  # in the options object: a keyword beside it may not differ
         method = dataclasses.replace(method, verify=verify)
     request = api._prepare(target, list(range(1, prompt_tokens + 1)), method=method,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=0,
-                           top_p=1.0, seed=0, draft=draft, ngram=None, stop_tokens=None,
-                           chat=False, kernels=api.KernelOptions(
+                           top_p=1.0, seed=0, draft=draft_model, ngram=None,
+                           stop_tokens=None, chat=False, kernels=api.KernelOptions(
                                attention=attn_impl, sampling_rules=sampling_rules,
                                gpu_linear=gpu_linear),
                            options={})
@@ -429,7 +471,8 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
     """Lowers and compiles one job for its target; never raises.
 
     Jobs: ``{"kind": "kernel", "target", **kernel_args keys}``,
-    ``{"kind": "program", "target", "method", "verify", "dtype", "attn_impl"}``,
+    ``{"kind": "program", "target", "method", "verify", "dtype", "attn_impl", "family",
+    "draft"}`` (:func:`build_generation_program`),
     ``{"kind": "fused_kernels", "target", "tokens"}`` (:func:`fused_kernel_calls`),
     ``{"kind": "canary", "target", "dtype"}``; a kernel job may set ``vmem_limit_bytes``.
     """
@@ -454,7 +497,8 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
             fn, args = build_generation_program(job["method"], verify=job.get("verify"),
                                                 dtype=job.get("dtype", "bfloat16"),
                                                 attn_impl=job.get("attn_impl", "kernel"),
-                                                family=job.get("family"))
+                                                family=job.get("family"),
+                                                draft=job.get("draft"))
             start = time.perf_counter()
             lowered = fn.lower(*_abstract(args, sharding))
         elif job["kind"] == "fused_kernels":
