@@ -121,7 +121,7 @@ def test_cli_flags_come_from_the_options_classes():
 
 def test_api_and_cli_default_to_the_same_method(spec_target, smollm2, tmp_path):
     assert api.resolve_method(spec_target).name == "ar"  # no shipped assets
-    assert api.resolve_method(smollm2).name == "staged"
+    assert api.resolve_method(smollm2).name == "spec"
     args = cli.build_parser().parse_args(["generate", "x", "-m", "smollm2-135m"])
     assert cli.check_generate_args(args)[0] == api.resolve_method(smollm2)
     # A model without shipped assets: ar for both (the CLI decides without loading it).
@@ -144,7 +144,7 @@ def test_backend_defaults_apply_to_method_names_and_are_reported(spec_target, mo
     assert method_options("tree", backend="cuda", tree_budget=4).tree_budget == 4  # explicit
     assert method_options("tree", backend="cpu") == TreeOptions()
     assert method_options(TreeOptions(), backend="cuda") == TreeOptions()  # objects as given
-    assert "tree 16 (gpu: 24; tpu: 32)" in describe_defaults("tree_budget")
+    assert "tree 8 (gpu: 24; tpu: 32)" in describe_defaults("tree_budget")
     out = specjax.generate(spec_target, [1, 2, 3], max_new_tokens=2, method="ar")
     assert out.stats["backend"] == "cpu"  # the test machine's weights are on the CPU
     monkeypatch.setattr(api, "model_backend", lambda model: "gpu")
