@@ -92,7 +92,8 @@ def test_an_int_seed_is_every_row_s_seed(spec_target):
     assert outs[2].tokens == specjax.generate(spec_target, PROMPTS[2], **kwargs).tokens
 
 
-@pytest.mark.parametrize("method", ["ar", "staged"])
+# ar in the quick tier; staged (42 s of compiling) in the slow one.
+@pytest.mark.parametrize("method", ["ar", pytest.param("staged", marks=pytest.mark.slow)])
 def test_rows_stop_on_their_own_stop_tokens(spec_target, spec_drafts, tables, method):
     kwargs = dict(_method(method, spec_drafts, tables), max_new_tokens=NEW)
     free = _singles(spec_target, PROMPTS, [0] * 5, stop=[], **kwargs)

@@ -138,6 +138,7 @@ def test_default_method_at_t_above_0_on_the_cpu_is_spec_and_says_why(capsys, ser
     assert status == 0 and (stats["method"], stats["method_choice"]) == ("ngram", "given")
 
 
+@pytest.mark.slow  # 37 s on the real model; the quick tier colours origins on a tiny one
 def test_show_origin_counts_every_token(capsys, served):
     expected = specjax.generate(served, PROMPT, max_new_tokens=16)
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "16",

@@ -145,7 +145,7 @@ def poisoned(model: specjax.Model, poison: str, token: int) -> specjax.Model:
     return specjax.Model(model.config, params, name=f"{poison}-draft")
 
 
-@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("poison", ["nan", pytest.param("inf", marks=pytest.mark.slow)])
 def test_a_draft_with_nan_or_inf_weights_does_not_change_the_output(llama, poison):
     prompt = [5, 61, 17, 88, 3, 40, 22]
     for temperature, seed in ((0.0, 0), (1.0, 7)):
