@@ -40,7 +40,7 @@ class Measurement:
 
 # The protocol run with the shipped EAGLE-3 draft (run with the same file under
 # benchmarks/results/h100/eagle3_2026-11-27, byte for byte the shipped one, at the CPU
-# defaults). The token draft's run, which chose staged at T=0 and ar at T>0, is
+# defaults of the time: tree's budget was 16, now 8). The token draft's run, which chose staged at T=0 and ar at T>0, is
 # benchmarks/results/cpu/suite_all_methods_164_2026-11-25.json.
 _CPU_SUITE = "benchmarks/results/cpu/suite_eagle3_164_2026-11-27.json"
 

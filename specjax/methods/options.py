@@ -151,8 +151,8 @@ class TreeOptions(_Verified):
     uses_draft: ClassVar[bool] = True
     summary: ClassVar[str] = "draft token tree verified in one target pass"
     # 8 on the CPU: with the shipped EAGLE-3 draft, 8 nodes beat 16 at T=0 and T=1 (a
-    # 16-node pass costs 2.4x a one-row pass there; benchmarks/README.md, "Method defaults
-    # with the EAGLE-3 draft"); accelerators take 32 (BACKEND_DEFAULTS).
+    # 16-node pass costs 2.4x a one-row pass there; benchmarks/README.md, "Method defaults",
+    # "With the EAGLE-3 draft on the CPU"); accelerators take 32 (BACKEND_DEFAULTS).
     tree_budget: int = _option(8, "nodes verified per target pass, root included")
     draft_depth: int = _option(4, "drafted levels per step")
     draft_width: int = _option(4, "children per expanded node and frontier size")
