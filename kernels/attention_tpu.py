@@ -1,8 +1,12 @@
 """Verify/decode attention for TPUs: Pallas with the Mosaic lowering (flash-decoding).
 
-Semantics: exactly :func:`specjax.attention.attention_reference`; the data layout (packed
-query rows, the tail of scratch window + new tokens, the integer tail mask) is described
-in :mod:`specjax.kernels.layout`.
+Semantics: exactly :func:`specjax.attention.attention_reference`, Gemma-style attention
+soft-capping (``softcap``: every score, committed slots and tail alike, becomes
+``c * tanh(score / c)`` before the mask) and sliding windows (``first_visible``: query ``t``
+sees committed slot ``s`` iff ``first_visible[t] <= s < length``; the scratch window and
+the new tokens are not windowed) included; the data layout (packed query rows, the tail of
+scratch window + new tokens, the integer tail mask) is described in
+:mod:`specjax.kernels.layout`.
 
 Two ``pallas_call`` invocations, both with TPU-legal blocks (the last two block dims equal the
 array's or are multiples of (8, 128)):
@@ -15,7 +19,15 @@ array's or are multiples of (8, 128)):
    ``[S, K, D]`` layout, never copied; the head is picked by a static index inside the
    kernel, never by a dynamic one, which Mosaic cannot prove aligned for bfloat16); the
    index map clamps the block index to the run's last valid block, so steps past
-   ``length`` fetch nothing new and ``pl.when`` skips their compute. For each KV head it
+   ``length`` fetch nothing new and ``pl.when`` skips their compute. With a sliding window
+   each packed query row carries its first visible slot (an int32 ``[rows, 128]`` block,
+   lanes broadcast like ``m``/``l``; padding rows get int32 max and see nothing), the
+   committed slots a row sees are ``first <= slot < length``, and masked probabilities
+   are forced to 0 (a row may have a whole block masked). The split partition is still
+   derived from ``length`` alone: a block below every row's window in the tile (its first
+   block is scalar-prefetched per tile) is neither computed (``pl.when``; computing it
+   would leave every row's ``(acc, m, l)`` bit-identical) nor fetched (the index map holds
+   the index at the window's first block of the run). For each KV head it
    updates an online softmax for one tile of that head's query rows (group heads x tree
    nodes), accumulating straight into the split's output block ``(acc, m, l)``, which
    stays in VMEM across the steps; ``m`` and ``l`` are kept broadcast over 128 lanes, the
@@ -47,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +74,7 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 KERNEL_NAME = "TPU verify-attention kernel"
 TAKES_LAYER_INDEX = True  # reads layer ``layer`` of an [L, S, K, D] cache in place
+TAKES_WINDOWS = True  # takes ``softcap`` and ``first_visible`` (Gemma 2/3, sliding windows)
 LANES = 128
 # block_kv values tried, largest first. Below 128 the score tiles leave lanes idle, but
 # every KV head shares a cache block, so many-head MHA models fit v4's VMEM only so.
@@ -145,13 +159,16 @@ class VmemPlan:
         return max(self.split_bytes, self.combine_bytes)
 
 
-def _split_vmem(block_rows, num_kv_heads, head_dim, block_kv, itemsize) -> int:
-    """Bytes of VMEM the split kernel needs for a tile of ``block_rows`` rows."""
+def _split_vmem(block_rows, num_kv_heads, head_dim, block_kv, itemsize,
+                windowed: bool = False) -> int:
+    """Bytes of VMEM the split kernel needs for a tile of ``block_rows`` rows (``windowed``:
+    with the rows' first visible slots, an int32 [block_rows, 128] block)."""
     lanes = layout.round_up(head_dim, LANES)  # head_dim 64 still fills 128 lanes
     kv_sublanes = layout.round_up(num_kv_heads, 32 // itemsize)  # K tiles [block_kv, K, D]
     windows = (num_kv_heads * block_rows * lanes * itemsize  # queries
                + 2 * block_kv * kv_sublanes * lanes * itemsize  # k, v
-               + num_kv_heads * block_rows * (lanes + 2 * LANES) * 4)  # acc, m, l
+               + num_kv_heads * block_rows * (lanes + 2 * LANES) * 4  # acc, m, l
+               + (block_rows * LANES * 4 if windowed else 0))  # first visible slots
     temporaries = (_SCORE_TEMPORARIES * block_rows * layout.round_up(block_kv, LANES) * 4
                    + num_kv_heads * 4 * (_HEAD_TEMPORARIES * block_kv * lanes
                                          + _HEAD_ROW_TEMPORARIES * block_rows * LANES))
@@ -170,8 +187,9 @@ def _combine_vmem(block_rows, head_dim, tail, num_splits, itemsize) -> int:
 
 
 def vmem_plan(q, k_new, scratch_mask, has_cache: bool,
-              block_sizes: TpuBlockSizes | None = None) -> VmemPlan:
-    """Tiling and VMEM estimate for these shapes (arrays or ``ShapeDtypeStruct``).
+              block_sizes: TpuBlockSizes | None = None, *, windowed: bool = False) -> VmemPlan:
+    """Tiling and VMEM estimate for these shapes (arrays or ``ShapeDtypeStruct``;
+    ``windowed``: with ``first_visible``, whose block the split kernel reads too).
 
     Among the allowed ``block_kv`` values, takes the one needing the fewest row tiles (each
     tile reads the cache again), then the largest; each tile's rows are the most that keep
@@ -194,7 +212,7 @@ def vmem_plan(q, k_new, scratch_mask, has_cache: bool,
             f"{sublanes} for {jnp.dtype(q.dtype).name}")
 
     def bytes_for(block_kv, rows):
-        split = (_split_vmem(rows, num_kv_heads, head_dim, block_kv, itemsize)
+        split = (_split_vmem(rows, num_kv_heads, head_dim, block_kv, itemsize, windowed)
                  if has_cache else 0)
         return split, _combine_vmem(rows, head_dim, tail, splits, itemsize)
 
@@ -242,30 +260,52 @@ def _run(length, num_splits: int, block_kv: int):
     return pl.cdiv(num_blocks, num_splits), num_blocks
 
 
-def _kv_index_map(num_splits: int, block_kv: int):
+def _kv_index_map(num_splits: int, block_kv: int, windowed: bool = False):
     def index_map(tile, split, step, scalars_ref):
         per_split, num_blocks = _run(scalars_ref[0], num_splits, block_kv)
-        block = split * per_split + jnp.minimum(step, jnp.maximum(per_split - 1, 0))
+        last = jnp.maximum(per_split - 1, 0)
+        offset = jnp.minimum(step, last)
+        if windowed:
+            # Steps below the tile's window (computed by none of its rows) hold the index
+            # at the window's first block of the run: one fetch, used by the step that
+            # reaches it. The partition (the runs) does not move.
+            offset = jnp.maximum(offset, jnp.minimum(scalars_ref[2 + tile]
+                                                     - split * per_split, last))
+        block = split * per_split + offset
         # Past the run's end the index repeats, so the pipeline fetches nothing new.
         return scalars_ref[1], jnp.maximum(jnp.minimum(block, num_blocks - 1), 0), 0, 0
 
     return index_map
 
 
-def _split_kernel(scalars_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, block_kv: int,
-                  num_splits: int, scale: float):
+def _capped(s, softcap: float | None):
+    """Soft-capping of float32 scores (``attention_reference``'s ``_capped``)."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def _split_kernel(scalars_ref, q_ref, *refs, block_kv: int, num_splits: int, scale: float,
+                  softcap: float | None, windowed: bool):
     """Online softmax of one tile of query rows over one split of the committed slots.
 
-    Refs: scalars_ref int32 [2] (SMEM: length, layer); q_ref [K, rows, D]; k_ref, v_ref
-    [block_kv, K, D] (of the layer);
+    Refs: scalars_ref int32 [2 + tiles] (SMEM: length, layer, then with a window each row
+    tile's first block: the first block any of its rows sees); q_ref [K, rows, D]; with a
+    window first_ref int32 [rows, 128] (each row's first visible slot, all lanes equal);
+    k_ref, v_ref [block_kv, K, D] (of the layer);
     outputs (resident across the steps, so they are the running state) acc_ref [K, rows, D],
     m_ref, l_ref [K, rows, 128].
     """
-    split, step = pl.program_id(1), pl.program_id(2)
+    if windowed:
+        first_ref, k_ref, v_ref, acc_ref, m_ref, l_ref = refs
+    else:
+        (k_ref, v_ref, acc_ref, m_ref, l_ref), first_ref = refs, None
+    tile, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = scalars_ref[0]
     per_split, num_blocks = _run(length, num_splits, block_kv)
     block = split * per_split + step
     num_kv_heads = q_ref.shape[0]
+    computed = (step < per_split) & (block < num_blocks)
+    if windowed:  # a block below every row's window adds nothing to any row: skipped
+        computed = computed & (block >= scalars_ref[2 + tile])
 
     @pl.when(step == 0)
     def _init():
@@ -273,21 +313,31 @@ def _split_kernel(scalars_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, bl
         m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
-    @pl.when((step < per_split) & (block < num_blocks))
+    @pl.when(computed)
     def _accumulate():
         start = block * block_kv
         slots_by_column = start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         slots_by_row = start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+        visible = slots_by_column < length  # [1, block_kv]
+        if windowed:  # [rows, block_kv]
+            visible = visible & (slots_by_column >= first_ref[:, :1])
         for head in range(num_kv_heads):  # static index: a strided load Mosaic can align
             k = k_ref[:, head, :]  # [block_kv, D]
             # Slots past the cache's end hold whatever the edge block's padding holds.
             v = jnp.where(slots_by_row < length, v_ref[:, head, :], 0)
-            s = _dot(q_ref[head], k, contract_b=1) * scale  # [rows, block_kv]
-            s = jnp.where(slots_by_column < length, s, layout.MASK_VALUE)
+            s = _capped(_dot(q_ref[head], k, contract_b=1) * scale, softcap)  # [rows, bkv]
+            s = jnp.where(visible, s, layout.MASK_VALUE)
             m_prev = m_ref[head]  # [rows, 128], all lanes equal
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             correction = jnp.exp(m_prev - m_next)
             p = jnp.exp(s - m_next[:, :1])
+            if windowed:
+                # A row may see none of the block, and nothing yet (m == MASK_VALUE, where
+                # exp(s - m) is 1): its masked slots must weigh 0, so that a wholly masked
+                # block leaves (acc, m, l) bit-identical, as skipping it does. (Without
+                # this the weights would still vanish from the output, by the next
+                # correction or the combine's exp(MASK_VALUE - m), but not from the state.)
+                p = jnp.where(visible, p, 0.0)
             l_ref[head] = correction * l_ref[head] + jnp.sum(p, axis=1, keepdims=True)
             m_ref[head] = m_next
             acc_ref[head] = (correction[:, :1] * acc_ref[head]
@@ -295,7 +345,7 @@ def _split_kernel(scalars_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, bl
 
 
 def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: float,
-                    num_splits: int):
+                    num_splits: int, softcap: float | None):
     """Tail attention merged with the splits' partials, for one KV head and row tile.
 
     Refs: q_ref [rows, D]; tail_k_ref, tail_v_ref [P, D]; tail_mask_ref int32 [rows, P];
@@ -305,7 +355,7 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     *partials, o_ref = refs
     tail_v = tail_v_ref[...]
     visible = tail_mask_ref[...] != 0
-    s = _dot(q_ref[...], tail_k_ref[...], contract_b=1) * scale  # [rows, P]
+    s = _capped(_dot(q_ref[...], tail_k_ref[...], contract_b=1) * scale, softcap)  # [rows, P]
     s = jnp.where(visible, s, layout.MASK_VALUE)
     m = jnp.max(s, axis=1, keepdims=True)  # [rows, 1]
     if partials:
@@ -317,31 +367,110 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     acc = _dot(p.astype(tail_v.dtype), tail_v, contract_b=0)
     if partials:
         for split in range(num_splits):
-            weight = jnp.exp(m_ref[split][:, :1] - m)  # 0 for an empty split
+            # 0 for an empty split, or one whose slots all lie outside the row's window
+            weight = jnp.exp(m_ref[split][:, :1] - m)
             acc = acc + weight * acc_ref[split]
             l = l + weight * l_ref[split][:, :1]
     # Only padding rows have l == 0 (every real row sees its own token).
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
+def _check_windows(num_tokens: int, softcap, first_visible) -> None:
+    """One-line refusals of a ``softcap`` that is not a positive number and of a
+    ``first_visible`` that is not int32 [T]."""
+    if softcap is not None and (isinstance(softcap, bool)
+                                or not isinstance(softcap, numbers.Real) or not softcap > 0):
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: softcap must be a positive number or None; got {softcap!r}")
+    if first_visible is not None and (tuple(first_visible.shape) != (num_tokens,)
+                                      or jnp.dtype(first_visible.dtype) != jnp.int32):
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: first_visible must be int32 [T] = [{num_tokens}]; got "
+            f"{jnp.dtype(first_visible.dtype).name} {tuple(first_visible.shape)}")
+
+
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
-                    block_sizes: TpuBlockSizes = TpuBlockSizes()) -> int:
+                    block_sizes: TpuBlockSizes = TpuBlockSizes(), softcap=None,
+                    first_visible=None) -> int:
     """Raises :class:`InvalidArgumentError` unless the kernel takes these shapes/dtypes.
 
     Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values); the caches
-    may be one layer [S, K, D] or all layers [L, S, K, D]. Returns the kernel's estimated
+    may be one layer [S, K, D] or all layers [L, S, K, D]; ``softcap`` must be a positive
+    number and ``first_visible`` int32 [T] (or ``None``). Returns the kernel's estimated
     VMEM use in bytes (the larger of its two ``pallas_call``; see :func:`vmem_plan`).
     """
     k_cache, v_cache = layout.one_layer_caches(k_cache, v_cache, KERNEL_NAME)
     layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                         head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
+    _check_windows(q.shape[0], softcap, first_visible)
     block_sizes.check()
-    return vmem_plan(q, k_new, scratch_mask, k_cache is not None, block_sizes).estimate
+    return vmem_plan(q, k_new, scratch_mask, k_cache is not None, block_sizes,
+                     windowed=first_visible is not None).estimate
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _first_visible_rows(first_visible, group: int, rows: int, block_rows: int,
+                        block_kv: int, capacity: int):
+    """(int32 [rows, 128]: packed row ``t * G + g``'s first visible slot
+    ``first_visible[t]`` in every lane, int32 max for padding rows (they see nothing);
+    int32 [rows // block_rows]: each row tile's first block, the first any of its rows
+    sees)."""
+    per_row = jnp.repeat(first_visible.astype(jnp.int32), group)
+    per_row = jnp.pad(per_row, (0, rows - per_row.shape[0]),
+                      constant_values=jnp.iinfo(jnp.int32).max)
+    lowest = jnp.min(per_row.reshape(rows // block_rows, block_rows), axis=1)
+    first_blocks = jnp.clip(lowest, 0, capacity) // block_kv
+    return jnp.broadcast_to(per_row[:, None], (rows, LANES)), first_blocks
+
+
+def _split_partials(scalars, queries, k_cache, v_cache, first_visible, plan: VmemPlan, *,
+                    splits: int, group: int, scale: float, softcap: float | None,
+                    vmem_limit: int, interpret):
+    """The split kernel's ``pallas_call``: the partials (acc [splits, K, rows, D], m, l
+    [splits, K, rows, 128]) over the committed slots of the stacked caches [L, S, K, D];
+    ``first_visible`` int32 [T] or ``None`` (no window)."""
+    num_kv_heads, rows, head_dim = queries.shape
+    block_rows, block_kv, capacity = plan.block_rows, plan.block_kv, k_cache.shape[1]
+    windowed = first_visible is not None
+    steps = pl.cdiv(pl.cdiv(capacity, block_kv), splits)
+    kv_spec = pl.BlockSpec((None, block_kv, num_kv_heads, head_dim),
+                           _kv_index_map(splits, block_kv, windowed))
+    inputs = [queries]
+    specs = [pl.BlockSpec((num_kv_heads, block_rows, head_dim),
+                          lambda tile, split, step, scalars_ref: (0, tile, 0))]
+    if windowed:
+        first_rows, first_blocks = _first_visible_rows(first_visible, group, rows, block_rows,
+                                                       block_kv, capacity)
+        scalars = jnp.concatenate([scalars, first_blocks])
+        inputs.append(first_rows)
+        specs.append(pl.BlockSpec((block_rows, LANES),
+                                  lambda tile, split, step, scalars_ref: (tile, 0)))
+    state_spec = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, num_kv_heads, block_rows, width),
+        lambda tile, split, step, scalars_ref: (split, 0, tile, 0))
+    state_shape = lambda width: jax.ShapeDtypeStruct(  # noqa: E731
+        (splits, num_kv_heads, rows, width), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_split_kernel, block_kv=block_kv, num_splits=splits, scale=scale,
+                          softcap=softcap, windowed=windowed),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(plan.row_tiles, splits, steps),
+            in_specs=[*specs, kv_spec, kv_spec],
+            out_specs=[state_spec(head_dim), state_spec(LANES), state_spec(LANES)],
+        ),
+        out_shape=[state_shape(head_dim), state_shape(LANES), state_shape(LANES)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit),
+        interpret=interpret,
+        name="verify_attention_tpu_split",
+    )(scalars, *inputs, k_cache, v_cache)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "softcap"))
 def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-                         layer=None, block_sizes: TpuBlockSizes = TpuBlockSizes(),
+                         layer=None, softcap: float | None = None, first_visible=None,
+                         block_sizes: TpuBlockSizes = TpuBlockSizes(),
                          interpret: bool = False):
     """Tree/decode attention on a TPU (Mosaic); same semantics as ``attention_reference``.
 
@@ -354,6 +483,12 @@ def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
       mask: bool [T, T], visibility among the new tokens (diagonal set).
       scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
       layer: int32 [] (traced) layer of [L, S, K, D] caches; ``None`` for [S, K, D].
+      softcap: static ``c`` > 0: every score becomes ``c * tanh(score / c)`` before the
+        mask (committed slots and tail); ``None``: no capping.
+      first_visible: int32 [T] (traced) or ``None``, a sliding window: query ``t`` sees
+        committed slot ``s`` iff ``first_visible[t] <= s < length`` (int32 min: every
+        slot; past ``length``: none). The scratch window and the new tokens are not
+        windowed (``mask`` carries the window among the new tokens).
       block_sizes: static :class:`TpuBlockSizes`.
       interpret: run in the TPU interpreter (``pltpu.InterpretParams``) on any backend.
     Returns:
@@ -362,18 +497,22 @@ def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
       InvalidArgumentError: shapes, head_dim, dtype or sizes the kernel cannot take.
     """
     config = block_sizes
-    check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask, block_sizes=config)
+    check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask, block_sizes=config,
+                    softcap=softcap, first_visible=first_visible)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
     has_cache = k_cache is not None
+    if not has_cache:
+        first_visible = None  # only committed slots are windowed
+    windowed = first_visible is not None
     if has_cache and (k_cache.ndim == 4) != (layer is not None):
         raise InvalidArgumentError(
             f"{KERNEL_NAME}: pass layer= exactly when the caches are [L, S, K, D] (got caches "
             f"of rank {k_cache.ndim} and layer={'None' if layer is None else 'an index'})")
     if has_cache and layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0  # a free reshape
-    plan = vmem_plan(q, k_new, scratch_mask, has_cache, config)
+    plan = vmem_plan(q, k_new, scratch_mask, has_cache, config, windowed=windowed)
     rows, block_rows, tiles, tail = plan.rows, plan.block_rows, plan.row_tiles, plan.tail
     vmem_limit = config.vmem_limit_bytes or VMEM_LIMIT
     scale = 1.0 / math.sqrt(head_dim)
@@ -398,34 +537,9 @@ def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     partial_specs = []
     splits = config.num_splits
     if has_cache:
-        capacity = k_cache.shape[1]
-        block_kv = plan.block_kv
-        steps = pl.cdiv(pl.cdiv(capacity, block_kv), splits)
-        kv_spec = pl.BlockSpec((None, block_kv, num_kv_heads, head_dim),
-                               _kv_index_map(splits, block_kv))
-        query_spec = pl.BlockSpec((num_kv_heads, block_rows, head_dim),
-                                  lambda tile, split, step, scalars_ref: (0, tile, 0))
-        state_spec = lambda width: pl.BlockSpec(  # noqa: E731
-            (None, num_kv_heads, block_rows, width),
-            lambda tile, split, step, scalars_ref: (split, 0, tile, 0))
-        state_shape = lambda width: jax.ShapeDtypeStruct(  # noqa: E731
-            (splits, num_kv_heads, rows, width), jnp.float32)
-        partials = pl.pallas_call(
-            functools.partial(_split_kernel, block_kv=block_kv, num_splits=splits,
-                              scale=scale),
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=1,
-                grid=(tiles, splits, steps),
-                in_specs=[query_spec, kv_spec, kv_spec],
-                out_specs=[state_spec(head_dim), state_spec(LANES), state_spec(LANES)],
-            ),
-            out_shape=[state_shape(head_dim), state_shape(LANES), state_shape(LANES)],
-            compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel", "parallel", "arbitrary"),
-                vmem_limit_bytes=vmem_limit),
-            interpret=interpret,
-            name="verify_attention_tpu_split",
-        )(scalars, queries, k_cache, v_cache)
+        partials = _split_partials(scalars, queries, k_cache, v_cache, first_visible, plan,
+                                   splits=splits, group=group, scale=scale, softcap=softcap,
+                                   vmem_limit=vmem_limit, interpret=interpret)
         partial_spec = lambda width: pl.BlockSpec(  # noqa: E731
             (splits, None, block_rows, width), lambda head, tile: (0, head, tile, 0))
         partial_specs = [partial_spec(head_dim), partial_spec(LANES), partial_spec(LANES)]
@@ -433,7 +547,8 @@ def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     rows_spec = pl.BlockSpec((None, block_rows, head_dim), lambda head, tile: (head, tile, 0))
     tail_spec = pl.BlockSpec((None, tail, head_dim), lambda head, tile: (head, 0, 0))
     out = pl.pallas_call(
-        functools.partial(_combine_kernel, scale=scale, num_splits=splits if has_cache else 0),
+        functools.partial(_combine_kernel, scale=scale, num_splits=splits if has_cache else 0,
+                          softcap=softcap),
         grid=(num_kv_heads, tiles),
         in_specs=[rows_spec, tail_spec, tail_spec,
                   pl.BlockSpec((block_rows, tail), lambda head, tile: (tile, 0)),
