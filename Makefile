@@ -50,8 +50,9 @@ bench: install
 
 # The TPU compiler (the libtpu pinned by the `tpu` extra) goes beside the environment, not
 # into it: installed, it would start in every JAX process here and log to stderr. The TPU
-# compile tests (tests/test_tpu_compile.py) load it in a subprocess; `make test` runs them
-# once it is installed, `make test-tpu` installs it and runs them (CI).
+# compile tests (tests/test_tpu_compile.py, tests/test_kernel_windows_tpu.py) load it in a
+# subprocess; `make test` runs them once it is installed, `make test-tpu` installs it and runs
+# them (CI).
 .PHONY: tpu-compiler test-tpu
 TPU_COMPILER := $(VENV)/tpu-compiler
 
@@ -64,7 +65,7 @@ tpu-compiler: $(TPU_COMPILER)/.installed
 
 test-tpu: install tpu-compiler
 	SPECJAX_REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q -m "tpu_compiler" \
-		tests/test_tpu_compile.py
+		tests/test_tpu_compile.py tests/test_kernel_windows_tpu.py
 
 # Likewise the CUDA compiler (JAX's CUDA PJRT plugin, pinned to the installed jaxlib): the
 # GPU compile tests (tests/test_gpu_compile.py) compile whole programs for an H100 in a

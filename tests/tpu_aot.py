@@ -7,9 +7,10 @@ for that TPU generation on the CPU; ``.compile()`` raises what the TPU compiler 
 (Mosaic's E2003 unproven alignment, VMEM exhaustion, ...). Compiling is not running:
 numerics stay with the interpreter tests (``tests/test_kernels.py``).
 
-This module is the worker the compile tests (``tests/test_tpu_compile.py``) and
-``benchmarks/tpu_compile_report.py`` run in a subprocess with ``JAX_PLATFORMS=cpu`` and
-libtpu importable, so that the rest of the suite never loads libtpu::
+This module is the worker the compile tests (``tests/test_tpu_compile.py``,
+``tests/test_kernel_windows_tpu.py``) and ``benchmarks/tpu_compile_report.py`` run in a
+subprocess with ``JAX_PLATFORMS=cpu`` and libtpu importable, so that the rest of the suite
+never loads libtpu::
 
     python tests/tpu_aot.py JOBS.json OUT.json [--vmem-report]
     python tests/tpu_aot.py --requirement     # the pinned libtpu, for pip
@@ -162,12 +163,29 @@ def kernel_args(job: dict, sharding):
             sds((t, m), jnp.bool_) if (m and s) else None)
 
 
+def kernel_options(job: dict, sharding) -> dict:
+    """Keyword arguments of ``verify_attention_tpu`` for a kernel job: optional keys
+    ``softcap`` (static float) and ``windowed`` (a traced int32 [T] ``first_visible``,
+    Gemma-style soft-capping and sliding windows)."""
+    import jax
+    import jax.numpy as jnp
+
+    options = {}
+    if job.get("softcap") is not None:
+        options["softcap"] = float(job["softcap"])
+    if job.get("windowed"):
+        options["first_visible"] = jax.ShapeDtypeStruct((job["tokens"],), jnp.int32,
+                                                        sharding=sharding)
+    return options
+
+
 def kernel_estimate(job: dict) -> dict:
     """The kernel's own plan for the job's shapes: tiling and estimated VMEM per kernel."""
     from specjax.kernels import attention_tpu
 
     q, k_new, _, k_cache, _, _, _, scratch_mask = kernel_args(job, None)
-    plan = attention_tpu.vmem_plan(q, k_new, scratch_mask, k_cache is not None)
+    plan = attention_tpu.vmem_plan(q, k_new, scratch_mask, k_cache is not None,
+                                   windowed=bool(job.get("windowed")) and k_cache is not None)
     return dict(dataclasses.asdict(plan), estimate=plan.estimate)
 
 
@@ -470,7 +488,7 @@ def compile_timed(lowered, record: dict):
 def run_job(job: dict, dump_dir: str | None) -> dict:
     """Lowers and compiles one job for its target; never raises.
 
-    Jobs: ``{"kind": "kernel", "target", **kernel_args keys}``,
+    Jobs: ``{"kind": "kernel", "target", **kernel_args and kernel_options keys}``,
     ``{"kind": "program", "target", "method", "verify", "dtype", "attn_impl", "family",
     "draft"}`` (:func:`build_generation_program`),
     ``{"kind": "fused_kernels", "target", "tokens"}`` (:func:`fused_kernel_calls`),
@@ -486,7 +504,7 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
 
             record.update(kernel_estimate(job))
             fn = verify_attention_tpu
-            options = {}
+            options = kernel_options(job, sharding)
             if job.get("vmem_limit_bytes"):
                 options["block_sizes"] = TpuBlockSizes(vmem_limit_bytes=job["vmem_limit_bytes"])
             args = kernel_args(job, sharding)
