@@ -66,7 +66,9 @@ one-line reason while the program is traced, and a run lists them in
 
 * :func:`verify_attention` with a fallback (``impl="auto"``): no kernel runs natively on
   this backend (a CPU's ``"auto"`` runs jnp attention before reaching it, by design, and
-  records nothing), or the kernel refuses the shapes: the jnp attention runs;
+  records nothing), the kernel refuses the shapes, or the call has soft-capping or a
+  sliding window and the kernel takes neither (:func:`takes_windows`; the GPU and TPU
+  kernels take both): the jnp attention runs;
 * :func:`fused_linear` with ``fallback``: the kernel refuses the projection (a width that
   is not a multiple of 16, blocks over a TPU's VMEM budget): its jnp reference runs; with
   ``SPECJAX_GPU_KERNELS=mosaic``, a call the Mosaic GPU kernel refuses goes to Triton;
@@ -98,7 +100,8 @@ __all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes",
            "TpuOrderedBlockSizes", "fused_linear", "fused_linear_gpu",
            "fused_linear_mosaic_gpu", "fused_linear_tpu", "ordered_attention",
            "ordered_attention_gpu", "ordered_attention_packed", "ordered_attention_tpu",
-           "packed_attention_takes", "qkv_rope_into", "qkv_rope_into_gpu", "verify_attention",
+           "packed_attention_takes", "qkv_rope_into", "qkv_rope_into_gpu", "takes_windows",
+           "verify_attention",
            "verify_attention_gpu", "verify_attention_tpu", "gpu_kernel_backend",
            "linear_row_tile", "select_variant"]
 
@@ -184,8 +187,15 @@ def linear_row_tile(dtype, variant: str | None = None, *, interpret_variant: str
     return sizes().block_rows
 
 
+def takes_windows(variant: str) -> bool:
+    """Whether ``variant``'s verify-attention kernel takes soft-capping and sliding windows
+    (its module says so with ``TAKES_WINDOWS = True``)."""
+    return getattr(_kernel_module(variant), "TAKES_WINDOWS", False)
+
+
 def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
                      fallback=None, variant: str | None = None, block_sizes=None, layer=None,
+                     softcap: float | None = None, first_visible=None,
                      interpret_variant: str = "gpu"):
     """Tree/decode attention by a Pallas kernel; see :func:`specjax.attention.attention`.
 
@@ -202,20 +212,35 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
       layer: int32 [] layer of [L, S, K, D] caches. A kernel module that reads the layer in
         place says so with ``TAKES_LAYER_INDEX = True``; for the others the layer is
         sliced out here (a copy of [S, K, D] per call).
+      softcap, first_visible: soft-capping and a sliding window, as in
+        :func:`specjax.attention.attention`; a kernel without them (:func:`takes_windows`)
+        leaves the call to the fallback, or refuses it without one.
     Returns:
       [T, H, D] in the dtype of ``q``.
     Raises:
       InvalidArgumentError: without a fallback, shapes/dtypes the kernel cannot take.
     """
     args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
+    extras = {name: value for name, value in (("softcap", softcap),
+                                              ("first_visible", first_visible))
+              if value is not None}
+
+    def run_fallback(why: str):
+        fallbacks.record("verify_attention", f"{why}; attention='auto' ran the jnp attention")
+        return fallback(*args, **extras) if layer is None else fallback(*args, layer=layer,
+                                                                        **extras)
+
     variant, interpret = select_variant(variant, interpret_variant)
     if fallback is not None and interpret:
         # "auto" never interprets: the reference is faster.
-        fallbacks.record("verify_attention", f"no Pallas kernel runs natively on the "
-                         f"{jax.default_backend()} backend; attention='auto' ran the jnp "
-                         f"attention")
-        return fallback(*args) if layer is None else fallback(*args, layer=layer)
+        return run_fallback(f"no Pallas kernel runs natively on the {jax.default_backend()} "
+                            f"backend")
     module = _kernel_module(variant)
+    if extras and not takes_windows(variant):
+        why = f"the {module.KERNEL_NAME} takes no soft-capping or sliding windows"
+        if fallback is not None:
+            return run_fallback(why)
+        raise InvalidArgumentError(f"attention 'kernel': {why} (use attention 'auto')")
     options = {} if block_sizes is None else {"block_sizes": block_sizes}
     if layer is not None and k_cache is not None:
         if getattr(module, "TAKES_LAYER_INDEX", False):
@@ -228,14 +253,13 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
     if fallback is not None:
         try:
             module.check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
-                                   **{k: v for k, v in options.items() if k != "layer"})
+                                   **{k: v for k, v in options.items() if k != "layer"},
+                                   **extras)
         except InvalidArgumentError as error:
             # The refusal's advice ("use attention 'auto' ...") is what ran: leave it out.
-            reason = str(error).split(" (use attention ")[0]
-            fallbacks.record("verify_attention", f"{reason}; attention='auto' ran the jnp "
-                             f"attention")
-            return fallback(*args) if layer is None else fallback(*args, layer=layer)
-    return getattr(module, f"verify_attention_{variant}")(*args, interpret=interpret, **options)
+            return run_fallback(str(error).split(" (use attention ")[0])
+    return getattr(module, f"verify_attention_{variant}")(*args, interpret=interpret,
+                                                          **options, **extras)
 
 
 def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,

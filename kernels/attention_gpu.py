@@ -19,6 +19,14 @@ Two ``pallas_call`` invocations:
    it with the splits' partials (rescaling each by ``exp(m_split - m)``) and writes the
    normalised output in the query dtype.
 
+Soft-capping (Gemma 2) and sliding windows (Gemma 2/3, Mistral, Phi-3): with ``softcap``
+every float32 score becomes ``c * tanh(score / c)`` before the mask; with ``first_visible``
+each packed row carries its query's first visible slot, the split kernel masks slots below
+it (what a row accumulates before the first slot it sees is scaled by exactly 0 later, so
+its output does not depend on the other rows of its block) and a row block does not read
+the blocks below all of its rows' windows. The splits' runs stay the ones ``length`` gives: a short window over a long
+cache leaves the early splits idle.
+
 Scores, softmax and accumulators are float32; the scale ``1/sqrt(D)`` is applied to the
 float32 scores. Float32 inputs use IEEE float32 dots (``Precision.HIGHEST``; Triton's
 default would be TF32); bf16/fp16 inputs use the tensor cores with float32 accumulation.
@@ -58,6 +66,7 @@ DTYPES = layout.FLOAT_DTYPES
 KERNEL_NAME = "GPU verify-attention kernel"
 DEFAULT_BLOCK_ROWS = 16
 TAKES_LAYER_INDEX = True  # reads layer ``layer`` of an [L, S, K, D] cache in place
+TAKES_WINDOWS = True  # soft-capping (``softcap``) and sliding windows (``first_visible``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +131,24 @@ def _dot(a, b, *, contract_b: int):
                            preferred_element_type=jnp.float32)
 
 
-def _split_kernel(length_ref, layer_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-                  block_kv: int, scale: float):
+def _capped(scores, softcap: float | None):
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's soft-capping), or the scores."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def _split_kernel(length_ref, layer_ref, q_ref, *refs, block_kv: int, scale: float,
+                  softcap: float | None, windowed: bool):
     """Online softmax of one row block over one split of the committed cache slots.
 
     Refs: length_ref, layer_ref int32 [1]; q_ref [block_rows, D] (one KV head's rows);
-    k_ref, v_ref the whole cache [L, S, K, D]; outputs acc_ref [block_rows, D], m_ref,
-    l_ref [block_rows].
+    with ``windowed``, first_ref int32 [block_rows] (each row's first visible slot); k_ref,
+    v_ref the whole cache [L, S, K, D]; outputs acc_ref [block_rows, D], m_ref, l_ref
+    [block_rows].
     """
+    if windowed:
+        first_ref, k_ref, v_ref, acc_ref, m_ref, l_ref = refs
+    else:
+        k_ref, v_ref, acc_ref, m_ref, l_ref = refs
     head, split = pl.program_id(0), pl.program_id(2)
     num_splits = pl.num_programs(2)
     length, layer = length_ref[0], layer_ref[0]
@@ -139,19 +158,34 @@ def _split_kernel(length_ref, layer_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_
     last = jnp.minimum(first + per_split, num_blocks)
     q = q_ref[...]
     rows, head_dim = q.shape
+    first_visible = None
+    if windowed:
+        first_visible = first_ref[...]  # [rows]
+        # Blocks below every row's window are not read. For a row, a block it cannot see
+        # adds nothing that survives (see below): its result does not depend on the rows it
+        # shares the program with. The split's run stays the one ``length`` gives.
+        lowest = jnp.clip(jnp.min(first_visible), 0, length)
+        first = jnp.maximum(first, lowest // block_kv)
 
     def body(block, carry):
         acc, m, l = carry
         start = pl.multiple_of(block * block_kv, block_kv)
-        valid = start + jnp.arange(block_kv, dtype=jnp.int32) < length  # [block_kv]
+        slots = start + jnp.arange(block_kv, dtype=jnp.int32)
+        valid = slots < length  # [block_kv]
         load_mask = jnp.broadcast_to(valid[:, None], (block_kv, head_dim))
         window = (layer, pl.ds(start, block_kv), head, slice(None))
         k = plgpu.load(k_ref.at[window], mask=load_mask, other=0)
         v = plgpu.load(v_ref.at[window], mask=load_mask, other=0)
-        s = _dot(q, k, contract_b=1) * scale  # [rows, block_kv]
-        s = jnp.where(valid[None, :], s, layout.MASK_VALUE)
+        s = _capped(_dot(q, k, contract_b=1) * scale, softcap)  # [rows, block_kv]
+        visible = valid[None, :]
+        if windowed:
+            visible = visible & (slots[None, :] >= first_visible[:, None])
+        s = jnp.where(visible, s, layout.MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_next)
+        # A row that has seen no slot yet (m_next still MASK_VALUE) sums junk here; the
+        # first block it sees scales that by exp(MASK_VALUE - m) = 0, as the combine does
+        # for a split it saw nothing of.
         p = jnp.exp(s - m_next[:, None])
         l = l * correction + jnp.sum(p, axis=1)
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, contract_b=0)
@@ -167,7 +201,7 @@ def _split_kernel(length_ref, layer_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_
 
 
 def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: float,
-                    num_splits: int):
+                    num_splits: int, softcap: float | None):
     """Tail attention merged with the splits' partials; writes the normalised output.
 
     Refs: q_ref [block_rows, D]; tail_k_ref, tail_v_ref [P, D]; tail_mask_ref int8
@@ -178,7 +212,7 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     q = q_ref[...]
     tail_v = tail_v_ref[...]
     visible = tail_mask_ref[...] != 0
-    s = _dot(q, tail_k_ref[...], contract_b=1) * scale  # [rows, P]
+    s = _capped(_dot(q, tail_k_ref[...], contract_b=1) * scale, softcap)  # [rows, P]
     s = jnp.where(visible, s, layout.MASK_VALUE)
     m = jnp.max(s, axis=1)
     if partials:
@@ -199,7 +233,8 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
 
 
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
-                    block_sizes: GpuBlockSizes = GpuBlockSizes()) -> GpuBlockSizes:
+                    block_sizes: GpuBlockSizes = GpuBlockSizes(), softcap=None,
+                    first_visible=None) -> GpuBlockSizes:
     """Raises :class:`InvalidArgumentError` unless the kernel takes these shapes/dtypes.
 
     Only shapes and dtypes are read (arrays or ``jax.ShapeDtypeStruct`` values); the caches
@@ -209,6 +244,7 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
     k_cache, v_cache = layout.one_layer_caches(k_cache, v_cache, KERNEL_NAME)
     layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                         head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
+    layout.check_windows(q.shape[0], softcap, first_visible, KERNEL_NAME)
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k_new.shape[1]
     capacity = k_cache.shape[0] if k_cache is not None else 0
@@ -218,9 +254,10 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
     return config
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softcap", "block_sizes", "interpret"))
 def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-                         layer=None, block_sizes: GpuBlockSizes = GpuBlockSizes(),
+                         layer=None, softcap: float | None = None, first_visible=None,
+                         block_sizes: GpuBlockSizes = GpuBlockSizes(),
                          interpret: bool = False):
     """Tree/decode attention on a GPU (Triton); same semantics as ``attention_reference``.
 
@@ -233,6 +270,12 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
       mask: bool [T, T], visibility among the new tokens (diagonal set).
       scratch_mask: optional bool [T, M], visibility of scratch slots ``length + m``.
       layer: int32 [] (traced) layer of [L, S, K, D] caches; ``None`` for [S, K, D].
+      softcap: static ``c``: every score becomes ``c * tanh(score / c)`` before the mask
+        (Gemma 2); ``None``: none.
+      first_visible: optional int32 [T], a sliding window: query ``t`` sees committed
+        slots ``first_visible[t] <= s < length`` only (``mask`` carries the window among
+        the new tokens; scratch slots are not windowed). Cache blocks below every query's
+        window in a row block are not read.
       block_sizes: static :class:`GpuBlockSizes`.
       interpret: run in Pallas' interpreter (any backend) instead of compiling for a GPU.
     Returns:
@@ -241,7 +284,8 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
       InvalidArgumentError: shapes, head_dim, dtype or block sizes the kernel cannot take.
     """
     config = check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
-                             block_sizes=block_sizes)
+                             block_sizes=block_sizes, softcap=softcap,
+                             first_visible=first_visible)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
@@ -277,14 +321,22 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     partial_specs = []
     if has_cache:
         splits = config.num_splits
+        windowed = first_visible is not None
+        row_spec = pl.BlockSpec((config.block_rows,), lambda h, i, j: (i,))
+        # Each packed row's first visible slot (row t * G + g is query t's; padding rows
+        # see no slot).
+        first_rows = () if not windowed else (jnp.pad(
+            jnp.repeat(first_visible.astype(jnp.int32), group), (0, rows - num_tokens * group),
+            constant_values=jnp.iinfo(jnp.int32).max),)
         # The length and the layer as two one-element arrays (a reshape each, no kernel),
         # not one stacked pair: stacking the layer counter with the length is a launch of
         # its own in every layer.
         partials = pl.pallas_call(
-            functools.partial(_split_kernel, block_kv=config.block_kv, scale=scale),
+            functools.partial(_split_kernel, block_kv=config.block_kv, scale=scale,
+                              softcap=softcap, windowed=windowed),
             grid=(num_kv_heads, row_blocks, splits),
-            in_specs=[pl.no_block_spec, pl.no_block_spec, query_spec, pl.no_block_spec,
-                      pl.no_block_spec],
+            in_specs=[pl.no_block_spec, pl.no_block_spec, query_spec,
+                      *[row_spec] * windowed, pl.no_block_spec, pl.no_block_spec],
             out_specs=[
                 pl.BlockSpec((None, None, config.block_rows, head_dim),
                              lambda h, i, j: (j, h, i, 0)),
@@ -299,7 +351,7 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
             compiler_params=params,
             interpret=interpret,
             name="verify_attention_gpu_split",
-        )(length.reshape(1), layer.reshape(1), queries, k_cache, v_cache)
+        )(length.reshape(1), layer.reshape(1), queries, *first_rows, k_cache, v_cache)
         partial_specs = [
             pl.BlockSpec((splits, None, config.block_rows, head_dim), lambda h, i: (0, h, i, 0)),
             pl.BlockSpec((splits, None, config.block_rows), lambda h, i: (0, h, i)),
@@ -308,7 +360,7 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
 
     tail_spec = pl.BlockSpec((None, tail, head_dim), lambda h, i: (h, 0, 0))
     out = pl.pallas_call(
-        functools.partial(_combine_kernel, scale=scale,
+        functools.partial(_combine_kernel, scale=scale, softcap=softcap,
                           num_splits=config.num_splits if has_cache else 0),
         grid=(num_kv_heads, row_blocks),
         in_specs=[query_spec, tail_spec, tail_spec,

@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -375,20 +374,6 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
-def _check_windows(num_tokens: int, softcap, first_visible) -> None:
-    """One-line refusals of a ``softcap`` that is not a positive number and of a
-    ``first_visible`` that is not int32 [T]."""
-    if softcap is not None and (isinstance(softcap, bool)
-                                or not isinstance(softcap, numbers.Real) or not softcap > 0):
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: softcap must be a positive number or None; got {softcap!r}")
-    if first_visible is not None and (tuple(first_visible.shape) != (num_tokens,)
-                                      or jnp.dtype(first_visible.dtype) != jnp.int32):
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: first_visible must be int32 [T] = [{num_tokens}]; got "
-            f"{jnp.dtype(first_visible.dtype).name} {tuple(first_visible.shape)}")
-
-
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
                     block_sizes: TpuBlockSizes = TpuBlockSizes(), softcap=None,
                     first_visible=None) -> int:
@@ -402,7 +387,7 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
     k_cache, v_cache = layout.one_layer_caches(k_cache, v_cache, KERNEL_NAME)
     layout.check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                         head_dims=HEAD_DIMS, dtypes=DTYPES, kernel=KERNEL_NAME)
-    _check_windows(q.shape[0], softcap, first_visible)
+    layout.check_windows(q.shape[0], softcap, first_visible, KERNEL_NAME)
     block_sizes.check()
     return vmem_plan(q, k_new, scratch_mask, k_cache is not None, block_sizes,
                      windowed=first_visible is not None).estimate

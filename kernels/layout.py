@@ -31,6 +31,7 @@ A padding row sees nothing; the kernels give it output 0 (its normaliser is 0) a
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,21 @@ def check_inputs(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask, *, head_
             raise InvalidArgumentError(
                 f"{kernel}: scratch window of {scratch_mask.shape[1]} slots; the kernel "
                 f"supports at most {MAX_SCRATCH}")
+
+
+def check_windows(num_tokens: int, softcap, first_visible, kernel: str) -> None:
+    """Raises :class:`InvalidArgumentError` (one line) unless ``softcap`` is ``None`` or a
+    positive number and ``first_visible`` (a sliding window's first visible slot per
+    query) is ``None`` or int32 [T]."""
+    if softcap is not None and (isinstance(softcap, bool)
+                                or not isinstance(softcap, numbers.Real) or not softcap > 0):
+        raise InvalidArgumentError(
+            f"{kernel}: softcap must be a positive number or None; got {softcap!r}")
+    if first_visible is not None and (tuple(first_visible.shape) != (num_tokens,)
+                                      or jnp.dtype(first_visible.dtype) != jnp.int32):
+        raise InvalidArgumentError(
+            f"{kernel}: first_visible must be int32 [T] = [{num_tokens}]; got "
+            f"{jnp.dtype(first_visible.dtype).name} {tuple(first_visible.shape)}")
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -7,8 +7,10 @@ Models call :func:`attention` only; it dispatches to an implementation by name:
 * ``"fused"`` -- the position-ordered kernel (:func:`specjax.kernels.ordered_attention`;
   the split kernel for drafting calls with a scratch window); the models also run their
   projections through the row-tiled linear kernel (:func:`specjax.models.hidden_states`);
-* ``"auto"`` -- the kernel on GPU/TPU when one exists for the shapes; on CPU
-  :func:`attention_blocked`, pure ``jax.numpy`` that reads only the slots in use.
+* ``"auto"`` -- the kernel on GPU/TPU when one exists for the shapes (soft-capping and
+  sliding windows included), else :func:`attention_reference`; where no kernel runs
+  natively (a CPU) :func:`attention_blocked`, pure ``jax.numpy`` that reads only the slots
+  in use.
 
 Query ``t`` sees every committed cache slot ``s < length`` and the new token ``u`` iff
 ``mask[t, u]``. An optional ``scratch_mask`` [T, M] also shows it the uncommitted scratch
@@ -239,32 +241,27 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
     if impl == "reference":
         return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
                                    layer=layer, **extras)
-    if impl == "auto" and jax.default_backend() == "cpu":
+    if impl == "auto" and kernels.select_variant(None, interpret_variant)[1]:
+        # No kernel runs natively here (a CPU): the blocked jnp attention.
         return attention_blocked(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
                                  layer=layer, **extras)
-    if softcap is not None or first_visible is not None:
-        # The Pallas kernels have neither: "auto" runs the jnp reference (the API records
-        # it in the run's stats, specjax.models.attention_fallback), "kernel" refuses.
-        if impl != "auto":
-            raise InvalidArgumentError(
-                f"attention {impl!r}: the attention kernels take no soft-capping or sliding "
-                f"windows; use attention 'auto' (jnp attention for these models)")
-        kernels.fallbacks.record("attention", "the Pallas attention kernels take no "
-                                 "soft-capping or sliding windows; attention='auto' ran the "
-                                 "jnp attention")
-        return attention_reference(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
-                                   layer=layer, **extras)
+    windowed = softcap is not None or first_visible is not None
+    if impl == "fused" and windowed:  # the models run such families' "auto" layers
+        raise InvalidArgumentError(
+            "attention 'fused': the position-ordered kernels take no soft-capping or sliding "
+            "windows; use attention 'auto' or 'kernel'")
     if scale is not None:  # the kernels scale by D ** -0.5
         q = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
 
-    def kernel(*args, layer):
+    def kernel(*args, layer, first_visible):
         if impl == "fused":
             return kernels.ordered_attention(*args, layer=layer,
                                              interpret_variant=interpret_variant)
         return kernels.verify_attention(*args, layer=layer, interpret_variant=interpret_variant,
-                                        fallback=attention_reference if impl == "auto" else None)
+                                        fallback=attention_reference if impl == "auto" else None,
+                                        softcap=softcap, first_visible=first_visible)
 
     # Over a device mesh, once per shard of the heads (a Pallas call is opaque to XLA's
     # partitioner); directly otherwise.
     return sharding.attention_per_shard(kernel, q, k_new, v_new, k_cache, v_cache, length, mask,
-                                        scratch_mask, layer=layer)
+                                        scratch_mask, layer=layer, first_visible=first_visible)

@@ -359,15 +359,17 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 
 def attention_per_shard(kernel: Callable, q, k_new, v_new, k_cache, v_cache, length, mask,
-                        scratch_mask=None, *, layer=None):
+                        scratch_mask=None, *, layer=None, first_visible=None):
     """Runs an attention implementation (``kernel``, with the positional signature of
-    :func:`specjax.attention.attention_reference` and a ``layer`` keyword) once per
+    :func:`specjax.attention.attention_reference` and ``layer`` and ``first_visible``
+    keywords) once per
     ``model`` shard, on that shard's heads, under ``shard_map``; directly when no mesh is
     active or the heads do not divide the ``model`` axis.
 
     Heads are the second-to-last axis of ``q`` [T, H, D], ``k_new``/``v_new`` [T, K, D] and
     the caches [S, K, D] / [L, S, K, D]; a shard's ``H/m`` query heads are exactly the
-    groups of its ``K/m`` KV heads. Lengths, masks and the layer index are replicated.
+    groups of its ``K/m`` KV heads. Lengths, masks, the layer index and the sliding
+    window's first visible slots are replicated.
     A Pallas call is opaque to XLA's partitioner, which would otherwise gather every
     head onto every device and run the whole kernel there.
     """
@@ -376,18 +378,19 @@ def attention_per_shard(kernel: Callable, q, k_new, v_new, k_cache, v_cache, len
     num_heads, num_kv_heads = q.shape[-2], k_new.shape[-2]
     if size == 1 or num_heads % size or num_kv_heads % size:
         return kernel(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
-                      layer=layer)
+                      layer=layer, first_visible=first_visible)
 
     def heads(x):
         return None if x is None else cache_spec(x.ndim)
 
-    def body(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask, layer):
+    def body(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask, layer,
+             first_visible):
         return kernel(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
-                      layer=layer)
+                      layer=layer, first_visible=first_visible)
 
     as_array = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
     args = (q, k_new, v_new, k_cache, v_cache, as_array(length), mask, scratch_mask,
-            as_array(layer))
+            as_array(layer), as_array(first_visible))
     specs = tuple(heads(x) if i < 5 else None if x is None else P()
                   for i, x in enumerate(args))
     # shard_map takes no None leaves: close over the absent arguments instead.

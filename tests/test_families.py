@@ -234,18 +234,32 @@ def test_every_method_equals_ar(pairs, tables, variant, method):
                 assert out.stats["mean_accepted"] > 1.5, out.stats["mean_accepted"]
 
 
+@pytest.mark.parametrize("variant", ["gemma2", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_the_attention_kernel_takes_soft_capping_and_windows(pairs, variant):
+    """Gemma's soft-capping and sliding windows are in the GPU attention kernel: with
+    ``attention="kernel"`` (interpreted on the CPU) greedy generation gives ``auto``'s
+    tokens and the stats name no attention fallback."""
+    prompt = random_prompt(0, 9)  # 9 + 8 tokens: past both models' 5-slot windows
+    model = pairs[variant][1]
+    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
+    out = specjax.generate(model, prompt, max_new_tokens=8,
+                           kernels=specjax.KernelOptions(attention="kernel"))
+    assert out.tokens == expected
+    assert "attention_fallback" not in out.stats
+    assert models.attention_fallback(model.config, "gpu") is None
+
+
 def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
-    """Soft-capping and sliding windows are not in the Pallas attention kernels: ``auto``
-    runs the jnp attention and says so in the stats; ``kernel`` refuses in one line."""
-    prompt = random_prompt(0, 6)
-    gemma = pairs["gemma2"][1]
-    stats = specjax.generate(gemma, prompt, max_new_tokens=4).stats
-    assert stats["attention_fallback"] == (
-        "jnp attention: the Pallas attention kernels take no soft-capping or sliding windows")
-    assert "attention_fallback" not in specjax.generate(
-        pairs["qwen3-tied"][1], prompt, max_new_tokens=4).stats
-    with pytest.raises(InvalidArgumentError, match="take no soft-capping") as info:
-        specjax.generate(gemma, prompt, max_new_tokens=4, kernels=specjax.KernelOptions(attention="kernel"))
+    """A head_dim the TPU kernel does not take (16): the stats of a TPU run would name it,
+    and ``attention="kernel"`` with the TPU kernel refuses in one line."""
+    phi3 = pairs["phi3-global"][1]
+    assert models.attention_fallback(phi3.config, "tpu") == (
+        "jnp attention: the Pallas attention kernel (tpu) takes no head_dim 16")
+    assert models.attention_fallback(pairs["qwen3-tied"][1].config, "gpu") is None
+    with pytest.raises(InvalidArgumentError, match="head_dim 16 is not supported") as info:
+        specjax.generate(phi3, random_prompt(0, 6), max_new_tokens=2,
+                         kernels=specjax.KernelOptions(attention="kernel",
+                                                       interpret_variant="tpu"))
     assert "\n" not in str(info.value)
 
 

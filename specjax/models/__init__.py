@@ -159,21 +159,29 @@ def no_fused_layers_reason(config: ModelConfig) -> str:
 
 
 def attention_fallback(config: ModelConfig, platform: str = "cpu") -> str | None:
-    """What the attention of ``config`` needs that the Pallas attention kernels lack, for a
-    run's stats: there attention ``"auto"`` runs the jnp attention (on a CPU it always
-    does) and ``"kernel"`` refuses. On ``platform`` ``"gpu"`` or ``"tpu"`` a head_dim the
-    verify kernel does not take is named too. ``None`` when the kernels take the model."""
-    needs = [name for name, on in (("soft-capping", config.attn_softcap is not None),
-                                   ("sliding windows", bool(config.layer_windows))) if on]
-    if platform in ("gpu", "tpu"):
-        import importlib  # the kernel module (Pallas) only off the CPU
+    """What the attention of ``config`` needs that the Pallas attention kernel of
+    ``platform`` lacks, for a run's stats: there attention ``"auto"`` runs the jnp attention
+    and ``"kernel"`` refuses. ``platform`` ``"gpu"`` or ``"tpu"`` names that backend's
+    kernel; ``"cpu"`` the GPU kernel, which attention ``"kernel"`` interprets there (a CPU's
+    ``"auto"`` is the jnp attention by design, for every model, and records nothing). On a
+    GPU or TPU a head_dim the kernel does not take is named too. ``None`` when the kernel
+    takes the model."""
+    import importlib  # the kernel module (Pallas): on a CPU only for a model that needs it
 
+    variant = platform if platform in ("gpu", "tpu") else "gpu"
+    needs = []
+    windowed = [name for name, on in (("soft-capping", config.attn_softcap is not None),
+                                      ("sliding windows", bool(config.layer_windows))) if on]
+    if windowed and not kernels.takes_windows(variant):
+        needs += windowed
+    if platform in ("gpu", "tpu"):
         kernel = importlib.import_module(f"specjax.kernels.attention_{platform}")
         if config.head_dim not in kernel.HEAD_DIMS:
             needs.append(f"head_dim {config.head_dim}")
     if not needs:
         return None
-    return f"jnp attention: the Pallas attention kernels take no {' or '.join(needs)}"
+    return (f"jnp attention: the Pallas attention kernel ({variant}) takes no "
+            f"{' or '.join(needs)}")
 
 
 def uses_fused_layers(config: ModelConfig, num_tokens: int,
