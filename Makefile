@@ -1,6 +1,6 @@
 # Quick start: `make demo` (set up and generate), `make test` (set up and run the suite but
 # the tests marked slow), `make test-all` (everything). CI (.ci/run) runs `make test`, then
-# `make test-tpu` and `make test-gpu`, then `make test-slow`: the whole suite.
+# `make test-tpu` (in two halves) and `make test-gpu`, then `make test-slow`: the whole suite.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -63,9 +63,20 @@ $(TPU_COMPILER)/.installed: pyproject.toml | $(STAMP)
 
 tpu-compiler: $(TPU_COMPILER)/.installed
 
+TPU_PYTEST := SPECJAX_REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q \
+	tests/test_tpu_compile.py tests/test_kernel_windows_tpu.py
+
 test-tpu: install tpu-compiler
-	SPECJAX_REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q -m "tpu_compiler" \
-		tests/test_tpu_compile.py tests/test_kernel_windows_tpu.py
+	$(TPU_PYTEST) -m "tpu_compiler"
+
+# Its two halves, one compiler process each, which CI runs beside `make test-gpu`: the slow
+# one (the kernel sweep and every generation program, ~6 min on 2 cores) and the rest.
+.PHONY: test-tpu-slow test-tpu-fast
+test-tpu-slow: install tpu-compiler
+	$(TPU_PYTEST) -m "tpu_compiler and slow"
+
+test-tpu-fast: install tpu-compiler
+	$(TPU_PYTEST) -m "tpu_compiler and not slow"
 
 # Likewise the CUDA compiler (JAX's CUDA PJRT plugin, pinned to the installed jaxlib): the
 # GPU compile tests (tests/test_gpu_compile.py) compile whole programs for an H100 in a
