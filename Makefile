@@ -70,7 +70,7 @@ test-tpu: install tpu-compiler
 	$(TPU_PYTEST) -m "tpu_compiler"
 
 # Its two halves, one compiler process each, which CI runs beside `make test-gpu`: the slow
-# one (the kernel sweep and every generation program, ~6 min on 2 cores) and the rest.
+# one (the kernel sweep and every generation program, 5:39 beside the others) and the rest.
 .PHONY: test-tpu-slow test-tpu-fast
 test-tpu-slow: install tpu-compiler
 	$(TPU_PYTEST) -m "tpu_compiler and slow"
