@@ -5,7 +5,8 @@ On a GPU (or TPU) machine, from the repository root, installed or not:
     python benchmarks/bench_kernels.py                 # -> benchmarks/results/kernels_<device>.json
 
 It first checks the kernel against ``attention_reference`` on the device (bf16 and fp32,
-trees and a scratch window, a stacked [L, S, K, D] cache read by layer index), then times
+trees and a scratch window, a stacked [L, S, K, D] cache read by layer index, Gemma's
+sliding windows and soft-capping at its head sizes), then times
 one layer's attention, kernel vs jitted reference, for cache lengths 512/2048/8192 and
 N = 1/16/64 new tokens (tree nodes) in bf16, on SmolLM2-like heads (H=9, K=3, D=64) and
 Llama-7B-like heads (H=32, K=8 and K=32, D=128).
@@ -86,6 +87,8 @@ class Problem:
     dtype: str
     window: int = 0
     layers: int = 0  # > 0: a stacked [layers, S, K, D] cache, the last layer read
+    sliding: int = 0  # > 0: a sliding window of this many positions (Gemma, Mistral, Phi-3)
+    softcap: float = 0.0  # > 0: Gemma 2's attention soft-capping
 
 
 def peak_bandwidth(device_kind: str) -> float | None:
@@ -114,8 +117,22 @@ def make_inputs(problem: Problem, seed: int = 0):
             jnp.int32(problem.length), mask, scratch)
 
 
+def window_options(problem: Problem, mask) -> dict:
+    """The kernel's and the reference's ``softcap`` and ``first_visible`` for ``problem``:
+    node ``t`` at position ``length + depth(t)`` sees the ``sliding`` positions up to its
+    own (a tree shallower than the window: the mask among the nodes needs no change)."""
+    options = {}
+    if problem.softcap:
+        options["softcap"] = problem.softcap
+    if problem.sliding:
+        depth = jnp.sum(mask, axis=1).astype(jnp.int32) - 1  # ancestors seen, self excluded
+        options["first_visible"] = problem.length + depth - problem.sliding + 1
+    return options
+
+
 def kernel_function(variant: str, interpret: bool, block_sizes):
-    """The kernel as ``f(q, k_new, v_new, k_cache, v_cache, length, mask, scratch, *, layer)``."""
+    """The kernel as ``f(q, k_new, v_new, k_cache, v_cache, length, mask, scratch, *, layer,
+    softcap=, first_visible=)``."""
     options = {"interpret": interpret}
     if block_sizes is not None:
         options["block_sizes"] = block_sizes
@@ -123,7 +140,7 @@ def kernel_function(variant: str, interpret: bool, block_sizes):
         function = kernels.verify_attention_gpu
     else:
         function = kernels.verify_attention_tpu
-    return lambda *args, layer=None: function(*args, **options, **(
+    return lambda *args, layer=None, **extras: function(*args, **options, **extras, **(
         {} if layer is None else {"layer": layer}))
 
 
@@ -142,9 +159,10 @@ def check(problem: Problem, kernel, tolerance: float) -> dict:
     clean = [c.at[slots].set(0) for c in args[3:5]]
     if problem.layers:
         poisoned = [c.at[:layer].set(jnp.nan) for c in poisoned]
-    run = jax.jit(lambda *a: kernel(*a, layer=layer))
+    extras = window_options(problem, args[6])
+    run = jax.jit(lambda *a: kernel(*a, layer=layer, **extras))
     out = run(*args[:3], *poisoned, *args[5:]).astype(jnp.float32)
-    expected = jax.jit(lambda *a: attention_reference(*a, layer=layer))(
+    expected = jax.jit(lambda *a: attention_reference(*a, layer=layer, **extras))(
         *args[:3], *clean, *args[5:]).astype(jnp.float32)
     error = float(jnp.max(jnp.abs(out - expected)))
     ok = bool(jnp.all(jnp.isfinite(out))) and error <= tolerance
@@ -219,6 +237,12 @@ def problems(args) -> tuple[list[Problem], list[Problem]]:
         Problem(first, h, k, d, small + 9, max(nodes), small + 64, "float32", window=3,
                 layers=3),
         Problem(first, h, k, d, small + 9, 1, small + 64, "bfloat16", layers=3),
+        # Gemma 3's heads (4 / 1 of 256) with a sliding window a quarter of the shortest
+        # length, and Gemma 2's (8 / 4 of 256) with soft-capping too and a scratch window.
+        Problem("gemma3-sliding", 4, 1, 256, max(lengths) - 7, max(nodes), max(lengths) + 64,
+                "bfloat16", layers=3, sliding=small // 4),
+        Problem("gemma2-capped-sliding", 8, 4, 256, small + 9, 5, small + 64, "float32",
+                window=3, sliding=small // 4, softcap=50.0),
     ]
     return checks, timed
 

@@ -258,15 +258,18 @@ def _broken() -> tuple[str, str] | None:
 
 def kernel_checks(sh: Shapes, interpret: bool) -> list[dict]:
     """``bench_kernels.py``'s checks of the GPU verify-attention kernel (fp32 to 1e-4, bf16
-    to 3e-2 max abs error against ``attention_reference``)."""
+    to 3e-2 max abs error against ``attention_reference``), sliding windows and
+    soft-capping included."""
     import bench_kernels
 
     args = argparse.Namespace(quick=interpret, headroom=128, dtype="bfloat16",
                               lengths="40,100" if interpret else "512,2048,8192",
                               nodes="1,4" if interpret else "1,16,64")
     checks, _ = bench_kernels.problems(args)
-    if interpret:  # the rehearsal: one bf16 and one fp32 check (interpreted kernels are slow)
-        checks = [next(p for p in checks if p.dtype == d) for d in ("bfloat16", "float32")]
+    if interpret:  # the rehearsal: one bf16 and one fp32 check, and one with a sliding
+        # window and soft-capping (interpreted kernels are slow)
+        checks = [next(p for p in checks if p.dtype == d) for d in ("bfloat16", "float32")] \
+            + [next(p for p in checks if p.sliding and p.softcap)]
     kernel = bench_kernels.kernel_function("gpu", interpret, None)
     return [bench_kernels.check(p, kernel, 1e-4 if p.dtype == "float32" else 3e-2)
             for p in checks]

@@ -822,7 +822,9 @@ def test_bench_kernels_checks_fp32_and_bf16_then_times_chained_calls(tmp_path, m
                                "--sweep-warps", "4", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert {c["dtype"] for c in result["checks"]} == {"float32", "bfloat16"}
-    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 7
+    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 9
+    assert [(c["sliding"], c["softcap"]) for c in result["checks"] if c["sliding"]] == [
+        (10, 0.0), (10, 50.0)]
     assert [(r["length"], r["nodes"]) for r in result["rows"]] == [
         (40, 1), (40, 4)] * len(bench_kernels.QUICK_SHAPES)
     assert all(r["kernel_us"] > 0 and r["reference_us"] > 0 for r in result["rows"])
@@ -832,12 +834,22 @@ def test_bench_kernels_checks_fp32_and_bf16_then_times_chained_calls(tmp_path, m
     # A kernel 1% off: its float32 checks fail and so does the run (only those checks run).
     real_kernel, real_problems = bench_kernels.kernel_function, bench_kernels.problems
     monkeypatch.setattr(bench_kernels, "kernel_function", lambda *a: (
-        lambda *args, layer=None: 1.01 * real_kernel(*a)(*args, layer=layer)))
+        lambda *args, layer=None, **extras: 1.01 * real_kernel(*a)(*args, layer=layer,
+                                                                   **extras)))
     monkeypatch.setattr(bench_kernels, "problems", lambda args: (
         [p for p in real_problems(args)[0] if p.dtype == "float32"], []))
     assert bench_kernels.main([*argv, "--json", str(out)]) == 1
     checks = json.loads(out.read_text())["checks"]
-    assert len(checks) == 3 and not any(c["ok"] for c in checks)
+    assert len(checks) == 4 and not any(c["ok"] for c in checks)
+    # A kernel that drops the sliding window fails the windowed checks.
+    monkeypatch.setattr(bench_kernels, "kernel_function", lambda *a: (
+        lambda *args, layer=None, first_visible=None, **extras: real_kernel(*a)(
+            *args, layer=layer, **extras)))
+    monkeypatch.setattr(bench_kernels, "problems", lambda args: (
+        [p for p in real_problems(args)[0] if p.sliding], []))
+    assert bench_kernels.main([*argv, "--json", str(out)]) == 1
+    checks = json.loads(out.read_text())["checks"]
+    assert len(checks) == 2 and not any(c["ok"] for c in checks)
 
 
 def test_bench_linear_checks_each_backend_before_timing_it(tmp_path, monkeypatch):
