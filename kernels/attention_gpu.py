@@ -24,8 +24,8 @@ every float32 score becomes ``c * tanh(score / c)`` before the mask; with ``firs
 each packed row carries its query's first visible slot, the split kernel masks slots below
 it (what a row accumulates before the first slot it sees is scaled by exactly 0 later, so
 its output does not depend on the other rows of its block) and a row block does not read
-the blocks below all of its rows' windows. The splits' runs stay the ones ``length`` gives: a short window over a long
-cache leaves the early splits idle.
+the blocks below all of its rows' windows. The splits' runs stay the ones ``length``
+gives: a short window over a long cache leaves the early splits idle.
 
 Scores, softmax and accumulators are float32; the scale ``1/sqrt(D)`` is applied to the
 float32 scores. Float32 inputs use IEEE float32 dots (``Precision.HIGHEST``; Triton's

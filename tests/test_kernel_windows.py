@@ -18,14 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specjax
 from specjax import kernels
 from specjax.attention import attention, attention_reference
 from specjax.errors import InvalidArgumentError
 from specjax.kernels import GpuBlockSizes, attention_gpu, verify_attention_gpu
 from specjax.tree import ancestor_mask
 
-from conftest import random_prompt
+from kernel_rows import LENGTH, NODE, NODES, lone_node_inputs, the_node_alone
 
 reference = jax.jit(attention_reference, static_argnames=("softcap",))
 # As tests/test_kernels.py: float32 online softmax against one softmax (rows of at most 160
@@ -120,27 +119,14 @@ def test_a_windowed_row_does_not_depend_on_the_call(dtype, monkeypatch):
     nodes whose windows start earlier, so that its row block reads blocks it would skip
     alone: a block below a row's window leaves its running softmax exactly as it was."""
     monkeypatch.setattr(attention_gpu, "_multiprocessor_count", lambda: 4)
-    rng = np.random.default_rng(5)
-    heads, kv_heads, dim, capacity, length, nodes, node, window = 6, 2, 64, 512, 300, 16, 9, 50
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape), dtype)
-
-    q, k_new, v_new = normal(nodes, heads, dim), normal(nodes, kv_heads, dim), \
-        normal(nodes, kv_heads, dim)
-    k_cache, v_cache = normal(capacity, kv_heads, dim), normal(capacity, kv_heads, dim)
-    mask = jnp.tril(jnp.ones((nodes, nodes), bool)).at[node].set(jnp.arange(nodes) == node)
+    args, _ = lone_node_inputs(5, dtype)
     # Node 9 at depth 0 (fv 251); the others start up to 100 slots earlier.
-    first = jnp.asarray(length - window + 1 - 10 * np.abs(np.arange(nodes) - node), jnp.int32)
-    sizes = GpuBlockSizes(block_kv=16)
-    common = dict(softcap=3.0, block_sizes=sizes, interpret=True)
-    together = verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, jnp.int32(length),
-                                    mask, first_visible=first, **common)
-    alone = verify_attention_gpu(q[node:node + 1], k_new[node:node + 1],
-                                 v_new[node:node + 1], k_cache, v_cache, jnp.int32(length),
-                                 jnp.ones((1, 1), bool), first_visible=first[node:node + 1],
+    first = jnp.asarray(LENGTH - 50 + 1 - 10 * np.abs(np.arange(NODES) - NODE), jnp.int32)
+    common = dict(softcap=3.0, block_sizes=GpuBlockSizes(block_kv=16), interpret=True)
+    together = verify_attention_gpu(*args, first_visible=first, **common)
+    alone = verify_attention_gpu(*the_node_alone(args), first_visible=first[NODE:NODE + 1],
                                  **common)
-    np.testing.assert_array_equal(np.asarray(together[node], np.float32),
+    np.testing.assert_array_equal(np.asarray(together[NODE], np.float32),
                                   np.asarray(alone[0], np.float32))
 
 

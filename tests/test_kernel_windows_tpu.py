@@ -25,6 +25,7 @@ import tpu_aot
 from specjax.attention import attention_reference
 from specjax.errors import InvalidArgumentError
 from specjax.kernels import TpuBlockSizes, attention_tpu, verify_attention_tpu
+from kernel_rows import LENGTH, NODE, NODES, lone_node_inputs, the_node_alone
 from test_kernels import TOLERANCE, Case, make_inputs
 from test_tpu_compile import needs_compiler
 
@@ -134,31 +135,19 @@ def test_windowed_row_arithmetic_does_not_depend_on_the_call(dtype):
     the blocks below its window) and as node 9 of a 16-node call, in another row tile
     beside rows whose windows start lower (so that tile computes those blocks, with the
     node's row wholly masked there). The node sees only itself among the new tokens."""
-    rng = np.random.default_rng(4)
-    heads, kv_heads, dim, capacity, length, nodes, node = 6, 2, 64, 512, 300, 16, 9
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape), dtype)
-
-    q, k_new, v_new = normal(nodes, heads, dim), normal(nodes, kv_heads, dim), \
-        normal(nodes, kv_heads, dim)
-    k_cache, v_cache = normal(capacity, kv_heads, dim), normal(capacity, kv_heads, dim)
-    mask = jnp.tril(jnp.ones((nodes, nodes), bool)).at[node].set(jnp.arange(nodes) == node)
-    first = jnp.asarray(rng.integers(0, length, nodes), jnp.int32).at[node].set(200)
-    first = first.at[node - 1].set(10).at[node + 1].set(MIN)  # its tile's other rows
+    args, rng = lone_node_inputs(4, dtype)
+    q, k_new = args[:2]
+    first = jnp.asarray(rng.integers(0, LENGTH, NODES), jnp.int32).at[NODE].set(200)
+    first = first.at[NODE - 1].set(10).at[NODE + 1].set(MIN)  # its tile's other rows
     rows = 16 if dtype == jnp.bfloat16 else 8
     sizes = TpuBlockSizes(block_kv=128, num_splits=2, block_rows=rows)
     plan = attention_tpu.vmem_plan(q, k_new, None, True, sizes, windowed=True)
-    assert plan.row_tiles > 1 and node * (heads // kv_heads) >= plan.block_rows
-    together = verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, jnp.int32(length),
-                                    mask, softcap=3.0, first_visible=first,
-                                    block_sizes=sizes, interpret=True)
-    alone = verify_attention_tpu(q[node:node + 1], k_new[node:node + 1],
-                                 v_new[node:node + 1], k_cache, v_cache, jnp.int32(length),
-                                 jnp.ones((1, 1), bool), softcap=3.0,
-                                 first_visible=first[node:node + 1], block_sizes=sizes,
-                                 interpret=True)
-    np.testing.assert_array_equal(np.asarray(together[node], np.float32),
+    assert plan.row_tiles > 1 and NODE * (q.shape[1] // k_new.shape[1]) >= plan.block_rows
+    common = dict(softcap=3.0, block_sizes=sizes, interpret=True)
+    together = verify_attention_tpu(*args, first_visible=first, **common)
+    alone = verify_attention_tpu(*the_node_alone(args), first_visible=first[NODE:NODE + 1],
+                                 **common)
+    np.testing.assert_array_equal(np.asarray(together[NODE], np.float32),
                                   np.asarray(alone[0], np.float32))
 
 

@@ -32,6 +32,7 @@ from specjax.kernels import (GpuBlockSizes, TpuBlockSizes, attention_gpu,
 from specjax.tree import ancestor_mask
 
 from conftest import random_prompt, tiny_pair
+from kernel_rows import NODE, lone_node_inputs, the_node_alone
 
 reference = jax.jit(attention_reference)  # one compile instead of op-by-op dispatch
 
@@ -318,22 +319,9 @@ def test_gpu_row_arithmetic_does_not_depend_on_the_call(dtype, monkeypatch):
     tree call 2 ways.) The node sees only itself among the new tokens, as a padding node or
     a root does."""
     monkeypatch.setattr(attention_gpu, "_multiprocessor_count", lambda: 4)
-    rng = np.random.default_rng(3)
-    heads, kv_heads, dim, capacity, length, nodes, node = 6, 2, 64, 512, 300, 16, 9
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape), dtype)
-
-    q, k_new, v_new = normal(nodes, heads, dim), normal(nodes, kv_heads, dim), \
-        normal(nodes, kv_heads, dim)
-    k_cache, v_cache = normal(capacity, kv_heads, dim), normal(capacity, kv_heads, dim)
-    mask = jnp.tril(jnp.ones((nodes, nodes), bool)).at[node].set(
-        jnp.arange(nodes) == node)
+    args, _ = lone_node_inputs(3, dtype)
     sizes = GpuBlockSizes(block_kv=16)
-    together = verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, jnp.int32(length),
-                                    mask, block_sizes=sizes, interpret=True)
-    alone = verify_attention_gpu(q[node:node + 1], k_new[node:node + 1],
-                                 v_new[node:node + 1], k_cache, v_cache, jnp.int32(length),
-                                 jnp.ones((1, 1), bool), block_sizes=sizes, interpret=True)
-    np.testing.assert_array_equal(np.asarray(together[node], np.float32),
+    together = verify_attention_gpu(*args, block_sizes=sizes, interpret=True)
+    alone = verify_attention_gpu(*the_node_alone(args), block_sizes=sizes, interpret=True)
+    np.testing.assert_array_equal(np.asarray(together[NODE], np.float32),
                                   np.asarray(alone[0], np.float32))
