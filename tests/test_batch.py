@@ -188,6 +188,7 @@ def test_bad_batches_are_one_line_errors(spec_target, prompts, kwargs, fragment)
 # ----------------------------------------------------------------------------- distribution
 
 
+@pytest.mark.slow  # 22 s; test_staged_distribution.py checks one row in the quick tier
 def test_staged_rejection_samples_the_target_distribution_with_many_rows(spec_target,
                                                                          tables):
     """The second new token of many rows (one seed each, 64 rows per program) follows the

@@ -51,8 +51,13 @@ def is_the_shipped_draft(draft) -> bool:
             and config.draft_vocab_size == 12288)
 
 
-@pytest.mark.parametrize("draft, method", [(None, "spec"), ("smollm2-135m-draft", "tree"),
-                                           ("asset-folder", "staged")])
+# Each way of naming the draft with `spec` (one program: the same draft, however named);
+# `tree` and `staged`, 12-13 s each to compile here, in the slow tier (the quick tier keeps
+# `make test` under 15 minutes).
+@pytest.mark.parametrize("draft, method", [
+    (None, "spec"), ("smollm2-135m-draft", "spec"), ("asset-folder", "spec"),
+    pytest.param("smollm2-135m-draft", "tree", marks=pytest.mark.slow),
+    pytest.param("asset-folder", "staged", marks=pytest.mark.slow)])
 def test_the_shipped_draft_by_default_by_name_and_by_folder(smollm2, method, draft):
     if draft == "asset-folder":
         draft = str(sources.assets_dir() / "smollm2-135m")
