@@ -131,11 +131,6 @@ def _dot(a, b, *, contract_b: int):
                            preferred_element_type=jnp.float32)
 
 
-def _capped(scores, softcap: float | None):
-    """``softcap * tanh(scores / softcap)`` (Gemma 2's soft-capping), or the scores."""
-    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
-
-
 def _split_kernel(length_ref, layer_ref, q_ref, *refs, block_kv: int, scale: float,
                   softcap: float | None, windowed: bool):
     """Online softmax of one row block over one split of the committed cache slots.
@@ -176,7 +171,7 @@ def _split_kernel(length_ref, layer_ref, q_ref, *refs, block_kv: int, scale: flo
         window = (layer, pl.ds(start, block_kv), head, slice(None))
         k = plgpu.load(k_ref.at[window], mask=load_mask, other=0)
         v = plgpu.load(v_ref.at[window], mask=load_mask, other=0)
-        s = _capped(_dot(q, k, contract_b=1) * scale, softcap)  # [rows, block_kv]
+        s = layout.capped(_dot(q, k, contract_b=1) * scale, softcap)  # [rows, block_kv]
         visible = valid[None, :]
         if windowed:
             visible = visible & (slots[None, :] >= first_visible[:, None])
@@ -212,7 +207,7 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     q = q_ref[...]
     tail_v = tail_v_ref[...]
     visible = tail_mask_ref[...] != 0
-    s = _capped(_dot(q, tail_k_ref[...], contract_b=1) * scale, softcap)  # [rows, P]
+    s = layout.capped(_dot(q, tail_k_ref[...], contract_b=1) * scale, softcap)  # [rows, P]
     s = jnp.where(visible, s, layout.MASK_VALUE)
     m = jnp.max(s, axis=1)
     if partials:

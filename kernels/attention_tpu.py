@@ -277,11 +277,6 @@ def _kv_index_map(num_splits: int, block_kv: int, windowed: bool = False):
     return index_map
 
 
-def _capped(s, softcap: float | None):
-    """Soft-capping of float32 scores (``attention_reference``'s ``_capped``)."""
-    return s if softcap is None else softcap * jnp.tanh(s / softcap)
-
-
 def _split_kernel(scalars_ref, q_ref, *refs, block_kv: int, num_splits: int, scale: float,
                   softcap: float | None, windowed: bool):
     """Online softmax of one tile of query rows over one split of the committed slots.
@@ -324,7 +319,8 @@ def _split_kernel(scalars_ref, q_ref, *refs, block_kv: int, num_splits: int, sca
             k = k_ref[:, head, :]  # [block_kv, D]
             # Slots past the cache's end hold whatever the edge block's padding holds.
             v = jnp.where(slots_by_row < length, v_ref[:, head, :], 0)
-            s = _capped(_dot(q_ref[head], k, contract_b=1) * scale, softcap)  # [rows, bkv]
+            s = layout.capped(_dot(q_ref[head], k, contract_b=1) * scale,
+                              softcap)  # [rows, block_kv]
             s = jnp.where(visible, s, layout.MASK_VALUE)
             m_prev = m_ref[head]  # [rows, 128], all lanes equal
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -354,7 +350,8 @@ def _combine_kernel(q_ref, tail_k_ref, tail_v_ref, tail_mask_ref, *refs, scale: 
     *partials, o_ref = refs
     tail_v = tail_v_ref[...]
     visible = tail_mask_ref[...] != 0
-    s = _capped(_dot(q_ref[...], tail_k_ref[...], contract_b=1) * scale, softcap)  # [rows, P]
+    s = layout.capped(_dot(q_ref[...], tail_k_ref[...], contract_b=1) * scale,
+                      softcap)  # [rows, P]
     s = jnp.where(visible, s, layout.MASK_VALUE)
     m = jnp.max(s, axis=1, keepdims=True)  # [rows, 1]
     if partials:

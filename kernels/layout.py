@@ -125,6 +125,12 @@ def check_windows(num_tokens: int, softcap, first_visible, kernel: str) -> None:
             f"{jnp.dtype(first_visible.dtype).name} {tuple(first_visible.shape)}")
 
 
+def capped(scores, softcap: float | None):
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's soft-capping, as
+    ``attention_reference`` applies it), or the scores: both kernels' float32 scores."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

@@ -19,6 +19,7 @@ family module documents its tree and gives ``param_shapes``, which drives
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import jax
@@ -166,8 +167,6 @@ def attention_fallback(config: ModelConfig, platform: str = "cpu") -> str | None
     ``"auto"`` is the jnp attention by design, for every model, and records nothing). On a
     GPU or TPU a head_dim the kernel does not take is named too. ``None`` when the kernel
     takes the model."""
-    import importlib  # the kernel module (Pallas): on a CPU only for a model that needs it
-
     variant = platform if platform in ("gpu", "tpu") else "gpu"
     needs = []
     windowed = [name for name, on in (("soft-capping", config.attn_softcap is not None),
