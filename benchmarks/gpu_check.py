@@ -9,14 +9,7 @@ refuses a machine without a GPU); by hand, from the repository root::
 The driver runs the steps of :data:`STEPS` in that order (most valuable first), each in its
 own Python process with a time limit of ``min(step limit, budget left)``: a step that
 crashes, hangs or runs out of time is recorded (``ok: false``, ``error``) with whatever
-figures it had written so far, and the next step runs. Compiling, not timing, is most of a
-GPU run, and one process compiles its programs one after another, so the exactness step
-(which times nothing) runs each method's part in its own process, several at once, and
-beside it the driver compiles the ``ar`` and ``step_cost`` steps' programs ahead
-(:class:`_Warm`: each case once, in its own process, into the run's persistent compilation
-cache); that warm-up is drained before the first timed step starts, so each timed step
-runs alone on the device and loads its programs (JSON ``warm``). The programs it loads were
-compiled, and autotuned, while other processes used the device. The driver itself never imports jax
+figures it had written so far, and the next step runs. The driver itself never imports jax
 (it would hold the GPU's memory). After every step it rewrites ``OUT_DIR/gpu_check.json``
 (``device``, ``jax``, ``steps``: each ``name``, ``seconds``, ``ok``, its figures and
 ``error``; ``targets``: each ``name``, ``goal``, ``measured``, ``met``) and
@@ -56,12 +49,9 @@ rehearsal),
 of the budget), ``GPU_CHECK_STEPS`` (comma-separated step names: only these, and
 ``environment``, which always runs),
 ``GPU_CHECK_STEP_PATHS`` (``default``, ``fused`` or both, comma-separated: the paths the
-step-cost step times; default both on a GPU, ``default`` in the rehearsal),
-``GPU_CHECK_EXACT_COMBOS`` (``DTYPE:PATH`` pairs, comma-separated: what the exactness step compares; default all four on a GPU,
-``float32:default,bfloat16:fused`` in the CPU rehearsal),
-``GPU_CHECK_WARM=0`` (no warm-up: each timed step compiles its own programs),
-``GPU_CHECK_EXACT_WORKERS`` / ``GPU_CHECK_WARM_WORKERS`` (processes at once; default two
-thirds of the CPUs and the rest),
+step-cost step times; default ``default``), ``GPU_CHECK_EXACT_COMBOS`` (``DTYPE:PATH``
+pairs, comma-separated: what the exactness step compares, in that order; default
+``float32:default,bfloat16:fused``),
 ``SPECJAX_GPU_CHECK_CPU=1`` (tiny shapes on the CPU: a rehearsal, not a measurement).
 ``GPU_CHECK_BREAK=METHOD/DTYPE`` is for the tests only: the exactness step changes one
 token of ``METHOD``'s output in ``DTYPE`` before comparing, to show that a difference is
@@ -92,8 +82,8 @@ ROOT = HERE.parent
 # exactness ~117 s for float32 on the default path and ~66 s for bf16 on the fused one
 # (compiling every method's programs), step_cost ~15 s a method and path, gpt2_roofline
 # 8 s, batch 20 s.
-STEPS = (("environment", 0.03, 15), ("exactness", 0.40, 60), ("ar", 0.12, 45),
-         ("verify", 0.12, 25), ("step_cost", 0.15, 60), ("gpt2_roofline", 0.05, 20),
+STEPS = (("environment", 0.03, 15), ("exactness", 0.45, 60), ("ar", 0.14, 45),
+         ("verify", 0.09, 25), ("step_cost", 0.19, 60), ("gpt2_roofline", 0.05, 20),
          ("batch", 0.06, 25))
 # --suite: the real model (its packages brought by benchmarks/device_bundle.py).
 SUITE_STEPS = (("environment", 0.05, 30), ("suite", 0.95, 60))
@@ -104,9 +94,6 @@ SPEC_METHODS = ("spec", "tree", "ngram", "staged")
 EXACT_COMBOS = (("float32", "default"), ("float32", "fused"), ("bfloat16", "fused"),
                 ("bfloat16", "default"))
 SAMPLINGS = {"greedy": {}, "coupled": {"temperature": 1.0}}
-# After the exactness step, the warm-up's compiles are waited for at most this share of
-# the budget; what is left then is stopped (the timed steps compile it themselves).
-WARM_DRAIN_SHARE = 0.12
 # Any step that would start with less than this many seconds of budget left is not run.
 MIN_STEP_SECONDS = 5
 
@@ -134,13 +121,12 @@ class Shapes:
     bandwidth_bytes: int
     batch_sizes: tuple[int, ...]
     batch_tokens: int
-    # On a GPU every pair and both paths (the exactness step's parts compile in parallel
-    # and the timed steps' programs are compiled ahead beside it, so that they fit the
-    # 420 s budget); the CPU rehearsal keeps float32 on the default path (what the product
-    # promises everywhere) and bf16 on the fused path (bitwise there). Narrowed with
-    # GPU_CHECK_EXACT_COMBOS and GPU_CHECK_STEP_PATHS.
-    exact_combos: tuple[tuple[str, str], ...] = EXACT_COMBOS
-    step_paths: tuple[str, ...] = ("default", "fused")  # of the step_cost step
+    # The defaults fit the 420 s budget: float32 on the default path (what the product
+    # promises everywhere) and bf16 on the fused path (bitwise there); the other pairs and
+    # the fused path's step costs are asked for with GPU_CHECK_EXACT_COMBOS and
+    # GPU_CHECK_STEP_PATHS.
+    exact_combos: tuple[tuple[str, str], ...] = (("float32", "default"), ("bfloat16", "fused"))
+    step_paths: tuple[str, ...] = ("default",)  # of the step_cost step
 
 
 def shapes(cpu: bool) -> Shapes:
@@ -172,9 +158,7 @@ def default_shapes(cpu: bool) -> Shapes:
         return Shapes(target="tiny", exact_layers=2, exact_prompts=2, exact_prompt_length=6,
                       exact_tokens=12, prompt_length=20, new_tokens=8, repeats=1, prefix=24,
                       nodes=(1, 6, 16, 64), inner=2, gpt2="tiny", bandwidth_bytes=1 << 22,
-                      batch_sizes=(1, 2, 4), batch_tokens=6,
-                      exact_combos=(("float32", "default"), ("bfloat16", "fused")),
-                      step_paths=("default",))
+                      batch_sizes=(1, 2, 4), batch_tokens=6)
     return Shapes(target="smollm2-135m", exact_layers=2, exact_prompts=4,
                   exact_prompt_length=8, exact_tokens=32, prompt_length=300, new_tokens=128,
                   repeats=3, prefix=256, nodes=(1, 6, 16, 64), inner=20, gpt2="774m",
@@ -292,172 +276,121 @@ def kernel_checks(sh: Shapes, interpret: bool) -> list[dict]:
             for p in checks]
 
 
-def _exact_model(sh: Shapes, dtype: str, path: str):
-    """The exactness step's model (random weights at the target's widths, ``exact_layers``
-    layers) and kernel options for one (dtype, path) pair, and its prompts."""
+def step_exactness(sh: Shapes, record) -> None:
+    import concurrent.futures
+
     import jax
     import jax.numpy as jnp
 
     import specjax
     from profile_step import model_configs
     from specjax import models
-    from specjax.methods.options import backend_of
-
-    config = dataclasses.replace(model_configs()[sh.target], num_layers=sh.exact_layers)
-    params = models.init_params(config, jax.random.PRNGKey(3), jnp.dtype(dtype))
-    if path == "fused":
-        params = models.fuse_projections(config, params)
-    model = specjax.Model(config, params, None, f"random-exact-{dtype}-{path}")
-    kernels = specjax.KernelOptions.default(backend_of(jax.default_backend())).replace(
-        attention="fused" if path == "fused" else "auto")
-    prompts = [_prompt(seed, sh.exact_prompt_length, config.vocab_size)
-               for seed in range(sh.exact_prompts)]
-    return model, kernels, prompts
-
-
-def exact_part(sh: Shapes, dtype: str, path: str, method: str) -> dict:
-    """One method's outputs for one (dtype, path) pair, greedy and coupled: ``{sampling:
-    {"tokens": [...], "accepted": [...]}}``. Run in its own process by the exactness step
-    (``--exact-part DTYPE:PATH:METHOD``), so that the parts compile in parallel: in one
-    process the programs compiled one after another even from threads (an H100 run of
-    2026-11-26 took 117 s for one pair's ten programs, about the sum of their compiles).
-    The n-gram tables are fitted to this pair's own ``ar`` greedy text (one more compile
-    in the ``ngram`` part), so that most drafted tokens are accepted and compared."""
-    import specjax
     from specjax.methods import METHODS
+    from specjax.methods.options import backend_of
+    from specjax.sampling import static_rules
     from specjax.training.ngram_build import build_ngram
 
-    model, kernels, prompts = _exact_model(sh, dtype, path)
-
-    def outputs(name: str, sampling: str, resources: dict) -> dict:
-        results = [specjax.generate(model, prompt, max_new_tokens=sh.exact_tokens,
-                                    seed=seed, method=name, kernels=kernels, stop=[],
-                                    **SAMPLINGS[sampling], **resources)
-                   for seed, prompt in enumerate(prompts)]
-        return {"tokens": [list(map(int, r.tokens)) for r in results],
-                "accepted": [float(r.stats["mean_accepted"]) for r in results]}
-
-    resources = {}
-    if METHODS[method].uses_draft:
-        resources["draft"] = model  # the model drafts for itself: deep trees are accepted
-    if METHODS[method].uses_ngram:
-        text = outputs("ar", "greedy", {})["tokens"]
-        resources["ngram"] = build_ngram(text, model.config.vocab_size, top_k=8,
-                                         trigram_top_k=4, trigram_buckets=256,
-                                         min_context_count=1).tables
-    return {sampling: outputs(method, sampling, resources) for sampling in SAMPLINGS}
-
-
-def _exact_workers() -> int:
-    """Processes the exactness step runs at once: ``GPU_CHECK_EXACT_WORKERS``, else two
-    thirds of the CPUs (the driver's warm-up compiles take the rest, :func:`_warm_workers`)."""
-    value = os.environ.get("GPU_CHECK_EXACT_WORKERS")
-    return max(1, int(value)) if value else max(1, 2 * (os.cpu_count() or 1) // 3)
-
-
-def _run_parts(parts: list[tuple], workers: int, work: Path, env: dict, on_done) -> None:
-    """Each part ``(dtype, path, method)`` as ``gpu_check.py --exact-part`` in its own
-    process, ``workers`` at once, in order; ``on_done(part, result_or_error)`` as each ends."""
-    pending, running = list(parts), []
-    try:
-        while pending or running:
-            while pending and len(running) < workers:
-                part = pending.pop(0)
-                stem = work / ("exact-" + "-".join(part))
-                log = open(stem.with_suffix(".log"), "w")
-                process = subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), "--exact-part",
-                     ":".join(part), "--json", str(stem.with_suffix(".json"))],
-                    stdout=log, stderr=subprocess.STDOUT, env=env)
-                running.append((part, process, log, stem))
-            time.sleep(0.2)
-            for entry in [e for e in running if e[1].poll() is not None]:
-                running.remove(entry)
-                part, process, log, stem = entry
-                log.close()
-                result = stem.with_suffix(".json")
-                if process.returncode == 0 and result.is_file():
-                    on_done(part, json.loads(result.read_text()))
-                else:
-                    tail = stem.with_suffix(".log").read_text()[-400:].strip().splitlines()
-                    on_done(part, RuntimeError(f"exit status {process.returncode}: "
-                                               + (tail[-1] if tail else "no output")))
-    finally:  # the step stopped at its limit: its parts too
-        for _, process, log, _ in running:
-            process.kill()
-            log.close()
-
-
-def step_exactness(sh: Shapes, record) -> None:
     broken = _broken()
-    config_vocab = _exact_model_vocab(sh)
-    record(model={"widths_of": sh.target, "num_layers": sh.exact_layers,
-                  "draft": "the target itself", "prompts": sh.exact_prompts,
+    base = model_configs()[sh.target]
+    config = dataclasses.replace(base, num_layers=sh.exact_layers)
+    prompts = [_prompt(seed, sh.exact_prompt_length, config.vocab_size)
+               for seed in range(sh.exact_prompts)]
+    record(model={"widths_of": sh.target, "num_layers": config.num_layers,
+                  "draft": "the target itself", "prompts": len(prompts),
                   "new_tokens": sh.exact_tokens},
            broken=None if broken is None else "/".join(broken))
-    comparisons, errors = [], []
-    record(combos=[list(c) for c in sh.exact_combos], errors=errors)
-    # Every part in its own process (this one holds no device): the kernels' own checks
-    # first (seconds, where the methods' programs take minutes to compile: two H100 runs
-    # cut short never reached them at the end), then the combos' ar parts (each combo's
-    # reference), then the methods.
-    parts = [("kernels",)] + [(d, p, "ar") for d, p in sh.exact_combos] + [
-        (d, p, m) for d, p in sh.exact_combos for m in SPEC_METHODS]
-    results: dict = {}
-    started = time.perf_counter()
+    comparisons, errors, tables = [], [], None
+    workers = max(1, min(2 * len(SPEC_METHODS) + 2, os.cpu_count() or 1))
+    # The kernels' own checks first: they take seconds where the methods' programs take
+    # minutes to compile, and two H100 runs cut short never reached them at the end.
+    try:
+        record(kernel_checks=kernel_checks(sh, interpret=jax.default_backend() != "gpu"))
+    except Exception as error:
+        errors.append(f"kernel checks: {_error_text(error)}")
+    record(combos=[list(c) for c in sh.exact_combos])
+    for dtype, path in sh.exact_combos:
+        started = time.perf_counter()
+        params = models.init_params(config, jax.random.PRNGKey(3), jnp.dtype(dtype))
+        if path == "fused":
+            params = models.fuse_projections(config, params)
+        model = specjax.Model(config, params, None, f"random-exact-{dtype}-{path}")
+        kernels = specjax.KernelOptions.default(backend_of(jax.default_backend())).replace(
+            attention="fused" if path == "fused" else "auto")
 
-    def compare(dtype: str, path: str, method: str) -> None:
-        expected, result = results[dtype, path, "ar"], results[dtype, path, method]
-        for sampling in SAMPLINGS:
+        def outputs(method: str, sampling: str, resources: dict) -> tuple[list, list]:
+            results = [specjax.generate(model, prompt, max_new_tokens=sh.exact_tokens,
+                                        seed=seed, method=method, kernels=kernels,
+                                        stop=[], **SAMPLINGS[sampling], **resources)
+                       for seed, prompt in enumerate(prompts)]
+            return ([r.tokens for r in results],
+                    [r.stats["mean_accepted"] for r in results])
+
+        try:
+            if tables is None:  # fitted once, to the first path's greedy text
+                tables = build_ngram(outputs("ar", "greedy", {})[0], config.vocab_size,
+                                     top_k=8, trigram_top_k=4, trigram_buckets=256,
+                                     min_context_count=1).tables
+        except Exception as error:
+            errors.append(f"{dtype} {path} ar: {_error_text(error)}")
+            record(comparisons=comparisons, errors=errors)
+            continue
+
+        def run(method: str, samplings: tuple[str, ...]) -> dict:
+            resources = {}
+            if METHODS[method].uses_draft:
+                resources["draft"] = model
+            if METHODS[method].uses_ngram:
+                resources["ngram"] = tables
+            return {s: outputs(method, s, resources) for s in samplings}
+
+        # Threads: the programs compile concurrently (XLA releases the GIL), which is most
+        # of this step's time; the outputs do not depend on the order of the runs. One
+        # task per program: where the sampling rule is chosen on the device (the CPU) both
+        # samplings share a method's program.
+        if static_rules(jax.default_backend(), kernels.sampling_rules):
+            groups = [(m, (s,)) for m in ("ar", *SPEC_METHODS) for s in SAMPLINGS]
+        else:
+            groups = [(m, tuple(SAMPLINGS)) for m in ("ar", *SPEC_METHODS)]
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            submitted = [(m, ss, pool.submit(run, m, ss)) for m, ss in groups]
+        results = {}
+        for method, samplings, future in submitted:
+            try:
+                results.update({(method, s): out for s, out in future.result().items()})
+            except Exception as error:
+                results.update({(method, s): error for s in samplings})
+        expected = {s: results["ar", s] for s in SAMPLINGS}
+        if any(isinstance(e, Exception) for e in expected.values()):
+            error = next(e for e in expected.values() if isinstance(e, Exception))
+            errors.append(f"{dtype} {path} ar: {_error_text(error)}")
+            record(comparisons=comparisons, errors=errors)
+            continue
+        expected = {s: tokens for s, (tokens, _) in expected.items()}
+        for (method, sampling), result in results.items():
+            if method == "ar":
+                continue
             row = {"method": method, "sampling": sampling, "dtype": dtype, "path": path}
-            failed = result if isinstance(result, Exception) else \
-                expected if isinstance(expected, Exception) else None
-            if failed is not None:
-                row["error"] = ("ar: " if failed is expected else "") + _error_text(failed)
+            if isinstance(result, Exception):
+                row["error"] = _error_text(result)
                 errors.append(f"{dtype} {path} {method} {sampling}: {row['error']}")
                 comparisons.append(row)
                 continue
-            got = result[sampling]["tokens"]
+            got, accepted = result
             if broken == (method, dtype):
                 got = [list(tokens) for tokens in got]
-                got[0][-1] = (got[0][-1] + 1) % config_vocab
-            row.update(compare_outputs(expected[sampling]["tokens"], got))
-            accepted = result[sampling]["accepted"]
+                got[0][-1] = (got[0][-1] + 1) % config.vocab_size
+            row.update(compare_outputs(expected[sampling], got))
             row["mean_accepted"] = sum(accepted) / len(accepted)
             comparisons.append(row)
-
-    def on_done(part: tuple, result) -> None:
-        if part == ("kernels",):
-            if isinstance(result, Exception):
-                errors.append(f"kernel checks: {_error_text(result)}")
-                record(errors=errors)
-            else:
-                record(kernel_checks=result["checks"])
-            return
-        dtype, path, method = part
-        results[part] = result
-        ready = [m for m in SPEC_METHODS if (dtype, path, m) in results] \
-            if method == "ar" else [method] if (dtype, path, "ar") in results else []
-        for name in ready:
-            compare(dtype, path, name)
-        done = [r for r in comparisons if (r["dtype"], r["path"]) == (dtype, path)]
-        if len(done) == len(SPEC_METHODS) * len(SAMPLINGS):
-            print(f"exactness {dtype} {path}: {sum(bool(r.get('equal')) for r in done)}/"
-                  f"{len(done)} equal ({time.perf_counter() - started:.1f} s)", flush=True)
+        rows = [r for r in comparisons if (r["dtype"], r["path"]) == (dtype, path)]
+        print(f"exactness {dtype} {path}: {sum(bool(r.get('equal')) for r in rows)}/"
+              f"{len(rows)} equal ({time.perf_counter() - started:.1f} s)", flush=True)
         record(comparisons=comparisons, errors=errors)
+        del model, params
+        from specjax import decode
 
-    work = Path(os.environ.get("GPU_CHECK_WORK") or tempfile.mkdtemp(prefix="gpu-check-"))
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # many processes, one GPU
-    record(workers=_exact_workers())
-    _run_parts(parts, _exact_workers(), work, env, on_done)
-    record(comparisons=comparisons, errors=errors,
-           parts_seconds=round(time.perf_counter() - started, 1))
-
-
-def _exact_model_vocab(sh: Shapes) -> int:
-    from profile_step import model_configs
-
-    return model_configs()[sh.target].vocab_size
+        decode.clear_compiled()
+    record(comparisons=comparisons, errors=errors)
 
 
 def _ar_row(row: dict) -> dict:
@@ -489,41 +422,10 @@ def _profile(model, method, sh, tables, attn_impl, trace, tree_budget=None) -> d
     return _ar_row(row)
 
 
-# Steps whose cases the driver compiles ahead, in parallel with the exactness step: each
-# case of these steps run once in its own process (``GPU_CHECK_WARM_CASE=k``, one repeat,
-# no trace) fills the run's persistent compilation cache, so that the step itself, timed
-# alone on the device afterwards, loads its programs instead of compiling them (on an H100
-# its compiles were most of its time: 7-37 s a program against ~1 s of timing).
-WARMED_STEPS = ("ar", "step_cost")
-
-
-def _warm_case() -> int | None:
-    value = os.environ.get("GPU_CHECK_WARM_CASE")
-    return None if value is None else int(value)
-
-
-def ar_cases(sh: Shapes) -> list[dict]:
-    # The default path first (what users run), so that a step cut short keeps its figures.
-    return [{"dtype": d, "path": p} for p in ("default", "fused")
-            for d in ("bfloat16", "float32")]
-
-
-def step_cost_cases(sh: Shapes) -> list[dict]:
-    return [{"method": m, "path": p} for m in ("ar", "tree", "staged", "ngram", "spec")
-            for p in sh.step_paths]
-
-
-def warm_cases(sh: Shapes, name: str) -> int:
-    """How many cases step ``name`` measures (each warmed in its own process)."""
-    return len({"ar": ar_cases, "step_cost": step_cost_cases}[name](sh))
-
-
 def _measure_rows(cases: list[dict], measure, record, shown: tuple[str, ...]) -> None:
     """``measure(**case)`` for each case (a dict of labels), merged into the case as one
     row, the rows recorded as they come; a case that raises is a row with ``error``."""
     rows, errors = [], []
-    if _warm_case() is not None:  # a warm-up run (the driver's): this one case only
-        cases = [cases[_warm_case()]]
     for case in cases:
         label = " ".join(str(v) for v in case.values())
         try:
@@ -544,11 +446,14 @@ def step_ar(sh: Shapes, record) -> None:
     def measure(dtype: str, path: str) -> dict:
         model = random_model(sh.target, dtype, fused=path == "fused")
         row = _profile(model, "ar", sh, None, "fused" if path == "fused" else "auto",
-                       trace=_warm_case() is None)
+                       trace=True)
         decode.clear_compiled()
         return dict(row, ms_per_token=row["wall_ms_per_pass"])
 
-    _measure_rows(ar_cases(sh), measure, record, ("ms_per_token", "trace_kernels_per_pass"))
+    # The default path first (what users run), so that a step cut short keeps its figures.
+    cases = [{"dtype": d, "path": p} for p in ("default", "fused")
+             for d in ("bfloat16", "float32")]
+    _measure_rows(cases, measure, record, ("ms_per_token", "trace_kernels_per_pass"))
 
 
 def step_verify(sh: Shapes, record) -> None:
@@ -633,7 +538,9 @@ def step_step_cost(sh: Shapes, record) -> None:
             row["relative_to_ar"] = row["wall_ms_per_pass"] / ar_ms[path]
         return dict(row, dtype="bfloat16")
 
-    _measure_rows(step_cost_cases(sh), measure, record, ("wall_ms_per_pass", "relative_to_ar"))
+    cases = [{"method": m, "path": p} for m in ("ar", "tree", "staged", "ngram", "spec")
+             for p in sh.step_paths]
+    _measure_rows(cases, measure, record, ("wall_ms_per_pass", "relative_to_ar"))
 
 
 def step_gpt2_roofline(sh: Shapes, record) -> None:
@@ -773,11 +680,8 @@ def run_step(name: str, json_path: Path) -> int:
         figures.update(update)
         _write_json(json_path, figures)
 
-    sh = shapes(cpu_mode())
-    if _warm_case() is not None:
-        sh = dataclasses.replace(sh, repeats=1)
     try:
-        globals()[f"step_{name}"](sh, record)
+        globals()[f"step_{name}"](shapes(cpu_mode()), record)
     except BaseException as error:
         record(error=_error_text(error), traceback=traceback.format_exc()[-3000:])
         return 1
@@ -947,68 +851,6 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
-def _warm_workers() -> int:
-    """Warm-up processes at once: ``GPU_CHECK_WARM_WORKERS``, else the CPUs the exactness
-    step's parts leave (at least one)."""
-    value = os.environ.get("GPU_CHECK_WARM_WORKERS")
-    return max(1, int(value)) if value else max(1, (os.cpu_count() or 1) - _exact_workers())
-
-
-class _Warm:
-    """The driver's warm-up: each case of :data:`WARMED_STEPS` run once in its own process,
-    a few at a time, while the exactness step (which times nothing) runs; drained before the
-    first timed step starts, so that nothing else runs on the device while it is timed."""
-
-    def __init__(self, jobs: list[tuple[str, int]], work: Path, env: dict):
-        self.pending, self.running, self.work = list(jobs), [], work
-        self.env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        self.workers, self.started, self.failed, self.finished = _warm_workers(), None, [], 0
-        self.jobs, self.seconds, self.stopped = len(jobs), 0.0, 0
-
-    def tick(self) -> None:
-        if self.started is None:
-            self.started = time.monotonic()
-        for entry in [e for e in self.running if e[1].poll() is not None]:
-            self.running.remove(entry)
-            (step, case), process, log = entry
-            log.close()
-            self.finished += 1
-            if process.returncode:
-                self.failed.append(f"{step} case {case}: exit status {process.returncode}")
-        while self.pending and len(self.running) < self.workers:
-            step, case = self.pending.pop(0)
-            stem = self.work / f"warm-{step}-{case}"
-            log = open(stem.with_suffix(".log"), "w")
-            process = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--step", step, "--json",
-                 str(stem.with_suffix(".json"))], stdout=log, stderr=subprocess.STDOUT,
-                env=dict(self.env, GPU_CHECK_WARM_CASE=str(case)), start_new_session=True)
-            self.running.append(((step, case), process, log))
-        if self.started is not None:
-            self.seconds = time.monotonic() - self.started
-
-    def drain(self, limit: float) -> None:
-        """Wait for the jobs (at most ``limit`` s), then stop what is left."""
-        deadline = time.monotonic() + max(limit, 0)
-        while (self.pending or self.running) and time.monotonic() < deadline:
-            self.tick()
-            time.sleep(0.2)
-        self.tick()
-        self.stopped = len(self.pending) + len(self.running)
-        for _, process, log in self.running:
-            _stop(process)
-            log.close()
-        self.running, self.pending = [], []
-
-    def summary(self) -> dict:
-        return {"jobs": self.jobs, "finished": self.finished, "failed": self.failed,
-                "stopped": self.stopped, "workers": self.workers,
-                "seconds": round(self.seconds, 1),
-                "how": "each case of " + ", ".join(WARMED_STEPS) + " run once in its own "
-                       "process while the exactness step ran, to fill the run's persistent "
-                       "compilation cache; drained before the first timed step"}
-
-
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -1051,13 +893,6 @@ def drive(out_dir: Path, suite: bool = False) -> int:
         os.replace(out_dir / ".gpu_check_logs.tar.gz.partial",
                    out_dir / "gpu_check_logs.tar.gz")
 
-    # The warm-up of the timed steps' programs, run beside the exactness step.
-    runs = [n for n, _, _ in STEPS if not chosen or n in chosen or n == "environment"]
-    warm = None
-    if not suite and "exactness" in runs and os.environ.get("GPU_CHECK_WARM", "1") != "0":
-        sh = shapes(cpu_mode())
-        jobs = [(n, k) for n in WARMED_STEPS if n in runs for k in range(warm_cases(sh, n))]
-        warm = _Warm(jobs, work, env) if jobs else None
     for name, share, least in SUITE_STEPS if suite else STEPS:
         # The environment step always runs (2 s on an H100): a JSON that does not name the
         # machine it measured is no evidence.
@@ -1076,29 +911,19 @@ def drive(out_dir: Path, suite: bool = False) -> int:
         step_json, log = work / f"{name}.json", work / f"{name}.log"
         print(f"[gpu_check] {name} (limit {timeout:.0f} s)", flush=True)
         step_started = time.monotonic()
-        beside = warm if name == "exactness" else None
-        step_env = env if beside is None else dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         with open(log, "w") as log_file:
             process = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--step", name, "--json",
-                 str(step_json)], stdout=log_file, stderr=subprocess.STDOUT, env=step_env,
+                 str(step_json)], stdout=log_file, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True)
             try:
-                deadline = step_started + timeout
-                while process.poll() is None and time.monotonic() < deadline:
-                    if beside is not None:
-                        beside.tick()
-                    time.sleep(0.2)
-                if process.poll() is None:
-                    _stop(process)
-                    error = f"stopped at its limit of {timeout:.0f} s"
-                else:
-                    error = None if process.returncode == 0 else \
-                        f"exit status {process.returncode}"
+                rc = process.wait(timeout)
+                error = None if rc == 0 else f"exit status {rc}"
+            except subprocess.TimeoutExpired:
+                _stop(process)
+                error = f"stopped at its limit of {timeout:.0f} s"
             except BaseException:  # the driver stopped (Ctrl-C, SIGTERM): the step too
                 _stop(process)
-                if warm is not None:
-                    warm.drain(0)
                 raise
         entry["seconds"] = round(time.monotonic() - step_started, 1)
         figures = json.loads(step_json.read_text()) if step_json.is_file() else {}
@@ -1119,12 +944,6 @@ def drive(out_dir: Path, suite: bool = False) -> int:
             report["jax"] = figures.get("jax")
         print(f"[gpu_check] {name}: {'ok' if entry['ok'] else 'FAILED: ' + error} "
               f"({entry['seconds']} s)", flush=True)
-        if beside is not None:  # nothing else on the device while the next steps are timed
-            left = budget - (time.monotonic() - started)
-            beside.drain(min(left - MIN_STEP_SECONDS, WARM_DRAIN_SHARE * budget))
-            report["warm"] = beside.summary()
-            print(f"[gpu_check] warm-up: {beside.finished - len(beside.failed)}/{beside.jobs}"
-                  f" programs compiled ahead ({beside.seconds:.0f} s)", flush=True)
         save()
     save()
     table = markdown(report)
@@ -1140,24 +959,7 @@ def main(argv=None) -> int:
                         help="the real model's suite instead of the random-weight steps")
     parser.add_argument("--step", choices=STEP_NAMES, help="run this one step")
     parser.add_argument("--json", help="the step's figures (with --step)")
-    parser.add_argument("--exact-part", metavar="DTYPE:PATH:METHOD",
-                        help="one method's outputs for the exactness step (to --json); "
-                             "'kernels': the kernels' checks")
     args = parser.parse_args(argv)
-    if args.exact_part:
-        if not args.json:
-            parser.error("--exact-part needs --json PATH")
-        if HERE.as_posix() not in sys.path:
-            sys.path.insert(0, HERE.as_posix())
-        sh = shapes(cpu_mode())
-        if args.exact_part == "kernels":
-            import jax
-
-            result = {"checks": kernel_checks(sh, interpret=jax.default_backend() != "gpu")}
-        else:
-            result = exact_part(sh, *args.exact_part.split(":"))
-        _write_json(Path(args.json), result)
-        return 0
     if args.step:
         if not args.json:
             parser.error("--step needs --json PATH")
