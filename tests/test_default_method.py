@@ -47,12 +47,19 @@ def test_the_measured_cpu_choices():
     assert loading.default_method("smollm2-135m", "cpu", 0.8) == "spec"
 
 
+def test_the_measured_gpu_choices():
+    """What the committed H200 suite (bf16, attention "auto", 8 prompts) says: ngram at
+    T=0 (median 2.51x, staged 2.48x), tree at T>0 (1.72x)."""
+    assert loading.default_method("smollm2-135m", "gpu", 0.0) == "ngram"
+    method, reason = loading.choose_default_method("smollm2-135m", "gpu", 0.8)
+    assert method == "tree" and "H200" in reason
+
+
 def test_unmeasured_backends_and_models_without_assets():
-    for backend in ("gpu", "tpu"):
-        method, reason = loading.choose_default_method("smollm2-135m", backend, 0.0)
-        assert method == "staged" and "no timing" in reason
-        method, reason = loading.choose_default_method("smollm2-135m", backend, 1.0)
-        assert method == "ar" and "no timing" in reason
+    method, reason = loading.choose_default_method("smollm2-135m", "tpu", 0.0)
+    assert method == "staged" and "no timing" in reason
+    method, reason = loading.choose_default_method("smollm2-135m", "tpu", 1.0)
+    assert method == "ar" and "no timing" in reason
     assert loading.choose_default_method(None, "cpu", 0.0) == (
         "ar", "ar: the model ships no draft or n-gram tables")
 
@@ -70,3 +77,26 @@ def test_the_help_says_what_the_default_is(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "cpu: spec at T=0, spec at T>0" in text
     assert "method_choice" in text
+
+
+def test_the_readme_gpu_table_is_the_committed_suite():
+    """The README's GPU table (median speedup, tokens per target pass) is what the committed
+    H200 suite holds, rounded as printed."""
+    import json
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("**On a GPU with the shipped draft**"):]
+    section = section[:section.index("So the default on a GPU")]
+    rows = re.findall(r"^\| `(\w+)`[^|]*\| (.+?) \| (.+?) \|$", section, re.M)
+    measured = choice.MEASURED["gpu", "greedy"]
+    suite = json.loads((ROOT / measured.source).read_text())
+    accepted = {(a["method"], float(a["temperature"])): a["mean_accepted"]["aggregate"]
+                for a in suite["aggregates"] if a.get("kind") == "specjax"}
+    assert [name for name, _, _ in rows] == ["spec", "tree", "ngram", "staged"]
+    for name, *cells in rows:
+        for temperature, cell in zip((0.0, 1.0), cells):
+            speedup, tokens = re.fullmatch(r"\**([\d.]+)x\** \(([\d.]+)\)", cell).groups()
+            key = ("gpu", "greedy" if temperature == 0.0 else "sampled")
+            assert float(speedup) == round(choice.MEASURED[key].speedup[name], 2), (name, cell)
+            assert float(tokens) == round(accepted[name, temperature], 2), (name, cell)
