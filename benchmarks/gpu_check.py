@@ -52,6 +52,10 @@ of the budget), ``GPU_CHECK_STEPS`` (comma-separated step names: only these, and
 step-cost step times; default ``default``), ``GPU_CHECK_EXACT_COMBOS`` (``DTYPE:PATH``
 pairs, comma-separated: what the exactness step compares, in that order; default
 ``float32:default,bfloat16:fused``),
+``GPU_CHECK_AUTOTUNE_CACHE=ARCHIVE`` (an earlier run's ``OUT_DIR/autotune_cache.tar.gz``,
+written by every run on a GPU: XLA's autotuning results, which the run's compiles then
+reuse on the same GPU model; ``report["autotune_cache"]`` says how many entries were seeded
+and how many there were at the end),
 ``SPECJAX_GPU_CHECK_CPU=1`` (tiny shapes on the CPU: a rehearsal, not a measurement).
 ``GPU_CHECK_BREAK=METHOD/DTYPE`` is for the tests only: the exactness step changes one
 token of ``METHOD``'s output in ``DTYPE`` before comparing, to show that a difference is
@@ -837,6 +841,49 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# XLA's per-fusion autotuning results, which jax keeps inside the persistent compilation
+# cache (its jax_persistent_cache_enable_xla_caches default): most of a GPU compile is
+# autotuning, so a run can start from an earlier run's results on the same GPU model
+# (XLA keys them by the device's description; another model's entries are not used).
+AUTOTUNE_DIR = "xla_gpu_per_fusion_autotune_cache_dir"
+AUTOTUNE_ARCHIVE = "autotune_cache.tar.gz"
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+
+
+def seed_autotune_cache(folder: Path, archive: Path) -> dict:
+    """``GPU_CHECK_AUTOTUNE_CACHE=ARCHIVE``: an earlier run's ``autotune_cache.tar.gz``
+    unpacked into this run's autotuning cache ``folder`` (regular files only, no path
+    leaving it); a missing or damaged archive stops the run with one line."""
+    if not archive.is_file():
+        raise SystemExit(f"GPU_CHECK_AUTOTUNE_CACHE: no such file: {archive}")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            members = [m for m in tar.getmembers() if m.isfile()]
+            tar.extractall(folder, members=members, filter="data")
+    except (tarfile.TarError, OSError, EOFError) as error:
+        raise SystemExit(f"GPU_CHECK_AUTOTUNE_CACHE: {archive} is not a readable .tar.gz "
+                         f"archive ({type(error).__name__}: {error})") from None
+    return {"seeded_from": str(archive), "entries_seeded": len(members)}
+
+
+def save_autotune_cache(folder: Path, archive: Path) -> int:
+    """The run's autotuning results as ``archive`` (for the next run on the same GPU
+    model: ``GPU_CHECK_AUTOTUNE_CACHE``), replaced whole; the number of entries (none:
+    no archive, e.g. on the CPU)."""
+    files = _files(folder)
+    if files:
+        staging = archive.with_name(f".{archive.name}.partial")
+        with tarfile.open(staging, "w:gz") as tar:
+            for path in files:
+                tar.add(path, arcname=path.relative_to(folder).as_posix())
+        os.replace(staging, archive)
+    return len(files)
+
+
 def _stop(process: subprocess.Popen) -> None:
     """SIGTERM to the step's process group, SIGKILL after 5 s."""
     for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
@@ -873,10 +920,15 @@ def drive(out_dir: Path, suite: bool = False) -> int:
     # One persistent compilation cache for the run: a program two steps compile (the ar
     # loops of steps 3 and 5) is compiled once.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(work / "jax-cache"))
+    autotune = Path(env["JAX_COMPILATION_CACHE_DIR"]) / AUTOTUNE_DIR
     report = {"benchmark": "gpu_check" + (" --suite" if suite else ""), "device": None,
               "jax": None, "cpu_rehearsal": cpu_mode(), "budget_seconds": budget,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "shapes": dataclasses.asdict(shapes(cpu_mode())), "steps": [], "targets": []}
+              "shapes": dataclasses.asdict(shapes(cpu_mode())), "steps": [], "targets": [],
+              "autotune_cache": {"seeded_from": None, "entries_seeded": 0}}
+    if os.environ.get("GPU_CHECK_AUTOTUNE_CACHE"):
+        report["autotune_cache"] = seed_autotune_cache(
+            autotune, Path(os.environ["GPU_CHECK_AUTOTUNE_CACHE"]))
     figures_by_step: dict = {}
     started = time.monotonic()
     print(f"[gpu_check] budget {budget:.0f} s{' (CPU rehearsal)' if cpu_mode() else ''}",
@@ -884,6 +936,8 @@ def drive(out_dir: Path, suite: bool = False) -> int:
 
     def save() -> None:
         report["seconds"] = time.monotonic() - started
+        report["autotune_cache"]["entries_at_end"] = save_autotune_cache(
+            autotune, out_dir / AUTOTUNE_ARCHIVE)
         report["targets"] = targets(figures_by_step)
         _write_json(out_dir / "gpu_check.json", report)
         (out_dir / "gpu_check.md").write_text(markdown(report))

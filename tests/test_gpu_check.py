@@ -4,9 +4,11 @@ cut short leaving a valid partial JSON."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
+import tarfile
 import sys
 from pathlib import Path
 
@@ -168,3 +170,37 @@ def test_the_cpu_rehearsal_runs_every_step_and_catches_a_wrong_method(tmp_path):
     assert steps["gpt2_roofline"]["fraction_of_roofline_measured"] > 0
     assert [r["batch_size"] for r in steps["batch"]["rows"]] == [1, 2, 4]
     assert all(r["tokens_per_s"] > 0 for r in steps["batch"]["rows"])
+
+
+def test_the_autotuning_cache_travels_between_runs(tmp_path):
+    """A run's XLA autotuning results are archived whole and seed a later run's cache; a
+    missing or damaged archive, or one whose member would leave the cache, stops the run
+    with one line and writes nothing outside."""
+    first = tmp_path / "first" / gpu_check.AUTOTUNE_DIR
+    (first / "sub").mkdir(parents=True)
+    (first / "a.textproto").write_text("result a")
+    (first / "sub" / "b.textproto").write_text("result b")
+    archive = tmp_path / gpu_check.AUTOTUNE_ARCHIVE
+    assert gpu_check.save_autotune_cache(first, archive) == 2
+    later = tmp_path / "later" / gpu_check.AUTOTUNE_DIR
+    assert gpu_check.seed_autotune_cache(later, archive) == {
+        "seeded_from": str(archive), "entries_seeded": 2}
+    assert (later / "sub" / "b.textproto").read_text() == "result b"
+    assert gpu_check.save_autotune_cache(tmp_path / "none", tmp_path / "no.tar.gz") == 0
+    assert not (tmp_path / "no.tar.gz").exists()  # nothing to archive: no archive
+
+    with pytest.raises(SystemExit, match="no such file"):
+        gpu_check.seed_autotune_cache(later, tmp_path / "missing.tar.gz")
+    damaged = tmp_path / "damaged.tar.gz"
+    damaged.write_bytes(archive.read_bytes()[:40])
+    with pytest.raises(SystemExit, match="not a readable .tar.gz") as caught:
+        gpu_check.seed_autotune_cache(later, damaged)
+    assert "\n" not in str(caught.value)
+    hostile = tmp_path / "hostile.tar.gz"
+    with tarfile.open(hostile, "w:gz") as tar:
+        info = tarfile.TarInfo("../escaped")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"bad"))
+    with pytest.raises(SystemExit, match="not a readable"):
+        gpu_check.seed_autotune_cache(later, hostile)
+    assert not (later.parent / "escaped").exists()
