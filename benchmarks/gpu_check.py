@@ -455,8 +455,8 @@ def step_ar(sh: Shapes, record) -> None:
         return dict(row, ms_per_token=row["wall_ms_per_pass"])
 
     # bf16 first (the targets' dtype), the default path first within it (what users run),
-    # so that a step cut short keeps those figures: on an H100 the fp32 default program
-    # alone took 37 s to compile (2026-11-27), which had kept the fused rows out.
+    # so that a step cut short keeps those figures: the fp32 default program is the
+    # slowest to compile (benchmarks/README.md, the third window).
     cases = [{"dtype": d, "path": p} for d in ("bfloat16", "float32")
              for p in ("default", "fused")]
     _measure_rows(cases, measure, record, ("ms_per_token", "trace_kernels_per_pass"))

@@ -44,10 +44,9 @@ class Measurement:
 # benchmarks/results/cpu/suite_all_methods_164_2026-11-25.json.
 _CPU_SUITE = "benchmarks/results/cpu/suite_eagle3_164_2026-11-27.json"
 
-# The suite on one H200 (2026-11-27): bf16 and attention "auto", the GPU defaults, with the
-# shipped EAGLE-3 draft and tables, 8 HumanEval prompts (benchmarks/results/h200/README.md).
-# On that path bf16 outputs are the same tokens only up to rounding (docs/guide.md,
-# "Numerics"): 49 of its 64 speculative generations left ar's text somewhere in 128 tokens.
+# The suite on a GPU in bf16 with attention "auto" (the GPU defaults), the shipped draft
+# and tables (benchmarks/results/h200/README.md). On that path bf16 tokens are ar's only up
+# to rounding (docs/guide.md, "Numerics").
 _GPU_SUITE = "benchmarks/results/h200/suite_2026-11-27/suite_bf16_default_8.json"
 
 # (backend, "greedy" | "sampled") -> the measurement the default follows.
