@@ -7,9 +7,9 @@ window) holds NaN, so an out-of-range read or an unwritten output element fails 
 The reference gets the same inputs with those slots zeroed (it multiplies every slot by its
 probability, so it cannot take NaN there).
 
-Shapes cover GQA ratios 1/3/4/8, head_dim 64 and 128, cache lengths that are not a multiple
-of the block (and 0), one token and random trees, with and without a scratch window, float32
-and bfloat16. Also: both kernels lower for their real targets (Triton / Mosaic), greedy
+Shapes cover GQA ratios 1/3/4/8, head_dim 64 and 128 (and 96, Phi-3's, for the TPU kernel),
+cache lengths that are not a multiple of the block (and 0), one token and random trees, with
+and without a scratch window, float32 and bfloat16. Also: both kernels lower for their real targets (Triton / Mosaic), greedy
 generation with ``attn_impl="kernel"`` equals ``"reference"`` end to end, and bad input is
 refused with one-line errors.
 """
@@ -131,6 +131,12 @@ TPU_CASES = [
     # Three splits over one valid block: two of them are empty.
     Case("tree-g8-3splits-bf16", 3, 8, 1, 64, 256, 100, dtype=jnp.bfloat16,
          block_sizes=TpuBlockSizes(block_kv=128, num_splits=3)),
+    # Phi-3's head_dim 96 (blocks whose last dim is the array's whole 96).
+    Case("decode-g1-d96-f32", 1, 2, 2, 96, 300, 290, tree=False, block_sizes=TPU_SMALL),
+    Case("tree-g3-d96-window-bf16", 5, 6, 2, 96, 200, 130, window=3, dtype=jnp.bfloat16,
+         block_sizes=TPU_SMALL),
+    Case("tree-g4-d96-window-f32", 6, 8, 2, 96, 300, 170, window=4,
+         block_sizes=TpuBlockSizes(block_kv=32, num_splits=3)),
 ]
 
 
