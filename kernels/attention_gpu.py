@@ -27,6 +27,11 @@ its output does not depend on the other rows of its block) and a row block does 
 the blocks below all of its rows' windows. The splits' runs stay the ones ``length``
 gives: a short window over a long cache leaves the early splits idle.
 
+Head sizes: Triton's tiles are powers of two, so a head_dim that is not one (96, Phi-3's)
+runs on tiles of the next (128): the packed queries and tail rows are zero-padded to it
+(a few rows per call), the cache is not: the split kernel loads the cache's D columns into
+the 128-wide tile with the columns past D masked off, and the output is cut back to D.
+
 Scores, softmax and accumulators are float32; the scale ``1/sqrt(D)`` is applied to the
 float32 scores. Float32 inputs use IEEE float32 dots (``Precision.HIGHEST``; Triton's
 default would be TF32); bf16/fp16 inputs use the tensor cores with float32 accumulation.
@@ -61,7 +66,8 @@ from jax.experimental.pallas import triton as plgpu
 from specjax.errors import InvalidArgumentError
 from . import layout
 
-HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: Triton tiles must be
+# Triton's tiles are powers of two: 96 (Phi-3) runs on 128-wide ones (see _columns).
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 DTYPES = layout.FLOAT_DTYPES
 KERNEL_NAME = "GPU verify-attention kernel"
 DEFAULT_BLOCK_ROWS = 16
@@ -131,14 +137,30 @@ def _dot(a, b, *, contract_b: int):
                            preferred_element_type=jnp.float32)
 
 
+def _columns(x, width: int):
+    """x [..., D] zero-padded, or cut, to [..., width] (x itself when D == width).
+
+    Triton's tiles are powers of two: a head_dim that is not one (Phi-3's 96) runs on tiles
+    of the next (128). The few packed rows (queries, tail keys and values) are zero-padded
+    to it; the cache is not (that would be a cache-sized copy per layer and step): the
+    split kernel loads its D columns into the wider tile, masked. The padded columns add 0
+    to every score and give 0 in the output, which is cut back to D.
+    """
+    extra = width - x.shape[-1]
+    if extra < 0:
+        return x[..., :width]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
 def _split_kernel(length_ref, layer_ref, q_ref, *refs, block_kv: int, scale: float,
                   softcap: float | None, windowed: bool):
     """Online softmax of one row block over one split of the committed cache slots.
 
-    Refs: length_ref, layer_ref int32 [1]; q_ref [block_rows, D] (one KV head's rows);
-    with ``windowed``, first_ref int32 [block_rows] (each row's first visible slot); k_ref,
-    v_ref the whole cache [L, S, K, D]; outputs acc_ref [block_rows, D], m_ref, l_ref
-    [block_rows].
+    Refs: length_ref, layer_ref int32 [1]; q_ref [block_rows, Dp] (one KV head's rows,
+    zero-padded to the tile width Dp); with ``windowed``, first_ref int32 [block_rows]
+    (each row's first visible slot); k_ref, v_ref the whole cache [L, S, K, D], D <= Dp
+    (its columns D..Dp-1 are not loaded: they load as zeros); outputs acc_ref
+    [block_rows, Dp], m_ref, l_ref [block_rows].
     """
     if windowed:
         first_ref, k_ref, v_ref, acc_ref, m_ref, l_ref = refs
@@ -152,7 +174,9 @@ def _split_kernel(length_ref, layer_ref, q_ref, *refs, block_kv: int, scale: flo
     first = split * per_split
     last = jnp.minimum(first + per_split, num_blocks)
     q = q_ref[...]
-    rows, head_dim = q.shape
+    rows, padded_dim = q.shape
+    head_dim = k_ref.shape[-1]  # the cache's; below padded_dim (96 of 128) its tail is masked
+    columns = slice(None) if head_dim == padded_dim else pl.ds(0, padded_dim)
     first_visible = None
     if windowed:
         first_visible = first_ref[...]  # [rows]
@@ -167,8 +191,11 @@ def _split_kernel(length_ref, layer_ref, q_ref, *refs, block_kv: int, scale: flo
         start = pl.multiple_of(block * block_kv, block_kv)
         slots = start + jnp.arange(block_kv, dtype=jnp.int32)
         valid = slots < length  # [block_kv]
-        load_mask = jnp.broadcast_to(valid[:, None], (block_kv, head_dim))
-        window = (layer, pl.ds(start, block_kv), head, slice(None))
+        load_mask = jnp.broadcast_to(valid[:, None], (block_kv, padded_dim))
+        if head_dim != padded_dim:  # a [block_kv, Dp] tile over the D columns the cache has
+            in_cache = jnp.arange(padded_dim, dtype=jnp.int32) < head_dim
+            load_mask = load_mask & in_cache[None, :]
+        window = (layer, pl.ds(start, block_kv), head, columns)
         k = plgpu.load(k_ref.at[window], mask=load_mask, other=0)
         v = plgpu.load(v_ref.at[window], mask=load_mask, other=0)
         s = layout.capped(_dot(q, k, contract_b=1) * scale, softcap)  # [rows, block_kv]
@@ -186,7 +213,7 @@ def _split_kernel(length_ref, layer_ref, q_ref, *refs, block_kv: int, scale: flo
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, contract_b=0)
         return acc, m_next, l
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
+    init = (jnp.zeros((rows, padded_dim), jnp.float32),
             jnp.full((rows,), layout.MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = lax.fori_loop(first, last, body, init)
@@ -308,9 +335,11 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     tail_k, tail_v, tail_mask = layout.pack_tail(
         k_new, v_new, window_k, window_v, jnp.int32(0), mask, window_mask, group=group,
         rows=rows, tail=tail, mask_dtype=jnp.int8)
+    padded_dim = layout.next_power_of_2(head_dim)  # 128 for 96 (see _columns)
+    queries, tail_k, tail_v = (_columns(x, padded_dim) for x in (queries, tail_k, tail_v))
     row_blocks = rows // config.block_rows
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
-    query_spec = pl.BlockSpec((None, config.block_rows, head_dim), lambda h, i, *_: (h, i, 0))
+    query_spec = pl.BlockSpec((None, config.block_rows, padded_dim), lambda h, i, *_: (h, i, 0))
 
     partials = []
     partial_specs = []
@@ -333,13 +362,13 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
             in_specs=[pl.no_block_spec, pl.no_block_spec, query_spec,
                       *[row_spec] * windowed, pl.no_block_spec, pl.no_block_spec],
             out_specs=[
-                pl.BlockSpec((None, None, config.block_rows, head_dim),
+                pl.BlockSpec((None, None, config.block_rows, padded_dim),
                              lambda h, i, j: (j, h, i, 0)),
                 pl.BlockSpec((None, None, config.block_rows), lambda h, i, j: (j, h, i)),
                 pl.BlockSpec((None, None, config.block_rows), lambda h, i, j: (j, h, i)),
             ],
             out_shape=[
-                jax.ShapeDtypeStruct((splits, num_kv_heads, rows, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((splits, num_kv_heads, rows, padded_dim), jnp.float32),
                 jax.ShapeDtypeStruct((splits, num_kv_heads, rows), jnp.float32),
                 jax.ShapeDtypeStruct((splits, num_kv_heads, rows), jnp.float32),
             ],
@@ -348,12 +377,12 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
             name="verify_attention_gpu_split",
         )(length.reshape(1), layer.reshape(1), queries, *first_rows, k_cache, v_cache)
         partial_specs = [
-            pl.BlockSpec((splits, None, config.block_rows, head_dim), lambda h, i: (0, h, i, 0)),
+            pl.BlockSpec((splits, None, config.block_rows, padded_dim), lambda h, i: (0, h, i, 0)),
             pl.BlockSpec((splits, None, config.block_rows), lambda h, i: (0, h, i)),
             pl.BlockSpec((splits, None, config.block_rows), lambda h, i: (0, h, i)),
         ]
 
-    tail_spec = pl.BlockSpec((None, tail, head_dim), lambda h, i: (h, 0, 0))
+    tail_spec = pl.BlockSpec((None, tail, padded_dim), lambda h, i: (h, 0, 0))
     out = pl.pallas_call(
         functools.partial(_combine_kernel, scale=scale, softcap=softcap,
                           num_splits=config.num_splits if has_cache else 0),
@@ -362,9 +391,9 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
                   pl.BlockSpec((config.block_rows, tail), lambda h, i: (i, 0)),
                   *partial_specs],
         out_specs=query_spec,
-        out_shape=jax.ShapeDtypeStruct((num_kv_heads, rows, head_dim), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_kv_heads, rows, padded_dim), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="verify_attention_gpu_combine",
     )(queries, tail_k, tail_v, tail_mask, *partials)
-    return layout.unpack_output(out, num_tokens, num_heads)
+    return layout.unpack_output(_columns(out, head_dim), num_tokens, num_heads)

@@ -214,7 +214,8 @@ def run_job(job: dict) -> dict:
         record["step"] = {k: analysis[k] for k in (
             "step_ops", "step_ops_weighted", "step_ops_by_kind", "step_ops_weighted_by_kind",
             "loops", "copies", "copy_bytes_per_step", "largest_copies",
-            "data_movement_bytes_per_step", "cache_sized_copies_per_step", "cache_copies",
+            "data_movement_bytes_per_step", "largest_data_movements",
+            "cache_sized_copies_per_step", "cache_copies",
             "cache_writes", "donated_parameters")}
         record["ok"] = True
     except Exception as error:  # noqa: BLE001 -- the record carries it to the test

@@ -249,13 +249,40 @@ def test_the_attention_kernel_takes_soft_capping_and_windows(pairs, variant):
     assert models.attention_fallback(model.config, "gpu") is None
 
 
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+def test_the_attention_kernels_take_phi3s_head_dim_96(tmp_path, kernel):
+    """Phi-3's head size (96; here 2 query heads over 1 KV head, its sliding window in every
+    layer): attention ``"kernel"``, each kernel interpreted on the CPU (the GPU kernel's
+    128-wide tiles over the 96 columns of the cache), gives ``"auto"``'s tokens (the jnp
+    attention on the CPU), and no platform's stats would name an attention fallback."""
+    hf_model = tiny_family_model("phi3", seed=7, hidden_size=192, num_attention_heads=2,
+                                 num_key_value_heads=1)
+    hf_model.save_pretrained(tmp_path)
+    model = specjax.load(tmp_path)
+    assert model.config.head_dim == 96 and model.config.layer_windows
+    prompt = random_prompt(0, 9)  # 9 + 8 tokens: past the 6-slot window
+    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
+    out = specjax.generate(model, prompt, max_new_tokens=8, kernels=specjax.KernelOptions(
+        attention="kernel", interpret_variant=kernel))
+    assert out.tokens == expected
+    assert "attention_fallback" not in out.stats
+    assert models.attention_fallback(model.config, kernel) is None
+
+
 def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
     """A head_dim the TPU kernel does not take (16): the stats of a TPU run would name it,
-    and ``attention="kernel"`` with the TPU kernel refuses in one line."""
+    and ``attention="kernel"`` with the TPU kernel refuses in one line. Phi-3's head_dim 96
+    is taken by both kernels; Phi-2's 80 by neither, and both platforms name it."""
     phi3 = pairs["phi3-global"][1]
     assert models.attention_fallback(phi3.config, "tpu") == (
         "jnp attention: the Pallas attention kernel (tpu) takes no head_dim 16")
     assert models.attention_fallback(pairs["qwen3-tied"][1].config, "gpu") is None
+    for platform in ("gpu", "tpu"):
+        assert models.attention_fallback(
+            dataclasses.replace(phi3.config, head_dim=96), platform) is None, platform
+        assert models.attention_fallback(dataclasses.replace(phi3.config, head_dim=80),
+                                         platform) == (
+            f"jnp attention: the Pallas attention kernel ({platform}) takes no head_dim 80")
     with pytest.raises(InvalidArgumentError, match="head_dim 16 is not supported") as info:
         specjax.generate(phi3, random_prompt(0, 6), max_new_tokens=2,
                          kernels=specjax.KernelOptions(attention="kernel",

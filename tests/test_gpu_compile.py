@@ -100,9 +100,10 @@ PROGRAMS = {
 # The families on the llama forward (small configs with their real features,
 # tpu_aot.FAMILY_HF_CONFIGS), bfloat16: Qwen3 with the attention kernel in every layer;
 # Gemma 2 (head_dim 256, soft-capping, windows), Gemma 3 (5:1 windows, local RoPE) and
-# Phi-3 (head_dim 96, windows) with attn_impl="auto": the kernel for the Gemmas (it takes
-# soft-capping and windows), the jnp fallback for Phi-3 (no kernel for head_dim 96;
-# recorded in the stats).
+# Phi-3 (head_dim 96, windows) with attn_impl="auto": the kernel for each (it takes
+# soft-capping and windows, and head_dim 96 on 128-wide tiles over the unpadded cache); a
+# Phi-3 with Phi-2's head_dim 80, which no kernel takes, with the jnp fallback (recorded in
+# the stats).
 FAMILY_PROGRAMS = {
     "ar-bf16-qwen3-kernel": dict(method="ar", family="qwen3", attn_impl="kernel"),
     "tree-bf16-qwen3-kernel": dict(method="tree", verify="greedy", family="qwen3",
@@ -111,13 +112,19 @@ FAMILY_PROGRAMS = {
     "tree-bf16-gemma3-auto": dict(method="tree", verify="greedy", family="gemma3",
                                   attn_impl="auto"),
     "ar-bf16-phi3-auto": dict(method="ar", family="phi3", attn_impl="auto"),
+    "ar-bf16-phi3-head80-auto": dict(method="ar", family="phi3-head80", attn_impl="auto"),
 }
-# The family programs whose attention is the jnp fallback (Phi-3's head_dim 96). Its
+# The family programs whose attention is the jnp fallback (head_dim 80). Its
 # attention reads a layer of the stacked cache whole, which XLA's GPU compiler
 # materialises (as float32): one layer's K and one its V per layer and step, at most (the
 # kernels read the layer in place). Recorded in benchmarks/README.md; anything more (a
 # whole cache, another copy) fails.
-FALLBACK_ATTENTION = {"ar-bf16-phi3-auto"}
+FALLBACK_ATTENTION = {"ar-bf16-phi3-head80-auto"}
+
+
+def _dims(shape: str) -> list[int]:
+    """An HLO shape's dimensions: "bf16[2,128,32,128]{...}" -> [2, 128, 32, 128]."""
+    return [int(d) for d in shape.split("[")[1].split("]")[0].split(",") if d]
 
 
 @pytest.fixture(scope="module")
@@ -172,17 +179,24 @@ def test_family_program_compiles_for_h100(records, name):
     assert record["ok"], record.get("error")
     step = record["step"]
     assert "conditional" not in step["step_ops_by_kind"], step["step_ops_by_kind"]
+    layers, capacity, kv_heads, head_dim = record["cache_shapes"][0]
     if name in FALLBACK_ATTENTION:  # the jnp fallback: no attention kernel
         assert TRITON not in record["kernels"], record["kernels"]
-        layers, capacity, kv_heads, head_dim = record["cache_shapes"][0]
         one_layer = [capacity, kv_heads, head_dim]
         assert step["cache_copies"] == [], step["cache_copies"]
         for write in step["cache_writes"]:  # one layer's K or V (as float32), nothing more
-            dims = [int(d) for d in write["shape"].split("[")[1].rstrip("]").split(",")]
+            dims = _dims(write["shape"])
             assert dims[-3:] == one_layer and all(d == 1 for d in dims[:-3]), write
         assert 0 < step["cache_sized_copies_per_step"] <= 2 * layers, step["cache_writes"]
     else:  # the attention kernel in every layer, reading it in place (Gemma 3's tree pass
         # copied each layer's K and V once per step while its windows ran the jnp attention)
         assert step["cache_sized_copies_per_step"] == 0, step["largest_copies"]
+        # Phi-3's head_dim 96 runs on 128-wide tiles, loaded from the cache as it is: no
+        # copy of the cache (or of a layer) padded to the tile's width.
+        tile = 1 << (head_dim - 1).bit_length()
+        padded = {(capacity, kv_heads, tile), (layers, capacity, kv_heads, tile)}
+        moved = {tuple(d for d in _dims(move["shape"]) if d != 1)
+                 for move in step["largest_data_movements"]}
+        assert not moved & padded, step["largest_data_movements"]
         layers = tpu_aot.FAMILY_HF_CONFIGS[FAMILY_PROGRAMS[name]["family"]]["num_hidden_layers"]
         assert step["step_ops_weighted_by_kind"].get(f"custom-call({TRITON})", 0) >= layers

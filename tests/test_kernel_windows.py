@@ -61,6 +61,12 @@ CASES = [
     Case("tree-g4-bf16", 5, 8, 2, 128, 100, 40, dtype=jnp.bfloat16, block_sizes=None),
     Case("tree-no-cap-f32", 4, 8, 1, 64, 50, 7, softcap=None, global_row=0),
     Case("length0-f32", 3, 4, 4, 32, 0, 4),
+    # Phi-3's head_dim 96 (128-wide tiles over the cache's 96 columns) with its windows and
+    # no cap; a global row and a scratch window.
+    Case("tree-d96-no-cap-f32", 5, 6, 2, 100, 70, 20, softcap=None, scratch=2, head_dim=96,
+         global_row=1),
+    Case("decode-d96-bf16", 1, 4, 4, 100, 77, 20, softcap=None, dtype=jnp.bfloat16,
+         head_dim=96),
 ]
 
 

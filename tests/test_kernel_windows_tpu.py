@@ -9,7 +9,8 @@ window; slots below a window stay finite, since other rows of the call read them
 comparison is shown sharp (the reference with the window one slot later, or without the
 cap, is far off). A row's output is bitwise the same alone and among 16 windowed nodes (the
 tile-level skipping of blocks below every row's window changes nothing). And the kernel
-compiles with Mosaic for TPU v5e and v4 at Gemma-like shapes within its VMEM estimate.
+compiles with Mosaic for TPU v5e and v4 at Gemma-like and Phi-3-like (head_dim 96) shapes
+within its VMEM estimate.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ CASES = [
     # Nothing committed: only the scratch window (not windowed) and the new tokens.
     WindowCase(Case("length0-g4-f32", 4, 4, 1, 64, 64, 0, window=2, block_sizes=BLOCKS_128),
                (0, -5, 3, MIN), 2.0),
+    # Phi-3's head_dim 96 with its sliding rule (no cap in Phi-3; one here, to check it),
+    # a scratch window, block_kv 32 and three splits.
+    WindowCase(Case("causal-sliding-d96-f32", 4, 4, 2, 96, 256, 200, window=2, tree=False,
+                    block_sizes=TpuBlockSizes(block_kv=32, num_splits=3)),
+               _sliding(200, range(4), 50), 2.0),
     # No cache (a prefill): the cap applies to the tokens; first_visible has nothing to cut.
     WindowCase(Case("no-cache-f32", 5, 6, 2, 64, None, 0, tree=False), (0, 1, 2, 3, 4), 2.0),
 ]
@@ -181,6 +187,8 @@ def test_windows_are_checked():
 # 128-node MHA tree with a 128-slot window.
 GEMMA3 = dict(num_heads=4, num_kv_heads=1, head_dim=256, dtype="bfloat16", capacity=4096)
 WINDOWED = dict(kind="kernel", softcap=50.0, windowed=True)
+PHI3 = dict(kind="kernel", windowed=True, num_heads=32, num_kv_heads=32, head_dim=96,
+            dtype="bfloat16", capacity=4096)
 COMPILE_JOBS = [
     dict(WINDOWED, target=target, **GEMMA3, tokens=tokens, window=window)
     for target in ("v5e:2x2", "v4:2x2x1") for tokens, window in ((1, 0), (16, 0), (6, 12))
@@ -189,6 +197,12 @@ COMPILE_JOBS = [
          dtype="float32", capacity=4096, tokens=16, window=16),
     dict(WINDOWED, target="v4:2x2x1", num_heads=32, num_kv_heads=32, head_dim=128,
          dtype="float32", capacity=4096, tokens=128, window=128),
+] + [
+    # Phi-3-mini's heads (32 / 32 of 96: blocks whose last dim is the array's 96) with its
+    # windows and no cap, bfloat16: a decode step on v5e, a 16-node tree with a 16-slot
+    # scratch window on v5e and v4.
+    dict(PHI3, target=target, tokens=tokens, window=window)
+    for target, tokens, window in (("v5e:2x2", 1, 0), ("v5e:2x2", 16, 16), ("v4:2x2x1", 16, 16))
 ]
 
 

@@ -7,11 +7,14 @@ window) holds NaN, so an out-of-range read or an unwritten output element fails 
 The reference gets the same inputs with those slots zeroed (it multiplies every slot by its
 probability, so it cannot take NaN there).
 
-Shapes cover GQA ratios 1/3/4/8, head_dim 64 and 128, cache lengths that are not a multiple
-of the block (and 0), one token and random trees, with and without a scratch window, float32
-and bfloat16. Also: both kernels lower for their real targets (Triton / Mosaic), greedy
-generation with ``attn_impl="kernel"`` equals ``"reference"`` end to end, and bad input is
-refused with one-line errors.
+Shapes cover GQA ratios 1/3/4/8, head_dim 64, 96 (Phi-3's) and 128, cache lengths that are
+not a multiple of the block (and 0), one token and random trees, with and without a scratch
+window, float32 and bfloat16. At head_dim 96 the GPU kernel's tiles are 128 wide over a
+96-wide cache: the interpreter pads what a load reads past a dimension with NaN, so an
+unmasked load of the cache's missing columns 96..127 fails the test too. Also: both kernels
+lower for their real targets (Triton / Mosaic), greedy generation with
+``attn_impl="kernel"`` equals ``"reference"`` end to end, and bad input is refused with
+one-line errors.
 """
 
 from __future__ import annotations
@@ -119,6 +122,12 @@ GPU_CASES = [
     # Nothing committed, and the window runs past the capacity: slots 0-2 exist, 3-4 do not.
     Case("length0-window-past-capacity-f32", 4, 4, 4, 64, 3, 0, window=5, block_sizes=GPU_SMALL),
     Case("no-cache-causal-f32", 5, 6, 2, 64, None, 0, tree=False),
+    # Phi-3's head_dim 96 (128-wide tiles, the cache's 96 columns loaded masked): one token
+    # over 2 blocks + 5 slots, and a GQA tree with a scratch window (read from the cache).
+    Case("decode-g1-d96-f32", 1, 2, 2, 96, 50, 37, tree=False, block_sizes=GPU_SMALL),
+    Case("tree-g3-d96-window-bf16", 7, 6, 2, 96, 100, 77, window=2, dtype=jnp.bfloat16),
+    Case("tree-g4-d96-window-f32", 6, 8, 2, 96, 40, 21, window=5, block_sizes=GPU_SMALL),
+    Case("no-cache-d96-f32", 5, 6, 2, 96, None, 0, tree=False),
 ]
 
 TPU_SMALL = TpuBlockSizes(block_kv=128, num_splits=2)
@@ -131,6 +140,12 @@ TPU_CASES = [
     # Three splits over one valid block: two of them are empty.
     Case("tree-g8-3splits-bf16", 3, 8, 1, 64, 256, 100, dtype=jnp.bfloat16,
          block_sizes=TpuBlockSizes(block_kv=128, num_splits=3)),
+    # Phi-3's head_dim 96 (blocks whose last dim is the array's whole 96).
+    Case("decode-g1-d96-f32", 1, 2, 2, 96, 300, 290, tree=False, block_sizes=TPU_SMALL),
+    Case("tree-g3-d96-window-bf16", 5, 6, 2, 96, 200, 130, window=3, dtype=jnp.bfloat16,
+         block_sizes=TPU_SMALL),
+    Case("tree-g4-d96-window-f32", 6, 8, 2, 96, 300, 170, window=4,
+         block_sizes=TpuBlockSizes(block_kv=32, num_splits=3)),
 ]
 
 
@@ -151,9 +166,11 @@ def _abstract(t, h, k, d, s, m, dtype):
             sds((t, t), jnp.bool_), sds((t, m), jnp.bool_) if m else None)
 
 
-# SmolLM2-like decode with a window, Llama-7B-like GQA tree, MHA tree in float32.
+# SmolLM2-like decode with a window, Llama-7B-like GQA tree, MHA tree in float32, a
+# Phi-3-mini-like tree (32 heads of 96) with a window.
 LOWERING_SHAPES = [(1, 9, 3, 64, 2048, 4, jnp.bfloat16), (64, 32, 8, 128, 8192, 0, jnp.bfloat16),
-                   (16, 32, 32, 128, 1000, 0, jnp.float32)]
+                   (16, 32, 32, 128, 1000, 0, jnp.float32),
+                   (16, 32, 32, 96, 4096, 12, jnp.bfloat16)]
 
 
 @pytest.mark.parametrize("platform,kernel", [("cuda", verify_attention_gpu),
@@ -266,12 +283,13 @@ def test_auto_uses_the_fallback_where_the_kernel_does_not_run(monkeypatch):
 # stacked cache, tiling that ignores the row count
 
 
-@pytest.mark.parametrize("dtype,nodes,window", [(jnp.float32, 6, 3), (jnp.bfloat16, 1, 0)])
-def test_gpu_kernel_reads_one_layer_of_a_stacked_cache(dtype, nodes, window):
+@pytest.mark.parametrize("dtype,nodes,window,head_dim", [
+    (jnp.float32, 6, 3, 64), (jnp.bfloat16, 1, 0, 64), (jnp.float32, 4, 2, 96)])
+def test_gpu_kernel_reads_one_layer_of_a_stacked_cache(dtype, nodes, window, head_dim):
     """Models pass the whole [L, S, K, D] cache and a traced layer index: the kernel must
     read that layer in place and nothing else (every other layer, and the chosen layer's
-    slots past the readable ones, hold NaN)."""
-    case = Case("stacked", nodes, 6, 2, 64, 80, 45, window=window, tree=nodes > 2,
+    slots past the readable ones, hold NaN; at head_dim 96 too, with 128-wide tiles)."""
+    case = Case("stacked", nodes, 6, 2, head_dim, 80, 45, window=window, tree=nodes > 2,
                 dtype=dtype, block_sizes=GpuBlockSizes(block_kv=16, num_splits=2))
     args, reference_args = make_inputs(case, seed=41)
     layers, layer = 3, 1

@@ -14,7 +14,7 @@ is a failure instead.
 
 Default run (one worker, ~1-2.5 min on 2 CPU cores): two canaries (a Mosaic error and a
 VMEM limit the compiler must refuse), the verify-attention kernel over shapes the models
-use (GQA groups 1/3/4/8, head_dim 64/128, 1..128 tree nodes, float32 and bfloat16, with and
+use (GQA groups 1/3/4/8, head_dim 64/96/128, 1..128 tree nodes, float32 and bfloat16, with and
 without a scratch window, and a prefill without a cache) for each of the three
 generations, each kernel's VMEM (as the compiler reports it) against the kernel's estimate
 and the generation's VMEM, and the whole ``ar`` program for v5e; the ``attn_impl="fused"``
@@ -22,9 +22,9 @@ kernels (``kernels/linear_tpu.py``, ``kernels/attention_ordered_tpu.py``) at Smo
 and verify shapes and the whole fused ``ar`` program, for v5e. ``slow`` (run by CI):
 ``tree`` (greedy acceptance, v5e), ``staged`` (coupled, v4) and ``spec`` (rejection, v6e)
 with the kind of draft shipped for SmolLM2-135M (an EAGLE-3 feature draft), and a
-40-compile kernel sweep on v4 (every head shape and dtype at 1 node, and at 128 nodes with
+44-compile kernel sweep on v4 (every head shape and dtype at 1 node, and at 128 nodes with
 a 128-slot window). ``benchmarks/tpu_compile_report.py`` compiles every program and a
-180-compile kernel sweep for every generation and records the times.
+198-compile kernel sweep for every generation and records the times.
 
 Also here, without libtpu: the draft of those programs has the shipped draft's tensors; in
 the TPU interpreter, the kernel's row tiles and its reading of one layer of a stacked cache
@@ -87,7 +87,8 @@ class Shape:
 
 
 # The models' head shapes: SmolLM2-135M (9/3 x 64, G=3), GPT-2 (MHA, G=1; XL: 25 heads),
-# Llama-3.2-1B (32/8 x 64, G=4), Llama-3-8B (32/8 x 128, G=4), Qwen2-like G=8.
+# Llama-3.2-1B (32/8 x 64, G=4), Llama-3-8B (32/8 x 128, G=4), Qwen2-like G=8, Phi-3-mini
+# (MHA, 32 x 96: blocks whose last dim is the array's 96, padded to 128 lanes in VMEM).
 KERNEL_SHAPES = [
     Shape("smollm2-decode", 9, 3, 64, 1, "bfloat16"),
     Shape("smollm2-draft-level-window", 9, 3, 64, 6, "bfloat16", window=12),
@@ -98,6 +99,7 @@ KERNEL_SHAPES = [
     Shape("g8-d128-64-nodes", 32, 4, 128, 64, "bfloat16", capacity=8192),
     Shape("g8-d64-128-nodes-window-f32", 16, 2, 64, 128, "float32", window=16, capacity=2048),
     Shape("smollm2-prefill-no-cache", 9, 3, 64, 128, "bfloat16", capacity=0),
+    Shape("phi3-mini-d96-36-nodes-f32", 32, 32, 96, 36, "float32"),
 ]
 # v4 has 16 MiB of VMEM: every shape compiles there too (the VMEM-heavy ones matter most).
 FAST_KERNELS = [(target, shape) for target in TARGETS for shape in KERNEL_SHAPES]
@@ -115,14 +117,17 @@ FUSED_KERNEL_JOBS = [dict(kind="fused_kernels", target="v5e:2x2", tokens=tokens)
 FUSED_PROGRAM = dict(kind="program", target="v5e:2x2", method="ar", attn_impl="fused")
 # The families on the llama forward (tpu_aot.FAMILY_HF_CONFIGS), ar in bfloat16: Qwen3
 # with the TPU attention kernel (v5e); with attn_impl="auto", Gemma 2 (v6e) and 3 (v5e),
-# head_dim 256, with the kernel (soft-capping, sliding windows) and Phi-3 (head_dim 96, which
-# the kernel does not take) with the jnp fallback (v6e).
+# head_dim 256, and Phi-3 (v6e), head_dim 96, with the kernel (soft-capping, sliding
+# windows), and a Phi-3 with Phi-2's head_dim 80 (which no kernel takes) with the jnp
+# fallback (v6e).
 FAMILY_KERNEL_PROGRAMS = [
     dict(kind="program", target="v5e:2x2", method="ar", family="qwen3"),
     dict(kind="program", target="v6e:2x2", method="ar", family="gemma2", attn_impl="auto"),
-    dict(kind="program", target="v5e:2x2", method="ar", family="gemma3", attn_impl="auto")]
-FAMILY_FALLBACK_PROGRAMS = [
+    dict(kind="program", target="v5e:2x2", method="ar", family="gemma3", attn_impl="auto"),
     dict(kind="program", target="v6e:2x2", method="ar", family="phi3", attn_impl="auto")]
+FAMILY_FALLBACK_PROGRAMS = [
+    dict(kind="program", target="v6e:2x2", method="ar", family="phi3-head80",
+         attn_impl="auto")]
 # slow (CI runs it; the three compile in ~2 min, benchmarks/README.md): each speculative
 # method with the draft shipped for SmolLM2-135M (an EAGLE-3 feature draft: one block
 # reading three of the target's, a 12,288-id head; tpu_aot.program_configs), in bfloat16
@@ -133,9 +138,9 @@ SLOW_PROGRAMS = [dict(kind="program", target="v5e:2x2", method="tree", verify="g
                  dict(kind="program", target="v4:2x2x1", method="staged", verify="coupled"),
                  dict(kind="program", target="v6e:2x2", method="spec", verify="rejection")]
 # Model head shapes (H, K, D): GPT-2 small, medium with head_dim 128, XL; Llama-2-7B (MHA);
-# SmolLM2; Llama-3.2-3B; Llama-3.2-1B; Llama-3-8B; G=8 at head_dim 64 and 128.
+# SmolLM2; Llama-3.2-3B; Llama-3.2-1B; Llama-3-8B; G=8 at head_dim 64 and 128; Phi-3-mini.
 HEADS = [(12, 12, 64), (16, 16, 128), (25, 25, 64), (32, 32, 128), (9, 3, 64), (24, 8, 128),
-         (32, 8, 64), (32, 8, 128), (16, 2, 64), (32, 4, 128)]
+         (32, 8, 64), (32, 8, 128), (16, 2, 64), (32, 4, 128), (32, 32, 96)]
 
 
 def _sweep(targets, sizes):
@@ -145,10 +150,10 @@ def _sweep(targets, sizes):
 
 
 # Every head shape x dtype at 1, 16 and 128 nodes (the last two with a scratch window of the
-# same size) on every generation: the report's sweep (180 compiles, all within estimate).
+# same size) on every generation: the report's sweep (198 compiles).
 FULL_SWEEP = _sweep(TARGETS, ((1, 0), (16, 16), (128, 128)))
 # slow: the extremes on v4, the smallest VMEM, where the compiler counts all of the
-# kernel's windows (40 compiles).
+# kernel's windows (44 compiles).
 SWEEP = _sweep(("v4:2x2x1",), ((1, 0), (128, 128)))
 
 

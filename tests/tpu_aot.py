@@ -215,6 +215,12 @@ FAMILY_HF_CONFIGS = {
                  intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
                  num_key_value_heads=32, max_position_embeddings=4096, sliding_window=2047,
                  tie_word_embeddings=False),
+    # Phi-3-mini with Phi-2's heads (32 of 80: hidden 2560), a head size no attention
+    # kernel takes: the programs that run the jnp attention fallback.
+    "phi3-head80": dict(model_type="phi3", vocab_size=32064, hidden_size=2560,
+                        intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
+                        num_key_value_heads=32, max_position_embeddings=4096,
+                        sliding_window=2047, tie_word_embeddings=False),
 }
 
 
