@@ -243,6 +243,9 @@ def problems(args) -> tuple[list[Problem], list[Problem]]:
                 "bfloat16", layers=3, sliding=small // 4),
         Problem("gemma2-capped-sliding", 8, 4, 256, small + 9, 5, small + 64, "float32",
                 window=3, sliding=small // 4, softcap=50.0),
+        # Phi-3's heads (32 / 32 of 96: the cache's 96 columns in 128-wide tiles).
+        Problem("phi3-d96", 32, 32, 96, max(lengths) - 7, 16 if not args.quick else 4,
+                max(lengths) + 64, "bfloat16", layers=3),
     ]
     return checks, timed
 

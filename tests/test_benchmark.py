@@ -822,7 +822,8 @@ def test_bench_kernels_checks_fp32_and_bf16_then_times_chained_calls(tmp_path, m
                                "--sweep-warps", "4", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert {c["dtype"] for c in result["checks"]} == {"float32", "bfloat16"}
-    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 9
+    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 10
+    assert any(c["head_dim"] == 96 for c in result["checks"])
     assert [(c["sliding"], c["softcap"]) for c in result["checks"] if c["sliding"]] == [
         (10, 0.0), (10, 50.0)]
     assert [(r["length"], r["nodes"]) for r in result["rows"]] == [
