@@ -7,7 +7,8 @@ kernel-like operations of one decode step (``profile_step.analyze_program``: fus
 kernel custom calls, copies, in-place updates; the layer loop's body once and weighted by
 its 30 trips), the target layer loop's operations per layer ("-" where the layers are
 unrolled: the fused path on a GPU), the Pallas kernels by
-backend, the bytes copied per step and any cache-sized copy. These are the launches a GPU
+backend, the bytes copied per step, the bytes every data-movement fusion writes per step
+(slices, pads, transposes: "moved MB") and any cache-sized copy. These are the launches a GPU
 would run per step, up to what XLA's runtime groups into CUDA graphs; a profile on the
 device (``benchmarks/gpu_run.sh``) measures their time.
 
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
     machine = environment.machine()
     records = gpu_aot.run_worker(jobs)
     print(f"{'method':<8}{'dtype':<10}{'config':<18}{'ok':<4}{'ops/step':>9}{'per layer':>10}"
-          f"{'triton':>8}{'mosaic':>8}{'cond':>6}{'copy KB':>9}{'cache cp':>9}"
+          f"{'triton':>8}{'mosaic':>8}{'cond':>6}{'copy KB':>9}{'moved MB':>9}{'cache cp':>9}"
           f"{'compile s':>10}")
     failed = False
     for record in records:
@@ -112,6 +113,7 @@ def main(argv=None) -> int:
               f"{step['step_ops_weighted']:>9.0f}{record['target_layer_ops'] or '-':>10}"
               f"{triton:>8.0f}{mosaic:>8.0f}{step['step_ops_by_kind'].get('conditional', 0):>6}"
               f"{step['copy_bytes_per_step'] / 1024:>9.1f}"
+              f"{step['data_movement_bytes_per_step'] / 1e6:>9.1f}"
               f"{step['cache_sized_copies_per_step']:>9.0f}{record['compile_s']:>10.1f}")
     if args.json:
         environment.write_json(args.json, {
