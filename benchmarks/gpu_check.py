@@ -406,6 +406,12 @@ def _ar_row(row: dict) -> dict:
     hlo = row.get("hlo_loop") or {}
     keep["hlo_step_ops"] = hlo.get("step_ops_weighted")
     keep["hlo_cache_sized_copies_per_step"] = hlo.get("cache_sized_copies_per_step")
+    # What the step's data-movement fusions write (a layer's weights sliced for a GEMM:
+    # benchmarks/README.md, "a verify pass copies every layer's weights").
+    keep["hlo_data_movement_bytes_per_step"] = hlo.get("data_movement_bytes_per_step")
+    keep["hlo_largest_data_movements"] = [
+        {k: m.get(k) for k in ("name", "shape", "bytes", "times_per_step")}
+        for m in (hlo.get("largest_data_movements") or [])[:3]]
     trace = row.get("trace")
     if trace:
         for key in ("kind", "kernels_per_pass", "thunks_per_pass", "device_ms_per_pass",

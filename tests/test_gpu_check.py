@@ -165,6 +165,9 @@ def test_the_cpu_rehearsal_runs_every_step_and_catches_a_wrong_method(tmp_path):
                  "tree 16-node step / ar step (bf16)", "staged step / ar step (bf16)",
                  "ngram step / ar step (bf16)"):
         assert isinstance(targets[name]["measured"], float), targets[name]
+    # Each profiled row says what its step's data-movement fusions write.
+    assert all(isinstance(r["hlo_data_movement_bytes_per_step"], int)
+               for r in steps["ar"]["rows"] + steps["step_cost"]["rows"])
     assert [r["nodes"] for r in steps["verify"]["rows"]] == [1, 6, 16, 64] * 2
     assert steps["verify"]["kernel"]["relative_16_to_1"] > 0
     assert steps["gpt2_roofline"]["fraction_of_roofline_measured"] > 0
