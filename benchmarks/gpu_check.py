@@ -857,10 +857,6 @@ AUTOTUNE_DIR = "xla_gpu_per_fusion_autotune_cache_dir"
 AUTOTUNE_ARCHIVE = "autotune_cache.tar.gz"
 
 
-def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
-
-
 def seed_autotune_cache(folder: Path, archive: Path) -> dict:
     """``GPU_CHECK_AUTOTUNE_CACHE=ARCHIVE``: an earlier run's ``autotune_cache.tar.gz``
     unpacked into this run's autotuning cache ``folder`` (regular files only, no path
@@ -882,7 +878,7 @@ def save_autotune_cache(folder: Path, archive: Path) -> int:
     """The run's autotuning results as ``archive`` (for the next run on the same GPU
     model: ``GPU_CHECK_AUTOTUNE_CACHE``), replaced whole; the number of entries (none:
     no archive, e.g. on the CPU)."""
-    files = _files(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
     if files:
         staging = archive.with_name(f".{archive.name}.partial")
         with tarfile.open(staging, "w:gz") as tar:

@@ -4,6 +4,8 @@ the committed result files hold."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -82,9 +84,6 @@ def test_the_help_says_what_the_default_is(capsys):
 def test_the_readme_gpu_table_is_the_committed_suite():
     """The README's GPU table (median speedup, tokens per target pass) is what the committed
     H200 suite holds, rounded as printed."""
-    import json
-    import re
-
     text = (ROOT / "README.md").read_text()
     section = text[text.index("**On a GPU with the shipped draft**"):]
     section = section[:section.index("So the default on a GPU")]

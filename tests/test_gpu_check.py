@@ -8,8 +8,8 @@ import io
 import json
 import os
 import subprocess
-import tarfile
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest

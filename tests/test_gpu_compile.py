@@ -38,6 +38,7 @@ import pytest
 
 import gpu_aot
 import tpu_aot
+from specjax.kernels.layout import next_power_of_2
 
 COMPILER_PATH, MISSING = gpu_aot.find_compiler()
 REQUIRE_ENV = "SPECJAX_REQUIRE_GPU_COMPILER"
@@ -193,7 +194,7 @@ def test_family_program_compiles_for_h100(records, name):
         assert step["cache_sized_copies_per_step"] == 0, step["largest_copies"]
         # Phi-3's head_dim 96 runs on 128-wide tiles, loaded from the cache as it is: no
         # copy of the cache (or of a layer) padded to the tile's width.
-        tile = 1 << (head_dim - 1).bit_length()
+        tile = next_power_of_2(head_dim)
         padded = {(capacity, kv_heads, tile), (layers, capacity, kv_heads, tile)}
         moved = {tuple(d for d in _dims(move["shape"]) if d != 1)
                  for move in step["largest_data_movements"]}
