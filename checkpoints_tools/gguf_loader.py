@@ -28,6 +28,13 @@ writes them): none is permuted; Gemma's norm weights are stored plus one (llama.
 by ``w``, HF by ``1 + w``), which :func:`params_from_gguf` subtracts (exactly: the stored
 value is the float32 ``1 + w`` that HF computes); Phi-3's fused ``attn_qkv`` and ``ffn_up``
 (gate and up) are split by the key table as for its HF checkpoint.
+
+RoPE scaling factors travel as tensors (:data:`ROPE_FACTOR_TENSORS`), read into the config
+rather than the parameters: ``rope_freqs.weight`` (llama.cpp divides frequency i by factor i;
+how Llama 3.1/3.2 files store their Llama 3 scaling) becomes LongRoPE with one factor set,
+and Phi-3's ``rope_factors_long``/``rope_factors_short`` with
+``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor`` become its
+LongRoPE; ``rope.dimension_count`` below the head size is Phi-3's partial rotary.
 """
 
 from __future__ import annotations
@@ -437,10 +444,6 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
         return value
 
     names = {tensor.name for tensor in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise CheckpointError(
-            f"{source}: tensor 'rope_freqs.weight' (per-frequency RoPE scaling, Llama 3.1 "
-            "style) is not supported; load the model from its HF directory instead")
     if arch in FAMILY_ARCHITECTURES:
         return _family_config(reader, arch, meta, names, source)
     hidden = meta("embedding_length")
@@ -461,6 +464,15 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
         scaling = RopeScaling("linear", _float32_value(meta("rope.scaling.factor", kind=float)))
     elif scaling_type != "none":
         raise CheckpointError(f"{source}: RoPE scaling {scaling_type!r} is not supported")
+    factors = _rope_factor_tensor(reader, "rope_freqs.weight", source)
+    if factors is not None:
+        if scaling is not None:
+            raise CheckpointError(f"{source}: both 'rope_freqs.weight' and RoPE scaling "
+                                  f"{scaling_type!r}; expected one")
+        # llama.cpp divides frequency i by factor i (how it stores Llama 3.1's scaling):
+        # LongRoPE's rule with one set of factors, never switched.
+        scaling = RopeScaling("longrope", original_max_position_embeddings=meta(
+            "context_length"), short_factor=factors, long_factor=factors)
 
     def token_id(key):
         return _field(reader, f"tokenizer.ggml.{key}", source=source, kind=int)
@@ -492,17 +504,17 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
     """The config of a :data:`FAMILY_ARCHITECTURES` file: its metadata as the Hugging Face
     config keys :func:`specjax.config.from_hf_config` reads, so both formats share one
     reading of each family's features."""
-    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-        if name in names:
-            raise CheckpointError(
-                f"{source}: tensor {name!r} (Phi-3 longrope scaling) is not supported")
     hidden, heads, layers = (meta("embedding_length"), meta("attention.head_count"),
                              meta("block_count"))
     if heads == 0:
         raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' is 0")
     head_dim = meta("attention.key_length", hidden // heads)
-    if meta("rope.dimension_count", head_dim) != head_dim:
+    rope_dims = meta("rope.dimension_count", head_dim)
+    if rope_dims != head_dim and arch != "phi3":
         raise CheckpointError(f"{source}: partial RoPE ({arch}.rope.dimension_count) is not "
+                              f"supported")
+    if "rope_freqs.weight" in names:
+        raise CheckpointError(f"{source}: tensor 'rope_freqs.weight' in a {arch} file is not "
                               f"supported")
     tokens = _field(reader, "tokenizer.ggml.tokens", source=source, kind=list)
     eos = [t for t in (_field(reader, f"tokenizer.ggml.{key}", source=source, kind=int)
@@ -520,12 +532,32 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
         "eos_token_id": list(dict.fromkeys(eos)) or None,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", source=source, kind=int),
     }
+    if rope_dims != head_dim:  # Phi-4-mini: RoPE on the first rope_dims of each head
+        cfg["partial_rotary_factor"] = rope_dims / head_dim
     scaling = meta("rope.scaling.type", "none", kind=str)
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear",
                                "factor": _float32_value(meta("rope.scaling.factor", kind=float))}
     elif scaling != "none":
         raise CheckpointError(f"{source}: RoPE scaling {scaling!r} is not supported")
+    long, short = (_rope_factor_tensor(reader, f"rope_factors_{kind}.weight", source)
+                   for kind in ("long", "short"))
+    if (long is None) != (short is None):
+        raise CheckpointError(f"{source}: 'rope_factors_long.weight' and "
+                              f"'rope_factors_short.weight' come together; one is missing")
+    if long is not None:
+        if arch != "phi3" or "rope_scaling" in cfg:
+            raise CheckpointError(f"{source}: LongRoPE factors in a {arch} file"
+                                  f"{' with other RoPE scaling' if arch == 'phi3' else ''} are "
+                                  f"not supported")
+        # llama.cpp's Phi-3 (convert_hf_to_gguf.py): the factor sets as tensors, the
+        # pretraining length and the attention factor as metadata.
+        cfg["original_max_position_embeddings"] = meta("rope.scaling.original_context_length")
+        cfg["rope_scaling"] = {"rope_type": "longrope", "short_factor": short,
+                               "long_factor": long}
+        attention = meta("rope.scaling.attn_factor", 0.0, kind=float)
+        if attention:
+            cfg["rope_scaling"]["attention_factor"] = _float32_value(attention)
     window = meta("attention.sliding_window", 0)
     if window and arch == "qwen3":  # llama.cpp's qwen3 has no sliding layers
         raise CheckpointError(f"{source}: a qwen3 GGUF with a sliding window ({window}) is "
@@ -560,6 +592,24 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
     except InvalidArgumentError as error:
         raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
                               ) from None
+
+
+# Tensors that carry RoPE scaling factors (read into the config, not parameters).
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight",
+                       "rope_factors_short.weight")
+
+
+def _rope_factor_tensor(reader: GGUFFile, name: str, source: str) -> list[float] | None:
+    """A 1-D RoPE factor tensor of the file as floats (positive, finite), or ``None``."""
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None:
+        return None
+    array = _dequantize(tensor, source)
+    if (array.ndim != 1 or array.size == 0 or not np.all(np.isfinite(array))
+            or not np.all(array > 0)):
+        raise CheckpointError(f"{source}: tensor {name!r} must be 1-D positive finite RoPE "
+                              f"factors, got shape {array.shape}")
+    return [float(f) for f in array]
 
 
 def _gguf_names_in_message(message: str, arch: str | None = None) -> str:
@@ -606,6 +656,8 @@ def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf"
 
         items = tqdm(items, desc="dequantizing GGUF tensors", unit="tensor", leave=False)
     for tensor in items:
+        if tensor.name in ROPE_FACTOR_TENSORS:
+            continue  # read into the config (config_from_gguf)
         name = hf_name(tensor.name, arch)
         array = _dequantize(tensor, source)
         if arch in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):

@@ -38,8 +38,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x [T, heads, D] by the tables [T, D] (pairs are (i, i + D/2))."""
-    half = x.shape[-1] // 2
+    """Rotates x [T, heads, D] by the tables [T, R] (pairs are (i, i + R/2)): the first R
+    dims of each head; the other D - R (partial rotary) pass through unchanged."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]],
+                               axis=-1)
+    half = rotary // 2
     xf = x.astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)

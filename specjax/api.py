@@ -299,6 +299,20 @@ def _plan(model: Model, settings: _Settings, prompt_length: int) -> tuple[int, i
     return plan
 
 
+def _loop(model: Model, settings: _Settings, prompt_length: int, capacity: int,
+          prompt_bucket: int, kernels) -> decode.DecodeLoop:
+    """The static program of a generation whose longest prompt is ``prompt_length``: the
+    configs as a sequence of that many plus ``max_new_tokens`` positions runs them (LongRoPE
+    picks its factors by that length, once for the whole generation:
+    :meth:`~specjax.config.ModelConfig.for_length`)."""
+    length = prompt_length + settings.max_new_tokens
+    method = settings.method
+    if getattr(method, "draft_config", None) is not None:
+        method = dataclasses.replace(method, draft_config=method.draft_config.for_length(length))
+    return decode.DecodeLoop(config=model.config.for_length(length), capacity=capacity,
+                             prompt_bucket=prompt_bucket, kernels=kernels, method=method)
+
+
 def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k, top_p,
              seed, draft, ngram, stop_tokens, chat, kernels, options) -> _Request:
     settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
@@ -308,9 +322,7 @@ def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k
     ids = encode_prompt(model, prompt, chat)
     _load_resources(model, settings, draft, ngram)
     prompt_bucket, capacity = _plan(model, settings, len(ids))
-    loop = decode.DecodeLoop(config=model.config, capacity=capacity,
-                             prompt_bucket=prompt_bucket, kernels=kernels,
-                             method=settings.method)
+    loop = _loop(model, settings, len(ids), capacity, prompt_bucket, kernels)
     padded = np.zeros(prompt_bucket, np.int32)
     padded[: len(ids)] = ids
     args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new_tokens),
@@ -387,9 +399,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         rows = list(range(first, min(first + int(batch_size), len(prompts))))
         lengths = [len(encoded[row]) for row in rows]
         prompt_bucket, capacity = _plan(model, settings, max(lengths))
-        loop = decode.DecodeLoop(config=model.config, capacity=capacity,
-                                 prompt_bucket=prompt_bucket, kernels=kernels,
-                                 method=settings.method)
+        loop = _loop(model, settings, max(lengths), capacity, prompt_bucket, kernels)
         size = decode.batch_bucket(len(rows))
         # Padding rows: one token, one new token: done at prefill, then held.
         padded = np.zeros((size, prompt_bucket), np.int32)

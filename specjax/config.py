@@ -3,7 +3,8 @@
 One :class:`ModelConfig` describes every architecture specjax runs. ``architecture`` picks
 the forward function (``"llama"`` covers Llama 2/3, SmolLM/SmolLM2, Qwen2, Mistral, and with
 the optional fields below Qwen3, Gemma 2, Gemma 3 (text) and Phi-3; ``"gpt2"`` covers
-GPT-2). Presets are factory functions; :func:`from_hf_config` reads a
+GPT-2); :class:`RopeScaling` covers the long-context RoPE variants (linear, Llama 3, YaRN,
+LongRoPE). Presets are factory functions; :func:`from_hf_config` reads a
 Hugging Face ``config.json`` (a dict or a ``transformers`` config object) and
 :meth:`ModelConfig.to_hf_config` writes one back, so a model can round-trip through an HF
 directory.
@@ -12,6 +13,7 @@ directory.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, Mapping
 
@@ -21,15 +23,75 @@ ARCHITECTURES = ("llama", "gpt2")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``kind`` is ``"linear"`` or ``"llama3"``."""
+    """RoPE frequency scaling: Hugging Face's ``rope_type`` (``kind``) and its parameters.
+
+    * ``"linear"``: every inverse frequency divided by ``factor``.
+    * ``"llama3"``: long wavelengths divided by ``factor``, short ones kept, the band
+      between ``low_freq_factor`` and ``high_freq_factor`` interpolated.
+    * ``"yarn"``: YaRN (Qwen2.5/Qwen3 long context, DeepSeek): frequencies interpolated by
+      ``factor`` below a ramp between ``beta_slow`` and ``beta_fast`` rotations over
+      ``original_max_position_embeddings``, extrapolated above it, and cos/sin scaled by
+      ``attention_factor``.
+    * ``"longrope"``: LongRoPE (Phi-3.5, Phi-4-mini; also llama.cpp's per-frequency
+      ``rope_freqs`` factors): frequency ``i`` divided by ``short_factor[i]``, or by
+      ``long_factor[i]`` when ``long``, and cos/sin scaled by ``attention_factor``.
+      Transformers picks the long factors for a forward pass whose positions reach past
+      ``original_max_position_embeddings``; specjax picks them once per generation, for
+      every position of it, when the prompt plus ``max_new_tokens`` does
+      (:meth:`ModelConfig.for_length`), as llama.cpp does by its context size, so that
+      every method and every pass of a generation rotates a position alike.
+
+    ``attention_factor`` is stored resolved (Hugging Face derives a default from
+    ``factor``, ``mscale`` and ``mscale_all_dim``; :func:`from_hf_config` does so).
+    """
 
     kind: str
-    factor: float
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    long: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALINGS:
+            raise InvalidArgumentError(f"unknown rope scaling kind {self.kind!r}; expected one "
+                                       f"of {ROPE_SCALINGS}")
+        for name in ("short_factor", "long_factor"):  # JSON gives lists; keep it hashable
+            value = getattr(self, name)
+            try:
+                factors = tuple(float(f) for f in value)
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"rope scaling {name} must be a list of numbers, got {value!r}") from None
+            if any(not f > 0 for f in factors):  # also NaN
+                raise InvalidArgumentError(f"rope scaling {name} must be > 0, got {value!r}")
+            object.__setattr__(self, name, factors)
+        if self.kind == "longrope" and (
+                not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise InvalidArgumentError(
+                f"longrope needs short_factor and long_factor of one length (head_dim / 2), "
+                f"got {len(self.short_factor)} and {len(self.long_factor)}")
+        for name in ("factor", "attention_factor"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(
+                    f"rope scaling {name} must be > 0, got {getattr(self, name)!r}")
+        if (self.kind in ("llama3", "yarn", "longrope")
+                and (not isinstance(self.original_max_position_embeddings, int)
+                     or self.original_max_position_embeddings < 1)):
+            raise InvalidArgumentError(
+                f"{self.kind} rope scaling needs original_max_position_embeddings >= 1, got "
+                f"{self.original_max_position_embeddings!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +111,8 @@ class ModelConfig:
       max_position_embeddings: largest position id + 1 the model supports.
       norm_eps: epsilon of RMSNorm / LayerNorm.
       rope_theta: RoPE base (llama only).
-      rope_scaling: optional :class:`RopeScaling` (llama only).
+      rope_scaling: optional :class:`RopeScaling` (llama only): linear, Llama 3, YaRN or
+        LongRoPE.
       tie_word_embeddings: the output head is the transposed embedding.
       qkv_bias: q/k/v projections have a bias (Qwen2, GPT-2).
       out_bias: the attention output projection has a bias (GPT-2, Llama with
@@ -80,6 +143,9 @@ class ModelConfig:
         ``(w,)``.
       local_rope_theta: RoPE base of the sliding-window layers (Gemma 3); those layers use
         no ``rope_scaling``. ``None``: every layer uses ``rope_theta``.
+      rotary_dim: RoPE rotates only the first ``rotary_dim`` dims of each query and key
+        head, the rest pass through (partial rotary: Phi-4-mini's
+        ``partial_rotary_factor``); ``None``: the whole head.
       feature_input: a feature draft (EAGLE-style, llama family only): its blocks read
         ``[embed(token_t); rms_norm(f_{t-1})] @ fc``, where ``f_{t-1}`` is the target's
         final-normed hidden state at the previous position, and its output (after its own
@@ -131,6 +197,7 @@ class ModelConfig:
     final_softcap: float | None = None
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None
+    rotary_dim: int | None = None
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -148,6 +215,19 @@ class ModelConfig:
             )
         if self.architecture == "llama" and self.head_dim % 2:
             raise InvalidArgumentError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.rotary_dim is not None and (
+                self.architecture != "llama" or not isinstance(self.rotary_dim, int)
+                or isinstance(self.rotary_dim, bool) or self.rotary_dim % 2
+                or not 0 < self.rotary_dim <= self.head_dim):
+            raise InvalidArgumentError(
+                f"rotary_dim must be an even int in (0, head_dim={self.head_dim}] on a llama "
+                f"model, got {self.rotary_dim!r}")
+        scaling = self.rope_scaling
+        if (scaling is not None and scaling.kind == "longrope"
+                and len(scaling.short_factor) != self.rope_dim // 2):
+            raise InvalidArgumentError(
+                f"longrope short_factor and long_factor need rotary dims / 2 = "
+                f"{self.rope_dim // 2} entries, got {len(scaling.short_factor)}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise InvalidArgumentError(
                 f"unknown hidden_act {self.hidden_act!r}; expected one of {HIDDEN_ACTS}")
@@ -181,6 +261,24 @@ class ModelConfig:
                 or not 0 <= self.draft_vocab_size <= self.vocab_size):
             raise InvalidArgumentError(f"draft_vocab_size must be an int in [0, "
                                        f"{self.vocab_size}], got {self.draft_vocab_size!r}")
+
+    @property
+    def rope_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (``rotary_dim``, else all)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def for_length(self, length: int) -> "ModelConfig":
+        """The config a generation of ``length`` positions (prompt + ``max_new_tokens``)
+        runs: with LongRoPE scaling, the long factors when ``length`` is past
+        ``original_max_position_embeddings`` and the short ones otherwise (see
+        :class:`RopeScaling`); any other config is returned as it is."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.kind != "longrope":
+            return self
+        long = length > scaling.original_max_position_embeddings
+        if long == scaling.long:
+            return self
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(scaling, long=long))
 
     @property
     def windows_per_layer(self) -> tuple[int, ...]:
@@ -335,15 +433,50 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, None
     if kind == "linear":
         return theta, RopeScaling("linear", float(merged["factor"]))
-    if kind == "llama3":
+    if kind == "su":  # LongRoPE's name in early Phi-3 configs
+        kind = "longrope"
+    if kind not in ("llama3", "yarn", "longrope"):
+        raise InvalidArgumentError(
+            f"unsupported rope scaling type {kind!r}; specjax supports default, linear, "
+            f"llama3, yarn and longrope")
+    # As transformers reads it: a top-level original_max_position_embeddings (Phi-3's) first,
+    # then the scaling's own, else max_position_embeddings.
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    original = int(_get(cfg, "original_max_position_embeddings",
+                        default=merged.get("original_max_position_embeddings", max_positions)))
+    try:
+        if kind == "llama3":
+            return theta, RopeScaling(
+                "llama3", float(merged["factor"]), float(merged.get("low_freq_factor", 1.0)),
+                float(merged.get("high_freq_factor", 4.0)), original)
+        factor = merged.get("factor")
+        factor = max_positions / original if factor is None else float(factor)
+        attention = merged.get("attention_factor")
+        if kind == "yarn":
+            if attention is None:
+                mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+                attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                             if mscale and mscale_all_dim else _yarn_mscale(factor))
+            return theta, RopeScaling(
+                "yarn", factor, original_max_position_embeddings=original,
+                beta_fast=float(merged.get("beta_fast") or 32),
+                beta_slow=float(merged.get("beta_slow") or 1),
+                truncate=bool(merged.get("truncate", True)), attention_factor=float(attention))
+        if attention is None:
+            attention = (1.0 if factor <= 1.0
+                         else math.sqrt(1 + math.log(factor) / math.log(original)))
         return theta, RopeScaling(
-            "llama3", float(merged["factor"]), float(merged.get("low_freq_factor", 1.0)),
-            float(merged.get("high_freq_factor", 4.0)),
-            int(merged.get("original_max_position_embeddings", 8192)),
-        )
-    raise InvalidArgumentError(
-        f"unsupported rope scaling type {kind!r}; specjax supports default, linear and llama3"
-    )
+            "longrope", factor, original_max_position_embeddings=original,
+            attention_factor=float(attention), short_factor=merged.get("short_factor") or (),
+            long_factor=merged.get("long_factor") or ())
+    except KeyError as missing:
+        raise InvalidArgumentError(f"{kind} rope scaling without {missing}") from None
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term ``0.1 * mscale * ln(factor) + 1`` (1 for
+    ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
@@ -480,16 +613,21 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     rope = dict(cfg.get("rope_parameters") or {})
     partial = float(_get(cfg, "partial_rotary_factor",
                          default=rope.get("partial_rotary_factor", 1.0)))
+    head_dim = int(_get(cfg, "head_dim", default=width // heads))
+    rotary_dim = None
     if partial != 1.0:
-        raise InvalidArgumentError(
-            f"{model_type} partial_rotary_factor {partial} is not supported (RoPE on the "
-            f"whole head only)")
+        if model_type != "phi3":
+            raise InvalidArgumentError(
+                f"{model_type} partial_rotary_factor {partial} is not supported (RoPE on the "
+                f"whole head only)")
+        rotary_dim = int(head_dim * partial)  # as transformers rounds it
     local_theta = None
     if model_type == "gemma3_text":
         theta, scaling, local_theta = _gemma3_rope(cfg)
     else:
+        if model_type == "phi3":
+            cfg = _phi3_rope_names(cfg)
         theta, scaling = _rope_from_hf(cfg)
-    head_dim = int(_get(cfg, "head_dim", default=width // heads))
     query_scale = None
     if gemma and cfg.get("query_pre_attn_scalar") is not None:
         query_scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
@@ -512,7 +650,21 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         query_scale=query_scale, attn_softcap=softcap["attn_logit_softcapping"],
         final_softcap=softcap["final_logit_softcapping"],
         layer_windows=_layer_windows(model_type, cfg, layers), local_rope_theta=local_theta,
+        rotary_dim=rotary_dim,
     )
+
+
+def _phi3_rope_names(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A Phi-3 config with its scaling's older names ("su", "yarn") read as transformers'
+    Phi-3 reads them: LongRoPE."""
+    out = dict(cfg)
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = out.get(key)
+        if isinstance(scaling, Mapping):
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind in ("su", "yarn"):
+                out[key] = {**scaling, "rope_type": "longrope", "type": "longrope"}
+    return out
 
 
 def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -557,13 +709,25 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
         out["sliding_window"] = config.max_position_embeddings
     if config.rope_scaling is not None:
         out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
+        if family == "phi3":  # transformers' Phi-3 reads this key before the scaling's own
+            out["original_max_position_embeddings"] = (
+                config.rope_scaling.original_max_position_embeddings)
+    if config.rotary_dim is not None:
+        out["partial_rotary_factor"] = config.rotary_dim / config.head_dim
     return out
 
 
 def _rope_scaling_to_hf(scaling: RopeScaling) -> dict[str, Any]:
     out = {"rope_type": scaling.kind, "factor": scaling.factor}
+    if scaling.kind != "linear":
+        out["original_max_position_embeddings"] = scaling.original_max_position_embeddings
     if scaling.kind == "llama3":
         out.update(low_freq_factor=scaling.low_freq_factor,
-                   high_freq_factor=scaling.high_freq_factor,
-                   original_max_position_embeddings=scaling.original_max_position_embeddings)
+                   high_freq_factor=scaling.high_freq_factor)
+    if scaling.kind == "yarn":
+        out.update(beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow,
+                   truncate=scaling.truncate, attention_factor=scaling.attention_factor)
+    if scaling.kind == "longrope":
+        out.update(attention_factor=scaling.attention_factor,
+                   short_factor=list(scaling.short_factor), long_factor=list(scaling.long_factor))
     return out

@@ -209,13 +209,14 @@ def gguf_name(hf_name: str) -> str:
 
 def write_tiny_gguf(model, path: Path, quant: str = "F32", *, drop: str | None = None,
                     extra: str | None = None, arch: str | None = None,
-                    permute: bool = True) -> Path:
+                    permute: bool = True, extra_tensors: dict | None = None) -> Path:
     """Writes a llama/qwen2 transformers model as a GGUF file, as llama.cpp would.
 
     Args:
       quant: type of the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1); norms stay F32.
       drop: a GGUF tensor name to leave out; extra: a GGUF tensor name to add.
       arch: override general.architecture; permute: apply llama.cpp's Q/K permutation.
+      extra_tensors: more tensors by GGUF name, written as they are (``rope_freqs.weight``).
     """
     import gguf
     from gguf.quants import quantize
@@ -254,6 +255,8 @@ def write_tiny_gguf(model, path: Path, quant: str = "F32", *, drop: str | None =
             writer.add_tensor(target, array.astype(np.float32))
     if extra is not None:
         writer.add_tensor(extra, np.zeros(cfg.hidden_size, np.float32))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.asarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

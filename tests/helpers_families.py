@@ -102,13 +102,17 @@ def family_gguf_name(hf_name: str, arch: str) -> str:
 
 
 def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = True,
-                      vocabulary: str = "byte-level", chat_template: str | None = None):
+                      vocabulary: str = "byte-level", chat_template: str | None = None,
+                      extra_tensors: dict | None = None):
     """Writes a tiny Qwen3 / Gemma 2 / Gemma 3 / Phi-3 transformers model as llama.cpp's
     converter would: its names and metadata keys, Gemma's norms stored plus one
     (``norm_shift``), no Q/K permutation; the byte-level tiny vocabulary of
     :func:`helpers_checkpoints.tiny_vocabulary` or, with ``vocabulary="sentencepiece"``,
     :func:`helpers_checkpoints.tiny_sentencepiece_vocabulary` as the real Gemma and Phi-3
-    files carry (no space prefix for Gemma). The model's vocab_size must match."""
+    files carry (no space prefix for Gemma). The model's vocab_size must match. A Phi-3
+    with LongRoPE gets llama.cpp's factor tensors and metadata, partial rotary its
+    ``rope.dimension_count``; ``extra_tensors`` (GGUF name -> array) are added as they
+    are."""
     import gguf
     import numpy as np
     from gguf.quants import quantize
@@ -127,9 +131,19 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
+    partial = rope.get("partial_rotary_factor", 1.0) if arch == "phi3" else 1.0
+    writer.add_rope_dimension_count(int(head_dim * partial))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        # as llama.cpp's convert_hf_to_gguf.py writes a Phi-3 with LongRoPE
+        original = cfg.original_max_position_embeddings
+        writer.add_rope_scaling_orig_ctx_len(original)
+        factor = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(factor) / np.log(original))))
+        extra_tensors = {"rope_factors_long.weight": np.asarray(rope["long_factor"], np.float32),
+                         "rope_factors_short.weight": np.asarray(rope["short_factor"], np.float32),
+                         **(extra_tensors or {})}
     if arch == "gemma3":
         writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
@@ -160,6 +174,8 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
             writer.add_tensor(target, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(target, array.astype(np.float32))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.asarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -162,15 +162,6 @@ def test_the_multimodal_gemma3_checkpoint_names_load(pairs):
                                   np.asarray(model.params["layers"]["q_norm"]))
 
 
-@pytest.mark.parametrize("kind", ["longrope", "su"])
-def test_phi3_long_rope_is_refused_naming_the_kind(kind):
-    raw = hf_config("phi3").to_dict()
-    raw["rope_parameters"] = None
-    raw["rope_scaling"] = {"type": kind, "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}
-    with pytest.raises(InvalidArgumentError, match=f"unsupported rope scaling type '{kind}'"):
-        from_hf_config(raw)
-
-
 def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
     from specjax.checkpoints_tools.keymap import hf_tensors_from_params, params_from_hf_tensors
 

@@ -31,16 +31,23 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 
 def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> jax.Array:
-    """Per-pair inverse frequencies [D/2], including linear or Llama-3 scaling (``local``:
-    the sliding-window layers' base ``config.local_rope_theta``, unscaled)."""
-    dim = config.head_dim
+    """Per-pair inverse frequencies [R/2] (R = ``config.rope_dim``), scaled as
+    ``config.rope_scaling`` says (``local``: the sliding-window layers' base
+    ``config.local_rope_theta``, unscaled)."""
+    dim = config.rope_dim
     theta = config.local_rope_theta if local else config.rope_theta
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    inv_freq = 1.0 / (theta ** exponents)
     scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "longrope":
+        factors = scaling.long_factor if scaling.long else scaling.short_factor
+        return 1.0 / (jnp.asarray(factors, jnp.float32) * theta ** exponents)
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(theta ** exponents, scaling, dim, theta)
     # Llama 3: long wavelengths are divided by ``factor``, short ones kept, and the band in
     # between interpolated smoothly.
     old_len = scaling.original_max_position_embeddings
@@ -55,14 +62,40 @@ def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> jax.Ar
     return jnp.where(medium, smoothed, scaled)
 
 
+def _yarn_frequencies(base_powers: jax.Array, scaling, dim: int,
+                      theta: float) -> jax.Array:
+    """YaRN: the pairs that turn fewer than ``beta_slow`` times over the original context
+    are interpolated (divided by ``factor``), those that turn more than ``beta_fast`` times
+    kept, and a linear ramp over pair indices blends the band between."""
+    def pair_turning(rotations):  # the (fractional) pair index that turns `rotations` times
+        return (dim * math.log(scaling.original_max_position_embeddings
+                               / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-point ramp
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    interpolated = 1.0 / (scaling.factor * base_powers)
+    return interpolated * (1 - keep) + (1.0 / base_powers) * keep
+
+
 def rope_tables(config: ModelConfig, positions: jax.Array,
                 local: bool = False) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables [T, D] for position ids [T] (half-split layout, as in HF;
-    ``local``: see :func:`rope_inverse_frequencies`)."""
+    """cos and sin tables [T, R] for position ids [T] (half-split layout, as in HF; R =
+    ``config.rope_dim``), times the scaling's ``attention_factor`` (YaRN, LongRoPE; it
+    scales queries and keys alike); ``local``: see :func:`rope_inverse_frequencies`."""
     inv_freq = rope_inverse_frequencies(config, local)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    scaling = None if local else config.rope_scaling
+    factor = 1.0 if scaling is None else scaling.attention_factor
+    if factor == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:

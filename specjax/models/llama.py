@@ -207,7 +207,8 @@ def plain_layers_only(config: ModelConfig) -> str | None:
         ("a query scale", config.query_scale is not None),
         ("soft-capping", config.attn_softcap is not None or config.final_softcap is not None),
         ("sliding windows", bool(config.layer_windows)),
-        ("local RoPE", config.local_rope_theta is not None)) if on]
+        ("local RoPE", config.local_rope_theta is not None),
+        ("partial RoPE", config.rope_dim != config.head_dim)) if on]
     return ", ".join(features) or None
 
 
