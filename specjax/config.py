@@ -122,7 +122,8 @@ class ModelConfig:
       bos_token_id: token id prepended by tokenizers that add one (informational).
       sliding_window: attention window (Mistral); generation longer than it is refused.
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
-        below (``"qwen3"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``), so the config
+        below (``"qwen3"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``, ``"smollm3"``), so
+        the config
         writes the same type back; ``None`` for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
       norm_plus_one: RMSNorm scales by ``1 + w`` (Gemma), not ``w``.
@@ -146,6 +147,10 @@ class ModelConfig:
       rotary_dim: RoPE rotates only the first ``rotary_dim`` dims of each query and key
         head, the rest pass through (partial rotary: Phi-4-mini's
         ``partial_rotary_factor``); ``None``: the whole head.
+      no_rope_layers: which layers apply RoPE, as Hugging Face's SmolLM3 writes it (1: RoPE,
+        0: none, a "NoPE" layer), a pattern like ``layer_windows`` (layer ``i`` reads entry
+        ``i % len``; stored as its shortest period: SmolLM3 ``(1, 1, 1, 0)``); ``()``:
+        every layer.
       feature_input: a feature draft (EAGLE-style, llama family only): its blocks read
         ``[embed(token_t); rms_norm(f_{t-1})] @ fc``, where ``f_{t-1}`` is the target's
         final-normed hidden state at the previous position, and its output (after its own
@@ -198,6 +203,7 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None
     rotary_dim: int | None = None
+    no_rope_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -240,6 +246,13 @@ class ModelConfig:
         # made of the first layers, a grown one) is still described, and equal configs
         # compare equal however the pattern was written.
         object.__setattr__(self, "layer_windows", _shortest_period(tuple(self.layer_windows)))
+        if any(flag not in (0, 1) or isinstance(flag, bool) for flag in self.no_rope_layers):
+            raise InvalidArgumentError(f"no_rope_layers must be 1 (RoPE) or 0 (none) per "
+                                       f"layer, got {self.no_rope_layers!r}")
+        if self.no_rope_layers and self.architecture != "llama":
+            raise InvalidArgumentError("no_rope_layers apply to llama models (RoPE)")
+        flags = _period(tuple(self.no_rope_layers))
+        object.__setattr__(self, "no_rope_layers", () if set(flags) == {1} else flags)
         if self.architecture != "llama" and self.family is not None:
             raise InvalidArgumentError(
                 f"family {self.family!r} is a llama-architecture family, got "
@@ -261,6 +274,12 @@ class ModelConfig:
                 or not 0 <= self.draft_vocab_size <= self.vocab_size):
             raise InvalidArgumentError(f"draft_vocab_size must be an int in [0, "
                                        f"{self.vocab_size}], got {self.draft_vocab_size!r}")
+
+    @property
+    def rope_per_layer(self) -> tuple[bool, ...]:
+        """Whether each layer applies RoPE (``no_rope_layers``)."""
+        pattern = self.no_rope_layers or (1,)
+        return tuple(bool(pattern[i % len(pattern)]) for i in range(self.num_layers))
 
     @property
     def rope_dim(self) -> int:
@@ -355,8 +374,11 @@ class ModelConfig:
 def _shortest_period(pattern: tuple) -> tuple:
     """The shortest prefix of ``pattern`` whose repetition gives ``pattern``; ``()`` for
     an all-global one."""
-    if not any(pattern):
-        return ()
+    return _period(pattern) if any(pattern) else ()
+
+
+def _period(pattern: tuple) -> tuple:
+    """The shortest prefix of ``pattern`` whose repetition gives ``pattern``."""
     for period in range(1, len(pattern) + 1):
         if all(pattern[i] == pattern[i % period] for i in range(len(pattern))):
             return pattern[:period]
@@ -403,7 +425,7 @@ PRESETS = {
 
 # ----------------------------------------------------------------------------- from HF
 
-_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "smollm", "smollm2", "smollm3")
+_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "smollm", "smollm2")
 
 
 def _get(cfg: Mapping[str, Any], *names, default=None):
@@ -543,7 +565,7 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
 
 
 # Families on the llama forward with the optional fields of ModelConfig.
-EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3")
+EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 _GEMMA = ("gemma2", "gemma3_text")
 
@@ -551,7 +573,7 @@ _GEMMA = ("gemma2", "gemma3_text")
 def _layer_windows(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> tuple:
     """Per-layer sliding windows (0 = global) from ``layer_types`` or the older keys."""
     window = cfg.get("sliding_window")
-    if model_type == "qwen3" and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
         window = None
     if not window:
         return ()
@@ -608,8 +630,9 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         raise InvalidArgumentError(
             f"unsupported {model_type} activation {act!r}; expected "
             f"{'gelu_pytorch_tanh' if gemma else 'silu'}")
-    if bool(cfg.get("attention_bias", False)):
-        raise InvalidArgumentError(f"{model_type} with attention_bias is not supported")
+    for bias in ("attention_bias", "mlp_bias"):
+        if bool(cfg.get(bias, False)):
+            raise InvalidArgumentError(f"{model_type} with {bias} is not supported")
     rope = dict(cfg.get("rope_parameters") or {})
     partial = float(_get(cfg, "partial_rotary_factor",
                          default=rope.get("partial_rotary_factor", 1.0)))
@@ -650,8 +673,23 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         query_scale=query_scale, attn_softcap=softcap["attn_logit_softcapping"],
         final_softcap=softcap["final_logit_softcapping"],
         layer_windows=_layer_windows(model_type, cfg, layers), local_rope_theta=local_theta,
-        rotary_dim=rotary_dim,
+        rotary_dim=rotary_dim, no_rope_layers=_no_rope_layers(model_type, cfg, layers),
     )
+
+
+def _no_rope_layers(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> tuple:
+    """SmolLM3's per-layer RoPE flags (``no_rope_layers``, else a NoPE layer every
+    ``no_rope_layer_interval``, as transformers fills them in); ``()`` for the others."""
+    if model_type != "smollm3":
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(flags, (list, tuple)) or len(flags) != num_layers:
+        raise InvalidArgumentError(f"smollm3 no_rope_layers must hold one 0/1 flag per layer "
+                                   f"({num_layers}), got {flags!r}")
+    return tuple(int(f) if f in (0, 1) else f for f in flags)
 
 
 def _phi3_rope_names(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -672,7 +710,8 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
     :func:`_extended_from_hf` reads)."""
     family = config.family
     arch = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}[family]
+            "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+            "smollm3": "SmolLM3ForCausalLM"}[family]
     out: dict[str, Any] = {
         "model_type": family, "architectures": [arch], "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
@@ -702,7 +741,7 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
         if family != "phi3":
             out["layer_types"] = ["sliding_attention" if w else "full_attention"
                                   for w in windows]
-        if family == "qwen3":
+        if family in ("qwen3", "smollm3"):
             out["use_sliding_window"] = True
     elif family in _GEMMA:
         # Gemma configs always slide some layers: a window past every position is global.
@@ -714,6 +753,9 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
                 config.rope_scaling.original_max_position_embeddings)
     if config.rotary_dim is not None:
         out["partial_rotary_factor"] = config.rotary_dim / config.head_dim
+    if family == "smollm3":
+        out["no_rope_layers"] = [int(flag) for flag in config.rope_per_layer]
+        out["mlp_bias"] = False
     return out
 
 

@@ -1,5 +1,5 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
-(Qwen3, Gemma 2, Gemma 3 text, Phi-3), made by transformers' own classes.
+(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3), made by transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
 24+ new ones), so a window that is ignored, off by one or applied to the wrong layers
@@ -45,6 +45,10 @@ VARIANTS = {
     "phi3": (transformers.Phi3Config, dict(
         {k: v for k, v in _BASE.items() if k != "head_dim"}, sliding_window=6,
         tie_word_embeddings=False)),
+    # SmolLM3: a layer without RoPE (NoPE) every second one here (every fourth in the
+    # released model), tied head.
+    "smollm3": (transformers.SmolLM3Config, dict(
+        _BASE, no_rope_layer_interval=2, tie_word_embeddings=True)),
     # Phi-3 without a window (its fused layers then run attn_impl="fused").
     "phi3-global": (transformers.Phi3Config, dict(
         {k: v for k, v in _BASE.items() if k != "head_dim"}, tie_word_embeddings=True)),

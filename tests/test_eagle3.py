@@ -96,12 +96,16 @@ def test_the_target_passes_return_its_blocks_outputs(pair):
         assert_sums_close(logits[:5], out.logits[0, prefix:].numpy(), **bound)
 
 
-def test_the_unrolled_passes_read_what_decoding_reads(target):
+@pytest.mark.parametrize("nope", [False, True], ids=["rope", "nope-layer"])
+def test_the_unrolled_passes_read_what_decoding_reads(target, nope):
     """Pass ``i`` of the training-time test at position ``r + i`` computes exactly what a
     depth-``i + 1`` chain node computes when decoding: the draft's cache filled with pass 0
     up to the root ``r``, then each node reading its parent's output, attending to the
-    cache and its drafted ancestors (through the scratch slots)."""
+    cache and its drafted ancestors (through the scratch slots). ``nope``: the draft's block
+    is a layer without RoPE (SmolLM3's NoPE layers), which training must skip too."""
     config, params = eagle3_params(target, seed=1)
+    if nope:
+        config = dataclasses.replace(config, no_rope_layers=(0,))
     params = jax.tree.map(jnp.asarray, params)
     window = jnp.asarray(random_prompt(5, 12), jnp.int32)
     _, taps = eagle3.target_pass(target.params, target.config, window[None], LAYERS)

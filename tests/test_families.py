@@ -1,4 +1,5 @@
-"""Qwen3, Gemma 2, Gemma 3 (text) and Phi-3: parity with transformers, every method exact.
+"""Qwen3, Gemma 2, Gemma 3 (text), Phi-3 and SmolLM3: parity with transformers, every method
+exact.
 
 Tolerance: logits within 1e-4 of transformers' (fp32, both sides with IEEE float32
 matmuls). What bounds it is float32 rounding of the same operations done in different
@@ -90,6 +91,7 @@ WRONG = [
     ("gemma2", "sandwich_norms", False), ("gemma2", "hidden_act", "silu"),
     ("gemma3", "local_rope_theta", None), ("gemma3", "layer_windows", (4, 4, 4, 4, 4, 0)),
     ("qwen3-untied-sliding", "layer_windows", ()), ("phi3", "layer_windows", (7,)),
+    ("smollm3", "no_rope_layers", ()), ("smollm3", "no_rope_layers", (0, 1)),
 ]
 
 
@@ -131,6 +133,14 @@ def test_configs_read_the_features(pairs):
     assert first.config.windows_per_layer == (5, 5)
     assert pairs["phi3"][1].config.layer_windows == (6,)
     assert pairs["phi3-global"][1].config.layer_windows == ()
+    smollm3 = pairs["smollm3"][1].config
+    assert smollm3.no_rope_layers == (1, 0) and smollm3.rope_per_layer == (True, False, True)
+    assert smollm3.family == "smollm3" and not smollm3.qk_norm
+    # a pattern of NoPE layers only is kept (a draft of one NoPE layer), all-RoPE is ()
+    assert dataclasses.replace(smollm3, no_rope_layers=(0,)).rope_per_layer == (False,) * 3
+    assert dataclasses.replace(smollm3, no_rope_layers=(1, 1)).no_rope_layers == ()
+    with pytest.raises(InvalidArgumentError, match="no_rope_layers must be 1"):
+        dataclasses.replace(smollm3, no_rope_layers=(1, 2))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -189,7 +199,7 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma2"
 
 
-METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3"]
+METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3"]
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +292,8 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
 
 
 @pytest.mark.parametrize("variant,feature", [("gemma2", "soft-capping"),
-                                              ("qwen3-tied", "q/k norms")])
+                                              ("qwen3-tied", "q/k norms"),
+                                              ("smollm3", "NoPE layers")])
 def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
     with pytest.raises(InvalidArgumentError, match=f"attention 'fused'.*{feature}") as info:
         specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
@@ -443,7 +454,7 @@ def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
         check_draft_compatible(target, draft)
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "phi3"])
+@pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3"])
 def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
     from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 

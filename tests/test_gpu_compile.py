@@ -102,7 +102,8 @@ PROGRAMS = {
 # tpu_aot.FAMILY_HF_CONFIGS), bfloat16: Qwen3 with the attention kernel in every layer;
 # Gemma 2 (head_dim 256, soft-capping, windows), Gemma 3 (5:1 windows, local RoPE) and
 # Phi-3 (head_dim 96, windows) with attn_impl="auto": the kernel for each (it takes
-# soft-capping and windows, and head_dim 96 on 128-wide tiles over the unpadded cache); a
+# soft-capping and windows, and head_dim 96 on 128-wide tiles over the unpadded cache);
+# SmolLM3 (NoPE layers) and Phi-4-mini (partial rotary, LongRoPE) the same way; a
 # Phi-3 with Phi-2's head_dim 80, which no kernel takes, with the jnp fallback (recorded in
 # the stats).
 FAMILY_PROGRAMS = {
@@ -114,6 +115,9 @@ FAMILY_PROGRAMS = {
                                   attn_impl="auto"),
     "ar-bf16-phi3-auto": dict(method="ar", family="phi3", attn_impl="auto"),
     "ar-bf16-phi3-head80-auto": dict(method="ar", family="phi3-head80", attn_impl="auto"),
+    "ar-bf16-smollm3-auto": dict(method="ar", family="smollm3", attn_impl="auto"),
+    "tree-bf16-phi4-mini-auto": dict(method="tree", verify="greedy", family="phi4-mini",
+                                     attn_impl="auto"),
 }
 # The family programs whose attention is the jnp fallback (head_dim 80). Its
 # attention reads a layer of the stacked cache whole, which XLA's GPU compiler

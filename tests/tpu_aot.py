@@ -215,6 +215,20 @@ FAMILY_HF_CONFIGS = {
                  intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
                  num_key_value_heads=32, max_position_embeddings=4096, sliding_window=2047,
                  tie_word_embeddings=False),
+    # SmolLM3-3B's heads (16 / 4 of 128), every fourth layer without RoPE, tied head.
+    "smollm3": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048,
+                    intermediate_size=11008, num_hidden_layers=4, num_attention_heads=16,
+                    num_key_value_heads=4, max_position_embeddings=65536,
+                    rope_theta=5000000.0, no_rope_layer_interval=4, tie_word_embeddings=True),
+    # Phi-4-mini: 24 / 8 heads of 128 with RoPE on the first 96 dims (partial rotary),
+    # LongRoPE over a 4096-token pretraining length, a 200,064-token tied head.
+    "phi4-mini": dict(model_type="phi3", vocab_size=200064, hidden_size=3072,
+                      intermediate_size=8192, num_hidden_layers=2, num_attention_heads=24,
+                      num_key_value_heads=8, max_position_embeddings=131072,
+                      original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                      rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
+                                    "long_factor": [1.0 + i / 8 for i in range(48)]},
+                      tie_word_embeddings=True),
     # Phi-3-mini with Phi-2's heads (32 of 80: hidden 2560), a head size no attention
     # kernel takes: the programs that run the jnp attention fallback.
     "phi3-head80": dict(model_type="phi3", vocab_size=32064, hidden_size=2560,

@@ -13,12 +13,15 @@ families that differ from Llama in a few places (``config.family``):
 * Gemma 3 (text): Gemma 2 without soft-capping, with ``qk_norm``, five sliding layers per
   global one, and the sliding layers' own RoPE base (``local_rope_theta``).
 * Phi-3: Llama itself once the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` are
-  split at load; its ``sliding_window`` slides every layer.
+  split at load; its ``sliding_window`` slides every layer. Phi-3.5 and Phi-4-mini add
+  LongRoPE scaling and (Phi-4-mini) partial rotary (``rotary_dim``).
+* SmolLM3: Llama with every fourth layer a "NoPE" layer, attending without RoPE
+  (``no_rope_layers``).
 
 Per-layer differences stay data, not control flow: the layer loop reads layer ``i``'s
 window from a constant [L] array at the loop index (:func:`layer_attention`), and picks
-the local or global RoPE tables by it (:func:`layer_context`); one compiled layer body
-serves every layer.
+the local or global RoPE tables, or none, by it (:func:`layer_context`); one compiled layer
+body serves every layer.
 
 Parameter tree (layers stacked on a leading axis L so the blocks run under ``lax.scan``;
 matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
@@ -173,12 +176,19 @@ def layer_windows(config: ModelConfig) -> jax.Array:
 
 
 def layer_context(config: ModelConfig, context, index):
-    """Layer ``index``'s (cos, sin) from :func:`position_context`'s (``index`` traced)."""
+    """Layer ``index``'s (cos, sin) from :func:`position_context`'s (``index`` traced); a
+    layer without RoPE (``config.no_rope_layers``, SmolLM3's NoPE layers) gets the identity
+    rotation, cos 1 and sin 0, which leaves q and k as they are."""
     if config.local_rope_theta is None:
-        return context
-    sliding = layer_windows(config)[index] > 0
-    (cos, sin), (cos_local, sin_local) = context
-    return jnp.where(sliding, cos_local, cos), jnp.where(sliding, sin_local, sin)
+        cos, sin = context
+    else:
+        sliding = layer_windows(config)[index] > 0
+        (cos, sin), (cos_local, sin_local) = context
+        cos, sin = jnp.where(sliding, cos_local, cos), jnp.where(sliding, sin_local, sin)
+    if not config.no_rope_layers:
+        return cos, sin
+    rotates = jnp.asarray(config.rope_per_layer)[index]
+    return jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0)
 
 
 def layer_attention(config: ModelConfig, positions: jax.Array, mask: jax.Array, index):
@@ -208,7 +218,8 @@ def plain_layers_only(config: ModelConfig) -> str | None:
         ("soft-capping", config.attn_softcap is not None or config.final_softcap is not None),
         ("sliding windows", bool(config.layer_windows)),
         ("local RoPE", config.local_rope_theta is not None),
-        ("partial RoPE", config.rope_dim != config.head_dim)) if on]
+        ("partial RoPE", config.rope_dim != config.head_dim),
+        ("NoPE layers", bool(config.no_rope_layers))) if on]
     return ", ".join(features) or None
 
 

@@ -189,7 +189,7 @@ def unroll_draft(params: dict, config, tokens, target_features, unroll: int):
 
         def layer(carry, scanned, mask=mask):
             x = carry
-            p, k_before, v_before = scanned
+            p, index, k_before, v_before = scanned
 
             def attend(q, k, v):
                 if k_before is not None:  # [i, T, K, D]: passes 0 .. i-1 of this block
@@ -197,10 +197,13 @@ def unroll_draft(params: dict, config, tokens, target_features, unroll: int):
                     v = jnp.concatenate([v_before.reshape(-1, *v.shape[1:]), v])
                 return attention_reference(q, k, v, None, None, 0, mask)
 
-            x, k, v = llama.block(p, config, x, rope, attend)
+            # the layer's own RoPE tables: local or global (Gemma 3), or none (NoPE)
+            x, k, v = llama.block(p, config, x, llama.layer_context(config, rope, index),
+                                  attend)
             return x, (k, v)
 
-        x, (k, v) = jax.lax.scan(layer, x, (params["layers"], *earlier))
+        indices = jnp.arange(config.num_layers, dtype=jnp.int32)
+        x, (k, v) = jax.lax.scan(layer, x, (params["layers"], indices, *earlier))
         keys.append(k)
         values.append(v)
         out = llama.final_norm(params, config, x)
