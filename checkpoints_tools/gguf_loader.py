@@ -5,7 +5,7 @@ count, length and offset against the file's size first (see "reading" below); th
 package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, and ``qwen3``, ``gemma2``,
-  ``gemma3``, ``phi3``: :data:`FAMILY_ARCHITECTURES`) that becomes a
+  ``gemma3``, ``phi3``, ``smollm3``: :data:`FAMILY_ARCHITECTURES`) that becomes a
   :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
@@ -24,7 +24,7 @@ Two layout facts matter:
   head. :func:`unpermute_rope_rows` undoes that. ``qwen2`` files are stored unpermuted.
 
 The families of :data:`FAMILY_ARCHITECTURES` add three more (as llama.cpp's converter
-writes them): none is permuted; Gemma's norm weights are stored plus one (llama.cpp scales
+writes them): none is permuted but ``smollm3`` (llama.cpp converts it as Llama); Gemma's norm weights are stored plus one (llama.cpp scales
 by ``w``, HF by ``1 + w``), which :func:`params_from_gguf` subtracts (exactly: the stored
 value is the float32 ``1 + w`` that HF computes); Phi-3's fused ``attn_qkv`` and ``ffn_up``
 (gate and up) are split by the key table as for its HF checkpoint.
@@ -57,10 +57,12 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
-                  "gemma2": False, "gemma3": False, "phi3": False}
+                  "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
+# (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
+# Hugging Face config's default no_rope_layer_interval gives.)
 FAMILY_ARCHITECTURES = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
-                        "phi3": "phi3"}
+                        "phi3": "phi3", "smollm3": "smollm3"}
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 # GGUF tensor name -> HF name; "{i}" is the block index.

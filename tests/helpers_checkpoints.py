@@ -245,9 +245,9 @@ def write_tiny_gguf(model, path: Path, quant: str = "F32", *, drop: str | None =
         if target == drop or (target == "output.weight" and cfg.tie_word_embeddings):
             continue
         array = tensor.detach().float().numpy()
-        if permute and arch == "llama" and ".attn_q." in target:
+        if permute and arch in ("llama", "smollm3") and ".attn_q." in target:
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
-        if permute and arch == "llama" and ".attn_k." in target:
+        if permute and arch in ("llama", "smollm3") and ".attn_k." in target:
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
         if array.ndim == 2 and quant != "F32":
             writer.add_tensor(target, quantize(array, qtype), raw_dtype=qtype)

@@ -344,6 +344,22 @@ def test_gguf_written_from_the_same_weights_gives_the_same_logits(variant, tmp_p
     assert model.tokenizer("the")["input_ids"]  # the GGUF's tokenizer came with it
 
 
+def test_a_smollm3_gguf_gets_its_nope_layers(tmp_path):
+    """llama.cpp's smollm3 files carry no key for the NoPE layers (every fourth, hard-coded
+    there) and permute Q/K as for Llama: the loaded model is transformers' SmolLM3."""
+    from helpers_checkpoints import tiny_vocabulary, write_tiny_gguf
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    hf_model = tiny_family_model("smollm3", seed=8, vocab_size=len(tiny_vocabulary()[0]),
+                                 num_hidden_layers=4, no_rope_layer_interval=4)
+    config, params, _ = load_gguf(write_tiny_gguf(hf_model, tmp_path / "smollm3.gguf",
+                                                  arch="smollm3"))
+    assert config.no_rope_layers == (1, 1, 1, 0) and config.family == "smollm3"
+    model = specjax.Model.from_params(config, params)
+    tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+
+
 @pytest.mark.parametrize("variant", ["gemma2", "gemma3", "phi3"])
 def test_gguf_with_a_sentencepiece_vocabulary_brings_its_tokenizer(variant, tmp_path):
     """Real Gemma 2/3 and Phi-3 GGUF files carry a SentencePiece vocabulary
