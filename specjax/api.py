@@ -395,8 +395,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
             raise InvalidArgumentError(f"prompts[{index}]: {error}") from None
     _load_resources(model, settings, draft, ngram)
     batches = []
-    for first in range(0, len(prompts), int(batch_size)):
-        rows = list(range(first, min(first + int(batch_size), len(prompts))))
+    for rows in _batch_rows(model, encoded, settings.max_new_tokens, int(batch_size)):
         lengths = [len(encoded[row]) for row in rows]
         prompt_bucket, capacity = _plan(model, settings, max(lengths))
         loop = _loop(model, settings, max(lengths), capacity, prompt_bucket, kernels)
@@ -418,6 +417,19 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         batches.append(_Batch(loop, args, rows, lengths, settings.options,
                               batch.compact_rows, settings.choice))
     return batches
+
+
+def _batch_rows(model: Model, encoded: list, max_new_tokens: int,
+                batch_size: int) -> list[list[int]]:
+    """The prompts' row indices in batches of at most ``batch_size``, in order, except that
+    rows whose configs differ by length (a LongRoPE model's rows within its pretraining
+    length and those past it: :meth:`~specjax.config.ModelConfig.for_length`) never share a
+    batch, so each row decodes as its own call would."""
+    groups: dict = {}
+    for row, ids in enumerate(encoded):
+        groups.setdefault(model.config.for_length(len(ids) + max_new_tokens), []).append(row)
+    return [rows[first:first + batch_size] for rows in groups.values()
+            for first in range(0, len(rows), batch_size)]
 
 
 def _host_rows(state: decode.DecodeState, count: int) -> list[decode.DecodeState]:
@@ -452,7 +464,9 @@ def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
 
 
 def _generate_batch(model: Model, batches: list[_Batch]) -> list[GenerationResult]:
-    results = []
+    """Each prompt's result, in the prompts' order (a batch's rows need not be
+    consecutive prompts: :func:`_batch_rows`)."""
+    results: list = [None] * sum(len(batch.rows) for batch in batches)
     for batch in batches:
         with fallbacks.collecting() as reasons:
             state, compile_seconds, seconds = decode.run_batch(batch.args[0], batch.loop,
@@ -463,10 +477,10 @@ def _generate_batch(model: Model, batches: list[_Batch]) -> list[GenerationResul
                   for r in rows_state]
         stats = _batch_stats(rows_state, batch, [len(t) for t in tokens], seconds,
                              compile_seconds, reasons)
-        for slot in range(len(batch.rows)):
-            results.append(GenerationResult(
+        for slot, row in enumerate(batch.rows):
+            results[row] = GenerationResult(
                 text=decode_text(model, tokens[slot]), tokens=tokens[slot], stats=stats[slot],
-                origins=token_origins(rows_state[slot])))
+                origins=token_origins(rows_state[slot]))
     return results
 
 

@@ -201,6 +201,24 @@ def test_every_method_equals_ar_across_the_pretraining_length(phi3, method):
             assert out.stats["mean_accepted"] > 1.5, out.stats["mean_accepted"]
 
 
+def test_a_batch_across_the_pretraining_length_gives_each_row_its_own_tokens(phi3):
+    """Rows on either side of the pretraining length run different factors, so they run as
+    separate batch programs; each row equals its own call, in the caller's order."""
+    model = phi3[1]
+    prompts = [random_prompt(1, 4), random_prompt(2, 10), random_prompt(3, 5)]
+    outs = specjax.generate(model, prompts, max_new_tokens=10)  # totals 14, 20, 15
+    assert [o.tokens for o in outs] == [
+        specjax.generate(model, prompt, max_new_tokens=10).tokens for prompt in prompts]
+    assert [o.stats["batch"]["rows"] for o in outs] == [2, 1, 2]
+    rows = [[] for _ in prompts]
+    *steps, (_, stats) = specjax.stream_generate(model, prompts, max_new_tokens=10)
+    for new, _ in steps:
+        for row, tokens in enumerate(new):
+            rows[row] += tokens
+    assert rows == [o.tokens for o in outs]
+    assert [s["new_tokens"] for s in stats] == [10, 10, 10]
+
+
 # ----------------------------------------------------------------------------- wrong rules
 
 
