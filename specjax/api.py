@@ -301,10 +301,10 @@ def _plan(model: Model, settings: _Settings, prompt_length: int) -> tuple[int, i
 
 def _loop(model: Model, settings: _Settings, prompt_length: int, capacity: int,
           prompt_bucket: int, kernels) -> decode.DecodeLoop:
-    """The static program of a generation whose longest prompt is ``prompt_length``: the
-    configs as a sequence of that many plus ``max_new_tokens`` positions runs them (LongRoPE
-    picks its factors by that length, once for the whole generation:
-    :meth:`~specjax.config.ModelConfig.for_length`)."""
+    """The static program of a generation whose longest prompt has ``prompt_length``
+    tokens, with the target's and the draft's configs for ``prompt_length +
+    max_new_tokens`` positions (LongRoPE's factor set, picked once for the whole
+    generation: :meth:`~specjax.config.ModelConfig.for_length`)."""
     length = prompt_length + settings.max_new_tokens
     method = settings.method
     if getattr(method, "draft_config", None) is not None:
