@@ -60,13 +60,27 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
     for field in dataclasses.fields(ModelConfig):
         if field.name in _FAMILY_FIELDS and getattr(config, field.name) == field.default:
             out.pop(field.name)
+    if config.rope_scaling is not None:
+        # Only the fields its kind uses (the others at their defaults), so that a linear or
+        # Llama 3 scaling reads in versions without YaRN and LongRoPE.
+        out["rope_scaling"] = {
+            field.name: getattr(config.rope_scaling, field.name)
+            for field in dataclasses.fields(RopeScaling)
+            if field.name in ("kind", "factor")
+            or getattr(config.rope_scaling, field.name) != field.default}
+        for name in ("short_factor", "long_factor"):
+            if name in out["rope_scaling"]:
+                out["rope_scaling"][name] = list(out["rope_scaling"][name])
+    if "no_rope_layers" in out:
+        out["no_rope_layers"] = list(config.no_rope_layers)
     return out
 
 
-# ModelConfig's optional fields of the families on the llama forward (Qwen3, Gemma, Phi-3).
+# ModelConfig's optional fields of the families on the llama forward (Qwen3, Gemma, Phi-3,
+# SmolLM3), written only when set.
 _FAMILY_FIELDS = ("family", "qk_norm", "norm_plus_one", "hidden_act", "embed_scale",
                   "sandwich_norms", "query_scale", "attn_softcap", "final_softcap",
-                  "layer_windows", "local_rope_theta")
+                  "layer_windows", "local_rope_theta", "rotary_dim", "no_rope_layers")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig:

@@ -217,6 +217,12 @@ def test_orbax_config_keeps_rope_scaling(tmp_path):
                                  eos_token_ids=(2, 7))
     record = orbax_io.config_to_dict(config)
     assert orbax_io.config_from_dict(json.loads(json.dumps(record))) == config
+    # the fields a Llama 3 scaling had before YaRN and LongRoPE, and no new model fields:
+    # versions without them read it
+    assert set(record["rope_scaling"]) <= {"kind", "factor", "low_freq_factor",
+                                           "high_freq_factor",
+                                           "original_max_position_embeddings"}
+    assert not {"rotary_dim", "no_rope_layers"} & set(record)
 
 
 def test_orbax_damage_is_named(tiny_dirs, tmp_path):
