@@ -5,7 +5,8 @@ count, length and offset against the file's size first (see "reading" below); th
 package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, and ``qwen3``, ``gemma2``,
-  ``gemma3``, ``phi3``, ``smollm3``: :data:`FAMILY_ARCHITECTURES`) that becomes a
+  ``gemma3``, ``phi3``, ``smollm3``, ``granite``: :data:`FAMILY_ARCHITECTURES`) that
+  becomes a
   :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
@@ -24,7 +25,8 @@ Two layout facts matter:
   head. :func:`unpermute_rope_rows` undoes that. ``qwen2`` files are stored unpermuted.
 
 The families of :data:`FAMILY_ARCHITECTURES` add three more (as llama.cpp's converter
-writes them): none is permuted but ``smollm3`` (llama.cpp converts it as Llama); Gemma's norm weights are stored plus one (llama.cpp scales
+writes them): none is permuted but ``smollm3`` and ``granite`` (llama.cpp converts them as
+Llama); Gemma's norm weights are stored plus one (llama.cpp scales
 by ``w``, HF by ``1 + w``), which :func:`params_from_gguf` subtracts (exactly: the stored
 value is the float32 ``1 + w`` that HF computes); Phi-3's fused ``attn_qkv`` and ``ffn_up``
 (gate and up) are split by the key table as for its HF checkpoint.
@@ -57,12 +59,13 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
-                  "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True}
+                  "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
+                  "granite": True}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
 # Hugging Face config's default no_rope_layer_interval gives.)
 FAMILY_ARCHITECTURES = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
-                        "phi3": "phi3", "smollm3": "smollm3"}
+                        "phi3": "phi3", "smollm3": "smollm3", "granite": "granite"}
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 # GGUF tensor name -> HF name; "{i}" is the block index.
@@ -586,6 +589,14 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             value = meta(key, 0.0, kind=float)
             cfg[key] = _float32_value(value) if value else None
+    if arch == "granite":  # llama.cpp's names for Granite's four scalars
+        for key, hf_key in (("embedding_scale", "embedding_multiplier"),
+                            ("residual_scale", "residual_multiplier"),
+                            ("logit_scale", "logits_scaling"),
+                            ("attention.scale", "attention_multiplier")):
+            value = meta(key, 0.0, kind=float)
+            if value:
+                cfg[hf_key] = _float32_value(value)
     if arch == "gemma3":
         cfg["rope_local_base_freq"] = _float32_value(meta("rope.freq_base_swa", 10000.0,
                                                           kind=float))

@@ -122,8 +122,8 @@ class ModelConfig:
       bos_token_id: token id prepended by tokenizers that add one (informational).
       sliding_window: attention window (Mistral); generation longer than it is refused.
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
-        below (``"qwen3"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``, ``"smollm3"``), so
-        the config
+        below (``"qwen3"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``, ``"smollm3"``,
+        ``"granite"``), so the config
         writes the same type back; ``None`` for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
       norm_plus_one: RMSNorm scales by ``1 + w`` (Gemma), not ``w``.
@@ -133,8 +133,8 @@ class ModelConfig:
         dtype first (Gemma).
       sandwich_norms: RMSNorm also on the attention and MLP outputs before each residual
         add (Gemma 2/3: four norms per block).
-      query_scale: attention scores scale (Gemma's ``query_pre_attn_scalar ** -0.5``);
-        ``None`` is ``head_dim ** -0.5``.
+      query_scale: attention scores scale (Gemma's ``query_pre_attn_scalar ** -0.5``,
+        Granite's ``attention_multiplier``); ``None`` is ``head_dim ** -0.5``.
       attn_softcap: attention scores become ``c * tanh(s / c)`` before the mask (Gemma 2).
       final_softcap: logits become ``c * tanh(logits / c)`` (Gemma 2).
       layer_windows: per-layer sliding windows (a query at position p sees keys at
@@ -151,6 +151,12 @@ class ModelConfig:
         0: none, a "NoPE" layer), a pattern like ``layer_windows`` (layer ``i`` reads entry
         ``i % len``; stored as its shortest period: SmolLM3 ``(1, 1, 1, 0)``); ``()``:
         every layer.
+      embed_multiplier: embeddings are multiplied by this (Granite's
+        ``embedding_multiplier``); ``None``: by nothing.
+      residual_multiplier: each block's attention and MLP outputs are multiplied by this
+        before their residual adds (Granite); ``None``: by nothing.
+      logits_divisor: logits are divided by this (Granite's ``logits_scaling``); ``None``:
+        by nothing.
       feature_input: a feature draft (EAGLE-style, llama family only): its blocks read
         ``[embed(token_t); rms_norm(f_{t-1})] @ fc``, where ``f_{t-1}`` is the target's
         final-normed hidden state at the previous position, and its output (after its own
@@ -204,6 +210,9 @@ class ModelConfig:
     local_rope_theta: float | None = None
     rotary_dim: int | None = None
     no_rope_layers: tuple[int, ...] = ()
+    embed_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_divisor: float | None = None
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -249,6 +258,12 @@ class ModelConfig:
         if any(flag not in (0, 1) or isinstance(flag, bool) for flag in self.no_rope_layers):
             raise InvalidArgumentError(f"no_rope_layers must be 1 (RoPE) or 0 (none) per "
                                        f"layer, got {self.no_rope_layers!r}")
+        for name in ("embed_multiplier", "residual_multiplier", "logits_divisor"):
+            value = getattr(self, name)
+            if value is not None and (self.architecture != "llama" or not value > 0
+                                      or value == float("inf")):
+                raise InvalidArgumentError(f"{name} must be a finite number > 0 on a llama "
+                                           f"model, got {value!r}")
         if self.no_rope_layers and self.architecture != "llama":
             raise InvalidArgumentError("no_rope_layers apply to llama models (RoPE)")
         flags = _period(tuple(self.no_rope_layers))
@@ -565,7 +580,7 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
 
 
 # Families on the llama forward with the optional fields of ModelConfig.
-EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
+EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "granite")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 _GEMMA = ("gemma2", "gemma3_text")
 
@@ -654,8 +669,13 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     query_scale = None
     if gemma and cfg.get("query_pre_attn_scalar") is not None:
         query_scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
-        if query_scale == head_dim ** -0.5:
-            query_scale = None
+    if model_type == "granite":
+        query_scale = float(cfg.get("attention_multiplier", head_dim ** -0.5))
+    if query_scale == head_dim ** -0.5:
+        query_scale = None
+    granite = {key: float(cfg[key]) if model_type == "granite" and cfg.get(key) is not None
+               and float(cfg[key]) != 1.0 else None
+               for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
     softcap = {name: float(cfg[name]) if gemma and cfg.get(name) is not None else None
                for name in ("attn_logit_softcapping", "final_logit_softcapping")}
     return ModelConfig(
@@ -674,6 +694,9 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         final_softcap=softcap["final_logit_softcapping"],
         layer_windows=_layer_windows(model_type, cfg, layers), local_rope_theta=local_theta,
         rotary_dim=rotary_dim, no_rope_layers=_no_rope_layers(model_type, cfg, layers),
+        embed_multiplier=granite["embedding_multiplier"],
+        residual_multiplier=granite["residual_multiplier"],
+        logits_divisor=granite["logits_scaling"],
     )
 
 
@@ -711,7 +734,7 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
     family = config.family
     arch = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-            "smollm3": "SmolLM3ForCausalLM"}[family]
+            "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}[family]
     out: dict[str, Any] = {
         "model_type": family, "architectures": [arch], "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
@@ -755,7 +778,15 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
         out["partial_rotary_factor"] = config.rotary_dim / config.head_dim
     if family == "smollm3":
         out["no_rope_layers"] = [int(flag) for flag in config.rope_per_layer]
+    if family in ("smollm3", "granite"):
         out["mlp_bias"] = False
+    if family == "granite":
+        out.update(
+            attention_multiplier=(config.head_dim ** -0.5 if config.query_scale is None
+                                  else config.query_scale),
+            embedding_multiplier=config.embed_multiplier or 1.0,
+            residual_multiplier=config.residual_multiplier or 1.0,
+            logits_scaling=config.logits_divisor or 1.0)
     return out
 
 

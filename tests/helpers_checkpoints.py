@@ -209,7 +209,8 @@ def gguf_name(hf_name: str) -> str:
 
 def write_tiny_gguf(model, path: Path, quant: str = "F32", *, drop: str | None = None,
                     extra: str | None = None, arch: str | None = None,
-                    permute: bool = True, extra_tensors: dict | None = None) -> Path:
+                    permute: bool = True, extra_tensors: dict | None = None,
+                    float_metadata: dict | None = None) -> Path:
     """Writes a llama/qwen2 transformers model as a GGUF file, as llama.cpp would.
 
     Args:
@@ -217,6 +218,7 @@ def write_tiny_gguf(model, path: Path, quant: str = "F32", *, drop: str | None =
       drop: a GGUF tensor name to leave out; extra: a GGUF tensor name to add.
       arch: override general.architecture; permute: apply llama.cpp's Q/K permutation.
       extra_tensors: more tensors by GGUF name, written as they are (``rope_freqs.weight``).
+      float_metadata: more float32 metadata, by key (``{arch}`` filled in).
     """
     import gguf
     from gguf.quants import quantize
@@ -233,6 +235,8 @@ def write_tiny_gguf(model, path: Path, quant: str = "F32", *, drop: str | None =
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    for key, value in (float_metadata or {}).items():
+        writer.add_float32(key.format(arch=arch), float(value))
     add_bpe_vocabulary(writer, cfg.vocab_size)
     writer.add_unk_token_id(0)
     writer.add_pad_token_id(2)
@@ -245,9 +249,9 @@ def write_tiny_gguf(model, path: Path, quant: str = "F32", *, drop: str | None =
         if target == drop or (target == "output.weight" and cfg.tie_word_embeddings):
             continue
         array = tensor.detach().float().numpy()
-        if permute and arch in ("llama", "smollm3") and ".attn_q." in target:
+        if permute and arch in ("llama", "smollm3", "granite") and ".attn_q." in target:
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
-        if permute and arch in ("llama", "smollm3") and ".attn_k." in target:
+        if permute and arch in ("llama", "smollm3", "granite") and ".attn_k." in target:
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
         if array.ndim == 2 and quant != "F32":
             writer.add_tensor(target, quantize(array, qtype), raw_dtype=qtype)

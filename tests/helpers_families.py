@@ -1,5 +1,6 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
-(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3), made by transformers' own classes.
+(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3, Granite), made by transformers' own
+classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
 24+ new ones), so a window that is ignored, off by one or applied to the wrong layers
@@ -49,6 +50,11 @@ VARIANTS = {
     # released model), tied head.
     "smollm3": (transformers.SmolLM3Config, dict(
         _BASE, no_rope_layer_interval=2, tie_word_embeddings=True)),
+    # Granite: embeddings, attention scores, block outputs and logits scaled (Granite
+    # 3.x's embedding multiplier 12 and logits scaling 8; the others away from 1 too).
+    "granite": (transformers.GraniteConfig, dict(
+        _BASE, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.1, logits_scaling=8.0, tie_word_embeddings=True)),
     # Phi-3 without a window (its fused layers then run attn_impl="fused").
     "phi3-global": (transformers.Phi3Config, dict(
         {k: v for k, v in _BASE.items() if k != "head_dim"}, tie_word_embeddings=True)),

@@ -1,5 +1,5 @@
-"""Qwen3, Gemma 2, Gemma 3 (text), Phi-3 and SmolLM3: parity with transformers, every method
-exact.
+"""Qwen3, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3 and Granite: parity with transformers,
+every method exact.
 
 Tolerance: logits within 1e-4 of transformers' (fp32, both sides with IEEE float32
 matmuls). What bounds it is float32 rounding of the same operations done in different
@@ -92,6 +92,8 @@ WRONG = [
     ("gemma3", "local_rope_theta", None), ("gemma3", "layer_windows", (4, 4, 4, 4, 4, 0)),
     ("qwen3-untied-sliding", "layer_windows", ()), ("phi3", "layer_windows", (7,)),
     ("smollm3", "no_rope_layers", ()), ("smollm3", "no_rope_layers", (0, 1)),
+    ("granite", "embed_multiplier", None), ("granite", "residual_multiplier", None),
+    ("granite", "query_scale", None), ("granite", "logits_divisor", None),
 ]
 
 
@@ -199,7 +201,7 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma2"
 
 
-METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3"]
+METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite"]
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +295,8 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
 
 @pytest.mark.parametrize("variant,feature", [("gemma2", "soft-capping"),
                                               ("qwen3-tied", "q/k norms"),
-                                              ("smollm3", "NoPE layers")])
+                                              ("smollm3", "NoPE layers"),
+                                              ("granite", "Granite's multipliers")])
 def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
     with pytest.raises(InvalidArgumentError, match=f"attention 'fused'.*{feature}") as info:
         specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
@@ -342,6 +345,27 @@ def test_gguf_written_from_the_same_weights_gives_the_same_logits(variant, tmp_p
     _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), model.config,
                         tokens)
     assert model.tokenizer("the")["input_ids"]  # the GGUF's tokenizer came with it
+
+
+def test_a_granite_gguf_gets_its_multipliers(tmp_path):
+    """llama.cpp's granite files: Q/K permuted as for Llama, the four scalars as
+    ``embedding_scale``, ``residual_scale``, ``logit_scale`` and ``attention.scale``."""
+    import gguf
+    from helpers_checkpoints import tiny_vocabulary, write_tiny_gguf
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    hf_model = tiny_family_model("granite", seed=9, vocab_size=len(tiny_vocabulary()[0]))
+    cfg = hf_model.config
+    metadata = {gguf.Keys.LLM.EMBEDDING_SCALE: cfg.embedding_multiplier,
+                gguf.Keys.LLM.RESIDUAL_SCALE: cfg.residual_multiplier,
+                gguf.Keys.LLM.LOGIT_SCALE: cfg.logits_scaling,
+                gguf.Keys.Attention.SCALE: cfg.attention_multiplier}
+    config, params, _ = load_gguf(write_tiny_gguf(hf_model, tmp_path / "granite.gguf",
+                                                  arch="granite", float_metadata=metadata))
+    assert (config.embed_multiplier, config.logits_divisor) == (12.0, 8.0)
+    model = specjax.Model.from_params(config, params)
+    tokens = random_prompt(7, 20, vocab=cfg.vocab_size)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
 
 
 def test_a_smollm3_gguf_gets_its_nope_layers(tmp_path):

@@ -481,8 +481,15 @@ def head_subset_params(params: dict, config: ModelConfig, tokens) -> dict:
 def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Logits [T, V] in float32 from hidden states [T, d] (see :func:`head_subset_params`
     for parameter trees with a restricted head)."""
-    logits = _head(params, config, hidden)
-    if config.final_softcap is not None:  # Gemma 2: c * tanh(logits / c)
+    return finish_logits(config, _head(params, config, hidden))
+
+
+def finish_logits(config: ModelConfig, logits: jax.Array) -> jax.Array:
+    """The head's float32 products as the model's logits: divided by Granite's
+    ``logits_divisor``, soft-capped by Gemma 2's ``final_softcap``, else as they are."""
+    if config.logits_divisor is not None:
+        logits = logits / config.logits_divisor
+    if config.final_softcap is not None:  # c * tanh(logits / c)
         logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
     return logits
 

@@ -17,6 +17,9 @@ families that differ from Llama in a few places (``config.family``):
   LongRoPE scaling and (Phi-4-mini) partial rotary (``rotary_dim``).
 * SmolLM3: Llama with every fourth layer a "NoPE" layer, attending without RoPE
   (``no_rope_layers``).
+* Granite (3.x): Llama with four scalars: embeddings times ``embed_multiplier``, attention
+  scores times ``query_scale``, each block output times ``residual_multiplier`` before its
+  residual add, logits divided by ``logits_divisor``.
 
 Per-layer differences stay data, not control flow: the layer loop reads layer ``i``'s
 window from a constant [L] array at the loop index (:func:`layer_attention`), and picks
@@ -156,6 +159,8 @@ def embed(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
     x = jnp.take(params["embed"], tokens, axis=0)
     if config.embed_scale:  # Gemma: sqrt(d) rounded to the model dtype, then the product
         x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
+    if config.embed_multiplier is not None:  # Granite
+        x = x * jnp.asarray(config.embed_multiplier, x.dtype)
     if config.feature_input:
         normed = rms_norm(features.astype(x.dtype), params["feature_norm"], config.norm_eps)
         x = dense(jnp.concatenate([x, normed], axis=-1), params["fc"])
@@ -219,7 +224,10 @@ def plain_layers_only(config: ModelConfig) -> str | None:
         ("sliding windows", bool(config.layer_windows)),
         ("local RoPE", config.local_rope_theta is not None),
         ("partial RoPE", config.rope_dim != config.head_dim),
-        ("NoPE layers", bool(config.no_rope_layers))) if on]
+        ("NoPE layers", bool(config.no_rope_layers)),
+        ("Granite's multipliers", any(m is not None for m in (
+            config.embed_multiplier, config.residual_multiplier, config.logits_divisor))))
+        if on]
     return ", ".join(features) or None
 
 
@@ -254,7 +262,7 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     out = dense(a, p["wo"], p.get("bo"))
     if config.sandwich_norms:
         out = _norm(config, out, p["post_attn_norm"])
-    x = x + out
+    x = x + _residual(config, out)
     h = _norm(config, x, p["mlp_norm"])
     if "w_gate_up" in p:
         gate, up = jnp.split(dense(h, p["w_gate_up"], p.get("b_gate_up")),
@@ -264,7 +272,15 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     out = dense(_activation(config)(gate) * up, p["w_down"], p.get("b_down"))
     if config.sandwich_norms:
         out = _norm(config, out, p["post_mlp_norm"])
-    return x + out, k, v
+    return x + _residual(config, out), k, v
+
+
+def _residual(config: ModelConfig, out: jax.Array) -> jax.Array:
+    """A block's attention or MLP output as its residual add takes it (Granite scales it by
+    ``config.residual_multiplier``)."""
+    if config.residual_multiplier is None:
+        return out
+    return out * jnp.asarray(config.residual_multiplier, out.dtype)
 
 
 def _project_qkv(layers: dict, index, config: ModelConfig, x: jax.Array, linear):

@@ -261,7 +261,9 @@ def eagle3_loss(params: dict, config, windows, target_logits, target_features,
     total, metrics = 0.0, {}
     for i, out in enumerate(outputs):
         logq = jax.nn.log_softmax(
-            jax.vmap(lambda h: models.draft_logits(params, config, h))(out).astype(jnp.float32),
+            # as decoding scores them (lm_head: a Granite divisor, a Gemma soft-cap)
+            models.finish_logits(config, jax.vmap(
+                lambda h: models.draft_logits(params, config, h))(out).astype(jnp.float32)),
             axis=-1)
         valid = jnp.broadcast_to(positions >= i, target_best.shape)
         counted = valid & in_vocab
