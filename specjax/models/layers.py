@@ -36,8 +36,8 @@ def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> jax.Ar
     ``config.local_rope_theta``, unscaled)."""
     dim = config.rope_dim
     theta = config.local_rope_theta if local else config.rope_theta
-    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
-    inv_freq = 1.0 / (theta ** exponents)
+    base_powers = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    inv_freq = 1.0 / base_powers
     scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -45,9 +45,9 @@ def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> jax.Ar
         return inv_freq / scaling.factor
     if scaling.kind == "longrope":
         factors = scaling.long_factor if scaling.long else scaling.short_factor
-        return 1.0 / (jnp.asarray(factors, jnp.float32) * theta ** exponents)
+        return 1.0 / (jnp.asarray(factors, jnp.float32) * base_powers)
     if scaling.kind == "yarn":
-        return _yarn_frequencies(theta ** exponents, scaling, dim, theta)
+        return _yarn_frequencies(base_powers, scaling, dim, theta)
     # Llama 3: long wavelengths are divided by ``factor``, short ones kept, and the band in
     # between interpolated smoothly.
     old_len = scaling.original_max_position_embeddings
