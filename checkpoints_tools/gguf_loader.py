@@ -5,7 +5,8 @@ count, length and offset against the file's size first (see "reading" below); th
 package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, and ``qwen3``, ``gemma2``,
-  ``gemma3``, ``phi3``, ``smollm3``, ``granite``: :data:`FAMILY_ARCHITECTURES`) that
+  ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``: :data:`FAMILY_ARCHITECTURES`)
+  that
   becomes a
   :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
@@ -29,7 +30,9 @@ writes them): none is permuted but ``smollm3`` and ``granite`` (llama.cpp conver
 Llama); Gemma's norm weights are stored plus one (llama.cpp scales
 by ``w``, HF by ``1 + w``), which :func:`params_from_gguf` subtracts (exactly: the stored
 value is the float32 ``1 + w`` that HF computes); Phi-3's fused ``attn_qkv`` and ``ffn_up``
-(gate and up) are split by the key table as for its HF checkpoint.
+(gate and up) are split by the key table as for its HF checkpoint. llama.cpp writes OLMo 3
+as ``olmo2`` with a sliding window, a per-layer pattern and YaRN, read as Hugging Face's
+``olmo3`` (the scaling on the global layers only).
 
 RoPE scaling factors travel as tensors (:data:`ROPE_FACTOR_TENSORS`), read into the config
 rather than the parameters: ``rope_freqs.weight`` (llama.cpp divides frequency i by factor i;
@@ -60,12 +63,13 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                   "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
-                  "granite": True}
+                  "granite": True, "olmo2": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
 # Hugging Face config's default no_rope_layer_interval gives.)
 FAMILY_ARCHITECTURES = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
-                        "phi3": "phi3", "smollm3": "smollm3", "granite": "granite"}
+                        "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
+                        "olmo2": "olmo2"}
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 # GGUF tensor name -> HF name; "{i}" is the block index.
@@ -103,6 +107,8 @@ _FAMILY_TENSOR_NAMES = {
     "gemma3": {**_GEMMA_NORMS, **_QK_NORMS},
     "phi3": {"blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
              "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight"},
+    # OLMo 2: only the attention's and MLP's output norms (no attn_norm, no ffn_norm).
+    "olmo2": {**_QK_NORMS, **{k: v for k, v in _GEMMA_NORMS.items() if "ffn_norm" not in k}},
 }
 
 
@@ -543,6 +549,14 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear",
                                "factor": _float32_value(meta("rope.scaling.factor", kind=float))}
+    elif scaling == "yarn" and arch == "olmo2":  # Olmo 3's, as llama.cpp's converter writes it
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": _float32_value(meta("rope.scaling.factor", kind=float)),
+            "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+        attention = meta("rope.scaling.attn_factor", 0.0, kind=float)
+        if attention:
+            cfg["rope_scaling"]["attention_factor"] = _float32_value(attention)
     elif scaling != "none":
         raise CheckpointError(f"{source}: RoPE scaling {scaling!r} is not supported")
     long, short = (_rope_factor_tensor(reader, f"rope_factors_{kind}.weight", source)
@@ -565,10 +579,19 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
             cfg["rope_scaling"]["attention_factor"] = _float32_value(attention)
     window = meta("attention.sliding_window", 0)
     if window and arch == "qwen3":  # llama.cpp's qwen3 has no sliding layers
-        raise CheckpointError(f"{source}: a qwen3 GGUF with a sliding window ({window}) is "
+        raise CheckpointError(f"{source}: a {arch} GGUF with a sliding window ({window}) is "
                               f"not supported; load the model from its HF directory")
     if window:
         cfg["sliding_window"] = window
+        if arch == "olmo2":
+            # llama.cpp writes Olmo 3 as olmo2 with its window and one flag per layer (its
+            # converter's default: three sliding layers, then a global one).
+            cfg["model_type"] = "olmo3"
+            pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", source=source)
+            sliding = (list(pattern) if isinstance(pattern, list) else
+                       [(i + 1) % 4 != 0 for i in range(layers)])
+            cfg["layer_types"] = ["sliding_attention" if s else "full_attention"
+                                  for s in sliding]
         if arch in _GEMMA_ARCHITECTURES:
             # llama.cpp's pattern: a period n (layer i slides iff i % n < n - 1; Gemma 2
             # alternates, Gemma 3 slides five in six) or one flag per layer.

@@ -105,10 +105,13 @@ def family_rules(config: ModelConfig) -> list[Rule]:
         rules += [_same("layers/q_norm", p + "self_attn.q_norm.weight"),
                   _same("layers/k_norm", p + "self_attn.k_norm.weight")]
     if config.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's
-        rules = [rule for rule in rules if rule.leaves != ("layers/mlp_norm",)]
+        rules = [rule for rule in rules
+                 if rule.leaves not in (("layers/mlp_norm",), ("layers/attn_norm",))]
         rules += [_same("layers/post_attn_norm", p + "post_attention_layernorm.weight"),
-                  _same("layers/mlp_norm", p + "pre_feedforward_layernorm.weight"),
                   _same("layers/post_mlp_norm", p + "post_feedforward_layernorm.weight")]
+        if config.pre_norms:  # OLMo 2/3 have none: their only norms are the two above
+            rules += [_same("layers/attn_norm", p + "input_layernorm.weight"),
+                      _same("layers/mlp_norm", p + "pre_feedforward_layernorm.weight")]
     return rules
 
 

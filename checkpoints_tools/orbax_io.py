@@ -77,10 +77,12 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
 
 
 # ModelConfig's optional fields of the families on the llama forward (Qwen3, Gemma, Phi-3,
-# SmolLM3), written only when set.
-_FAMILY_FIELDS = ("family", "qk_norm", "norm_plus_one", "hidden_act", "embed_scale",
-                  "sandwich_norms", "query_scale", "attn_softcap", "final_softcap",
-                  "layer_windows", "local_rope_theta", "rotary_dim", "no_rope_layers")
+# SmolLM3, Granite, OLMo), written only when set.
+_FAMILY_FIELDS = ("family", "qk_norm", "qk_norm_whole", "norm_plus_one", "hidden_act",
+                  "embed_scale", "sandwich_norms", "pre_norms", "query_scale", "attn_softcap",
+                  "final_softcap", "layer_windows", "local_rope_theta", "rotary_dim",
+                  "no_rope_layers", "embed_multiplier", "residual_multiplier",
+                  "logits_divisor")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig:

@@ -123,9 +123,11 @@ class ModelConfig:
       sliding_window: attention window (Mistral); generation longer than it is refused.
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
         below (``"qwen3"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``, ``"smollm3"``,
-        ``"granite"``), so the config
+        ``"granite"``, ``"olmo2"``, ``"olmo3"``), so the config
         writes the same type back; ``None`` for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
+      qk_norm_whole: with ``qk_norm``, q and k are normed over all their heads at once
+        (weights [H*D] and [K*D]), not per head (OLMo 2/3).
       norm_plus_one: RMSNorm scales by ``1 + w`` (Gemma), not ``w``.
       hidden_act: the MLP's gate activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"``
         (GeGLU with the tanh approximation, Gemma).
@@ -133,6 +135,8 @@ class ModelConfig:
         dtype first (Gemma).
       sandwich_norms: RMSNorm also on the attention and MLP outputs before each residual
         add (Gemma 2/3: four norms per block).
+      pre_norms: RMSNorm on each block's attention and MLP inputs (every family but OLMo
+        2/3, which norm only their outputs: ``pre_norms=False`` with ``sandwich_norms``).
       query_scale: attention scores scale (Gemma's ``query_pre_attn_scalar ** -0.5``,
         Granite's ``attention_multiplier``); ``None`` is ``head_dim ** -0.5``.
       attn_softcap: attention scores become ``c * tanh(s / c)`` before the mask (Gemma 2).
@@ -199,10 +203,12 @@ class ModelConfig:
     draft_vocab_size: int = 0
     family: str | None = None
     qk_norm: bool = False
+    qk_norm_whole: bool = False
     norm_plus_one: bool = False
     hidden_act: str = "silu"
     embed_scale: bool = False
     sandwich_norms: bool = False
+    pre_norms: bool = True
     query_scale: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -264,6 +270,11 @@ class ModelConfig:
                                       or value == float("inf")):
                 raise InvalidArgumentError(f"{name} must be a finite number > 0 on a llama "
                                            f"model, got {value!r}")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise InvalidArgumentError("qk_norm_whole applies with qk_norm=True")
+        if not self.pre_norms and (self.architecture != "llama" or not self.sandwich_norms):
+            raise InvalidArgumentError("pre_norms=False needs a llama model with "
+                                       "sandwich_norms=True (its only norms then)")
         if self.no_rope_layers and self.architecture != "llama":
             raise InvalidArgumentError("no_rope_layers apply to llama models (RoPE)")
         flags = _period(tuple(self.no_rope_layers))
@@ -580,15 +591,21 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
 
 
 # Families on the llama forward with the optional fields of ModelConfig.
-EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "granite")
+EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "granite", "olmo2",
+                     "olmo3")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 _GEMMA = ("gemma2", "gemma3_text")
+# OLMo 2/3: norms on the attention and MLP outputs only, q and k normed over all heads.
+_OLMO = ("olmo2", "olmo3")
+_OLMO3_THETA = 500000.0
 
 
 def _layer_windows(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> tuple:
     """Per-layer sliding windows (0 = global) from ``layer_types`` or the older keys."""
     window = cfg.get("sliding_window")
     if model_type in ("qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if model_type == "olmo2":  # no sliding layers (an Olmo 3 config names olmo3)
         window = None
     if not window:
         return ()
@@ -608,28 +625,35 @@ def _layer_windows(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> 
     elif model_type == "gemma3_text":
         pattern = int(_get(cfg, "sliding_window_pattern", "_sliding_window_pattern", default=6))
         sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif model_type == "olmo3":  # three sliding layers, then a global one
+        sliding = [(i + 1) % 4 != 0 for i in range(num_layers)]
     else:
         sliding = [i >= int(cfg.get("max_window_layers", 0)) for i in range(num_layers)]
     windows = tuple(window if s else 0 for s in sliding)
     return windows if any(windows) else ()
 
 
-def _gemma3_rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None, float]:
-    """(global theta, global scaling, local theta) of a Gemma 3 config: nested
+def _gemma3_rope(cfg: Mapping[str, Any], local_default: float = 10000.0
+                 ) -> tuple[float, RopeScaling | None, float]:
+    """(global theta, global scaling, local theta) of a Gemma 3 or Olmo 3 config: nested
     ``rope_parameters`` per layer type (transformers >= 5) or ``rope_theta`` +
-    ``rope_scaling`` + ``rope_local_base_freq``."""
+    ``rope_scaling`` + ``rope_local_base_freq`` (Gemma 3; Olmo 3's sliding layers take
+    ``rope_theta`` without the scaling, ``local_default``)."""
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:
         theta, scaling = _rope_from_hf({"rope_parameters": params["full_attention"]})
         local, local_scaling = _rope_from_hf(
-            {"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}})
+            {"rope_parameters": params.get("sliding_attention")
+             or {"rope_theta": local_default}})
         if local_scaling is not None:
             raise InvalidArgumentError(
-                f"gemma3_text: rope scaling on the sliding layers "
+                f"{cfg.get('model_type', 'gemma3_text')}: rope scaling on the sliding layers "
                 f"({local_scaling.kind!r}) is not supported")
         return theta, scaling, local
     theta, scaling = _rope_from_hf(cfg)
-    return theta, scaling, float(cfg.get("rope_local_base_freq", 10000.0))
+    if cfg.get("model_type") == "olmo3":
+        return theta, scaling, theta
+    return theta, scaling, float(cfg.get("rope_local_base_freq", local_default))
 
 
 def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
@@ -639,6 +663,7 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     gemma = model_type in _GEMMA
     act = _get(cfg, "hidden_activation", "hidden_act",
                default="gelu_pytorch_tanh" if gemma else "silu")
+    olmo = model_type in _OLMO
     if gemma and act in _GELU_TANH:
         act = "gelu_tanh"
     elif gemma or act != "silu":
@@ -662,6 +687,12 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     local_theta = None
     if model_type == "gemma3_text":
         theta, scaling, local_theta = _gemma3_rope(cfg)
+    elif model_type == "olmo3":
+        if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+            cfg = {**cfg, "rope_theta": _OLMO3_THETA}  # its config class's default
+        theta, scaling, local_theta = _gemma3_rope(cfg, _OLMO3_THETA)
+        if scaling is None and local_theta == theta:  # one set of tables serves both
+            local_theta = None
     else:
         if model_type == "phi3":
             cfg = _phi3_rope_names(cfg)
@@ -684,12 +715,13 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)), head_dim=head_dim,
         intermediate_size=int(cfg["intermediate_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-6)), rope_theta=theta,
-        rope_scaling=scaling,
+        norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-5 if olmo else 1e-6)),
+        rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
-        family=model_type, qk_norm=model_type in ("qwen3", "gemma3_text"),
-        norm_plus_one=gemma, hidden_act=act, embed_scale=gemma, sandwich_norms=gemma,
+        family=model_type, qk_norm=model_type in ("qwen3", "gemma3_text", *_OLMO),
+        qk_norm_whole=olmo, pre_norms=not olmo,
+        norm_plus_one=gemma, hidden_act=act, embed_scale=gemma, sandwich_norms=gemma or olmo,
         query_scale=query_scale, attn_softcap=softcap["attn_logit_softcapping"],
         final_softcap=softcap["final_logit_softcapping"],
         layer_windows=_layer_windows(model_type, cfg, layers), local_rope_theta=local_theta,
@@ -734,7 +766,8 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
     family = config.family
     arch = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-            "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}[family]
+            "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
+            "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}[family]
     out: dict[str, Any] = {
         "model_type": family, "architectures": [arch], "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
@@ -769,7 +802,15 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
     elif family in _GEMMA:
         # Gemma configs always slide some layers: a window past every position is global.
         out["sliding_window"] = config.max_position_embeddings
-    if config.rope_scaling is not None:
+    if family == "olmo3":  # per layer type; the scaling is the global layers' only
+        full = {"rope_type": "default", "rope_theta": config.rope_theta}
+        if config.rope_scaling is not None:
+            full = {**_rope_scaling_to_hf(config.rope_scaling), "rope_theta": config.rope_theta}
+        local = config.rope_theta if config.local_rope_theta is None else config.local_rope_theta
+        out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": local}}
+        out.pop("rope_theta")
+    elif config.rope_scaling is not None:
         out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
         if family == "phi3":  # transformers' Phi-3 reads this key before the scaling's own
             out["original_max_position_embeddings"] = (

@@ -1,6 +1,6 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
-(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3, Granite), made by transformers' own
-classes.
+(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3), made by
+transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
 24+ new ones), so a window that is ignored, off by one or applied to the wrong layers
@@ -55,6 +55,17 @@ VARIANTS = {
     "granite": (transformers.GraniteConfig, dict(
         _BASE, embedding_multiplier=12.0, residual_multiplier=0.22,
         attention_multiplier=0.1, logits_scaling=8.0, tie_word_embeddings=True)),
+    # OLMo 2: norms on the attention and MLP outputs only, q/k normed over all heads.
+    "olmo2": (transformers.Olmo2Config, dict(_BASE, tie_word_embeddings=False)),
+    # OLMo 3: OLMo 2 with three sliding layers per global one, and YaRN on the global
+    # layers' RoPE only (the sliding ones keep the plain tables), tied head.
+    "olmo3": (transformers.Olmo3Config, dict(
+        _BASE, num_hidden_layers=4, sliding_window=5, tie_word_embeddings=True,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 64,
+                               "attention_factor": 1.2}})),
     # Phi-3 without a window (its fused layers then run attn_impl="fused").
     "phi3-global": (transformers.Phi3Config, dict(
         {k: v for k, v in _BASE.items() if k != "head_dim"}, tie_word_embeddings=True)),
@@ -95,7 +106,8 @@ _GGUF_LAYER_NAMES = {
 _GEMMA_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm",
                       "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"}
-GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+             "olmo2": "olmo2", "olmo3": "olmo2"}
 
 
 def family_gguf_name(hf_name: str, arch: str) -> str:
@@ -106,7 +118,7 @@ def family_gguf_name(hf_name: str, arch: str) -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     names = dict(_GGUF_LAYER_NAMES, post_attention_layernorm="ffn_norm")
-    if arch.startswith("gemma"):
+    if arch.startswith("gemma") or arch == "olmo2":
         names.update(_GEMMA_LAYER_NAMES)
     return f"blk.{layer}.{names[module]}.{kind}"
 
@@ -114,8 +126,9 @@ def family_gguf_name(hf_name: str, arch: str) -> str:
 def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = True,
                       vocabulary: str = "byte-level", chat_template: str | None = None,
                       extra_tensors: dict | None = None):
-    """Writes a tiny Qwen3 / Gemma 2 / Gemma 3 / Phi-3 transformers model as llama.cpp's
-    converter would: its names and metadata keys, Gemma's norms stored plus one
+    """Writes a tiny Qwen3 / Gemma 2 / Gemma 3 / Phi-3 / OLMo 2 / OLMo 3 transformers model
+    as llama.cpp's converter would: its names and metadata keys (OLMo 3 as ``olmo2`` with
+    its window, per-layer pattern and YaRN), Gemma's norms stored plus one
     (``norm_shift``), no Q/K permutation; the byte-level tiny vocabulary of
     :func:`helpers_checkpoints.tiny_vocabulary` or, with ``vocabulary="sentencepiece"``,
     :func:`helpers_checkpoints.tiny_sentencepiece_vocabulary` as the real Gemma and Phi-3
@@ -157,6 +170,15 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
     if arch == "gemma3":
         writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    elif cfg.model_type == "olmo3":  # as llama.cpp's converter writes Olmo 3
+        full = rope["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full["rope_type"] == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(full["factor"])
+            writer.add_rope_scaling_attn_factors(full["attention_factor"])
+            writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     else:
         writer.add_rope_freq_base(rope["rope_theta"])
     if getattr(cfg, "sliding_window", None) and arch != "qwen3":

@@ -1,5 +1,5 @@
-"""Qwen3, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3 and Granite: parity with transformers,
-every method exact.
+"""Qwen3, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3, Granite, OLMo 2 and OLMo 3: parity with
+transformers, every method exact.
 
 Tolerance: logits within 1e-4 of transformers' (fp32, both sides with IEEE float32
 matmuls). What bounds it is float32 rounding of the same operations done in different
@@ -94,6 +94,7 @@ WRONG = [
     ("smollm3", "no_rope_layers", ()), ("smollm3", "no_rope_layers", (0, 1)),
     ("granite", "embed_multiplier", None), ("granite", "residual_multiplier", None),
     ("granite", "query_scale", None), ("granite", "logits_divisor", None),
+    ("olmo3", "local_rope_theta", None), ("olmo3", "layer_windows", ()),
 ]
 
 
@@ -107,6 +108,36 @@ def test_a_missing_or_wrong_feature_fails_parity(pairs, variant, field, value):
         params = {**params, "layers": {k: v for k, v in params["layers"].items()
                                        if not k.startswith("post_")}}
     assert np.abs(_logits(model, tokens, wrong) - _hf_logits(hf_model, tokens)).max() > 1e-2
+
+
+def _olmo_per_head_qk_norms(model):
+    """An OLMo 2 read as if its q/k norms were per head (Qwen3's): each head normed by its
+    own slice of the whole-width weights."""
+    config = dataclasses.replace(model.config, qk_norm_whole=False)
+    layers = dict(model.params["layers"])
+    for name in ("q_norm", "k_norm"):  # [L, H*D] -> the first head's [L, D]
+        layers[name] = layers[name][:, :config.head_dim]
+    return config, {**model.params, "layers": layers}
+
+
+def _olmo_pre_norms(model):
+    """An OLMo 2 read as Gemma 2 reads its four norms: unit pre-norms added."""
+    config = dataclasses.replace(model.config, pre_norms=True)
+    layers = dict(model.params["layers"])
+    for name in ("attn_norm", "mlp_norm"):
+        layers[name] = jnp.ones_like(layers["post_attn_norm"])
+    return config, {**model.params, "layers": layers}
+
+
+@pytest.mark.parametrize("misread", [_olmo_per_head_qk_norms, _olmo_pre_norms])
+def test_olmo_read_as_another_family_fails_parity(pairs, misread):
+    """The two ways OLMo 2's block differs from the families before it: q/k normed over
+    all heads at once, and no norm on the attention's and MLP's inputs."""
+    hf_model, model = pairs["olmo2"]
+    tokens = random_prompt(7, 20)
+    config, params = misread(model)
+    logits, _ = models.forward(params, config, jnp.asarray(tokens), jnp.arange(20))
+    assert np.abs(np.asarray(logits) - _hf_logits(hf_model, tokens)).max() > 1e-2
 
 
 def test_dropping_the_q_k_norms_fails_parity(pairs):
@@ -143,6 +174,17 @@ def test_configs_read_the_features(pairs):
     assert dataclasses.replace(smollm3, no_rope_layers=(1, 1)).no_rope_layers == ()
     with pytest.raises(InvalidArgumentError, match="no_rope_layers must be 1"):
         dataclasses.replace(smollm3, no_rope_layers=(1, 2))
+    olmo2, olmo3 = pairs["olmo2"][1].config, pairs["olmo3"][1].config
+    assert olmo2.qk_norm_whole and not olmo2.pre_norms and olmo2.sandwich_norms
+    assert olmo2.layer_windows == () and olmo2.local_rope_theta is None
+    assert olmo3.layer_windows == (5, 5, 5, 0) and olmo3.local_rope_theta == 10000.0
+    assert olmo3.rope_scaling.kind == "yarn" and olmo3.rope_scaling.factor == 4.0
+    assert "layers/attn_norm" not in str(models.param_shapes(olmo2))
+    assert models.param_shapes(olmo2)["layers"]["q_norm"] == (3, 64)
+    with pytest.raises(InvalidArgumentError, match="pre_norms=False needs"):
+        dataclasses.replace(olmo2, sandwich_norms=False)
+    with pytest.raises(InvalidArgumentError, match="qk_norm_whole applies"):
+        dataclasses.replace(olmo2, qk_norm=False)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -201,7 +243,8 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma2"
 
 
-METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite"]
+METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
+                   "olmo2", "olmo3"]
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +256,7 @@ def tables(pairs):
 
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
-QUICK_ONLY_SPEC = ("smollm3", "granite")
+QUICK_ONLY_SPEC = ("smollm3", "granite", "olmo2", "olmo3")
 METHOD_CASES = [
     pytest.param(method, variant, marks=pytest.mark.slow)
     if variant in QUICK_ONLY_SPEC and method != "spec" else (method, variant)
@@ -304,7 +347,8 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
 @pytest.mark.parametrize("variant,feature", [("gemma2", "soft-capping"),
                                               ("qwen3-tied", "q/k norms"),
                                               ("smollm3", "NoPE layers"),
-                                              ("granite", "Granite's multipliers")])
+                                              ("granite", "Granite's multipliers"),
+                                              ("olmo2", "no input norms")])
 def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
     with pytest.raises(InvalidArgumentError, match=f"attention 'fused'.*{feature}") as info:
         specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
@@ -325,7 +369,9 @@ def test_phi3_runs_the_fused_layers_exactly(pairs):
 
 GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_window=False),
                  # llama.cpp keeps no query_pre_attn_scalar: it is head_dim (27B aside)
-                 "gemma2": dict(query_pre_attn_scalar=256), "gemma3": {}, "phi3": {}}
+                 "gemma2": dict(query_pre_attn_scalar=256), "gemma3": {}, "phi3": {},
+                 # llama.cpp writes Olmo 3 as olmo2: window, layer pattern, YaRN
+                 "olmo2": {}, "olmo3": {}}
 
 
 def _gguf_pair(variant, path, **kwargs):
@@ -502,7 +548,7 @@ def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
         check_draft_compatible(target, draft)
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3"])
+@pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3"])
 def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
     from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 

@@ -103,7 +103,8 @@ PROGRAMS = {
 # Gemma 2 (head_dim 256, soft-capping, windows), Gemma 3 (5:1 windows, local RoPE) and
 # Phi-3 (head_dim 96, windows) with attn_impl="auto": the kernel for each (it takes
 # soft-capping and windows, and head_dim 96 on 128-wide tiles over the unpadded cache);
-# SmolLM3 (NoPE layers) and Phi-4-mini (partial rotary, LongRoPE) the same way; a
+# SmolLM3 (NoPE layers), Phi-4-mini (partial rotary, LongRoPE) and OLMo 3 (output norms,
+# whole-width q/k norms, 3:1 windows, YaRN on the global layers) the same way; a
 # Phi-3 with Phi-2's head_dim 80, which no kernel takes, with the jnp fallback (recorded in
 # the stats).
 FAMILY_PROGRAMS = {
@@ -118,6 +119,8 @@ FAMILY_PROGRAMS = {
     "ar-bf16-smollm3-auto": dict(method="ar", family="smollm3", attn_impl="auto"),
     "tree-bf16-phi4-mini-auto": dict(method="tree", verify="greedy", family="phi4-mini",
                                      attn_impl="auto"),
+    "tree-bf16-olmo3-auto": dict(method="tree", verify="greedy", family="olmo3",
+                                 attn_impl="auto"),
 }
 # The family programs whose attention is the jnp fallback (head_dim 80). Its
 # attention reads a layer of the stacked cache whole, which XLA's GPU compiler

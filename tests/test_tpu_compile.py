@@ -118,7 +118,8 @@ FUSED_PROGRAM = dict(kind="program", target="v5e:2x2", method="ar", attn_impl="f
 # The families on the llama forward (tpu_aot.FAMILY_HF_CONFIGS), ar in bfloat16: Qwen3
 # with the TPU attention kernel (v5e); with attn_impl="auto", Gemma 2 (v6e) and 3 (v5e),
 # head_dim 256, and Phi-3 (v6e), head_dim 96, with the kernel (soft-capping, sliding
-# windows), SmolLM3 (v5e; NoPE layers) and Phi-4-mini (v6e; partial rotary, LongRoPE), and
+# windows), SmolLM3 (v5e; NoPE layers), Phi-4-mini (v6e; partial rotary, LongRoPE) and
+# OLMo 3 (v5e; output norms, whole-width q/k norms, 3:1 windows, YaRN on global layers), and
 # a Phi-3 with Phi-2's head_dim 80 (which no kernel takes) with the jnp fallback (v6e).
 FAMILY_KERNEL_PROGRAMS = [
     dict(kind="program", target="v5e:2x2", method="ar", family="qwen3"),
@@ -127,7 +128,8 @@ FAMILY_KERNEL_PROGRAMS = [
     dict(kind="program", target="v6e:2x2", method="ar", family="phi3", attn_impl="auto"),
     dict(kind="program", target="v5e:2x2", method="ar", family="smollm3", attn_impl="auto"),
     dict(kind="program", target="v6e:2x2", method="ar", family="phi4-mini",
-         attn_impl="auto")]
+         attn_impl="auto"),
+    dict(kind="program", target="v5e:2x2", method="ar", family="olmo3", attn_impl="auto")]
 FAMILY_FALLBACK_PROGRAMS = [
     dict(kind="program", target="v6e:2x2", method="ar", family="phi3-head80",
          attn_impl="auto")]

@@ -235,6 +235,16 @@ FAMILY_HF_CONFIGS = {
                         intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
                         num_key_value_heads=32, max_position_embeddings=4096,
                         sliding_window=2047, tie_word_embeddings=False),
+    # OLMo-2-1B's heads (16 / 16 of 128) and block (output norms only, q/k normed over all
+    # heads), with Olmo 3's layout: three 4096-token sliding layers per global one, YaRN
+    # (Olmo-3-7B's: factor 8 over 8192 positions) on the global layers only.
+    "olmo3": dict(model_type="olmo3", vocab_size=100352, hidden_size=2048,
+                  intermediate_size=8192, num_hidden_layers=4, num_attention_heads=16,
+                  num_key_value_heads=16, max_position_embeddings=65536, sliding_window=4096,
+                  rope_theta=500000.0, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "yarn", "factor": 8.0,
+                                "original_max_position_embeddings": 8192,
+                                "attention_factor": 1.2079441541679836}),
 }
 
 

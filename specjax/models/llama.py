@@ -20,6 +20,11 @@ families that differ from Llama in a few places (``config.family``):
 * Granite (3.x): Llama with four scalars: embeddings times ``embed_multiplier``, attention
   scores times ``query_scale``, each block output times ``residual_multiplier`` before its
   residual add, logits divided by ``logits_divisor``.
+* OLMo 2: RMSNorm on the attention and MLP outputs only, none on their inputs
+  (``sandwich_norms`` without ``pre_norms``), and on q and k over all their heads at once
+  before RoPE (``qk_norm_whole``: weights [H*D] and [K*D]). OLMo 3 adds Gemma 3's layout:
+  three sliding-window layers per global one, the scaling (YaRN) on the global layers'
+  RoPE only (``local_rope_theta``).
 
 Per-layer differences stay data, not control flow: the layer loop reads layer ``i``'s
 window from a constant [L] array at the loop index (:func:`layer_attention`), and picks
@@ -39,8 +44,10 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
     layers/b_gate [L, F]     layers/b_up [L, F]     layers/b_down [L, d]   (mlp_bias)
     final_norm  [d]
     lm_head     [d, V]   (absent when the head is tied to ``embed``)
-    layers/q_norm [L, D]  layers/k_norm [L, D]        (qk_norm)
-    layers/post_attn_norm [L, d]  layers/post_mlp_norm [L, d]   (sandwich_norms)
+    layers/q_norm [L, D]  layers/k_norm [L, D]        (qk_norm; [L, H*D] and [L, K*D] with
+                                                       qk_norm_whole)
+    layers/post_attn_norm [L, d]  layers/post_mlp_norm [L, d]   (sandwich_norms; then
+                                  attn_norm and mlp_norm are absent without pre_norms)
     fc          [2d, d]  (feature drafts only, ``config.feature_input``)
     feature_norm [d]     (feature drafts only: RMSNorm scale of the features read)
     feature_fc  [F*d, d] (multi-layer feature drafts, ``config.feature_layers``: fuses the
@@ -116,13 +123,17 @@ def _param_shapes(config: ModelConfig) -> dict:
         "wv": (L, d, kv_width), "wo": (L, q_width, d), "mlp_norm": (L, d),
         "w_gate": (L, d, f), "w_up": (L, d, f), "w_down": (L, f, d),
     }
+    if not config.pre_norms:
+        del layers["attn_norm"], layers["mlp_norm"]
     if config.qkv_bias:
         layers.update(bq=(L, q_width), bk=(L, kv_width), bv=(L, kv_width))
     if config.out_bias:
         layers.update(bo=(L, d))
     if config.mlp_bias:
         layers.update(b_gate=(L, f), b_up=(L, f), b_down=(L, d))
-    if config.qk_norm:
+    if config.qk_norm_whole:
+        layers.update(q_norm=(L, q_width), k_norm=(L, kv_width))
+    elif config.qk_norm:
         layers.update(q_norm=(L, config.head_dim), k_norm=(L, config.head_dim))
     if config.sandwich_norms:
         layers.update(post_attn_norm=(L, d), post_mlp_norm=(L, d))
@@ -219,6 +230,7 @@ def plain_layers_only(config: ModelConfig) -> str | None:
         ("q/k norms", config.qk_norm), ("(1 + w) norms", config.norm_plus_one),
         ("GeGLU", config.hidden_act != "silu"), ("scaled embeddings", config.embed_scale),
         ("post-attention/MLP norms", config.sandwich_norms),
+        ("no input norms", not config.pre_norms),
         ("a query scale", config.query_scale is not None),
         ("soft-capping", config.attn_softcap is not None or config.final_softcap is not None),
         ("sliding windows", bool(config.layer_windows)),
@@ -235,6 +247,12 @@ def _norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return rms_norm(x, weight, config.norm_eps, plus_one=config.norm_plus_one)
 
 
+def _input_norm(config: ModelConfig, x: jax.Array, p: dict, name: str) -> jax.Array:
+    """The attention's or MLP's input: ``x`` normed by ``p[name]`` (none without
+    ``config.pre_norms``: OLMo 2/3)."""
+    return _norm(config, x, p[name]) if config.pre_norms else x
+
+
 def _activation(config: ModelConfig):
     return gelu_tanh if config.hidden_act == "gelu_tanh" else jax.nn.silu
 
@@ -245,17 +263,19 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     cos, sin = rope
     t = x.shape[0]
     widths = _group_widths(config)
-    h = _norm(config, x, p["attn_norm"])
+    h = _input_norm(config, x, p, "attn_norm")
     if "w_qkv" in p:
         q, k, v = jnp.split(dense(h, p["w_qkv"], p.get("b_qkv")),
                             np.cumsum(widths["w_qkv"])[:-1], axis=-1)
     else:
         q, k, v = (dense(h, p["wq"], p.get("bq")), dense(h, p["wk"], p.get("bk")),
                    dense(h, p["wv"], p.get("bv")))
+    if config.qk_norm_whole:  # OLMo: over every head at once, before the split into heads
+        q, k = _norm(config, q, p["q_norm"]), _norm(config, k, p["k_norm"])
     q = q.reshape(t, config.num_heads, config.head_dim)
     k = k.reshape(t, config.num_kv_heads, config.head_dim)
     v = v.reshape(t, config.num_kv_heads, config.head_dim)
-    if config.qk_norm:
+    if config.qk_norm and not config.qk_norm_whole:
         q, k = _norm(config, q, p["q_norm"]), _norm(config, k, p["k_norm"])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v).reshape(t, config.num_heads * config.head_dim)
@@ -263,7 +283,7 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     if config.sandwich_norms:
         out = _norm(config, out, p["post_attn_norm"])
     x = x + _residual(config, out)
-    h = _norm(config, x, p["mlp_norm"])
+    h = _input_norm(config, x, p, "mlp_norm")
     if "w_gate_up" in p:
         gate, up = jnp.split(dense(h, p["w_gate_up"], p.get("b_gate_up")),
                              np.cumsum(widths["w_gate_up"])[:-1], axis=-1)
