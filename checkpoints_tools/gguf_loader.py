@@ -4,11 +4,9 @@ A GGUF file carries three things. :func:`read_gguf` parses the file itself, chec
 count, length and offset against the file's size first (see "reading" below); the ``gguf``
 package supplies the type tables and the dequantization:
 
-- metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, and ``qwen3``, ``gemma2``,
-  ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``: :data:`FAMILY_ARCHITECTURES`)
-  that
-  becomes a
-  :class:`~specjax.config.ModelConfig`;
+- metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, and ``qwen3``,
+  ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``:
+  :data:`FAMILY_ARCHITECTURES`) that becomes a :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
   renamed to their Hugging Face names and handed to the strict
@@ -32,7 +30,10 @@ by ``w``, HF by ``1 + w``), which :func:`params_from_gguf` subtracts (exactly: t
 value is the float32 ``1 + w`` that HF computes); Phi-3's fused ``attn_qkv`` and ``ffn_up``
 (gate and up) are split by the key table as for its HF checkpoint. llama.cpp writes OLMo 3
 as ``olmo2`` with a sliding window, a per-layer pattern and YaRN, read as Hugging Face's
-``olmo3`` (the scaling on the global layers only).
+``olmo3`` (the scaling on the global layers only). ``gptneox`` (Pythia) files have their
+own names (:data:`_NEOX_TENSOR_NAMES`) and q|k|v stacked, which :func:`_neox_qkv_to_hf`
+interleaves per head again as the HF checkpoint has it; they name no activation and are
+read with Pythia's exact GELU (HF's ``gelu``; llama.cpp's graph computes the tanh form).
 
 RoPE scaling factors travel as tensors (:data:`ROPE_FACTOR_TENSORS`), read into the config
 rather than the parameters: ``rope_freqs.weight`` (llama.cpp divides frequency i by factor i;
@@ -63,7 +64,7 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                   "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
-                  "granite": True, "olmo2": False}
+                  "granite": True, "olmo2": False, "gptneox": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
 # Hugging Face config's default no_rope_layer_interval gives.)
@@ -112,18 +113,48 @@ _FAMILY_TENSOR_NAMES = {
 }
 
 
+# GPT-NeoX (Pythia): its own names on both sides (llama.cpp's converter stores q|k|v
+# stacked, [3 * H * D, d]; the HF checkpoint interleaves them per head, see
+# _neox_qkv_to_hf).
+_NEOX_TENSOR_NAMES = {
+    "token_embd.weight": "gpt_neox.embed_in.weight",
+    "output_norm.weight": "gpt_neox.final_layer_norm.weight",
+    "output_norm.bias": "gpt_neox.final_layer_norm.bias",
+    "output.weight": "embed_out.weight",
+    **{f"blk.{{i}}.{gguf}.{kind}": f"gpt_neox.layers.{{i}}.{hf}.{kind}"
+       for gguf, hf in (("attn_norm", "input_layernorm"),
+                        ("attn_qkv", "attention.query_key_value"),
+                        ("attn_output", "attention.dense"),
+                        ("ffn_norm", "post_attention_layernorm"),
+                        ("ffn_up", "mlp.dense_h_to_4h"), ("ffn_down", "mlp.dense_4h_to_h"))
+       for kind in ("weight", "bias")},
+}
+
+
 def _name_patterns(table: dict[str, str]) -> list[tuple[re.Pattern, str]]:
     return [(re.compile("^" + re.escape(src).replace(re.escape("{i}"), r"(\d+)") + "$"), dst)
             for src, dst in table.items()]
 
 
 def _tensor_names(arch: str | None) -> dict[str, str]:
+    if arch == "gptneox":
+        return _NEOX_TENSOR_NAMES
     return {**_TENSOR_NAMES, **_FAMILY_TENSOR_NAMES.get(arch, {})}
 
 
-_TO_HF = {arch: _name_patterns(_tensor_names(arch)) for arch in (None, *_FAMILY_TENSOR_NAMES)}
+_NAMED_ARCHITECTURES = (None, *_FAMILY_TENSOR_NAMES, "gptneox")
+_TO_HF = {arch: _name_patterns(_tensor_names(arch)) for arch in _NAMED_ARCHITECTURES}
 _TO_GGUF = {arch: _name_patterns({hf: gguf for gguf, hf in _tensor_names(arch).items()})
-            for arch in (None, *_FAMILY_TENSOR_NAMES)}
+            for arch in _NAMED_ARCHITECTURES}
+
+
+def _neox_qkv_to_hf(array: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's stacked GPT-NeoX q|k|v rows [3, H, D, ...] as the HF checkpoint's
+    per-head interleaving [H, 3, D, ...] (weights [3*H*D, d] and biases [3*H*D])."""
+    if array.shape[0] % (3 * num_heads):
+        return array  # the key map names the wrong shape
+    stacked = array.reshape(3, num_heads, array.shape[0] // (3 * num_heads), *array.shape[1:])
+    return np.swapaxes(stacked, 0, 1).reshape(array.shape)
 
 
 def _rename(name: str, patterns) -> str | None:
@@ -457,6 +488,8 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
     names = {tensor.name for tensor in reader.tensors}
     if arch in FAMILY_ARCHITECTURES:
         return _family_config(reader, arch, meta, names, source)
+    if arch == "gptneox":
+        return _neox_config(reader, meta, names, source)
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
     if heads == 0:
@@ -506,6 +539,42 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
             mlp_bias="blk.0.ffn_gate.bias" in names, eos_token_ids=eos_ids,
             bos_token_id=bos, sliding_window=window or None,
         )
+    except InvalidArgumentError as error:
+        raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
+                              ) from None
+
+
+def _neox_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig:
+    """The config of a ``gptneox`` file (Pythia, GPT-NeoX-20B) as llama.cpp's converter
+    writes it: RoPE on ``rope.dimension_count`` dims of each head, ``use_parallel_residual``,
+    LayerNorm's epsilon, no RoPE base (llama.cpp's default, 10000, unless written)."""
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    if heads == 0 or hidden % heads:
+        raise CheckpointError(f"{source}: GGUF metadata 'gptneox.attention.head_count' "
+                              f"({heads}) does not divide the width ({hidden})")
+    if meta("rope.scaling.type", "none", kind=str) != "none" or "rope_freqs.weight" in names:
+        raise CheckpointError(f"{source}: RoPE scaling in a gptneox file is not supported")
+    tokens = _field(reader, "tokenizer.ggml.tokens", source=source, kind=list)
+    eos = [t for t in (_field(reader, f"tokenizer.ggml.{key}", source=source, kind=int)
+                       for key in ("eos_token_id", "eot_token_id")) if t is not None]
+    cfg = {
+        "model_type": "gpt_neox",
+        "vocab_size": len(tokens) if tokens is not None else meta("vocab_size"),
+        "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads, "intermediate_size": meta("feed_forward_length"),
+        "max_position_embeddings": meta("context_length"),
+        "layer_norm_eps": _float32_value(meta("attention.layer_norm_epsilon", kind=float)),
+        "rope_theta": _float32_value(meta("rope.freq_base", 10000.0, kind=float)),
+        "partial_rotary_factor": meta("rope.dimension_count", hidden // heads) / (hidden // heads),
+        "use_parallel_residual": _field(reader, "gptneox.use_parallel_residual", True,
+                                        source=source, kind=bool),
+        "attention_bias": "blk.0.attn_qkv.bias" in names,
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": list(dict.fromkeys(eos)) or None,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", source=source, kind=int),
+    }
+    try:
+        return from_hf_config(cfg)
     except InvalidArgumentError as error:
         raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
                               ) from None
@@ -654,7 +723,7 @@ def _gguf_names_in_message(message: str, arch: str | None = None) -> str:
         gguf = _rename(match.group(1), _TO_GGUF.get(arch, _TO_GGUF[None]))
         return f"'{gguf}' ({match.group(1)})" if gguf else match.group(0)
 
-    return re.sub(r"'((?:model\.|lm_head\.)[^']*)'", swap, message)
+    return re.sub(r"'((?:model\.|lm_head\.|gpt_neox\.|embed_out\.)[^']*)'", swap, message)
 
 
 def _dequantize(tensor, source: str) -> np.ndarray:
@@ -698,6 +767,8 @@ def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf"
         array = _dequantize(tensor, source)
         if arch in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
             array = array - np.float32(1.0)  # stored 1 + w (see the module docstring)
+        if arch == "gptneox" and ".attn_qkv." in tensor.name:
+            array = _neox_qkv_to_hf(array, config.num_heads)
         heads = (config.num_heads if ".self_attn.q_proj." in (name or "") else
                  config.num_kv_heads if ".self_attn.k_proj." in (name or "") else None)
         if name is None:
@@ -725,8 +796,9 @@ _QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 # tokenizer.ggml.pre -> the regex that splits text into words before byte-level BPE.
 _PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("default", "gpt2", "gpt-2", "smollm", "starcoder", "refact", "codeshell",
-                     "command-r"), _GPT2_SPLIT),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"), _LLAMA3_SPLIT),
+                     "command-r", "mpt", "olmo"), _GPT2_SPLIT),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"),
+                    _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
 }
 # llama.cpp (and these models' original tokenizer.json, as a Digits(individual_digits=True)

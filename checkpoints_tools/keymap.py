@@ -145,7 +145,56 @@ def gpt2_rules(config: ModelConfig) -> list[Rule]:
     ]
 
 
+def neox_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for GPTNeoXForCausalLM checkpoints (Pythia). Their ``query_key_value`` rows
+    interleave the heads, [H, 3 (q, k, v), D], rather than stacking q, k and v."""
+    p = "gpt_neox.layers.{i}."
+    heads, dim = config.num_heads, config.head_dim
+
+    def split_weight(a):  # [H*3*D, d] -> three [d, H*D]
+        a = a.reshape(heads, 3, dim, -1)
+        return tuple(a[:, j].reshape(heads * dim, -1).T for j in range(3))
+
+    def join_weight(*parts):
+        return np.stack([part.T.reshape(heads, dim, -1) for part in parts], axis=1).reshape(
+            heads * 3 * dim, -1)
+
+    def split_bias(a):
+        a = a.reshape(heads, 3, dim)
+        return tuple(a[:, j].reshape(-1) for j in range(3))
+
+    def join_bias(*parts):
+        return np.stack([part.reshape(heads, dim) for part in parts], axis=1).reshape(-1)
+
+    rules = [
+        _same("embed", "gpt_neox.embed_in.weight"),
+        _same("final_norm", "gpt_neox.final_layer_norm.weight"),
+        _same("final_norm_bias", "gpt_neox.final_layer_norm.bias"),
+        _same("layers/attn_norm", p + "input_layernorm.weight"),
+        _same("layers/attn_norm_bias", p + "input_layernorm.bias"),
+        _same("layers/mlp_norm", p + "post_attention_layernorm.weight"),
+        _same("layers/mlp_norm_bias", p + "post_attention_layernorm.bias"),
+        Rule(p + "attention.query_key_value.weight", ("layers/wq", "layers/wk", "layers/wv"),
+             split_weight, join_weight),
+        _t("layers/wo", p + "attention.dense.weight"),
+        _t("layers/w_up", p + "mlp.dense_h_to_4h.weight"),
+        _same("layers/b_up", p + "mlp.dense_h_to_4h.bias"),
+        _t("layers/w_down", p + "mlp.dense_4h_to_h.weight"),
+        _same("layers/b_down", p + "mlp.dense_4h_to_h.bias"),
+    ]
+    if config.qkv_bias:
+        rules += [Rule(p + "attention.query_key_value.bias", ("layers/bq", "layers/bk",
+                                                              "layers/bv"),
+                       split_bias, join_bias),
+                  _same("layers/bo", p + "attention.dense.bias")]
+    if not config.tie_word_embeddings:
+        rules.append(_t("lm_head", "embed_out.weight"))
+    return rules
+
+
 def rules_for(config: ModelConfig) -> list[Rule]:
+    if config.family == "gpt_neox":
+        return neox_rules(config)
     if config.family is not None:
         return family_rules(config)
     return llama_rules(config) if config.architecture == "llama" else gpt2_rules(config)
@@ -155,6 +204,9 @@ def rules_for(config: ModelConfig) -> list[Rule]:
 def _ignorable(name: str, config: ModelConfig) -> bool:
     if name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")):
         return True
+    if config.family == "gpt_neox" and name.endswith((".attention.bias",
+                                                      ".attention.masked_bias")):
+        return True  # older GPT-NeoX checkpoints (Pythia's) keep the causal mask buffers
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
@@ -175,6 +227,8 @@ def _normalise_name(name: str, config: ModelConfig) -> str:
     # GPT-2 checkpoints appear both with and without the "transformer." prefix.
     if config.architecture == "gpt2" and name.startswith("transformer."):
         return name[len("transformer."):]
+    if config.family == "gpt_neox" and name == "lm_head.weight":
+        return "embed_out.weight"  # the module's name; files keep the original one
     if config.family == "gemma3_text":
         for prefix, ours in _GEMMA3_TEXT_PREFIXES.items():
             if name.startswith(prefix):

@@ -20,7 +20,8 @@ from typing import Any, Mapping
 from specjax.errors import InvalidArgumentError
 
 ARCHITECTURES = ("llama", "gpt2")
-HIDDEN_ACTS = ("silu", "gelu_tanh")
+HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")
+NORM_KINDS = ("rms", "layer")
 
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
@@ -123,14 +124,22 @@ class ModelConfig:
       sliding_window: attention window (Mistral); generation longer than it is refused.
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
         below (``"qwen3"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``, ``"smollm3"``,
-        ``"granite"``, ``"olmo2"``, ``"olmo3"``), so the config
+        ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"gpt_neox"``), so the config
         writes the same type back; ``None`` for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
       qk_norm_whole: with ``qk_norm``, q and k are normed over all their heads at once
         (weights [H*D] and [K*D]), not per head (OLMo 2/3).
       norm_plus_one: RMSNorm scales by ``1 + w`` (Gemma), not ``w``.
       hidden_act: the MLP's gate activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"``
-        (GeGLU with the tanh approximation, Gemma).
+        (GeGLU with the tanh approximation, Gemma); or, without ``gated_mlp``, its one
+        activation (``"gelu"``, the exact erf form: GPT-NeoX/Pythia).
+      norm_kind: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with a bias: GPT-NeoX; the
+        norms' biases are ``attn_norm_bias``, ``mlp_norm_bias``, ``final_norm_bias``).
+      gated_mlp: the MLP is ``down(act(gate(x)) * up(x))``; ``False``: ``down(act(up(x)))``
+        (GPT-NeoX).
+      parallel_residual: attention and MLP both read the block's input and add to it
+        together, ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX/Pythia's
+        ``use_parallel_residual``); ``False``: one after the other.
       embed_scale: embeddings are multiplied by sqrt(hidden_size), rounded to the model
         dtype first (Gemma).
       sandwich_norms: RMSNorm also on the attention and MLP outputs before each residual
@@ -206,6 +215,9 @@ class ModelConfig:
     qk_norm_whole: bool = False
     norm_plus_one: bool = False
     hidden_act: str = "silu"
+    norm_kind: str = "rms"
+    gated_mlp: bool = True
+    parallel_residual: bool = False
     embed_scale: bool = False
     sandwich_norms: bool = False
     pre_norms: bool = True
@@ -270,6 +282,13 @@ class ModelConfig:
                                       or value == float("inf")):
                 raise InvalidArgumentError(f"{name} must be a finite number > 0 on a llama "
                                            f"model, got {value!r}")
+        if self.norm_kind not in NORM_KINDS:
+            raise InvalidArgumentError(
+                f"unknown norm_kind {self.norm_kind!r}; expected one of {NORM_KINDS}")
+        if self.architecture != "llama" and (self.norm_kind != "rms" or not self.gated_mlp
+                                             or self.parallel_residual):
+            raise InvalidArgumentError("norm_kind, gated_mlp and parallel_residual describe "
+                                       "llama-architecture models")
         if self.qk_norm_whole and not self.qk_norm:
             raise InvalidArgumentError("qk_norm_whole applies with qk_norm=True")
         if not self.pre_norms and (self.architecture != "llama" or not self.sandwich_norms):
@@ -364,6 +383,8 @@ class ModelConfig:
                 "eos_token_id": self.eos_token_ids[0] if self.eos_token_ids else None,
                 "bos_token_id": self.bos_token_id,
             }
+        if self.family == "gpt_neox":
+            return _neox_to_hf(self)
         if self.family is not None:
             return _extended_to_hf(self)
         if self.qkv_bias and not self.out_bias:
@@ -551,6 +572,8 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
             qkv_bias=True, out_bias=True, mlp_bias=True,
             eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         )
+    if model_type == "gpt_neox":
+        return _neox_from_hf(cfg)
     if model_type in _LLAMA_FAMILY:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
@@ -585,7 +608,7 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
     if model_type in EXTENDED_FAMILIES:
         return _extended_from_hf(model_type, cfg)
     raise InvalidArgumentError(
-        f"unsupported model_type {model_type!r}; specjax supports gpt2, "
+        f"unsupported model_type {model_type!r}; specjax supports gpt2, gpt_neox, "
         f"{', '.join(_LLAMA_FAMILY)}, {', '.join(EXTENDED_FAMILIES)} and gemma3"
     )
 
@@ -757,6 +780,65 @@ def _phi3_rope_names(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind in ("su", "yarn"):
                 out[key] = {**scaling, "rope_type": "longrope", "type": "longrope"}
+    return out
+
+
+# GPT-NeoX's activations by their Hugging Face names (the tanh forms are one function).
+_NEOX_ACTS = {"gelu": "gelu", **{name: "gelu_tanh" for name in _GELU_TANH + ("gelu_fast",)}}
+
+
+def _neox_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
+    """GPT-NeoX (Pythia, GPT-NeoX-20B) on the llama forward: LayerNorm with biases, q|k|v
+    with biases, RoPE on the first ``rotary_pct`` of each head, a two-matrix GELU MLP,
+    parallel residual (``use_parallel_residual``), an untied head."""
+    heads = int(cfg["num_attention_heads"])
+    width = int(cfg["hidden_size"])
+    act = cfg.get("hidden_act", "gelu")
+    if act not in _NEOX_ACTS:
+        raise InvalidArgumentError(f"unsupported gpt_neox activation {act!r}; expected one of "
+                                   f"{sorted(_NEOX_ACTS)}")
+    rope = dict(cfg.get("rope_parameters") or {})
+    partial = float(_get(cfg, "partial_rotary_factor", "rotary_pct",
+                         default=rope.get("partial_rotary_factor", 1.0)))
+    if "rope_theta" not in cfg and "rope_theta" not in rope:
+        cfg = {**cfg, "rope_theta": float(cfg.get("rotary_emb_base", 10000.0))}
+    theta, scaling = _rope_from_hf(cfg)
+    head_dim = width // heads
+    bias = bool(cfg.get("attention_bias", True))
+    return ModelConfig(
+        architecture="llama", vocab_size=int(cfg["vocab_size"]), hidden_size=width,
+        num_layers=int(cfg["num_hidden_layers"]), num_heads=heads, num_kv_heads=heads,
+        head_dim=head_dim, intermediate_size=int(cfg["intermediate_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        norm_eps=float(cfg.get("layer_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bias, out_bias=bias, mlp_bias=True,
+        eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
+        family="gpt_neox", hidden_act=_NEOX_ACTS[act], norm_kind="layer", gated_mlp=False,
+        parallel_residual=bool(cfg.get("use_parallel_residual", True)),
+        rotary_dim=None if partial == 1.0 else int(head_dim * partial))
+
+
+def _neox_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config of a ``gpt_neox`` model (the keys :func:`_neox_from_hf`
+    reads)."""
+    out: dict[str, Any] = {
+        "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": "gelu" if config.hidden_act == "gelu" else "gelu_new",
+        "max_position_embeddings": config.max_position_embeddings,
+        "layer_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+        "partial_rotary_factor": config.rope_dim / config.head_dim,
+        "use_parallel_residual": config.parallel_residual,
+        "attention_bias": config.qkv_bias, "tie_word_embeddings": config.tie_word_embeddings,
+        "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else
+        (config.eos_token_ids[0] if config.eos_token_ids else None),
+        "bos_token_id": config.bos_token_id,
+    }
+    if config.rope_scaling is not None:
+        out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
     return out
 
 

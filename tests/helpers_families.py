@@ -1,6 +1,6 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
-(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3), made by
-transformers' own classes.
+(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, GPT-NeoX), made
+by transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
 24+ new ones), so a window that is ignored, off by one or applied to the wrong layers
@@ -18,6 +18,10 @@ _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None,
              eos_token_id=None, pad_token_id=None)
+
+_NEOX = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, max_position_embeddings=256, layer_norm_eps=1e-5,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 # variant -> (transformers config class, kwargs)
 VARIANTS = {
@@ -66,6 +70,14 @@ VARIANTS = {
             "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                "original_max_position_embeddings": 64,
                                "attention_factor": 1.2}})),
+    # GPT-NeoX (Pythia): LayerNorm with biases, interleaved q|k|v with biases, RoPE on a
+    # quarter of each head, a GELU MLP of two matrices, parallel residual, untied head.
+    "gpt-neox": (transformers.GPTNeoXConfig, dict(_NEOX, rotary_pct=0.25)),
+    # GPT-NeoX with the sequential residual (use_parallel_residual=False), RoPE on half of
+    # each head, the tanh GELU and a tied head.
+    "gpt-neox-sequential": (transformers.GPTNeoXConfig, dict(
+        _NEOX, rotary_pct=0.5, use_parallel_residual=False, hidden_act="gelu_new",
+        tie_word_embeddings=True)),
     # Phi-3 without a window (its fused layers then run attn_impl="fused").
     "phi3-global": (transformers.Phi3Config, dict(
         {k: v for k, v in _BASE.items() if k != "head_dim"}, tie_word_embeddings=True)),

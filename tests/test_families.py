@@ -1,5 +1,5 @@
-"""Qwen3, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3, Granite, OLMo 2 and OLMo 3: parity with
-transformers, every method exact.
+"""Qwen3, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3, Granite, OLMo 2, OLMo 3 and GPT-NeoX
+(Pythia): parity with transformers, every method exact.
 
 Tolerance: logits within 1e-4 of transformers' (fp32, both sides with IEEE float32
 matmuls). What bounds it is float32 rounding of the same operations done in different
@@ -95,6 +95,8 @@ WRONG = [
     ("granite", "embed_multiplier", None), ("granite", "residual_multiplier", None),
     ("granite", "query_scale", None), ("granite", "logits_divisor", None),
     ("olmo3", "local_rope_theta", None), ("olmo3", "layer_windows", ()),
+    ("gpt-neox", "parallel_residual", False), ("gpt-neox", "rotary_dim", None),
+    ("gpt-neox-sequential", "parallel_residual", True), ("gpt-neox", "norm_kind", "rms"),
 ]
 
 
@@ -185,6 +187,15 @@ def test_configs_read_the_features(pairs):
         dataclasses.replace(olmo2, sandwich_norms=False)
     with pytest.raises(InvalidArgumentError, match="qk_norm_whole applies"):
         dataclasses.replace(olmo2, qk_norm=False)
+    neox, sequential = pairs["gpt-neox"][1].config, pairs["gpt-neox-sequential"][1].config
+    assert (neox.norm_kind, neox.gated_mlp, neox.parallel_residual) == ("layer", False, True)
+    assert (neox.rotary_dim, sequential.rotary_dim) == (4, 8) and neox.head_dim == 16
+    assert (neox.hidden_act, sequential.hidden_act) == ("gelu", "gelu_tanh")
+    assert not sequential.parallel_residual and sequential.tie_word_embeddings
+    assert "w_gate" not in models.param_shapes(neox)["layers"]
+    assert models.param_shapes(neox)["final_norm_bias"] == (64,)
+    with pytest.raises(InvalidArgumentError, match="unknown norm_kind"):
+        dataclasses.replace(neox, norm_kind="batch")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -244,7 +255,7 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path):
 
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-                   "olmo2", "olmo3"]
+                   "olmo2", "olmo3", "gpt-neox"]
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +267,7 @@ def tables(pairs):
 
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
-QUICK_ONLY_SPEC = ("smollm3", "granite", "olmo2", "olmo3")
+QUICK_ONLY_SPEC = ("smollm3", "granite", "olmo2", "olmo3", "gpt-neox")
 METHOD_CASES = [
     pytest.param(method, variant, marks=pytest.mark.slow)
     if variant in QUICK_ONLY_SPEC and method != "spec" else (method, variant)
@@ -348,7 +359,8 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
                                               ("qwen3-tied", "q/k norms"),
                                               ("smollm3", "NoPE layers"),
                                               ("granite", "Granite's multipliers"),
-                                              ("olmo2", "no input norms")])
+                                              ("olmo2", "no input norms"),
+                                              ("gpt-neox", "LayerNorm")])
 def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
     with pytest.raises(InvalidArgumentError, match=f"attention 'fused'.*{feature}") as info:
         specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
@@ -436,6 +448,73 @@ def test_a_smollm3_gguf_gets_its_nope_layers(tmp_path):
     model = specjax.Model.from_params(config, params)
     tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
     _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+
+
+def _write_neox_gguf(hf_model, path, *, stack_qkv: bool = True):
+    """A tiny GPT-NeoX written as llama.cpp's converter writes one (its metadata keys; q|k|v
+    stacked rather than interleaved per head unless ``stack_qkv`` is False)."""
+    import gguf
+    from helpers_checkpoints import add_bpe_vocabulary
+
+    cfg = hf_model.config
+    heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "gptneox")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * dim))
+    writer.add_head_count(heads)
+    writer.add_parallel_residual(cfg.use_parallel_residual)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    add_bpe_vocabulary(writer, cfg.vocab_size)
+    names = {"embed_in": "token_embd", "final_layer_norm": "output_norm",
+             "input_layernorm": "attn_norm", "attention.query_key_value": "attn_qkv",
+             "attention.dense": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.detach().float().numpy()
+        if name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            writer.add_tensor("output.weight", array)
+            continue
+        parts = name.split(".")
+        layer = parts[2] if parts[1] == "layers" else None
+        module = ".".join(parts[3:-1] if layer is not None else parts[1:-1])
+        target = names[module] + "." + parts[-1]
+        if module == "attention.query_key_value" and stack_qkv:  # [H, 3, D] -> [3, H, D]
+            array = np.swapaxes(array.reshape(heads, 3, dim, -1), 0, 1).reshape(array.shape)
+        writer.add_tensor(f"blk.{layer}.{target}" if layer is not None else target, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("variant", ["gpt-neox", "gpt-neox-sequential"])
+def test_a_gpt_neox_gguf_gives_transformers_logits(variant, tmp_path):
+    """llama.cpp's gptneox files (Pythia): q|k|v stacked, which the loader interleaves per
+    head again; partial RoPE from ``rope.dimension_count``; the residual kind from
+    ``use_parallel_residual``. Read without the re-interleaving, the logits are wrong."""
+    from helpers_checkpoints import tiny_vocabulary
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    # The file names no activation: read as Pythia's exact GELU (HF's "gelu"; llama.cpp's
+    # own graph computes the tanh form), so the model here is one with that GELU.
+    hf_model = tiny_family_model(variant, seed=6, vocab_size=len(tiny_vocabulary()[0]),
+                                 hidden_act="gelu")
+    config, params, tokenizer = load_gguf(_write_neox_gguf(hf_model, tmp_path / "neox.gguf"))
+    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
+        from_hf_config(hf_model.config.to_dict())
+    tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
+    model = specjax.Model.from_params(config, params, tokenizer)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+    _, unstacked, _ = load_gguf(_write_neox_gguf(hf_model, tmp_path / "interleaved.gguf",
+                                                 stack_qkv=False))
+    wrong = _logits(specjax.Model.from_params(config, unstacked), tokens)
+    assert np.abs(wrong - _hf_logits(hf_model, tokens)).max() > 1e-2
 
 
 @pytest.mark.parametrize("variant", ["gemma2", "gemma3", "phi3"])
@@ -548,7 +627,7 @@ def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
         check_draft_compatible(target, draft)
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3"])
+@pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3", "gpt-neox"])
 def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
     from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 

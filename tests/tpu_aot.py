@@ -245,6 +245,13 @@ FAMILY_HF_CONFIGS = {
                   rope_scaling={"rope_type": "yarn", "factor": 8.0,
                                 "original_max_position_embeddings": 8192,
                                 "attention_factor": 1.2079441541679836}),
+    # Pythia-1.4B's heads (16 of 128, RoPE on the first 32 dims), LayerNorm, parallel
+    # residual, a two-matrix GELU MLP, biases, an untied 50,304-token head.
+    "gpt-neox": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=2048,
+                     intermediate_size=8192, num_hidden_layers=4, num_attention_heads=16,
+                     max_position_embeddings=2048, rotary_pct=0.25, rotary_emb_base=10000,
+                     use_parallel_residual=True, hidden_act="gelu",
+                     tie_word_embeddings=False),
 }
 
 

@@ -25,6 +25,10 @@ families that differ from Llama in a few places (``config.family``):
   before RoPE (``qk_norm_whole``: weights [H*D] and [K*D]). OLMo 3 adds Gemma 3's layout:
   three sliding-window layers per global one, the scaling (YaRN) on the global layers'
   RoPE only (``local_rope_theta``).
+* GPT-NeoX (Pythia): LayerNorm with biases (``norm_kind="layer"``), biases on q|k|v, the
+  output and the MLP, RoPE on the first quarter of each head (``rotary_dim``), a GELU MLP of
+  two matrices (``gated_mlp=False``: ``w_up``, ``w_down``), attention and MLP reading the
+  block's input side by side (``parallel_residual``), an untied head.
 
 Per-layer differences stay data, not control flow: the layer loop reads layer ``i``'s
 window from a constant [L] array at the loop index (:func:`layer_attention`), and picks
@@ -42,6 +46,9 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
     layers/wo   [L, H*D, d]      layers/bo [L, d]     (out_bias)
     layers/w_gate [L, d, F]  layers/w_up [L, d, F]  layers/w_down [L, F, d]
     layers/b_gate [L, F]     layers/b_up [L, F]     layers/b_down [L, d]   (mlp_bias)
+                  (no w_gate, b_gate without gated_mlp)
+    layers/attn_norm_bias [L, d]  layers/mlp_norm_bias [L, d]  final_norm_bias [d]
+                                  (LayerNorm's biases, norm_kind "layer")
     final_norm  [d]
     lm_head     [d, V]   (absent when the head is tied to ``embed``)
     layers/q_norm [L, D]  layers/k_norm [L, D]        (qk_norm; [L, H*D] and [L, K*D] with
@@ -66,6 +73,8 @@ checkpoints and their strict key mapping keep the separate matrices
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,7 +82,8 @@ import numpy as np
 from specjax import kernels
 from specjax.config import ModelConfig
 from specjax.models.layers import (apply_rope, concat_shapes, dense, fuse_groups, gelu_tanh,
-                                   rms_norm, rope_tables, unfuse_groups, write_rope_rows)
+                                   layer_norm, rms_norm, rope_tables, unfuse_groups,
+                                   write_rope_rows)
 
 
 # fused name -> the separate parameters it concatenates, in order, along the last axis.
@@ -125,12 +135,18 @@ def _param_shapes(config: ModelConfig) -> dict:
     }
     if not config.pre_norms:
         del layers["attn_norm"], layers["mlp_norm"]
+    elif config.norm_kind == "layer":
+        layers.update(attn_norm_bias=(L, d), mlp_norm_bias=(L, d))
+    if not config.gated_mlp:
+        del layers["w_gate"]
     if config.qkv_bias:
         layers.update(bq=(L, q_width), bk=(L, kv_width), bv=(L, kv_width))
     if config.out_bias:
         layers.update(bo=(L, d))
     if config.mlp_bias:
-        layers.update(b_gate=(L, f), b_up=(L, f), b_down=(L, d))
+        layers.update(b_up=(L, f), b_down=(L, d))
+        if config.gated_mlp:
+            layers.update(b_gate=(L, f))
     if config.qk_norm_whole:
         layers.update(q_norm=(L, q_width), k_norm=(L, kv_width))
     elif config.qk_norm:
@@ -138,6 +154,8 @@ def _param_shapes(config: ModelConfig) -> dict:
     if config.sandwich_norms:
         layers.update(post_attn_norm=(L, d), post_mlp_norm=(L, d))
     shapes = {"embed": (config.vocab_size, d), "layers": layers, "final_norm": (d,)}
+    if config.norm_kind == "layer":
+        shapes["final_norm_bias"] = (d,)
     if config.feature_input:
         shapes["fc"] = (2 * d, d)
         shapes["feature_norm"] = (d,)
@@ -228,7 +246,9 @@ def plain_layers_only(config: ModelConfig) -> str | None:
     fold in), or ``None``: the fused layers are Llama's exactly."""
     features = [name for name, on in (
         ("q/k norms", config.qk_norm), ("(1 + w) norms", config.norm_plus_one),
-        ("GeGLU", config.hidden_act != "silu"), ("scaled embeddings", config.embed_scale),
+        ("GELU", config.hidden_act != "silu"), ("scaled embeddings", config.embed_scale),
+        ("LayerNorm", config.norm_kind != "rms"), ("a two-matrix MLP", not config.gated_mlp),
+        ("parallel attention and MLP", config.parallel_residual),
         ("post-attention/MLP norms", config.sandwich_norms),
         ("no input norms", not config.pre_norms),
         ("a query scale", config.query_scale is not None),
@@ -248,13 +268,22 @@ def _norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 def _input_norm(config: ModelConfig, x: jax.Array, p: dict, name: str) -> jax.Array:
-    """The attention's or MLP's input: ``x`` normed by ``p[name]`` (none without
-    ``config.pre_norms``: OLMo 2/3)."""
-    return _norm(config, x, p[name]) if config.pre_norms else x
+    """The attention's or MLP's input: ``x`` normed by ``p[name]`` (LayerNorm with
+    ``p[name + "_bias"]`` for ``norm_kind="layer"``; none without ``config.pre_norms``:
+    OLMo 2/3)."""
+    if not config.pre_norms:
+        return x
+    if config.norm_kind == "layer":
+        return layer_norm(x, p[name], p[name + "_bias"], config.norm_eps)
+    return _norm(config, x, p[name])
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": gelu_tanh,
+                "gelu": functools.partial(jax.nn.gelu, approximate=False)}
 
 
 def _activation(config: ModelConfig):
-    return gelu_tanh if config.hidden_act == "gelu_tanh" else jax.nn.silu
+    return _ACTIVATIONS[config.hidden_act]
 
 
 def block(p, config: ModelConfig, x: jax.Array, rope, attend):
@@ -282,17 +311,28 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     out = dense(a, p["wo"], p.get("bo"))
     if config.sandwich_norms:
         out = _norm(config, out, p["post_attn_norm"])
+    if config.parallel_residual:  # GPT-NeoX: the MLP reads the block's input too
+        mlp_out = _mlp(config, p, _input_norm(config, x, p, "mlp_norm"), widths)
+        return x + (out + mlp_out), k, v
     x = x + _residual(config, out)
-    h = _input_norm(config, x, p, "mlp_norm")
+    out = _mlp(config, p, _input_norm(config, x, p, "mlp_norm"), widths)
+    if config.sandwich_norms:
+        out = _norm(config, out, p["post_mlp_norm"])
+    return x + _residual(config, out), k, v
+
+
+def _mlp(config: ModelConfig, p: dict, h: jax.Array, widths: dict) -> jax.Array:
+    """The MLP of normed input ``h``: ``down(act(gate) * up)``, or ``down(act(up))``
+    without ``config.gated_mlp``."""
+    if not config.gated_mlp:
+        return dense(_activation(config)(dense(h, p["w_up"], p.get("b_up"))), p["w_down"],
+                     p.get("b_down"))
     if "w_gate_up" in p:
         gate, up = jnp.split(dense(h, p["w_gate_up"], p.get("b_gate_up")),
                              np.cumsum(widths["w_gate_up"])[:-1], axis=-1)
     else:
         gate, up = dense(h, p["w_gate"], p.get("b_gate")), dense(h, p["w_up"], p.get("b_up"))
-    out = dense(_activation(config)(gate) * up, p["w_down"], p.get("b_down"))
-    if config.sandwich_norms:
-        out = _norm(config, out, p["post_mlp_norm"])
-    return x + _residual(config, out), k, v
+    return dense(_activation(config)(gate) * up, p["w_down"], p.get("b_down"))
 
 
 def _residual(config: ModelConfig, out: jax.Array) -> jax.Array:
@@ -401,4 +441,6 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
 
 
 def final_norm(params, config: ModelConfig, x: jax.Array) -> jax.Array:
+    if config.norm_kind == "layer":
+        return layer_norm(x, params["final_norm"], params["final_norm_bias"], config.norm_eps)
     return _norm(config, x, params["final_norm"])
