@@ -5,7 +5,7 @@ count, length and offset against the file's size first (see "reading" below); th
 package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, and ``qwen3``,
-  ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``:
+  ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``, ``stablelm``:
   :data:`FAMILY_ARCHITECTURES`) that becomes a :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
@@ -64,13 +64,13 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                   "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
-                  "granite": True, "olmo2": False, "gptneox": False}
+                  "granite": True, "olmo2": False, "gptneox": False, "stablelm": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
 # Hugging Face config's default no_rope_layer_interval gives.)
 FAMILY_ARCHITECTURES = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
                         "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
-                        "olmo2": "olmo2"}
+                        "olmo2": "olmo2", "stablelm": "stablelm"}
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 # GGUF tensor name -> HF name; "{i}" is the block index.
@@ -110,6 +110,10 @@ _FAMILY_TENSOR_NAMES = {
              "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight"},
     # OLMo 2: only the attention's and MLP's output norms (no attn_norm, no ffn_norm).
     "olmo2": {**_QK_NORMS, **{k: v for k, v in _GEMMA_NORMS.items() if "ffn_norm" not in k}},
+    # StableLM: Llama's names, and the LayerNorms' biases.
+    "stablelm": {"output_norm.bias": "model.norm.bias",
+                 "blk.{i}.attn_norm.bias": "model.layers.{i}.input_layernorm.bias",
+                 "blk.{i}.ffn_norm.bias": "model.layers.{i}.post_attention_layernorm.bias"},
 }
 
 
@@ -590,7 +594,7 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
         raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' is 0")
     head_dim = meta("attention.key_length", hidden // heads)
     rope_dims = meta("rope.dimension_count", head_dim)
-    if rope_dims != head_dim and arch != "phi3":
+    if rope_dims != head_dim and arch not in ("phi3", "stablelm"):
         raise CheckpointError(f"{source}: partial RoPE ({arch}.rope.dimension_count) is not "
                               f"supported")
     if "rope_freqs.weight" in names:
@@ -606,14 +610,21 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
         "num_key_value_heads": meta("attention.head_count_kv", heads), "head_dim": head_dim,
         "intermediate_size": meta("feed_forward_length"),
         "max_position_embeddings": meta("context_length"),
-        "rms_norm_eps": _float32_value(meta("attention.layer_norm_rms_epsilon", kind=float)),
+        "rms_norm_eps": _float32_value(meta("attention.layer_norm_rms_epsilon", kind=float))
+        if arch != "stablelm" else None,
         "rope_theta": _float32_value(meta("rope.freq_base", 10000.0, kind=float)),
         "tie_word_embeddings": "output.weight" not in names,
         "eos_token_id": list(dict.fromkeys(eos)) or None,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", source=source, kind=int),
     }
-    if rope_dims != head_dim:  # Phi-4-mini: RoPE on the first rope_dims of each head
-        cfg["partial_rotary_factor"] = rope_dims / head_dim
+    # Phi-4-mini, StableLM: RoPE on the first rope_dims of each head
+    cfg["partial_rotary_factor"] = rope_dims / head_dim
+    if arch == "stablelm":
+        cfg["layer_norm_eps"] = _float32_value(meta("attention.layer_norm_epsilon", kind=float))
+        cfg["use_qkv_bias"] = "blk.0.attn_q.bias" in names
+        # llama.cpp runs a file without MLP norms as parallel attention and MLP (whatever
+        # use_parallel_residual says), which specjax's StableLM does not take.
+        cfg["use_parallel_residual"] = "blk.0.ffn_norm.weight" not in names
     scaling = meta("rope.scaling.type", "none", kind=str)
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear",

@@ -101,6 +101,10 @@ def family_rules(config: ModelConfig) -> list[Rule]:
                            p + "self_attn.qkv_proj.weight", (q_width, kv_width, kv_width)),
                   _t_split(("layers/w_gate", "layers/w_up"), p + "mlp.gate_up_proj.weight",
                            (f, f))]
+    if config.norm_kind == "layer":  # StableLM: LayerNorms with biases
+        rules += [_same("final_norm_bias", "model.norm.bias"),
+                  _same("layers/attn_norm_bias", p + "input_layernorm.bias"),
+                  _same("layers/mlp_norm_bias", p + "post_attention_layernorm.bias")]
     if config.qk_norm:
         rules += [_same("layers/q_norm", p + "self_attn.q_norm.weight"),
                   _same("layers/k_norm", p + "self_attn.k_norm.weight")]

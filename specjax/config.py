@@ -124,7 +124,8 @@ class ModelConfig:
       sliding_window: attention window (Mistral); generation longer than it is refused.
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
         below (``"qwen3"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``, ``"smollm3"``,
-        ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"gpt_neox"``), so the config
+        ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"stablelm"``, ``"gpt_neox"``), so the
+        config
         writes the same type back; ``None`` for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
       qk_norm_whole: with ``qk_norm``, q and k are normed over all their heads at once
@@ -615,7 +616,7 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
 
 # Families on the llama forward with the optional fields of ModelConfig.
 EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "granite", "olmo2",
-                     "olmo3")
+                     "olmo3", "stablelm")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 _GEMMA = ("gemma2", "gemma3_text")
 # OLMo 2/3: norms on the attention and MLP outputs only, q and k normed over all heads.
@@ -696,13 +697,20 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     for bias in ("attention_bias", "mlp_bias"):
         if bool(cfg.get(bias, False)):
             raise InvalidArgumentError(f"{model_type} with {bias} is not supported")
+    stablelm = model_type == "stablelm"
+    if stablelm:
+        for key, what in (("use_parallel_residual", "parallel attention and MLP"),
+                          ("qk_layernorm", "per-head q/k LayerNorms")):
+            if cfg.get(key):
+                raise InvalidArgumentError(f"stablelm with {key} ({what}, StableLM 2 12B) is "
+                                           f"not supported")
     rope = dict(cfg.get("rope_parameters") or {})
-    partial = float(_get(cfg, "partial_rotary_factor",
-                         default=rope.get("partial_rotary_factor", 1.0)))
+    partial = float(_get(cfg, "partial_rotary_factor", default=rope.get(
+        "partial_rotary_factor", 0.25 if stablelm else 1.0)))  # the config classes' defaults
     head_dim = int(_get(cfg, "head_dim", default=width // heads))
     rotary_dim = None
     if partial != 1.0:
-        if model_type != "phi3":
+        if model_type not in ("phi3", "stablelm"):
             raise InvalidArgumentError(
                 f"{model_type} partial_rotary_factor {partial} is not supported (RoPE on the "
                 f"whole head only)")
@@ -738,7 +746,8 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)), head_dim=head_dim,
         intermediate_size=int(cfg["intermediate_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-5 if olmo else 1e-6)),
+        norm_eps=float(_get(cfg, "layer_norm_eps" if stablelm else "rms_norm_eps",
+                            default=1e-5 if olmo or stablelm else 1e-6)),
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
@@ -749,6 +758,8 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         final_softcap=softcap["final_logit_softcapping"],
         layer_windows=_layer_windows(model_type, cfg, layers), local_rope_theta=local_theta,
         rotary_dim=rotary_dim, no_rope_layers=_no_rope_layers(model_type, cfg, layers),
+        norm_kind="layer" if stablelm else "rms", qkv_bias=stablelm and bool(
+            cfg.get("use_qkv_bias", False)),
         embed_multiplier=granite["embedding_multiplier"],
         residual_multiplier=granite["residual_multiplier"],
         logits_divisor=granite["logits_scaling"],
@@ -849,7 +860,8 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
     arch = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
             "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
-            "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}[family]
+            "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
+            "stablelm": "StableLmForCausalLM"}[family]
     out: dict[str, Any] = {
         "model_type": family, "architectures": [arch], "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
@@ -903,6 +915,10 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
         out["no_rope_layers"] = [int(flag) for flag in config.rope_per_layer]
     if family in ("smollm3", "granite"):
         out["mlp_bias"] = False
+    if family == "stablelm":
+        out.update(layer_norm_eps=out.pop("rms_norm_eps"), use_qkv_bias=config.qkv_bias,
+                   partial_rotary_factor=config.rope_dim / config.head_dim,
+                   use_parallel_residual=False, qk_layernorm=False)
     if family == "granite":
         out.update(
             attention_multiplier=(config.head_dim ** -0.5 if config.query_scale is None

@@ -1,6 +1,6 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
-(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, GPT-NeoX), made
-by transformers' own classes.
+(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
+GPT-NeoX), made by transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
 24+ new ones), so a window that is ignored, off by one or applied to the wrong layers
@@ -78,6 +78,11 @@ VARIANTS = {
     "gpt-neox-sequential": (transformers.GPTNeoXConfig, dict(
         _NEOX, rotary_pct=0.5, use_parallel_residual=False, hidden_act="gelu_new",
         tie_word_embeddings=True)),
+    # StableLM (2): LayerNorm with biases, q/k/v biases, RoPE on a quarter of each head,
+    # SwiGLU, grouped KV heads, untied head.
+    "stablelm": (transformers.StableLmConfig, dict(
+        {k: v for k, v in _BASE.items() if k not in ("head_dim", "rms_norm_eps")},
+        layer_norm_eps=1e-5, use_qkv_bias=True, tie_word_embeddings=False)),
     # Phi-3 without a window (its fused layers then run attn_impl="fused").
     "phi3-global": (transformers.Phi3Config, dict(
         {k: v for k, v in _BASE.items() if k != "head_dim"}, tie_word_embeddings=True)),
@@ -119,12 +124,13 @@ _GEMMA_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm",
                       "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"}
 GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
-             "olmo2": "olmo2", "olmo3": "olmo2"}
+             "olmo2": "olmo2", "olmo3": "olmo2", "stablelm": "stablelm"}
 
 
 def family_gguf_name(hf_name: str, arch: str) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight",
-           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+           "model.norm.weight": "output_norm.weight", "model.norm.bias": "output_norm.bias",
+           "lm_head.weight": "output.weight"}
     if hf_name in top:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
@@ -167,9 +173,12 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = cfg.rope_parameters
-    partial = rope.get("partial_rotary_factor", 1.0) if arch == "phi3" else 1.0
+    partial = rope.get("partial_rotary_factor", 1.0) if arch in ("phi3", "stablelm") else 1.0
     writer.add_rope_dimension_count(int(head_dim * partial))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "stablelm":
+        writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    else:
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "phi3" and rope.get("rope_type") == "longrope":
         # as llama.cpp's convert_hf_to_gguf.py writes a Phi-3 with LongRoPE
         original = cfg.original_max_position_embeddings

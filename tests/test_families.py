@@ -1,5 +1,5 @@
-"""Qwen3, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3, Granite, OLMo 2, OLMo 3 and GPT-NeoX
-(Pythia): parity with transformers, every method exact.
+"""Qwen3, Gemma 2, Gemma 3 (text), Phi-3, SmolLM3, Granite, OLMo 2, OLMo 3, StableLM and
+GPT-NeoX (Pythia): parity with transformers, every method exact.
 
 Tolerance: logits within 1e-4 of transformers' (fp32, both sides with IEEE float32
 matmuls). What bounds it is float32 rounding of the same operations done in different
@@ -97,6 +97,7 @@ WRONG = [
     ("olmo3", "local_rope_theta", None), ("olmo3", "layer_windows", ()),
     ("gpt-neox", "parallel_residual", False), ("gpt-neox", "rotary_dim", None),
     ("gpt-neox-sequential", "parallel_residual", True), ("gpt-neox", "norm_kind", "rms"),
+    ("stablelm", "rotary_dim", None), ("stablelm", "norm_kind", "rms"),
 ]
 
 
@@ -196,6 +197,12 @@ def test_configs_read_the_features(pairs):
     assert models.param_shapes(neox)["final_norm_bias"] == (64,)
     with pytest.raises(InvalidArgumentError, match="unknown norm_kind"):
         dataclasses.replace(neox, norm_kind="batch")
+    stablelm = pairs["stablelm"][1].config
+    assert (stablelm.norm_kind, stablelm.rotary_dim, stablelm.qkv_bias) == ("layer", 4, True)
+    assert stablelm.gated_mlp and not stablelm.parallel_residual
+    for key in ("use_parallel_residual", "qk_layernorm"):  # StableLM 2 12B's: refused
+        with pytest.raises(InvalidArgumentError, match=f"stablelm with {key}"):
+            from_hf_config(hf_config("stablelm", **{key: True}).to_dict())
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -255,7 +262,7 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path):
 
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-                   "olmo2", "olmo3", "gpt-neox"]
+                   "olmo2", "olmo3", "gpt-neox", "stablelm"]
 
 
 class _LazyTables(dict):
@@ -281,7 +288,7 @@ def tables(pairs):
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
 QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox")
-SLOW_ONLY = ("olmo2", "olmo3")  # whole grid in the slow tier; parity covers the quick one
+SLOW_ONLY = ("olmo2", "olmo3", "stablelm")  # whole grid in the slow tier; parity covers the quick one
 METHOD_CASES = [
     pytest.param(method, variant, marks=pytest.mark.slow)
     if variant in SLOW_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")
@@ -398,7 +405,7 @@ GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_wind
                  # llama.cpp keeps no query_pre_attn_scalar: it is head_dim (27B aside)
                  "gemma2": dict(query_pre_attn_scalar=256), "gemma3": {}, "phi3": {},
                  # llama.cpp writes Olmo 3 as olmo2: window, layer pattern, YaRN
-                 "olmo2": {}, "olmo3": {}}
+                 "olmo2": {}, "olmo3": {}, "stablelm": {}}
 
 
 def _gguf_pair(variant, path, **kwargs):
