@@ -657,6 +657,20 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
         attention = meta("rope.scaling.attn_factor", 0.0, kind=float)
         if attention:
             cfg["rope_scaling"]["attention_factor"] = _float32_value(attention)
+    _family_layout(reader, arch, meta, layers, cfg, source)
+    try:
+        return from_hf_config(cfg)
+    except InvalidArgumentError as error:
+        raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
+                              ) from None
+
+
+
+def _family_layout(reader: GGUFFile, arch: str, meta, layers: int, cfg: dict,
+                   source: str) -> None:
+    """Adds to ``cfg`` (Hugging Face keys) what :func:`_family_config` reads per family:
+    sliding windows and their layer pattern, Gemma's query scale and soft-caps, Granite's
+    scalars, Gemma 3's local RoPE base."""
     window = meta("attention.sliding_window", 0)
     if window and arch == "qwen3":  # llama.cpp's qwen3 has no sliding layers
         raise CheckpointError(f"{source}: a {arch} GGUF with a sliding window ({window}) is "
@@ -687,8 +701,9 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
         # except the 27B models (46 / 62 blocks) whose scale is (hidden / heads) ** -0.5.
         scale = meta("attention.scale", 0.0, kind=float)
         big = layers == (46 if arch == "gemma2" else 62)
-        cfg["query_pre_attn_scalar"] = (scale ** -2 if scale else
-                                        hidden // heads if big else head_dim)
+        cfg["query_pre_attn_scalar"] = (
+            scale ** -2 if scale else
+            cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"])
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             value = meta(key, 0.0, kind=float)
             cfg[key] = _float32_value(value) if value else None
@@ -703,11 +718,6 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
     if arch == "gemma3":
         cfg["rope_local_base_freq"] = _float32_value(meta("rope.freq_base_swa", 10000.0,
                                                           kind=float))
-    try:
-        return from_hf_config(cfg)
-    except InvalidArgumentError as error:
-        raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
-                              ) from None
 
 
 # Tensors that carry RoPE scaling factors (read into the config, not parameters).
