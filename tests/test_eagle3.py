@@ -96,15 +96,32 @@ def test_the_target_passes_return_its_blocks_outputs(pair):
         assert_sums_close(logits[:5], out.logits[0, prefix:].numpy(), **bound)
 
 
-@pytest.mark.parametrize("nope", [False, True], ids=["rope", "nope-layer"])
-def test_the_unrolled_passes_read_what_decoding_reads(target, nope):
+@pytest.fixture(scope="module")
+def neox_target():
+    """A tiny GPT-NeoX (Pythia's block: LayerNorm with biases, parallel residual, a
+    two-matrix GELU MLP, partial RoPE)."""
+    from helpers_families import tiny_family_model
+    from specjax.checkpoints_tools.keymap import params_from_hf_tensors
+    from specjax.config import from_hf_config
+
+    hf_model = tiny_family_model("gpt-neox", seed=3)
+    config = from_hf_config(hf_model.config.to_dict())
+    tensors = {name: t.detach().numpy() for name, t in hf_model.state_dict().items()}
+    return specjax.Model.from_params(config, params_from_hf_tensors(config, tensors))
+
+
+@pytest.mark.parametrize("case", ["rope", "nope-layer", "neox-target"])
+def test_the_unrolled_passes_read_what_decoding_reads(target, neox_target, case):
     """Pass ``i`` of the training-time test at position ``r + i`` computes exactly what a
     depth-``i + 1`` chain node computes when decoding: the draft's cache filled with pass 0
     up to the root ``r``, then each node reading its parent's output, attending to the
-    cache and its drafted ancestors (through the scratch slots). ``nope``: the draft's block
-    is a layer without RoPE (SmolLM3's NoPE layers), which training must skip too."""
+    cache and its drafted ancestors (through the scratch slots). ``nope-layer``: the draft's
+    block is a layer without RoPE (SmolLM3's NoPE layers), which training must skip too;
+    ``neox-target``: a GPT-NeoX target's block (LayerNorm, parallel residual)."""
+    if case == "neox-target":
+        target = neox_target
     config, params = eagle3_params(target, seed=1)
-    if nope:
+    if case == "nope-layer":
         config = dataclasses.replace(config, no_rope_layers=(0,))
     params = jax.tree.map(jnp.asarray, params)
     window = jnp.asarray(random_prompt(5, 12), jnp.int32)
