@@ -102,9 +102,9 @@ def family_rules(config: ModelConfig) -> list[Rule]:
                   _t_split(("layers/w_gate", "layers/w_up"), p + "mlp.gate_up_proj.weight",
                            (f, f))]
     if config.norm_kind == "layer":  # StableLM: LayerNorms with biases
-        rules += [_same("final_norm_bias", "model.norm.bias"),
-                  _same("layers/attn_norm_bias", p + "input_layernorm.bias"),
-                  _same("layers/mlp_norm_bias", p + "post_attention_layernorm.bias")]
+        rules += [rule for rule in _layer_norm_rules(
+            ("final_norm", "model.norm"), ("layers/attn_norm", p + "input_layernorm"),
+            ("layers/mlp_norm", p + "post_attention_layernorm")) if rule.hf_name.endswith("bias")]
     if config.qk_norm:
         rules += [_same("layers/q_norm", p + "self_attn.q_norm.weight"),
                   _same("layers/k_norm", p + "self_attn.k_norm.weight")]
@@ -149,6 +149,13 @@ def gpt2_rules(config: ModelConfig) -> list[Rule]:
     ]
 
 
+def _layer_norm_rules(*norms: tuple[str, str]) -> list[Rule]:
+    """A LayerNorm's two rules per (leaf, HF module): ``.weight`` to the leaf, ``.bias`` to
+    the leaf + ``_bias``."""
+    return [rule for leaf, module in norms
+            for rule in (_same(leaf, module + ".weight"), _same(leaf + "_bias", module + ".bias"))]
+
+
 def neox_rules(config: ModelConfig) -> list[Rule]:
     """Rules for GPTNeoXForCausalLM checkpoints (Pythia). Their ``query_key_value`` rows
     interleave the heads, [H, 3 (q, k, v), D], rather than stacking q, k and v."""
@@ -172,12 +179,9 @@ def neox_rules(config: ModelConfig) -> list[Rule]:
 
     rules = [
         _same("embed", "gpt_neox.embed_in.weight"),
-        _same("final_norm", "gpt_neox.final_layer_norm.weight"),
-        _same("final_norm_bias", "gpt_neox.final_layer_norm.bias"),
-        _same("layers/attn_norm", p + "input_layernorm.weight"),
-        _same("layers/attn_norm_bias", p + "input_layernorm.bias"),
-        _same("layers/mlp_norm", p + "post_attention_layernorm.weight"),
-        _same("layers/mlp_norm_bias", p + "post_attention_layernorm.bias"),
+        *_layer_norm_rules(("final_norm", "gpt_neox.final_layer_norm"),
+                           ("layers/attn_norm", p + "input_layernorm"),
+                           ("layers/mlp_norm", p + "post_attention_layernorm")),
         Rule(p + "attention.query_key_value.weight", ("layers/wq", "layers/wk", "layers/wv"),
              split_weight, join_weight),
         _t("layers/wo", p + "attention.dense.weight"),
