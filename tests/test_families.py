@@ -205,6 +205,41 @@ def test_configs_read_the_features(pairs):
             from_hf_config(hf_config("stablelm", **{key: True}).to_dict())
 
 
+# Hub config.json files as released, in the keys of their time (Pythia-160M's GPT-NeoX
+# keys, OLMo-2-0425-1B's and StableLM-2-1.6B's): read as transformers reads them.
+HUB_CONFIGS = {
+    "gpt_neox": dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"],
+                     vocab_size=50304, hidden_size=768, intermediate_size=3072,
+                     num_hidden_layers=12, num_attention_heads=12, hidden_act="gelu",
+                     rotary_pct=0.25, rotary_emb_base=10000, max_position_embeddings=2048,
+                     layer_norm_eps=1e-5, use_parallel_residual=True,
+                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0),
+    "olmo2": dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], vocab_size=100352,
+                  hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=16, rms_norm_eps=1e-6,
+                  rope_theta=500000, rope_scaling=None, max_position_embeddings=4096,
+                  attention_bias=False, tie_word_embeddings=False, eos_token_id=100257),
+    "stablelm": dict(model_type="stablelm", architectures=["StableLmForCausalLM"],
+                     vocab_size=100352, hidden_size=2048, intermediate_size=5632,
+                     num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
+                     partial_rotary_factor=0.25, rope_theta=10000, layer_norm_eps=1e-5,
+                     use_qkv_bias=True, qk_layernorm=False, use_parallel_residual=False,
+                     max_position_embeddings=4096, tie_word_embeddings=False,
+                     bos_token_id=100257, eos_token_id=100257),
+}
+
+
+@pytest.mark.parametrize("model_type", list(HUB_CONFIGS))
+def test_hub_config_files_read_as_transformers_reads_them(model_type):
+    import transformers
+
+    raw = HUB_CONFIGS[model_type]
+    ours = from_hf_config(raw)
+    config_class = transformers.AutoConfig.for_model(model_type).__class__
+    assert ours == from_hf_config(config_class(**raw).to_dict())
+    assert ours.rope_dim == {"gpt_neox": 16, "olmo2": 128, "stablelm": 16}[model_type]
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_configs_round_trip_through_transformers(pairs, variant):
     config = pairs[variant][1].config
