@@ -283,17 +283,19 @@ def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
         params_from_hf_tensors(model.config, tensors)
 
 
-def test_the_exported_directory_loads_in_transformers(pairs, tmp_path):
+@pytest.mark.parametrize("variant", ["gemma2", "olmo3", "gpt-neox", "stablelm"])
+def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
     import transformers
     from specjax.checkpoints_tools.hf import save_hf_directory
 
-    hf_model, model = pairs["gemma2"]
+    hf_model, model = pairs[variant]
     save_hf_directory(model.config, model.params, tmp_path)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     tokens = random_prompt(7, 20)
     _assert_same_logits(_hf_logits(again, tokens), _hf_logits(hf_model, tokens), model.config,
                         tokens)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma2"
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == \
+        hf_model.config.model_type
 
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
