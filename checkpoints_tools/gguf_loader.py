@@ -469,6 +469,16 @@ def _float32_value(value) -> float:
     return float(str(np.float32(value)))
 
 
+def _special_token_ids(reader: GGUFFile, source: str) -> tuple[list[int], int | None]:
+    """(end ids: ``eos_token_id`` then ``eot_token_id``, without repeats; ``bos_token_id``
+    or ``None``) of a file's tokenizer metadata."""
+    def token_id(key):
+        return _field(reader, f"tokenizer.ggml.{key}", source=source, kind=int)
+
+    ends = (token_id("eos_token_id"), token_id("eot_token_id"))
+    return list(dict.fromkeys(t for t in ends if t is not None)), token_id("bos_token_id")
+
+
 def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
     """Builds the :class:`ModelConfig` described by a GGUF file's metadata.
 
@@ -522,12 +532,7 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
         scaling = RopeScaling("longrope", original_max_position_embeddings=meta(
             "context_length"), short_factor=factors, long_factor=factors)
 
-    def token_id(key):
-        return _field(reader, f"tokenizer.ggml.{key}", source=source, kind=int)
-
-    eos_ids = tuple(dict.fromkeys(t for t in (token_id("eos_token_id"), token_id("eot_token_id"))
-                                  if t is not None))
-    bos = token_id("bos_token_id")
+    eos_ids, bos = _special_token_ids(reader, source)
     window = meta("attention.sliding_window", 0)
     try:
         return ModelConfig(
@@ -540,7 +545,7 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
             rope_theta=_float32_value(meta("rope.freq_base", 10000.0, kind=float)),
             rope_scaling=scaling, tie_word_embeddings="output.weight" not in names,
             qkv_bias="blk.0.attn_q.bias" in names, out_bias="blk.0.attn_output.bias" in names,
-            mlp_bias="blk.0.ffn_gate.bias" in names, eos_token_ids=eos_ids,
+            mlp_bias="blk.0.ffn_gate.bias" in names, eos_token_ids=tuple(eos_ids),
             bos_token_id=bos, sliding_window=window or None,
         )
     except InvalidArgumentError as error:
@@ -559,8 +564,7 @@ def _neox_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig
     if meta("rope.scaling.type", "none", kind=str) != "none" or "rope_freqs.weight" in names:
         raise CheckpointError(f"{source}: RoPE scaling in a gptneox file is not supported")
     tokens = _field(reader, "tokenizer.ggml.tokens", source=source, kind=list)
-    eos = [t for t in (_field(reader, f"tokenizer.ggml.{key}", source=source, kind=int)
-                       for key in ("eos_token_id", "eot_token_id")) if t is not None]
+    eos, bos = _special_token_ids(reader, source)
     cfg = {
         "model_type": "gpt_neox",
         "vocab_size": len(tokens) if tokens is not None else meta("vocab_size"),
@@ -574,8 +578,7 @@ def _neox_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig
                                         source=source, kind=bool),
         "attention_bias": "blk.0.attn_qkv.bias" in names,
         "tie_word_embeddings": "output.weight" not in names,
-        "eos_token_id": list(dict.fromkeys(eos)) or None,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", source=source, kind=int),
+        "eos_token_id": eos or None, "bos_token_id": bos,
     }
     try:
         return from_hf_config(cfg)
@@ -601,8 +604,7 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
         raise CheckpointError(f"{source}: tensor 'rope_freqs.weight' in a {arch} file is not "
                               f"supported")
     tokens = _field(reader, "tokenizer.ggml.tokens", source=source, kind=list)
-    eos = [t for t in (_field(reader, f"tokenizer.ggml.{key}", source=source, kind=int)
-                       for key in ("eos_token_id", "eot_token_id")) if t is not None]
+    eos, bos = _special_token_ids(reader, source)
     cfg = {
         "model_type": FAMILY_ARCHITECTURES[arch],
         "vocab_size": len(tokens) if tokens is not None else meta("vocab_size"),
@@ -614,8 +616,7 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
         if arch != "stablelm" else None,
         "rope_theta": _float32_value(meta("rope.freq_base", 10000.0, kind=float)),
         "tie_word_embeddings": "output.weight" not in names,
-        "eos_token_id": list(dict.fromkeys(eos)) or None,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", source=source, kind=int),
+        "eos_token_id": eos or None, "bos_token_id": bos,
     }
     # Phi-4-mini, StableLM: RoPE on the first rope_dims of each head
     cfg["partial_rotary_factor"] = rope_dims / head_dim

@@ -407,8 +407,7 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else
-            (self.eos_token_ids[0] if self.eos_token_ids else None),
+            "eos_token_id": _eos_to_hf(self.eos_token_ids),
             "bos_token_id": self.bos_token_id,
         }
         if model_type == "llama":
@@ -481,6 +480,14 @@ def _get(cfg: Mapping[str, Any], *names, default=None):
         if cfg.get(name) is not None:
             return cfg[name]
     return default
+
+
+def _eos_to_hf(ids: tuple[int, ...]):
+    """``eos_token_ids`` as a Hugging Face config writes ``eos_token_id``: a list of several,
+    one id alone, or ``None``."""
+    if len(ids) > 1:
+        return list(ids)
+    return ids[0] if ids else None
 
 
 def _eos_tuple(value) -> tuple[int, ...]:
@@ -844,8 +851,7 @@ def _neox_to_hf(config: ModelConfig) -> dict[str, Any]:
         "partial_rotary_factor": config.rope_dim / config.head_dim,
         "use_parallel_residual": config.parallel_residual,
         "attention_bias": config.qkv_bias, "tie_word_embeddings": config.tie_word_embeddings,
-        "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else
-        (config.eos_token_ids[0] if config.eos_token_ids else None),
+        "eos_token_id": _eos_to_hf(config.eos_token_ids),
         "bos_token_id": config.bos_token_id,
     }
     if config.rope_scaling is not None:
@@ -870,8 +876,7 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
         "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": False,
-        "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else
-        (config.eos_token_ids[0] if config.eos_token_ids else None),
+        "eos_token_id": _eos_to_hf(config.eos_token_ids),
         "bos_token_id": config.bos_token_id,
     }
     if family in _GEMMA:

@@ -267,15 +267,18 @@ def _norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return rms_norm(x, weight, config.norm_eps, plus_one=config.norm_plus_one)
 
 
-def _input_norm(config: ModelConfig, x: jax.Array, p: dict, name: str) -> jax.Array:
-    """The attention's or MLP's input: ``x`` normed by ``p[name]`` (LayerNorm with
-    ``p[name + "_bias"]`` for ``norm_kind="layer"``; none without ``config.pre_norms``:
-    OLMo 2/3)."""
-    if not config.pre_norms:
-        return x
+def _block_norm(config: ModelConfig, x: jax.Array, p: dict, name: str) -> jax.Array:
+    """``x`` normed by ``p[name]``: RMSNorm, or LayerNorm with ``p[name + "_bias"]`` for
+    ``norm_kind="layer"``."""
     if config.norm_kind == "layer":
         return layer_norm(x, p[name], p[name + "_bias"], config.norm_eps)
     return _norm(config, x, p[name])
+
+
+def _input_norm(config: ModelConfig, x: jax.Array, p: dict, name: str) -> jax.Array:
+    """The attention's or MLP's input: ``x`` normed by ``p[name]`` (none without
+    ``config.pre_norms``: OLMo 2/3)."""
+    return _block_norm(config, x, p, name) if config.pre_norms else x
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": gelu_tanh,
@@ -441,6 +444,4 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
 
 
 def final_norm(params, config: ModelConfig, x: jax.Array) -> jax.Array:
-    if config.norm_kind == "layer":
-        return layer_norm(x, params["final_norm"], params["final_norm_bias"], config.norm_eps)
-    return _norm(config, x, params["final_norm"])
+    return _block_norm(config, x, params, "final_norm")
