@@ -5,8 +5,9 @@ count, length and offset against the file's size first (see "reading" below); th
 package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, and ``qwen3``,
-  ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``, ``stablelm``:
-  :data:`FAMILY_ARCHITECTURES`) that becomes a :class:`~specjax.config.ModelConfig`;
+  ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``, ``stablelm``,
+  ``qwen3moe``, ``olmoe``: :data:`FAMILY_ARCHITECTURES`) that becomes a
+  :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
   renamed to their Hugging Face names and handed to the strict
@@ -34,6 +35,16 @@ as ``olmo2`` with a sliding window, a per-layer pattern and YaRN, read as Huggin
 own names (:data:`_NEOX_TENSOR_NAMES`) and q|k|v stacked, which :func:`_neox_qkv_to_hf`
 interleaves per head again as the HF checkpoint has it; they name no activation and are
 read with Pythia's exact GELU (HF's ``gelu``; llama.cpp's graph computes the tanh form).
+
+Mixtures of experts: llama.cpp writes Mixtral as ``llama`` with ``expert_count`` and
+``expert_used_count`` (Q/K permuted), Qwen3-MoE as ``qwen3moe`` (experts of
+``expert_feed_forward_length``) and OLMoE as ``olmoe``; the router is
+``blk.N.ffn_gate_inp`` and each layer's experts are stacked in one tensor per projection
+(``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``, [E, out, in]), which
+:func:`params_from_gguf` splits into the checkpoints' one tensor per expert. Whether the
+picked experts' probabilities are rescaled to sum 1 is fixed per architecture in
+llama.cpp's graphs (Mixtral and Qwen3-MoE yes, OLMoE no) unless the file says
+``expert_weights_norm``.
 
 RoPE scaling factors travel as tensors (:data:`ROPE_FACTOR_TENSORS`), read into the config
 rather than the parameters: ``rope_freqs.weight`` (llama.cpp divides frequency i by factor i;
@@ -64,13 +75,22 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                   "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
-                  "granite": True, "olmo2": False, "gptneox": False, "stablelm": False}
+                  "granite": True, "olmo2": False, "gptneox": False, "stablelm": False,
+                  "qwen3moe": False, "olmoe": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
 # Hugging Face config's default no_rope_layer_interval gives.)
 FAMILY_ARCHITECTURES = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
                         "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
-                        "olmo2": "olmo2", "stablelm": "stablelm"}
+                        "olmo2": "olmo2", "stablelm": "stablelm", "qwen3moe": "qwen3_moe",
+                        "olmoe": "olmoe"}
+# Mixtures of experts: whether llama.cpp's graph rescales the picked experts'
+# probabilities to sum 1 when the file does not say (``{arch}.expert_weights_norm``).
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False}
+# A stacked experts tensor -> the projection of each expert in the HF checkpoints
+# (Mixtral's names, the others').
+_EXPERT_TENSORS = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
+                   "ffn_down_exps": ("w2", "down_proj")}
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 # GGUF tensor name -> HF name; "{i}" is the block index.
@@ -104,6 +124,8 @@ _GEMMA_NORMS = {
 # Per architecture: names added to (or replacing) _TENSOR_NAMES.
 _FAMILY_TENSOR_NAMES = {
     "qwen3": _QK_NORMS,
+    "qwen3moe": _QK_NORMS,
+    "olmoe": _QK_NORMS,
     "gemma2": _GEMMA_NORMS,
     "gemma3": {**_GEMMA_NORMS, **_QK_NORMS},
     "phi3": {"blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
@@ -534,6 +556,13 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
 
     eos_ids, bos = _special_token_ids(reader, source)
     window = meta("attention.sliding_window", 0)
+    experts = {}
+    if meta("expert_count", 0):  # Mixtral, as llama.cpp's converter writes it
+        experts = dict(family="mixtral", num_experts=meta("expert_count"),
+                       experts_per_token=meta("expert_used_count"),
+                       normalize_expert_weights=_field(
+                           reader, f"{arch}.expert_weights_norm", True, source=source,
+                           kind=bool))
     try:
         return ModelConfig(
             architecture="llama", vocab_size=vocab, hidden_size=hidden,
@@ -546,7 +575,7 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
             rope_scaling=scaling, tie_word_embeddings="output.weight" not in names,
             qkv_bias="blk.0.attn_q.bias" in names, out_bias="blk.0.attn_output.bias" in names,
             mlp_bias="blk.0.ffn_gate.bias" in names, eos_token_ids=tuple(eos_ids),
-            bos_token_id=bos, sliding_window=window or None,
+            bos_token_id=bos, sliding_window=window or None, **experts,
         )
     except InvalidArgumentError as error:
         raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
@@ -620,6 +649,12 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
     }
     # Phi-4-mini, StableLM: RoPE on the first rope_dims of each head
     cfg["partial_rotary_factor"] = rope_dims / head_dim
+    if arch in _EXPERT_WEIGHTS_NORM:
+        cfg.update(num_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"),
+                   norm_topk_prob=_field(reader, f"{arch}.expert_weights_norm",
+                                         _EXPERT_WEIGHTS_NORM[arch], source=source, kind=bool))
+        if arch == "qwen3moe":
+            cfg["moe_intermediate_size"] = meta("expert_feed_forward_length")
     if arch == "stablelm":
         cfg["layer_norm_eps"] = _float32_value(meta("attention.layer_norm_epsilon", kind=float))
         cfg["use_qkv_bias"] = "blk.0.attn_q.bias" in names
@@ -673,7 +708,7 @@ def _family_layout(reader: GGUFFile, arch: str, meta, layers: int, cfg: dict,
     sliding windows and their layer pattern, Gemma's query scale and soft-caps, Granite's
     scalars, Gemma 3's local RoPE base."""
     window = meta("attention.sliding_window", 0)
-    if window and arch == "qwen3":  # llama.cpp's qwen3 has no sliding layers
+    if window and arch in ("qwen3", "qwen3moe"):  # llama.cpp's have no sliding layers
         raise CheckpointError(f"{source}: a {arch} GGUF with a sliding window ({window}) is "
                               f"not supported; load the model from its HF directory")
     if window:
@@ -785,8 +820,12 @@ def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf"
     for tensor in items:
         if tensor.name in ROPE_FACTOR_TENSORS:
             continue  # read into the config (config_from_gguf)
-        name = hf_name(tensor.name, arch)
         array = _dequantize(tensor, source)
+        experts = _expert_tensors(tensor.name, array, config)
+        if experts is not None:
+            tensors.update(experts)
+            continue
+        name = hf_name(tensor.name, arch)
         if arch in _GEMMA_ARCHITECTURES and tensor.name.endswith("norm.weight"):
             array = array - np.float32(1.0)  # stored 1 + w (see the module docstring)
         if arch == "gptneox" and ".attn_qkv." in tensor.name:
@@ -803,6 +842,22 @@ def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf"
                                              dtype=as_numpy_dtype(dtype))
     except CheckpointError as error:
         raise CheckpointError(_gguf_names_in_message(str(error), arch)) from None
+
+
+def _expert_tensors(name: str, array: np.ndarray, config: ModelConfig) -> dict | None:
+    """A mixture of experts' router or stacked experts tensor under its checkpoint names
+    (one tensor per expert: ``array[e]``); ``None`` for any other tensor."""
+    match = re.fullmatch(r"blk\.(\d+)\.(ffn_gate_inp|ffn_gate_exps|ffn_up_exps|ffn_down_exps)"
+                         r"\.weight", name)
+    if match is None or not config.num_experts:
+        return None
+    layer, kind = match.groups()
+    prefix = (f"model.layers.{layer}.block_sparse_moe." if config.family == "mixtral"
+              else f"model.layers.{layer}.mlp.")
+    if kind == "ffn_gate_inp":
+        return {prefix + "gate.weight": array}
+    projection = _EXPERT_TENSORS[kind][config.family != "mixtral"]
+    return {f"{prefix}experts.{e}.{projection}.weight": array[e] for e in range(len(array))}
 
 
 # ----------------------------------------------------------------------------- tokenizer

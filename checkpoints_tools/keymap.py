@@ -3,7 +3,8 @@
 A rule table lists, for each HF tensor name pattern, the specjax leaf (or leaves) it fills
 and the transform that gets it there (``T``: transpose an HF ``[out, in]`` Linear weight to
 our ``[in, out]``). Per-layer tensors carry ``{i}`` in the pattern and fill row ``i`` of a
-stacked ``[L, ...]`` leaf.
+stacked ``[L, ...]`` leaf; a mixture of experts' tensors carry ``{e}`` too and fill row
+``[i, e]`` of an ``[L, E, ...]`` leaf.
 
 :func:`params_from_hf_tensors` fails with a :class:`CheckpointError` naming the tensor on
 any unmapped, duplicated, missing or mis-shaped tensor. :func:`hf_tensors_from_params` is
@@ -108,6 +109,10 @@ def family_rules(config: ModelConfig) -> list[Rule]:
     if config.qk_norm:
         rules += [_same("layers/q_norm", p + "self_attn.q_norm.weight"),
                   _same("layers/k_norm", p + "self_attn.k_norm.weight")]
+    if config.num_experts:  # Mixtral, Qwen3-MoE, OLMoE: a router and E experts per layer
+        rules = [rule for rule in rules
+                 if rule.leaves[0] not in ("layers/w_gate", "layers/w_up", "layers/w_down")]
+        rules += _expert_rules(config)
     if config.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's
         rules = [rule for rule in rules
                  if rule.leaves not in (("layers/mlp_norm",), ("layers/attn_norm",))]
@@ -117,6 +122,21 @@ def family_rules(config: ModelConfig) -> list[Rule]:
             rules += [_same("layers/attn_norm", p + "input_layernorm.weight"),
                       _same("layers/mlp_norm", p + "pre_feedforward_layernorm.weight")]
     return rules
+
+
+def _expert_rules(config: ModelConfig) -> list[Rule]:
+    """The router and experts of a mixture-of-experts layer, as the released checkpoints
+    name them (one tensor per expert; transformers 5 stacks them in memory but writes them
+    back this way)."""
+    if config.family == "mixtral":
+        p = "model.layers.{i}.block_sparse_moe."
+        names = ("w1", "w3", "w2")
+    else:
+        p = "model.layers.{i}.mlp."
+        names = ("gate_proj", "up_proj", "down_proj")
+    return [_t("layers/router", p + "gate.weight")] + [
+        _t(leaf, p + "experts.{e}." + name + ".weight")
+        for leaf, name in zip(("layers/we_gate", "layers/we_up", "layers/we_down"), names)]
 
 
 def gpt2_rules(config: ModelConfig) -> list[Rule]:
@@ -247,7 +267,8 @@ def _normalise_name(name: str, config: ModelConfig) -> str:
 def _compile(rules: list[Rule]):
     compiled = []
     for rule in rules:
-        pattern = "^" + re.escape(rule.hf_name).replace(re.escape("{i}"), r"(\d+)") + "$"
+        pattern = "^" + re.escape(rule.hf_name).replace(re.escape("{i}"), r"(\d+)").replace(
+            re.escape("{e}"), r"(\d+)") + "$"
         compiled.append((re.compile(pattern), rule))
     return compiled
 
@@ -273,9 +294,10 @@ def params_from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray
     """
     shapes = param_shapes(config)
     compiled = _compile(rules_for(config))
-    # leaf -> {layer: row}; nothing is sized by num_layers before the tensors are seen, so
-    # a config claiming millions of layers costs nothing until it is rejected.
-    stacked: dict[str, dict[int, np.ndarray]] = {}
+    # leaf -> {layer: row} ({(layer, expert): row} for experts); nothing is sized by
+    # num_layers before the tensors are seen, so a config claiming millions of layers costs
+    # nothing until it is rejected.
+    stacked: dict[str, dict] = {}
     flat: dict[str, np.ndarray] = {}
     seen: dict[str, str] = {}
     for raw_name, value in tensors.items():
@@ -292,14 +314,19 @@ def params_from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray
             raise CheckpointError(f"{source}: duplicated tensor {raw_name!r} (also {seen[name]!r})")
         seen[name] = raw_name
         layer = int(match.group(1)) if match.groups() else None
+        expert = int(match.group(2)) if len(match.groups()) > 1 else None
         if layer is not None and layer >= config.num_layers:
             raise CheckpointError(
                 f"{source}: tensor {raw_name!r} names layer {layer} but the config has "
                 f"{config.num_layers} layers")
+        if expert is not None and expert >= config.num_experts:
+            raise CheckpointError(
+                f"{source}: tensor {raw_name!r} names expert {expert} but the config has "
+                f"{config.num_experts} experts")
         parts = rule.to_ours(np.asarray(value))
         for leaf, part in zip(rule.leaves, parts):
             expected = _leaf_shape(shapes, leaf)
-            expected = expected[1:] if layer is not None else expected
+            expected = expected[(layer is not None) + (expert is not None):]
             if tuple(part.shape) != tuple(expected):
                 raise CheckpointError(
                     f"{source}: tensor {raw_name!r} has shape {tuple(np.shape(value))}, which "
@@ -307,10 +334,19 @@ def params_from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray
             if layer is None:
                 flat[leaf] = part
             else:
-                stacked.setdefault(leaf, {})[layer] = part
+                stacked.setdefault(leaf, {})[layer if expert is None else (layer, expert)] = part
     leaf_rules = {leaf: rule for _, rule in compiled for leaf in rule.leaves}
     for leaf, rule in leaf_rules.items():
-        if "{i}" in rule.hf_name:
+        if "{e}" in rule.hf_name:
+            rows = stacked.get(leaf, {})
+            for i in range(config.num_layers):
+                for e in range(config.num_experts):
+                    if (i, e) not in rows:
+                        raise CheckpointError(
+                            f"{source}: missing tensor {rule.hf_name.format(i=i, e=e)!r}")
+            stacked[leaf] = {i: np.stack([rows[(i, e)] for e in range(config.num_experts)])
+                             for i in range(config.num_layers)}
+        elif "{i}" in rule.hf_name:
             rows = stacked.get(leaf, {})
             if len(rows) < config.num_layers:  # the first missing layer is <= len(rows)
                 missing = min(set(range(len(rows) + 1)) - set(rows))
@@ -341,7 +377,12 @@ def hf_tensors_from_params(config: ModelConfig, params: dict) -> dict[str, np.nd
 
     for rule in rules_for(config):
         values = [get(leaf) for leaf in rule.leaves]
-        if "{i}" in rule.hf_name:
+        if "{e}" in rule.hf_name:
+            for i in range(config.num_layers):
+                for e in range(config.num_experts):
+                    out[rule.hf_name.format(i=i, e=e)] = np.ascontiguousarray(
+                        rule.to_hf(*[v[i][e] for v in values]))
+        elif "{i}" in rule.hf_name:
             for i in range(config.num_layers):
                 out[rule.hf_name.format(i=i)] = np.ascontiguousarray(rule.to_hf(*[v[i] for v in values]))
         else:

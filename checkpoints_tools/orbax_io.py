@@ -82,7 +82,8 @@ _FAMILY_FIELDS = ("family", "qk_norm", "qk_norm_whole", "norm_plus_one", "hidden
                   "embed_scale", "sandwich_norms", "pre_norms", "query_scale", "attn_softcap",
                   "final_softcap", "layer_windows", "local_rope_theta", "rotary_dim",
                   "no_rope_layers", "embed_multiplier", "residual_multiplier",
-                  "logits_divisor")
+                  "logits_divisor", "num_experts", "experts_per_token",
+                  "normalize_expert_weights")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig:

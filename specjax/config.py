@@ -187,6 +187,16 @@ class ModelConfig:
         vocabulary's ids); every other id gets logit -inf (probability 0). 0: the usual
         head over the whole vocabulary. For drafts: verification uses the target's full
         head, so exactness never depends on it.
+      num_experts: E > 0: every block's MLP is a mixture of E experts (Mixtral, Qwen3-MoE,
+        OLMoE), each a gated MLP of width ``intermediate_size`` (``we_gate``, ``we_up``,
+        ``we_down``, stacked [L, E, ...]), picked per token by a router (``router``
+        [L, d, E]): the ``experts_per_token`` experts of highest softmax probability
+        (float32) run, and their outputs are summed weighted by those probabilities.
+        0: one dense MLP.
+      experts_per_token: k, the experts each token runs (with ``num_experts``).
+      normalize_expert_weights: the k probabilities are rescaled to sum to 1 before they
+        weight the outputs (Mixtral; Qwen3-MoE's and OLMoE's ``norm_topk_prob``);
+        ``False``: used as the softmax gave them.
     """
 
     architecture: str
@@ -232,6 +242,9 @@ class ModelConfig:
     embed_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_divisor: float | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    normalize_expert_weights: bool = True
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -316,10 +329,27 @@ class ModelConfig:
                     or len(set(layers)) != len(layers)):
                 raise InvalidArgumentError(f"feature_layers must be a tuple of distinct "
                                            f"target block indices >= 0, got {layers!r}")
+        self._check_experts()
         if (not isinstance(self.draft_vocab_size, int)
                 or not 0 <= self.draft_vocab_size <= self.vocab_size):
             raise InvalidArgumentError(f"draft_vocab_size must be an int in [0, "
                                        f"{self.vocab_size}], got {self.draft_vocab_size!r}")
+
+    def _check_experts(self) -> None:
+        experts, k = self.num_experts, self.experts_per_token
+        for name, value in (("num_experts", experts), ("experts_per_token", k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}")
+        if not experts:
+            if k:
+                raise InvalidArgumentError("experts_per_token applies with num_experts > 0")
+            return
+        if self.architecture != "llama" or not self.gated_mlp or self.mlp_bias:
+            raise InvalidArgumentError("mixture-of-experts MLPs are gated MLPs without biases "
+                                       "on a llama-architecture model")
+        if not 1 <= k <= experts:
+            raise InvalidArgumentError(f"experts_per_token must be in [1, num_experts="
+                                       f"{experts}], got {k!r}")
 
     @property
     def rope_per_layer(self) -> tuple[bool, ...]:
@@ -623,18 +653,21 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
 
 # Families on the llama forward with the optional fields of ModelConfig.
 EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "granite", "olmo2",
-                     "olmo3", "stablelm")
+                     "olmo3", "stablelm", "mixtral", "qwen3_moe", "olmoe")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 _GEMMA = ("gemma2", "gemma3_text")
 # OLMo 2/3: norms on the attention and MLP outputs only, q and k normed over all heads.
 _OLMO = ("olmo2", "olmo3")
 _OLMO3_THETA = 500000.0
+# Mixture-of-experts families: every block's MLP is a routed set of experts.
+_MOE = ("mixtral", "qwen3_moe", "olmoe")
 
 
 def _layer_windows(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> tuple:
     """Per-layer sliding windows (0 = global) from ``layer_types`` or the older keys."""
     window = cfg.get("sliding_window")
-    if model_type in ("qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen3", "smollm3", "qwen3_moe") and not cfg.get("use_sliding_window",
+                                                                        False):
         window = None
     if model_type == "olmo2":  # no sliding layers (an Olmo 3 config names olmo3)
         window = None
@@ -711,6 +744,7 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
             if cfg.get(key):
                 raise InvalidArgumentError(f"stablelm with {key} ({what}, StableLM 2 12B) is "
                                            f"not supported")
+    experts = _experts_from_hf(model_type, cfg)
     rope = dict(cfg.get("rope_parameters") or {})
     partial = float(_get(cfg, "partial_rotary_factor", default=rope.get(
         "partial_rotary_factor", 0.25 if stablelm else 1.0)))  # the config classes' defaults
@@ -751,15 +785,17 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         architecture="llama", vocab_size=int(cfg["vocab_size"]), hidden_size=width,
         num_layers=layers, num_heads=heads,
         num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)), head_dim=head_dim,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=int(cfg["moe_intermediate_size" if model_type == "qwen3_moe"
+                                  else "intermediate_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        norm_eps=float(_get(cfg, "layer_norm_eps" if stablelm else "rms_norm_eps",
-                            default=1e-5 if olmo or stablelm else 1e-6)),
+        norm_eps=float(_get(cfg, "layer_norm_eps" if stablelm else "rms_norm_eps", default=(
+            1e-5 if olmo or stablelm or model_type in ("mixtral", "olmoe") else 1e-6))),
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
-        family=model_type, qk_norm=model_type in ("qwen3", "gemma3_text", *_OLMO),
-        qk_norm_whole=olmo, pre_norms=not olmo,
+        family=model_type, qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe",
+                                                  *_OLMO),
+        qk_norm_whole=olmo or model_type == "olmoe", pre_norms=not olmo,
         norm_plus_one=gemma, hidden_act=act, embed_scale=gemma, sandwich_norms=gemma or olmo,
         query_scale=query_scale, attn_softcap=softcap["attn_logit_softcapping"],
         final_softcap=softcap["final_logit_softcapping"],
@@ -769,8 +805,31 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
             cfg.get("use_qkv_bias", False)),
         embed_multiplier=granite["embedding_multiplier"],
         residual_multiplier=granite["residual_multiplier"],
-        logits_divisor=granite["logits_scaling"],
+        logits_divisor=granite["logits_scaling"], **experts,
     )
+
+
+def _experts_from_hf(model_type: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`ModelConfig` expert fields of a Mixtral, Qwen3-MoE or OLMoE config
+    (``{}`` for the other families); what they hold that specjax does not run is refused
+    in one line."""
+    if model_type not in _MOE:
+        return {}
+    if model_type == "qwen3_moe" and (cfg.get("mlp_only_layers")
+                                      or int(cfg.get("decoder_sparse_step", 1)) != 1):
+        raise InvalidArgumentError(
+            "qwen3_moe with dense layers among the sparse ones (mlp_only_layers "
+            f"{cfg.get('mlp_only_layers')!r}, decoder_sparse_step "
+            f"{cfg.get('decoder_sparse_step')!r}) is not supported: every layer must be sparse")
+    if model_type == "olmoe" and cfg.get("clip_qkv") is not None:
+        raise InvalidArgumentError(f"olmoe with clip_qkv ({cfg['clip_qkv']}) is not supported")
+    experts = _get(cfg, "num_local_experts", "num_experts")
+    if experts is None or cfg.get("num_experts_per_tok") is None:
+        raise InvalidArgumentError(f"a {model_type} config needs num_experts "
+                                   f"(num_local_experts) and num_experts_per_tok")
+    return dict(num_experts=int(experts), experts_per_token=int(cfg["num_experts_per_tok"]),
+                normalize_expert_weights=model_type == "mixtral" or bool(
+                    cfg.get("norm_topk_prob", False)))
 
 
 def _no_rope_layers(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> tuple:
@@ -867,7 +926,8 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
             "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
             "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
             "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
-            "stablelm": "StableLmForCausalLM"}[family]
+            "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
     out: dict[str, Any] = {
         "model_type": family, "architectures": [arch], "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
@@ -896,7 +956,7 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
         if family != "phi3":
             out["layer_types"] = ["sliding_attention" if w else "full_attention"
                                   for w in windows]
-        if family in ("qwen3", "smollm3"):
+        if family in ("qwen3", "smollm3", "qwen3_moe"):
             out["use_sliding_window"] = True
     elif family in _GEMMA:
         # Gemma configs always slide some layers: a window past every position is global.
@@ -931,6 +991,15 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
             embedding_multiplier=config.embed_multiplier or 1.0,
             residual_multiplier=config.residual_multiplier or 1.0,
             logits_scaling=config.logits_divisor or 1.0)
+    if family in _MOE:
+        out.update(num_experts_per_tok=config.experts_per_token,
+                   **{"num_local_experts" if family == "mixtral" else "num_experts":
+                      config.num_experts})
+        if family != "mixtral":
+            out["norm_topk_prob"] = config.normalize_expert_weights
+        if family == "qwen3_moe":
+            out.update(moe_intermediate_size=out["intermediate_size"], decoder_sparse_step=1,
+                       mlp_only_layers=[])
     return out
 
 

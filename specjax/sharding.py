@@ -74,7 +74,9 @@ _SPLIT = {
     "llama": {"wq": (2, _HEADS), "bq": (1, _HEADS), "wk": (2, _KV_HEADS),
               "bk": (1, _KV_HEADS), "wv": (2, _KV_HEADS), "bv": (1, _KV_HEADS),
               "wo": (1, _HEADS), "w_gate": (2, _MLP), "b_gate": (1, _MLP),
-              "w_up": (2, _MLP), "b_up": (1, _MLP), "w_down": (1, _MLP)},
+              "w_up": (2, _MLP), "b_up": (1, _MLP), "w_down": (1, _MLP),
+              # experts [L, E, d, F] and [L, E, F, d]: each expert split like the MLP
+              "we_gate": (3, _MLP), "we_up": (3, _MLP), "we_down": (2, _MLP)},
     "gpt2": {"wq": (2, _HEADS), "bq": (1, _HEADS), "wk": (2, _KV_HEADS),
              "bk": (1, _KV_HEADS), "wv": (2, _KV_HEADS), "bv": (1, _KV_HEADS),
              "wo": (1, _HEADS), "w_fc": (2, _MLP), "b_fc": (1, _MLP), "w_proj": (1, _MLP)},

@@ -1,6 +1,7 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
 (Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
-GPT-NeoX), made by transformers' own classes.
+GPT-NeoX, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE), made by
+transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
 24+ new ones), so a window that is ignored, off by one or applied to the wrong layers
@@ -83,6 +84,21 @@ VARIANTS = {
     "stablelm": (transformers.StableLmConfig, dict(
         {k: v for k, v in _BASE.items() if k not in ("head_dim", "rms_norm_eps")},
         layer_norm_eps=1e-5, use_qkv_bias=True, tie_word_embeddings=False)),
+    # Mixtral: four experts, two per token, their weights renormalized; sliding window.
+    "mixtral": (transformers.MixtralConfig, dict(
+        {k: v for k, v in _BASE.items() if k != "head_dim"}, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=6)),
+    # Qwen3-MoE: Qwen3's per-head q/k norms, experts of their own width
+    # (moe_intermediate_size), three of six per token, the top three's weights as the
+    # softmax gave them (norm_topk_prob off), tied head.
+    "qwen3-moe": (transformers.Qwen3MoeConfig, dict(
+        _BASE, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+        norm_topk_prob=False, tie_word_embeddings=True)),
+    # OLMoE: OLMo's whole-width q/k norms with the usual input norms, 8 experts, 2 per
+    # token, renormalized (norm_topk_prob on).
+    "olmoe": (transformers.OlmoeConfig, dict(
+        {k: v for k, v in _BASE.items() if k != "head_dim"}, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-5)),
     # Phi-3 without a window (its fused layers then run attn_impl="fused").
     "phi3-global": (transformers.Phi3Config, dict(
         {k: v for k, v in _BASE.items() if k != "head_dim"}, tie_word_embeddings=True)),
@@ -124,7 +140,8 @@ _GEMMA_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm",
                       "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"}
 GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
-             "olmo2": "olmo2", "olmo3": "olmo2", "stablelm": "stablelm"}
+             "olmo2": "olmo2", "olmo3": "olmo2", "stablelm": "stablelm", "mixtral": "llama",
+             "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 
 def family_gguf_name(hf_name: str, arch: str) -> str:
@@ -134,6 +151,8 @@ def family_gguf_name(hf_name: str, arch: str) -> str:
     if hf_name in top:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if rest == "mlp.gate.weight":  # a mixture of experts' router
+        return f"blk.{layer}.ffn_gate_inp.weight"
     module, kind = rest.rsplit(".", 1)
     names = dict(_GGUF_LAYER_NAMES, post_attention_layernorm="ffn_norm")
     if arch.startswith("gemma") or arch == "olmo2":
@@ -157,8 +176,8 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
     import gguf
     import numpy as np
     from gguf.quants import quantize
-    from helpers_checkpoints import (add_bpe_vocabulary, add_sentencepiece_vocabulary,
-                                     tiny_sentencepiece_vocabulary)
+    from helpers_checkpoints import (_llama_cpp_permute, add_bpe_vocabulary,
+                                     add_sentencepiece_vocabulary, tiny_sentencepiece_vocabulary)
 
     cfg = model.config
     arch = GGUF_ARCH[cfg.model_type]
@@ -179,6 +198,11 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
         writer.add_layer_norm_eps(cfg.layer_norm_eps)
     else:
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.model_type in ("mixtral", "qwen3_moe", "olmoe"):
+        writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "phi3" and rope.get("rope_type") == "longrope":
         # as llama.cpp's convert_hf_to_gguf.py writes a Phi-3 with LongRoPE
         original = cfg.original_max_position_embeddings
@@ -216,14 +240,29 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
     else:
         add_bpe_vocabulary(writer, cfg.vocab_size, chat_template)
     qtype = getattr(gguf.GGMLQuantizationType, quant)
+    tensors = {}
     for name, tensor in model.state_dict().items():
-        target = family_gguf_name(name, arch)
+        array = tensor.detach().float().numpy()
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' in-memory [E, 2F, d]
+            gate, up = np.split(array, 2, axis=1)  # stacked per projection, as llama.cpp
+            tensors[f"blk.{layer}.ffn_gate_exps.weight"] = gate
+            tensors[f"blk.{layer}.ffn_up_exps.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            tensors[f"blk.{layer}.ffn_down_exps.weight"] = array
+        else:
+            target = family_gguf_name(name, arch)
+            if arch == "llama" and ".attn_q." in target:  # llama.cpp permutes Llama's Q/K
+                array = _llama_cpp_permute(array, cfg.num_attention_heads)
+            if arch == "llama" and ".attn_k." in target:
+                array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+            tensors[target] = array
+    for target, array in tensors.items():
         if target == "output.weight" and cfg.tie_word_embeddings:
             continue
-        array = tensor.detach().float().numpy()
         if norm_shift and arch.startswith("gemma") and target.endswith("norm.weight"):
             array = array + np.float32(1.0)
-        if array.ndim == 2 and quant != "F32":
+        if array.ndim >= 2 and quant != "F32":  # matrices and stacked experts
             writer.add_tensor(target, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(target, array.astype(np.float32))

@@ -74,7 +74,13 @@ def test_logits_match_transformers(pairs, variant):
                         tokens)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+# The mixtures of experts beyond Mixtral generate in the slow tier (their parity, here, is
+# what differs between them).
+MOE_SLOW = ("qwen3-moe", "olmoe")
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v in MOE_SLOW
+                                     else v for v in VARIANTS])
 def test_greedy_generation_equals_transformers_generate(pairs, variant):
     hf_model, model = pairs[variant]
     for seed in (0, 1):
@@ -98,6 +104,8 @@ WRONG = [
     ("gpt-neox", "parallel_residual", False), ("gpt-neox", "rotary_dim", None),
     ("gpt-neox-sequential", "parallel_residual", True), ("gpt-neox", "norm_kind", "rms"),
     ("stablelm", "rotary_dim", None), ("stablelm", "norm_kind", "rms"),
+    ("mixtral", "normalize_expert_weights", False), ("mixtral", "experts_per_token", 1),
+    ("qwen3-moe", "normalize_expert_weights", True), ("olmoe", "experts_per_token", 3),
 ]
 
 
@@ -110,6 +118,7 @@ def test_a_missing_or_wrong_feature_fails_parity(pairs, variant, field, value):
     if field == "sandwich_norms":
         params = {**params, "layers": {k: v for k, v in params["layers"].items()
                                        if not k.startswith("post_")}}
+
     assert np.abs(_logits(model, tokens, wrong) - _hf_logits(hf_model, tokens)).max() > 1e-2
 
 
@@ -203,6 +212,26 @@ def test_configs_read_the_features(pairs):
     for key in ("use_parallel_residual", "qk_layernorm"):  # StableLM 2 12B's: refused
         with pytest.raises(InvalidArgumentError, match=f"stablelm with {key}"):
             from_hf_config(hf_config("stablelm", **{key: True}).to_dict())
+    mixtral, qwen3_moe, olmoe = (pairs[v][1].config for v in ("mixtral", "qwen3-moe", "olmoe"))
+    assert (mixtral.num_experts, mixtral.experts_per_token) == (4, 2)
+    assert mixtral.normalize_expert_weights and mixtral.layer_windows == (6,)
+    assert (qwen3_moe.num_experts, qwen3_moe.experts_per_token) == (6, 3)
+    assert qwen3_moe.intermediate_size == 40 and not qwen3_moe.normalize_expert_weights
+    assert qwen3_moe.qk_norm and not qwen3_moe.qk_norm_whole
+    assert olmoe.qk_norm_whole and olmoe.pre_norms and not olmoe.sandwich_norms
+    assert models.param_shapes(olmoe)["layers"]["we_down"] == (3, 8, 96, 64)
+    assert "w_gate" not in models.param_shapes(olmoe)["layers"]
+    for overrides, message in ((dict(mlp_only_layers=[1]), "dense layers among the sparse"),
+                               (dict(decoder_sparse_step=2), "dense layers among the sparse")):
+        with pytest.raises(InvalidArgumentError, match=message):
+            from_hf_config(hf_config("qwen3-moe", **overrides).to_dict())
+    with pytest.raises(InvalidArgumentError, match="olmoe with clip_qkv"):
+        from_hf_config(hf_config("olmoe", clip_qkv=8.0).to_dict())
+    for fields, message in ((dict(experts_per_token=7), r"experts_per_token must be in \[1"),
+                            (dict(num_experts=0), "experts_per_token applies with"),
+                            (dict(mlp_bias=True), "gated MLPs without biases")):
+        with pytest.raises(InvalidArgumentError, match=message):
+            dataclasses.replace(qwen3_moe, **fields)
 
 
 # Hub config.json files as released, in the keys of their time (Pythia-160M's GPT-NeoX
@@ -226,6 +255,30 @@ HUB_CONFIGS = {
                      use_qkv_bias=True, qk_layernorm=False, use_parallel_residual=False,
                      max_position_embeddings=4096, tie_word_embeddings=False,
                      bos_token_id=100257, eos_token_id=100257),
+    # Mixtral-8x7B-v0.1, Qwen3-30B-A3B and OLMoE-1B-7B-0924 as released
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000,
+                    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, hidden_act="silu",
+                    max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1e6,
+                    sliding_window=None, num_local_experts=8, num_experts_per_tok=2,
+                    router_aux_loss_coef=0.02, tie_word_embeddings=False, bos_token_id=1,
+                    eos_token_id=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                      vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                      moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                      num_key_value_heads=4, head_dim=128, num_experts=128,
+                      num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+                      rope_theta=1e6, rope_scaling=None, use_sliding_window=False,
+                      sliding_window=None, max_window_layers=48, tie_word_embeddings=False,
+                      bos_token_id=151643, eos_token_id=151645),
+    "olmoe": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], vocab_size=50304,
+                  hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                  num_experts_per_tok=8, norm_topk_prob=False, clip_qkv=None,
+                  max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  rope_scaling=None, tie_word_embeddings=False, pad_token_id=1,
+                  eos_token_id=50279),
 }
 
 
@@ -237,7 +290,13 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
     ours = from_hf_config(raw)
     config_class = transformers.AutoConfig.for_model(model_type).__class__
     assert ours == from_hf_config(config_class(**raw).to_dict())
-    assert ours.rope_dim == {"gpt_neox": 16, "olmo2": 128, "stablelm": 16}[model_type]
+    assert ours.rope_dim == {"gpt_neox": 16, "olmo2": 128, "stablelm": 16, "mixtral": 128,
+                             "qwen3_moe": 128, "olmoe": 128}[model_type]
+    if model_type in ("mixtral", "qwen3_moe", "olmoe"):
+        assert (ours.num_experts, ours.experts_per_token, ours.intermediate_size) == {
+            "mixtral": (8, 2, 14336), "qwen3_moe": (128, 8, 768), "olmoe": (64, 8, 1024)}[
+            model_type]
+        assert ours.normalize_expert_weights == (model_type != "olmoe")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -283,7 +342,8 @@ def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
         params_from_hf_tensors(model.config, tensors)
 
 
-@pytest.mark.parametrize("variant", ["gemma2", "olmo3", "gpt-neox", "stablelm"])
+@pytest.mark.parametrize("variant", ["gemma2", "olmo3", "gpt-neox", "stablelm", "mixtral",
+                                     pytest.param("qwen3-moe", marks=pytest.mark.slow)])
 def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
     import transformers
     from specjax.checkpoints_tools.hf import save_hf_directory
@@ -299,7 +359,7 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
 
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-                   "olmo2", "olmo3", "gpt-neox", "stablelm"]
+                   "olmo2", "olmo3", "gpt-neox", "stablelm", "mixtral", "qwen3-moe", "olmoe"]
 
 
 class _LazyTables(dict):
@@ -324,13 +384,17 @@ def tables(pairs):
 
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
-QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox")
+QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral")
 SLOW_ONLY = ("olmo2", "olmo3", "stablelm")  # whole grid in the slow tier; parity covers the quick one
+# Qwen3-MoE's and OLMoE's experts are Mixtral's (whose grid runs); what differs is their
+# attention's norms, which `spec` (slow tier) runs as every method does.
+SPEC_ONLY = ("qwen3-moe", "olmoe")
 METHOD_CASES = [
     pytest.param(method, variant, marks=pytest.mark.slow)
-    if variant in SLOW_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")
+    if variant in SLOW_ONLY + SPEC_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")
     else (method, variant)
-    for method in ("spec", "tree", "ngram", "staged") for variant in METHOD_VARIANTS]
+    for method in ("spec", "tree", "ngram", "staged") for variant in METHOD_VARIANTS
+    if variant not in SPEC_ONLY or method == "spec"]
 
 
 @pytest.mark.parametrize("method,variant", METHOD_CASES)
@@ -419,7 +483,8 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
                                               ("smollm3", "NoPE layers"),
                                               ("granite", "Granite's multipliers"),
                                               ("olmo2", "no input norms"),
-                                              ("gpt-neox", "LayerNorm")])
+                                              ("gpt-neox", "LayerNorm"),
+                                              ("mixtral", "mixture-of-experts")])
 def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
     with pytest.raises(InvalidArgumentError, match=f"attention 'fused'.*{feature}") as info:
         specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
@@ -442,7 +507,11 @@ GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_wind
                  # llama.cpp keeps no query_pre_attn_scalar: it is head_dim (27B aside)
                  "gemma2": dict(query_pre_attn_scalar=256), "gemma3": {}, "phi3": {},
                  # llama.cpp writes Olmo 3 as olmo2: window, layer pattern, YaRN
-                 "olmo2": {}, "olmo3": {}, "stablelm": {}}
+                 "olmo2": {}, "olmo3": {}, "stablelm": {},
+                 # Mixtral as llama.cpp's `llama` with experts (no window there); llama.cpp's
+                 # graphs rescale Qwen3-MoE's picked probabilities and never OLMoE's
+                 "mixtral": dict(sliding_window=None), "qwen3-moe": dict(norm_topk_prob=True),
+                 "olmoe": dict(norm_topk_prob=False)}
 
 
 def _gguf_pair(variant, path, **kwargs):
@@ -458,7 +527,8 @@ def _gguf_pair(variant, path, **kwargs):
     return hf_model, specjax.Model.from_params(config, params, tokenizer)
 
 
-@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v in MOE_SLOW
+                                     else v for v in GGUF_VARIANTS])
 def test_gguf_written_from_the_same_weights_gives_the_same_logits(variant, tmp_path):
     hf_model, model = _gguf_pair(variant, tmp_path / f"{variant}.gguf")
     expected_config = from_hf_config(hf_model.config.to_dict())
@@ -470,6 +540,29 @@ def test_gguf_written_from_the_same_weights_gives_the_same_logits(variant, tmp_p
     _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), model.config,
                         tokens)
     assert model.tokenizer("the")["input_ids"]  # the GGUF's tokenizer came with it
+
+
+def test_a_quantized_mixtral_gguf_splits_its_stacked_experts(tmp_path):
+    """llama.cpp stacks each layer's experts in one tensor per projection ([E, out, in]):
+    quantized (Q8_0), every expert's rows are the gguf package's own dequantization of
+    its slice, transposed to specjax's [in, out], and the router likewise."""
+    import gguf
+    from gguf.quants import dequantize
+    from helpers_checkpoints import tiny_vocabulary
+    from helpers_families import write_family_gguf
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    hf_model = tiny_family_model("mixtral", seed=5, vocab_size=len(tiny_vocabulary()[0]),
+                                 sliding_window=None)
+    path = write_family_gguf(hf_model, tmp_path / "mixtral-q8.gguf", quant="Q8_0")
+    config, params, _ = load_gguf(path)
+    assert (config.family, config.num_experts, config.experts_per_token) == ("mixtral", 4, 2)
+    stored = {t.name: dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors}
+    for leaf, name in (("we_gate", "ffn_gate_exps"), ("we_up", "ffn_up_exps"),
+                       ("we_down", "ffn_down_exps"), ("router", "ffn_gate_inp")):
+        want = stored[f"blk.1.{name}.weight"]
+        np.testing.assert_array_equal(np.asarray(params["layers"][leaf][1]),
+                                      np.swapaxes(want, -1, -2))
 
 
 def test_a_granite_gguf_gets_its_multipliers(tmp_path):
@@ -686,7 +779,7 @@ def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
         check_draft_compatible(target, draft)
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3", "gpt-neox"])
+@pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3", "gpt-neox", "olmoe"])
 def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
     from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 

@@ -105,7 +105,8 @@ PROGRAMS = {
 # soft-capping and windows, and head_dim 96 on 128-wide tiles over the unpadded cache);
 # SmolLM3 (NoPE layers), Phi-4-mini (partial rotary, LongRoPE) and OLMo 3 (output norms,
 # whole-width q/k norms, 3:1 windows, YaRN on the global layers) and GPT-NeoX (Pythia:
-# LayerNorm, parallel residual, partial RoPE, biases) the same way; a
+# LayerNorm, parallel residual, partial RoPE, biases) and Qwen3-MoE (128 experts, eight
+# per token: one step gathers the picked ones, a verify pass runs them all) the same way; a
 # Phi-3 with Phi-2's head_dim 80, which no kernel takes, with the jnp fallback (recorded in
 # the stats).
 FAMILY_PROGRAMS = {
@@ -123,6 +124,8 @@ FAMILY_PROGRAMS = {
     "tree-bf16-olmo3-auto": dict(method="tree", verify="greedy", family="olmo3",
                                  attn_impl="auto"),
     "ar-bf16-gpt-neox-auto": dict(method="ar", family="gpt-neox", attn_impl="auto"),
+    "tree-bf16-qwen3-moe-auto": dict(method="tree", verify="greedy", family="qwen3-moe",
+                                     attn_impl="auto"),
 }
 # The family programs whose attention is the jnp fallback (head_dim 80). Its
 # attention reads a layer of the stacked cache whole, which XLA's GPU compiler

@@ -22,7 +22,9 @@ tokens (batches: each row its own batch-1 tokens). The fast tier (:data:`CASES`)
 
 The slow tier (:data:`SLOW_CASES`, ``make test-all``) adds ``tree`` on model=4,
 ``staged`` on model=8, the kernel under ``tree``, GPT-2, pure data parallel over 8, a
-batched ``tree`` with the kernel on 4x2, and SmolLM2-135M through ``load(mesh=)``.
+batched ``tree`` with the kernel on 4x2, ``tree`` on 2x4 for a mixture of experts
+(Mixtral-style, its experts split like the MLP), and SmolLM2-135M through
+``load(mesh=)``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ SLOW_CASES = [
     ("batch-ar-dp8", (8, 1), "batch-ar", "auto"),
     ("batch-tree-dp4-tp2", (4, 2), "batch-tree", "kernel"),
     ("gemma-tree-tp4", (1, 4), "gemma-tree", "auto"),
+    # A mixture of experts (Mixtral-style): each expert's MLP split over 'model'.
+    ("moe-tree-dp2-tp4", (2, 4), "moe-tree", "auto"),
 ]
 TEMPERATURES = (0.0, 1.0)
 METHOD_OPTIONS = {
@@ -98,7 +102,8 @@ def _models():
                  hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
                  attn_softcap=5.0, final_softcap=8.0, layer_windows=(4, 0),
                  local_rope_theta=100.0, tie_word_embeddings=True)
-    return target, draft, gpt2, gemma
+    moe = tiny(4, family="mixtral", num_experts=4, experts_per_token=2)
+    return target, draft, gpt2, gemma, moe
 
 
 def _run_checks(cases: list) -> dict:
@@ -111,7 +116,7 @@ def _run_checks(cases: list) -> dict:
     from specjax.training.ngram_build import build_ngram
 
     assert len(jax.devices()) == DEVICES, jax.devices()
-    target, draft, gpt2, gemma = _models()
+    target, draft, gpt2, gemma, moe = _models()
     prompt = np.random.default_rng(0).integers(0, 97, 7).tolist()
     corpus = [specjax.generate(target, np.random.default_rng(s).integers(0, 97, 5).tolist(),
                                max_new_tokens=24, method="ar").tokens for s in range(4)]
@@ -137,8 +142,9 @@ def _run_checks(cases: list) -> dict:
     references = {}
     for name, (data, model_size), kind, attn_impl in cases:
         start = time.perf_counter()
-        method = kind.removeprefix("gpt2-").removeprefix("gemma-").removeprefix("batch-")
-        one = {"gpt2": gpt2, "gemma": gemma}.get(kind.split("-")[0], target)
+        method = kind.split("-", 1)[1] if kind.startswith(("gpt2-", "gemma-", "batch-", "moe-")
+                                                          ) else kind
+        one = {"gpt2": gpt2, "gemma": gemma, "moe": moe}.get(kind.split("-")[0], target)
         mesh = sharding.make_mesh(data=data, model=model_size,
                                   devices=jax.devices()[: data * model_size])
         sharded = sharding.shard_model(one, mesh)
@@ -331,7 +337,7 @@ def test_mesh_and_specs_without_devices():
         sharding.check_mesh(__import__("jax").sharding.Mesh(mesh.devices, ("x", "y")))
     with pytest.raises(InvalidArgumentError, match="'model' must be a positive integer"):
         sharding.make_mesh(model=0)
-    target, _, gpt2, _ = _models()
+    target, _, gpt2, _, moe = _models()
     specs = sharding.param_specs(gpt2.config, gpt2.params)
     assert specs["layers"]["w_fc"] == P(None, None, "model")
     assert specs["layers"]["b_fc"] == P(None, "model")
@@ -339,6 +345,9 @@ def test_mesh_and_specs_without_devices():
     assert specs["pos_embed"] == P()
     fused = models.fuse_projections(target.config, target.params)
     assert sharding.param_specs(target.config, fused)["layers"]["w_qkv"] == P()
+    experts = sharding.param_specs(moe.config, moe.params)["layers"]  # [L, E, d, F], [L, E, F, d]
+    assert experts["we_gate"] == experts["we_up"] == P(None, None, None, "model")
+    assert experts["we_down"] == P(None, None, "model", None) and experts["router"] == P()
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ FUSED_PROGRAM = dict(kind="program", target="v5e:2x2", method="ar", attn_impl="f
 # head_dim 256, and Phi-3 (v6e), head_dim 96, with the kernel (soft-capping, sliding
 # windows), SmolLM3 (v5e; NoPE layers), Phi-4-mini (v6e; partial rotary, LongRoPE) and
 # OLMo 3 (v5e; output norms, whole-width q/k norms, 3:1 windows, YaRN on global layers),
-# GPT-NeoX (v6e; Pythia's LayerNorm, parallel residual, partial RoPE, biases), and
+# GPT-NeoX (v6e; Pythia's LayerNorm, parallel residual, partial RoPE, biases), Mixtral
+# (v5e; eight experts, two per token), and
 # a Phi-3 with Phi-2's head_dim 80 (which no kernel takes) with the jnp fallback (v6e).
 FAMILY_KERNEL_PROGRAMS = [
     dict(kind="program", target="v5e:2x2", method="ar", family="qwen3"),
@@ -131,7 +132,8 @@ FAMILY_KERNEL_PROGRAMS = [
     dict(kind="program", target="v6e:2x2", method="ar", family="phi4-mini",
          attn_impl="auto"),
     dict(kind="program", target="v5e:2x2", method="ar", family="olmo3", attn_impl="auto"),
-    dict(kind="program", target="v6e:2x2", method="ar", family="gpt-neox", attn_impl="auto")]
+    dict(kind="program", target="v6e:2x2", method="ar", family="gpt-neox", attn_impl="auto"),
+    dict(kind="program", target="v5e:2x2", method="ar", family="mixtral", attn_impl="auto")]
 FAMILY_FALLBACK_PROGRAMS = [
     dict(kind="program", target="v6e:2x2", method="ar", family="phi3-head80",
          attn_impl="auto")]

@@ -252,6 +252,19 @@ FAMILY_HF_CONFIGS = {
                      max_position_embeddings=2048, rotary_pct=0.25, rotary_emb_base=10000,
                      use_parallel_residual=True, hidden_act="gelu",
                      tie_word_embeddings=False),
+    # Mixtral-8x7B's heads (32 / 8 of 128) and experts (8 of 14,336, two per token).
+    "mixtral": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
+                    intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                    num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1e6,
+                    num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's heads (32 / 4 of 128, q/k norms) and experts (128 of 768, eight per
+    # token, their probabilities rescaled).
+    "qwen3-moe": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                      intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=2,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                      max_position_embeddings=40960, rope_theta=1e6,
+                      tie_word_embeddings=False),
 }
 
 

@@ -29,6 +29,9 @@ families that differ from Llama in a few places (``config.family``):
   output and the MLP, RoPE on the first quarter of each head (``rotary_dim``), a GELU MLP of
   two matrices (``gated_mlp=False``: ``w_up``, ``w_down``), attention and MLP reading the
   block's input side by side (``parallel_residual``), an untied head.
+* Mixtral, Qwen3-MoE, OLMoE: a routed mixture of experts in place of each MLP
+  (``num_experts``, ``experts_per_token``, ``normalize_expert_weights``); Qwen3-MoE adds
+  Qwen3's per-head q/k norms, OLMoE OLMo's whole-width ones with the usual input norms.
 
 Per-layer differences stay data, not control flow: the layer loop reads layer ``i``'s
 window from a constant [L] array at the loop index (:func:`layer_attention`), and picks
@@ -47,6 +50,8 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
     layers/w_gate [L, d, F]  layers/w_up [L, d, F]  layers/w_down [L, F, d]
     layers/b_gate [L, F]     layers/b_up [L, F]     layers/b_down [L, d]   (mlp_bias)
                   (no w_gate, b_gate without gated_mlp)
+    layers/router [L, d, E]  layers/we_gate [L, E, d, F]  layers/we_up [L, E, d, F]
+    layers/we_down [L, E, F, d]   (num_experts E: in place of w_gate, w_up, w_down)
     layers/attn_norm_bias [L, d]  layers/mlp_norm_bias [L, d]  final_norm_bias [d]
                                   (LayerNorm's biases, norm_kind "layer")
     final_norm  [d]
@@ -82,8 +87,8 @@ import numpy as np
 from specjax import kernels
 from specjax.config import ModelConfig
 from specjax.models.layers import (apply_rope, concat_shapes, dense, fuse_groups, gelu_tanh,
-                                   layer_norm, rms_norm, rope_tables, unfuse_groups,
-                                   write_rope_rows)
+                                   layer_norm, matmul_precision, rms_norm, rope_tables,
+                                   unfuse_groups, write_rope_rows)
 
 
 # fused name -> the separate parameters it concatenates, in order, along the last axis.
@@ -139,6 +144,11 @@ def _param_shapes(config: ModelConfig) -> dict:
         layers.update(attn_norm_bias=(L, d), mlp_norm_bias=(L, d))
     if not config.gated_mlp:
         del layers["w_gate"]
+    if config.num_experts:  # a routed set of E experts in place of the one MLP
+        e = config.num_experts
+        del layers["w_gate"], layers["w_up"], layers["w_down"]
+        layers.update(router=(L, d, e), we_gate=(L, e, d, f), we_up=(L, e, d, f),
+                      we_down=(L, e, f, d))
     if config.qkv_bias:
         layers.update(bq=(L, q_width), bk=(L, kv_width), bv=(L, kv_width))
     if config.out_bias:
@@ -257,6 +267,7 @@ def plain_layers_only(config: ModelConfig) -> str | None:
         ("local RoPE", config.local_rope_theta is not None),
         ("partial RoPE", config.rope_dim != config.head_dim),
         ("NoPE layers", bool(config.no_rope_layers)),
+        ("mixture-of-experts MLPs", config.num_experts > 0),
         ("Granite's multipliers", any(m is not None for m in (
             config.embed_multiplier, config.residual_multiplier, config.logits_divisor))))
         if on]
@@ -326,7 +337,9 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
 
 def _mlp(config: ModelConfig, p: dict, h: jax.Array, widths: dict) -> jax.Array:
     """The MLP of normed input ``h``: ``down(act(gate) * up)``, or ``down(act(up))``
-    without ``config.gated_mlp``."""
+    without ``config.gated_mlp``; a mixture of experts with ``config.num_experts``."""
+    if config.num_experts:
+        return _experts(config, p, h)
     if not config.gated_mlp:
         return dense(_activation(config)(dense(h, p["w_up"], p.get("b_up"))), p["w_down"],
                      p.get("b_down"))
@@ -336,6 +349,45 @@ def _mlp(config: ModelConfig, p: dict, h: jax.Array, widths: dict) -> jax.Array:
     else:
         gate, up = dense(h, p["w_gate"], p.get("b_gate")), dense(h, p["w_up"], p.get("b_up"))
     return dense(_activation(config)(gate) * up, p["w_down"], p.get("b_down"))
+
+
+def _experts(config: ModelConfig, p: dict, h: jax.Array) -> jax.Array:
+    """The mixture-of-experts MLP of normed input ``h`` [T, d]: each row runs the
+    ``config.experts_per_token`` experts of highest router probability (a softmax in
+    float32 of the router's logits, computed in the model dtype as transformers computes
+    them), and the weighted outputs, each rounded to the model dtype, are summed in expert
+    order.
+
+    Which experts' weights are read is chosen by shape: ``T * k`` rows at most ``E``
+    (decoding, small verify passes) gather the experts each row picked, so a decode step
+    reads ``k`` experts' weights, not ``E``; more rows (prefill, wide trees) run every
+    expert on every row and keep the picked outputs, reading each expert once. Either way
+    a row's result depends on that row alone."""
+    k, num = config.experts_per_token, config.num_experts
+    probs = jax.nn.softmax(dense(h, p["router"]).astype(jnp.float32), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, k)  # [T, k]
+    if config.normalize_expert_weights:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    order = jnp.argsort(chosen, axis=-1)
+    chosen = jnp.take_along_axis(chosen, order, axis=-1)
+    weights = jnp.take_along_axis(weights, order, axis=-1)
+    act = _activation(config)
+    dtype = h.dtype
+    precision = matmul_precision(h)
+
+    def mm(spec, x, w):
+        return jnp.einsum(spec, x, w.astype(dtype), precision=precision)
+
+    if h.shape[0] * k <= num:
+        gate = mm("td,tkdf->tkf", h, p["we_gate"][chosen])
+        up = mm("td,tkdf->tkf", h, p["we_up"][chosen])
+        out = mm("tkf,tkfd->tkd", act(gate) * up, p["we_down"][chosen])
+    else:
+        gate = mm("td,edf->tef", h, p["we_gate"])
+        up = mm("td,edf->tef", h, p["we_up"])
+        out = mm("tef,efd->ted", act(gate) * up, p["we_down"])
+        out = jnp.take_along_axis(out, chosen[:, :, None], axis=1)
+    return jnp.sum((out.astype(jnp.float32) * weights[:, :, None]).astype(dtype), axis=1)
 
 
 def _residual(config: ModelConfig, out: jax.Array) -> jax.Array:

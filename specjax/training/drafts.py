@@ -124,16 +124,16 @@ def _asset_vocabulary(directory) -> np.ndarray:
 
 
 # The parameters through which a Llama block writes to the residual stream.
-_BLOCK_OUTPUTS = ("wo", "bo", "w_down", "b_down")
+_BLOCK_OUTPUTS = ("wo", "bo", "w_down", "b_down", "we_down")
 
 
 def grow_draft(config, params: dict, target_config, target_params: dict,
                target_layers: Sequence[int]):
     """(config, params) of a deeper draft: ``params``' blocks, then copies of the target
     blocks ``target_layers`` whose residual-stream outputs (``wo``, ``w_down`` and their
-    biases) are zero. Each new block then adds exactly zero, so the grown draft computes
-    exactly what the draft did, and training starts from it rather than from scratch (a
-    3-4-layer draft that keeps what a trained 2-layer one learned)."""
+    biases; the experts' ``we_down``) are zero. Each new block then adds exactly zero, so
+    the grown draft computes exactly what the draft did, and training starts from it rather
+    than from scratch (a 3-4-layer draft that keeps what a trained 2-layer one learned)."""
     import jax
 
     if config.architecture != "llama":
