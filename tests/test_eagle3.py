@@ -2,6 +2,7 @@
 vocabulary, exactness of decoding with them, the asset, and training (resumed)."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -96,30 +97,48 @@ def test_the_target_passes_return_its_blocks_outputs(pair):
         assert_sums_close(logits[:5], out.logits[0, prefix:].numpy(), **bound)
 
 
-@pytest.fixture(scope="module")
-def neox_target():
-    """A tiny GPT-NeoX (Pythia's block: LayerNorm with biases, parallel residual, a
-    two-matrix GELU MLP, partial RoPE)."""
+@functools.lru_cache(maxsize=None)
+def _family_target(variant: str):
+    """A tiny transformers model of ``variant`` (tests/helpers_families.py) as a target."""
     from helpers_families import tiny_family_model
     from specjax.checkpoints_tools.keymap import params_from_hf_tensors
     from specjax.config import from_hf_config
 
-    hf_model = tiny_family_model("gpt-neox", seed=3)
+    hf_model = tiny_family_model(variant, seed=3)
     config = from_hf_config(hf_model.config.to_dict())
-    tensors = {name: t.detach().numpy() for name, t in hf_model.state_dict().items()}
-    return specjax.Model.from_params(config, params_from_hf_tensors(config, tensors))
+    return specjax.Model.from_params(config, params_from_hf_tensors(config,
+                                                                    _hub_tensors(hf_model)))
 
 
-@pytest.mark.parametrize("case", ["rope", "nope-layer", "neox-target"])
-def test_the_unrolled_passes_read_what_decoding_reads(target, neox_target, case):
+def _hub_tensors(hf_model) -> dict:
+    """The model's tensors under the names its checkpoint files use (transformers keeps a
+    mixture of experts stacked in memory and writes one tensor per expert)."""
+    import tempfile
+
+    from safetensors.numpy import load_file
+
+    with tempfile.TemporaryDirectory() as directory:
+        hf_model.save_pretrained(directory)
+        return load_file(f"{directory}/model.safetensors")
+
+
+@pytest.mark.parametrize("case", ["rope", "nope-layer", "neox-target", "gemma2-target",
+                                  pytest.param("moe-target", marks=pytest.mark.slow)])
+def test_the_unrolled_passes_read_what_decoding_reads(target, case):
     """Pass ``i`` of the training-time test at position ``r + i`` computes exactly what a
     depth-``i + 1`` chain node computes when decoding: the draft's cache filled with pass 0
     up to the root ``r``, then each node reading its parent's output, attending to the
     cache and its drafted ancestors (through the scratch slots). ``nope-layer``: the draft's
     block is a layer without RoPE (SmolLM3's NoPE layers), which training must skip too;
-    ``neox-target``: a GPT-NeoX target's block (LayerNorm, parallel residual)."""
-    if case == "neox-target":
-        target = neox_target
+    ``neox-target``: a GPT-NeoX target's block (LayerNorm, parallel residual);
+    ``gemma2-target``: a Gemma 2 target's (a query scale other than head_dim ** -0.5,
+    soft-capped scores, a 5-token window in every other layer: before 2026-11-28 training
+    attended without all three, which decoding applies);
+    ``moe-target``: a Mixtral target's (its draft block routes over experts too, and
+    slides a 6-token window)."""
+    if case in ("neox-target", "gemma2-target", "moe-target"):
+        target = _family_target({"neox-target": "gpt-neox", "gemma2-target": "gemma2",
+                                 "moe-target": "mixtral"}[case])
     config, params = eagle3_params(target, seed=1)
     if case == "nope-layer":
         config = dataclasses.replace(config, no_rope_layers=(0,))

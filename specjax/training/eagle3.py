@@ -181,21 +181,29 @@ def unroll_draft(params: dict, config, tokens, target_features, unroll: int):
     keys: list = []  # per pass: [L, T, K, D] keys and values of every block
     values: list = []
     inputs, outputs = [], []
+    windows = llama.layer_windows(config)
     for i in range(unroll):
         mask = jnp.concatenate(masks[i], axis=1)  # [T, (i + 1) T]
+        # Every pass's row s stands for position s: how far back each key is.
+        behind = positions[:, None] - jnp.tile(positions, i + 1)[None, :]
         x = llama.embed(params, config, tokens, positions, feature)
         earlier = (jnp.stack(keys, axis=1) if keys else None,
                    jnp.stack(values, axis=1) if values else None)
 
-        def layer(carry, scanned, mask=mask):
+        def layer(carry, scanned, mask=mask, behind=behind):
             x = carry
             p, index, k_before, v_before = scanned
+            if config.layer_windows:  # the layer's sliding window, as decoding applies it
+                window = windows[index]
+                mask = mask & ((window == 0) | (behind < window))
 
             def attend(q, k, v):
                 if k_before is not None:  # [i, T, K, D]: passes 0 .. i-1 of this block
                     k = jnp.concatenate([k_before.reshape(-1, *k.shape[1:]), k])
                     v = jnp.concatenate([v_before.reshape(-1, *v.shape[1:]), v])
-                return attention_reference(q, k, v, None, None, 0, mask)
+                return attention_reference(q, k, v, None, None, 0, mask,
+                                           scale=config.query_scale,
+                                           softcap=config.attn_softcap)
 
             # the layer's own RoPE tables: local or global (Gemma 3), or none (NoPE)
             x, k, v = llama.block(p, config, x, llama.layer_context(config, rope, index),
