@@ -5,7 +5,7 @@ count, length and offset against the file's size first (see "reading" below); th
 package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, and ``qwen3``,
-  ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``, ``stablelm``,
+  ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``, ``stablelm``,
   ``qwen3moe``, ``olmoe``: :data:`FAMILY_ARCHITECTURES`) that becomes a
   :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
@@ -74,13 +74,14 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
-                  "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
+                  "gemma": False, "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
                   "granite": True, "olmo2": False, "gptneox": False, "stablelm": False,
                   "qwen3moe": False, "olmoe": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
 # Hugging Face config's default no_rope_layer_interval gives.)
-FAMILY_ARCHITECTURES = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
+FAMILY_ARCHITECTURES = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+                        "gemma3": "gemma3_text",
                         "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
                         "olmo2": "olmo2", "stablelm": "stablelm", "qwen3moe": "qwen3_moe",
                         "olmoe": "olmoe"}
@@ -91,7 +92,7 @@ _EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False}
 # (Mixtral's names, the others').
 _EXPERT_TENSORS = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
                    "ffn_down_exps": ("w2", "down_proj")}
-_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 # GGUF tensor name -> HF name; "{i}" is the block index.
 _TENSOR_NAMES = {
@@ -736,7 +737,7 @@ def _family_layout(reader: GGUFFile, arch: str, meta, layers: int, cfg: dict,
         # llama.cpp's query scale: attention.scale when written, else head_dim ** -0.5,
         # except the 27B models (46 / 62 blocks) whose scale is (hidden / heads) ** -0.5.
         scale = meta("attention.scale", 0.0, kind=float)
-        big = layers == (46 if arch == "gemma2" else 62)
+        big = layers == {"gemma2": 46, "gemma3": 62}.get(arch)
         cfg["query_pre_attn_scalar"] = (
             scale ** -2 if scale else
             cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"])

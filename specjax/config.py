@@ -123,10 +123,10 @@ class ModelConfig:
       bos_token_id: token id prepended by tokenizers that add one (informational).
       sliding_window: attention window (Mistral); generation longer than it is refused.
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
-        below (``"qwen3"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``, ``"smollm3"``,
-        ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"stablelm"``, ``"gpt_neox"``), so the
-        config
-        writes the same type back; ``None`` for the others.
+        below (``"qwen3"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``,
+        ``"smollm3"``, ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"stablelm"``,
+        ``"gpt_neox"``, ``"mixtral"``, ``"qwen3_moe"``, ``"olmoe"``), so the config writes
+        the same type back; ``None`` for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
       qk_norm_whole: with ``qk_norm``, q and k are normed over all their heads at once
         (weights [H*D] and [K*D]), not per head (OLMo 2/3).
@@ -652,10 +652,10 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
 
 
 # Families on the llama forward with the optional fields of ModelConfig.
-EXTENDED_FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "granite", "olmo2",
-                     "olmo3", "stablelm", "mixtral", "qwen3_moe", "olmoe")
+EXTENDED_FAMILIES = ("qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "smollm3", "granite",
+                     "olmo2", "olmo3", "stablelm", "mixtral", "qwen3_moe", "olmoe")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
-_GEMMA = ("gemma2", "gemma3_text")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
 # OLMo 2/3: norms on the attention and MLP outputs only, q and k normed over all heads.
 _OLMO = ("olmo2", "olmo3")
 _OLMO3_THETA = 500000.0
@@ -728,7 +728,12 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     act = _get(cfg, "hidden_activation", "hidden_act",
                default="gelu_pytorch_tanh" if gemma else "silu")
     olmo = model_type in _OLMO
-    if gemma and act in _GELU_TANH:
+    if model_type == "gemma" and act == "gelu":
+        act = "gelu_tanh"  # the released Gemma configs' legacy name for it (transformers reads so)
+    if model_type == "gemma" and cfg.get("use_bidirectional_attention"):
+        raise InvalidArgumentError("gemma with use_bidirectional_attention (an embedding model) "
+                                   "is not supported: specjax decodes causally")
+    if gemma and act in _GELU_TANH + ("gelu_tanh",):
         act = "gelu_tanh"
     elif gemma or act != "silu":
         raise InvalidArgumentError(
@@ -796,7 +801,8 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         family=model_type, qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe",
                                                   *_OLMO),
         qk_norm_whole=olmo or model_type == "olmoe", pre_norms=not olmo,
-        norm_plus_one=gemma, hidden_act=act, embed_scale=gemma, sandwich_norms=gemma or olmo,
+        norm_plus_one=gemma, hidden_act=act, embed_scale=gemma,
+        sandwich_norms=(gemma and model_type != "gemma") or olmo,
         query_scale=query_scale, attn_softcap=softcap["attn_logit_softcapping"],
         final_softcap=softcap["final_logit_softcapping"],
         layer_windows=_layer_windows(model_type, cfg, layers), local_rope_theta=local_theta,
@@ -924,6 +930,7 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
     family = config.family
     arch = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+            "gemma": "GemmaForCausalLM",
             "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
             "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
             "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -939,7 +946,9 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
         "eos_token_id": _eos_to_hf(config.eos_token_ids),
         "bos_token_id": config.bos_token_id,
     }
-    if family in _GEMMA:
+    if family == "gemma":  # Gemma 1: GeGLU, (1 + w) norms, scaled embeddings and nothing more
+        out["hidden_act"] = "gelu_pytorch_tanh"
+    elif family in _GEMMA:
         out["hidden_activation"] = "gelu_pytorch_tanh"
         scalar = (config.head_dim if config.query_scale is None
                   else round(config.query_scale ** -2, 6))
@@ -958,7 +967,7 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
                                   for w in windows]
         if family in ("qwen3", "smollm3", "qwen3_moe"):
             out["use_sliding_window"] = True
-    elif family in _GEMMA:
+    elif family in _GEMMA and family != "gemma":
         # Gemma configs always slide some layers: a window past every position is global.
         out["sliding_window"] = config.max_position_embeddings
     if family == "olmo3":  # per layer type; the scaling is the global layers' only

@@ -1,5 +1,5 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
-(Qwen3, Gemma 2, Gemma 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
+(Qwen3, Gemma 1, 2 and 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
 GPT-NeoX, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE), made by
 transformers' own classes.
 
@@ -32,6 +32,10 @@ VARIANTS = {
     "qwen3-untied-sliding": (transformers.Qwen3Config, dict(
         _BASE, tie_word_embeddings=False, use_sliding_window=True, sliding_window=6,
         max_window_layers=1)),
+    # Gemma (1): GeGLU, (1 + w) norms, embeddings times sqrt(d), head_dim 32 over a
+    # 64-wide model (as Gemma-2B's 256 over 2048), one KV head (multi-query), tied head.
+    "gemma": (transformers.GemmaConfig, dict(
+        _BASE, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)),
     # Gemma 2: head_dim 256, soft-capping on, alternating sliding/global, a query scale
     # other than head_dim ** -0.5.
     "gemma2": (transformers.Gemma2Config, dict(
@@ -139,7 +143,8 @@ _GGUF_LAYER_NAMES = {
 _GEMMA_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm",
                       "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"}
-GGUF_ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+GGUF_ARCH = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
+             "phi3": "phi3",
              "olmo2": "olmo2", "olmo3": "olmo2", "stablelm": "stablelm", "mixtral": "llama",
              "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
@@ -155,7 +160,7 @@ def family_gguf_name(hf_name: str, arch: str) -> str:
         return f"blk.{layer}.ffn_gate_inp.weight"
     module, kind = rest.rsplit(".", 1)
     names = dict(_GGUF_LAYER_NAMES, post_attention_layernorm="ffn_norm")
-    if arch.startswith("gemma") or arch == "olmo2":
+    if arch in ("gemma2", "gemma3", "olmo2"):  # Gemma 1's are Llama's
         names.update(_GEMMA_LAYER_NAMES)
     return f"blk.{layer}.{names[module]}.{kind}"
 

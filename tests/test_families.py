@@ -74,9 +74,9 @@ def test_logits_match_transformers(pairs, variant):
                         tokens)
 
 
-# The mixtures of experts beyond Mixtral generate in the slow tier (their parity, here, is
-# what differs between them).
-MOE_SLOW = ("qwen3-moe", "olmoe")
+# The mixtures of experts beyond Mixtral, and Gemma 1, generate in the slow tier (their
+# parity, here, is what differs between them and the others).
+MOE_SLOW = ("qwen3-moe", "olmoe", "gemma")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v in MOE_SLOW
@@ -104,7 +104,9 @@ WRONG = [
     ("gpt-neox", "parallel_residual", False), ("gpt-neox", "rotary_dim", None),
     ("gpt-neox-sequential", "parallel_residual", True), ("gpt-neox", "norm_kind", "rms"),
     ("stablelm", "rotary_dim", None), ("stablelm", "norm_kind", "rms"),
-    ("mixtral", "normalize_expert_weights", False), ("mixtral", "experts_per_token", 1),
+    ("gemma", "norm_plus_one", False), ("gemma", "embed_scale", False),
+    ("gemma", "hidden_act", "silu"), ("mixtral", "normalize_expert_weights", False),
+    ("mixtral", "experts_per_token", 1),
     ("qwen3-moe", "normalize_expert_weights", True), ("olmoe", "experts_per_token", 3),
 ]
 
@@ -255,6 +257,13 @@ HUB_CONFIGS = {
                      use_qkv_bias=True, qk_layernorm=False, use_parallel_residual=False,
                      max_position_embeddings=4096, tie_word_embeddings=False,
                      bos_token_id=100257, eos_token_id=100257),
+    # gemma-2b as released (hidden_act "gelu", the legacy name of the tanh form)
+    "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=256000,
+                  hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                  num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+                  hidden_act="gelu", max_position_embeddings=8192, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, attention_bias=False, bos_token_id=2, eos_token_id=1,
+                  pad_token_id=0),
     # Mixtral-8x7B-v0.1, Qwen3-30B-A3B and OLMoE-1B-7B-0924 as released
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000,
                     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -291,7 +300,10 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
     config_class = transformers.AutoConfig.for_model(model_type).__class__
     assert ours == from_hf_config(config_class(**raw).to_dict())
     assert ours.rope_dim == {"gpt_neox": 16, "olmo2": 128, "stablelm": 16, "mixtral": 128,
-                             "qwen3_moe": 128, "olmoe": 128}[model_type]
+                             "qwen3_moe": 128, "olmoe": 128, "gemma": 256}[model_type]
+    if model_type == "gemma":
+        assert ours.hidden_act == "gelu_tanh" and ours.norm_plus_one and ours.embed_scale
+        assert not ours.sandwich_norms and ours.tie_word_embeddings
     if model_type in ("mixtral", "qwen3_moe", "olmoe"):
         assert (ours.num_experts, ours.experts_per_token, ours.intermediate_size) == {
             "mixtral": (8, 2, 14336), "qwen3_moe": (128, 8, 768), "olmoe": (64, 8, 1024)}[
@@ -359,7 +371,8 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
 
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-                   "olmo2", "olmo3", "gpt-neox", "stablelm", "mixtral", "qwen3-moe", "olmoe"]
+                   "olmo2", "olmo3", "gpt-neox", "stablelm", "mixtral", "qwen3-moe", "olmoe",
+                   "gemma"]
 
 
 class _LazyTables(dict):
@@ -387,8 +400,9 @@ def tables(pairs):
 QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral")
 SLOW_ONLY = ("olmo2", "olmo3", "stablelm")  # whole grid in the slow tier; parity covers the quick one
 # Qwen3-MoE's and OLMoE's experts are Mixtral's (whose grid runs); what differs is their
-# attention's norms, which `spec` (slow tier) runs as every method does.
-SPEC_ONLY = ("qwen3-moe", "olmoe")
+# attention's norms, which `spec` (slow tier) runs as every method does. Gemma 1's features
+# are a subset of Gemma 2's (whose grid runs).
+SPEC_ONLY = ("qwen3-moe", "olmoe", "gemma")
 METHOD_CASES = [
     pytest.param(method, variant, marks=pytest.mark.slow)
     if variant in SLOW_ONLY + SPEC_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")
@@ -511,7 +525,7 @@ GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_wind
                  # Mixtral as llama.cpp's `llama` with experts (no window there); llama.cpp's
                  # graphs rescale Qwen3-MoE's picked probabilities and never OLMoE's
                  "mixtral": dict(sliding_window=None), "qwen3-moe": dict(norm_topk_prob=True),
-                 "olmoe": dict(norm_topk_prob=False)}
+                 "olmoe": dict(norm_topk_prob=False), "gemma": {}}
 
 
 def _gguf_pair(variant, path, **kwargs):
