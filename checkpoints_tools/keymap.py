@@ -134,9 +134,15 @@ def _expert_rules(config: ModelConfig) -> list[Rule]:
     else:
         p = "model.layers.{i}.mlp."
         names = ("gate_proj", "up_proj", "down_proj")
-    return [_t("layers/router", p + "gate.weight")] + [
+    rules = [_t("layers/router", p + "gate.weight")] + [
         _t(leaf, p + "experts.{e}." + name + ".weight")
         for leaf, name in zip(("layers/we_gate", "layers/we_up", "layers/we_down"), names)]
+    if config.shared_expert_size:  # Qwen2-MoE
+        rules += [_t("layers/ws_gate", p + "shared_expert.gate_proj.weight"),
+                  _t("layers/ws_up", p + "shared_expert.up_proj.weight"),
+                  _t("layers/ws_down", p + "shared_expert.down_proj.weight"),
+                  _t("layers/shared_gate", p + "shared_expert_gate.weight")]
+    return rules
 
 
 def gpt2_rules(config: ModelConfig) -> list[Rule]:

@@ -83,7 +83,7 @@ _FAMILY_FIELDS = ("family", "qk_norm", "qk_norm_whole", "norm_plus_one", "hidden
                   "final_softcap", "layer_windows", "local_rope_theta", "rotary_dim",
                   "no_rope_layers", "embed_multiplier", "residual_multiplier",
                   "logits_divisor", "num_experts", "experts_per_token",
-                  "normalize_expert_weights")
+                  "normalize_expert_weights", "shared_expert_size")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig:

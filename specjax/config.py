@@ -125,7 +125,8 @@ class ModelConfig:
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
         below (``"qwen3"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``,
         ``"smollm3"``, ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"stablelm"``,
-        ``"gpt_neox"``, ``"mixtral"``, ``"qwen3_moe"``, ``"olmoe"``), so the config writes
+        ``"gpt_neox"``, ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"``, ``"olmoe"``), so
+        the config writes
         the same type back; ``None`` for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
       qk_norm_whole: with ``qk_norm``, q and k are normed over all their heads at once
@@ -197,6 +198,10 @@ class ModelConfig:
       normalize_expert_weights: the k probabilities are rescaled to sum to 1 before they
         weight the outputs (Mixtral; Qwen3-MoE's and OLMoE's ``norm_topk_prob``);
         ``False``: used as the softmax gave them.
+      shared_expert_size: with ``num_experts``, a gated MLP of this width that every token
+        runs beside its routed experts (``ws_gate``, ``ws_up``, ``ws_down``), its output
+        scaled by ``sigmoid(x @ shared_gate)`` (``shared_gate`` [L, d, 1]) and added
+        (Qwen2-MoE's shared expert); 0: none.
     """
 
     architecture: str
@@ -245,6 +250,7 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     normalize_expert_weights: bool = True
+    shared_expert_size: int = 0
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -340,9 +346,13 @@ class ModelConfig:
         for name, value in (("num_experts", experts), ("experts_per_token", k)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}")
+        shared = self.shared_expert_size
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise InvalidArgumentError(f"shared_expert_size must be an int >= 0, got {shared!r}")
         if not experts:
-            if k:
-                raise InvalidArgumentError("experts_per_token applies with num_experts > 0")
+            if k or shared:
+                raise InvalidArgumentError("experts_per_token and shared_expert_size apply with "
+                                           "num_experts > 0")
             return
         if self.architecture != "llama" or not self.gated_mlp or self.mlp_bias:
             raise InvalidArgumentError("mixture-of-experts MLPs are gated MLPs without biases "
@@ -653,21 +663,21 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
 
 # Families on the llama forward with the optional fields of ModelConfig.
 EXTENDED_FAMILIES = ("qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "smollm3", "granite",
-                     "olmo2", "olmo3", "stablelm", "mixtral", "qwen3_moe", "olmoe")
+                     "olmo2", "olmo3", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 # OLMo 2/3: norms on the attention and MLP outputs only, q and k normed over all heads.
 _OLMO = ("olmo2", "olmo3")
 _OLMO3_THETA = 500000.0
 # Mixture-of-experts families: every block's MLP is a routed set of experts.
-_MOE = ("mixtral", "qwen3_moe", "olmoe")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def _layer_windows(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> tuple:
     """Per-layer sliding windows (0 = global) from ``layer_types`` or the older keys."""
     window = cfg.get("sliding_window")
-    if model_type in ("qwen3", "smollm3", "qwen3_moe") and not cfg.get("use_sliding_window",
-                                                                        False):
+    if model_type in ("qwen3", "smollm3", "qwen2_moe", "qwen3_moe") and not cfg.get(
+            "use_sliding_window", False):
         window = None
     if model_type == "olmo2":  # no sliding layers (an Olmo 3 config names olmo3)
         window = None
@@ -790,7 +800,8 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         architecture="llama", vocab_size=int(cfg["vocab_size"]), hidden_size=width,
         num_layers=layers, num_heads=heads,
         num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)), head_dim=head_dim,
-        intermediate_size=int(cfg["moe_intermediate_size" if model_type == "qwen3_moe"
+        intermediate_size=int(cfg["moe_intermediate_size" if model_type in ("qwen2_moe",
+                                                                            "qwen3_moe")
                                   else "intermediate_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         norm_eps=float(_get(cfg, "layer_norm_eps" if stablelm else "rms_norm_eps", default=(
@@ -807,8 +818,9 @@ def _extended_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         final_softcap=softcap["final_logit_softcapping"],
         layer_windows=_layer_windows(model_type, cfg, layers), local_rope_theta=local_theta,
         rotary_dim=rotary_dim, no_rope_layers=_no_rope_layers(model_type, cfg, layers),
-        norm_kind="layer" if stablelm else "rms", qkv_bias=stablelm and bool(
-            cfg.get("use_qkv_bias", False)),
+        norm_kind="layer" if stablelm else "rms", qkv_bias=(stablelm and bool(
+            cfg.get("use_qkv_bias", False))) or (model_type == "qwen2_moe" and bool(
+                cfg.get("qkv_bias", True))),
         embed_multiplier=granite["embedding_multiplier"],
         residual_multiplier=granite["residual_multiplier"],
         logits_divisor=granite["logits_scaling"], **experts,
@@ -821,10 +833,10 @@ def _experts_from_hf(model_type: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
     in one line."""
     if model_type not in _MOE:
         return {}
-    if model_type == "qwen3_moe" and (cfg.get("mlp_only_layers")
-                                      or int(cfg.get("decoder_sparse_step", 1)) != 1):
+    if model_type in ("qwen2_moe", "qwen3_moe") and (
+            cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1):
         raise InvalidArgumentError(
-            "qwen3_moe with dense layers among the sparse ones (mlp_only_layers "
+            f"{model_type} with dense layers among the sparse ones (mlp_only_layers "
             f"{cfg.get('mlp_only_layers')!r}, decoder_sparse_step "
             f"{cfg.get('decoder_sparse_step')!r}) is not supported: every layer must be sparse")
     if model_type == "olmoe" and cfg.get("clip_qkv") is not None:
@@ -835,7 +847,9 @@ def _experts_from_hf(model_type: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
                                    f"(num_local_experts) and num_experts_per_tok")
     return dict(num_experts=int(experts), experts_per_token=int(cfg["num_experts_per_tok"]),
                 normalize_expert_weights=model_type == "mixtral" or bool(
-                    cfg.get("norm_topk_prob", False)))
+                    cfg.get("norm_topk_prob", False)),
+                shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+                if model_type == "qwen2_moe" else 0)
 
 
 def _no_rope_layers(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> tuple:
@@ -934,6 +948,7 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
             "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
             "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
             "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
     out: dict[str, Any] = {
         "model_type": family, "architectures": [arch], "vocab_size": config.vocab_size,
@@ -965,7 +980,7 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
         if family != "phi3":
             out["layer_types"] = ["sliding_attention" if w else "full_attention"
                                   for w in windows]
-        if family in ("qwen3", "smollm3", "qwen3_moe"):
+        if family in ("qwen3", "smollm3", "qwen2_moe", "qwen3_moe"):
             out["use_sliding_window"] = True
     elif family in _GEMMA and family != "gemma":
         # Gemma configs always slide some layers: a window past every position is global.
@@ -1006,9 +1021,12 @@ def _extended_to_hf(config: ModelConfig) -> dict[str, Any]:
                       config.num_experts})
         if family != "mixtral":
             out["norm_topk_prob"] = config.normalize_expert_weights
-        if family == "qwen3_moe":
+        if family in ("qwen2_moe", "qwen3_moe"):
             out.update(moe_intermediate_size=out["intermediate_size"], decoder_sparse_step=1,
                        mlp_only_layers=[])
+        if family == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=config.shared_expert_size,
+                       qkv_bias=config.qkv_bias)
     return out
 
 

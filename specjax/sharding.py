@@ -70,13 +70,15 @@ AXES = (DATA, MODEL)
 # what its split axis counts, for errors). Columns of [L, d, X] are axis 2, rows of
 # [L, X, d] axis 1, biases [L, X] axis 1. Everything not named is replicated.
 _HEADS, _KV_HEADS, _MLP = "num_heads", "num_kv_heads", "intermediate_size"
+_SHARED = "shared_expert_size"
 _SPLIT = {
     "llama": {"wq": (2, _HEADS), "bq": (1, _HEADS), "wk": (2, _KV_HEADS),
               "bk": (1, _KV_HEADS), "wv": (2, _KV_HEADS), "bv": (1, _KV_HEADS),
               "wo": (1, _HEADS), "w_gate": (2, _MLP), "b_gate": (1, _MLP),
               "w_up": (2, _MLP), "b_up": (1, _MLP), "w_down": (1, _MLP),
               # experts [L, E, d, F] and [L, E, F, d]: each expert split like the MLP
-              "we_gate": (3, _MLP), "we_up": (3, _MLP), "we_down": (2, _MLP)},
+              "we_gate": (3, _MLP), "we_up": (3, _MLP), "we_down": (2, _MLP),
+              "ws_gate": (2, _SHARED), "ws_up": (2, _SHARED), "ws_down": (1, _SHARED)},
     "gpt2": {"wq": (2, _HEADS), "bq": (1, _HEADS), "wk": (2, _KV_HEADS),
              "bk": (1, _KV_HEADS), "wv": (2, _KV_HEADS), "bv": (1, _KV_HEADS),
              "wo": (1, _HEADS), "w_fc": (2, _MLP), "b_fc": (1, _MLP), "w_proj": (1, _MLP)},

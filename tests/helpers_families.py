@@ -1,6 +1,6 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
 (Qwen3, Gemma 1, 2 and 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
-GPT-NeoX, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE), made by
+GPT-NeoX, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE), made by
 transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
@@ -92,6 +92,12 @@ VARIANTS = {
     "mixtral": (transformers.MixtralConfig, dict(
         {k: v for k, v in _BASE.items() if k != "head_dim"}, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=6)),
+    # Qwen2-MoE: q/k/v biases, four of six experts per token as the softmax gave them, and
+    # a shared expert of its own width behind a sigmoid gate.
+    "qwen2-moe": (transformers.Qwen2MoeConfig, dict(
+        {k: v for k, v in _BASE.items() if k != "head_dim"}, num_experts=6,
+        num_experts_per_tok=4, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+        norm_topk_prob=False)),
     # Qwen3-MoE: Qwen3's per-head q/k norms, experts of their own width
     # (moe_intermediate_size), three of six per token, the top three's weights as the
     # softmax gave them (norm_topk_prob off), tied head.

@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE; ``specjax.models.llama``):
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE;
+``specjax.models.llama``):
 both ways of reading the experts (the picked experts' weights gathered per row for a few
 rows, every expert on every row for many) equal a float64 loop over tokens, a wrong
 routing rule is told apart by the same comparison, and the checkpoint key map names a
@@ -54,13 +55,19 @@ def _loop(config: ModelConfig, layer: dict, h: np.ndarray, normalize: bool) -> n
             gate = row @ p["we_gate"][e]
             total += weight * ((gate / (1 + np.exp(-gate)) * (row @ p["we_up"][e]))
                                @ p["we_down"][e])
+        if config.shared_expert_size:  # Qwen2-MoE's: every row, behind a sigmoid gate
+            gate = row @ p["ws_gate"]
+            shared = (gate / (1 + np.exp(-gate)) * (row @ p["ws_up"])) @ p["ws_down"]
+            total += shared / (1 + np.exp(-(row @ p["shared_gate"])))
         out.append(total)
     return np.stack(out)
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-def test_both_ways_of_reading_the_experts_equal_a_loop_over_tokens(normalize):
-    config = dataclasses.replace(CONFIG, normalize_expert_weights=normalize)
+@pytest.mark.parametrize("normalize,shared", [(True, 0), (False, 0), (False, 12)],
+                         ids=["rescaled", "as-given", "shared-expert"])
+def test_both_ways_of_reading_the_experts_equal_a_loop_over_tokens(normalize, shared):
+    config = dataclasses.replace(CONFIG, normalize_expert_weights=normalize,
+                                 shared_expert_size=shared)
     layer = _layer(config)
     h = np.random.default_rng(1).standard_normal((7, config.hidden_size)).astype(np.float32)
     want = _loop(config, layer, h, normalize)

@@ -76,7 +76,7 @@ def test_logits_match_transformers(pairs, variant):
 
 # The mixtures of experts beyond Mixtral, and Gemma 1, generate in the slow tier (their
 # parity, here, is what differs between them and the others).
-MOE_SLOW = ("qwen3-moe", "olmoe", "gemma")
+MOE_SLOW = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v in MOE_SLOW
@@ -107,7 +107,8 @@ WRONG = [
     ("gemma", "norm_plus_one", False), ("gemma", "embed_scale", False),
     ("gemma", "hidden_act", "silu"), ("mixtral", "normalize_expert_weights", False),
     ("mixtral", "experts_per_token", 1),
-    ("qwen3-moe", "normalize_expert_weights", True), ("olmoe", "experts_per_token", 3),
+    ("qwen3-moe", "normalize_expert_weights", True), ("qwen2-moe", "shared_expert_size", 0),
+    ("qwen2-moe", "normalize_expert_weights", True), ("olmoe", "experts_per_token", 3),
 ]
 
 
@@ -215,6 +216,10 @@ def test_configs_read_the_features(pairs):
         with pytest.raises(InvalidArgumentError, match=f"stablelm with {key}"):
             from_hf_config(hf_config("stablelm", **{key: True}).to_dict())
     mixtral, qwen3_moe, olmoe = (pairs[v][1].config for v in ("mixtral", "qwen3-moe", "olmoe"))
+    qwen2_moe = pairs["qwen2-moe"][1].config
+    assert (qwen2_moe.shared_expert_size, qwen2_moe.intermediate_size) == (56, 40)
+    assert qwen2_moe.qkv_bias and not qwen2_moe.normalize_expert_weights
+    assert models.param_shapes(qwen2_moe)["layers"]["shared_gate"] == (3, 64, 1)
     assert (mixtral.num_experts, mixtral.experts_per_token) == (4, 2)
     assert mixtral.normalize_expert_weights and mixtral.layer_windows == (6,)
     assert (qwen3_moe.num_experts, qwen3_moe.experts_per_token) == (6, 3)
@@ -230,7 +235,8 @@ def test_configs_read_the_features(pairs):
     with pytest.raises(InvalidArgumentError, match="olmoe with clip_qkv"):
         from_hf_config(hf_config("olmoe", clip_qkv=8.0).to_dict())
     for fields, message in ((dict(experts_per_token=7), r"experts_per_token must be in \[1"),
-                            (dict(num_experts=0), "experts_per_token applies with"),
+                            (dict(num_experts=0), "experts_per_token and shared_expert_size "
+                                                  "apply with"),
                             (dict(mlp_bias=True), "gated MLPs without biases")):
         with pytest.raises(InvalidArgumentError, match=message):
             dataclasses.replace(qwen3_moe, **fields)
@@ -264,6 +270,16 @@ HUB_CONFIGS = {
                   hidden_act="gelu", max_position_embeddings=8192, rms_norm_eps=1e-6,
                   rope_theta=10000.0, attention_bias=False, bos_token_id=2, eos_token_id=1,
                   pad_token_id=0),
+    # Qwen1.5-MoE-A2.7B as released (a shared expert of 5,632 beside 60 of 1,408)
+    "qwen2_moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+                      vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                      moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                      num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+                      num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+                      decoder_sparse_step=1, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                      rope_theta=1000000.0, use_sliding_window=False, sliding_window=32768,
+                      max_window_layers=21, tie_word_embeddings=False, bos_token_id=151643,
+                      eos_token_id=151643),
     # Mixtral-8x7B-v0.1, Qwen3-30B-A3B and OLMoE-1B-7B-0924 as released
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000,
                     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -300,15 +316,18 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
     config_class = transformers.AutoConfig.for_model(model_type).__class__
     assert ours == from_hf_config(config_class(**raw).to_dict())
     assert ours.rope_dim == {"gpt_neox": 16, "olmo2": 128, "stablelm": 16, "mixtral": 128,
-                             "qwen3_moe": 128, "olmoe": 128, "gemma": 256}[model_type]
+                             "qwen3_moe": 128, "olmoe": 128, "gemma": 256,
+                             "qwen2_moe": 128}[model_type]
     if model_type == "gemma":
         assert ours.hidden_act == "gelu_tanh" and ours.norm_plus_one and ours.embed_scale
         assert not ours.sandwich_norms and ours.tie_word_embeddings
-    if model_type in ("mixtral", "qwen3_moe", "olmoe"):
-        assert (ours.num_experts, ours.experts_per_token, ours.intermediate_size) == {
-            "mixtral": (8, 2, 14336), "qwen3_moe": (128, 8, 768), "olmoe": (64, 8, 1024)}[
-            model_type]
-        assert ours.normalize_expert_weights == (model_type != "olmoe")
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        assert (ours.num_experts, ours.experts_per_token, ours.intermediate_size,
+                ours.shared_expert_size) == {
+            "mixtral": (8, 2, 14336, 0), "qwen2_moe": (60, 4, 1408, 5632),
+            "qwen3_moe": (128, 8, 768, 0), "olmoe": (64, 8, 1024, 0)}[model_type]
+        assert ours.normalize_expert_weights == (model_type in ("mixtral", "qwen3_moe"))
+        assert ours.layer_windows == ()
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -355,7 +374,8 @@ def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
 
 
 @pytest.mark.parametrize("variant", ["gemma2", "olmo3", "gpt-neox", "stablelm", "mixtral",
-                                     pytest.param("qwen3-moe", marks=pytest.mark.slow)])
+                                     pytest.param("qwen3-moe", marks=pytest.mark.slow),
+                                     pytest.param("qwen2-moe", marks=pytest.mark.slow)])
 def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
     import transformers
     from specjax.checkpoints_tools.hf import save_hf_directory
@@ -372,7 +392,7 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
                    "olmo2", "olmo3", "gpt-neox", "stablelm", "mixtral", "qwen3-moe", "olmoe",
-                   "gemma"]
+                   "gemma", "qwen2-moe"]
 
 
 class _LazyTables(dict):
@@ -402,7 +422,7 @@ SLOW_ONLY = ("olmo2", "olmo3", "stablelm")  # whole grid in the slow tier; parit
 # Qwen3-MoE's and OLMoE's experts are Mixtral's (whose grid runs); what differs is their
 # attention's norms, which `spec` (slow tier) runs as every method does. Gemma 1's features
 # are a subset of Gemma 2's (whose grid runs).
-SPEC_ONLY = ("qwen3-moe", "olmoe", "gemma")
+SPEC_ONLY = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe")
 METHOD_CASES = [
     pytest.param(method, variant, marks=pytest.mark.slow)
     if variant in SLOW_ONLY + SPEC_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")

@@ -23,7 +23,7 @@ tokens (batches: each row its own batch-1 tokens). The fast tier (:data:`CASES`)
 The slow tier (:data:`SLOW_CASES`, ``make test-all``) adds ``tree`` on model=4,
 ``staged`` on model=8, the kernel under ``tree``, GPT-2, pure data parallel over 8, a
 batched ``tree`` with the kernel on 4x2, ``tree`` on 2x4 for a mixture of experts
-(Mixtral-style, its experts split like the MLP), and SmolLM2-135M through
+(Qwen2-MoE-style, its experts split like the MLP), and SmolLM2-135M through
 ``load(mesh=)``.
 """
 
@@ -63,7 +63,8 @@ SLOW_CASES = [
     ("batch-ar-dp8", (8, 1), "batch-ar", "auto"),
     ("batch-tree-dp4-tp2", (4, 2), "batch-tree", "kernel"),
     ("gemma-tree-tp4", (1, 4), "gemma-tree", "auto"),
-    # A mixture of experts (Mixtral-style): each expert's MLP split over 'model'.
+    # A mixture of experts (Qwen2-MoE-style, a shared expert beside four routed ones): each
+    # expert's MLP split over 'model'.
     ("moe-tree-dp2-tp4", (2, 4), "moe-tree", "auto"),
 ]
 TEMPERATURES = (0.0, 1.0)
@@ -102,7 +103,7 @@ def _models():
                  hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
                  attn_softcap=5.0, final_softcap=8.0, layer_windows=(4, 0),
                  local_rope_theta=100.0, tie_word_embeddings=True)
-    moe = tiny(4, family="mixtral", num_experts=4, experts_per_token=2)
+    moe = tiny(4, family="qwen2_moe", num_experts=4, experts_per_token=2, shared_expert_size=32)
     return target, draft, gpt2, gemma, moe
 
 
@@ -348,6 +349,7 @@ def test_mesh_and_specs_without_devices():
     experts = sharding.param_specs(moe.config, moe.params)["layers"]  # [L, E, d, F], [L, E, F, d]
     assert experts["we_gate"] == experts["we_up"] == P(None, None, None, "model")
     assert experts["we_down"] == P(None, None, "model", None) and experts["router"] == P()
+    assert experts["ws_gate"] == P(None, None, "model") and experts["shared_gate"] == P()
 
 
 if __name__ == "__main__":

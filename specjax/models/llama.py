@@ -29,9 +29,10 @@ families that differ from Llama in a few places (``config.family``):
   output and the MLP, RoPE on the first quarter of each head (``rotary_dim``), a GELU MLP of
   two matrices (``gated_mlp=False``: ``w_up``, ``w_down``), attention and MLP reading the
   block's input side by side (``parallel_residual``), an untied head.
-* Mixtral, Qwen3-MoE, OLMoE: a routed mixture of experts in place of each MLP
-  (``num_experts``, ``experts_per_token``, ``normalize_expert_weights``); Qwen3-MoE adds
-  Qwen3's per-head q/k norms, OLMoE OLMo's whole-width ones with the usual input norms.
+* Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: a routed mixture of experts in place of each MLP
+  (``num_experts``, ``experts_per_token``, ``normalize_expert_weights``); Qwen2-MoE adds a
+  gated shared expert (``shared_expert_size``) and q/k/v biases, Qwen3-MoE Qwen3's
+  per-head q/k norms, OLMoE OLMo's whole-width ones with the usual input norms.
 
 Per-layer differences stay data, not control flow: the layer loop reads layer ``i``'s
 window from a constant [L] array at the loop index (:func:`layer_attention`), and picks
@@ -52,6 +53,8 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
                   (no w_gate, b_gate without gated_mlp)
     layers/router [L, d, E]  layers/we_gate [L, E, d, F]  layers/we_up [L, E, d, F]
     layers/we_down [L, E, F, d]   (num_experts E: in place of w_gate, w_up, w_down)
+    layers/ws_gate [L, d, S]  layers/ws_up [L, d, S]  layers/ws_down [L, S, d]
+    layers/shared_gate [L, d, 1]  (shared_expert_size S: Qwen2-MoE's shared expert)
     layers/attn_norm_bias [L, d]  layers/mlp_norm_bias [L, d]  final_norm_bias [d]
                                   (LayerNorm's biases, norm_kind "layer")
     final_norm  [d]
@@ -149,6 +152,10 @@ def _param_shapes(config: ModelConfig) -> dict:
         del layers["w_gate"], layers["w_up"], layers["w_down"]
         layers.update(router=(L, d, e), we_gate=(L, e, d, f), we_up=(L, e, d, f),
                       we_down=(L, e, f, d))
+        if config.shared_expert_size:  # Qwen2-MoE's shared expert and its gate
+            s = config.shared_expert_size
+            layers.update(ws_gate=(L, d, s), ws_up=(L, d, s), ws_down=(L, s, d),
+                          shared_gate=(L, d, 1))
     if config.qkv_bias:
         layers.update(bq=(L, q_width), bk=(L, kv_width), bv=(L, kv_width))
     if config.out_bias:
@@ -387,7 +394,11 @@ def _experts(config: ModelConfig, p: dict, h: jax.Array) -> jax.Array:
         up = mm("td,edf->tef", h, p["we_up"])
         out = mm("tef,efd->ted", act(gate) * up, p["we_down"])
         out = jnp.take_along_axis(out, chosen[:, :, None], axis=1)
-    return jnp.sum((out.astype(jnp.float32) * weights[:, :, None]).astype(dtype), axis=1)
+    out = jnp.sum((out.astype(jnp.float32) * weights[:, :, None]).astype(dtype), axis=1)
+    if config.shared_expert_size:  # every row's shared expert, scaled by its own gate
+        shared = dense(act(dense(h, p["ws_gate"])) * dense(h, p["ws_up"]), p["ws_down"])
+        out = out + jax.nn.sigmoid(dense(h, p["shared_gate"])) * shared
+    return out
 
 
 def _residual(config: ModelConfig, out: jax.Array) -> jax.Array:
