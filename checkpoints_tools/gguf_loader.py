@@ -6,7 +6,7 @@ package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, and ``qwen3``,
   ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``, ``stablelm``,
-  ``qwen3moe``, ``olmoe``: :data:`FAMILY_ARCHITECTURES`) that becomes a
+  ``qwen2moe``, ``qwen3moe``, ``olmoe``: :data:`FAMILY_ARCHITECTURES`) that becomes a
   :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
@@ -37,13 +37,15 @@ interleaves per head again as the HF checkpoint has it; they name no activation 
 read with Pythia's exact GELU (HF's ``gelu``; llama.cpp's graph computes the tanh form).
 
 Mixtures of experts: llama.cpp writes Mixtral as ``llama`` with ``expert_count`` and
-``expert_used_count`` (Q/K permuted), Qwen3-MoE as ``qwen3moe`` (experts of
-``expert_feed_forward_length``) and OLMoE as ``olmoe``; the router is
+``expert_used_count`` (Q/K permuted), Qwen2-MoE as ``qwen2moe`` (its shared expert as
+``ffn_*_shexp`` of ``expert_shared_feed_forward_length``, its gate ``ffn_gate_inp_shexp``),
+Qwen3-MoE as ``qwen3moe`` (experts of ``expert_feed_forward_length``) and OLMoE as
+``olmoe``; the router is
 ``blk.N.ffn_gate_inp`` and each layer's experts are stacked in one tensor per projection
 (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``, [E, out, in]), which
 :func:`params_from_gguf` splits into the checkpoints' one tensor per expert. Whether the
 picked experts' probabilities are rescaled to sum 1 is fixed per architecture in
-llama.cpp's graphs (Mixtral and Qwen3-MoE yes, OLMoE no) unless the file says
+llama.cpp's graphs (Mixtral and Qwen3-MoE yes, Qwen2-MoE and OLMoE no) unless the file says
 ``expert_weights_norm``.
 
 RoPE scaling factors travel as tensors (:data:`ROPE_FACTOR_TENSORS`), read into the config
@@ -76,22 +78,27 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                   "gemma": False, "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
                   "granite": True, "olmo2": False, "gptneox": False, "stablelm": False,
-                  "qwen3moe": False, "olmoe": False}
+                  "qwen2moe": False, "qwen3moe": False, "olmoe": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
 # Hugging Face config's default no_rope_layer_interval gives.)
 FAMILY_ARCHITECTURES = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
                         "gemma3": "gemma3_text",
                         "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
-                        "olmo2": "olmo2", "stablelm": "stablelm", "qwen3moe": "qwen3_moe",
-                        "olmoe": "olmoe"}
+                        "olmo2": "olmo2", "stablelm": "stablelm", "qwen2moe": "qwen2_moe",
+                        "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 # Mixtures of experts: whether llama.cpp's graph rescales the picked experts'
 # probabilities to sum 1 when the file does not say (``{arch}.expert_weights_norm``).
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False}
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 # A stacked experts tensor -> the projection of each expert in the HF checkpoints
 # (Mixtral's names, the others').
 _EXPERT_TENSORS = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
                    "ffn_down_exps": ("w2", "down_proj")}
+# Qwen2-MoE's shared expert and its gate (one tensor each) -> their checkpoint names.
+_SHARED_EXPERT_TENSORS = {"ffn_gate_shexp": "shared_expert.gate_proj",
+                          "ffn_up_shexp": "shared_expert.up_proj",
+                          "ffn_down_shexp": "shared_expert.down_proj",
+                          "ffn_gate_inp_shexp": "shared_expert_gate"}
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 # GGUF tensor name -> HF name; "{i}" is the block index.
@@ -654,8 +661,11 @@ def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -
         cfg.update(num_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"),
                    norm_topk_prob=_field(reader, f"{arch}.expert_weights_norm",
                                          _EXPERT_WEIGHTS_NORM[arch], source=source, kind=bool))
-        if arch == "qwen3moe":
+        if arch in ("qwen2moe", "qwen3moe"):
             cfg["moe_intermediate_size"] = meta("expert_feed_forward_length")
+        if arch == "qwen2moe":
+            cfg["shared_expert_intermediate_size"] = meta("expert_shared_feed_forward_length", 0)
+            cfg["qkv_bias"] = "blk.0.attn_q.bias" in names
     if arch == "stablelm":
         cfg["layer_norm_eps"] = _float32_value(meta("attention.layer_norm_epsilon", kind=float))
         cfg["use_qkv_bias"] = "blk.0.attn_q.bias" in names
@@ -709,7 +719,7 @@ def _family_layout(reader: GGUFFile, arch: str, meta, layers: int, cfg: dict,
     sliding windows and their layer pattern, Gemma's query scale and soft-caps, Granite's
     scalars, Gemma 3's local RoPE base."""
     window = meta("attention.sliding_window", 0)
-    if window and arch in ("qwen3", "qwen3moe"):  # llama.cpp's have no sliding layers
+    if window and arch in ("qwen3", "qwen2moe", "qwen3moe"):  # none slides in llama.cpp
         raise CheckpointError(f"{source}: a {arch} GGUF with a sliding window ({window}) is "
                               f"not supported; load the model from its HF directory")
     if window:
@@ -848,15 +858,18 @@ def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf"
 def _expert_tensors(name: str, array: np.ndarray, config: ModelConfig) -> dict | None:
     """A mixture of experts' router or stacked experts tensor under its checkpoint names
     (one tensor per expert: ``array[e]``); ``None`` for any other tensor."""
-    match = re.fullmatch(r"blk\.(\d+)\.(ffn_gate_inp|ffn_gate_exps|ffn_up_exps|ffn_down_exps)"
-                         r"\.weight", name)
-    if match is None or not config.num_experts:
+    match = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+)\.weight", name)
+    kinds = ("ffn_gate_inp", *_EXPERT_TENSORS, *_SHARED_EXPERT_TENSORS)
+    if match is None or match.group(2) not in kinds or not config.num_experts:
         return None
     layer, kind = match.groups()
     prefix = (f"model.layers.{layer}.block_sparse_moe." if config.family == "mixtral"
               else f"model.layers.{layer}.mlp.")
     if kind == "ffn_gate_inp":
         return {prefix + "gate.weight": array}
+    if kind in _SHARED_EXPERT_TENSORS:  # the gate may be stored 1-D ([d]); HF's is [1, d]
+        shaped = array.reshape(1, -1) if kind == "ffn_gate_inp_shexp" else array
+        return {f"{prefix}{_SHARED_EXPERT_TENSORS[kind]}.weight": shaped}
     projection = _EXPERT_TENSORS[kind][config.family != "mixtral"]
     return {f"{prefix}experts.{e}.{projection}.weight": array[e] for e in range(len(array))}
 

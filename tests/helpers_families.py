@@ -152,7 +152,7 @@ _GEMMA_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm",
 GGUF_ARCH = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
              "phi3": "phi3",
              "olmo2": "olmo2", "olmo3": "olmo2", "stablelm": "stablelm", "mixtral": "llama",
-             "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 
 def family_gguf_name(hf_name: str, arch: str) -> str:
@@ -164,6 +164,12 @@ def family_gguf_name(hf_name: str, arch: str) -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     if rest == "mlp.gate.weight":  # a mixture of experts' router
         return f"blk.{layer}.ffn_gate_inp.weight"
+    shared = {"mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp",  # Qwen2-MoE's
+              "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
+              "mlp.shared_expert.up_proj.weight": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj.weight": "ffn_down_shexp"}
+    if rest in shared:
+        return f"blk.{layer}.{shared[rest]}.weight"
     module, kind = rest.rsplit(".", 1)
     names = dict(_GGUF_LAYER_NAMES, post_attention_layernorm="ffn_norm")
     if arch in ("gemma2", "gemma3", "olmo2"):  # Gemma 1's are Llama's
@@ -209,11 +215,13 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
         writer.add_layer_norm_eps(cfg.layer_norm_eps)
     else:
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if cfg.model_type in ("mixtral", "qwen3_moe", "olmoe"):
+    if cfg.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen2moe", "qwen3moe"):
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch == "phi3" and rope.get("rope_type") == "longrope":
         # as llama.cpp's convert_hf_to_gguf.py writes a Phi-3 with LongRoPE
         original = cfg.original_max_position_embeddings
@@ -263,6 +271,8 @@ def write_family_gguf(model, path, quant: str = "F32", *, norm_shift: bool = Tru
             tensors[f"blk.{layer}.ffn_down_exps.weight"] = array
         else:
             target = family_gguf_name(name, arch)
+            if target.endswith("ffn_gate_inp_shexp.weight"):
+                array = array.reshape(-1)  # llama.cpp's shape for it: [d]
             if arch == "llama" and ".attn_q." in target:  # llama.cpp permutes Llama's Q/K
                 array = _llama_cpp_permute(array, cfg.num_attention_heads)
             if arch == "llama" and ".attn_k." in target:

@@ -545,7 +545,8 @@ GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_wind
                  # Mixtral as llama.cpp's `llama` with experts (no window there); llama.cpp's
                  # graphs rescale Qwen3-MoE's picked probabilities and never OLMoE's
                  "mixtral": dict(sliding_window=None), "qwen3-moe": dict(norm_topk_prob=True),
-                 "olmoe": dict(norm_topk_prob=False), "gemma": {}}
+                 "olmoe": dict(norm_topk_prob=False), "gemma": {},
+                 "qwen2-moe": dict(norm_topk_prob=False)}
 
 
 def _gguf_pair(variant, path, **kwargs):
