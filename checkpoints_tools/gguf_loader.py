@@ -4,10 +4,10 @@ A GGUF file carries three things. :func:`read_gguf` parses the file itself, chec
 count, length and offset against the file's size first (see "reading" below); the ``gguf``
 package supplies the type tables and the dequantization:
 
-- metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, and ``qwen3``,
-  ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``, ``stablelm``,
-  ``qwen2moe``, ``qwen3moe``, ``olmoe``: :data:`FAMILY_ARCHITECTURES`) that becomes a
-  :class:`~specjax.config.ModelConfig`;
+- metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, ``phi2``, and
+  ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``,
+  ``olmo2``, ``stablelm``, ``qwen2moe``, ``qwen3moe``, ``olmoe``:
+  :data:`FAMILY_ARCHITECTURES`) that becomes a :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
   renamed to their Hugging Face names and handed to the strict
@@ -78,6 +78,7 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                   "gemma": False, "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
                   "granite": True, "olmo2": False, "gptneox": False, "stablelm": False,
+                  "phi2": False,
                   "qwen2moe": False, "qwen3moe": False, "olmoe": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
@@ -170,13 +171,31 @@ def _name_patterns(table: dict[str, str]) -> list[tuple[re.Pattern, str]]:
             for src, dst in table.items()]
 
 
+# Phi-2 (phi-1, 1.5 too): Llama's block names for its one norm, q, k, v and output; fc1 and
+# fc2 as ffn_up and ffn_down; every projection, the norms and the head with biases.
+_PHI2_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    **{f"{gguf}.{kind}": f"{hf}.{kind}" for gguf, hf in (
+        ("output_norm", "model.final_layernorm"), ("output", "lm_head"),
+        ("blk.{i}.attn_norm", "model.layers.{i}.input_layernorm"),
+        ("blk.{i}.attn_q", "model.layers.{i}.self_attn.q_proj"),
+        ("blk.{i}.attn_k", "model.layers.{i}.self_attn.k_proj"),
+        ("blk.{i}.attn_v", "model.layers.{i}.self_attn.v_proj"),
+        ("blk.{i}.attn_output", "model.layers.{i}.self_attn.dense"),
+        ("blk.{i}.ffn_up", "model.layers.{i}.mlp.fc1"),
+        ("blk.{i}.ffn_down", "model.layers.{i}.mlp.fc2")) for kind in ("weight", "bias")},
+}
+
+
 def _tensor_names(arch: str | None) -> dict[str, str]:
     if arch == "gptneox":
         return _NEOX_TENSOR_NAMES
+    if arch == "phi2":
+        return _PHI2_TENSOR_NAMES
     return {**_TENSOR_NAMES, **_FAMILY_TENSOR_NAMES.get(arch, {})}
 
 
-_NAMED_ARCHITECTURES = (None, *_FAMILY_TENSOR_NAMES, "gptneox")
+_NAMED_ARCHITECTURES = (None, *_FAMILY_TENSOR_NAMES, "gptneox", "phi2")
 _TO_HF = {arch: _name_patterns(_tensor_names(arch)) for arch in _NAMED_ARCHITECTURES}
 _TO_GGUF = {arch: _name_patterns({hf: gguf for gguf, hf in _tensor_names(arch).items()})
             for arch in _NAMED_ARCHITECTURES}
@@ -534,6 +553,8 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
         return _family_config(reader, arch, meta, names, source)
     if arch == "gptneox":
         return _neox_config(reader, meta, names, source)
+    if arch == "phi2":
+        return _phi2_config(reader, meta, names, source)
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
     if heads == 0:
@@ -614,6 +635,43 @@ def _neox_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig
         "use_parallel_residual": _field(reader, "gptneox.use_parallel_residual", True,
                                         source=source, kind=bool),
         "attention_bias": "blk.0.attn_qkv.bias" in names,
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": eos or None, "bos_token_id": bos,
+    }
+    try:
+        return from_hf_config(cfg)
+    except InvalidArgumentError as error:
+        raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
+                              ) from None
+
+
+def _phi2_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig:
+    """The config of a ``phi2`` file (Phi-1, 1.5, 2) as llama.cpp's converter writes it:
+    RoPE on ``rope.dimension_count`` dims of each head, LayerNorm's epsilon. Files from the
+    original Microsoft checkpoints fuse q|k|v in ``attn_qkv``: refused, naming it."""
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    if heads == 0 or hidden % heads:
+        raise CheckpointError(f"{source}: GGUF metadata 'phi2.attention.head_count' "
+                              f"({heads}) does not divide the width ({hidden})")
+    if "blk.0.attn_qkv.weight" in names:
+        raise CheckpointError(f"{source}: a phi2 file with fused 'blk.0.attn_qkv.weight' is not "
+                              f"supported; convert the model from its Hugging Face directory")
+    if meta("rope.scaling.type", "none", kind=str) != "none" or "rope_freqs.weight" in names:
+        raise CheckpointError(f"{source}: RoPE scaling in a phi2 file is not supported")
+    tokens = _field(reader, "tokenizer.ggml.tokens", source=source, kind=list)
+    eos, bos = _special_token_ids(reader, source)
+    head_dim = hidden // heads
+    cfg = {
+        "model_type": "phi",
+        "vocab_size": len(tokens) if tokens is not None else meta("vocab_size"),
+        "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads),
+        "intermediate_size": meta("feed_forward_length"),
+        "max_position_embeddings": meta("context_length"),
+        "layer_norm_eps": _float32_value(meta("attention.layer_norm_epsilon", kind=float)),
+        "rope_theta": _float32_value(meta("rope.freq_base", 10000.0, kind=float)),
+        "partial_rotary_factor": meta("rope.dimension_count", head_dim) / head_dim,
         "tie_word_embeddings": "output.weight" not in names,
         "eos_token_id": eos or None, "bos_token_id": bos,
     }

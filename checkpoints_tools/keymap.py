@@ -226,9 +226,33 @@ def neox_rules(config: ModelConfig) -> list[Rule]:
     return rules
 
 
+def phi_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for PhiForCausalLM checkpoints (Phi-1, 1.5, 2): one LayerNorm per block,
+    ``dense`` for the attention's output, ``fc1``/``fc2`` for the MLP, biases everywhere,
+    the head's included."""
+    p = "model.layers.{i}."
+    rules = [
+        _same("embed", "model.embed_tokens.weight"),
+        *_layer_norm_rules(("final_norm", "model.final_layernorm"),
+                           ("layers/attn_norm", p + "input_layernorm")),
+        *[rule for leaf, name in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"),
+                                  ("o", "dense"))
+          for rule in (_t(f"layers/w{leaf}", f"{p}self_attn.{name}.weight"),
+                       _same(f"layers/b{leaf}", f"{p}self_attn.{name}.bias"))],
+        _t("layers/w_up", p + "mlp.fc1.weight"), _same("layers/b_up", p + "mlp.fc1.bias"),
+        _t("layers/w_down", p + "mlp.fc2.weight"), _same("layers/b_down", p + "mlp.fc2.bias"),
+        _same("lm_head_bias", "lm_head.bias"),
+    ]
+    if not config.tie_word_embeddings:
+        rules.append(_t("lm_head", "lm_head.weight"))
+    return rules
+
+
 def rules_for(config: ModelConfig) -> list[Rule]:
     if config.family == "gpt_neox":
         return neox_rules(config)
+    if config.family == "phi":
+        return phi_rules(config)
     if config.family is not None:
         return family_rules(config)
     return llama_rules(config) if config.architecture == "llama" else gpt2_rules(config)

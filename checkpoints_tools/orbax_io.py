@@ -83,7 +83,8 @@ _FAMILY_FIELDS = ("family", "qk_norm", "qk_norm_whole", "norm_plus_one", "hidden
                   "final_softcap", "layer_windows", "local_rope_theta", "rotary_dim",
                   "no_rope_layers", "embed_multiplier", "residual_multiplier",
                   "logits_divisor", "num_experts", "experts_per_token",
-                  "normalize_expert_weights", "shared_expert_size")
+                  "normalize_expert_weights", "shared_expert_size", "shared_input_norm",
+                  "head_bias")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig:

@@ -125,7 +125,8 @@ class ModelConfig:
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
         below (``"qwen3"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``,
         ``"smollm3"``, ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"stablelm"``,
-        ``"gpt_neox"``, ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"``, ``"olmoe"``), so
+        ``"gpt_neox"``, ``"phi"``, ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"``,
+        ``"olmoe"``), so
         the config writes
         the same type back; ``None`` for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
@@ -198,6 +199,11 @@ class ModelConfig:
       normalize_expert_weights: the k probabilities are rescaled to sum to 1 before they
         weight the outputs (Mixtral; Qwen3-MoE's and OLMoE's ``norm_topk_prob``);
         ``False``: used as the softmax gave them.
+      shared_input_norm: with ``parallel_residual``, the MLP reads the attention's normed
+        input: one norm per block, ``x + attn(norm(x)) + mlp(norm(x))`` (Phi-1/1.5/2; no
+        ``mlp_norm``).
+      head_bias: the output head adds a bias per token id (``lm_head_bias`` [V]; Phi). A
+        reduced head of a draft (``draft_vocab_size``) has none.
       shared_expert_size: with ``num_experts``, a gated MLP of this width that every token
         runs beside its routed experts (``ws_gate``, ``ws_up``, ``ws_down``), its output
         scaled by ``sigmoid(x @ shared_gate)`` (``shared_gate`` [L, d, 1]) and added
@@ -251,6 +257,8 @@ class ModelConfig:
     experts_per_token: int = 0
     normalize_expert_weights: bool = True
     shared_expert_size: int = 0
+    shared_input_norm: bool = False
+    head_bias: bool = False
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -309,6 +317,10 @@ class ModelConfig:
                                              or self.parallel_residual):
             raise InvalidArgumentError("norm_kind, gated_mlp and parallel_residual describe "
                                        "llama-architecture models")
+        if self.shared_input_norm and not self.parallel_residual:
+            raise InvalidArgumentError("shared_input_norm applies with parallel_residual=True")
+        if self.head_bias and self.architecture != "llama":
+            raise InvalidArgumentError("head_bias describes llama-architecture models")
         if self.qk_norm_whole and not self.qk_norm:
             raise InvalidArgumentError("qk_norm_whole applies with qk_norm=True")
         if not self.pre_norms and (self.architecture != "llama" or not self.sandwich_norms):
@@ -426,6 +438,8 @@ class ModelConfig:
             }
         if self.family == "gpt_neox":
             return _neox_to_hf(self)
+        if self.family == "phi":
+            return _phi_to_hf(self)
         if self.family is not None:
             return _extended_to_hf(self)
         if self.qkv_bias and not self.out_bias:
@@ -622,6 +636,8 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
         )
     if model_type == "gpt_neox":
         return _neox_from_hf(cfg)
+    if model_type == "phi":
+        return _phi_from_hf(cfg)
     if model_type in _LLAMA_FAMILY:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
@@ -656,7 +672,7 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
     if model_type in EXTENDED_FAMILIES:
         return _extended_from_hf(model_type, cfg)
     raise InvalidArgumentError(
-        f"unsupported model_type {model_type!r}; specjax supports gpt2, gpt_neox, "
+        f"unsupported model_type {model_type!r}; specjax supports gpt2, gpt_neox, phi, "
         f"{', '.join(_LLAMA_FAMILY)}, {', '.join(EXTENDED_FAMILIES)} and gemma3"
     )
 
@@ -914,6 +930,59 @@ def _neox_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         family="gpt_neox", hidden_act=_NEOX_ACTS[act], norm_kind="layer", gated_mlp=False,
         parallel_residual=bool(cfg.get("use_parallel_residual", True)),
         rotary_dim=None if partial == 1.0 else int(head_dim * partial))
+
+
+def _phi_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
+    """Phi-1, 1.5 and 2 on the llama forward: GPT-NeoX's parallel block with one LayerNorm
+    that attention and MLP both read, biases on every projection, the tanh GELU, RoPE on the
+    first ``partial_rotary_factor`` of each head, a head with a bias. The per-head q/k
+    LayerNorms of ``qk_layernorm`` (no released checkpoint has them) are refused."""
+    if cfg.get("qk_layernorm"):
+        raise InvalidArgumentError("phi with qk_layernorm (per-head q/k LayerNorms) is not "
+                                   "supported")
+    act = cfg.get("hidden_act", "gelu_new")
+    if act not in _GELU_TANH + ("gelu_fast",):
+        raise InvalidArgumentError(f"unsupported phi activation {act!r}; expected gelu_new")
+    heads = int(cfg["num_attention_heads"])
+    width = int(cfg["hidden_size"])
+    head_dim = width // heads
+    rope = dict(cfg.get("rope_parameters") or {})
+    partial = float(_get(cfg, "partial_rotary_factor",
+                         default=rope.get("partial_rotary_factor", 0.5)))
+    theta, scaling = _rope_from_hf(cfg)
+    return ModelConfig(
+        architecture="llama", vocab_size=int(cfg["vocab_size"]), hidden_size=width,
+        num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)), head_dim=head_dim,
+        intermediate_size=int(cfg["intermediate_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        norm_eps=float(cfg.get("layer_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True, out_bias=True, mlp_bias=True,
+        eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
+        family="phi", hidden_act="gelu_tanh", norm_kind="layer", gated_mlp=False,
+        parallel_residual=True, shared_input_norm=True, head_bias=True,
+        rotary_dim=None if partial == 1.0 else int(head_dim * partial))
+
+
+def _phi_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config of a ``phi`` model (the keys :func:`_phi_from_hf` reads)."""
+    out: dict[str, Any] = {
+        "model_type": "phi", "architectures": ["PhiForCausalLM"],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "intermediate_size": config.intermediate_size, "hidden_act": "gelu_new",
+        "max_position_embeddings": config.max_position_embeddings,
+        "layer_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+        "partial_rotary_factor": config.rope_dim / config.head_dim, "qk_layernorm": False,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "eos_token_id": _eos_to_hf(config.eos_token_ids),
+        "bos_token_id": config.bos_token_id,
+    }
+    if config.rope_scaling is not None:
+        out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
+    return out
 
 
 def _neox_to_hf(config: ModelConfig) -> dict[str, Any]:

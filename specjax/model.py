@@ -175,6 +175,8 @@ def pad_draft_vocabulary(draft: Model, vocab_size: int) -> Model:
     params = dict(draft.params, embed=rows(draft.params["embed"], 0))
     if "lm_head" in params:
         params["lm_head"] = rows(params["lm_head"], 1)
+    if "lm_head_bias" in params:
+        params["lm_head_bias"] = rows(params["lm_head_bias"], 0)
     config = dataclasses.replace(draft.config, vocab_size=vocab_size)
     return dataclasses.replace(draft, config=config, params=params,
                                name=f"{draft.name}[vocabulary {have} -> {vocab_size}]")

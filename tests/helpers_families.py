@@ -1,6 +1,6 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
 (Qwen3, Gemma 1, 2 and 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
-GPT-NeoX, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE), made by
+GPT-NeoX, Phi, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE), made by
 transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
@@ -83,6 +83,10 @@ VARIANTS = {
     "gpt-neox-sequential": (transformers.GPTNeoXConfig, dict(
         _NEOX, rotary_pct=0.5, use_parallel_residual=False, hidden_act="gelu_new",
         tie_word_embeddings=True)),
+    # Phi (2): one LayerNorm per block that attention and MLP both read side by side,
+    # biases on every projection and on the head, RoPE on 40% of each head (Phi-2's
+    # factor; 6 of 16 dims here), the tanh GELU, untied head.
+    "phi": (transformers.PhiConfig, dict(_NEOX, partial_rotary_factor=0.4)),
     # StableLM (2): LayerNorm with biases, q/k/v biases, RoPE on a quarter of each head,
     # SwiGLU, grouped KV heads, untied head.
     "stablelm": (transformers.StableLmConfig, dict(

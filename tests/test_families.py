@@ -104,6 +104,8 @@ WRONG = [
     ("gpt-neox", "parallel_residual", False), ("gpt-neox", "rotary_dim", None),
     ("gpt-neox-sequential", "parallel_residual", True), ("gpt-neox", "norm_kind", "rms"),
     ("stablelm", "rotary_dim", None), ("stablelm", "norm_kind", "rms"),
+    ("phi", "parallel_residual", False), ("phi", "head_bias", False),
+    ("phi", "rotary_dim", None),
     ("gemma", "norm_plus_one", False), ("gemma", "embed_scale", False),
     ("gemma", "hidden_act", "silu"), ("mixtral", "normalize_expert_weights", False),
     ("mixtral", "experts_per_token", 1),
@@ -116,13 +118,20 @@ WRONG = [
 def test_a_missing_or_wrong_feature_fails_parity(pairs, variant, field, value):
     hf_model, model = pairs[variant]
     tokens = random_prompt(7, 20)
-    wrong = dataclasses.replace(model.config, **{field: value})
     params = model.params
+    if variant == "phi" and field == "parallel_residual":  # its one norm before each in turn
+        params = {**params, "layers": {**params["layers"],
+                                       "mlp_norm": params["layers"]["attn_norm"],
+                                       "mlp_norm_bias": params["layers"]["attn_norm_bias"]}}
+        wrong = dataclasses.replace(model.config, parallel_residual=False,
+                                    shared_input_norm=False)
+    else:
+        wrong = dataclasses.replace(model.config, **{field: value})
     if field == "sandwich_norms":
         params = {**params, "layers": {k: v for k, v in params["layers"].items()
                                        if not k.startswith("post_")}}
-
-    assert np.abs(_logits(model, tokens, wrong) - _hf_logits(hf_model, tokens)).max() > 1e-2
+    logits, _ = models.forward(params, wrong, jnp.asarray(tokens), jnp.arange(len(tokens)))
+    assert np.abs(np.asarray(logits) - _hf_logits(hf_model, tokens)).max() > 1e-2
 
 
 def _olmo_per_head_qk_norms(model):
@@ -263,6 +272,13 @@ HUB_CONFIGS = {
                      use_qkv_bias=True, qk_layernorm=False, use_parallel_residual=False,
                      max_position_embeddings=4096, tie_word_embeddings=False,
                      bos_token_id=100257, eos_token_id=100257),
+    # phi-2 as released (RoPE on 40% of its 80-wide heads)
+    "phi": dict(model_type="phi", architectures=["PhiForCausalLM"], vocab_size=51200,
+                hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=None, hidden_act="gelu_new",
+                partial_rotary_factor=0.4, qk_layernorm=False, layer_norm_eps=1e-5,
+                rope_theta=10000.0, rope_scaling=None, max_position_embeddings=2048,
+                tie_word_embeddings=False, bos_token_id=50256, eos_token_id=50256),
     # gemma-2b as released (hidden_act "gelu", the legacy name of the tanh form)
     "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=256000,
                   hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
@@ -317,7 +333,10 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
     assert ours == from_hf_config(config_class(**raw).to_dict())
     assert ours.rope_dim == {"gpt_neox": 16, "olmo2": 128, "stablelm": 16, "mixtral": 128,
                              "qwen3_moe": 128, "olmoe": 128, "gemma": 256,
-                             "qwen2_moe": 128}[model_type]
+                             "qwen2_moe": 128, "phi": 32}[model_type]
+    if model_type == "phi":
+        assert (ours.head_dim, ours.hidden_act, ours.head_bias) == (80, "gelu_tanh", True)
+        assert ours.parallel_residual and ours.shared_input_norm
     if model_type == "gemma":
         assert ours.hidden_act == "gelu_tanh" and ours.norm_plus_one and ours.embed_scale
         assert not ours.sandwich_norms and ours.tie_word_embeddings
@@ -375,7 +394,8 @@ def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
 
 @pytest.mark.parametrize("variant", ["gemma2", "olmo3", "gpt-neox", "stablelm", "mixtral",
                                      pytest.param("qwen3-moe", marks=pytest.mark.slow),
-                                     pytest.param("qwen2-moe", marks=pytest.mark.slow)])
+                                     pytest.param("qwen2-moe", marks=pytest.mark.slow),
+                                     pytest.param("phi", marks=pytest.mark.slow)])
 def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
     import transformers
     from specjax.checkpoints_tools.hf import save_hf_directory
@@ -392,7 +412,7 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
                    "olmo2", "olmo3", "gpt-neox", "stablelm", "mixtral", "qwen3-moe", "olmoe",
-                   "gemma", "qwen2-moe"]
+                   "gemma", "qwen2-moe", "phi"]
 
 
 class _LazyTables(dict):
@@ -417,7 +437,7 @@ def tables(pairs):
 
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
-QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral")
+QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi")
 SLOW_ONLY = ("olmo2", "olmo3", "stablelm")  # whole grid in the slow tier; parity covers the quick one
 # Qwen3-MoE's and OLMoE's experts are Mixtral's (whose grid runs); what differs is their
 # attention's norms, which `spec` (slow tier) runs as every method does. Gemma 1's features
@@ -704,6 +724,72 @@ def test_a_gpt_neox_gguf_gives_transformers_logits(variant, tmp_path):
     assert np.abs(wrong - _hf_logits(hf_model, tokens)).max() > 1e-2
 
 
+def test_a_head_subset_keeps_phis_head_bias(pairs):
+    """A draft's head subset (Model.with_head_subset) scores its ids as the whole head
+    does, the head's bias included (without it every subset logit would be off by its
+    bias, about 1 here)."""
+    model = pairs["phi"][1]
+    tokens = random_prompt(7, 12)
+    full = _logits(model, tokens)
+    ids = np.arange(0, model.config.vocab_size, 3)
+    subset = _logits(model.with_head_subset(ids), tokens)
+    np.testing.assert_allclose(subset[:, ids], full[:, ids], rtol=1e-6, atol=1e-5)
+
+
+def test_a_phi2_gguf_gives_transformers_logits(tmp_path):
+    """llama.cpp's phi2 files: Llama's names for q, k, v and the one norm, ``attn_output``
+    for ``dense``, ``ffn_up``/``ffn_down`` for ``fc1``/``fc2``, biases everywhere (the
+    head's too), ``rope.dimension_count`` for the partial rotary; the original checkpoints'
+    fused ``attn_qkv`` is refused in one line."""
+    import gguf
+    from helpers_checkpoints import add_bpe_vocabulary, tiny_vocabulary
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    hf_model = tiny_family_model("phi", seed=6, vocab_size=len(tiny_vocabulary()[0]))
+    cfg = hf_model.config
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    names = {"model.embed_tokens": "token_embd", "model.final_layernorm": "output_norm",
+             "lm_head": "output", "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.dense": "attn_output", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
+
+    def write(path, fused=False):
+        writer = gguf.GGUFWriter(str(path), "phi2")
+        writer.add_context_length(cfg.max_position_embeddings)
+        writer.add_embedding_length(cfg.hidden_size)
+        writer.add_block_count(cfg.num_hidden_layers)
+        writer.add_feed_forward_length(cfg.intermediate_size)
+        writer.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * dim))
+        writer.add_head_count(cfg.num_attention_heads)
+        writer.add_head_count_kv(cfg.num_key_value_heads)
+        writer.add_layer_norm_eps(cfg.layer_norm_eps)
+        add_bpe_vocabulary(writer, cfg.vocab_size)
+        for name, tensor in hf_model.state_dict().items():
+            module, kind = name.rsplit(".", 1)
+            parts = module.split(".")
+            if parts[:2] == ["model", "layers"]:
+                target = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{kind}"
+            else:
+                target = f"{names[module]}.{kind}"
+            writer.add_tensor(target.replace("attn_q.", "attn_qkv.") if fused else target,
+                              tensor.detach().float().numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    config, params, tokenizer = load_gguf(write(tmp_path / "phi2.gguf"))
+    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
+        from_hf_config(cfg.to_dict())
+    tokens = random_prompt(7, 20, vocab=cfg.vocab_size)
+    model = specjax.Model.from_params(config, params, tokenizer)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+    with pytest.raises(CheckpointError, match="fused 'blk.0.attn_qkv.weight'") as info:
+        load_gguf(write(tmp_path / "fused.gguf", fused=True))
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("variant", ["gemma2", "gemma3", "phi3"])
 def test_gguf_with_a_sentencepiece_vocabulary_brings_its_tokenizer(variant, tmp_path):
     """Real Gemma 2/3 and Phi-3 GGUF files carry a SentencePiece vocabulary
@@ -814,7 +900,8 @@ def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
         check_draft_compatible(target, draft)
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3", "gpt-neox", "olmoe"])
+@pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3", "gpt-neox", "olmoe",
+                                     "phi"])
 def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
     from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 

@@ -473,9 +473,11 @@ def head_subset_params(params: dict, config: ModelConfig, tokens) -> dict:
         raise InvalidArgumentError(
             f"head subset tokens must be non-empty ids in [0, {config.vocab_size})")
     table = params["embed"] if config.tie_word_embeddings else params["lm_head"].T
-    weight = jnp.take(jnp.asarray(table), jnp.asarray(tokens, jnp.int32), axis=0)
-    return {**params, HEAD_SUBSET: {"tokens": jnp.asarray(tokens, jnp.int32),
-                                    "weight": weight}}
+    ids = jnp.asarray(tokens, jnp.int32)
+    subset = {"tokens": ids, "weight": jnp.take(jnp.asarray(table), ids, axis=0)}
+    if config.head_bias:  # Phi's head bias, for the same ids
+        subset["bias"] = jnp.take(jnp.asarray(params["lm_head_bias"]), ids)
+    return {**params, HEAD_SUBSET: subset}
 
 
 def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -505,14 +507,20 @@ def _head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
         subset = params[HEAD_SUBSET]
         logits = jnp.einsum("td,kd->tk", hidden, subset["weight"].astype(hidden.dtype),
                             preferred_element_type=jnp.float32, precision=precision)
+        if "bias" in subset:
+            logits = logits + subset["bias"].astype(jnp.float32)
         floor = jnp.min(logits, axis=-1, keepdims=True)
         full = jnp.broadcast_to(floor, (hidden.shape[0], config.vocab_size))
         return full.at[:, subset["tokens"]].set(logits, unique_indices=True)
     if config.tie_word_embeddings:
-        return jnp.einsum("td,vd->tv", hidden, params["embed"].astype(hidden.dtype),
-                          preferred_element_type=jnp.float32, precision=precision)
-    return jnp.einsum("td,dv->tv", hidden, params["lm_head"].astype(hidden.dtype),
-                      preferred_element_type=jnp.float32, precision=precision)
+        logits = jnp.einsum("td,vd->tv", hidden, params["embed"].astype(hidden.dtype),
+                            preferred_element_type=jnp.float32, precision=precision)
+    else:
+        logits = jnp.einsum("td,dv->tv", hidden, params["lm_head"].astype(hidden.dtype),
+                            preferred_element_type=jnp.float32, precision=precision)
+    if config.head_bias:  # Phi's, added to the float32 products
+        logits = logits + params["lm_head_bias"].astype(jnp.float32)
+    return logits
 
 
 def cast_floats(tree, dtype):

@@ -29,6 +29,9 @@ families that differ from Llama in a few places (``config.family``):
   output and the MLP, RoPE on the first quarter of each head (``rotary_dim``), a GELU MLP of
   two matrices (``gated_mlp=False``: ``w_up``, ``w_down``), attention and MLP reading the
   block's input side by side (``parallel_residual``), an untied head.
+* Phi (1, 1.5, 2): GPT-NeoX's block with one LayerNorm that attention and MLP both read
+  (``shared_input_norm``), the tanh GELU, RoPE on part of each head, and a head with a
+  bias (``head_bias``: ``lm_head_bias``).
 * Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: a routed mixture of experts in place of each MLP
   (``num_experts``, ``experts_per_token``, ``normalize_expert_weights``); Qwen2-MoE adds a
   gated shared expert (``shared_expert_size``) and q/k/v biases, Qwen3-MoE Qwen3's
@@ -56,9 +59,11 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
     layers/ws_gate [L, d, S]  layers/ws_up [L, d, S]  layers/ws_down [L, S, d]
     layers/shared_gate [L, d, 1]  (shared_expert_size S: Qwen2-MoE's shared expert)
     layers/attn_norm_bias [L, d]  layers/mlp_norm_bias [L, d]  final_norm_bias [d]
-                                  (LayerNorm's biases, norm_kind "layer")
+                                  (LayerNorm's biases, norm_kind "layer"; no mlp_norm,
+                                  mlp_norm_bias with shared_input_norm)
     final_norm  [d]
     lm_head     [d, V]   (absent when the head is tied to ``embed``)
+    lm_head_bias [V]     (head_bias: Phi)
     layers/q_norm [L, D]  layers/k_norm [L, D]        (qk_norm; [L, H*D] and [L, K*D] with
                                                        qk_norm_whole)
     layers/post_attn_norm [L, d]  layers/post_mlp_norm [L, d]   (sandwich_norms; then
@@ -145,6 +150,9 @@ def _param_shapes(config: ModelConfig) -> dict:
         del layers["attn_norm"], layers["mlp_norm"]
     elif config.norm_kind == "layer":
         layers.update(attn_norm_bias=(L, d), mlp_norm_bias=(L, d))
+    if config.shared_input_norm:  # Phi: the MLP reads the attention's normed input
+        layers.pop("mlp_norm", None)
+        layers.pop("mlp_norm_bias", None)
     if not config.gated_mlp:
         del layers["w_gate"]
     if config.num_experts:  # a routed set of E experts in place of the one MLP
@@ -181,8 +189,11 @@ def _param_shapes(config: ModelConfig) -> dict:
     if config.draft_vocab_size:
         shapes["draft_head"] = (config.draft_vocab_size, d)
         shapes["draft_vocab"] = (config.draft_vocab_size,)
-    elif not config.tie_word_embeddings:
-        shapes["lm_head"] = (d, config.vocab_size)
+    else:
+        if not config.tie_word_embeddings:
+            shapes["lm_head"] = (d, config.vocab_size)
+        if config.head_bias:
+            shapes["lm_head_bias"] = (config.vocab_size,)
     return shapes
 
 
@@ -333,7 +344,8 @@ def block(p, config: ModelConfig, x: jax.Array, rope, attend):
     if config.sandwich_norms:
         out = _norm(config, out, p["post_attn_norm"])
     if config.parallel_residual:  # GPT-NeoX: the MLP reads the block's input too
-        mlp_out = _mlp(config, p, _input_norm(config, x, p, "mlp_norm"), widths)
+        mlp_in = h if config.shared_input_norm else _input_norm(config, x, p, "mlp_norm")
+        mlp_out = _mlp(config, p, mlp_in, widths)
         return x + (out + mlp_out), k, v
     x = x + _residual(config, out)
     out = _mlp(config, p, _input_norm(config, x, p, "mlp_norm"), widths)

@@ -160,7 +160,7 @@ def split_trainable(params: dict, train_embeddings: bool) -> tuple[dict, dict]:
     """(trainable, frozen) parts of a draft's parameters (a reduced head's id map is
     always frozen)."""
     frozen_keys = ("draft_vocab",) if train_embeddings else (
-        "embed", "lm_head", "position_embed", "draft_vocab")
+        "embed", "lm_head", "lm_head_bias", "position_embed", "draft_vocab")
     trainable = {k: v for k, v in params.items() if k not in frozen_keys}
     frozen = {k: v for k, v in params.items() if k in frozen_keys}
     return trainable, frozen

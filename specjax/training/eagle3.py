@@ -123,7 +123,7 @@ def eagle3_draft_from_target(target_config, target_params: dict, draft_vocab,
              else np.asarray(target_params["lm_head"]).T)
     feature_fc = np.zeros((len(layers) * d, d), dtype)
     feature_fc[-d:] = np.eye(d, dtype=dtype)
-    params = {k: v for k, v in params.items() if k != "lm_head"}
+    params = {k: v for k, v in params.items() if k not in ("lm_head", "lm_head_bias")}
     params.update(feature_fc=feature_fc, draft_head=np.array(table[vocab], dtype),
                   draft_vocab=vocab.astype(np.int32))
     return config, params

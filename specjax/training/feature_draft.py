@@ -213,7 +213,7 @@ def make_feature_steps(config, loss_cfg: FeatureLossConfig, optimizer):
 def split_feature_trainable(params: dict) -> tuple[dict, dict]:
     """(trainable, frozen): the draft's blocks, ``fc`` and final norm train; the shared
     embedding and head stay the target's."""
-    frozen = {k: v for k, v in params.items() if k in ("embed", "lm_head")}
+    frozen = {k: v for k, v in params.items() if k in ("embed", "lm_head", "lm_head_bias")}
     return {k: v for k, v in params.items() if k not in frozen}, frozen
 
 
