@@ -615,65 +615,49 @@ def _neox_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig
     """The config of a ``gptneox`` file (Pythia, GPT-NeoX-20B) as llama.cpp's converter
     writes it: RoPE on ``rope.dimension_count`` dims of each head, ``use_parallel_residual``,
     LayerNorm's epsilon, no RoPE base (llama.cpp's default, 10000, unless written)."""
-    hidden, heads = meta("embedding_length"), meta("attention.head_count")
-    if heads == 0 or hidden % heads:
-        raise CheckpointError(f"{source}: GGUF metadata 'gptneox.attention.head_count' "
-                              f"({heads}) does not divide the width ({hidden})")
-    if meta("rope.scaling.type", "none", kind=str) != "none" or "rope_freqs.weight" in names:
-        raise CheckpointError(f"{source}: RoPE scaling in a gptneox file is not supported")
-    tokens = _field(reader, "tokenizer.ggml.tokens", source=source, kind=list)
-    eos, bos = _special_token_ids(reader, source)
-    cfg = {
+    return _layer_norm_config(reader, "gptneox", meta, names, source, {
         "model_type": "gpt_neox",
-        "vocab_size": len(tokens) if tokens is not None else meta("vocab_size"),
-        "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
-        "num_attention_heads": heads, "intermediate_size": meta("feed_forward_length"),
-        "max_position_embeddings": meta("context_length"),
-        "layer_norm_eps": _float32_value(meta("attention.layer_norm_epsilon", kind=float)),
-        "rope_theta": _float32_value(meta("rope.freq_base", 10000.0, kind=float)),
-        "partial_rotary_factor": meta("rope.dimension_count", hidden // heads) / (hidden // heads),
         "use_parallel_residual": _field(reader, "gptneox.use_parallel_residual", True,
                                         source=source, kind=bool),
-        "attention_bias": "blk.0.attn_qkv.bias" in names,
-        "tie_word_embeddings": "output.weight" not in names,
-        "eos_token_id": eos or None, "bos_token_id": bos,
-    }
-    try:
-        return from_hf_config(cfg)
-    except InvalidArgumentError as error:
-        raise CheckpointError(f"{source}: GGUF metadata describes an invalid model ({error})"
-                              ) from None
+        "attention_bias": "blk.0.attn_qkv.bias" in names})
 
 
 def _phi2_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig:
     """The config of a ``phi2`` file (Phi-1, 1.5, 2) as llama.cpp's converter writes it:
     RoPE on ``rope.dimension_count`` dims of each head, LayerNorm's epsilon. Files from the
     original Microsoft checkpoints fuse q|k|v in ``attn_qkv``: refused, naming it."""
-    hidden, heads = meta("embedding_length"), meta("attention.head_count")
-    if heads == 0 or hidden % heads:
-        raise CheckpointError(f"{source}: GGUF metadata 'phi2.attention.head_count' "
-                              f"({heads}) does not divide the width ({hidden})")
     if "blk.0.attn_qkv.weight" in names:
         raise CheckpointError(f"{source}: a phi2 file with fused 'blk.0.attn_qkv.weight' is not "
                               f"supported; convert the model from its Hugging Face directory")
+    return _layer_norm_config(reader, "phi2", meta, names, source, {
+        "model_type": "phi", "num_key_value_heads": meta(
+            "attention.head_count_kv", meta("attention.head_count"))})
+
+
+def _layer_norm_config(reader: GGUFFile, arch: str, meta, names: set, source: str,
+                       family: dict) -> ModelConfig:
+    """The config of a file of the LayerNorm families with partial RoPE and no scaling
+    (``gptneox``, ``phi2``): the keys they share, then ``family``'s, as the Hugging Face
+    config :func:`specjax.config.from_hf_config` reads."""
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    if heads == 0 or hidden % heads:
+        raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' "
+                              f"({heads}) does not divide the width ({hidden})")
     if meta("rope.scaling.type", "none", kind=str) != "none" or "rope_freqs.weight" in names:
-        raise CheckpointError(f"{source}: RoPE scaling in a phi2 file is not supported")
+        raise CheckpointError(f"{source}: RoPE scaling in a {arch} file is not supported")
     tokens = _field(reader, "tokenizer.ggml.tokens", source=source, kind=list)
     eos, bos = _special_token_ids(reader, source)
     head_dim = hidden // heads
     cfg = {
-        "model_type": "phi",
         "vocab_size": len(tokens) if tokens is not None else meta("vocab_size"),
         "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": meta("attention.head_count_kv", heads),
-        "intermediate_size": meta("feed_forward_length"),
+        "num_attention_heads": heads, "intermediate_size": meta("feed_forward_length"),
         "max_position_embeddings": meta("context_length"),
         "layer_norm_eps": _float32_value(meta("attention.layer_norm_epsilon", kind=float)),
         "rope_theta": _float32_value(meta("rope.freq_base", 10000.0, kind=float)),
         "partial_rotary_factor": meta("rope.dimension_count", head_dim) / head_dim,
         "tie_word_embeddings": "output.weight" not in names,
-        "eos_token_id": eos or None, "bos_token_id": bos,
+        "eos_token_id": eos or None, "bos_token_id": bos, **family,
     }
     try:
         return from_hf_config(cfg)

@@ -657,24 +657,32 @@ def test_a_smollm3_gguf_gets_its_nope_layers(tmp_path):
     _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
 
 
-def _write_neox_gguf(hf_model, path, *, stack_qkv: bool = True):
-    """A tiny GPT-NeoX written as llama.cpp's converter writes one (its metadata keys; q|k|v
-    stacked rather than interleaved per head unless ``stack_qkv`` is False)."""
+def _layer_norm_gguf_writer(cfg, path, arch: str):
+    """A GGUF writer of ``arch`` with the metadata llama.cpp's converter writes for the
+    LayerNorm families with partial RoPE (``gptneox``, ``phi2``) and the tiny vocabulary."""
     import gguf
     from helpers_checkpoints import add_bpe_vocabulary
 
-    cfg = hf_model.config
-    heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), "gptneox")
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * dim))
-    writer.add_head_count(heads)
-    writer.add_parallel_residual(cfg.use_parallel_residual)
+    writer.add_head_count(cfg.num_attention_heads)
     writer.add_layer_norm_eps(cfg.layer_norm_eps)
     add_bpe_vocabulary(writer, cfg.vocab_size)
+    return writer
+
+
+def _write_neox_gguf(hf_model, path, *, stack_qkv: bool = True):
+    """A tiny GPT-NeoX written as llama.cpp's converter writes one (its metadata keys; q|k|v
+    stacked rather than interleaved per head unless ``stack_qkv`` is False)."""
+    cfg = hf_model.config
+    heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    writer = _layer_norm_gguf_writer(cfg, path, "gptneox")
+    writer.add_parallel_residual(cfg.use_parallel_residual)
     names = {"embed_in": "token_embd", "final_layer_norm": "output_norm",
              "input_layernorm": "attn_norm", "attention.query_key_value": "attn_qkv",
              "attention.dense": "attn_output", "post_attention_layernorm": "ffn_norm",
@@ -741,29 +749,19 @@ def test_a_phi2_gguf_gives_transformers_logits(tmp_path):
     for ``dense``, ``ffn_up``/``ffn_down`` for ``fc1``/``fc2``, biases everywhere (the
     head's too), ``rope.dimension_count`` for the partial rotary; the original checkpoints'
     fused ``attn_qkv`` is refused in one line."""
-    import gguf
-    from helpers_checkpoints import add_bpe_vocabulary, tiny_vocabulary
+    from helpers_checkpoints import tiny_vocabulary
     from specjax.checkpoints_tools.gguf_loader import load_gguf
 
     hf_model = tiny_family_model("phi", seed=6, vocab_size=len(tiny_vocabulary()[0]))
     cfg = hf_model.config
-    dim = cfg.hidden_size // cfg.num_attention_heads
     names = {"model.embed_tokens": "token_embd", "model.final_layernorm": "output_norm",
              "lm_head": "output", "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.dense": "attn_output", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
 
     def write(path, fused=False):
-        writer = gguf.GGUFWriter(str(path), "phi2")
-        writer.add_context_length(cfg.max_position_embeddings)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_block_count(cfg.num_hidden_layers)
-        writer.add_feed_forward_length(cfg.intermediate_size)
-        writer.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * dim))
-        writer.add_head_count(cfg.num_attention_heads)
+        writer = _layer_norm_gguf_writer(cfg, path, "phi2")
         writer.add_head_count_kv(cfg.num_key_value_heads)
-        writer.add_layer_norm_eps(cfg.layer_norm_eps)
-        add_bpe_vocabulary(writer, cfg.vocab_size)
         for name, tensor in hf_model.state_dict().items():
             module, kind = name.rsplit(".", 1)
             parts = module.split(".")
