@@ -14,7 +14,9 @@ Memory traffic (the staged-speculation paper's metric): at batch 1 decoding is b
 reading weights, so every target pass is counted as reading all target parameters once
 and every draft pass all draft parameters once; ``weight_bytes_per_token`` is that total
 over the generated tokens, ``weight_bytes_vs_ar`` the same relative to ``ar``. Stage-2
-tables (n-gram, lookup) are not counted: a proposal reads a few rows, not the tables.
+tables (n-gram, lookup) are not counted: a proposal reads a few rows, not the tables. For
+a mixture of experts every expert is counted, which overstates a pass of few rows (a
+one-row pass reads the k experts it picked, not all E; see ``specjax.models.llama``).
 """
 
 from __future__ import annotations
