@@ -74,9 +74,9 @@ def test_logits_match_transformers(pairs, variant):
                         tokens)
 
 
-# The mixtures of experts beyond Mixtral, and Gemma 1, generate in the slow tier (their
-# parity, here, is what differs between them and the others).
-MOE_SLOW = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe")
+# The mixtures of experts beyond Mixtral, Gemma 1 and Phi generate in the slow tier (their
+# parity, here, is what differs between them and the others; Phi's `spec` is quick).
+MOE_SLOW = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe", "phi")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v in MOE_SLOW
@@ -438,17 +438,13 @@ def tables(pairs):
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
 QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi")
-SLOW_ONLY = ("olmo2", "olmo3", "stablelm")  # whole grid in the slow tier; parity covers the quick one
-# Qwen3-MoE's and OLMoE's experts are Mixtral's (whose grid runs); what differs is their
-# attention's norms, which `spec` (slow tier) runs as every method does. Gemma 1's features
-# are a subset of Gemma 2's (whose grid runs).
-SPEC_ONLY = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe")
+# Whole grid in the slow tier; parity covers the quick one.
+SLOW_ONLY = ("olmo2", "olmo3", "stablelm", "qwen3-moe", "olmoe", "gemma", "qwen2-moe")
 METHOD_CASES = [
     pytest.param(method, variant, marks=pytest.mark.slow)
-    if variant in SLOW_ONLY + SPEC_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")
+    if variant in SLOW_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")
     else (method, variant)
-    for method in ("spec", "tree", "ngram", "staged") for variant in METHOD_VARIANTS
-    if variant not in SPEC_ONLY or method == "spec"]
+    for method in ("spec", "tree", "ngram", "staged") for variant in METHOD_VARIANTS]
 
 
 @pytest.mark.parametrize("method,variant", METHOD_CASES)

@@ -80,7 +80,9 @@ STAGED = dict(method="staged", tree_budget=6, draft_width=2, proposal=(2, 1),
               stage2_prior=(0.5, 0.2))
 
 
-@pytest.mark.parametrize("verify_rule", ["rejection", "match"])
+# match in the slow tier (16 s): the quick tier keeps rejection and the wrong-rule check.
+@pytest.mark.parametrize("verify_rule", ["rejection", pytest.param("match",
+                                                                   marks=pytest.mark.slow)])
 def test_staged_step_samples_the_target_distribution(setup, verify_rule):
     target, tables, marginal = setup
     counts = _second_tokens(target, tables, draft=target, verify=verify_rule, **STAGED)
