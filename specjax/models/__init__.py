@@ -507,7 +507,7 @@ def _head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
         subset = params[HEAD_SUBSET]
         logits = jnp.einsum("td,kd->tk", hidden, subset["weight"].astype(hidden.dtype),
                             preferred_element_type=jnp.float32, precision=precision)
-        if "bias" in subset:
+        if config.head_bias:  # the subset's rows of Phi's head bias
             logits = logits + subset["bias"].astype(jnp.float32)
         floor = jnp.min(logits, axis=-1, keepdims=True)
         full = jnp.broadcast_to(floor, (hidden.shape[0], config.vocab_size))

@@ -285,7 +285,7 @@ def plain_layers_only(config: ModelConfig) -> str | None:
         ("local RoPE", config.local_rope_theta is not None),
         ("partial RoPE", config.rope_dim != config.head_dim),
         ("NoPE layers", bool(config.no_rope_layers)),
-        ("mixture-of-experts MLPs", config.num_experts > 0),
+        ("mixture-of-experts MLPs", config.num_experts > 0), ("a head bias", config.head_bias),
         ("Granite's multipliers", any(m is not None for m in (
             config.embed_multiplier, config.residual_multiplier, config.logits_divisor))))
         if on]
