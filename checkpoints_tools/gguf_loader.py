@@ -4,9 +4,9 @@ A GGUF file carries three things. :func:`read_gguf` parses the file itself, chec
 count, length and offset against the file's size first (see "reading" below); the ``gguf``
 package supplies the type tables and the dequantization:
 
-- metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, ``phi2``, and
-  ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``,
-  ``olmo2``, ``stablelm``, ``qwen2moe``, ``qwen3moe``, ``olmoe``:
+- metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, ``phi2``,
+  ``starcoder2``, and ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``,
+  ``granite``, ``olmo2``, ``stablelm``, ``qwen2moe``, ``qwen3moe``, ``olmoe``:
   :data:`FAMILY_ARCHITECTURES`) that becomes a :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
@@ -78,7 +78,7 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                   "gemma": False, "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
                   "granite": True, "olmo2": False, "gptneox": False, "stablelm": False,
-                  "phi2": False,
+                  "phi2": False, "starcoder2": False,
                   "qwen2moe": False, "qwen3moe": False, "olmoe": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
@@ -187,15 +187,35 @@ _PHI2_TENSOR_NAMES = {
 }
 
 
+# StarCoder2: Llama's names for the norms and attention, ffn_up/ffn_down for c_fc/c_proj,
+# LayerNorms with biases, projection biases when the model has them.
+_STARCODER2_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    **{f"{gguf}.{kind}": f"{hf}.{kind}" for gguf, hf in (
+        ("output_norm", "model.norm"),
+        ("blk.{i}.attn_norm", "model.layers.{i}.input_layernorm"),
+        ("blk.{i}.ffn_norm", "model.layers.{i}.post_attention_layernorm"),
+        ("blk.{i}.attn_q", "model.layers.{i}.self_attn.q_proj"),
+        ("blk.{i}.attn_k", "model.layers.{i}.self_attn.k_proj"),
+        ("blk.{i}.attn_v", "model.layers.{i}.self_attn.v_proj"),
+        ("blk.{i}.attn_output", "model.layers.{i}.self_attn.o_proj"),
+        ("blk.{i}.ffn_up", "model.layers.{i}.mlp.c_fc"),
+        ("blk.{i}.ffn_down", "model.layers.{i}.mlp.c_proj")) for kind in ("weight", "bias")},
+    "output.weight": "lm_head.weight",
+}
+
+
 def _tensor_names(arch: str | None) -> dict[str, str]:
     if arch == "gptneox":
         return _NEOX_TENSOR_NAMES
     if arch == "phi2":
         return _PHI2_TENSOR_NAMES
+    if arch == "starcoder2":
+        return _STARCODER2_TENSOR_NAMES
     return {**_TENSOR_NAMES, **_FAMILY_TENSOR_NAMES.get(arch, {})}
 
 
-_NAMED_ARCHITECTURES = (None, *_FAMILY_TENSOR_NAMES, "gptneox", "phi2")
+_NAMED_ARCHITECTURES = (None, *_FAMILY_TENSOR_NAMES, "gptneox", "phi2", "starcoder2")
 _TO_HF = {arch: _name_patterns(_tensor_names(arch)) for arch in _NAMED_ARCHITECTURES}
 _TO_GGUF = {arch: _name_patterns({hf: gguf for gguf, hf in _tensor_names(arch).items()})
             for arch in _NAMED_ARCHITECTURES}
@@ -555,6 +575,8 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
         return _neox_config(reader, meta, names, source)
     if arch == "phi2":
         return _phi2_config(reader, meta, names, source)
+    if arch == "starcoder2":
+        return _starcoder2_config(reader, meta, names, source)
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
     if heads == 0:
@@ -634,11 +656,24 @@ def _phi2_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig
             "attention.head_count_kv", meta("attention.head_count"))})
 
 
+def _starcoder2_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig:
+    """The config of a ``starcoder2`` file as llama.cpp's converter writes it: grouped KV
+    heads, LayerNorm's epsilon, projection biases if its tensors are there. llama.cpp
+    attends globally in every layer unless the file names ``attention.sliding_window``
+    (its converter writes none): read so, a generation longer than the Hugging Face
+    config's window (4,096 in the released models) follows llama.cpp, not transformers."""
+    window = meta("attention.sliding_window", 0)
+    return _layer_norm_config(reader, "starcoder2", meta, names, source, {
+        "model_type": "starcoder2", "num_key_value_heads": meta(
+            "attention.head_count_kv", meta("attention.head_count")),
+        "use_bias": "blk.0.attn_q.bias" in names, "sliding_window": window or None})
+
+
 def _layer_norm_config(reader: GGUFFile, arch: str, meta, names: set, source: str,
                        family: dict) -> ModelConfig:
-    """The config of a file of the LayerNorm families with partial RoPE and no scaling
-    (``gptneox``, ``phi2``): the keys they share, then ``family``'s, as the Hugging Face
-    config :func:`specjax.config.from_hf_config` reads."""
+    """The config of a file of the LayerNorm families (RoPE partial or whole, never scaled)
+    (``gptneox``, ``phi2``, ``starcoder2``): the keys they share, then ``family``'s, as the
+    Hugging Face config :func:`specjax.config.from_hf_config` reads."""
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     if heads == 0 or hidden % heads:
         raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' "

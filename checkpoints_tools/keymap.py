@@ -248,11 +248,34 @@ def phi_rules(config: ModelConfig) -> list[Rule]:
     return rules
 
 
+def starcoder2_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for Starcoder2ForCausalLM checkpoints: Llama's attention names, LayerNorms
+    with biases, ``c_fc``/``c_proj`` for the MLP, projection biases when ``use_bias``."""
+    p = "model.layers.{i}."
+    rules = [
+        _same("embed", "model.embed_tokens.weight"),
+        *_layer_norm_rules(("final_norm", "model.norm"),
+                           ("layers/attn_norm", p + "input_layernorm"),
+                           ("layers/mlp_norm", p + "post_attention_layernorm")),
+        *[_t(f"layers/w{leaf}", f"{p}self_attn.{leaf}_proj.weight") for leaf in "qkvo"],
+        _t("layers/w_up", p + "mlp.c_fc.weight"), _t("layers/w_down", p + "mlp.c_proj.weight"),
+    ]
+    if config.qkv_bias:
+        rules += [_same(f"layers/b{leaf}", f"{p}self_attn.{leaf}_proj.bias") for leaf in "qkvo"]
+        rules += [_same("layers/b_up", p + "mlp.c_fc.bias"),
+                  _same("layers/b_down", p + "mlp.c_proj.bias")]
+    if not config.tie_word_embeddings:
+        rules.append(_t("lm_head", "lm_head.weight"))
+    return rules
+
+
 def rules_for(config: ModelConfig) -> list[Rule]:
     if config.family == "gpt_neox":
         return neox_rules(config)
     if config.family == "phi":
         return phi_rules(config)
+    if config.family == "starcoder2":
+        return starcoder2_rules(config)
     if config.family is not None:
         return family_rules(config)
     return llama_rules(config) if config.architecture == "llama" else gpt2_rules(config)

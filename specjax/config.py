@@ -125,10 +125,9 @@ class ModelConfig:
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
         below (``"qwen3"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``,
         ``"smollm3"``, ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"stablelm"``,
-        ``"gpt_neox"``, ``"phi"``, ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"``,
-        ``"olmoe"``), so
-        the config writes
-        the same type back; ``None`` for the others.
+        ``"gpt_neox"``, ``"phi"``, ``"starcoder2"``, ``"mixtral"``, ``"qwen2_moe"``,
+        ``"qwen3_moe"``, ``"olmoe"``), so the config writes the same type back; ``None``
+        for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
       qk_norm_whole: with ``qk_norm``, q and k are normed over all their heads at once
         (weights [H*D] and [K*D]), not per head (OLMo 2/3).
@@ -440,6 +439,8 @@ class ModelConfig:
             return _neox_to_hf(self)
         if self.family == "phi":
             return _phi_to_hf(self)
+        if self.family == "starcoder2":
+            return _starcoder2_to_hf(self)
         if self.family is not None:
             return _extended_to_hf(self)
         if self.qkv_bias and not self.out_bias:
@@ -638,6 +639,8 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
         return _neox_from_hf(cfg)
     if model_type == "phi":
         return _phi_from_hf(cfg)
+    if model_type == "starcoder2":
+        return _starcoder2_from_hf(cfg)
     if model_type in _LLAMA_FAMILY:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
@@ -672,7 +675,7 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
     if model_type in EXTENDED_FAMILIES:
         return _extended_from_hf(model_type, cfg)
     raise InvalidArgumentError(
-        f"unsupported model_type {model_type!r}; specjax supports gpt2, gpt_neox, phi, "
+        f"unsupported model_type {model_type!r}; specjax supports gpt2, gpt_neox, phi, starcoder2, "
         f"{', '.join(_LLAMA_FAMILY)}, {', '.join(EXTENDED_FAMILIES)} and gemma3"
     )
 
@@ -976,6 +979,65 @@ def _phi_to_hf(config: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": config.max_position_embeddings,
         "layer_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
         "partial_rotary_factor": config.rope_dim / config.head_dim, "qk_layernorm": False,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "eos_token_id": _eos_to_hf(config.eos_token_ids),
+        "bos_token_id": config.bos_token_id,
+    }
+    if config.rope_scaling is not None:
+        out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
+    return out
+
+
+def _starcoder2_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
+    """StarCoder2 on the llama forward: pre-norm sequential blocks with LayerNorms (weights
+    and biases), grouped KV heads, RoPE on the whole head, a two-matrix tanh-GELU MLP
+    (``c_fc``, ``c_proj``), biases on every projection when ``use_bias``, the head tied to
+    the embedding unless ``tie_word_embeddings`` is false; ``sliding_window`` slides every
+    layer."""
+    act = cfg.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in _NEOX_ACTS:
+        raise InvalidArgumentError(f"unsupported starcoder2 activation {act!r}; expected one "
+                                   f"of {sorted(_NEOX_ACTS)}")
+    rope = dict(cfg.get("rope_parameters") or {})
+    if float(_get(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 1.0))
+             ) != 1.0:
+        raise InvalidArgumentError("starcoder2 with RoPE on part of each head "
+                                   "(partial_rotary_factor) is not supported")
+    heads = int(cfg["num_attention_heads"])
+    width = int(cfg["hidden_size"])
+    theta, scaling = _rope_from_hf(cfg)
+    bias = bool(cfg.get("use_bias", True))
+    layers = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    return ModelConfig(
+        architecture="llama", vocab_size=int(cfg["vocab_size"]), hidden_size=width,
+        num_layers=layers, num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+        head_dim=width // heads, intermediate_size=int(cfg["intermediate_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        norm_eps=float(_get(cfg, "norm_epsilon", "layer_norm_eps", default=1e-5)),
+        rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=bias, out_bias=bias, mlp_bias=bias,
+        eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
+        family="starcoder2", hidden_act=_NEOX_ACTS[act], norm_kind="layer", gated_mlp=False,
+        layer_windows=(int(window),) * layers if window else ())
+
+
+def _starcoder2_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config of a ``starcoder2`` model (the keys
+    :func:`_starcoder2_from_hf` reads)."""
+    windows = set(config.layer_windows)
+    out: dict[str, Any] = {
+        "model_type": "starcoder2", "architectures": ["Starcoder2ForCausalLM"],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": "gelu" if config.hidden_act == "gelu" else "gelu_pytorch_tanh",
+        "max_position_embeddings": config.max_position_embeddings,
+        "norm_epsilon": config.norm_eps, "rope_theta": config.rope_theta,
+        "use_bias": config.qkv_bias, "sliding_window": max(windows) if windows else None,
         "tie_word_embeddings": config.tie_word_embeddings,
         "eos_token_id": _eos_to_hf(config.eos_token_ids),
         "bos_token_id": config.bos_token_id,

@@ -1,7 +1,7 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
 (Qwen3, Gemma 1, 2 and 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
-GPT-NeoX, Phi, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE), made by
-transformers' own classes.
+GPT-NeoX, Phi, StarCoder2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
+OLMoE), made by transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
 24+ new ones), so a window that is ignored, off by one or applied to the wrong layers
@@ -87,6 +87,15 @@ VARIANTS = {
     # biases on every projection and on the head, RoPE on 40% of each head (Phi-2's
     # factor; 6 of 16 dims here), the tanh GELU, untied head.
     "phi": (transformers.PhiConfig, dict(_NEOX, partial_rotary_factor=0.4)),
+    # StarCoder2: sequential pre-norm blocks with LayerNorms, grouped KV heads, biases on
+    # every projection, a tanh-GELU MLP of two matrices, a window in every layer, tied head.
+    "starcoder2": (transformers.Starcoder2Config, dict(
+        {k: v for k, v in _BASE.items() if k not in ("head_dim", "rms_norm_eps")},
+        norm_epsilon=1e-5, use_bias=True, sliding_window=6, tie_word_embeddings=True)),
+    # StarCoder2 without projection biases (use_bias=False), globally attending, untied.
+    "starcoder2-nobias": (transformers.Starcoder2Config, dict(
+        {k: v for k, v in _BASE.items() if k not in ("head_dim", "rms_norm_eps")},
+        norm_epsilon=1e-5, use_bias=False, sliding_window=None, tie_word_embeddings=False)),
     # StableLM (2): LayerNorm with biases, q/k/v biases, RoPE on a quarter of each head,
     # SwiGLU, grouped KV heads, untied head.
     "stablelm": (transformers.StableLmConfig, dict(

@@ -74,9 +74,10 @@ def test_logits_match_transformers(pairs, variant):
                         tokens)
 
 
-# The mixtures of experts beyond Mixtral, Gemma 1 and Phi generate in the slow tier (their
-# parity, here, is what differs between them and the others; Phi's `spec` is quick).
-MOE_SLOW = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe", "phi")
+# The mixtures of experts beyond Mixtral, Gemma 1, Phi and StarCoder2 without biases
+# generate in the slow tier (their parity, here, is what differs between them and the
+# others; Phi's `spec` is quick).
+MOE_SLOW = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe", "phi", "starcoder2-nobias")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v in MOE_SLOW
@@ -106,6 +107,8 @@ WRONG = [
     ("stablelm", "rotary_dim", None), ("stablelm", "norm_kind", "rms"),
     ("phi", "parallel_residual", False), ("phi", "head_bias", False),
     ("phi", "rotary_dim", None),
+    ("starcoder2", "layer_windows", ()), ("starcoder2", "norm_kind", "rms"),
+    ("starcoder2", "parallel_residual", True),
     ("gemma", "norm_plus_one", False), ("gemma", "embed_scale", False),
     ("gemma", "hidden_act", "silu"), ("mixtral", "normalize_expert_weights", False),
     ("mixtral", "experts_per_token", 1),
@@ -243,6 +246,11 @@ def test_configs_read_the_features(pairs):
             from_hf_config(hf_config("qwen3-moe", **overrides).to_dict())
     with pytest.raises(InvalidArgumentError, match="olmoe with clip_qkv"):
         from_hf_config(hf_config("olmoe", clip_qkv=8.0).to_dict())
+    raw = hf_config("starcoder2").to_dict()
+    for key, value, message in (("partial_rotary_factor", 0.5, "RoPE on part of each head"),
+                                ("hidden_act", "silu", "unsupported starcoder2 activation")):
+        with pytest.raises(InvalidArgumentError, match=message):
+            from_hf_config({**raw, key: value})
     for fields, message in ((dict(experts_per_token=7), r"experts_per_token must be in \[1"),
                             (dict(num_experts=0), "experts_per_token and shared_expert_size "
                                                   "apply with"),
@@ -313,6 +321,14 @@ HUB_CONFIGS = {
                       rope_theta=1e6, rope_scaling=None, use_sliding_window=False,
                       sliding_window=None, max_window_layers=48, tie_word_embeddings=False,
                       bos_token_id=151643, eos_token_id=151645),
+    # StarCoder2-3B's config (a window of 4,096 in every layer, 2 KV heads of 24)
+    "starcoder2": dict(model_type="starcoder2", architectures=["Starcoder2ForCausalLM"],
+                       vocab_size=49152, hidden_size=3072, intermediate_size=12288,
+                       num_hidden_layers=30, num_attention_heads=24, num_key_value_heads=2,
+                       hidden_act="gelu_pytorch_tanh", max_position_embeddings=16384,
+                       norm_epsilon=1e-5, rope_theta=999999.4420358813, sliding_window=4096,
+                       use_bias=True, residual_dropout=0.1, embedding_dropout=0.1,
+                       attention_dropout=0.1, bos_token_id=0, eos_token_id=0),
     "olmoe": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], vocab_size=50304,
                   hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                   num_attention_heads=16, num_key_value_heads=16, num_experts=64,
@@ -333,10 +349,15 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
     assert ours == from_hf_config(config_class(**raw).to_dict())
     assert ours.rope_dim == {"gpt_neox": 16, "olmo2": 128, "stablelm": 16, "mixtral": 128,
                              "qwen3_moe": 128, "olmoe": 128, "gemma": 256,
-                             "qwen2_moe": 128, "phi": 32}[model_type]
+                             "qwen2_moe": 128, "phi": 32, "starcoder2": 128}[model_type]
     if model_type == "phi":
         assert (ours.head_dim, ours.hidden_act, ours.head_bias) == (80, "gelu_tanh", True)
         assert ours.parallel_residual and ours.shared_input_norm
+    if model_type == "starcoder2":
+        assert (ours.layer_windows, ours.num_kv_heads, ours.norm_kind) == ((4096,), 2, "layer")
+        assert ours.qkv_bias and ours.mlp_bias and ours.tie_word_embeddings
+        assert not ours.gated_mlp and not ours.parallel_residual
+        assert ours.hidden_act == "gelu_tanh"
     if model_type == "gemma":
         assert ours.hidden_act == "gelu_tanh" and ours.norm_plus_one and ours.embed_scale
         assert not ours.sandwich_norms and ours.tie_word_embeddings
@@ -395,7 +416,8 @@ def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
 @pytest.mark.parametrize("variant", ["gemma2", "olmo3", "gpt-neox", "stablelm", "mixtral",
                                      pytest.param("qwen3-moe", marks=pytest.mark.slow),
                                      pytest.param("qwen2-moe", marks=pytest.mark.slow),
-                                     pytest.param("phi", marks=pytest.mark.slow)])
+                                     pytest.param("phi", marks=pytest.mark.slow),
+                                     pytest.param("starcoder2", marks=pytest.mark.slow)])
 def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
     import transformers
     from specjax.checkpoints_tools.hf import save_hf_directory
@@ -412,7 +434,7 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
                    "olmo2", "olmo3", "gpt-neox", "stablelm", "mixtral", "qwen3-moe", "olmoe",
-                   "gemma", "qwen2-moe", "phi"]
+                   "gemma", "qwen2-moe", "phi", "starcoder2"]
 
 
 class _LazyTables(dict):
@@ -437,7 +459,7 @@ def tables(pairs):
 
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
-QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi")
+QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi", "starcoder2")
 # Whole grid in the slow tier; parity covers the quick one.
 SLOW_ONLY = ("olmo2", "olmo3", "stablelm", "qwen3-moe", "olmoe", "gemma", "qwen2-moe")
 METHOD_CASES = [
@@ -784,6 +806,58 @@ def test_a_phi2_gguf_gives_transformers_logits(tmp_path):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_starcoder2_gguf_gives_transformers_logits(window, tmp_path):
+    """llama.cpp's starcoder2 files: Llama's names for the norms and attention,
+    ``ffn_up``/``ffn_down`` for ``c_fc``/``c_proj``, LayerNorm biases and projection biases,
+    the head tied; no window unless the file names ``attention.sliding_window`` (llama.cpp's
+    converter writes none, and its graph then attends globally)."""
+    import gguf
+    from helpers_checkpoints import add_bpe_vocabulary, tiny_vocabulary
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    hf_model = tiny_family_model("starcoder2", seed=6, vocab_size=len(tiny_vocabulary()[0]),
+                                 sliding_window=window)
+    cfg = hf_model.config
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             **{f"self_attn.{x}_proj": f"attn_{x}" for x in "qkv"},
+             "self_attn.o_proj": "attn_output", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+    path = tmp_path / "starcoder2.gguf"
+    writer = gguf.GGUFWriter(str(path), "starcoder2")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_eps(cfg.norm_epsilon)
+    if window:
+        writer.add_sliding_window(window)
+    add_bpe_vocabulary(writer, cfg.vocab_size)
+    for name, tensor in hf_model.state_dict().items():
+        module, kind = name.rsplit(".", 1)
+        parts = module.split(".")
+        if module == "lm_head":
+            continue  # tied: llama.cpp writes no output tensor
+        if parts[:2] == ["model", "layers"]:
+            target = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{kind}"
+        else:
+            target = f"{names[module]}.{kind}"
+        writer.add_tensor(target, tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config, params, tokenizer = load_gguf(path)
+    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
+        from_hf_config(cfg.to_dict())
+    assert config.layer_windows == ((window,) if window else ())
+    tokens = random_prompt(7, 20, vocab=cfg.vocab_size)
+    model = specjax.Model.from_params(config, params, tokenizer)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+
+
 @pytest.mark.parametrize("variant", ["gemma2", "gemma3", "phi3"])
 def test_gguf_with_a_sentencepiece_vocabulary_brings_its_tokenizer(variant, tmp_path):
     """Real Gemma 2/3 and Phi-3 GGUF files carry a SentencePiece vocabulary
@@ -895,7 +969,7 @@ def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3", "gpt-neox", "olmoe",
-                                     "phi"])
+                                     "phi", "starcoder2"])
 def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
     from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 
