@@ -5,8 +5,8 @@ count, length and offset against the file's size first (see "reading" below); th
 package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, ``phi2``,
-  ``starcoder2``, and ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``,
-  ``granite``, ``olmo2``, ``stablelm``, ``qwen2moe``, ``qwen3moe``, ``olmoe``:
+  ``starcoder2``, ``starcoder``, and ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``,
+  ``smollm3``, ``granite``, ``olmo2``, ``stablelm``, ``qwen2moe``, ``qwen3moe``, ``olmoe``:
   :data:`FAMILY_ARCHITECTURES`) that becomes a :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),
@@ -78,7 +78,7 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                   "gemma": False, "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
                   "granite": True, "olmo2": False, "gptneox": False, "stablelm": False,
-                  "phi2": False, "starcoder2": False,
+                  "phi2": False, "starcoder2": False, "starcoder": False,
                   "qwen2moe": False, "qwen3moe": False, "olmoe": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
@@ -205,6 +205,22 @@ _STARCODER2_TENSOR_NAMES = {
 }
 
 
+# StarCoder (GPTBigCode): GPT-2's names under "transformer."; attn_qkv is c_attn as the
+# checkpoint stores it (q | k | v with one KV head).
+_STARCODER_TENSOR_NAMES = {
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output.weight": "lm_head.weight",
+    **{f"{gguf}.{kind}": f"{hf}.{kind}" for gguf, hf in (
+        ("output_norm", "transformer.ln_f"), ("blk.{i}.attn_norm", "transformer.h.{i}.ln_1"),
+        ("blk.{i}.attn_qkv", "transformer.h.{i}.attn.c_attn"),
+        ("blk.{i}.attn_output", "transformer.h.{i}.attn.c_proj"),
+        ("blk.{i}.ffn_norm", "transformer.h.{i}.ln_2"),
+        ("blk.{i}.ffn_up", "transformer.h.{i}.mlp.c_fc"),
+        ("blk.{i}.ffn_down", "transformer.h.{i}.mlp.c_proj")) for kind in ("weight", "bias")},
+}
+
+
 def _tensor_names(arch: str | None) -> dict[str, str]:
     if arch == "gptneox":
         return _NEOX_TENSOR_NAMES
@@ -212,10 +228,13 @@ def _tensor_names(arch: str | None) -> dict[str, str]:
         return _PHI2_TENSOR_NAMES
     if arch == "starcoder2":
         return _STARCODER2_TENSOR_NAMES
+    if arch == "starcoder":
+        return _STARCODER_TENSOR_NAMES
     return {**_TENSOR_NAMES, **_FAMILY_TENSOR_NAMES.get(arch, {})}
 
 
-_NAMED_ARCHITECTURES = (None, *_FAMILY_TENSOR_NAMES, "gptneox", "phi2", "starcoder2")
+_NAMED_ARCHITECTURES = (None, *_FAMILY_TENSOR_NAMES, "gptneox", "phi2", "starcoder2",
+                        "starcoder")
 _TO_HF = {arch: _name_patterns(_tensor_names(arch)) for arch in _NAMED_ARCHITECTURES}
 _TO_GGUF = {arch: _name_patterns({hf: gguf for gguf, hf in _tensor_names(arch).items()})
             for arch in _NAMED_ARCHITECTURES}
@@ -577,6 +596,8 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
         return _phi2_config(reader, meta, names, source)
     if arch == "starcoder2":
         return _starcoder2_config(reader, meta, names, source)
+    if arch == "starcoder":
+        return _starcoder_config(reader, meta, names, source)
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
     if heads == 0:
@@ -669,11 +690,24 @@ def _starcoder2_config(reader: GGUFFile, meta, names: set, source: str) -> Model
         "use_bias": "blk.0.attn_q.bias" in names, "sliding_window": window or None})
 
 
+def _starcoder_config(reader: GGUFFile, meta, names: set, source: str) -> ModelConfig:
+    """The config of a ``starcoder`` file (StarCoder, SantaCoder: GPTBigCode) as llama.cpp's
+    converter writes it: learned positions, one KV head (``attention.head_count_kv``),
+    LayerNorm's epsilon."""
+    heads = meta("attention.head_count")
+    kv_heads = meta("attention.head_count_kv", heads)
+    if kv_heads not in (1, heads):
+        raise CheckpointError(f"{source}: a starcoder file with {kv_heads} KV heads of {heads} "
+                              f"is not supported; expected 1 (multi-query) or {heads}")
+    return _layer_norm_config(reader, "starcoder", meta, names, source, {
+        "model_type": "gpt_bigcode", "multi_query": kv_heads == 1 and heads > 1})
+
+
 def _layer_norm_config(reader: GGUFFile, arch: str, meta, names: set, source: str,
                        family: dict) -> ModelConfig:
     """The config of a file of the LayerNorm families (RoPE partial or whole, never scaled)
-    (``gptneox``, ``phi2``, ``starcoder2``): the keys they share, then ``family``'s, as the
-    Hugging Face config :func:`specjax.config.from_hf_config` reads."""
+    (``gptneox``, ``phi2``, ``starcoder2``, ``starcoder``): the keys they share, then
+    ``family``'s, as the Hugging Face config :func:`specjax.config.from_hf_config` reads."""
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     if heads == 0 or hidden % heads:
         raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' "

@@ -182,10 +182,10 @@ def _layer_norm_rules(*norms: tuple[str, str]) -> list[Rule]:
             for rule in (_same(leaf, module + ".weight"), _same(leaf + "_bias", module + ".bias"))]
 
 
-def neox_rules(config: ModelConfig) -> list[Rule]:
-    """Rules for GPTNeoXForCausalLM checkpoints (Pythia). Their ``query_key_value`` rows
-    interleave the heads, [H, 3 (q, k, v), D], rather than stacking q, k and v."""
-    p = "gpt_neox.layers.{i}."
+def _per_head_qkv_rules(config: ModelConfig, module: str) -> tuple[Rule, Rule]:
+    """The weight and bias rules of a Linear whose output rows interleave q, k and v per
+    head, [H, 3 (q, k, v), D] (GPT-NeoX's ``query_key_value``, GPTBigCode's ``c_attn``
+    without multi-query)."""
     heads, dim = config.num_heads, config.head_dim
 
     def split_weight(a):  # [H*3*D, d] -> three [d, H*D]
@@ -203,13 +203,23 @@ def neox_rules(config: ModelConfig) -> list[Rule]:
     def join_bias(*parts):
         return np.stack([part.reshape(heads, dim) for part in parts], axis=1).reshape(-1)
 
+    return (Rule(module + ".weight", ("layers/wq", "layers/wk", "layers/wv"), split_weight,
+                 join_weight),
+            Rule(module + ".bias", ("layers/bq", "layers/bk", "layers/bv"), split_bias,
+                 join_bias))
+
+
+def neox_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for GPTNeoXForCausalLM checkpoints (Pythia). Their ``query_key_value`` rows
+    interleave the heads, [H, 3 (q, k, v), D], rather than stacking q, k and v."""
+    p = "gpt_neox.layers.{i}."
+    qkv_weight, qkv_bias = _per_head_qkv_rules(config, p + "attention.query_key_value")
     rules = [
         _same("embed", "gpt_neox.embed_in.weight"),
         *_layer_norm_rules(("final_norm", "gpt_neox.final_layer_norm"),
                            ("layers/attn_norm", p + "input_layernorm"),
                            ("layers/mlp_norm", p + "post_attention_layernorm")),
-        Rule(p + "attention.query_key_value.weight", ("layers/wq", "layers/wk", "layers/wv"),
-             split_weight, join_weight),
+        qkv_weight,
         _t("layers/wo", p + "attention.dense.weight"),
         _t("layers/w_up", p + "mlp.dense_h_to_4h.weight"),
         _same("layers/b_up", p + "mlp.dense_h_to_4h.bias"),
@@ -217,10 +227,7 @@ def neox_rules(config: ModelConfig) -> list[Rule]:
         _same("layers/b_down", p + "mlp.dense_4h_to_h.bias"),
     ]
     if config.qkv_bias:
-        rules += [Rule(p + "attention.query_key_value.bias", ("layers/bq", "layers/bk",
-                                                              "layers/bv"),
-                       split_bias, join_bias),
-                  _same("layers/bo", p + "attention.dense.bias")]
+        rules += [qkv_bias, _same("layers/bo", p + "attention.dense.bias")]
     if not config.tie_word_embeddings:
         rules.append(_t("lm_head", "embed_out.weight"))
     return rules
@@ -269,6 +276,35 @@ def starcoder2_rules(config: ModelConfig) -> list[Rule]:
     return rules
 
 
+def bigcode_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for GPTBigCodeForCausalLM checkpoints (StarCoder, SantaCoder): GPT-2's names
+    under ``transformer.``, Linear weights ([out, in]), ``c_attn`` rows q | k | v with one
+    KV head (multi-query), or interleaved per head as GPT-NeoX's without."""
+    p = "transformer.h.{i}."
+    if config.num_kv_heads == config.num_heads and config.num_heads > 1:
+        qkv_weight, qkv_bias = _per_head_qkv_rules(config, p + "attn.c_attn")
+    else:
+        widths = (config.num_heads * config.head_dim,) + (config.head_dim,) * 2
+        bounds = np.cumsum(widths)[:-1]
+        qkv_weight = _t_split(("layers/wq", "layers/wk", "layers/wv"), p + "attn.c_attn.weight",
+                              widths)
+        qkv_bias = Rule(p + "attn.c_attn.bias", ("layers/bq", "layers/bk", "layers/bv"),
+                        lambda a: tuple(np.split(a, bounds)), lambda *parts: np.concatenate(parts))
+    rules = [
+        _same("embed", "transformer.wte.weight"), _same("pos_embed", "transformer.wpe.weight"),
+        *_layer_norm_rules(("final_norm", "transformer.ln_f"),
+                           ("layers/attn_norm", p + "ln_1"), ("layers/mlp_norm", p + "ln_2")),
+        qkv_weight, qkv_bias,
+        _t("layers/wo", p + "attn.c_proj.weight"), _same("layers/bo", p + "attn.c_proj.bias"),
+        _t("layers/w_up", p + "mlp.c_fc.weight"), _same("layers/b_up", p + "mlp.c_fc.bias"),
+        _t("layers/w_down", p + "mlp.c_proj.weight"),
+        _same("layers/b_down", p + "mlp.c_proj.bias"),
+    ]
+    if not config.tie_word_embeddings:
+        rules.append(_t("lm_head", "lm_head.weight"))
+    return rules
+
+
 def rules_for(config: ModelConfig) -> list[Rule]:
     if config.family == "gpt_neox":
         return neox_rules(config)
@@ -276,6 +312,8 @@ def rules_for(config: ModelConfig) -> list[Rule]:
         return phi_rules(config)
     if config.family == "starcoder2":
         return starcoder2_rules(config)
+    if config.family == "gpt_bigcode":
+        return bigcode_rules(config)
     if config.family is not None:
         return family_rules(config)
     return llama_rules(config) if config.architecture == "llama" else gpt2_rules(config)

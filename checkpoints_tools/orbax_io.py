@@ -84,7 +84,7 @@ _FAMILY_FIELDS = ("family", "qk_norm", "qk_norm_whole", "norm_plus_one", "hidden
                   "no_rope_layers", "embed_multiplier", "residual_multiplier",
                   "logits_divisor", "num_experts", "experts_per_token",
                   "normalize_expert_weights", "shared_expert_size", "shared_input_norm",
-                  "head_bias")
+                  "head_bias", "learned_positions")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> ModelConfig:

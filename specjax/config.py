@@ -125,7 +125,8 @@ class ModelConfig:
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
         below (``"qwen3"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``,
         ``"smollm3"``, ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"stablelm"``,
-        ``"gpt_neox"``, ``"phi"``, ``"starcoder2"``, ``"mixtral"``, ``"qwen2_moe"``,
+        ``"gpt_neox"``, ``"phi"``, ``"starcoder2"``, ``"gpt_bigcode"``, ``"mixtral"``,
+        ``"qwen2_moe"``,
         ``"qwen3_moe"``, ``"olmoe"``), so the config writes the same type back; ``None``
         for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
@@ -207,6 +208,9 @@ class ModelConfig:
         runs beside its routed experts (``ws_gate``, ``ws_up``, ``ws_down``), its output
         scaled by ``sigmoid(x @ shared_gate)`` (``shared_gate`` [L, d, 1]) and added
         (Qwen2-MoE's shared expert); 0: none.
+      learned_positions: a learned position embedding (``pos_embed``
+        [max_position_embeddings, d]) is added to the token embedding, and no layer applies
+        RoPE (``no_rope_layers`` must be ``(0,)``): GPTBigCode (StarCoder, SantaCoder).
     """
 
     architecture: str
@@ -258,6 +262,7 @@ class ModelConfig:
     shared_expert_size: int = 0
     shared_input_norm: bool = False
     head_bias: bool = False
+    learned_positions: bool = False
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -329,6 +334,9 @@ class ModelConfig:
             raise InvalidArgumentError("no_rope_layers apply to llama models (RoPE)")
         flags = _period(tuple(self.no_rope_layers))
         object.__setattr__(self, "no_rope_layers", () if set(flags) == {1} else flags)
+        if self.learned_positions and self.no_rope_layers != (0,):
+            raise InvalidArgumentError("learned_positions applies with no_rope_layers=(0,) "
+                                       "(positions are learned, no layer applies RoPE)")
         if self.architecture != "llama" and self.family is not None:
             raise InvalidArgumentError(
                 f"family {self.family!r} is a llama-architecture family, got "
@@ -441,6 +449,8 @@ class ModelConfig:
             return _phi_to_hf(self)
         if self.family == "starcoder2":
             return _starcoder2_to_hf(self)
+        if self.family == "gpt_bigcode":
+            return _bigcode_to_hf(self)
         if self.family is not None:
             return _extended_to_hf(self)
         if self.qkv_bias and not self.out_bias:
@@ -641,6 +651,8 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
         return _phi_from_hf(cfg)
     if model_type == "starcoder2":
         return _starcoder2_from_hf(cfg)
+    if model_type == "gpt_bigcode":
+        return _bigcode_from_hf(cfg)
     if model_type in _LLAMA_FAMILY:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
@@ -675,8 +687,9 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
     if model_type in EXTENDED_FAMILIES:
         return _extended_from_hf(model_type, cfg)
     raise InvalidArgumentError(
-        f"unsupported model_type {model_type!r}; specjax supports gpt2, gpt_neox, phi, starcoder2, "
-        f"{', '.join(_LLAMA_FAMILY)}, {', '.join(EXTENDED_FAMILIES)} and gemma3"
+        f"unsupported model_type {model_type!r}; specjax supports gpt2, gpt_bigcode, "
+        f"gpt_neox, phi, starcoder2, {', '.join(_LLAMA_FAMILY)}, "
+        f"{', '.join(EXTENDED_FAMILIES)} and gemma3"
     )
 
 
@@ -1045,6 +1058,57 @@ def _starcoder2_to_hf(config: ModelConfig) -> dict[str, Any]:
     if config.rope_scaling is not None:
         out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
     return out
+
+
+def _bigcode_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
+    """GPTBigCode (StarCoder, StarCoderBase, SantaCoder) on the llama forward: GPT-2's block
+    (LayerNorms with biases, biases on every projection, a two-matrix GELU MLP, learned
+    positions, no RoPE) with one KV head when ``multi_query`` (else one per head), the head
+    tied unless ``tie_word_embeddings`` is false; ``scale_attn_weights=False`` scores
+    without the ``1/sqrt(D)``."""
+    act = cfg.get("activation_function", "gelu_pytorch_tanh")
+    if act not in _NEOX_ACTS:
+        raise InvalidArgumentError(f"unsupported gpt_bigcode activation {act!r}; expected one "
+                                   f"of {sorted(_NEOX_ACTS)}")
+    width = int(_get(cfg, "n_embd", "hidden_size"))
+    heads = int(_get(cfg, "n_head", "num_attention_heads"))
+    if width % heads:
+        raise InvalidArgumentError(f"gpt_bigcode n_head ({heads}) does not divide n_embd "
+                                   f"({width})")
+    return ModelConfig(
+        architecture="llama", vocab_size=int(cfg["vocab_size"]), hidden_size=width,
+        num_layers=int(_get(cfg, "n_layer", "num_hidden_layers")), num_heads=heads,
+        num_kv_heads=1 if cfg.get("multi_query", True) else heads, head_dim=width // heads,
+        intermediate_size=int(_get(cfg, "n_inner", "intermediate_size", default=4 * width)),
+        max_position_embeddings=int(_get(cfg, "n_positions", "max_position_embeddings",
+                                         default=1024)),
+        norm_eps=float(_get(cfg, "layer_norm_epsilon", "layer_norm_eps", default=1e-5)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=True, out_bias=True, mlp_bias=True,
+        eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
+        family="gpt_bigcode", hidden_act=_NEOX_ACTS[act], norm_kind="layer", gated_mlp=False,
+        query_scale=None if cfg.get("scale_attn_weights", True) else 1.0,
+        no_rope_layers=(0,), learned_positions=True)
+
+
+def _bigcode_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config of a ``gpt_bigcode`` model (the keys :func:`_bigcode_from_hf`
+    reads)."""
+    if config.num_kv_heads not in (1, config.num_heads):
+        raise InvalidArgumentError(f"a gpt_bigcode model has one KV head or one per head, got "
+                                   f"{config.num_kv_heads} of {config.num_heads}")
+    return {
+        "model_type": "gpt_bigcode", "architectures": ["GPTBigCodeForCausalLM"],
+        "vocab_size": config.vocab_size, "n_embd": config.hidden_size,
+        "n_layer": config.num_layers, "n_head": config.num_heads,
+        "multi_query": config.num_kv_heads == 1 and config.num_heads > 1,
+        "n_inner": config.intermediate_size, "n_positions": config.max_position_embeddings,
+        "activation_function": "gelu" if config.hidden_act == "gelu" else "gelu_pytorch_tanh",
+        "layer_norm_epsilon": config.norm_eps,
+        "scale_attn_weights": config.query_scale is None,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "eos_token_id": _eos_to_hf(config.eos_token_ids), "bos_token_id": config.bos_token_id,
+    }
 
 
 def _neox_to_hf(config: ModelConfig) -> dict[str, Any]:

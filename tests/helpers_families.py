@@ -1,6 +1,6 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
 (Qwen3, Gemma 1, 2 and 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
-GPT-NeoX, Phi, StarCoder2, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
+GPT-NeoX, Phi, StarCoder2, GPTBigCode, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
 OLMoE), made by transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
@@ -23,6 +23,10 @@ _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 _NEOX = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, max_position_embeddings=256, layer_norm_eps=1e-5,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+_BIGCODE = dict(vocab_size=VOCAB, n_embd=64, n_inner=96, n_layer=3, n_head=4, n_positions=256,
+                layer_norm_epsilon=1e-5, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None)
 
 # variant -> (transformers config class, kwargs)
 VARIANTS = {
@@ -96,6 +100,14 @@ VARIANTS = {
     "starcoder2-nobias": (transformers.Starcoder2Config, dict(
         {k: v for k, v in _BASE.items() if k not in ("head_dim", "rms_norm_eps")},
         norm_epsilon=1e-5, use_bias=False, sliding_window=None, tie_word_embeddings=False)),
+    # GPTBigCode (StarCoder, SantaCoder): GPT-2's block with learned positions and one KV
+    # head (multi-query), the tanh GELU, tied head.
+    "gpt-bigcode": (transformers.GPTBigCodeConfig, dict(_BIGCODE)),
+    # GPTBigCode without multi-query (q, k, v interleaved per head in c_attn), scores
+    # without 1/sqrt(D), the exact GELU, an untied head.
+    "gpt-bigcode-mha": (transformers.GPTBigCodeConfig, dict(
+        _BIGCODE, multi_query=False, scale_attn_weights=False, activation_function="gelu",
+        tie_word_embeddings=False)),
     # StableLM (2): LayerNorm with biases, q/k/v biases, RoPE on a quarter of each head,
     # SwiGLU, grouped KV heads, untied head.
     "stablelm": (transformers.StableLmConfig, dict(

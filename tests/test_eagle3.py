@@ -123,7 +123,8 @@ def _hub_tensors(hf_model) -> dict:
 
 
 @pytest.mark.parametrize("case", ["rope", "nope-layer", "neox-target", "gemma2-target",
-                                  pytest.param("moe-target", marks=pytest.mark.slow)])
+                                  pytest.param("moe-target", marks=pytest.mark.slow),
+                                  pytest.param("bigcode-target", marks=pytest.mark.slow)])
 def test_the_unrolled_passes_read_what_decoding_reads(target, case):
     """Pass ``i`` of the training-time test at position ``r + i`` computes exactly what a
     depth-``i + 1`` chain node computes when decoding: the draft's cache filled with pass 0
@@ -135,10 +136,12 @@ def test_the_unrolled_passes_read_what_decoding_reads(target, case):
     soft-capped scores, a 5-token window in every other layer: before 2026-11-28 training
     attended without all three, which decoding applies);
     ``moe-target``: a Mixtral target's (its draft block routes over experts too, and
-    slides a 6-token window)."""
-    if case in ("neox-target", "gemma2-target", "moe-target"):
+    slides a 6-token window); ``bigcode-target``: a GPTBigCode target's (learned positions,
+    which pass ``i`` must read at ``r + i``, one KV head)."""
+    if case in ("neox-target", "gemma2-target", "moe-target", "bigcode-target"):
         target = _family_target({"neox-target": "gpt-neox", "gemma2-target": "gemma2",
-                                 "moe-target": "mixtral"}[case])
+                                 "moe-target": "mixtral",
+                                 "bigcode-target": "gpt-bigcode"}[case])
     config, params = eagle3_params(target, seed=1)
     if case == "nope-layer":
         config = dataclasses.replace(config, no_rope_layers=(0,))

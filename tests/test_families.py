@@ -74,10 +74,11 @@ def test_logits_match_transformers(pairs, variant):
                         tokens)
 
 
-# The mixtures of experts beyond Mixtral, Gemma 1, Phi and StarCoder2 without biases
-# generate in the slow tier (their parity, here, is what differs between them and the
-# others; Phi's `spec` is quick).
-MOE_SLOW = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe", "phi", "starcoder2-nobias")
+# The mixtures of experts beyond Mixtral, Gemma 1, Phi, StarCoder2 without biases and
+# GPTBigCode without multi-query generate in the slow tier (their parity, here, is what
+# differs between them and the others; Phi's `spec` is quick).
+MOE_SLOW = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe", "phi", "starcoder2-nobias",
+            "gpt-bigcode-mha")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v in MOE_SLOW
@@ -109,6 +110,7 @@ WRONG = [
     ("phi", "rotary_dim", None),
     ("starcoder2", "layer_windows", ()), ("starcoder2", "norm_kind", "rms"),
     ("starcoder2", "parallel_residual", True),
+    ("gpt-bigcode", "learned_positions", False), ("gpt-bigcode-mha", "query_scale", None),
     ("gemma", "norm_plus_one", False), ("gemma", "embed_scale", False),
     ("gemma", "hidden_act", "silu"), ("mixtral", "normalize_expert_weights", False),
     ("mixtral", "experts_per_token", 1),
@@ -246,6 +248,8 @@ def test_configs_read_the_features(pairs):
             from_hf_config(hf_config("qwen3-moe", **overrides).to_dict())
     with pytest.raises(InvalidArgumentError, match="olmoe with clip_qkv"):
         from_hf_config(hf_config("olmoe", clip_qkv=8.0).to_dict())
+    with pytest.raises(InvalidArgumentError, match="learned_positions applies with"):
+        dataclasses.replace(pairs["gpt-bigcode"][1].config, no_rope_layers=())
     raw = hf_config("starcoder2").to_dict()
     for key, value, message in (("partial_rotary_factor", 0.5, "RoPE on part of each head"),
                                 ("hidden_act", "silu", "unsupported starcoder2 activation")):
@@ -321,6 +325,13 @@ HUB_CONFIGS = {
                       rope_theta=1e6, rope_scaling=None, use_sliding_window=False,
                       sliding_window=None, max_window_layers=48, tie_word_embeddings=False,
                       bos_token_id=151643, eos_token_id=151645),
+    # StarCoder (15.5B)'s config: multi-query, learned positions over 8,192
+    "gpt_bigcode": dict(model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"],
+                        vocab_size=49152, n_embd=6144, n_inner=24576, n_layer=40, n_head=48,
+                        n_positions=8192, multi_query=True, layer_norm_epsilon=1e-5,
+                        activation_function="gelu_pytorch_tanh", scale_attn_weights=True,
+                        attention_softmax_in_fp32=True, scale_attention_softmax_in_fp32=True,
+                        bos_token_id=0, eos_token_id=0),
     # StarCoder2-3B's config (a window of 4,096 in every layer, 2 KV heads of 24)
     "starcoder2": dict(model_type="starcoder2", architectures=["Starcoder2ForCausalLM"],
                        vocab_size=49152, hidden_size=3072, intermediate_size=12288,
@@ -349,7 +360,8 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
     assert ours == from_hf_config(config_class(**raw).to_dict())
     assert ours.rope_dim == {"gpt_neox": 16, "olmo2": 128, "stablelm": 16, "mixtral": 128,
                              "qwen3_moe": 128, "olmoe": 128, "gemma": 256,
-                             "qwen2_moe": 128, "phi": 32, "starcoder2": 128}[model_type]
+                             "qwen2_moe": 128, "phi": 32, "starcoder2": 128,
+                             "gpt_bigcode": 128}[model_type]
     if model_type == "phi":
         assert (ours.head_dim, ours.hidden_act, ours.head_bias) == (80, "gelu_tanh", True)
         assert ours.parallel_residual and ours.shared_input_norm
@@ -358,6 +370,11 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
         assert ours.qkv_bias and ours.mlp_bias and ours.tie_word_embeddings
         assert not ours.gated_mlp and not ours.parallel_residual
         assert ours.hidden_act == "gelu_tanh"
+    if model_type == "gpt_bigcode":
+        assert (ours.num_kv_heads, ours.intermediate_size, ours.max_position_embeddings) == (
+            1, 24576, 8192)
+        assert ours.learned_positions and ours.rope_per_layer == (False,) * 40
+        assert ours.query_scale is None and ours.tie_word_embeddings
     if model_type == "gemma":
         assert ours.hidden_act == "gelu_tanh" and ours.norm_plus_one and ours.embed_scale
         assert not ours.sandwich_norms and ours.tie_word_embeddings
@@ -417,7 +434,9 @@ def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
                                      pytest.param("qwen3-moe", marks=pytest.mark.slow),
                                      pytest.param("qwen2-moe", marks=pytest.mark.slow),
                                      pytest.param("phi", marks=pytest.mark.slow),
-                                     pytest.param("starcoder2", marks=pytest.mark.slow)])
+                                     pytest.param("starcoder2", marks=pytest.mark.slow),
+                                     pytest.param("gpt-bigcode", marks=pytest.mark.slow),
+                                     pytest.param("gpt-bigcode-mha", marks=pytest.mark.slow)])
 def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
     import transformers
     from specjax.checkpoints_tools.hf import save_hf_directory
@@ -434,7 +453,7 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
                    "olmo2", "olmo3", "gpt-neox", "stablelm", "mixtral", "qwen3-moe", "olmoe",
-                   "gemma", "qwen2-moe", "phi", "starcoder2"]
+                   "gemma", "qwen2-moe", "phi", "starcoder2", "gpt-bigcode"]
 
 
 class _LazyTables(dict):
@@ -459,7 +478,8 @@ def tables(pairs):
 
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
-QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi", "starcoder2")
+QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi", "starcoder2",
+                   "gpt-bigcode")
 # Whole grid in the slow tier; parity covers the quick one.
 SLOW_ONLY = ("olmo2", "olmo3", "stablelm", "qwen3-moe", "olmoe", "gemma", "qwen2-moe")
 METHOD_CASES = [
@@ -556,7 +576,8 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
                                               ("granite", "Granite's multipliers"),
                                               ("olmo2", "no input norms"),
                                               ("gpt-neox", "LayerNorm"),
-                                              ("mixtral", "mixture-of-experts")])
+                                              ("mixtral", "mixture-of-experts"),
+                                              ("gpt-bigcode", "learned positions")])
 def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
     with pytest.raises(InvalidArgumentError, match=f"attention 'fused'.*{feature}") as info:
         specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
@@ -858,6 +879,57 @@ def test_a_starcoder2_gguf_gives_transformers_logits(window, tmp_path):
     _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
 
 
+def test_a_starcoder_gguf_gives_transformers_logits(tmp_path):
+    """llama.cpp's starcoder files (GPTBigCode): GPT-2's tensors with ``position_embd``,
+    ``attn_qkv`` as the checkpoint's ``c_attn`` (q | k | v, one KV head), LayerNorm biases,
+    the head tied; a KV head count other than 1 or every head is refused in one line."""
+    import gguf
+    from helpers_checkpoints import add_bpe_vocabulary, tiny_vocabulary
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    hf_model = tiny_family_model("gpt-bigcode", seed=6, vocab_size=len(tiny_vocabulary()[0]))
+    cfg = hf_model.config
+    names = {"wte": "token_embd", "wpe": "position_embd", "ln_f": "output_norm",
+             "ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
+             "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+
+    def write(path, kv_heads=1):
+        writer = gguf.GGUFWriter(str(path), "starcoder")
+        writer.add_context_length(cfg.n_positions)
+        writer.add_embedding_length(cfg.n_embd)
+        writer.add_block_count(cfg.n_layer)
+        writer.add_feed_forward_length(cfg.n_inner)
+        writer.add_head_count(cfg.n_head)
+        writer.add_head_count_kv(kv_heads)
+        writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
+        add_bpe_vocabulary(writer, cfg.vocab_size)
+        for name, tensor in hf_model.state_dict().items():
+            module, kind = name.rsplit(".", 1)
+            parts = module.split(".")
+            if module == "lm_head":
+                continue  # tied: llama.cpp writes no output tensor
+            if parts[1] == "h":
+                target = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{kind}"
+            else:
+                target = f"{names['.'.join(parts[1:])]}.{kind}"
+            writer.add_tensor(target, tensor.detach().float().numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    config, params, tokenizer = load_gguf(write(tmp_path / "starcoder.gguf"))
+    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
+        from_hf_config(cfg.to_dict())
+    tokens = random_prompt(7, 20, vocab=cfg.vocab_size)
+    model = specjax.Model.from_params(config, params, tokenizer)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+    with pytest.raises(CheckpointError, match="2 KV heads of 4 is not supported") as info:
+        load_gguf(write(tmp_path / "gqa.gguf", kv_heads=2))
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("variant", ["gemma2", "gemma3", "phi3"])
 def test_gguf_with_a_sentencepiece_vocabulary_brings_its_tokenizer(variant, tmp_path):
     """Real Gemma 2/3 and Phi-3 GGUF files carry a SentencePiece vocabulary
@@ -969,7 +1041,7 @@ def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3", "gpt-neox", "olmoe",
-                                     "phi", "starcoder2"])
+                                     "phi", "starcoder2", "gpt-bigcode"])
 def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
     from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 

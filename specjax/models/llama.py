@@ -32,6 +32,11 @@ families that differ from Llama in a few places (``config.family``):
 * Phi (1, 1.5, 2): GPT-NeoX's block with one LayerNorm that attention and MLP both read
   (``shared_input_norm``), the tanh GELU, RoPE on part of each head, and a head with a
   bias (``head_bias``: ``lm_head_bias``).
+* StarCoder2: GPT-NeoX's sequential block with grouped KV heads, the tanh GELU and a
+  sliding window in every layer.
+* GPTBigCode (StarCoder, SantaCoder): GPT-2's block with one KV head (multi-query) on this
+  forward: learned positions added to the embedding (``learned_positions``:
+  ``pos_embed``) and no RoPE in any layer.
 * Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: a routed mixture of experts in place of each MLP
   (``num_experts``, ``experts_per_token``, ``normalize_expert_weights``); Qwen2-MoE adds a
   gated shared expert (``shared_expert_size``) and q/k/v biases, Qwen3-MoE Qwen3's
@@ -62,6 +67,7 @@ matrices are stored [in, out]; ``d`` = hidden size, ``F`` = intermediate size)::
                                   (LayerNorm's biases, norm_kind "layer"; no mlp_norm,
                                   mlp_norm_bias with shared_input_norm)
     final_norm  [d]
+    pos_embed   [P, d]   (learned_positions: GPTBigCode; P = max_position_embeddings)
     lm_head     [d, V]   (absent when the head is tied to ``embed``)
     lm_head_bias [V]     (head_bias: Phi)
     layers/q_norm [L, D]  layers/k_norm [L, D]        (qk_norm; [L, H*D] and [L, K*D] with
@@ -181,6 +187,8 @@ def _param_shapes(config: ModelConfig) -> dict:
     shapes = {"embed": (config.vocab_size, d), "layers": layers, "final_norm": (d,)}
     if config.norm_kind == "layer":
         shapes["final_norm_bias"] = (d,)
+    if config.learned_positions:
+        shapes["pos_embed"] = (config.max_position_embeddings, d)
     if config.feature_input:
         shapes["fc"] = (2 * d, d)
         shapes["feature_norm"] = (d,)
@@ -212,8 +220,9 @@ def embed(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
     ``[embed(tokens); rms_norm(features)] @ fc`` with ``features`` [T, d] the target's
     features (normed with the draft's ``feature_norm``: a target's final-normed hidden
     states are typically an order of magnitude larger than its embeddings)."""
-    del positions
     x = jnp.take(params["embed"], tokens, axis=0)
+    if config.learned_positions:  # GPTBigCode; clipped as GPT-2's (specjax.models.gpt2)
+        x = x + jnp.take(params["pos_embed"], positions, axis=0, mode="clip")
     if config.embed_scale:  # Gemma: sqrt(d) rounded to the model dtype, then the product
         x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
     if config.embed_multiplier is not None:  # Granite
@@ -285,6 +294,7 @@ def plain_layers_only(config: ModelConfig) -> str | None:
         ("local RoPE", config.local_rope_theta is not None),
         ("partial RoPE", config.rope_dim != config.head_dim),
         ("NoPE layers", bool(config.no_rope_layers)),
+        ("learned positions", config.learned_positions),
         ("mixture-of-experts MLPs", config.num_experts > 0), ("a head bias", config.head_bias),
         ("Granite's multipliers", any(m is not None for m in (
             config.embed_multiplier, config.residual_multiplier, config.logits_divisor))))
