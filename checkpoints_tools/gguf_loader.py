@@ -5,7 +5,7 @@ count, length and offset against the file's size first (see "reading" below); th
 package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, ``phi2``,
-  ``starcoder2``, ``starcoder``, and ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``,
+  ``starcoder2``, ``starcoder``, ``command-r``, ``cohere2``, and ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``,
   ``smollm3``, ``granite``, ``olmo2``, ``stablelm``, ``qwen2moe``, ``qwen3moe``, ``olmoe``:
   :data:`FAMILY_ARCHITECTURES`) that becomes a :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
@@ -78,7 +78,8 @@ from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundE
 _ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                   "gemma": False, "gemma2": False, "gemma3": False, "phi3": False, "smollm3": True,
                   "granite": True, "olmo2": False, "gptneox": False, "stablelm": False,
-                  "phi2": False, "starcoder2": False, "starcoder": False,
+                  "phi2": False, "starcoder2": False, "starcoder": False, "command-r": False,
+                  "cohere2": False,
                   "qwen2moe": False, "qwen3moe": False, "olmoe": False}
 # GGUF architecture -> the Hugging Face model_type of the families with optional features.
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
@@ -598,6 +599,8 @@ def config_from_gguf(reader: GGUFFile, source: str = "gguf") -> ModelConfig:
         return _starcoder2_config(reader, meta, names, source)
     if arch == "starcoder":
         return _starcoder_config(reader, meta, names, source)
+    if arch in ("command-r", "cohere2"):
+        return _cohere_config(reader, arch, meta, names, source)
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
     if heads == 0:
@@ -703,11 +706,32 @@ def _starcoder_config(reader: GGUFFile, meta, names: set, source: str) -> ModelC
         "model_type": "gpt_bigcode", "multi_query": kv_heads == 1 and heads > 1})
 
 
+def _cohere_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -> ModelConfig:
+    """The config of a ``command-r`` (Command R) or ``cohere2`` (Command R7B) file as
+    llama.cpp's converter writes it: q and k as the checkpoint stores them (RoPE on
+    adjacent pairs, which the key map reorders), ``logit_scale``, LayerNorm's epsilon;
+    ``cohere2``: ``attention.sliding_window`` on three layers of every four (llama.cpp's
+    fixed pattern, transformers' default one), RoPE on those only."""
+    family = {"model_type": "cohere" if arch == "command-r" else "cohere2",
+              "num_key_value_heads": meta("attention.head_count_kv",
+                                          meta("attention.head_count")),
+              "logit_scale": _float32_value(meta("logit_scale", kind=float)),
+              "attention_bias": "blk.0.attn_q.bias" in names}
+    if "blk.0.attn_q_norm.weight" in names:
+        raise CheckpointError(f"{source}: a {arch} file with per-head q/k norms "
+                              f"('blk.0.attn_q_norm.weight') is not supported")
+    if arch == "cohere2":
+        family.update(sliding_window=meta("attention.sliding_window", 0) or None,
+                      sliding_window_pattern=4)
+    return _layer_norm_config(reader, arch, meta, names, source, family)
+
+
 def _layer_norm_config(reader: GGUFFile, arch: str, meta, names: set, source: str,
                        family: dict) -> ModelConfig:
     """The config of a file of the LayerNorm families (RoPE partial or whole, never scaled)
-    (``gptneox``, ``phi2``, ``starcoder2``, ``starcoder``): the keys they share, then
-    ``family``'s, as the Hugging Face config :func:`specjax.config.from_hf_config` reads."""
+    (``gptneox``, ``phi2``, ``starcoder2``, ``starcoder``, ``command-r``, ``cohere2``): the
+    keys they share, then ``family``'s, as the Hugging Face config
+    :func:`specjax.config.from_hf_config` reads."""
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     if heads == 0 or hidden % heads:
         raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' "

@@ -305,6 +305,55 @@ def bigcode_rules(config: ModelConfig) -> list[Rule]:
     return rules
 
 
+def _pairs_to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Rows [heads * D, ...] of q or k whose RoPE rotates adjacent pairs (2i, 2i + 1) of each
+    head, reordered so that the pairs sit at (i, i + D/2), where this forward's RoPE rotates
+    them; q and k reordered alike give the same scores."""
+    dim = rows.shape[0] // heads
+    return rows.reshape(heads, dim // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _halves_to_pairs(rows: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of :func:`_pairs_to_halves`."""
+    dim = rows.shape[0] // heads
+    return rows.reshape(heads, 2, dim // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def cohere_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for CohereForCausalLM and Cohere2ForCausalLM checkpoints: Llama's names, one
+    LayerNorm (a scale) per block, q's and k's rows reordered per head from RoPE on
+    adjacent pairs to RoPE on halves (:func:`_pairs_to_halves`)."""
+    p = "model.layers.{i}."
+
+    def pairs_rule(leaf: str, name: str, heads: int, weight: bool) -> Rule:
+        if weight:  # [H*D, d] -> [d, H*D]
+            return Rule(name, (leaf,), lambda a: (_pairs_to_halves(a, heads).T,),
+                        lambda a: _halves_to_pairs(np.asarray(a).T, heads))
+        return Rule(name, (leaf,), lambda a: (_pairs_to_halves(a, heads),),
+                    lambda a: _halves_to_pairs(np.asarray(a), heads))
+
+    heads = {"q": config.num_heads, "k": config.num_kv_heads}
+    rules = [
+        _same("embed", "model.embed_tokens.weight"), _same("final_norm", "model.norm.weight"),
+        _same("layers/attn_norm", p + "input_layernorm.weight"),
+        *[pairs_rule(f"layers/w{x}", f"{p}self_attn.{x}_proj.weight", heads[x], True)
+          for x in "qk"],
+        _t("layers/wv", p + "self_attn.v_proj.weight"),
+        _t("layers/wo", p + "self_attn.o_proj.weight"),
+        _t("layers/w_gate", p + "mlp.gate_proj.weight"),
+        _t("layers/w_up", p + "mlp.up_proj.weight"),
+        _t("layers/w_down", p + "mlp.down_proj.weight"),
+    ]
+    if config.qkv_bias:
+        rules += [*[pairs_rule(f"layers/b{x}", f"{p}self_attn.{x}_proj.bias", heads[x], False)
+                    for x in "qk"],
+                  _same("layers/bv", p + "self_attn.v_proj.bias"),
+                  _same("layers/bo", p + "self_attn.o_proj.bias")]
+    if not config.tie_word_embeddings:
+        rules.append(_t("lm_head", "lm_head.weight"))
+    return rules
+
+
 def rules_for(config: ModelConfig) -> list[Rule]:
     if config.family == "gpt_neox":
         return neox_rules(config)
@@ -314,6 +363,8 @@ def rules_for(config: ModelConfig) -> list[Rule]:
         return starcoder2_rules(config)
     if config.family == "gpt_bigcode":
         return bigcode_rules(config)
+    if config.family in ("cohere", "cohere2"):
+        return cohere_rules(config)
     if config.family is not None:
         return family_rules(config)
     return llama_rules(config) if config.architecture == "llama" else gpt2_rules(config)

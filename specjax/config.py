@@ -21,7 +21,7 @@ from specjax.errors import InvalidArgumentError
 
 ARCHITECTURES = ("llama", "gpt2")
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")
-NORM_KINDS = ("rms", "layer")
+NORM_KINDS = ("rms", "layer", "layer_nobias")
 
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
@@ -126,7 +126,7 @@ class ModelConfig:
         below (``"qwen3"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``,
         ``"smollm3"``, ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"stablelm"``,
         ``"gpt_neox"``, ``"phi"``, ``"starcoder2"``, ``"gpt_bigcode"``, ``"mixtral"``,
-        ``"qwen2_moe"``,
+        ``"cohere"``, ``"cohere2"``, ``"qwen2_moe"``,
         ``"qwen3_moe"``, ``"olmoe"``), so the config writes the same type back; ``None``
         for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
@@ -136,8 +136,9 @@ class ModelConfig:
       hidden_act: the MLP's gate activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"``
         (GeGLU with the tanh approximation, Gemma); or, without ``gated_mlp``, its one
         activation (``"gelu"``, the exact erf form: GPT-NeoX/Pythia).
-      norm_kind: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with a bias: GPT-NeoX; the
-        norms' biases are ``attn_norm_bias``, ``mlp_norm_bias``, ``final_norm_bias``).
+      norm_kind: ``"rms"`` (RMSNorm), ``"layer"`` (LayerNorm with a bias: GPT-NeoX; the
+        norms' biases are ``attn_norm_bias``, ``mlp_norm_bias``, ``final_norm_bias``) or
+        ``"layer_nobias"`` (LayerNorm with a scale only: Cohere).
       gated_mlp: the MLP is ``down(act(gate(x)) * up(x))``; ``False``: ``down(act(up(x)))``
         (GPT-NeoX).
       parallel_residual: attention and MLP both read the block's input and add to it
@@ -173,6 +174,8 @@ class ModelConfig:
         before their residual adds (Granite); ``None``: by nothing.
       logits_divisor: logits are divided by this (Granite's ``logits_scaling``); ``None``:
         by nothing.
+      logit_scale: logits are multiplied by this (Cohere's ``logit_scale``); ``None``: by
+        nothing.
       feature_input: a feature draft (EAGLE-style, llama family only): its blocks read
         ``[embed(token_t); rms_norm(f_{t-1})] @ fc``, where ``f_{t-1}`` is the target's
         final-normed hidden state at the previous position, and its output (after its own
@@ -263,6 +266,7 @@ class ModelConfig:
     shared_input_norm: bool = False
     head_bias: bool = False
     learned_positions: bool = False
+    logit_scale: float | None = None
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -308,7 +312,8 @@ class ModelConfig:
         if any(flag not in (0, 1) or isinstance(flag, bool) for flag in self.no_rope_layers):
             raise InvalidArgumentError(f"no_rope_layers must be 1 (RoPE) or 0 (none) per "
                                        f"layer, got {self.no_rope_layers!r}")
-        for name in ("embed_multiplier", "residual_multiplier", "logits_divisor"):
+        for name in ("embed_multiplier", "residual_multiplier", "logits_divisor",
+                     "logit_scale"):
             value = getattr(self, name)
             if value is not None and (self.architecture != "llama" or not value > 0
                                       or value == float("inf")):
@@ -451,6 +456,8 @@ class ModelConfig:
             return _starcoder2_to_hf(self)
         if self.family == "gpt_bigcode":
             return _bigcode_to_hf(self)
+        if self.family in ("cohere", "cohere2"):
+            return _cohere_to_hf(self)
         if self.family is not None:
             return _extended_to_hf(self)
         if self.qkv_bias and not self.out_bias:
@@ -653,6 +660,8 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
         return _starcoder2_from_hf(cfg)
     if model_type == "gpt_bigcode":
         return _bigcode_from_hf(cfg)
+    if model_type in ("cohere", "cohere2"):
+        return _cohere_from_hf(model_type, cfg)
     if model_type in _LLAMA_FAMILY:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
@@ -688,6 +697,7 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
         return _extended_from_hf(model_type, cfg)
     raise InvalidArgumentError(
         f"unsupported model_type {model_type!r}; specjax supports gpt2, gpt_bigcode, "
+        f"cohere, cohere2, "
         f"gpt_neox, phi, starcoder2, {', '.join(_LLAMA_FAMILY)}, "
         f"{', '.join(EXTENDED_FAMILIES)} and gemma3"
     )
@@ -1109,6 +1119,88 @@ def _bigcode_to_hf(config: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_word_embeddings,
         "eos_token_id": _eos_to_hf(config.eos_token_ids), "bos_token_id": config.bos_token_id,
     }
+
+
+def _cohere_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
+    """Command R (``cohere``) and Command R7B (``cohere2``) on the llama forward: one
+    LayerNorm without a bias that attention and a SwiGLU MLP both read side by side, RoPE
+    on adjacent pairs of each head (the key map reorders q's and k's rows per head into
+    the halves this forward rotates: the scores are the same sums), logits times
+    ``logit_scale``, a tied head. ``cohere2``: three sliding-window layers per global one
+    (``layer_types``), RoPE in the sliding layers only. Command R+'s per-head q/k norms
+    (``use_qk_norm``) are refused."""
+    if cfg.get("use_qk_norm"):
+        raise InvalidArgumentError(f"{model_type} with use_qk_norm (per-head q/k LayerNorms) "
+                                   f"is not supported")
+    rope = dict(cfg.get("rope_parameters") or {})
+    if float(_get(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 1.0))
+             ) != 1.0:
+        raise InvalidArgumentError(f"{model_type} with RoPE on part of each head "
+                                   f"(partial_rotary_factor) is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise InvalidArgumentError(f"unsupported {model_type} activation {act!r}; expected silu")
+    heads = int(cfg["num_attention_heads"])
+    width = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    theta, scaling = _rope_from_hf(cfg)
+    bias = bool(cfg.get("attention_bias", False))
+    windows, no_rope = (), ()
+    if model_type == "cohere2":
+        types = cfg.get("layer_types")
+        if types is None:
+            pattern = int(_get(cfg, "sliding_window_pattern", default=4))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(layers)]
+        if sorted(set(types) - {"sliding_attention", "full_attention"}) or len(types) != layers:
+            raise InvalidArgumentError(f"cohere2 layer_types must be {layers} of "
+                                       f"sliding_attention / full_attention, got {types!r}")
+        # A layer slides, and applies RoPE, when its type says so and the config names a
+        # window (transformers' Cohere2Attention rotates only where its window is set).
+        window = int(cfg.get("sliding_window") or 0)
+        sliding = [t == "sliding_attention" and window > 0 for t in types]
+        windows = tuple(window if s else 0 for s in sliding)
+        no_rope = tuple(int(s) for s in sliding)
+    return ModelConfig(
+        architecture="llama", vocab_size=int(cfg["vocab_size"]), hidden_size=width,
+        num_layers=layers, num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+        head_dim=int(_get(cfg, "head_dim", default=width // heads)),
+        intermediate_size=int(cfg["intermediate_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        norm_eps=float(_get(cfg, "layer_norm_eps", default=1e-5)), rope_theta=theta,
+        rope_scaling=scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=bias, out_bias=bias, mlp_bias=False,
+        eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
+        family=model_type, norm_kind="layer_nobias", parallel_residual=True,
+        shared_input_norm=True, logit_scale=float(_get(cfg, "logit_scale", default=0.0625)),
+        layer_windows=windows if any(windows) else (), no_rope_layers=no_rope)
+
+
+def _cohere_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config of a ``cohere`` or ``cohere2`` model (the keys
+    :func:`_cohere_from_hf` reads)."""
+    cohere2 = config.family == "cohere2"
+    out: dict[str, Any] = {
+        "model_type": config.family,
+        "architectures": ["Cohere2ForCausalLM" if cohere2 else "CohereForCausalLM"],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size, "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "layer_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+        "attention_bias": config.qkv_bias, "logit_scale": config.logit_scale,
+        "use_qk_norm": False, "tie_word_embeddings": config.tie_word_embeddings,
+        "eos_token_id": _eos_to_hf(config.eos_token_ids), "bos_token_id": config.bos_token_id,
+    }
+    if cohere2:
+        windows = config.windows_per_layer
+        out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
+        out["sliding_window"] = max(windows) or None
+    if config.rope_scaling is not None:
+        out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
+    return out
 
 
 def _neox_to_hf(config: ModelConfig) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
 (Qwen3, Gemma 1, 2 and 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
-GPT-NeoX, Phi, StarCoder2, GPTBigCode, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
+GPT-NeoX, Phi, StarCoder2, GPTBigCode, Cohere's Command R and R7B, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
 OLMoE), made by transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
@@ -108,6 +108,16 @@ VARIANTS = {
     "gpt-bigcode-mha": (transformers.GPTBigCodeConfig, dict(
         _BIGCODE, multi_query=False, scale_attn_weights=False, activation_function="gelu",
         tie_word_embeddings=False)),
+    # Command R (cohere): one LayerNorm without a bias before attention and MLP side by
+    # side, RoPE on adjacent pairs, q/k/v/o biases (attention_bias), logits times 0.25.
+    "cohere": (transformers.CohereConfig, dict(
+        {k: v for k, v in _BASE.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5,
+        attention_bias=True, logit_scale=0.25)),
+    # Command R7B (cohere2): three sliding layers with RoPE, then a global one without;
+    # logits times 0.5, an untied head.
+    "cohere2": (transformers.Cohere2Config, dict(
+        {k: v for k, v in _BASE.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5,
+        num_hidden_layers=4, sliding_window=5, logit_scale=0.5, tie_word_embeddings=False)),
     # StableLM (2): LayerNorm with biases, q/k/v biases, RoPE on a quarter of each head,
     # SwiGLU, grouped KV heads, untied head.
     "stablelm": (transformers.StableLmConfig, dict(

@@ -75,10 +75,10 @@ def test_logits_match_transformers(pairs, variant):
 
 
 # The mixtures of experts beyond Mixtral, Gemma 1, Phi, StarCoder2 without biases and
-# GPTBigCode without multi-query generate in the slow tier (their parity, here, is what
-# differs between them and the others; Phi's `spec` is quick).
+# GPTBigCode without multi-query and Command R7B generate in the slow tier (their parity,
+# here, is what differs between them and the others; Phi's `spec` is quick).
 MOE_SLOW = ("qwen3-moe", "olmoe", "gemma", "qwen2-moe", "phi", "starcoder2-nobias",
-            "gpt-bigcode-mha")
+            "gpt-bigcode-mha", "cohere2")
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v in MOE_SLOW
@@ -111,6 +111,8 @@ WRONG = [
     ("starcoder2", "layer_windows", ()), ("starcoder2", "norm_kind", "rms"),
     ("starcoder2", "parallel_residual", True),
     ("gpt-bigcode", "learned_positions", False), ("gpt-bigcode-mha", "query_scale", None),
+    ("cohere", "logit_scale", None), ("cohere", "norm_kind", "rms"),
+    ("cohere2", "no_rope_layers", ()), ("cohere2", "layer_windows", ()),
     ("gemma", "norm_plus_one", False), ("gemma", "embed_scale", False),
     ("gemma", "hidden_act", "silu"), ("mixtral", "normalize_expert_weights", False),
     ("mixtral", "experts_per_token", 1),
@@ -250,6 +252,8 @@ def test_configs_read_the_features(pairs):
         from_hf_config(hf_config("olmoe", clip_qkv=8.0).to_dict())
     with pytest.raises(InvalidArgumentError, match="learned_positions applies with"):
         dataclasses.replace(pairs["gpt-bigcode"][1].config, no_rope_layers=())
+    with pytest.raises(InvalidArgumentError, match="cohere with use_qk_norm"):
+        from_hf_config(hf_config("cohere", use_qk_norm=True).to_dict())
     raw = hf_config("starcoder2").to_dict()
     for key, value, message in (("partial_rotary_factor", 0.5, "RoPE on part of each head"),
                                 ("hidden_act", "silu", "unsupported starcoder2 activation")):
@@ -325,6 +329,20 @@ HUB_CONFIGS = {
                       rope_theta=1e6, rope_scaling=None, use_sliding_window=False,
                       sliding_window=None, max_window_layers=48, tie_word_embeddings=False,
                       bos_token_id=151643, eos_token_id=151645),
+    # Command R (35B)'s and Command R7B's configs
+    "cohere": dict(model_type="cohere", architectures=["CohereForCausalLM"], vocab_size=256000,
+                   hidden_size=8192, intermediate_size=22528, num_hidden_layers=40,
+                   num_attention_heads=64, num_key_value_heads=64, hidden_act="silu",
+                   max_position_embeddings=8192, layer_norm_eps=1e-5, logit_scale=0.0625,
+                   rope_theta=8000000.0, use_qk_norm=False, attention_bias=False,
+                   tie_word_embeddings=True, bos_token_id=5, eos_token_id=255001),
+    "cohere2": dict(model_type="cohere2", architectures=["Cohere2ForCausalLM"],
+                    vocab_size=256000, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    hidden_act="silu", max_position_embeddings=8192, layer_norm_eps=1e-5,
+                    logit_scale=0.25, rope_theta=50000.0, sliding_window=4096,
+                    sliding_window_pattern=4, attention_bias=False, tie_word_embeddings=True,
+                    bos_token_id=5, eos_token_id=255001),
     # StarCoder (15.5B)'s config: multi-query, learned positions over 8,192
     "gpt_bigcode": dict(model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"],
                         vocab_size=49152, n_embd=6144, n_inner=24576, n_layer=40, n_head=48,
@@ -361,7 +379,7 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
     assert ours.rope_dim == {"gpt_neox": 16, "olmo2": 128, "stablelm": 16, "mixtral": 128,
                              "qwen3_moe": 128, "olmoe": 128, "gemma": 256,
                              "qwen2_moe": 128, "phi": 32, "starcoder2": 128,
-                             "gpt_bigcode": 128}[model_type]
+                             "gpt_bigcode": 128, "cohere": 128, "cohere2": 128}[model_type]
     if model_type == "phi":
         assert (ours.head_dim, ours.hidden_act, ours.head_bias) == (80, "gelu_tanh", True)
         assert ours.parallel_residual and ours.shared_input_norm
@@ -370,6 +388,12 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
         assert ours.qkv_bias and ours.mlp_bias and ours.tie_word_embeddings
         assert not ours.gated_mlp and not ours.parallel_residual
         assert ours.hidden_act == "gelu_tanh"
+    if model_type in ("cohere", "cohere2"):
+        assert ours.norm_kind == "layer_nobias" and ours.shared_input_norm
+        assert ours.logit_scale == {"cohere": 0.0625, "cohere2": 0.25}[model_type]
+        assert ours.layer_windows == {"cohere": (), "cohere2": (4096, 4096, 4096, 0)}[
+            model_type]
+        assert ours.no_rope_layers == {"cohere": (), "cohere2": (1, 1, 1, 0)}[model_type]
     if model_type == "gpt_bigcode":
         assert (ours.num_kv_heads, ours.intermediate_size, ours.max_position_embeddings) == (
             1, 24576, 8192)
@@ -436,7 +460,9 @@ def test_phi3_fused_tensors_with_a_wrong_shape_are_named(pairs):
                                      pytest.param("phi", marks=pytest.mark.slow),
                                      pytest.param("starcoder2", marks=pytest.mark.slow),
                                      pytest.param("gpt-bigcode", marks=pytest.mark.slow),
-                                     pytest.param("gpt-bigcode-mha", marks=pytest.mark.slow)])
+                                     pytest.param("gpt-bigcode-mha", marks=pytest.mark.slow),
+                                     "cohere",
+                                     pytest.param("cohere2", marks=pytest.mark.slow)])
 def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
     import transformers
     from specjax.checkpoints_tools.hf import save_hf_directory
@@ -453,7 +479,8 @@ def test_the_exported_directory_loads_in_transformers(pairs, tmp_path, variant):
 
 METHOD_VARIANTS = ["qwen3-untied-sliding", "gemma2", "gemma3", "phi3", "smollm3", "granite",
                    "olmo2", "olmo3", "gpt-neox", "stablelm", "mixtral", "qwen3-moe", "olmoe",
-                   "gemma", "qwen2-moe", "phi", "starcoder2", "gpt-bigcode"]
+                   "gemma", "qwen2-moe", "phi", "starcoder2", "gpt-bigcode", "cohere",
+                   "cohere2"]
 
 
 class _LazyTables(dict):
@@ -479,9 +506,10 @@ def tables(pairs):
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
 QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi", "starcoder2",
-                   "gpt-bigcode")
+                   "gpt-bigcode", "cohere")
 # Whole grid in the slow tier; parity covers the quick one.
-SLOW_ONLY = ("olmo2", "olmo3", "stablelm", "qwen3-moe", "olmoe", "gemma", "qwen2-moe")
+SLOW_ONLY = ("olmo2", "olmo3", "stablelm", "qwen3-moe", "olmoe", "gemma", "qwen2-moe",
+             "cohere2")
 METHOD_CASES = [
     pytest.param(method, variant, marks=pytest.mark.slow)
     if variant in SLOW_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")
@@ -577,7 +605,8 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
                                               ("olmo2", "no input norms"),
                                               ("gpt-neox", "LayerNorm"),
                                               ("mixtral", "mixture-of-experts"),
-                                              ("gpt-bigcode", "learned positions")])
+                                              ("gpt-bigcode", "learned positions"),
+                                              ("cohere", "a logit scale")])
 def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
     with pytest.raises(InvalidArgumentError, match=f"attention 'fused'.*{feature}") as info:
         specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
@@ -771,6 +800,25 @@ def test_a_gpt_neox_gguf_gives_transformers_logits(variant, tmp_path):
     assert np.abs(wrong - _hf_logits(hf_model, tokens)).max() > 1e-2
 
 
+def test_cohere_q_and_k_read_without_reordering_their_pairs_fail_parity(pairs):
+    """Cohere's RoPE rotates adjacent pairs of each head; the key map moves them to the
+    halves this forward rotates. Rows left in the checkpoint's order give other logits."""
+    from specjax.checkpoints_tools.keymap import _halves_to_pairs
+
+    hf_model, model = pairs["cohere"]
+    config, layers = model.config, dict(model.params["layers"])
+    for leaf, heads in (("wq", config.num_heads), ("wk", config.num_kv_heads)):
+        layers[leaf] = np.stack([_halves_to_pairs(np.asarray(w).T, heads).T
+                                 for w in layers[leaf]])
+    for leaf, heads in (("bq", config.num_heads), ("bk", config.num_kv_heads)):
+        layers[leaf] = np.stack([_halves_to_pairs(np.asarray(b), heads)
+                                 for b in layers[leaf]])
+    tokens = random_prompt(7, 20)
+    logits, _ = models.forward({**model.params, "layers": layers}, config, jnp.asarray(tokens),
+                               jnp.arange(len(tokens)))
+    assert np.abs(np.asarray(logits) - _hf_logits(hf_model, tokens)).max() > 1e-2
+
+
 def test_a_head_subset_keeps_phis_head_bias(pairs):
     """A draft's head subset (Model.with_head_subset) scores its ids as the whole head
     does, the head's bias included (without it every subset logit would be off by its
@@ -930,6 +978,58 @@ def test_a_starcoder_gguf_gives_transformers_logits(tmp_path):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("variant,arch", [("cohere", "command-r"), ("cohere2", "cohere2")])
+def test_a_cohere_gguf_gives_transformers_logits(variant, arch, tmp_path):
+    """llama.cpp's command-r and cohere2 files: Llama's tensor names, one norm per block,
+    q and k as the checkpoint stores them (RoPE on adjacent pairs), ``logit_scale``;
+    cohere2's window on three layers of four, RoPE on those only."""
+    import gguf
+    from helpers_checkpoints import add_bpe_vocabulary, tiny_vocabulary
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    hf_model = tiny_family_model(variant, seed=6, vocab_size=len(tiny_vocabulary()[0]))
+    cfg = hf_model.config
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+             "lm_head": "output", "input_layernorm": "attn_norm",
+             **{f"self_attn.{x}_proj": f"attn_{x}" for x in "qkv"},
+             "self_attn.o_proj": "attn_output",
+             **{f"mlp.{x}_proj": f"ffn_{x}" for x in ("gate", "up", "down")}}
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_logit_scale(cfg.logit_scale)
+    if arch == "cohere2":
+        writer.add_sliding_window(cfg.sliding_window)
+    add_bpe_vocabulary(writer, cfg.vocab_size)
+    for name, tensor in hf_model.state_dict().items():
+        module, kind = name.rsplit(".", 1)
+        parts = module.split(".")
+        if module == "lm_head" and cfg.tie_word_embeddings:
+            continue
+        if parts[:2] == ["model", "layers"]:
+            target = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{kind}"
+        else:
+            target = f"{names[module]}.{kind}"
+        writer.add_tensor(target, tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config, params, tokenizer = load_gguf(path)
+    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
+        from_hf_config(cfg.to_dict())
+    tokens = random_prompt(7, 20, vocab=cfg.vocab_size)
+    model = specjax.Model.from_params(config, params, tokenizer)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+
+
 @pytest.mark.parametrize("variant", ["gemma2", "gemma3", "phi3"])
 def test_gguf_with_a_sentencepiece_vocabulary_brings_its_tokenizer(variant, tmp_path):
     """Real Gemma 2/3 and Phi-3 GGUF files carry a SentencePiece vocabulary
@@ -1041,7 +1141,7 @@ def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "phi3", "smollm3", "olmo3", "gpt-neox", "olmoe",
-                                     "phi", "starcoder2", "gpt-bigcode"])
+                                     "phi", "starcoder2", "gpt-bigcode", "cohere2"])
 def test_orbax_round_trip_keeps_the_family(pairs, variant, tmp_path):
     from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 

@@ -488,9 +488,12 @@ def lm_head(params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 def finish_logits(config: ModelConfig, logits: jax.Array) -> jax.Array:
     """The head's float32 products as the model's logits: divided by Granite's
-    ``logits_divisor``, soft-capped by Gemma 2's ``final_softcap``, else as they are."""
+    ``logits_divisor``, multiplied by Cohere's ``logit_scale``, soft-capped by Gemma 2's
+    ``final_softcap``, else as they are."""
     if config.logits_divisor is not None:
         logits = logits / config.logits_divisor
+    if config.logit_scale is not None:
+        logits = logits * config.logit_scale
     if config.final_softcap is not None:  # c * tanh(logits / c)
         logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
     return logits

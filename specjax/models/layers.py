@@ -21,13 +21,16 @@ from specjax.kernels.numerics import (apply_rope, matmul_precision, rms_norm,  #
                                       write_rope_rows)
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm over the last axis."""
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None,
+               eps: float) -> jax.Array:
+    """LayerNorm over the last axis (``bias`` ``None``: a scale only)."""
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> jax.Array:

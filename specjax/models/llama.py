@@ -37,6 +37,11 @@ families that differ from Llama in a few places (``config.family``):
 * GPTBigCode (StarCoder, SantaCoder): GPT-2's block with one KV head (multi-query) on this
   forward: learned positions added to the embedding (``learned_positions``:
   ``pos_embed``) and no RoPE in any layer.
+* Command R, Command R7B (Cohere): Phi's one norm per block, as a LayerNorm without a
+  bias (``norm_kind="layer_nobias"``), before attention and a SwiGLU MLP side by side;
+  logits times ``logit_scale``. Their RoPE rotates adjacent pairs; the key map reorders q's
+  and k's rows per head into the halves rotated here. Command R7B: three sliding-window
+  layers with RoPE per global one without.
 * Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: a routed mixture of experts in place of each MLP
   (``num_experts``, ``experts_per_token``, ``normalize_expert_weights``); Qwen2-MoE adds a
   gated shared expert (``shared_expert_size``) and q/k/v biases, Qwen3-MoE Qwen3's
@@ -297,7 +302,8 @@ def plain_layers_only(config: ModelConfig) -> str | None:
         ("learned positions", config.learned_positions),
         ("mixture-of-experts MLPs", config.num_experts > 0), ("a head bias", config.head_bias),
         ("Granite's multipliers", any(m is not None for m in (
-            config.embed_multiplier, config.residual_multiplier, config.logits_divisor))))
+            config.embed_multiplier, config.residual_multiplier, config.logits_divisor))),
+        ("a logit scale", config.logit_scale is not None))
         if on]
     return ", ".join(features) or None
 
@@ -308,9 +314,11 @@ def _norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
 
 def _block_norm(config: ModelConfig, x: jax.Array, p: dict, name: str) -> jax.Array:
     """``x`` normed by ``p[name]``: RMSNorm, or LayerNorm with ``p[name + "_bias"]`` for
-    ``norm_kind="layer"``."""
+    ``norm_kind="layer"`` and without a bias for ``"layer_nobias"``."""
     if config.norm_kind == "layer":
         return layer_norm(x, p[name], p[name + "_bias"], config.norm_eps)
+    if config.norm_kind == "layer_nobias":
+        return layer_norm(x, p[name], None, config.norm_eps)
     return _norm(config, x, p[name])
 
 
