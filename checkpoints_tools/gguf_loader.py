@@ -5,8 +5,9 @@ count, length and offset against the file's size first (see "reading" below); th
 package supplies the type tables and the dequantization:
 
 - metadata ``{arch}.*`` (``llama``, ``qwen2``, ``mistral``, ``gptneox``, ``phi2``,
-  ``starcoder2``, ``starcoder``, ``command-r``, ``cohere2``, and ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``,
-  ``smollm3``, ``granite``, ``olmo2``, ``stablelm``, ``qwen2moe``, ``qwen3moe``, ``olmoe``:
+  ``starcoder2``, ``starcoder``, ``command-r``, ``cohere2``, and ``qwen3``, ``gemma``,
+  ``gemma2``, ``gemma3``, ``phi3``, ``smollm3``, ``granite``, ``olmo2``, ``stablelm``,
+  ``qwen2moe``, ``qwen3moe``, ``olmoe``:
   :data:`FAMILY_ARCHITECTURES`) that becomes a :class:`~specjax.config.ModelConfig`;
 - tensors named ``token_embd``, ``blk.N.attn_q`` ... that are dequantized to float32
   (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants: whatever ``gguf.quants`` can undo),

@@ -1,7 +1,7 @@
 """Tiny random checkpoints of the families on the llama forward that differ from Llama
 (Qwen3, Gemma 1, 2 and 3 text, Phi-3, SmolLM3, Granite, OLMo 2 and 3, StableLM,
-GPT-NeoX, Phi, StarCoder2, GPTBigCode, Cohere's Command R and R7B, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
-OLMoE), made by transformers' own classes.
+GPT-NeoX, Phi, StarCoder2, GPTBigCode, Cohere's Command R and R7B, and the mixtures of
+experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE), made by transformers' own classes.
 
 Every variant's sliding window is shorter than the test sequences (prompts of 6-20 tokens,
 24+ new ones), so a window that is ignored, off by one or applied to the wrong layers
