@@ -333,24 +333,14 @@ def cohere_rules(config: ModelConfig) -> list[Rule]:
                     lambda a: _halves_to_pairs(np.asarray(a), heads))
 
     heads = {"q": config.num_heads, "k": config.num_kv_heads}
-    rules = [
-        _same("embed", "model.embed_tokens.weight"), _same("final_norm", "model.norm.weight"),
-        _same("layers/attn_norm", p + "input_layernorm.weight"),
-        *[pairs_rule(f"layers/w{x}", f"{p}self_attn.{x}_proj.weight", heads[x], True)
-          for x in "qk"],
-        _t("layers/wv", p + "self_attn.v_proj.weight"),
-        _t("layers/wo", p + "self_attn.o_proj.weight"),
-        _t("layers/w_gate", p + "mlp.gate_proj.weight"),
-        _t("layers/w_up", p + "mlp.up_proj.weight"),
-        _t("layers/w_down", p + "mlp.down_proj.weight"),
-    ]
+    reordered = {f"layers/{kind}{x}" for kind in "wb" for x in "qk"}
+    rules = [rule for rule in llama_rules(config)
+             if rule.leaves[0] not in reordered and rule.leaves != ("layers/mlp_norm",)]
+    rules += [pairs_rule(f"layers/w{x}", f"{p}self_attn.{x}_proj.weight", heads[x], True)
+              for x in "qk"]
     if config.qkv_bias:
-        rules += [*[pairs_rule(f"layers/b{x}", f"{p}self_attn.{x}_proj.bias", heads[x], False)
-                    for x in "qk"],
-                  _same("layers/bv", p + "self_attn.v_proj.bias"),
-                  _same("layers/bo", p + "self_attn.o_proj.bias")]
-    if not config.tie_word_embeddings:
-        rules.append(_t("lm_head", "lm_head.weight"))
+        rules += [pairs_rule(f"layers/b{x}", f"{p}self_attn.{x}_proj.bias", heads[x], False)
+                  for x in "qk"]
     return rules
 
 

@@ -991,24 +991,30 @@ def _phi_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         rotary_dim=None if partial == 1.0 else int(head_dim * partial))
 
 
-def _phi_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """The Hugging Face config of a ``phi`` model (the keys :func:`_phi_from_hf` reads)."""
+def _hf_keys(config: ModelConfig, model_type: str, architecture: str, **family) -> dict:
+    """The keys of a Hugging Face config that the RoPE families write alike (sizes, RoPE
+    base and scaling, tied head, special ids), then ``family``'s own."""
     out: dict[str, Any] = {
-        "model_type": "phi", "architectures": ["PhiForCausalLM"],
+        "model_type": model_type, "architectures": [architecture],
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
-        "intermediate_size": config.intermediate_size, "hidden_act": "gelu_new",
+        "intermediate_size": config.intermediate_size,
         "max_position_embeddings": config.max_position_embeddings,
-        "layer_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
-        "partial_rotary_factor": config.rope_dim / config.head_dim, "qk_layernorm": False,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "eos_token_id": _eos_to_hf(config.eos_token_ids),
-        "bos_token_id": config.bos_token_id,
+        "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_word_embeddings,
+        "eos_token_id": _eos_to_hf(config.eos_token_ids), "bos_token_id": config.bos_token_id,
+        **family,
     }
     if config.rope_scaling is not None:
         out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
     return out
+
+
+def _phi_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config of a ``phi`` model (the keys :func:`_phi_from_hf` reads)."""
+    return _hf_keys(config, "phi", "PhiForCausalLM", hidden_act="gelu_new",
+                    layer_norm_eps=config.norm_eps, qk_layernorm=False,
+                    partial_rotary_factor=config.rope_dim / config.head_dim)
 
 
 def _starcoder2_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
@@ -1050,24 +1056,10 @@ def _starcoder2_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
 def _starcoder2_to_hf(config: ModelConfig) -> dict[str, Any]:
     """The Hugging Face config of a ``starcoder2`` model (the keys
     :func:`_starcoder2_from_hf` reads)."""
-    windows = set(config.layer_windows)
-    out: dict[str, Any] = {
-        "model_type": "starcoder2", "architectures": ["Starcoder2ForCausalLM"],
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "intermediate_size": config.intermediate_size,
-        "hidden_act": "gelu" if config.hidden_act == "gelu" else "gelu_pytorch_tanh",
-        "max_position_embeddings": config.max_position_embeddings,
-        "norm_epsilon": config.norm_eps, "rope_theta": config.rope_theta,
-        "use_bias": config.qkv_bias, "sliding_window": max(windows) if windows else None,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "eos_token_id": _eos_to_hf(config.eos_token_ids),
-        "bos_token_id": config.bos_token_id,
-    }
-    if config.rope_scaling is not None:
-        out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
-    return out
+    return _hf_keys(config, "starcoder2", "Starcoder2ForCausalLM",
+                    hidden_act="gelu" if config.hidden_act == "gelu" else "gelu_pytorch_tanh",
+                    norm_epsilon=config.norm_eps, use_bias=config.qkv_bias,
+                    sliding_window=max(config.windows_per_layer) or None)
 
 
 def _bigcode_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
@@ -1181,26 +1173,14 @@ def _cohere_to_hf(config: ModelConfig) -> dict[str, Any]:
     """The Hugging Face config of a ``cohere`` or ``cohere2`` model (the keys
     :func:`_cohere_from_hf` reads)."""
     cohere2 = config.family == "cohere2"
-    out: dict[str, Any] = {
-        "model_type": config.family,
-        "architectures": ["Cohere2ForCausalLM" if cohere2 else "CohereForCausalLM"],
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size, "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "layer_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
-        "attention_bias": config.qkv_bias, "logit_scale": config.logit_scale,
-        "use_qk_norm": False, "tie_word_embeddings": config.tie_word_embeddings,
-        "eos_token_id": _eos_to_hf(config.eos_token_ids), "bos_token_id": config.bos_token_id,
-    }
-    if cohere2:
-        windows = config.windows_per_layer
-        out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
-        out["sliding_window"] = max(windows) or None
-    if config.rope_scaling is not None:
-        out["rope_scaling"] = _rope_scaling_to_hf(config.rope_scaling)
-    return out
+    windows = config.windows_per_layer
+    layout = dict(layer_types=["sliding_attention" if w else "full_attention" for w in windows],
+                  sliding_window=max(windows) or None) if cohere2 else {}
+    return _hf_keys(config, config.family,
+                    "Cohere2ForCausalLM" if cohere2 else "CohereForCausalLM",
+                    head_dim=config.head_dim, hidden_act="silu", layer_norm_eps=config.norm_eps,
+                    attention_bias=config.qkv_bias, logit_scale=config.logit_scale,
+                    use_qk_norm=False, **layout)
 
 
 def _neox_to_hf(config: ModelConfig) -> dict[str, Any]:

@@ -725,9 +725,12 @@ def test_a_smollm3_gguf_gets_its_nope_layers(tmp_path):
     _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
 
 
-def _layer_norm_gguf_writer(cfg, path, arch: str):
+def _layer_norm_gguf_writer(cfg, path, arch: str, *, eps=None, ffn=None, kv_heads=None,
+                            partial_rope: bool = True):
     """A GGUF writer of ``arch`` with the metadata llama.cpp's converter writes for the
-    LayerNorm families with partial RoPE (``gptneox``, ``phi2``) and the tiny vocabulary."""
+    LayerNorm families (``gptneox``, ``phi2``, ``starcoder2``, ``starcoder``, ``command-r``,
+    ``cohere2``: RoPE dims when ``partial_rope``, KV heads when given) and the tiny
+    vocabulary."""
     import gguf
     from helpers_checkpoints import add_bpe_vocabulary
 
@@ -736,12 +739,51 @@ def _layer_norm_gguf_writer(cfg, path, arch: str):
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * dim))
+    writer.add_feed_forward_length(ffn or cfg.intermediate_size)
+    if partial_rope:
+        writer.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * dim))
     writer.add_head_count(cfg.num_attention_heads)
-    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    if kv_heads is not None:
+        writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_eps(cfg.layer_norm_eps if eps is None else eps)
     add_bpe_vocabulary(writer, cfg.vocab_size)
     return writer
+
+
+def _write_tensors(writer, hf_model, names: dict, blocks: str = "model.layers",
+                   rename=lambda name: name):
+    """Writes ``hf_model``'s tensors under llama.cpp's names and closes the file: a block's
+    module ``{blocks}.{i}.{sub}`` as ``blk.{i}.{names[sub]}``, others as ``names[module]``
+    (a tied head is not written); ``rename`` edits each name last."""
+    tied = hf_model.config.tie_word_embeddings
+    for name, tensor in hf_model.state_dict().items():
+        module, kind = name.rsplit(".", 1)
+        if module == "lm_head" and tied:
+            continue  # llama.cpp writes no output tensor for a tied head
+        if module.startswith(blocks + "."):
+            index, sub = module[len(blocks) + 1:].split(".", 1)
+            target = f"blk.{index}.{names[sub]}.{kind}"
+        else:
+            target = f"{names[module]}.{kind}"
+        writer.add_tensor(rename(target), tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_reads_as_transformers(path, hf_model):
+    """Loads the GGUF file ``path`` written from ``hf_model``: its config as transformers'
+    (special ids aside), its logits within the pass's rounding bound. Returns the config."""
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+
+    config, params, tokenizer = load_gguf(path)
+    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
+        from_hf_config(hf_model.config.to_dict())
+    tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
+    model = specjax.Model.from_params(config, params, tokenizer)
+    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+    return config
 
 
 def _write_neox_gguf(hf_model, path, *, stack_qkv: bool = True):
@@ -788,12 +830,9 @@ def test_a_gpt_neox_gguf_gives_transformers_logits(variant, tmp_path):
     # own graph computes the tanh form), so the model here is one with that GELU.
     hf_model = tiny_family_model(variant, seed=6, vocab_size=len(tiny_vocabulary()[0]),
                                  hidden_act="gelu")
-    config, params, tokenizer = load_gguf(_write_neox_gguf(hf_model, tmp_path / "neox.gguf"))
-    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
-        from_hf_config(hf_model.config.to_dict())
+    config = _gguf_reads_as_transformers(_write_neox_gguf(hf_model, tmp_path / "neox.gguf"),
+                                         hf_model)
     tokens = random_prompt(7, 20, vocab=hf_model.config.vocab_size)
-    model = specjax.Model.from_params(config, params, tokenizer)
-    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
     _, unstacked, _ = load_gguf(_write_neox_gguf(hf_model, tmp_path / "interleaved.gguf",
                                                  stack_qkv=False))
     wrong = _logits(specjax.Model.from_params(config, unstacked), tokens)
@@ -847,29 +886,12 @@ def test_a_phi2_gguf_gives_transformers_logits(tmp_path):
              "self_attn.dense": "attn_output", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
 
     def write(path, fused=False):
-        writer = _layer_norm_gguf_writer(cfg, path, "phi2")
-        writer.add_head_count_kv(cfg.num_key_value_heads)
-        for name, tensor in hf_model.state_dict().items():
-            module, kind = name.rsplit(".", 1)
-            parts = module.split(".")
-            if parts[:2] == ["model", "layers"]:
-                target = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{kind}"
-            else:
-                target = f"{names[module]}.{kind}"
-            writer.add_tensor(target.replace("attn_q.", "attn_qkv.") if fused else target,
-                              tensor.detach().float().numpy())
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        writer = _layer_norm_gguf_writer(cfg, path, "phi2", kv_heads=cfg.num_key_value_heads)
+        _write_tensors(writer, hf_model, names, rename=(
+            (lambda name: name.replace("attn_q.", "attn_qkv.")) if fused else str))
         return path
 
-    config, params, tokenizer = load_gguf(write(tmp_path / "phi2.gguf"))
-    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
-        from_hf_config(cfg.to_dict())
-    tokens = random_prompt(7, 20, vocab=cfg.vocab_size)
-    model = specjax.Model.from_params(config, params, tokenizer)
-    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+    _gguf_reads_as_transformers(write(tmp_path / "phi2.gguf"), hf_model)
     with pytest.raises(CheckpointError, match="fused 'blk.0.attn_qkv.weight'") as info:
         load_gguf(write(tmp_path / "fused.gguf", fused=True))
     assert "\n" not in str(info.value)
@@ -881,98 +903,47 @@ def test_a_starcoder2_gguf_gives_transformers_logits(window, tmp_path):
     ``ffn_up``/``ffn_down`` for ``c_fc``/``c_proj``, LayerNorm biases and projection biases,
     the head tied; no window unless the file names ``attention.sliding_window`` (llama.cpp's
     converter writes none, and its graph then attends globally)."""
-    import gguf
-    from helpers_checkpoints import add_bpe_vocabulary, tiny_vocabulary
-    from specjax.checkpoints_tools.gguf_loader import load_gguf
+    from helpers_checkpoints import tiny_vocabulary
 
     hf_model = tiny_family_model("starcoder2", seed=6, vocab_size=len(tiny_vocabulary()[0]),
                                  sliding_window=window)
     cfg = hf_model.config
-    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             **{f"self_attn.{x}_proj": f"attn_{x}" for x in "qkv"},
-             "self_attn.o_proj": "attn_output", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
-    path = tmp_path / "starcoder2.gguf"
-    writer = gguf.GGUFWriter(str(path), "starcoder2")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_eps(cfg.norm_epsilon)
+    writer = _layer_norm_gguf_writer(cfg, tmp_path / "starcoder2.gguf", "starcoder2",
+                                     eps=cfg.norm_epsilon, kv_heads=cfg.num_key_value_heads,
+                                     partial_rope=False)
     if window:
         writer.add_sliding_window(window)
-    add_bpe_vocabulary(writer, cfg.vocab_size)
-    for name, tensor in hf_model.state_dict().items():
-        module, kind = name.rsplit(".", 1)
-        parts = module.split(".")
-        if module == "lm_head":
-            continue  # tied: llama.cpp writes no output tensor
-        if parts[:2] == ["model", "layers"]:
-            target = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{kind}"
-        else:
-            target = f"{names[module]}.{kind}"
-        writer.add_tensor(target, tensor.detach().float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    config, params, tokenizer = load_gguf(path)
-    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
-        from_hf_config(cfg.to_dict())
+    _write_tensors(writer, hf_model, {
+        "model.embed_tokens": "token_embd", "model.norm": "output_norm",
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+        **{f"self_attn.{x}_proj": f"attn_{x}" for x in "qkv"},
+        "self_attn.o_proj": "attn_output", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"})
+    config = _gguf_reads_as_transformers(tmp_path / "starcoder2.gguf", hf_model)
     assert config.layer_windows == ((window,) if window else ())
-    tokens = random_prompt(7, 20, vocab=cfg.vocab_size)
-    model = specjax.Model.from_params(config, params, tokenizer)
-    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
 
 
 def test_a_starcoder_gguf_gives_transformers_logits(tmp_path):
     """llama.cpp's starcoder files (GPTBigCode): GPT-2's tensors with ``position_embd``,
     ``attn_qkv`` as the checkpoint's ``c_attn`` (q | k | v, one KV head), LayerNorm biases,
     the head tied; a KV head count other than 1 or every head is refused in one line."""
-    import gguf
-    from helpers_checkpoints import add_bpe_vocabulary, tiny_vocabulary
+    from helpers_checkpoints import tiny_vocabulary
     from specjax.checkpoints_tools.gguf_loader import load_gguf
 
     hf_model = tiny_family_model("gpt-bigcode", seed=6, vocab_size=len(tiny_vocabulary()[0]))
     cfg = hf_model.config
-    names = {"wte": "token_embd", "wpe": "position_embd", "ln_f": "output_norm",
-             "ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
-             "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+    names = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd",
+             "transformer.ln_f": "output_norm", "ln_1": "attn_norm", "attn.c_attn": "attn_qkv",
+             "attn.c_proj": "attn_output", "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up",
+             "mlp.c_proj": "ffn_down"}
 
     def write(path, kv_heads=1):
-        writer = gguf.GGUFWriter(str(path), "starcoder")
-        writer.add_context_length(cfg.n_positions)
-        writer.add_embedding_length(cfg.n_embd)
-        writer.add_block_count(cfg.n_layer)
-        writer.add_feed_forward_length(cfg.n_inner)
-        writer.add_head_count(cfg.n_head)
-        writer.add_head_count_kv(kv_heads)
-        writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
-        add_bpe_vocabulary(writer, cfg.vocab_size)
-        for name, tensor in hf_model.state_dict().items():
-            module, kind = name.rsplit(".", 1)
-            parts = module.split(".")
-            if module == "lm_head":
-                continue  # tied: llama.cpp writes no output tensor
-            if parts[1] == "h":
-                target = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{kind}"
-            else:
-                target = f"{names['.'.join(parts[1:])]}.{kind}"
-            writer.add_tensor(target, tensor.detach().float().numpy())
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        writer = _layer_norm_gguf_writer(cfg, path, "starcoder", eps=cfg.layer_norm_epsilon,
+                                         ffn=cfg.n_inner, kv_heads=kv_heads,
+                                         partial_rope=False)
+        _write_tensors(writer, hf_model, names, blocks="transformer.h")
         return path
 
-    config, params, tokenizer = load_gguf(write(tmp_path / "starcoder.gguf"))
-    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
-        from_hf_config(cfg.to_dict())
-    tokens = random_prompt(7, 20, vocab=cfg.vocab_size)
-    model = specjax.Model.from_params(config, params, tokenizer)
-    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+    _gguf_reads_as_transformers(write(tmp_path / "starcoder.gguf"), hf_model)
     with pytest.raises(CheckpointError, match="2 KV heads of 4 is not supported") as info:
         load_gguf(write(tmp_path / "gqa.gguf", kv_heads=2))
     assert "\n" not in str(info.value)
@@ -983,51 +954,23 @@ def test_a_cohere_gguf_gives_transformers_logits(variant, arch, tmp_path):
     """llama.cpp's command-r and cohere2 files: Llama's tensor names, one norm per block,
     q and k as the checkpoint stores them (RoPE on adjacent pairs), ``logit_scale``;
     cohere2's window on three layers of four, RoPE on those only."""
-    import gguf
-    from helpers_checkpoints import add_bpe_vocabulary, tiny_vocabulary
-    from specjax.checkpoints_tools.gguf_loader import load_gguf
+    from helpers_checkpoints import tiny_vocabulary
 
     hf_model = tiny_family_model(variant, seed=6, vocab_size=len(tiny_vocabulary()[0]))
     cfg = hf_model.config
-    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-             "lm_head": "output", "input_layernorm": "attn_norm",
-             **{f"self_attn.{x}_proj": f"attn_{x}" for x in "qkv"},
-             "self_attn.o_proj": "attn_output",
-             **{f"mlp.{x}_proj": f"ffn_{x}" for x in ("gate", "up", "down")}}
     path = tmp_path / f"{arch}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_eps(cfg.layer_norm_eps)
+    writer = _layer_norm_gguf_writer(cfg, path, arch, kv_heads=cfg.num_key_value_heads,
+                                     partial_rope=False)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_logit_scale(cfg.logit_scale)
     if arch == "cohere2":
         writer.add_sliding_window(cfg.sliding_window)
-    add_bpe_vocabulary(writer, cfg.vocab_size)
-    for name, tensor in hf_model.state_dict().items():
-        module, kind = name.rsplit(".", 1)
-        parts = module.split(".")
-        if module == "lm_head" and cfg.tie_word_embeddings:
-            continue
-        if parts[:2] == ["model", "layers"]:
-            target = f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{kind}"
-        else:
-            target = f"{names[module]}.{kind}"
-        writer.add_tensor(target, tensor.detach().float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    config, params, tokenizer = load_gguf(path)
-    assert dataclasses.replace(config, eos_token_ids=(), bos_token_id=None) == \
-        from_hf_config(cfg.to_dict())
-    tokens = random_prompt(7, 20, vocab=cfg.vocab_size)
-    model = specjax.Model.from_params(config, params, tokenizer)
-    _assert_same_logits(_logits(model, tokens), _hf_logits(hf_model, tokens), config, tokens)
+    _write_tensors(writer, hf_model, {
+        "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+        "input_layernorm": "attn_norm", **{f"self_attn.{x}_proj": f"attn_{x}" for x in "qkv"},
+        "self_attn.o_proj": "attn_output",
+        **{f"mlp.{x}_proj": f"ffn_{x}" for x in ("gate", "up", "down")}})
+    _gguf_reads_as_transformers(path, hf_model)
 
 
 @pytest.mark.parametrize("variant", ["gemma2", "gemma3", "phi3"])
