@@ -91,7 +91,7 @@ def test_short_soak_is_exact_with_bounded_programs_and_flat_memory(soak, llama):
 def test_soak_every_rule_two_buckets_and_the_rope_position_limit(soak, llama):
     # Its own target config (384 positions), so its programs are counted apart.
     fixture = soak.build_fixture("llama", 384, tables=llama.tables)
-    report = soak.soak(fixture, 600, combos=soak.ALL_COMBOS, buckets=(16, 32))
+    report = soak.soak(fixture, 300, combos=soak.ALL_COMBOS, buckets=(16, 32))
     assert soak.problems(report) == []
     assert report["compiled_programs"] == len(soak.ALL_COMBOS) * 2 + 5
 
