@@ -125,10 +125,9 @@ class ModelConfig:
       family: the Hugging Face ``model_type`` of a family that needs the optional fields
         below (``"qwen3"``, ``"gemma"``, ``"gemma2"``, ``"gemma3_text"``, ``"phi3"``,
         ``"smollm3"``, ``"granite"``, ``"olmo2"``, ``"olmo3"``, ``"stablelm"``,
-        ``"gpt_neox"``, ``"phi"``, ``"starcoder2"``, ``"gpt_bigcode"``, ``"mixtral"``,
-        ``"cohere"``, ``"cohere2"``, ``"qwen2_moe"``,
-        ``"qwen3_moe"``, ``"olmoe"``), so the config writes the same type back; ``None``
-        for the others.
+        ``"gpt_neox"``, ``"phi"``, ``"starcoder2"``, ``"gpt_bigcode"``, ``"cohere"``,
+        ``"cohere2"``, ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"``, ``"olmoe"``), so the
+        config writes the same type back; ``None`` for the others.
       qk_norm: per-head RMSNorm of q and k (weights [D]) before RoPE (Qwen3, Gemma 3).
       qk_norm_whole: with ``qk_norm``, q and k are normed over all their heads at once
         (weights [H*D] and [K*D]), not per head (OLMo 2/3).
@@ -697,8 +696,7 @@ def from_hf_config(cfg: Mapping[str, Any] | Any) -> ModelConfig:
         return _extended_from_hf(model_type, cfg)
     raise InvalidArgumentError(
         f"unsupported model_type {model_type!r}; specjax supports gpt2, gpt_bigcode, "
-        f"cohere, cohere2, "
-        f"gpt_neox, phi, starcoder2, {', '.join(_LLAMA_FAMILY)}, "
+        f"gpt_neox, phi, starcoder2, cohere, cohere2, {', '.join(_LLAMA_FAMILY)}, "
         f"{', '.join(EXTENDED_FAMILIES)} and gemma3"
     )
 
