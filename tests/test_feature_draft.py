@@ -251,3 +251,29 @@ def test_a_standalone_draft_converts_to_a_feature_draft_computing_it(target):
     theirs, _ = models.forward(standalone.params, standalone.config, tokens, positions)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     assert fd.feature_draft_from_draft(config, params) == (config, params)
+
+
+@pytest.mark.parametrize("variant", ["phi", "cohere", *(pytest.param(v, marks=pytest.mark.slow)
+                                                          for v in ("granite", "gemma2"))])
+def test_training_scores_features_as_the_target_head_does(variant, tmp_path):
+    """Feature-draft training scores a feature through the target's head as decoding does:
+    Phi's head bias, Cohere's logit scale, Granite's divisor, Gemma 2's soft-cap (before
+    2026-11-28 it took the plain products, so the KL term fit another distribution). A
+    subset of a biased head's rows is refused in one line."""
+    from helpers_families import tiny_family_model
+
+    tiny_family_model(variant, seed=2).save_pretrained(tmp_path)
+    target = specjax.load(tmp_path)
+    draft_config, params = fd.feature_draft_from_target(target.config, target.params, (0,))
+    _, frozen = fd.split_feature_trainable(jax.tree.map(jnp.asarray, params))
+    windows = jnp.asarray([random_prompt(3, 12)], jnp.int32)
+    features = fd.target_features(target.params, target.config, windows)[0]
+    got = fd.head_scores(frozen, draft_config, fd.head_rows(frozen, draft_config, None),
+                         features)
+    want = models.lm_head(target.params, target.config, features)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    if variant == "phi":
+        with pytest.raises(InvalidArgumentError, match="whole vocabulary") as info:
+            fd.head_scores(frozen, draft_config, fd.head_rows(frozen, draft_config, [1, 2]),
+                           features)
+        assert "\n" not in str(info.value)

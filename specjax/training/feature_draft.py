@@ -109,6 +109,26 @@ def head_rows(params: dict, config, head_tokens):
     return table if head_tokens is None else jnp.take(table, jnp.asarray(head_tokens), axis=0)
 
 
+def head_scores(params: dict, config, rows, hidden):
+    """float32 logits [..., K] of ``hidden`` [..., d] over the head rows ``rows`` [K, d] as
+    decoding computes them: the head's bias (Phi; only over the whole vocabulary), then the
+    family's logit transform (:func:`specjax.models.finish_logits`).
+
+    Raises:
+      InvalidArgumentError: a head with a bias scored over a subset of its rows.
+    """
+    import jax.numpy as jnp
+
+    logits = hidden.astype(jnp.float32) @ rows.T.astype(jnp.float32)
+    bias = params.get("lm_head_bias") if config.head_bias else None
+    if bias is not None:
+        if rows.shape[0] != config.vocab_size:
+            raise InvalidArgumentError("a head with a bias (Phi) is scored over its whole "
+                                       "vocabulary, not a subset of its rows")
+        logits = logits + bias.astype(jnp.float32)
+    return models.finish_logits(config, logits)
+
+
 def _batched_hidden(params: dict, config, windows, inputs=None):
     """Final-normed hidden states [B, T, d] of windows [B, T] (plain causal forwards),
     reading ``inputs`` [B, T, d] when the model is a feature draft."""
@@ -145,20 +165,28 @@ def shift_features(features):
 def feature_loss(params: dict, config, windows, features, rows, loss_cfg: FeatureLossConfig,
                  key):
     """(loss, metrics) of a feature draft on windows [B, T] with the target's features
-    [B, T, d]; ``rows`` [K, d] the head rows scored (:func:`head_rows`). Positions
+    [B, T, d]; ``rows`` [K, d] the head rows scored (:func:`head_rows`), as decoding scores
+    them (Phi's head bias, Granite's divisor, Cohere's scale, Gemma 2's soft-cap). Positions
     ``t >= 1`` count; metrics: ``feature`` (smooth L1), ``kl``, ``agreement`` (the draft's
-    argmax over ``rows`` equals the target's) and, with ``unroll=2``, ``agreement2``."""
+    argmax over ``rows`` equals the target's) and, with ``unroll=2``, ``agreement2``.
+
+    Raises:
+      InvalidArgumentError: a head with a bias (Phi) scored over a subset of its rows.
+    """
     import jax
     import jax.numpy as jnp
     import optax
 
+    def scores(hidden):
+        return head_scores(params, config, rows, hidden)
+
     features = features.astype(jnp.float32)
-    target_logp = jax.nn.log_softmax(features @ rows.T.astype(jnp.float32), axis=-1)
+    target_logp = jax.nn.log_softmax(scores(features), axis=-1)
     target_best = jnp.argmax(target_logp, axis=-1)
 
     def terms(predicted):
         predicted = predicted.astype(jnp.float32)[:, 1:]
-        logq = jax.nn.log_softmax(predicted @ rows.T.astype(jnp.float32), axis=-1)
+        logq = jax.nn.log_softmax(scores(predicted), axis=-1)
         logp = target_logp[:, 1:]
         kl = jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1))
         feat = jnp.mean(optax.huber_loss(predicted, features[:, 1:], delta=1.0))
