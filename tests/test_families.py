@@ -505,11 +505,10 @@ def tables(pairs):
 
 # The newest variants' features are in their layers, which every method runs alike: `spec`
 # in the quick tier, their whole grid in the slow one (CI runs both).
-QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi", "starcoder2",
-                   "gpt-bigcode", "cohere")
+QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi")
 # Whole grid in the slow tier; parity covers the quick one.
 SLOW_ONLY = ("olmo2", "olmo3", "stablelm", "qwen3-moe", "olmoe", "gemma", "qwen2-moe",
-             "cohere2")
+             "starcoder2", "gpt-bigcode", "cohere", "cohere2")
 METHOD_CASES = [
     pytest.param(method, variant, marks=pytest.mark.slow)
     if variant in SLOW_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")
@@ -897,7 +896,7 @@ def test_a_phi2_gguf_gives_transformers_logits(tmp_path):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 6])
 def test_a_starcoder2_gguf_gives_transformers_logits(window, tmp_path):
     """llama.cpp's starcoder2 files: Llama's names for the norms and attention,
     ``ffn_up``/``ffn_down`` for ``c_fc``/``c_proj``, LayerNorm biases and projection biases,
@@ -922,6 +921,7 @@ def test_a_starcoder2_gguf_gives_transformers_logits(window, tmp_path):
     assert config.layer_windows == ((window,) if window else ())
 
 
+@pytest.mark.slow
 def test_a_starcoder_gguf_gives_transformers_logits(tmp_path):
     """llama.cpp's starcoder files (GPTBigCode): GPT-2's tensors with ``position_embd``,
     ``attn_qkv`` as the checkpoint's ``c_attn`` (q | k | v, one KV head), LayerNorm biases,
@@ -949,7 +949,8 @@ def test_a_starcoder_gguf_gives_transformers_logits(tmp_path):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("variant,arch", [("cohere", "command-r"), ("cohere2", "cohere2")])
+@pytest.mark.parametrize("variant,arch", [
+    ("cohere", "command-r"), pytest.param("cohere2", "cohere2", marks=pytest.mark.slow)])
 def test_a_cohere_gguf_gives_transformers_logits(variant, arch, tmp_path):
     """llama.cpp's command-r and cohere2 files: Llama's tensor names, one norm per block,
     q and k as the checkpoint stores them (RoPE on adjacent pairs), ``logit_scale``;
