@@ -270,7 +270,8 @@ def unpermute_rope_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
 
     llama.cpp stores, within each head, the rows in the order (0, D/2, 1, D/2+1, ...),
     i.e. it viewed the head's rows as [2, D/2] and transposed them to [D/2, 2]. We view them
-    as [D/2, 2] and transpose back.
+    as [D/2, 2] and transpose back: :func:`keymap.pairs_to_halves`, the reordering Cohere's
+    checkpoints (RoPE on adjacent pairs) need too.
 
     Args:
       rows: [num_heads * D, ...] weight ([out, in]) or bias ([out]).
@@ -278,9 +279,7 @@ def unpermute_rope_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
     Returns:
       array of the same shape in HF order.
     """
-    head_dim = rows.shape[0] // num_heads
-    split = rows.reshape(num_heads, head_dim // 2, 2, *rows.shape[1:])
-    return split.swapaxes(1, 2).reshape(rows.shape)
+    return keymap.pairs_to_halves(rows, num_heads)
 
 
 # ----------------------------------------------------------------------------- reading

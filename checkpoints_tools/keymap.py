@@ -305,7 +305,7 @@ def bigcode_rules(config: ModelConfig) -> list[Rule]:
     return rules
 
 
-def _pairs_to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
+def pairs_to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
     """Rows [heads * D, ...] of q or k whose RoPE rotates adjacent pairs (2i, 2i + 1) of each
     head, reordered so that the pairs sit at (i, i + D/2), where this forward's RoPE rotates
     them; q and k reordered alike give the same scores."""
@@ -313,8 +313,8 @@ def _pairs_to_halves(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, dim // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _halves_to_pairs(rows: np.ndarray, heads: int) -> np.ndarray:
-    """The inverse of :func:`_pairs_to_halves`."""
+def halves_to_pairs(rows: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of :func:`pairs_to_halves`."""
     dim = rows.shape[0] // heads
     return rows.reshape(heads, 2, dim // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
@@ -322,15 +322,15 @@ def _halves_to_pairs(rows: np.ndarray, heads: int) -> np.ndarray:
 def cohere_rules(config: ModelConfig) -> list[Rule]:
     """Rules for CohereForCausalLM and Cohere2ForCausalLM checkpoints: Llama's names, one
     LayerNorm (a scale) per block, q's and k's rows reordered per head from RoPE on
-    adjacent pairs to RoPE on halves (:func:`_pairs_to_halves`)."""
+    adjacent pairs to RoPE on halves (:func:`pairs_to_halves`)."""
     p = "model.layers.{i}."
 
     def pairs_rule(leaf: str, name: str, heads: int, weight: bool) -> Rule:
         if weight:  # [H*D, d] -> [d, H*D]
-            return Rule(name, (leaf,), lambda a: (_pairs_to_halves(a, heads).T,),
-                        lambda a: _halves_to_pairs(np.asarray(a).T, heads))
-        return Rule(name, (leaf,), lambda a: (_pairs_to_halves(a, heads),),
-                    lambda a: _halves_to_pairs(np.asarray(a), heads))
+            return Rule(name, (leaf,), lambda a: (pairs_to_halves(a, heads).T,),
+                        lambda a: halves_to_pairs(np.asarray(a).T, heads))
+        return Rule(name, (leaf,), lambda a: (pairs_to_halves(a, heads),),
+                    lambda a: halves_to_pairs(np.asarray(a), heads))
 
     heads = {"q": config.num_heads, "k": config.num_kv_heads}
     reordered = {f"layers/{kind}{x}" for kind in "wb" for x in "qk"}

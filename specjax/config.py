@@ -736,8 +736,9 @@ def _layer_windows(model_type: str, cfg: Mapping[str, Any], num_layers: int) -> 
         sliding = [t == "sliding_attention" for t in types]
     elif model_type == "gemma2":  # even layers slide
         sliding = [i % 2 == 0 for i in range(num_layers)]
-    elif model_type == "gemma3_text":
-        pattern = int(_get(cfg, "sliding_window_pattern", "_sliding_window_pattern", default=6))
+    elif model_type in ("gemma3_text", "cohere2"):  # pattern - 1 sliding layers, a global one
+        pattern = int(_get(cfg, "sliding_window_pattern", "_sliding_window_pattern",
+                           default=6 if model_type == "gemma3_text" else 4))
         sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
     elif model_type == "olmo3":  # three sliding layers, then a global one
         sliding = [(i + 1) % 4 != 0 for i in range(num_layers)]
@@ -1015,6 +1016,16 @@ def _phi_to_hf(config: ModelConfig) -> dict[str, Any]:
                     partial_rotary_factor=config.rope_dim / config.head_dim)
 
 
+def _refuse_partial_rope(model_type: str, cfg: Mapping[str, Any]) -> None:
+    """Raises :class:`InvalidArgumentError` if ``cfg`` asks for RoPE on part of each head
+    (``partial_rotary_factor``), which ``model_type``'s transformers class does not do."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if float(_get(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 1.0))
+             ) != 1.0:
+        raise InvalidArgumentError(f"{model_type} with RoPE on part of each head "
+                                   f"(partial_rotary_factor) is not supported")
+
+
 def _starcoder2_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     """StarCoder2 on the llama forward: pre-norm sequential blocks with LayerNorms (weights
     and biases), grouped KV heads, RoPE on the whole head, a two-matrix tanh-GELU MLP
@@ -1025,11 +1036,7 @@ def _starcoder2_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     if act not in _NEOX_ACTS:
         raise InvalidArgumentError(f"unsupported starcoder2 activation {act!r}; expected one "
                                    f"of {sorted(_NEOX_ACTS)}")
-    rope = dict(cfg.get("rope_parameters") or {})
-    if float(_get(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 1.0))
-             ) != 1.0:
-        raise InvalidArgumentError("starcoder2 with RoPE on part of each head "
-                                   "(partial_rotary_factor) is not supported")
+    _refuse_partial_rope("starcoder2", cfg)
     heads = int(cfg["num_attention_heads"])
     width = int(cfg["hidden_size"])
     theta, scaling = _rope_from_hf(cfg)
@@ -1122,11 +1129,7 @@ def _cohere_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     if cfg.get("use_qk_norm"):
         raise InvalidArgumentError(f"{model_type} with use_qk_norm (per-head q/k LayerNorms) "
                                    f"is not supported")
-    rope = dict(cfg.get("rope_parameters") or {})
-    if float(_get(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 1.0))
-             ) != 1.0:
-        raise InvalidArgumentError(f"{model_type} with RoPE on part of each head "
-                                   f"(partial_rotary_factor) is not supported")
+    _refuse_partial_rope(model_type, cfg)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise InvalidArgumentError(f"unsupported {model_type} activation {act!r}; expected silu")
@@ -1137,20 +1140,10 @@ def _cohere_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     bias = bool(cfg.get("attention_bias", False))
     windows, no_rope = (), ()
     if model_type == "cohere2":
-        types = cfg.get("layer_types")
-        if types is None:
-            pattern = int(_get(cfg, "sliding_window_pattern", default=4))
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                     for i in range(layers)]
-        if sorted(set(types) - {"sliding_attention", "full_attention"}) or len(types) != layers:
-            raise InvalidArgumentError(f"cohere2 layer_types must be {layers} of "
-                                       f"sliding_attention / full_attention, got {types!r}")
-        # A layer slides, and applies RoPE, when its type says so and the config names a
-        # window (transformers' Cohere2Attention rotates only where its window is set).
-        window = int(cfg.get("sliding_window") or 0)
-        sliding = [t == "sliding_attention" and window > 0 for t in types]
-        windows = tuple(window if s else 0 for s in sliding)
-        no_rope = tuple(int(s) for s in sliding)
+        # A layer applies RoPE where it slides (transformers' Cohere2Attention rotates only
+        # where its window is set): without a window, no layer does.
+        windows = _layer_windows(model_type, cfg, layers)
+        no_rope = tuple(int(w > 0) for w in windows) or (0,)
     return ModelConfig(
         architecture="llama", vocab_size=int(cfg["vocab_size"]), hidden_size=width,
         num_layers=layers, num_heads=heads,
@@ -1164,7 +1157,7 @@ def _cohere_from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id")), bos_token_id=cfg.get("bos_token_id"),
         family=model_type, norm_kind="layer_nobias", parallel_residual=True,
         shared_input_norm=True, logit_scale=float(_get(cfg, "logit_scale", default=0.0625)),
-        layer_windows=windows if any(windows) else (), no_rope_layers=no_rope)
+        layer_windows=windows, no_rope_layers=no_rope)
 
 
 def _cohere_to_hf(config: ModelConfig) -> dict[str, Any]:

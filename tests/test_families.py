@@ -841,15 +841,15 @@ def test_a_gpt_neox_gguf_gives_transformers_logits(variant, tmp_path):
 def test_cohere_q_and_k_read_without_reordering_their_pairs_fail_parity(pairs):
     """Cohere's RoPE rotates adjacent pairs of each head; the key map moves them to the
     halves this forward rotates. Rows left in the checkpoint's order give other logits."""
-    from specjax.checkpoints_tools.keymap import _halves_to_pairs
+    from specjax.checkpoints_tools.keymap import halves_to_pairs
 
     hf_model, model = pairs["cohere"]
     config, layers = model.config, dict(model.params["layers"])
     for leaf, heads in (("wq", config.num_heads), ("wk", config.num_kv_heads)):
-        layers[leaf] = np.stack([_halves_to_pairs(np.asarray(w).T, heads).T
+        layers[leaf] = np.stack([halves_to_pairs(np.asarray(w).T, heads).T
                                  for w in layers[leaf]])
     for leaf, heads in (("bq", config.num_heads), ("bk", config.num_kv_heads)):
-        layers[leaf] = np.stack([_halves_to_pairs(np.asarray(b), heads)
+        layers[leaf] = np.stack([halves_to_pairs(np.asarray(b), heads)
                                  for b in layers[leaf]])
     tokens = random_prompt(7, 20)
     logits, _ = models.forward({**model.params, "layers": layers}, config, jnp.asarray(tokens),
