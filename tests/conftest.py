@@ -174,7 +174,8 @@ def _release_compiled_programs():
 # program, backend compile 8.0-8.7 s at level 0 alone, 4.6 s with both, 20 s as users
 # compile (2026-11-25). The HLO passes are the same; `ar` and every method compile alike,
 # so exactness is checked like for like. Tests marked slow, and those on the real model,
-# whose run time would grow, compile as users do; so do the sharding and multi-host
+# whose run time would grow, compile as users do (but for slow ones also marked
+# fast_compiles: most of test_families' method grid); so do the sharding and multi-host
 # subprocesses' slow tiers.
 _FAST_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
@@ -210,7 +211,9 @@ def fast_xla_flags() -> str:
 def _fast_compiles(request):
     from specjax import decode
 
-    if request.node.get_closest_marker("slow") or "smollm2" in request.fixturenames:
+    slow = (request.node.get_closest_marker("slow")
+            and not request.node.get_closest_marker("fast_compiles"))
+    if slow or "smollm2" in request.fixturenames:
         yield
         return
     with decode.context_options(**fast_compiler_options()):

@@ -10,6 +10,7 @@ orders (our blocked online softmax, fused score scaling; logits here span ~10 un
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -509,11 +510,49 @@ QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi")
 # Whole grid in the slow tier; parity covers the quick one.
 SLOW_ONLY = ("olmo2", "olmo3", "stablelm", "qwen3-moe", "olmoe", "gemma", "qwen2-moe",
              "starcoder2", "gpt-bigcode", "cohere", "cohere2")
-METHOD_CASES = [
-    pytest.param(method, variant, marks=pytest.mark.slow)
-    if variant in SLOW_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")
-    else (method, variant)
-    for method in ("spec", "tree", "ngram", "staged") for variant in METHOD_VARIANTS]
+GRID_METHODS = ("spec", "tree", "ngram", "staged")
+
+
+def _method_case(method: str, variant: str):
+    """The quick tier compiles with XLA's CPU optimisations off (conftest._fast_compiles),
+    the slow tier as users compile, which is 3-4x the compile time of these tiny programs.
+    In the slow tier each variant has one method compiled as users do, in turn over the
+    variants (so each method is so checked on several families), and its other methods
+    compiled as the quick tier does: `ar` and the method alike in either case."""
+    if not (variant in SLOW_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")):
+        return (method, variant)
+    slow = [m for m in GRID_METHODS if variant in SLOW_ONLY or m != "spec"]
+    as_users = slow[METHOD_VARIANTS.index(variant) % len(slow)]
+    marks = [pytest.mark.slow] + ([] if method == as_users else [pytest.mark.fast_compiles])
+    return pytest.param(method, variant, marks=marks)
+
+
+# Variant by variant, so that a worker runs a variant's methods one after another and
+# _one_variants_programs keeps its `ar` programs for them.
+METHOD_CASES = [_method_case(method, variant)
+                for variant in METHOD_VARIANTS for method in GRID_METHODS]
+
+
+_LAST_VARIANT = {"name": None}
+
+
+@pytest.fixture(autouse=True)
+def _one_variants_programs(request):
+    """This module compiles hundreds of programs (20 variants, each method greedy and
+    coupled, as users compile and as the quick tier does): kept until the module's end
+    (conftest._release_compiled_programs), they grew a worker of the slow tier to 4-5 GB
+    until XLA crashed in it, three times in two days (an abort in ``serialize()``, a
+    segmentation fault compiling, each in a `staged` MoE case). Each test that runs
+    another variant than the test before drops the compiled programs first."""
+    params = getattr(request.node, "callspec", None)
+    variant = params.params.get("variant") if params else None
+    if variant is not None and variant != _LAST_VARIANT["name"]:
+        if _LAST_VARIANT["name"] is not None:
+            from specjax import decode
+
+            decode.clear_compiled()
+            jax.clear_caches()
+        _LAST_VARIANT["name"] = variant
 
 
 @pytest.mark.parametrize("method,variant", METHOD_CASES)
