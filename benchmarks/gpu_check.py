@@ -355,37 +355,52 @@ def step_exactness(sh: Shapes, record) -> None:
             groups = [(m, (s,)) for m in ("ar", *SPEC_METHODS) for s in SAMPLINGS]
         else:
             groups = [(m, tuple(SAMPLINGS)) for m in ("ar", *SPEC_METHODS)]
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            submitted = [(m, ss, pool.submit(run, m, ss)) for m, ss in groups]
-        results = {}
-        for method, samplings, future in submitted:
-            try:
-                results.update({(method, s): out for s, out in future.result().items()})
-            except Exception as error:
-                results.update({(method, s): error for s in samplings})
-        expected = {s: results["ar", s] for s in SAMPLINGS}
-        if any(isinstance(e, Exception) for e in expected.values()):
-            error = next(e for e in expected.values() if isinstance(e, Exception))
-            errors.append(f"{dtype} {path} ar: {_error_text(error)}")
-            record(comparisons=comparisons, errors=errors)
-            continue
-        expected = {s: tokens for s, (tokens, _) in expected.items()}
-        for (method, sampling), result in results.items():
-            if method == "ar":
-                continue
+
+        def compare(method: str, sampling: str, result) -> None:
             row = {"method": method, "sampling": sampling, "dtype": dtype, "path": path}
             if isinstance(result, Exception):
                 row["error"] = _error_text(result)
                 errors.append(f"{dtype} {path} {method} {sampling}: {row['error']}")
-                comparisons.append(row)
-                continue
-            got, accepted = result
-            if broken == (method, dtype):
-                got = [list(tokens) for tokens in got]
-                got[0][-1] = (got[0][-1] + 1) % config.vocab_size
-            row.update(compare_outputs(expected[sampling], got))
-            row["mean_accepted"] = sum(accepted) / len(accepted)
+            else:
+                got, accepted = result
+                if broken == (method, dtype):
+                    got = [list(tokens) for tokens in got]
+                    got[0][-1] = (got[0][-1] + 1) % config.vocab_size
+                row.update(compare_outputs(expected[sampling], got))
+                row["mean_accepted"] = sum(accepted) / len(accepted)
             comparisons.append(row)
+            # Each comparison is written as it is made: a step stopped at its limit
+            # (compiles are most of its time) keeps the methods that finished.
+            record(comparisons=comparisons, errors=errors)
+
+        def outcome(future, samplings: tuple[str, ...]) -> dict:
+            try:
+                return dict(future.result())
+            except Exception as error:
+                return {s: error for s in samplings}
+
+        expected = None
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            submitted = {pool.submit(run, m, ss): (m, ss) for m, ss in groups}
+            ar_futures = [f for f, (m, _) in submitted.items() if m == "ar"]
+            ar_out = {}
+            for future in ar_futures:
+                ar_out.update(outcome(future, submitted[future][1]))
+            failed = [e for e in ar_out.values() if isinstance(e, Exception)]
+            if failed:
+                errors.append(f"{dtype} {path} ar: {_error_text(failed[0])}")
+                record(comparisons=comparisons, errors=errors)
+                for future in submitted:
+                    future.cancel()
+            else:
+                expected = {s: tokens for s, (tokens, _) in ar_out.items()}
+                rest = [f for f in submitted if f not in ar_futures]
+                for future in concurrent.futures.as_completed(rest):
+                    method, samplings = submitted[future]
+                    for sampling, result in outcome(future, samplings).items():
+                        compare(method, sampling, result)
+        if expected is None:
+            continue
         rows = [r for r in comparisons if (r["dtype"], r["path"]) == (dtype, path)]
         print(f"exactness {dtype} {path}: {sum(bool(r.get('equal')) for r in rows)}/"
               f"{len(rows)} equal ({time.perf_counter() - started:.1f} s)", flush=True)

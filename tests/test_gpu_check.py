@@ -4,6 +4,7 @@ cut short leaving a valid partial JSON."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -173,6 +174,27 @@ def test_the_cpu_rehearsal_runs_every_step_and_catches_a_wrong_method(tmp_path):
     assert steps["gpt2_roofline"]["fraction_of_roofline_measured"] > 0
     assert [r["batch_size"] for r in steps["batch"]["rows"]] == [1, 2, 4]
     assert all(r["tokens_per_s"] > 0 for r in steps["batch"]["rows"])
+
+
+@pytest.mark.slow  # ~1 minute: every method's programs for one (dtype, path)
+def test_exactness_writes_each_comparison_as_it_is_made(monkeypatch):
+    """A step stopped at its limit keeps the methods that finished: each comparison is
+    recorded when its method's runs end, not once the whole (dtype, path) is done (an H200
+    run of 2026-11-28 stopped the fp32 part after 158 s with none of its comparisons
+    written)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as run_step does for a step
+    sh = dataclasses.replace(gpu_check.default_shapes(True),
+                             exact_combos=(("float32", "default"),))
+    written = []
+
+    def record(**figures):
+        if "comparisons" in figures:
+            written.append(len(figures["comparisons"]))
+
+    gpu_check.step_exactness(sh, record)
+    wanted = len(gpu_check.SPEC_METHODS) * len(gpu_check.SAMPLINGS)
+    # Recorded with 1, 2, ... comparisons, not only with all of them.
+    assert sorted(set(written)) == list(range(1, wanted + 1)), written
 
 
 def test_the_autotuning_cache_travels_between_runs(tmp_path):
