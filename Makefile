@@ -41,12 +41,9 @@ test-all: install
 
 # The slow tier without the TPU compile tests (those run in `make test-tpu`, which CI runs
 # whole): CI runs it after the compile suites, so that every claim of the README is
-# checked by a test CI runs. Without the tests' shared compilation cache (tests/conftest.py):
-# twice in CI (2026-11-28) a worker died ("Fatal Python error: Aborted") inside XLA's
-# executable.serialize() as JAX wrote a staged MoE program to that cache (qwen2-moe, then
-# olmoe; neither came back in 16 runs alone), and the slow tier's programs are seldom shared.
+# checked by a test CI runs.
 test-slow: install
-	SPECJAX_TEST_XLA_CACHE=off $(PYTEST) -m "slow and not tpu_compiler"
+	$(PYTEST) -m "slow and not tpu_compiler"
 
 bench: install
 	$(BIN)/python benchmarks/bench_ar.py
