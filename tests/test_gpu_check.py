@@ -176,13 +176,16 @@ def test_the_cpu_rehearsal_runs_every_step_and_catches_a_wrong_method(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in steps["batch"]["rows"])
 
 
-@pytest.mark.slow  # ~1 minute: every method's programs for one (dtype, path)
+@pytest.mark.slow  # ~30 s: two methods' programs and ar's for one (dtype, path)
 def test_exactness_writes_each_comparison_as_it_is_made(monkeypatch):
     """A step stopped at its limit keeps the methods that finished: each comparison is
     recorded when its method's runs end, not once the whole (dtype, path) is done (an H200
     run of 2026-11-28 stopped the fp32 part after 158 s with none of its comparisons
     written)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as run_step does for a step
+    # Two methods and no kernel checks: what is tested is when comparisons are written.
+    monkeypatch.setattr(gpu_check, "SPEC_METHODS", ("spec", "ngram"))
+    monkeypatch.setattr(gpu_check, "kernel_checks", lambda sh, interpret: [])
     sh = dataclasses.replace(gpu_check.default_shapes(True),
                              exact_combos=(("float32", "default"),))
     written = []
