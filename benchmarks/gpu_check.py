@@ -404,7 +404,6 @@ def step_exactness(sh: Shapes, record) -> None:
         rows = [r for r in comparisons if (r["dtype"], r["path"]) == (dtype, path)]
         print(f"exactness {dtype} {path}: {sum(bool(r.get('equal')) for r in rows)}/"
               f"{len(rows)} equal ({time.perf_counter() - started:.1f} s)", flush=True)
-        record(comparisons=comparisons, errors=errors)
         del model, params
         from specjax import decode
 

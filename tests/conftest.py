@@ -157,15 +157,20 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def drop_compiled_programs() -> None:
+    """Drops every compiled program this process holds (specjax's and JAX's caches)."""
+    from specjax import decode
+
+    decode.clear_compiled()
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Each test module's compiled programs are dropped when it ends: the suite compiles
     hundreds of programs, and keeping them all grows the process until XLA aborts."""
     yield
-    from specjax import decode
-
-    decode.clear_compiled()
-    jax.clear_caches()
+    drop_compiled_programs()
 
 
 # The fast tier compiles the tiny models' generation programs with XLA's CPU backend

@@ -10,7 +10,6 @@ orders (our blocked online softmax, fused score scaling; logits here span ~10 un
 import dataclasses
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from specjax import models
 from specjax.config import from_hf_config
 from specjax.errors import CheckpointError, InvalidArgumentError
 
-from conftest import hf_greedy, random_prompt
+from conftest import drop_compiled_programs, hf_greedy, random_prompt
 from helpers_families import VARIANTS, hf_config, tiny_family_model
 from tolerances import assert_sums_close, forward_sums
 
@@ -528,7 +527,7 @@ def _method_case(method: str, variant: str):
 
 
 # Variant by variant, so that a worker runs a variant's methods one after another and
-# _one_variants_programs keeps its `ar` programs for them.
+# one_variants_programs keeps its `ar` programs for them.
 METHOD_CASES = [_method_case(method, variant)
                 for variant in METHOD_VARIANTS for method in GRID_METHODS]
 
@@ -536,28 +535,21 @@ METHOD_CASES = [_method_case(method, variant)
 _LAST_VARIANT = {"name": None}
 
 
-@pytest.fixture(autouse=True)
-def _one_variants_programs(request):
+@pytest.fixture
+def one_variants_programs(variant):
     """The grid compiles hundreds of programs (20 variants, each method greedy and
     coupled): kept until the module's end (conftest._release_compiled_programs), all in
     one worker of the slow tier, XLA crashed in that worker three times in two days (an
     abort in ``serialize()``, a segmentation fault compiling, each in a late `staged`
-    case, in workers of 4-5 GB). Each case of the grid
-    that runs another variant than the case before drops the compiled programs first (the
-    grid's alone: the module's other tests compile few programs, and reuse them)."""
-    if request.node.originalname != "test_every_method_equals_ar":
-        return
-    variant = request.node.callspec.params["variant"]
-    if variant != _LAST_VARIANT["name"]:
-        if _LAST_VARIANT["name"] is not None:
-            from specjax import decode
-
-            decode.clear_compiled()
-            jax.clear_caches()
-        _LAST_VARIANT["name"] = variant
+    case, in workers of 4-5 GB). A case of another variant than the case before drops
+    the compiled programs first."""
+    if _LAST_VARIANT["name"] not in (None, variant):
+        drop_compiled_programs()
+    _LAST_VARIANT["name"] = variant
 
 
 @pytest.mark.parametrize("method,variant", METHOD_CASES)
+@pytest.mark.usefixtures("one_variants_programs")
 def test_every_method_equals_ar(pairs, tables, variant, method):
     """Greedy and coupled sampling (temperature 1) give ``ar``'s tokens. The target drafts
     for itself, so most tokens come from deep tree nodes, whose logits the verify pass
