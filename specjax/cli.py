@@ -261,14 +261,71 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
         raise InvalidArgumentError(message) from None
     options.check_sampling(args.temperature)
     args.kernels = KernelOptions.from_args(args, backend_of(backend))
+    _check_gpu_linear(args.gpu_linear, args.kernels, backend_of(backend))
+    check_compiler_options(args.kernels.compiler_options)
     loading.check_resources(options, args.draft, args.ngram)
     try:
         loading.check_draft_spec(args.draft)
     except InvalidArgumentError as error:
         raise InvalidArgumentError(_flag_draft(str(error))) from None
-    if args.ngram is not None and not Path(args.ngram).expanduser().is_file():
-        raise InvalidArgumentError(f"--ngram {args.ngram}: no such file")
+    if args.ngram is not None:
+        _check_ngram_file(args.ngram)
     return options, bench_cli.resolve_dtype_flag(args.dtype)
+
+
+def _check_gpu_linear(given: str | None, kernels: KernelOptions, backend: str) -> None:
+    """Refuses a ``--gpu-linear`` that nothing would run: off a GPU, or without the
+    row-tiled kernels (``--attention fused``) that it picks the backend of."""
+    if given is None:
+        return
+    if backend != "gpu":
+        raise InvalidArgumentError(f"--gpu-linear {given}: the GPU linear kernel runs on a "
+                                   f"GPU only (this backend is {backend}); drop the flag")
+    if kernels.attention != "fused":
+        raise InvalidArgumentError(f"--gpu-linear {given} picks the backend of the row-tiled "
+                                   f"kernels of --attention fused (here: --attention "
+                                   f"{kernels.attention}); add --attention fused or drop it")
+
+
+def check_compiler_options(options) -> None:
+    """Refuses, before anything loads, an XLA compiler option that XLA does not accept:
+    each ``(name, value)`` of ``options`` compiles a trivial program with it (milliseconds),
+    and XLA's refusal becomes one line naming the flag.
+
+    Raises:
+      InvalidArgumentError: an unknown option name, or a value of the wrong type.
+    """
+    import numpy as np
+
+    for name, value in options:
+        try:
+            jax.jit(lambda x: x + 1).lower(np.float32(0)).compile({name: value})
+        except Exception as error:  # jax's runtime error; its class moved between versions
+            # "INVALID_ARGUMENT: No such compile option: 'x'": the status code dropped.
+            reason = re.sub(r"^[A-Z_]+: ", "", " ".join(str(error).split()))
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise InvalidArgumentError(f"--compiler-option {name}={shown}: XLA does not "
+                                       f"accept it ({reason})") from None
+
+
+def _check_ngram_file(path: str) -> None:
+    """Reads the ``--ngram`` tables before the model loads, so that a missing or damaged
+    file is the first thing said (their vocabulary is checked against the model's once it
+    loads)."""
+    from specjax.drafters import ngram as ngram_lib
+
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise InvalidArgumentError(f"--ngram {path}: is a directory; give the .npz file of "
+                                   "'specjax build-ngram'")
+    if not file.is_file():
+        raise InvalidArgumentError(f"--ngram {path}: no such file")
+    try:
+        ngram_lib.load_ngram(file)
+    except SpecjaxError as error:
+        message = str(error)
+        message = message[len(str(file)) + 2:] if message.startswith(f"{file}: ") else message
+        raise InvalidArgumentError(f"--ngram {path}: {message}") from None
 
 
 def _with_flag_names(message: str, args) -> str:
@@ -331,6 +388,9 @@ def read_prompts_file(path: str) -> list[dict]:
         data = sys.stdin.buffer.read()
     else:
         file = Path(path).expanduser()
+        if file.is_dir():
+            raise InvalidArgumentError(f"--prompts-file {path}: is a directory; give a JSONL "
+                                       "file")
         if not file.is_file():
             raise InvalidArgumentError(f"--prompts-file {path}: no such file")
         try:
@@ -448,8 +508,18 @@ def _generate_watched(args, options, dtype, rows, watch) -> int:
         try:
             return _generate_loaded(args, model, rows, kwargs, options, shown, watch)
         except InvalidArgumentError as error:  # limits that depend on the loaded model
-            raise InvalidArgumentError(_with_flag_names(
-                re.sub(r"\bmax_new_tokens\b", "--max-new-tokens", str(error)), args)) from None
+            raise InvalidArgumentError(_with_flag_names(_cli_words(str(error)), args)) \
+                from None
+
+
+def _cli_words(message: str) -> str:
+    """A library error about the loaded model in the CLI's words: keywords as flags, and
+    the way to give token ids."""
+    message = re.sub(r"\bmax_new_tokens\b", "--max-new-tokens", message)
+    return message.replace(
+        "has no tokenizer: pass a list of token ids",
+        'has no tokenizer: give token ids with --prompts-file, a JSONL file of lines such as '
+        '{"prompt": [1, 2, 3]}')
 
 
 def _generate_loaded(args, model, rows, kwargs, options, shown, watch) -> int:

@@ -361,6 +361,17 @@ def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
     (["--prompts-file", "/etc/hostname", "--output", "/"], "--output /: is a directory"),
     (["--prompts-file", "/etc/hostname", "--output", "/no/such/dir/out.jsonl"],
      "--output /no/such/dir/out.jsonl: no directory /no/such/dir"),
+    (["--prompts-file", "."], "--prompts-file .: is a directory"),
+    # XLA's own refusals, asked of XLA before the load (a trivial program compiled).
+    ([PROMPT, "--compiler-option", "no_such_xla_option=1"],
+     "--compiler-option no_such_xla_option=1: XLA does not accept it (No such compile "
+     "option: 'no_such_xla_option')"),
+    ([PROMPT, "--compiler-option", "xla_backend_optimization_level=abc"],
+     "--compiler-option xla_backend_optimization_level=abc: XLA does not accept it"),
+    # A kernel backend that nothing would run is refused, not ignored.
+    ([PROMPT, "--gpu-linear", "mosaic"],
+     "--gpu-linear mosaic: the GPU linear kernel runs on a GPU only (this backend is cpu)"),
+    ([PROMPT, "--method", "ngram", "--ngram", "."], "--ngram .: is a directory"),
 ])
 def test_bad_settings_fail_before_loading_the_model(capsys, no_load, argv, fragment):
     """Every setting is checked before the (slow) load: the ``no_load`` fixture fails the
@@ -378,6 +389,26 @@ def test_bad_prompts_files_fail_before_loading(capsys, no_load, tmp_path, lines,
     path.write_bytes(lines)
     assert_one_line_error(*run_cli(capsys, "generate", "--prompts-file", str(path)),
                           fragment.format(path))
+
+
+def test_a_damaged_ngram_file_fails_before_loading(capsys, no_load, tmp_path):
+    damaged = tmp_path / "tables.npz"
+    damaged.write_bytes(b"not a zip archive")
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "--method", "ngram",
+                                   "--ngram", str(damaged)),
+                          f"--ngram {damaged}: unreadable n-gram file")
+
+
+def test_gpu_linear_needs_the_fused_kernels_on_a_gpu(capsys, no_load, monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "--method", "ar",
+                                   "--gpu-linear", "mosaic"),
+                          "--gpu-linear mosaic picks the backend of the row-tiled kernels of "
+                          "--attention fused")
+    args = cli.build_parser().parse_args(["generate", PROMPT, "--method", "ar", "--attention",
+                                          "fused", "--gpu-linear", "mosaic"])
+    assert cli.check_generate_args(args)[0].name == "ar"
+    assert args.kernels.gpu_linear == "mosaic"
 
 
 def test_standard_input_gives_the_prompt_or_the_prompts_file(capsys, no_load, monkeypatch):
@@ -474,8 +505,10 @@ def test_draft_layers_beyond_the_model_are_an_error_once_it_loads(capsys, served
 
 def test_prompt_without_tokenizer_is_an_error(capsys, tmp_path):
     path = save_tiny(tiny_model("llama-mha-tied"), tmp_path / "hf")  # no tokenizer files
+    # The error names the command line's way to give token ids.
     assert_one_line_error(*run_cli(capsys, "generate", PROMPT, "-m", str(path)),
-                          "no tokenizer")
+                          "has no tokenizer: give token ids with --prompts-file, a JSONL file "
+                          'of lines such as {"prompt": [1, 2, 3]}')
 
 
 def test_corrupt_gguf_file(capsys, tiny_gguf, tmp_path):
