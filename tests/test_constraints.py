@@ -1,0 +1,282 @@
+"""Constraints (specjax.constraints): the device tables of a regex or JSON schema against the
+outlines-core index they are built from, against Python's ``re.fullmatch`` and the
+``jsonschema`` validator, the one-line refusals, and the disk cache across processes.
+
+The tokenizer is a tiny byte-level BPE (printable ASCII, a few merges, a special EOS) over a
+logits width padded past it, so every table builds in milliseconds."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from specjax import constraints
+from specjax.constraints import (DEAD_STATE, FREE_STATE, INITIAL_STATE, JsonSchema, Regex,
+                                 advance, allowed_tokens, build_tables, forced_token,
+                                 mask_logits)
+from specjax.errors import InvalidArgumentError
+
+outlines_core = pytest.importorskip("outlines_core")
+jsonschema = pytest.importorskip("jsonschema")
+
+V = 128  # the logits width: the tokenizer's 101 ids, then 27 ids it never produces
+MERGES = [("a", "b"), ("1", "2"), ("{", '"'), ('"', ":"), ("Ġ", "a"), ("b", "a")]
+REGEXES = ["(ab)+", "a(ba)*", "[0-9]{1,3}", "(ab|ba)*c?", "x|yz|(12)+", r"\d+(\.\d+)?",
+           "[a-c ]{0,4}b"]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"},
+                                           "b": {"type": "array", "items": {"type": "boolean"}},
+                                           "c": {"type": "string", "maxLength": 3}},
+          "required": ["a", "b"]}
+
+
+def tiny_tokenizer_json() -> str:
+    """A byte-level BPE over printable ASCII with a few merges and a special ``<eos>``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    unicode_of = {value: char for char, value in constraints._bytes_to_unicode().items()}
+    vocab = {unicode_of[value]: value - 32 for value in range(32, 127)}
+    for left, right in MERGES:
+        vocab[left + right] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab, MERGES))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
+    return tokenizer.to_str()
+
+
+@functools.cache
+def tiny_tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tiny_tokenizer_json())
+
+
+@functools.cache
+def eos_id() -> int:
+    return tiny_tokenizer().token_to_id("<eos>")
+
+
+@functools.cache
+def tables_of(constraint):
+    tables, _ = build_tables(constraint, tiny_tokenizer(), V, [eos_id()], use_cache=False)
+    return jax.device_put(tables)
+
+
+_allowed = jax.jit(allowed_tokens)
+_advance = jax.jit(advance)
+
+
+def spelled(tokens) -> bytes:
+    pieces = constraints.token_bytes(tiny_tokenizer(), V)
+    return b"".join(pieces[t] for t in tokens)
+
+
+def test_token_bytes_reads_byte_level_and_sentencepiece_vocabularies():
+    pieces = constraints.token_bytes(tiny_tokenizer(), V)
+    tokenizer = tiny_tokenizer()
+    assert pieces[tokenizer.token_to_id("Ġa")] == b" a"
+    assert pieces[tokenizer.token_to_id("ab")] == b"ab"
+    assert pieces[tokenizer.token_to_id("Ġ")] == b" "
+    assert pieces[eos_id()] is None and pieces[V - 1] is None
+
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "\u2581a": 1, "<0x0A>": 2, "b": 3, "<0xC3>": 4}
+    piece_tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    piece_tokenizer.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0)])
+    piece_tokenizer.add_special_tokens(["<unk>"])
+    assert constraints.token_bytes(piece_tokenizer, 6) == [None, b" a", b"\n", b"b", b"\xc3",
+                                                           None]
+
+
+def walk_both(constraint):
+    """Walks the outlines-core index and the tables side by side from their initial
+    states; yields (index state, table state) pairs, each table state once."""
+    pieces = constraints.token_bytes(tiny_tokenizer(), V)
+    index = constraints._build_index(constraint, pieces, [eos_id()])
+    tables = tables_of(constraint)
+    pairs, seen = [(constraints._start_state(index, pieces), INITIAL_STATE)], {}
+    while pairs:
+        index_state, state = pairs.pop()
+        if state in seen:
+            assert seen[state] == index_state  # one table state per index state
+            continue
+        seen[state] = index_state
+        yield index, tables, index_state, state
+        for token in index.get_allowed_tokens(index_state):
+            if token != eos_id() and token < V:  # V: the index's sentinel token
+                following = int(_advance(tables, jnp.int32(state), jnp.int32(token)))
+                pairs.append((index.get_next_state(index_state, token), following))
+
+
+@pytest.mark.parametrize("constraint", [Regex(p) for p in REGEXES] + [JsonSchema(SCHEMA)],
+                         ids=REGEXES + ["schema"])
+def test_tables_agree_with_the_outlines_core_index(constraint):
+    visited = 0
+    for index, tables, index_state, state in walk_both(constraint):
+        allowed = set(np.flatnonzero(_allowed(tables, jnp.int32(state))).tolist())
+        # (the index also knows the sentinel token, id V: the tables start after it)
+        assert allowed == set(index.get_allowed_tokens(index_state)) - {V}
+        final = index.is_final_state(index_state)
+        assert (eos_id() in allowed) == final == bool(tables.accepting[state])
+        assert int(forced_token(tables, state)) == (allowed.pop() if len(allowed) == 1 else -1)
+        visited += 1
+    assert visited >= 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab12c.xyz ", max_size=10),
+       pattern=st.sampled_from(REGEXES))
+@example(text="abab", pattern="(ab)+").via("a final loop of several bytes")
+@example(text="ababa", pattern="a(ba)*").via("a final loop of several bytes")
+@example(text="", pattern="(ab|ba)*c?").via("the empty text")
+def test_a_text_ends_in_an_accepting_state_exactly_when_it_matches(text, pattern):
+    """Tokenized by the BPE (merged pieces included), a text walks to an accepting state iff
+    ``re.fullmatch`` accepts it, and never to the dead state when it matches. (outlines-core
+    alone accepts only "ab" for "(ab)+": constraints._build_index anchors the end.)"""
+    tables = tables_of(Regex(pattern))
+    state = jnp.int32(INITIAL_STATE)
+    for token in tiny_tokenizer().encode(text).ids:
+        state = _advance(tables, state, jnp.int32(token))
+    matches = re.fullmatch(pattern, text) is not None
+    assert bool(tables.accepting[int(state)]) == matches
+    if matches:
+        assert int(state) != DEAD_STATE
+
+
+def random_walk(tables, choices) -> list[int] | None:
+    """Follows ``choices`` (indexes into each state's allowed tokens) until EOS; None if
+    the choices run out first."""
+    state, tokens = jnp.int32(INITIAL_STATE), []
+    for choice in choices:
+        allowed = np.flatnonzero(_allowed(tables, state))
+        assert len(allowed) > 0
+        token = int(allowed[choice % len(allowed)])
+        if token == eos_id():
+            return tokens
+        tokens.append(token)
+        state = _advance(tables, state, jnp.int32(token))
+        assert int(state) != DEAD_STATE
+    return None
+
+
+@settings(max_examples=40, deadline=None)
+@given(choices=st.lists(st.integers(0, 1000), min_size=1, max_size=30),
+       pattern=st.sampled_from(REGEXES))
+def test_every_walk_over_allowed_tokens_spells_a_match(choices, pattern):
+    tokens = random_walk(tables_of(Regex(pattern)), choices)
+    if tokens is not None:
+        assert re.fullmatch(pattern, spelled(tokens).decode())
+
+
+@settings(max_examples=25, deadline=None)
+@given(choices=st.lists(st.integers(0, 1000), min_size=1, max_size=60))
+def test_every_walk_under_a_schema_spells_a_valid_document(choices):
+    tokens = random_walk(tables_of(JsonSchema(SCHEMA)), choices)
+    if tokens is not None:
+        jsonschema.validate(json.loads(spelled(tokens)), SCHEMA)
+
+
+def test_the_device_functions_take_batches_free_rows_and_reuse_one_program():
+    tables = tables_of(Regex("(ab)+"))
+    token = {text: tiny_tokenizer().token_to_id(text) for text in ("a", "b", "ab")}
+    states = jnp.array([[INITIAL_STATE, FREE_STATE], [DEAD_STATE, INITIAL_STATE]], jnp.int32)
+    logits = jax.random.normal(jax.random.key(0), (2, 2, V))
+    masked = jax.jit(mask_logits)(tables, states, logits)
+    np.testing.assert_array_equal(masked[0, 1], logits[0, 1])  # a free row: untouched
+    assert np.isfinite(masked[0, 0]).sum() == 2  # "a" or "ab"
+    assert np.flatnonzero(np.isfinite(masked[1, 0])).tolist() == [eos_id()]
+    tokens = jnp.array([[token["ab"], token["b"]], [token["a"], token["b"]]], jnp.int32)
+    following = _advance(tables, states, tokens)
+    assert following[0, 1] == FREE_STATE and following[1, 0] == DEAD_STATE
+    assert following[1, 1] == DEAD_STATE  # "b" cannot start "(ab)+"
+    assert tables.accepting[int(following[0, 0])]
+    # Another constraint in the same (states, classes) bucket runs the same program.
+    other = tables_of(Regex("[0-9]{1,3}"))
+    assert jax.tree.map(jnp.shape, other) == jax.tree.map(jnp.shape, tables)
+    compiled = jax.jit(mask_logits)
+    compiled(tables, states, logits)
+    compiled(other, states, logits)
+    assert compiled._cache_size() == 1
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Regex("(ab"), "invalid regular expression"),
+    (lambda: Regex("(?=a)a"), "look-around"),
+    (lambda: Regex(""), "non-empty string"),
+    (lambda: Regex("^ab|c"), "remove the"),
+    (lambda: JsonSchema("{not json"), "not JSON"),
+    (lambda: JsonSchema([1, 2]), "must be a JSON object"),
+    (lambda: JsonSchema({"type": "nonsense"}), "not a valid schema"),
+    (lambda: JsonSchema({"if": {"type": "string"}}), "unsupported schema"),
+    (lambda: JsonSchema({"$ref": "#/$defs/missing"}), "unsupported schema"),
+])
+def test_a_bad_constraint_is_refused_in_one_line_before_a_tokenizer_exists(make, message):
+    with pytest.raises(InvalidArgumentError, match=message) as error:
+        constraints.check_constraint(make())
+    assert "\n" not in str(error.value)
+
+
+def test_a_constraint_over_the_limits_or_the_vocabulary_is_refused(monkeypatch):
+    with pytest.raises(InvalidArgumentError, match="cannot spell"):
+        build_tables(Regex("a\tb"), tiny_tokenizer(), V, [eos_id()], use_cache=False)
+    with pytest.raises(InvalidArgumentError, match="eos_token_ids"):
+        build_tables(Regex("ab"), tiny_tokenizer(), V, [V], use_cache=False)
+    monkeypatch.setattr(constraints, "MAX_STATES", 8)
+    with pytest.raises(InvalidArgumentError, match=r"has \d+ states, over the limit of 8"):
+        constraints.check_constraint(Regex("[0-9]{12}"))
+    with pytest.raises(InvalidArgumentError, match=r"has \d+ states, over the limit of 8"):
+        build_tables(Regex("[0-9]{12}"), tiny_tokenizer(), V, [eos_id()], use_cache=False)
+    monkeypatch.setattr(constraints, "MAX_TABLE_BYTES", 100)
+    with pytest.raises(InvalidArgumentError, match="over the limit of 0 MiB"):
+        build_tables(Regex("ab"), tiny_tokenizer(), V, [eos_id()], use_cache=False)
+
+
+SECOND_PROCESS = """
+import json, sys
+import numpy as np
+from tokenizers import Tokenizer
+from specjax.constraints import JsonSchema, build_tables
+tokenizer = Tokenizer.from_file(sys.argv[1])
+tables, info = build_tables(JsonSchema(json.loads(sys.argv[3])), tokenizer, {V},
+                            [tokenizer.token_to_id("<eos>")], cache_dir=sys.argv[2])
+print(json.dumps({{"from_cache": info.from_cache,
+                  "next_state": np.asarray(tables.next_state).tolist()}}))
+"""
+
+
+def test_the_table_cache_survives_a_second_process(tmp_path):
+    tokenizer_file = tmp_path / "tokenizer.json"
+    tokenizer_file.write_text(tiny_tokenizer_json())
+    cache = tmp_path / "cache"
+    tables, info = build_tables(JsonSchema(SCHEMA), tiny_tokenizer(), V, [eos_id()],
+                                cache_dir=cache)
+    assert not info.from_cache and Path(info.cache_path).is_file()
+    assert [path.name for path in cache.iterdir()] == [Path(info.cache_path).name]  # no temp
+    run = subprocess.run([sys.executable, "-c", SECOND_PROCESS.format(V=V), str(tokenizer_file),
+                          str(cache), json.dumps(SCHEMA)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    answer = json.loads(run.stdout.splitlines()[-1])
+    assert answer["from_cache"]
+    np.testing.assert_array_equal(answer["next_state"], tables.next_state)
+    # Another constraint, or a damaged file, builds afresh.
+    _, other = build_tables(Regex("ab"), tiny_tokenizer(), V, [eos_id()], cache_dir=cache)
+    assert not other.from_cache and other.cache_path != info.cache_path
+    Path(info.cache_path).write_bytes(b"half a file")
+    again, rebuilt = build_tables(JsonSchema(SCHEMA), tiny_tokenizer(), V, [eos_id()],
+                                  cache_dir=cache)
+    assert not rebuilt.from_cache
+    np.testing.assert_array_equal(again.next_state, tables.next_state)
