@@ -109,8 +109,9 @@ class JsonSchema:
     const, arrays, anyOf/oneOf/allOf, $ref, string formats and lengths).
 
     Attributes:
-      schema: the schema, as a dict or a JSON string; kept as canonical JSON text (sorted
-        keys), so that equal schemas are equal constraints.
+      schema: the schema, as a dict or a JSON string; kept as compact JSON text, so that
+        equal schemas are equal constraints (the order of ``properties`` is the order of the
+        document's keys, so it counts).
     """
 
     schema: Any
@@ -127,7 +128,7 @@ class JsonSchema:
             raise InvalidArgumentError(f"JsonSchema: the schema must be a JSON object, "
                                        f"got {type(schema).__name__}")
         try:
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            text = json.dumps(schema, separators=(",", ":"))  # key order is output order
         except (TypeError, ValueError) as error:
             raise InvalidArgumentError(f"JsonSchema: the schema is not JSON ({error})") from None
         object.__setattr__(self, "schema", text)

@@ -280,3 +280,50 @@ def test_the_table_cache_survives_a_second_process(tmp_path):
                                   cache_dir=cache)
     assert not rebuilt.from_cache
     np.testing.assert_array_equal(again.next_state, tables.next_state)
+
+
+FUNCTION_SCHEMA = {  # a function's signature and docstring, as issue-style JSON
+    "type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+        "parameters": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "type": {"type": "string"},
+            "default": {"type": ["string", "null"]}}, "required": ["name", "type"]}},
+        "returns": {"type": "string"}, "docstring": {"type": "string"}},
+    "required": ["name", "parameters", "returns", "docstring"]}
+
+
+def test_a_function_schema_on_smollm2s_vocabulary(tmp_path):
+    """The real 49,152-token byte-level vocabulary: the tables are a few hundred classes wide,
+    and a walk that takes the closing quote where allowed, else the lowest allowed id, spells
+    a valid document."""
+    from specjax.checkpoints_tools.gguf_loader import read_gguf, tokenizer_from_gguf
+    from specjax.checkpoints_tools.sources import known_model_path
+
+    tokenizer = tokenizer_from_gguf(read_gguf(known_model_path("smollm2-135m")))
+    vocab_size, eos = 49152, tokenizer.eos_token_id
+    quote = tokenizer.convert_tokens_to_ids('"')
+    tables, info = build_tables(JsonSchema(FUNCTION_SCHEMA), tokenizer, vocab_size, [eos],
+                                cache_dir=tmp_path)
+    assert info.num_classes < 1024 and info.num_states < MAX_WALK
+    assert tables.token_class.shape == (vocab_size,)
+    tables = jax.device_put(tables)
+
+    @jax.jit
+    def step(state):
+        preference = -jnp.arange(vocab_size, dtype=jnp.float32).at[quote].set(1.0)
+        scores = mask_logits(tables, state, preference)
+        token = jnp.argmax(scores).astype(jnp.int32)
+        return token, advance(tables, state, token)
+
+    state, tokens = jnp.int32(INITIAL_STATE), []
+    for _ in range(MAX_WALK):
+        token, state = step(state)
+        if int(token) == eos:
+            break
+        tokens.append(int(token))
+    document = json.loads(tokenizer.decode(tokens))
+    jsonschema.validate(document, FUNCTION_SCHEMA)
+    assert list(document) == list(FUNCTION_SCHEMA["properties"])  # the schema's key order
+
+
+MAX_WALK = 400
