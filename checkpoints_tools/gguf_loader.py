@@ -70,6 +70,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from specjax import progress as progress_lib
 from specjax.checkpoints_tools import keymap
 from specjax.checkpoints_tools.hf import as_numpy_dtype, check_chat_template, one_line
 from specjax.config import ModelConfig, RopeScaling, from_hf_config
@@ -959,10 +960,9 @@ def params_from_gguf(reader: GGUFFile, config: ModelConfig, source: str = "gguf"
     permuted = _ARCHITECTURES.get(arch, False)
     tensors: dict[str, np.ndarray] = {}
     items = reader.tensors
-    if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(items, desc="dequantizing GGUF tensors", unit="tensor", leave=False)
+    if progress:  # a bar on a terminal only
+        items = progress_lib.terminal_bar(items, desc="dequantizing GGUF tensors",
+                                          unit="tensor", leave=False)
     for tensor in items:
         if tensor.name in ROPE_FACTOR_TENSORS:
             continue  # read into the config (config_from_gguf)

@@ -36,6 +36,7 @@ import jinja2.ext
 import ml_dtypes
 import numpy as np
 
+from specjax import progress as progress_lib
 from specjax.checkpoints_tools import keymap
 from specjax.config import ModelConfig, from_hf_config
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
@@ -386,12 +387,12 @@ def weights_file(path: str | os.PathLike) -> Path:
 
 def read_hf_tensors(path: str | os.PathLike, progress: bool = False) -> dict[str, np.ndarray]:
     """Every weight tensor of the HF directory ``path``, by HF name, as numpy arrays."""
-    from tqdm.auto import tqdm
-
     file = weights_file(path)
     tensors: dict[str, np.ndarray] = {}
     origin: dict[str, str] = {}
-    with tqdm(desc="reading tensors", unit="tensor", disable=not progress, leave=False) as bar:
+    # A bar on a terminal only: elsewhere "reading tensors: 0tensor" would be noise.
+    with progress_lib.terminal_bar(desc="reading tensors", unit="tensor", progress=progress,
+                                   leave=False) as bar:
         if file.name == SAFETENSORS_FILE:
             _read_safetensors(file, tensors, origin, bar)
         elif file.name == SAFETENSORS_INDEX:

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from specjax import api, decode, interrupts, loading, progress
 from specjax.backend_options import KernelOptions, add_kernel_arguments
@@ -26,6 +27,7 @@ from specjax.checkpoints_tools.convert import convert
 from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
 # The program's persistent cache; COMPILATION_CACHE_ENV is re-exported for the tests.
 from specjax.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache  # noqa: F401
+from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
 from specjax.methods import METHODS, MethodOptions, choice
 from specjax.methods.flags import add_method_arguments, flag_of, method_from_args
@@ -295,8 +297,6 @@ def check_compiler_options(options) -> None:
     Raises:
       InvalidArgumentError: an unknown option name, or a value of the wrong type.
     """
-    import numpy as np
-
     for name, value in options:
         try:
             jax.jit(lambda x: x + 1).lower(np.float32(0)).compile({name: value})
@@ -312,8 +312,6 @@ def _check_ngram_file(path: str) -> None:
     """Reads the ``--ngram`` tables before the model loads, so that a missing or damaged
     file is the first thing said (their vocabulary is checked against the model's once it
     loads)."""
-    from specjax.drafters import ngram as ngram_lib
-
     file = Path(path).expanduser()
     if file.is_dir():
         raise InvalidArgumentError(f"--ngram {path}: is a directory; give the .npz file of "

@@ -144,6 +144,32 @@ def _isatty(stream: TextIO) -> bool:
         return False
 
 
+def bars_shown(progress: bool, stream: TextIO | None = None) -> bool:
+    """Whether a loader or tool asked for ``progress`` draws its tqdm bars: only on a
+    terminal. A bar written to a file or a pipe is noise (``reading tensors: 0tensor``):
+    the API's ``progress=True`` says what it does in plain lines there
+    (:func:`reported`).
+
+    Args:
+      progress: what the caller asked for.
+      stream: where the bars go (default: stderr).
+    """
+    return bool(progress) and _isatty(sys.stderr if stream is None else stream)
+
+
+def terminal_bar(iterable: Iterable[Any] | None = None, *, progress: bool = True,
+                 **settings) -> tqdm:
+    """A tqdm bar on stderr, drawn only when ``progress`` and stderr is a terminal
+    (:func:`bars_shown`); elsewhere a disabled bar that prints nothing.
+
+    Args:
+      iterable: items to wrap, or ``None`` (call ``update``).
+      progress: what the caller asked for.
+      **settings: tqdm's keywords (``desc``, ``unit``, ``total``, ``leave``...).
+    """
+    return tqdm(iterable, file=sys.stderr, disable=not bars_shown(progress), **settings)
+
+
 @contextlib.contextmanager
 def reported(description: str, stream: TextIO | None = None) -> Iterator[None]:
     """The Python API's ``progress=True``: ``description ... <seconds> s`` on ``stream``

@@ -16,13 +16,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax import interrupts
+from specjax import progress as progress_lib
 from specjax.checkpoints_tools.hf import save_hf_directory
 from specjax.checkpoints_tools.orbax_io import save_orbax
 from specjax.errors import InvalidArgumentError
 from specjax.models import cast_floats
 from specjax.training import target_corpus
 from specjax.training.config import TrainConfig
-from specjax.training.corpus import mixed_windows, sample_windows, stdlib_files, tokenize_corpus
+from specjax.training.corpus import (is_token_file, mixed_windows, sample_windows, stdlib_files,
+                                     tokenize_corpus)
 from specjax.training.drafts import draft_vocabulary, initial_draft, split_trainable
 from specjax.training.steps import learning_rate, make_optimizer, make_steps, set_learning_rate
 
@@ -42,10 +44,14 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
     """Trains (or resumes training) a draft for ``target`` into ``out``.
 
     Args:
-      target: a :class:`specjax.Model` with a tokenizer.
+      target: a :class:`specjax.Model`; with a tokenizer unless the corpus is token files.
       out: output directory (see :mod:`~specjax.training.train_draft`); reused to resume.
+        A run that fails (an error, not Ctrl-C) in a directory it created, before its
+        first checkpoint, removes it: the corrected command starts afresh.
       cfg: training knobs.
-      corpus_files: text files; ``None`` means the standard library's sources.
+      corpus_files: text files and ``.npy`` token files
+        (:func:`~specjax.training.corpus.tokenize_corpus`); ``None`` means the standard
+        library's sources.
       export_hf: also write ``out/draft-hf`` (transformers-loadable).
       progress: show progress bars.
       log: called with one-line progress messages.
@@ -64,9 +70,61 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
         being written is finished first; nothing half-written is left, ``draft`` (and
         ``draft-hf``) appear only with the run complete, and a rerun resumes.
     """
-    with interrupts.guard() as interrupt:
-        return _train(target, out, cfg, corpus_files, export_hf, progress, log, interrupt,
-                      time_budget, tuple(prior_target_corpora))
+    folder = Path(out).absolute()
+    created = not folder.exists()
+    try:
+        with interrupts.guard() as interrupt:
+            return _train(target, out, cfg, corpus_files, export_hf, progress, log,
+                          interrupt, time_budget, tuple(prior_target_corpora))
+    except Exception:
+        if created and not _has_checkpoint(folder):
+            # Nothing worth resuming: a rerun with corrected settings must not find a
+            # folder claimed by these ones (nor the corpus tokenized for them).
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _has_checkpoint(out: Path) -> bool:
+    """Whether ``out`` holds a saved training step (orbax's numbered folders)."""
+    state = out / "train_state"
+    return state.is_dir() and any(p.name.isdigit() for p in state.iterdir())
+
+
+def check_target(target: Any, cfg: TrainConfig, corpus_files=None) -> None:
+    """Refuses, before a file is written, a run the target cannot serve: layers it lacks,
+    a vocabulary larger than its own, text to read without a tokenizer.
+
+    Raises:
+      InvalidArgumentError: naming the flag and the target's size.
+    """
+    config = target.config
+    if config.architecture != "llama":
+        raise InvalidArgumentError("train-draft makes Llama-family drafts; the target is "
+                                   f"{config.architecture}")
+    num = config.num_layers
+    for flag, layers in (("--init-layers", () if cfg.init_draft else cfg.init_layers),
+                         ("--add-layers", cfg.add_layers),
+                         ("--feature-layers", cfg.feature_layers if cfg.eagle3 else ())):
+        wrong = [int(i) for i in layers or () if not 0 <= int(i) < num]
+        if wrong:
+            raise InvalidArgumentError(f"{flag} {','.join(map(str, layers))}: block "
+                                       f"{wrong[0]} is out of range for a {num}-layer target "
+                                       f"(blocks 0 to {num - 1})")
+    if cfg.eagle3 and cfg.draft_vocab > config.vocab_size:
+        raise InvalidArgumentError(f"--draft-vocab {cfg.draft_vocab} exceeds the target's "
+                                   f"vocabulary of {config.vocab_size} ids")
+    if target.tokenizer is None:
+        text = [str(f) for f in corpus_files or () if not is_token_file(f)]
+        if corpus_files is None or text:
+            what = (f"text files ({text[0]})" if text else
+                    "the standard library's source (the default corpus)")
+            raise InvalidArgumentError(
+                f"target {target.name} has no tokenizer to read {what}: give token ids "
+                f"instead, --corpus FILE.npy (1-D or 2-D integer arrays)")
+        if cfg.target_corpus_tokens:
+            raise InvalidArgumentError(
+                f"--corpus-from-target prompts the target with text: target {target.name} "
+                f"has no tokenizer")
 
 
 def _scores(result) -> dict:
@@ -85,14 +143,10 @@ def _scores(result) -> dict:
 
 
 def _start_run(target: Any, out: str | os.PathLike, cfg: TrainConfig, export_hf: bool,
-               prior_target_corpora: tuple) -> Path:
-    """Checks the request and claims ``out`` for it (its ``train_config.json``); refuses a
-    folder that holds a run with other settings."""
-    if target.tokenizer is None:
-        raise InvalidArgumentError(f"target {target.name} has no tokenizer to read the corpus")
-    if target.config.architecture != "llama":
-        raise InvalidArgumentError("train-draft makes Llama-family drafts; the target is "
-                                   f"{target.config.architecture}")
+               prior_target_corpora: tuple, corpus_files=None) -> Path:
+    """Checks the request (:func:`check_target` and the flags) and claims ``out`` for it
+    (its ``train_config.json``); refuses a folder that holds a run with other settings."""
+    check_target(target, cfg, corpus_files)
     if export_hf and (cfg.feature_draft or cfg.eagle3):
         raise InvalidArgumentError("--export-hf: a feature draft has no Hugging Face "
                                    "equivalent (it reads the target's hidden states)")
@@ -136,7 +190,8 @@ def _corpora(target: Any, out: Path, cfg: TrainConfig, corpus_files, prior_targe
         train, held = tokenize_corpus(corpus_file_list(), target.tokenizer,
                                       max_tokens=cfg.max_corpus_tokens,
                                       heldout_fraction=cfg.heldout_fraction,
-                                      separator=separator, progress=progress)
+                                      separator=separator, progress=progress,
+                                      vocab_size=target.config.vocab_size)
         _save_npz(corpus_path, interrupt, train=train, heldout=held)
     log(f"corpus: {train.size} training tokens, {held.size} held-out tokens")
     if not cfg.target_corpus_tokens:
@@ -171,7 +226,7 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
     import orbax.checkpoint as ocp
 
     started = time.monotonic()
-    out = _start_run(target, out, cfg, export_hf, prior_target_corpora)
+    out = _start_run(target, out, cfg, export_hf, prior_target_corpora, corpus_files)
     train, held, target_train, target_held = _corpora(
         target, out, cfg, corpus_files, prior_target_corpora, interrupt, log, progress)
 
@@ -211,10 +266,8 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         rng = np.random.default_rng(cfg.seed + start)
         bar = None
         if progress:
-            from tqdm import tqdm
-
-            bar = stack.enter_context(tqdm(total=cfg.steps, initial=start, desc="train-draft",
-                                           unit="step"))
+            bar = stack.enter_context(progress_lib.terminal_bar(
+                total=cfg.steps, initial=start, desc="train-draft", unit="step"))
         began = time.perf_counter()
         tokens_per_step = cfg.batch_size * cfg.seq_len
         agreement = target_agreement = None

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from specjax import api, interrupts, loading
+from specjax import progress as progress_lib
 from specjax.checkpoints_tools import sources
 from specjax.checkpoints_tools.hf import hub_snapshot, load_hf_tokenizer, read_hf_config
 from specjax.checkpoints_tools.orbax_io import CONFIG_FILE, read_orbax_config
@@ -63,6 +64,8 @@ from specjax.drafters.ngram import NUM_PROBES, NgramTables, save_ngram, trigram_
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
 from specjax.model import Model
 from specjax.training import sample_corpus
+# Token files are read as draft training reads them.
+from specjax.training.corpus import read_token_file
 
 DEFAULT_TOP_K = 12
 DEFAULT_TRIGRAM_TOP_K = 8
@@ -426,19 +429,22 @@ def _check_settings(vocab_size, top_k, trigram_top_k, trigram_buckets, min_conte
 # --------------------------------------------------------------------------------------
 
 
-def load_tokenizer(name_or_path: str) -> tuple[Any, int]:
+def load_tokenizer(name_or_path: str, required: bool = True) -> tuple[Any, int]:
     """A model's tokenizer and vocabulary size, without loading its weights.
 
     Args:
       name_or_path: what ``specjax.load`` accepts: a known name (``smollm2-135m``), a
         ``.gguf`` file, a specjax or Hugging Face directory (or a bare tokenizer
         directory), or a hub id.
+      required: false when only the vocabulary size is needed (token files): a model
+        without a tokenizer then gives ``None`` for it.
     Returns:
       (tokenizer, vocab_size): the model config's vocabulary size when there is a config,
       else the tokenizer's length.
     Raises:
       ModelNotFoundError: nothing by that name.
-      InvalidArgumentError: the model has no tokenizer.
+      InvalidArgumentError: the model has no tokenizer (and ``required``, or no config
+        gives the vocabulary size either).
       CheckpointError: its files are corrupt.
     """
     text = os.fspath(name_or_path)
@@ -469,8 +475,10 @@ def load_tokenizer(name_or_path: str) -> tuple[Any, int]:
                                         model_max_length=config.max_position_embeddings)
     else:
         raise ModelNotFoundError(f"{path}: not a model; expected a .gguf file or a directory")
-    if tokenizer is None:
-        raise InvalidArgumentError(f"{text}: the model has no tokenizer")
+    if tokenizer is None and (required or vocab_size is None):
+        raise InvalidArgumentError(f"{text}: the model has no tokenizer to read text files; "
+                                   "give token ids instead (--tokens FILE.npy: 1-D or 2-D "
+                                   "integer arrays)")
     return tokenizer, int(vocab_size if vocab_size is not None else len(tokenizer))
 
 
@@ -496,29 +504,6 @@ def collect_text_files(paths: Sequence[str | os.PathLike], pattern: str = "*",
     return files
 
 
-def read_token_file(path: str | os.PathLike) -> list[np.ndarray]:
-    """The sequences of a ``.npy`` token file: the array if 1-D, its rows if 2-D.
-
-    Raises:
-      InvalidArgumentError: missing, unreadable, or not a 1-D/2-D integer array.
-    """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise InvalidArgumentError(f"{path}: no such token file")
-    try:
-        array = np.load(path, allow_pickle=False)
-    except Exception as error:  # ValueError, OSError, EOFError for damaged files
-        text = " ".join(str(error).split())
-        raise InvalidArgumentError(f"{path}: not a .npy array ({type(error).__name__}: "
-                                   f"{text})") from error
-    if not isinstance(array, np.ndarray) or array.dtype.kind not in "iu" \
-            or array.ndim not in (1, 2):
-        raise InvalidArgumentError(f"{path}: expected a 1-D or 2-D integer array, got "
-                                   f"{getattr(array, 'dtype', type(array).__name__)} "
-                                   f"{getattr(array, 'shape', '')}")
-    return [array] if array.ndim == 1 else list(array)
-
-
 def _encode_batch(tokenizer, texts: list[str]) -> list[np.ndarray]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # the fast path: Rust, parallel, no length warnings
@@ -534,10 +519,8 @@ def tokenize_files(tokenizer, files: Sequence[Path], progress: bool = False,
 
     Files that are not UTF-8 are skipped and appended to ``skipped``.
     """
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(files), desc="tokenizing", unit="file", disable=not progress,
-               file=sys.stderr)
+    bar = progress_lib.terminal_bar(total=len(files), desc="tokenizing", unit="file",
+                                    progress=progress)
     with bar:
         for begin in range(0, len(files), _TOKENIZE_BATCH):
             batch = files[begin:begin + _TOKENIZE_BATCH]
@@ -600,7 +583,8 @@ def build_ngram_files(out: str | os.PathLike, tokenizer: str, *,
     with interrupts.guard() as interrupt:
         files = collect_text_files(text, pattern, exclude)
         token_sequences = [seq for path in tokens for seq in read_token_file(path)]
-        tok, vocab_size = load_tokenizer(tokenizer)
+        # Token files alone need only the vocabulary size: no tokenizer is required.
+        tok, vocab_size = load_tokenizer(tokenizer, required=bool(files))
         skipped: list[Path] = []
         texts = list(tokenize_files(tok, files, progress=progress, skipped=skipped))
         built = build_ngram(texts + token_sequences + list(sequences), vocab_size,

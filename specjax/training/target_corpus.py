@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from specjax import progress as progress_lib
 from specjax.api import encode_prompt
 from specjax.errors import InvalidArgumentError
 from specjax.models import cast_floats
@@ -107,9 +108,8 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
     held_rows = max(int(np.ceil(rows * cfg.heldout_fraction)), window_rows, 1)
     bar = None
     if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=rows + held_rows, desc="target corpus", unit="row")
+        bar = progress_lib.terminal_bar(total=rows + held_rows, desc="target corpus",
+                                        unit="row")
     done = [0]
 
     def advance(count, offset):

@@ -97,6 +97,7 @@ Output directory ``OUT``::
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -110,6 +111,7 @@ from specjax.training.config import (COMPUTE_DTYPES, EAGLE3_FIELDS, FEATURE_FIEL
 from specjax.training.corpus import mixed_windows, sample_windows, stdlib_files, tokenize_corpus
 from specjax.training.drafts import (draft_from_target, draft_vocabulary, eagle3_asset_record,
                                      grow_draft, initial_draft, split_trainable)
+from specjax.training.eagle3 import default_feature_layers
 from specjax.training.export import export_latest
 from specjax.training.loop import train_draft
 from specjax.training.steps import (learning_rate, make_feature_train_steps, make_optimizer,
@@ -136,10 +138,64 @@ def _layer_list(text: str | None, flag: str):
             from None
 
 
+# The default --draft-vocab of an EAGLE-3 draft (at most the target's vocabulary).
+DEFAULT_DRAFT_VOCAB = TrainConfig.draft_vocab
+
+
+def default_init_layers(num_layers: int, eagle3: bool = False) -> tuple[int, ...]:
+    """The target blocks a draft starts from when ``--init-layers`` is not given: the
+    first two (``0,1``), one for an EAGLE-3 draft (``0``), and one for a target of two
+    blocks or fewer (two would copy it whole)."""
+    return (0,) if eagle3 or num_layers <= 2 else (0, 1)
+
+
+def choose_defaults(args, target_config, log) -> None:
+    """Fills the ``train-draft`` flags whose default depends on the target, once it is
+    loaded, and says what each became (one ``log`` line each): ``--init-layers``, and for
+    ``--eagle3`` ``--feature-layers`` (logged only: the run records them as the default
+    rule, as runs always did) and ``--draft-vocab`` (at most the target's vocabulary).
+
+    Args:
+      args: the parsed arguments (changed in place).
+      target_config: the target's :class:`~specjax.config.ModelConfig`.
+      log: called with each line.
+    """
+    num, vocab = target_config.num_layers, target_config.vocab_size
+    if args.init_layers is None and args.init_draft is None:
+        layers = default_init_layers(num, args.eagle3)
+        args.init_layers = ",".join(map(str, layers))
+        whole = " (the whole target: it has one block)" if num == len(layers) else ""
+        log(f"train-draft: --init-layers {args.init_layers}: the draft starts from target "
+            f"block{'s' if len(layers) > 1 else ''} {args.init_layers} of {num}{whole}")
+    if not args.eagle3:
+        return
+    if args.feature_layers is None:
+        layers = default_feature_layers(num)
+        log(f"train-draft: --feature-layers {','.join(map(str, layers))}: the default rule "
+            f"1, L/2-1, L-4 for a {num}-layer target (clipped to its blocks, repeats dropped)")
+    if args.draft_vocab is None:
+        args.draft_vocab = min(DEFAULT_DRAFT_VOCAB, vocab)
+        reason = (f"the default {DEFAULT_DRAFT_VOCAB}" if vocab >= DEFAULT_DRAFT_VOCAB else
+                  f"the target's whole vocabulary (the default {DEFAULT_DRAFT_VOCAB} is larger)")
+        log(f"train-draft: --draft-vocab {args.draft_vocab}: {reason}, of {vocab} ids")
+
+
+def check_corpus_paths(paths) -> None:
+    """Refuses a ``--corpus`` path that is not a file, before anything loads."""
+    for path in paths or ():
+        file = Path(path).expanduser()
+        if file.is_dir():
+            raise InvalidArgumentError(f"--corpus {path}: is a directory; give its files "
+                                       f"(text, or .npy token ids)")
+        if not file.is_file():
+            raise InvalidArgumentError(f"--corpus {path}: no such file")
+
+
 def train_config(args) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``train-draft`` arguments, as given: its
     ``record()`` is the run's ``train_config.json`` (:func:`main` first fills an EAGLE-3
-    ``--init-draft``'s vocabulary size and feature layers from the asset when not given).
+    ``--init-draft``'s vocabulary size and feature layers from the asset when not given,
+    and the defaults that depend on the target, :func:`choose_defaults`).
 
     Raises:
       InvalidArgumentError: a setting out of range, or a layer list that is not integers.
@@ -217,17 +273,26 @@ def main(args) -> int:
                                        "--corpus-from-target N")
     if args.head_tokens is not None and not args.asset:
         raise InvalidArgumentError("--head-tokens needs --asset DIR")
+    check_corpus_paths(args.corpus)
+    for prior in args.prior_target_corpus or ():
+        if not Path(prior).expanduser().is_file():
+            raise InvalidArgumentError(f"--prior-target-corpus {prior}: no such file")
     progress = sys.stderr.isatty()
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
     # The outcome is decided when the draft is in place, or with --asset when the asset is
     # written too (a Ctrl-C in the instant between the two is reported, the asset complete).
     with interrupts.command("specjax: interrupted",
                             finish_on_completed=not args.asset) as on_interrupt:
         # Loading writes nothing: Ctrl-C may end the process at once.
         target = specjax.load(args.target, progress=progress)
+        choose_defaults(args, target.config, log)
+        cfg = train_config(args)
         on_interrupt.exit_at_once = False  # orbax's threads may be writing from here on
         summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
-                              export_hf=args.export_hf, progress=progress,
-                              log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                              export_hf=args.export_hf, progress=progress, log=log,
                               time_budget=args.time_budget,
                               prior_target_corpora=args.prior_target_corpus or ())
         if args.asset:
@@ -238,33 +303,61 @@ def main(args) -> int:
     return 0
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help with each option's default, where its help does not state it already: the
+    value, or ``none`` for an option that is off unless given (flags say nothing)."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if ("(default" in text or not action.option_strings
+                or any(action.default is value for value in (False, argparse.SUPPRESS))):
+            return text
+        if action.default is None or action.default == "":
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
 def add_parser(subparsers) -> None:
     """Registers ``train-draft`` on the CLI's subparsers."""
     p = subparsers.add_parser(
         "train-draft", help="distil a small draft model from a target (optax, resumable)",
         description="Distil a Llama-family draft from TARGET into OUT (resumable; see "
-                    "specjax.training.train_draft).")
-    p.add_argument("out", help="output directory (reused to resume)")
+                    "specjax.training.train_draft). Defaults that depend on the target "
+                    "(--init-layers, and with --eagle3 --feature-layers and --draft-vocab) "
+                    "are chosen once it loads, one stderr line each.",
+        formatter_class=_DefaultsFormatter)
+    p.add_argument("out", help="output directory (reused to resume; one that a failed run "
+                               "created is removed unless a checkpoint was saved)")
     p.add_argument("--target", default="smollm2-135m", help="target model name or path")
-    p.add_argument("--corpus", nargs="*", default=None,
-                   help="text files to train on (default: the Python standard library source)")
+    p.add_argument("--corpus", nargs="*", default=None, metavar="FILE",
+                   help="text files to train on, and/or .npy token files (1-D or 2-D integer "
+                        "arrays: token ids, for a target without a tokenizer; their last "
+                        "2%% is held out) (default: the Python standard library source)")
     p.add_argument("--init-layers", default=None,
-                   help="comma-separated target blocks the draft starts from (default 0,1; "
-                        "0 for --eagle3)")
-    p.add_argument("--loss", default="kl", choices=LOSSES)
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--learning-rate", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=50)
+                   help="comma-separated target blocks the draft starts from (default: 0,1; "
+                        "0 for --eagle3 or a target of 2 blocks or fewer)")
+    p.add_argument("--loss", default="kl", choices=LOSSES,
+                   help="kl: distil the target's distributions; tvd: total variation; ce: "
+                        "next-token cross-entropy on the text (no teacher pass); ce+kl: both")
+    p.add_argument("--steps", type=int, default=2000, help="training steps")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    p.add_argument("--learning-rate", type=float, default=1e-3,
+                   help="peak learning rate (AdamW, cosine decay after warm-up)")
+    p.add_argument("--warmup-steps", type=int, default=50,
+                   help="steps of linear learning-rate warm-up")
     p.add_argument("--train-embeddings", action="store_true",
                    help="also train the (tied) embedding; by default it stays the target's")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the window sampling (and of the target's generations)")
+    p.add_argument("--eval-every", type=int, default=100,
+                   help="steps between held-out evaluations (logged to train_log.jsonl)")
     p.add_argument("--eval-windows", type=int, default=16,
                    help="held-out windows (of --seq-len) agreement is measured on")
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--max-corpus-tokens", type=int, default=20_000_000)
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="steps between checkpoints (a rerun resumes from the latest)")
+    p.add_argument("--max-corpus-tokens", type=int, default=20_000_000,
+                   help="stop reading corpus files once this many tokens are read")
     p.add_argument("--init-draft", default=None, metavar="ASSET",
                    help="start from this draft asset (specjax train-draft --asset) instead "
                         "of the target blocks --init-layers; with --eagle3, an EAGLE-3 "
@@ -297,7 +390,8 @@ def add_parser(subparsers) -> None:
                    help="target blocks it reads, comma-separated (default: 1, L/2-1, L-4)")
     e.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                    help="ids its head scores: the K most frequent of the training mix "
-                        "(default: 8192)")
+                        f"(default: {DEFAULT_DRAFT_VOCAB}, or the target's vocabulary if "
+                        "smaller)")
     e.add_argument("--unroll", type=int, default=None,
                    help="training-time-test passes, each reading the previous one's outputs "
                         "(default: 4)")
