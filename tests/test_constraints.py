@@ -7,6 +7,7 @@ logits width padded past it, so every table builds in milliseconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -327,3 +328,84 @@ def test_a_function_schema_on_smollm2s_vocabulary(tmp_path):
 
 
 MAX_WALK = 400
+
+
+# ----------------------------------------------------------------------------- ar under a constraint
+
+BOUNDED = ["[0-9]{1,3}", "(yes|no|maybe)", "[a-c]{2,5}", r'\{"a":[0-9]\}', "(ab|ba){1,3}"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from conftest import tiny_pair
+
+    return tiny_pair("llama-gqa", seed=5, vocab_size=V)[1]
+
+
+def constrained_run(model, prompt, constraint, temperature, seed, max_new_tokens=12):
+    """The constrained ``ar`` method below the API: the request ``ar`` would run, with the
+    constrained step object and the constraint's tables as its resources."""
+    from specjax import api, decode
+    from specjax.methods import Autoregressive
+
+    request = api._prepare(model, prompt, method="ar", max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_k=0, top_p=1.0, seed=seed, draft=None,
+                           ngram=None, stop_tokens=[eos_id()], chat=False,
+                           kernels=api.kernel_options(model), options={})
+    loop = dataclasses.replace(request.loop, method=Autoregressive(constrained=True))
+    args = request.args[:-1] + (tables_of(constraint),)
+    state = decode.run_program(args[0], loop, *args[1:])[0]
+    return [int(t) for t in state.tokens[request.prompt_length:int(state.length)]]
+
+
+def greedy_reference(model, prompt, constraint, max_new_tokens=12) -> list[int]:
+    """Greedy decoding by hand: the whole sequence through the model (causal, padded to 32
+    tokens: one program) at every step, the last logits masked by the automaton's state
+    (numpy), the first maximum."""
+    from specjax import models
+
+    tables = tables_of(constraint)
+    allowed = np.asarray(_allowed(tables, jnp.arange(tables.next_state.shape[0])))
+    forward = jax.jit(lambda tokens: models.forward(
+        model.params, model.config, tokens, jnp.arange(32, dtype=jnp.int32),
+        attn_impl="reference")[0])
+    tokens, state, out = list(prompt), INITIAL_STATE, []
+    for _ in range(max_new_tokens):
+        logits = forward(jnp.asarray(tokens + [0] * (32 - len(tokens)), jnp.int32))
+        last = np.asarray(logits[len(tokens) - 1])
+        token = int(np.argmax(np.where(allowed[state], last, -np.inf)))
+        out.append(token)
+        if token == eos_id():
+            break
+        tokens.append(token)
+        state = int(_advance(tables, jnp.int32(state), jnp.int32(token)))
+    return out
+
+
+@pytest.mark.parametrize("pattern", BOUNDED)
+def test_ar_under_a_regex_spells_a_match_greedy_and_coupled(tiny_model, pattern):
+    rng = np.random.default_rng(len(pattern))
+    for seed, temperature in ((0, 0.0), (1, 1.0), (2, 1.0)):
+        prompt = rng.integers(0, 100, 5 + seed).tolist()
+        tokens = constrained_run(tiny_model, prompt, Regex(pattern), temperature, seed)
+        assert tokens[-1] == eos_id(), (pattern, seed)  # bounded: each run ends, by EOS
+        assert re.fullmatch(pattern, spelled(tokens[:-1]).decode()), (pattern, seed)
+        if temperature == 0.0:
+            assert tokens == greedy_reference(tiny_model, prompt, Regex(pattern))
+
+
+def test_ar_under_a_schema_spells_valid_documents_or_their_prefixes(tiny_model):
+    finished = 0
+    for seed in range(4):
+        prompt = np.random.default_rng(seed).integers(0, 100, 6).tolist()
+        tokens = constrained_run(tiny_model, prompt, JsonSchema(SCHEMA), 1.0, seed,
+                                 max_new_tokens=48)
+        if tokens[-1] == eos_id():
+            jsonschema.validate(json.loads(spelled(tokens[:-1])), SCHEMA)
+            finished += 1
+        else:  # the budget ran out: a prefix of a document, still alive
+            state = jnp.int32(INITIAL_STATE)
+            for token in tokens:
+                state = _advance(tables_of(JsonSchema(SCHEMA)), state, jnp.int32(token))
+            assert int(state) != DEAD_STATE
+    assert finished >= 1
