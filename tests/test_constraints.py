@@ -7,6 +7,7 @@ logits width padded past it, so every table builds in milliseconds."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -28,8 +29,7 @@ from specjax.constraints import (DEAD_STATE, FREE_STATE, INITIAL_STATE, JsonSche
                                  mask_logits)
 from specjax.errors import InvalidArgumentError
 
-outlines_core = pytest.importorskip("outlines_core")
-jsonschema = pytest.importorskip("jsonschema")
+import jsonschema  # the test extra carries the constraints extra
 
 V = 128  # the logits width: the tokenizer's 101 ids, then 27 ids it never produces
 MERGES = [("a", "b"), ("1", "2"), ("{", '"'), ('"', ":"), ("Ġ", "a"), ("b", "a")]
@@ -409,3 +409,23 @@ def test_ar_under_a_schema_spells_valid_documents_or_their_prefixes(tiny_model):
                 state = _advance(tables_of(JsonSchema(SCHEMA)), state, jnp.int32(token))
             assert int(state) != DEAD_STATE
     assert finished >= 1
+
+
+def test_constraints_in_one_size_bucket_share_the_compiled_program(tiny_model):
+    from specjax import decode
+
+    compiles = []
+
+    def reporter(description):
+        compiles.append(description)
+        return contextlib.nullcontext()
+
+    prompt = list(range(3, 9))
+    constrained_run(tiny_model, prompt, Regex(BOUNDED[0]), 0.0, 0)
+    with decode.reporting_compiles(reporter):
+        for pattern in BOUNDED[1:]:
+            assert tables_of(Regex(pattern)).next_state.shape == (16, 16)
+            constrained_run(tiny_model, prompt, Regex(pattern), 0.0, 0)
+        assert compiles == []
+        constrained_run(tiny_model, prompt, JsonSchema(SCHEMA), 0.0, 0)  # a larger bucket
+        assert len(compiles) == 1
