@@ -72,7 +72,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from specjax import progress as progress_lib
 from specjax.checkpoints_tools import keymap
-from specjax.checkpoints_tools.hf import as_numpy_dtype, check_chat_template, one_line
+from specjax.checkpoints_tools.hf import (as_numpy_dtype, check_chat_template, one_line,
+                                         quiet_transformers_import)
 from specjax.config import ModelConfig, RopeScaling, from_hf_config
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 
@@ -1296,7 +1297,8 @@ def _wrap_tokenizer(backend, keep, vocabulary: _Vocabulary, model_max_length: in
     """Adds the control / user-defined tokens that ``keep`` accepts and BOS/EOS to
     ``backend``, and wraps it as transformers' tokenizer (chat template included)."""
     from tokenizers import AddedToken, processors
-    from transformers import PreTrainedTokenizerFast
+    with quiet_transformers_import():
+        from transformers import PreTrainedTokenizerFast
 
     pairs = list(zip(vocabulary.tokens, vocabulary.token_types))
     backend.add_special_tokens([AddedToken(token, normalized=False, special=True)

@@ -23,11 +23,13 @@ jinja2's sandbox, which refuses them again at run time).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -430,6 +432,25 @@ def load_hf_directory(path: str | os.PathLike, dtype=None, progress: bool = Fals
     return config, params
 
 
+# transformers' "advisory" warnings (logger.warning_advice) print nothing while it is set.
+_NO_ADVICE = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+
+
+@contextlib.contextmanager
+def quiet_transformers_import():
+    """Imports inside the block do not print transformers' "PyTorch was not found"
+    advice: specjax uses its tokenizers only, which need no torch, and the line came on
+    every load where torch is absent. Its other warnings and errors are untouched."""
+    if "transformers" in sys.modules or os.environ.get(_NO_ADVICE):
+        yield  # imported already (the advice is printed once, at import), or silenced
+        return
+    os.environ[_NO_ADVICE] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(_NO_ADVICE, None)
+
+
 def has_tokenizer(path: str | os.PathLike) -> bool:
     """Whether the directory ``path`` carries tokenizer files."""
     return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
@@ -448,7 +469,8 @@ def load_hf_tokenizer(path: str | os.PathLike):
     """
     if not has_tokenizer(path):
         return None
-    from transformers import AutoTokenizer
+    with quiet_transformers_import():
+        from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)

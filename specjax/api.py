@@ -54,7 +54,8 @@ def load(name_or_path, dtype=None, *, progress: bool = False, mesh=None) -> Mode
 
     Args:
       progress: print what is being loaded and how long it took (stderr), with a
-        progress bar per tensor.
+        progress bar per tensor on a terminal; the model keeps it (``Model.progress``)
+        as the default of :func:`generate`'s ``progress``.
     """
     problem = use_compilation_cache()
     if problem is not None:
@@ -62,7 +63,7 @@ def load(name_or_path, dtype=None, *, progress: bool = False, mesh=None) -> Mode
     if not progress:
         return loading.load(name_or_path, dtype, progress=False, mesh=mesh)
     with progress_lib.reported(f"loading {name_or_path}"):
-        return loading.load(name_or_path, dtype, progress=True, mesh=mesh)
+        return loading.load(name_or_path, dtype, progress=True, mesh=mesh).with_progress()
 
 
 def _reporting(progress: bool):
@@ -638,7 +639,8 @@ def _arguments(model: Model, *, method, max_new_tokens, temperature, top_k, top_
                     top_k=top_k, top_p=top_p, seed=seed, draft=options.pop("draft", None),
                     ngram=options.pop("ngram", None), stop_tokens=stop_tokens, chat=chat,
                     kernels=kernel_options(model, kernels), options=options)
-    return _Arguments(settings, strings, batch, bool(progress))
+    return _Arguments(settings, strings, batch,
+                      bool(model.progress if progress is None else progress))
 
 
 def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], *,
@@ -646,7 +648,7 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | Sequence[int] = 0, stop: str | int | Sequence[str | int] | None = None,
              chat: bool = False, kernels: KernelOptions | None = None,
-             batch: BatchOptions | None = None, progress: bool = False,
+             batch: BatchOptions | None = None, progress: bool | None = None,
              **options) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation as one compiled program on the device.
 
@@ -701,6 +703,8 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         one program, compacted.
       progress: print each load and compilation and its time on stderr (a compiled
         program is kept for the process: the same settings do not compile again).
+        ``None``: the model's setting (``Model.progress``, set by ``load(...,
+        progress=True)`` or :meth:`Model.with_progress`).
       **options: the method's options by name (see its options class: e.g.
         ``tree_budget``, ``draft_depth``, ``draft_width``, ``draft_rounds``,
         ``proposal``, ``use_lookup``, ``stage2_prior``, ``topology``, ``verify``), an

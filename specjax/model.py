@@ -34,7 +34,12 @@ def resolve_dtype(dtype):
 
 @dataclasses.dataclass(eq=False)
 class Model:
-    """A loaded model: static config, device parameters, tokenizer (or ``None``)."""
+    """A loaded model: static config, device parameters, tokenizer (or ``None``).
+
+    ``progress``: whether :func:`specjax.generate` and :func:`specjax.stream_generate`
+    report each compilation on stderr when their own ``progress=`` is not given.
+    ``specjax.load(..., progress=True)`` sets it; :meth:`with_progress` changes it.
+    """
 
     config: ModelConfig
     params: dict
@@ -43,6 +48,7 @@ class Model:
     # The known model (``specjax/assets/<assets>``) whose shipped draft and n-gram tables
     # apply, when this model was loaded from one (or converted from one); else None.
     assets: str | None = None
+    progress: bool = False
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: dict, tokenizer: Any = None,
@@ -57,6 +63,17 @@ class Model:
         params = jax.tree.map(jnp.asarray, params)
         return cls(config=config, params=params, tokenizer=tokenizer, name=name,
                    assets=assets)
+
+    def with_progress(self, enabled: bool = True) -> "Model":
+        """This model (the same parameters, not copied) with ``progress`` set: the default
+        of ``progress=`` in :func:`specjax.generate` and :func:`specjax.stream_generate`.
+
+        Args:
+          enabled: report compilations on stderr (each call may still say otherwise).
+        Returns:
+          A :class:`Model` sharing this one's parameters and tokenizer.
+        """
+        return dataclasses.replace(self, progress=bool(enabled))
 
     @property
     def dtype(self):

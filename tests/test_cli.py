@@ -637,6 +637,29 @@ def test_api_progress_reports_loads_and_compiles(capsys, tiny_gguf):
     assert "compiling" not in capsys.readouterr().err  # the same program: not compiled again
 
 
+def test_api_progress_is_set_once_on_the_model_and_draws_no_bars_off_a_terminal(
+        capsys, tiny_gguf, tmp_path):
+    """``load(..., progress=True)``: the model keeps it (generate reports its compiles
+    without being told again; ``with_progress(False)`` stops that), and on a stderr that is
+    not a terminal the loaders draw no tqdm bars ("reading tensors: 0tensor"), only the
+    plain lines."""
+    capsys.readouterr()
+    model = specjax.load(str(tiny_gguf), progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0] == f"loading {tiny_gguf} ...", lines
+    assert re.fullmatch(rf"loading {re.escape(str(tiny_gguf))} \.\.\. [\d.]+ s", lines[1])
+    hf = save_tiny(tiny_model("llama-mha-tied"), tmp_path / "hf")
+    specjax.load(str(hf), progress=True)
+    assert "tensor" not in capsys.readouterr().err
+    assert model.progress and not specjax.load(str(tiny_gguf)).progress
+    specjax.generate(model, PROMPT * 8, method="ar", max_new_tokens=5)  # a bucket of its own
+    assert re.search(r"compiling ar \(.*\) \.\.\. [\d.]+ s\n", capsys.readouterr().err)
+    quiet = model.with_progress(False)
+    assert quiet.params is model.params and not quiet.progress
+    result = specjax.generate(quiet, PROMPT * 2, method="ar", max_new_tokens=40)
+    assert result.stats["compile_seconds"] > 0 and capsys.readouterr().err == ""
+
+
 def test_the_api_uses_the_programs_compilation_cache(tiny_gguf, tmp_path, monkeypatch,
                                                      jax_cache_settings):
     """specjax.load switches on the same persistent cache as the program (the suite runs

@@ -140,3 +140,22 @@ def test_convert_shows_its_phases_on_a_terminal_only(capsys, monkeypatch, tmp_pa
 
     convert(source, tmp_path / "quiet", progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_loading_a_tokenizer_without_torch_prints_no_transformers_advice(tmp_path):
+    """Where torch is absent, importing transformers (for a tokenizer) printed "PyTorch was
+    not found" on every load; specjax imports it with that advice silenced."""
+    import subprocess
+
+    path = write_tiny_gguf(gguf_llama(seed=3), tmp_path / "tiny.gguf")
+    code = ("import sys; sys.modules['torch'] = None\n"  # torch absent, as find_spec sees it
+            "from specjax import loading\n"
+            f"assert loading.load({str(path)!r}).tokenizer is not None\n"
+            "import transformers.utils.logging as logging\n"
+            "logging.get_logger('x').warning_advice('advice after the import')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={k: v for k, v in __import__("os").environ.items()
+                                            if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"})
+    assert done.returncode == 0, done.stderr
+    assert "PyTorch was not found" not in done.stderr, done.stderr
+    assert "advice after the import" in done.stderr  # silenced during the import only
