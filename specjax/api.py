@@ -38,7 +38,9 @@ from specjax.methods.common import tally_of
 from specjax.model import Model, check_draft_compatible, resolve_dtype
 from specjax.origins import ORIGIN_NAMES, origin_name
 from specjax.sampling import make_sampling_params, static_rules
-from specjax.state import Method, without_buffers
+from specjax.state import (MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, Method, StopCondition,
+                           stop_condition, without_buffers)
+from specjax.stop_strings import stop_sequences
 
 __all__ = ["BatchOptions", "GenerationResult", "KernelOptions", "Model",
            "check_draft_compatible", "decode_text", "encode_prompt", "generate", "load",
@@ -143,7 +145,10 @@ def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False)
     return ids
 
 
-def _stop_array(model: Model, stop_tokens: Sequence[int] | None):
+def _stop_array(model: Model, stop_tokens: Sequence[int] | None,
+                strings: Sequence[str] = ()) -> StopCondition:
+    """The device's stop condition: ``stop_tokens`` (``None``: the model's EOS ids) and
+    the token sequences that spell the stop ``strings`` (:mod:`specjax.stop_strings`)."""
     if stop_tokens is None:
         stop = list(model.config.eos_token_ids)
         eos = getattr(model.tokenizer, "eos_token_id", None)
@@ -151,10 +156,8 @@ def _stop_array(model: Model, stop_tokens: Sequence[int] | None):
             stop.append(int(eos))
     else:
         stop = [int(t) for t in stop_tokens]
-    if len(stop) > decode.MAX_STOP_TOKENS:
-        raise InvalidArgumentError(
-            f"at most {decode.MAX_STOP_TOKENS} stop tokens are supported, got {len(stop)}")
-    return jnp.asarray(stop + [-1] * (decode.MAX_STOP_TOKENS - len(stop)), jnp.int32)
+    sequences = stop_sequences(model.tokenizer, model.config.vocab_size, strings)
+    return stop_condition(stop, sequences)
 
 
 def resolve_method(model: Model, method: str | MethodOptions | None = None,
@@ -197,7 +200,7 @@ class _Settings:
 
     options: MethodOptions
     sampling: Any  # SamplingParams (scalars)
-    stop: Any  # int32 [MAX_STOP_TOKENS]
+    stop: StopCondition
     method: Method
     draft_model: Model | None
     resources: Any  # the method's own (Method.build_resources)
@@ -237,7 +240,7 @@ def _check_kernels(model: Model, kernels: KernelOptions) -> None:
 
 
 def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
-              draft, ngram, stop_tokens, kernels, options) -> _Settings:
+              draft, ngram, stop_tokens, kernels, options, stop_strings=()) -> _Settings:
     # Every setting is checked before anything loads (the draft, the tables).
     if not isinstance(model, Model):
         raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
@@ -253,7 +256,7 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
             or max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got "
                                    f"{max_new_tokens}")
-    stop = _stop_array(model, stop_tokens)
+    stop = _stop_array(model, stop_tokens, stop_strings)
     _warn_if_slow_dtype(model)
     _check_kernels(model, kernels)
     return _Settings(opts, sampling, stop, None, None, None, int(max_new_tokens),
@@ -315,11 +318,14 @@ def _loop(model: Model, settings: _Settings, prompt_length: int, capacity: int,
 
 
 def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k, top_p,
-             seed, draft, ngram, stop_tokens, chat, kernels, options) -> _Request:
+             seed, draft, ngram, stop_tokens, chat, kernels, options,
+             stop_strings: Sequence[str] = ()) -> _Request:
+    """One prompt's request; ``stop_strings`` end it on the device where they come out as
+    one of their listed token sequences (:mod:`specjax.stop_strings`)."""
     settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                          draft=draft, ngram=ngram, stop_tokens=stop_tokens,
-                         kernels=kernels, options=options)
+                         kernels=kernels, options=options, stop_strings=stop_strings)
     ids = encode_prompt(model, prompt, chat)
     _load_resources(model, settings, draft, ngram)
     prompt_bucket, capacity = _plan(model, settings, len(ids))
@@ -371,7 +377,7 @@ def _row_seeds(seed, rows: int) -> list[int]:
 
 def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature, top_k,
                    top_p, seed, draft, ngram, stop_tokens, chat, kernels, batch: BatchOptions,
-                   options) -> list[_Batch]:
+                   options, stop_strings: Sequence[str] = ()) -> list[_Batch]:
     if len(prompts) == 0:
         raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
     limit = decode.MAX_BATCH_SIZE
@@ -387,7 +393,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
     settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[0],
                          draft=draft, ngram=ngram, stop_tokens=stop_tokens,
-                         kernels=kernels, options=options)
+                         kernels=kernels, options=options, stop_strings=stop_strings)
     encoded = []
     for index, prompt in enumerate(prompts):
         try:
@@ -411,7 +417,8 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
             prompt_lengths[slot] = lengths[slot]
             budgets[slot] = settings.max_new_tokens
             row_seeds[slot] = seeds[row]
-        stop = jnp.broadcast_to(settings.stop, (size, decode.MAX_STOP_TOKENS))
+        stop = jax.tree.map(lambda x, size=size: jnp.broadcast_to(x, (size, *x.shape)),
+                            settings.stop)
         args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
                 jnp.asarray(budgets), decode.batch_sampling(settings.sampling, row_seeds),
                 stop, settings.resources)
@@ -464,25 +471,40 @@ def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
     return all_stats
 
 
-def _generate_batch(model: Model, batches: list[_Batch]) -> list[GenerationResult]:
+def _generate_batch(model: Model, batches: list[_Batch],
+                    stop: Sequence[str] = ()) -> list[GenerationResult]:
     """Each prompt's result, in the prompts' order (a batch's rows need not be
-    consecutive prompts: :func:`_batch_rows`)."""
+    consecutive prompts: :func:`_batch_rows`), each ended at its first ``stop`` string
+    (:func:`_stop_cut`)."""
     results: list = [None] * sum(len(batch.rows) for batch in batches)
     for batch in batches:
         with fallbacks.collecting() as reasons:
-            state, compile_seconds, seconds = decode.run_batch(batch.args[0], batch.loop,
-                                                               *batch.args[1:],
-                                                               compact=batch.compact)
+            rows_state, tokens, compile_seconds, seconds = _run_batch(model, batch, stop)
+        cuts = [_stop_cut(model, row_tokens, stop) for row_tokens in tokens]
+        stats = _batch_stats(rows_state, batch, [count for count, _ in cuts], seconds,
+                             compile_seconds, reasons)
+        for slot, row in enumerate(batch.rows):
+            results[row] = _result(model, tokens[slot], token_origins(rows_state[slot]),
+                                   cuts[slot], stats[slot])
+    return results
+
+
+def _run_batch(model: Model, batch: _Batch, stop: Sequence[str]):
+    """Runs ``batch``; returns (its rows' host states, their new tokens, compile seconds,
+    run seconds). Runs it again without stop sequences where one row's ended it falsely
+    (:func:`_false_stop`)."""
+    args, compile_seconds, seconds = batch.args, 0.0, 0.0
+    for _ in range(2):
+        state, more, again = decode.run_batch(args[0], batch.loop, *args[1:],
+                                              compact=batch.compact)
+        compile_seconds, seconds = compile_seconds + more, seconds + again
         rows_state = _host_rows(state, len(batch.rows))
         tokens = [np.asarray(r.tokens)[int(r.prompt_length): int(r.length)].tolist()
                   for r in rows_state]
-        stats = _batch_stats(rows_state, batch, [len(t) for t in tokens], seconds,
-                             compile_seconds, reasons)
-        for slot, row in enumerate(batch.rows):
-            results[row] = GenerationResult(
-                text=decode_text(model, tokens[slot]), tokens=tokens[slot], stats=stats[slot],
-                origins=token_origins(rows_state[slot]))
-    return results
+        if not any(_false_stop(model, row_tokens, stop, args[5]) for row_tokens in tokens):
+            break
+        args = (*args[:5], _without_sequences(args[5]), args[6])
+    return rows_state, tokens, compile_seconds, seconds
 
 
 def _stream_batch(model: Model, batches: list[_Batch], total_rows: int, origins: bool):
@@ -688,9 +710,15 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         too to keep them); an empty list ends it at ``max_new_tokens`` only (no EOS). A
         string ends the text: it is cut before the first one
         found, and ``tokens`` at the token that completed it (``stats["stop_string"]``
-        names it). Strings are checked on the host: :func:`generate` cuts after the
-        program ran (to EOS or ``max_new_tokens``), :func:`stream_generate` stops at the
-        step that completed it.
+        names it). :func:`generate` also ends the program on the device at the first
+        token that completes one of the token sequences spelling a string (the tokens
+        whose text contains it, then sequences of up to 4 tokens whose joined texts do,
+        from the tokenizer: :mod:`specjax.stop_strings`; at most 128 for all strings),
+        so the tokens after it are not computed; a string that comes out in another
+        tokenization is cut on the host, so the text and tokens are always those of the
+        rule above, and ``stats`` (``new_tokens``, ``tokens_per_s``,
+        ``tokens_by_origin``) count the tokens returned. :func:`stream_generate` checks
+        the text after each step and stops at the step that completed a string.
       chat: wrap a string prompt in the model's chat template.
       kernels: a :class:`~specjax.KernelOptions`: the attention implementation (``"fused"``,
         Llama family, GPU/TPU: the Pallas kernels for attention and every projection,
@@ -730,20 +758,23 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
                       options=options)
     if is_batch(prompt):
         batches = _prepare_batch(model, prompt, batch=call.batch or BatchOptions(),
-                                 **call.settings)
+                                 stop_strings=call.stop, **call.settings)
         with _reporting(call.progress):
-            results = _generate_batch(model, batches)
-        return [_cut_at_stop(model, result, call.stop) for result in results]
+            return _generate_batch(model, batches, call.stop)
     _check_one_prompt(call)
-    request = _prepare(model, prompt, **call.settings)
+    request = _prepare(model, prompt, stop_strings=call.stop, **call.settings)
+    args = request.args
     with _reporting(call.progress), fallbacks.collecting() as reasons:
-        state, compile_seconds, seconds = decode.run_program(request.args[0], request.loop,
-                                                             *request.args[1:])
-    tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
-    stats = _stats(state, request, len(tokens), seconds, compile_seconds, reasons)
-    return _cut_at_stop(model, GenerationResult(text=decode_text(model, tokens),
-                                                tokens=tokens, stats=stats,
-                                                origins=token_origins(state)), call.stop)
+        state, compile_seconds, seconds = decode.run_program(args[0], request.loop, *args[1:])
+        tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
+        if _false_stop(model, tokens, call.stop, args[5]):  # see _false_stop: run again
+            state, more, again = decode.run_program(args[0], request.loop, *args[1:5],
+                                                    _without_sequences(args[5]), args[6])
+            compile_seconds, seconds = compile_seconds + more, seconds + again
+            tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
+    cut = _stop_cut(model, tokens, call.stop)
+    stats = _stats(state, request, cut[0], seconds, compile_seconds, reasons)
+    return _result(model, tokens, token_origins(state), cut, stats)
 
 
 def _check_one_prompt(call: _Arguments) -> None:
@@ -801,20 +832,55 @@ def first_stop(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
     return min(found) if found else None
 
 
-def _cut_at_stop(model: Model, result: GenerationResult, stop: Sequence[str]
-                 ) -> GenerationResult:
-    """``result`` ended at its first stop string: the text before it, the tokens up to the
-    one that completed it."""
-    if not stop or first_stop(result.text, stop) is None:
-        return result
-    count = next(k for k in range(1, len(result.tokens) + 1)
-                 if first_stop(decode_text(model, result.tokens[:k]), stop) is not None)
-    index, item = first_stop(decode_text(model, result.tokens[:count]), stop)
-    text = decode_text(model, result.tokens[:count])[:index]
-    stats = dict(result.stats, stop_string=item)
-    origins = None if result.origins is None else result.origins[:count]
-    return GenerationResult(text=text, tokens=result.tokens[:count], stats=stats,
-                            origins=origins)
+def _stop_cut(model: Model, tokens: list[int], stop: Sequence[str]
+              ) -> tuple[int, tuple[int, str] | None]:
+    """Where ``tokens`` end at their first stop string: (tokens kept: through the one that
+    completed it, or all; ``first_stop`` of the kept tokens' text, or ``None``)."""
+    if not stop or first_stop(decode_text(model, tokens), stop) is None:
+        return len(tokens), None
+    count = next(k for k in range(1, len(tokens) + 1)
+                 if first_stop(decode_text(model, tokens[:k]), stop) is not None)
+    return count, first_stop(decode_text(model, tokens[:count]), stop)
+
+
+def _result(model: Model, tokens: list[int], origins: list[str] | None,
+            cut: tuple[int, tuple[int, str] | None], stats: dict) -> GenerationResult:
+    """The result of ``tokens`` ended at ``cut`` (:func:`_stop_cut`): the text before the
+    stop string, the tokens up to the one that completed it; ``stats`` (already counting
+    the kept tokens) get ``stop_string`` and the kept tokens' origins."""
+    count, found = cut
+    text = decode_text(model, tokens[:count])
+    if found is not None:
+        text = text[:found[0]]
+        stats["stop_string"] = found[1]
+    origins = None if origins is None else origins[:count]
+    if count < len(tokens):  # the tally counted the tokens past the stop string too
+        counts = dict.fromkeys(ORIGIN_NAMES.values(), 0)
+        for name in origins or ["target"] * count:
+            counts[name] += 1
+        stats["tokens_by_origin"] = counts
+    return GenerationResult(text=text, tokens=tokens[:count], stats=stats, origins=origins)
+
+
+def _false_stop(model: Model, tokens: list[int], stop: Sequence[str],
+                condition: StopCondition) -> bool:
+    """Whether the device ended ``tokens`` at a stop sequence (:mod:`specjax.stop_strings`)
+    whose text holds no stop string: the sequences are checked against the tokenizer in a
+    few contexts, not all, so where one fails the request runs again without them (same
+    program), and its text is exactly that of the host rule."""
+    if not stop:
+        return False
+    # A batch's rows share their sequences: its first row's.
+    rows = np.asarray(condition.sequences).reshape(-1, MAX_STOP_SEQUENCES, MAX_STOP_LENGTH)[0]
+    lengths = np.asarray(condition.lengths).reshape(-1, MAX_STOP_SEQUENCES)[0]
+    ends = any(0 < n <= len(tokens) and row[len(row) - n:].tolist() == tokens[len(tokens) - n:]
+               for row, n in zip(rows, lengths.tolist()))
+    return ends and first_stop(decode_text(model, tokens), stop) is None
+
+
+def _without_sequences(condition: StopCondition) -> StopCondition:
+    """``condition`` with its stop sequences off (same shapes: the same program)."""
+    return condition.replace(lengths=jnp.zeros_like(condition.lengths))
 
 
 _GENERATE_SIGNATURE = inspect.signature(generate)

@@ -9,12 +9,12 @@ The rule that keeps jit fast:
   :class:`~specjax.state.DecodeLoop`: model config, cache capacity, prompt bucket,
   kernel options (:class:`~specjax.backend_options.KernelOptions`: attention
   implementation, kernel backends, XLA compiler options), method and tree shape (budget,
-  depth, width), number of stop-token slots; where the sampling rule is fixed
-  (``SamplingParams.rule``: a GPU's default), the rule.
+  depth, width), number of stop-token and stop-sequence slots; where the sampling rule
+  is fixed (``SamplingParams.rule``: a GPU's default), the rule.
 * **Traced** -- arrays; changing them never recompiles: prompt tokens and length,
-  max_new_tokens, temperature, top-k, top-p, seed (``SamplingParams``), stop tokens,
-  the method's resources (draft weights, n-gram tables) and everything in
-  :class:`~specjax.state.DecodeState`.
+  max_new_tokens, temperature, top-k, top-p, seed (``SamplingParams``), stop tokens and
+  stop sequences (:class:`~specjax.state.StopCondition`), the method's resources (draft
+  weights, n-gram tables) and everything in :class:`~specjax.state.DecodeState`.
 
 Prompts are padded to power-of-two buckets (at least 16) and the cache capacity is
 rounded up to a power of two, so new prompts and budgets reuse compiled programs.
@@ -25,7 +25,7 @@ and step from Python and yields tokens as they are produced.
 
 Batches (B rows, :func:`run_batch`, :func:`stream_batch`): the per-row program is
 ``jax.vmap``-ed over the rows' prompt [B, P], prompt length [B], max_new_tokens [B],
-seed [B] and stop tokens [B, MAX_STOP_TOKENS]; the parameters, the method's resources and
+seed [B] and stop condition ([B, ...] per field); the parameters, the method's resources and
 the other sampling settings (temperature, top-k, top-p: one per batch, so their
 ``lax.cond`` s stay branches) are shared. Every field of :class:`DecodeState` (the
 method's state included) gains a leading batch axis, so each row keeps its own cache
@@ -63,18 +63,18 @@ from specjax.state import (MAX_BATCH_SIZE, MAX_STOP_TOKENS, MIN_BUCKET,  # noqa:
 
 
 def run_to_completion(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens,
-                      sampling, stop_tokens, resources: Any) -> DecodeState:
+                      sampling, stop, resources: Any) -> DecodeState:
     """Prefill, then ``lax.while_loop`` over the method's step until done: one XLA program."""
-    state = _start(params, loop, prompt, prompt_length, max_new_tokens, sampling, stop_tokens,
+    state = _start(params, loop, prompt, prompt_length, max_new_tokens, sampling, stop,
                    resources)
     return jax.lax.while_loop(lambda s: ~s.done,
                               lambda s: loop.method.step(params, loop, s, resources), state)
 
 
 def _start(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
-           stop_tokens, resources: Any) -> DecodeState:
+           stop, resources: Any) -> DecodeState:
     state, features = prefill(params, loop, prompt, prompt_length, max_new_tokens, sampling,
-                              stop_tokens)
+                              stop)
     return loop.method.init(params, loop, state, resources, features)
 
 
@@ -169,10 +169,10 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
 
 
 def run_program(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
-                stop_tokens, resources: Any = None
+                stop, resources: Any = None
                 ) -> tuple[DecodeState, float, float]:
     """Compiles (once) and runs the whole generation; returns (state, compile s, run s)."""
-    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, resources)
+    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop, resources)
     args = sharding.place_arguments(args)  # replicated over the mesh of params, if any
     executable, compile_seconds = compiled(run_to_completion, loop, args)
     start = time.perf_counter()
@@ -191,7 +191,7 @@ def _readable(state: DecodeState) -> DecodeState:
 
 
 def _start_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens, sampling,
-                 stop_tokens, resources: Any) -> DecodeState:
+                 stop, resources: Any) -> DecodeState:
     def start_row(prompt, prompt_length, max_new, row_sampling, stop):
         return _start(params, loop, prompt, prompt_length, max_new, row_sampling, stop,
                       resources)
@@ -199,7 +199,7 @@ def _start_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_toke
     state = jax.vmap(start_row, in_axes=(0, 0, 0, row_sampling(sampling.rule), 0),
                      out_axes=state_axes(sampling.rule),
                      spmd_axis_name=sharding.batch_axis(prompts.shape[0]))(
-        prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens)
+        prompts, prompt_lengths, max_new_tokens, sampling, stop)
     return _readable(state)  # several hosts: all rows to each
 
 
@@ -215,11 +215,11 @@ def _step_batch(params, loop: DecodeLoop, state: DecodeState,
 
 
 def run_batch_to_completion(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
-                            sampling, stop_tokens, resources: Any) -> DecodeState:
+                            sampling, stop, resources: Any) -> DecodeState:
     """Prefill every row, then one ``lax.while_loop`` of batched steps until every row is
     done (finished rows held): one XLA program. Arguments as :func:`run_batch`."""
     state = _start_batch(params, loop, prompts, prompt_lengths, max_new_tokens, sampling,
-                         stop_tokens, resources)
+                         stop, resources)
     state = _steps_while_busy(params, loop, state, resources, compact=False)
     return _readable(state)
 
@@ -239,9 +239,9 @@ def _steps_while_busy(params, loop: DecodeLoop, state: DecodeState, resources: A
 
 
 def _start_batch_and_steps(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
-                           sampling, stop_tokens, resources: Any) -> DecodeState:
+                           sampling, stop, resources: Any) -> DecodeState:
     state = _start_batch(params, loop, prompts, prompt_lengths, max_new_tokens, sampling,
-                         stop_tokens, resources)
+                         stop, resources)
     return _steps_while_busy(params, loop, state, resources, compact=True)
 
 
@@ -267,7 +267,7 @@ def _compacting(args: tuple, compact: bool) -> bool:
 
 
 def run_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens, sampling,
-              stop_tokens, resources: Any = None, *, compact: bool = True
+              stop, resources: Any = None, *, compact: bool = True
               ) -> tuple[DecodeState, float, float]:
     """Compiles (once per loop and batch shape) and runs a batch's whole generation.
 
@@ -285,7 +285,7 @@ def run_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
       max_new_tokens: int32 [B].
       sampling: :class:`~specjax.sampling.SamplingParams` with scalar temperature, top-k,
         top-p and a uint32 [B] seed (:func:`~specjax.state.batch_sampling`).
-      stop_tokens: int32 [B, MAX_STOP_TOKENS], -1 padded.
+      stop: a :class:`~specjax.state.StopCondition` with a leading [B] axis per field.
       resources: shared by every row.
       compact: move live rows to smaller programs as rows finish (see above).
     Returns:
@@ -293,7 +293,7 @@ def run_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
       the host and without caches when rows were moved; compile seconds or 0.0 when
       cached; run seconds).
     """
-    args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens, resources)
+    args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop, resources)
     # Over a mesh: rows split over 'data', the rest replicated (specjax.sharding).
     args = sharding.place_arguments(args, rows=prompts.shape[0])
     if not _compacting(args, compact):
@@ -320,14 +320,14 @@ def run_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens,
 
 
 def stream_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_tokens, sampling,
-                 stop_tokens, resources: Any = None, *, compact: bool = True
+                 stop, resources: Any = None, *, compact: bool = True
                  ) -> Iterator[tuple[list[list[int]], DecodeState, float]]:
     """:func:`stream` for a batch (arguments as :func:`run_batch`): yields (new token ids
     per row, a list of B lists, some empty; the batch's state, every row's non-cache
     fields on the host; compile seconds spent before this yield) after the prefill and
     after every batched step, until every row is done. With ``compact`` live rows move to
     smaller programs as in :func:`run_batch`."""
-    args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop_tokens, resources)
+    args = (params, prompts, prompt_lengths, max_new_tokens, sampling, stop, resources)
     # Over a mesh: rows split over 'data', the rest replicated (specjax.sharding).
     args = sharding.place_arguments(args, rows=prompts.shape[0])
     compacting = _compacting(args, compact)
@@ -356,14 +356,14 @@ def stream_batch(params, loop: DecodeLoop, prompts, prompt_lengths, max_new_toke
 
 
 def stream(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
-           stop_tokens, resources: Any = None
+           stop, resources: Any = None
            ) -> Iterator[tuple[list[int], DecodeState, float]]:
     """Python-driven generation over the same jitted prefill and step.
 
     Yields (new token ids, state, compile seconds spent before this yield) after the
     prefill and after every step, until done.
     """
-    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop_tokens, resources)
+    args = (params, prompt, prompt_length, max_new_tokens, sampling, stop, resources)
     args = sharding.place_arguments(args)  # replicated over the mesh of params, if any
     resources = args[-1]
     start_exec, compile_seconds = compiled(_start, loop, args)

@@ -9,6 +9,8 @@
 * :class:`Method` -- the protocol a method implements (:mod:`specjax.methods` holds
   them): a hashable static step object, its own resources (:meth:`Method.build_resources`)
   and its own state.
+* :class:`StopCondition` -- what ends a generation on the device besides its budget: stop
+  token ids and stop token sequences (:func:`stop_condition` builds one on the host).
 * :func:`prefill` -- the target's pass over the prompt, which starts every state.
 * The operations drivers and methods apply to a state: :func:`append_tokens`,
   :func:`flag_nonfinite`, and for batches (every field with a leading row axis but the
@@ -30,7 +32,7 @@ over several processes, they stay split by row.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +50,10 @@ from specjax.sampling import SamplingParams, sample_tokens
 
 MIN_BUCKET = 16
 MAX_STOP_TOKENS = 8
+# Stop sequences: rows of token ids that end a generation where the sequence's last token
+# is appended (the token sequences that spell a stop string: specjax.stop_strings).
+MAX_STOP_SEQUENCES = 128
+MAX_STOP_LENGTH = 4
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -154,6 +160,51 @@ class DecodeLoop:
 
 
 @struct.dataclass
+class StopCondition:
+    """What ends a generation on the device besides ``max_new_tokens`` (all traced: other
+    stops never recompile). A batch's has a leading [B] axis on every field.
+
+    A generation ends at the first appended token that is a stop token, or that completes
+    a stop sequence: the last ``lengths[i]`` generated tokens (never prompt tokens) equal
+    the last ``lengths[i]`` entries of ``sequences[i]``. The token that ends it is kept.
+    """
+
+    tokens: jax.Array  # int32 [MAX_STOP_TOKENS], -1 padded
+    # int32 [MAX_STOP_SEQUENCES, MAX_STOP_LENGTH], each row right-aligned, -1 padded on the left
+    sequences: jax.Array
+    lengths: jax.Array  # int32 [MAX_STOP_SEQUENCES], 0 for an unused row
+
+
+def stop_condition(tokens: Sequence[int] = (),
+                   sequences: Sequence[Sequence[int]] = ()) -> StopCondition:
+    """A :class:`StopCondition` from stop token ids and stop token sequences (host side).
+
+    Raises:
+      InvalidArgumentError: more than ``MAX_STOP_TOKENS`` ids or ``MAX_STOP_SEQUENCES``
+        sequences, or a sequence empty or longer than ``MAX_STOP_LENGTH``.
+    """
+    tokens = [int(t) for t in tokens]
+    if len(tokens) > MAX_STOP_TOKENS:
+        raise InvalidArgumentError(
+            f"at most {MAX_STOP_TOKENS} stop tokens are supported, got {len(tokens)}")
+    if len(sequences) > MAX_STOP_SEQUENCES:
+        raise InvalidArgumentError(f"at most {MAX_STOP_SEQUENCES} stop sequences are "
+                                   f"supported, got {len(sequences)}")
+    rows = np.full((MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, np.int32)
+    lengths = np.zeros(MAX_STOP_SEQUENCES, np.int32)
+    for i, sequence in enumerate(sequences):
+        if not 1 <= len(sequence) <= MAX_STOP_LENGTH:
+            raise InvalidArgumentError(f"a stop sequence has 1 to {MAX_STOP_LENGTH} tokens, "
+                                       f"got {len(sequence)}")
+        rows[i, MAX_STOP_LENGTH - len(sequence):] = sequence
+        lengths[i] = len(sequence)
+    padded = np.full(MAX_STOP_TOKENS, -1, np.int32)
+    padded[: len(tokens)] = tokens
+    return StopCondition(tokens=jnp.asarray(padded), sequences=jnp.asarray(rows),
+                         lengths=jnp.asarray(lengths))
+
+
+@struct.dataclass
 class DecodeState:
     """Everything a step reads and writes (all traced)."""
 
@@ -168,14 +219,14 @@ class DecodeState:
     nonfinite_position: jax.Array
     target_calls: jax.Array  # int32 [] target forward passes after prefill
     draft_calls: jax.Array  # int32 [] draft forward passes
-    stop_tokens: jax.Array  # int32 [MAX_STOP_TOKENS], -1 padded
+    stop: StopCondition
     sampling: SamplingParams
     method_state: Any = None  # the method's own pytree (Method.init builds it)
 
 
 def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Array,
             max_new_tokens: jax.Array, sampling: SamplingParams,
-            stop_tokens: jax.Array) -> tuple[DecodeState, jax.Array | None]:
+            stop: StopCondition) -> tuple[DecodeState, jax.Array | None]:
     """Runs the target over the padded prompt [P] and samples the first new token.
 
     Returns:
@@ -203,7 +254,7 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
         cache=cache, tokens=tokens, length=prompt_length, prompt_length=prompt_length,
         max_length=prompt_length + max_new_tokens, done=jnp.bool_(False),
         nonfinite=jnp.bool_(False), nonfinite_position=jnp.int32(-1),
-        target_calls=jnp.int32(0), draft_calls=jnp.int32(0), stop_tokens=stop_tokens,
+        target_calls=jnp.int32(0), draft_calls=jnp.int32(0), stop=stop,
         sampling=sampling,
     )
     state = check_finite(state, last)
@@ -211,19 +262,37 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
 
 
 def append_tokens(state: DecodeState, new_tokens: jax.Array, count: jax.Array) -> DecodeState:
-    """Appends ``new_tokens[:count]`` (int32 [M]) to the sequence, cut at the first stop token
-    (kept) and at ``max_length``, and updates ``done``."""
+    """Appends ``new_tokens[:count]`` (int32 [M]) to the sequence, cut at the first token
+    that is a stop token or completes a stop sequence (kept; :class:`StopCondition`) and at
+    ``max_length``, and updates ``done``."""
     width = new_tokens.shape[0]
     j = jnp.arange(width)
     live = j < count
-    is_stop = live & jnp.isin(new_tokens, state.stop_tokens)
-    through_stop = jnp.where(jnp.any(is_stop), jnp.argmax(is_stop) + 1, count)
-    kept = jnp.minimum(jnp.minimum(count, through_stop), state.max_length - state.length)
     tokens = jax.lax.dynamic_update_slice(state.tokens, new_tokens.astype(jnp.int32),
                                           (state.length,))
+    is_stop = live & (jnp.isin(new_tokens, state.stop.tokens)
+                      | completes_sequence(state, tokens, width))
+    through_stop = jnp.where(jnp.any(is_stop), jnp.argmax(is_stop) + 1, count)
+    kept = jnp.minimum(jnp.minimum(count, through_stop), state.max_length - state.length)
     length = state.length + kept
     done = state.done | jnp.any(is_stop & (j < kept)) | (length >= state.max_length)
     return state.replace(tokens=tokens, length=length, done=done)
+
+
+def completes_sequence(state: DecodeState, tokens: jax.Array, width: int) -> jax.Array:
+    """bool [width]: whether the token at ``state.length + j`` of ``tokens`` (int32 [S], the
+    sequence with a step's ``width`` new tokens written from ``state.length``) completes a
+    stop sequence of ``state.stop``, over generated tokens only."""
+    sequences, lengths = state.stop.sequences, state.stop.lengths  # [Q, L], [Q]
+    span = sequences.shape[1]
+    # The L tokens ending at each new token: positions length + j - L + 1 .. length + j.
+    positions = state.length + jnp.arange(width)[:, None] + jnp.arange(1 - span, 1)[None, :]
+    window = jnp.take(tokens, jnp.clip(positions, 0, tokens.shape[0] - 1))  # [width, L]
+    # A prompt token never takes part (the text a stop string is found in is the
+    # generated text); -2 equals no token and no padding.
+    window = jnp.where(positions >= state.prompt_length, window, -2)
+    equal = (sequences[None] == -1) | (sequences[None] == window[:, None, :])  # [width, Q, L]
+    return jnp.any(jnp.all(equal, axis=-1) & (lengths > 0)[None], axis=-1)
 
 
 def flag_nonfinite(state: DecodeState, finite: jax.Array) -> DecodeState:
@@ -261,7 +330,7 @@ def state_axes(rule: str | None) -> DecodeState:
     everywhere (the method's state included) but the shared sampling settings."""
     return DecodeState(cache=0, tokens=0, length=0, prompt_length=0, max_length=0, done=0,
                        nonfinite=0, nonfinite_position=0, target_calls=0, draft_calls=0,
-                       stop_tokens=0, sampling=row_sampling(rule), method_state=0)
+                       stop=0, sampling=row_sampling(rule), method_state=0)
 
 
 def _is_cache(node) -> bool:
