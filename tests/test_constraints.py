@@ -429,3 +429,25 @@ def test_constraints_in_one_size_bucket_share_the_compiled_program(tiny_model):
         assert compiles == []
         constrained_run(tiny_model, prompt, JsonSchema(SCHEMA), 0.0, 0)  # a larger bucket
         assert len(compiles) == 1
+
+
+def test_a_batch_under_one_constraint_equals_its_single_runs(tiny_model):
+    from specjax import api, decode
+    from specjax.backend_options import BatchOptions
+    from specjax.methods import Autoregressive
+
+    prompts = [np.random.default_rng(seed).integers(0, 100, 4 + 3 * seed).tolist()
+               for seed in range(3)]
+    constraint = Regex(BOUNDED[3])
+    (batch,) = api._prepare_batch(
+        tiny_model, prompts, method="ar", max_new_tokens=12, temperature=0.0, top_k=0,
+        top_p=1.0, seed=0, draft=None, ngram=None, stop_tokens=[eos_id()], chat=False,
+        kernels=api.kernel_options(tiny_model), batch=BatchOptions(), options={})
+    loop = dataclasses.replace(batch.loop, method=Autoregressive(constrained=True))
+    args = batch.args[:-1] + (tables_of(constraint),)
+    state = decode.run_batch(args[0], loop, *args[1:])[0]
+    for row, prompt in zip(batch.rows, prompts):
+        start, end = int(state.prompt_length[row]), int(state.length[row])
+        tokens = np.asarray(state.tokens[row, start:end]).tolist()
+        assert tokens == constrained_run(tiny_model, prompt, constraint, 0.0, 0)
+        assert re.fullmatch(BOUNDED[3], spelled(tokens[:-1]).decode())
