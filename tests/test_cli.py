@@ -19,7 +19,7 @@ import jax
 import pytest
 
 import specjax
-from specjax import api, cli, loading, models
+from specjax import api, cli, decode, loading, models
 
 from helpers_checkpoints import gguf_llama, save_tiny, tiny_model, write_tiny_gguf
 
@@ -687,6 +687,42 @@ def test_the_demo_shows_both_rates_the_speedup_and_identical_texts(smollm2):
     assert re.match(r"^ +spec: 8 tokens in ", lines[-3]), lines
     assert re.match(r"^speedup: [\d.]+x; texts identical: yes$", lines[-2]), lines
     assert lines[-1].startswith("default method: spec: the fastest for cpu, T=0")
+
+
+class _Compiling(Exception):
+    """Raised in place of a compilation: the program's key is all a test needs."""
+
+
+def test_the_quick_starts_two_commands_compile_the_same_programs(served, monkeypatch,
+                                                                  capsys):
+    """``python -m specjax.demo`` then ``specjax generate "def fibonacci(n):"``: the
+    command's first program has the key of one the demo compiled (its in-process cache
+    key: driver, DecodeLoop, argument shapes and dtypes), so that the persistent cache hands
+    it over and the command compiles nothing; the demo loads in the command's dtype."""
+    from specjax import demo
+    keys = []
+
+    def record(fn, loop, args, donate=(), carry=None):
+        keys.append((fn, loop, donate, carry, decode._signature(args)))
+        raise _Compiling
+
+    monkeypatch.setattr(decode, "compiled", record)
+    with pytest.raises(_Compiling):
+        demo.run(served)  # its first run: the default method, which the command runs
+    with pytest.raises(_Compiling):
+        cli.main(["generate", demo.PROMPT])
+    assert keys[0] == keys[1], (keys[0][0], keys[1][0])
+    assert cli.build_parser().parse_args(["generate", "x"]).max_new_tokens == \
+        demo.MAX_NEW_TOKENS
+    for platform in ("cpu", "gpu"):  # --dtype auto, as the command resolves it
+        monkeypatch.setattr(jax, "default_backend", lambda: platform)
+        loads = []
+        monkeypatch.setattr(api, "load", lambda *a, **k: loads.append(k) or
+                            (_ for _ in ()).throw(_Compiling()))
+        with pytest.raises(_Compiling):
+            demo.main([])
+        args = cli.build_parser().parse_args(["generate", demo.PROMPT, "--method", "ar"])
+        assert loads[0]["dtype"] == cli.check_generate_args(args)[1], platform
 
 
 # ----------------------------------------------------------------------------- small things
