@@ -35,6 +35,7 @@ from specjax.loading import (check_resources, choose_default_method, resolve_dra
                              resolve_ngram)
 from specjax.methods import MethodOptions
 from specjax.methods.common import tally_of
+from specjax.methods.exactness import run_exactness
 from specjax.model import Model, check_draft_compatible, resolve_dtype
 from specjax.origins import ORIGIN_NAMES, origin_name
 from specjax.sampling import make_sampling_params, static_rules
@@ -590,7 +591,17 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         stats["attention_fallback"] = fallback
     # What the programs ran instead of what was asked for (specjax.kernels.fallbacks).
     stats["fallbacks"] = sorted(reasons)
+    stats["exact"], stats["exact_reason"] = _exactness(state, request)
     return stats
+
+
+def _exactness(state: decode.DecodeState, request: _Request) -> tuple[str, str]:
+    """``stats["exact"]`` and why (:func:`specjax.methods.exactness.run_exactness`)."""
+    options = request.options.to_dict()
+    rows = options.get("tree_budget", options.get("draft_depth", 0) + 1)
+    sampled = bool(np.any(np.asarray(state.sampling.temperature) > 0))
+    return run_exactness(request.options.name, options.get("verify"), sampled,
+                         _platform(state.length), request.loop.kernels, rows)
 
 
 def token_origins(state: decode.DecodeState) -> list[str] | None:

@@ -1,0 +1,53 @@
+"""``stats["exact"]``: each run says whether its tokens are ``ar``'s bit for bit, up to
+rounding, or a sample of the same distribution, and why (specjax/methods/exactness.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import specjax
+from specjax import models
+from specjax.backend_options import KernelOptions
+from specjax.methods import exactness
+from specjax.methods.exactness import (BITWISE, IN_DISTRIBUTION, UP_TO_ROUNDING,
+                                       run_exactness)
+
+from conftest import random_prompt
+
+AUTO, FUSED = KernelOptions(), KernelOptions(attention="fused")
+
+
+def test_the_fused_pass_limit_is_the_models():
+    assert exactness.FUSED_MAX_TOKENS == models.FUSED_MAX_TOKENS
+
+
+@pytest.mark.parametrize("method,verify,sampled,platform,kernels,rows,level,fragment", [
+    ("ar", None, True, "gpu", AUTO, 1, BITWISE, "reference"),
+    ("tree", "coupled", True, "gpu", FUSED, 32, BITWISE, "row-independent"),
+    ("staged", "greedy", False, "tpu", FUSED, 64, BITWISE, "bit for bit"),
+    ("tree", "coupled", False, "gpu", FUSED, 256, UP_TO_ROUNDING, "at most 128"),
+    ("tree", "coupled", False, "gpu", AUTO, 32, UP_TO_ROUNDING, "by row count"),
+    ("spec", "coupled", False, "cpu", AUTO, 7, UP_TO_ROUNDING, "matrix-vector"),
+    ("spec", "coupled", False, "cpu", FUSED, 7, UP_TO_ROUNDING, "interpreter"),
+    ("tree", "match", True, "gpu", FUSED, 32, IN_DISTRIBUTION, "'match'"),
+    ("spec", "rejection", True, "cpu", AUTO, 7, IN_DISTRIBUTION, "distribution"),
+    # at temperature 0 every rule is greedy: the tokens are ar's (up to rounding here)
+    ("spec", "rejection", False, "cpu", AUTO, 7, UP_TO_ROUNDING, "near-tie"),
+])
+def test_each_path_has_its_level_and_reason(method, verify, sampled, platform, kernels,
+                                            rows, level, fragment):
+    got, reason = run_exactness(method, verify, sampled, platform, kernels, rows)
+    assert got == level
+    assert fragment in reason and "\n" not in reason
+
+
+def test_a_run_reports_its_exactness(spec_target, spec_drafts):
+    prompt = random_prompt(7, 9)
+    ar = specjax.generate(spec_target, prompt, max_new_tokens=6, method="ar")
+    spec = specjax.generate(spec_target, prompt, max_new_tokens=6, method="spec",
+                            draft=spec_drafts["weak"])
+    sampled = specjax.generate(spec_target, prompt, max_new_tokens=6, method="spec",
+                               draft=spec_drafts["weak"], temperature=1.0, verify="rejection")
+    assert (ar.stats["exact"], spec.stats["exact"], sampled.stats["exact"]) == (
+        BITWISE, UP_TO_ROUNDING, IN_DISTRIBUTION)
+    assert all(r.stats["exact_reason"] for r in (ar, spec, sampled))
