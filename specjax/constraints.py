@@ -28,11 +28,13 @@ Tables, with static shapes (V = the model's vocabulary, the width of its logits)
 S and C are padded to powers of two (:func:`bucket`; at least 16): the tables are traced
 values, so every constraint in the same (S, C) bucket reuses a compiled program.
 
-Memory per state: 2 * C bytes of ``next_state`` plus 5 bytes; and 4 * V bytes once for
-``token_class``. On a 49,152-token vocabulary that is 196 KB once, and 4 KB per state at
-C = 2,048 classes; at the bound C = V it would be 96 KB per state (a dense int32 [S, V]
-table costs 196 KB per state). Limits: :data:`MAX_STATES` states (int16 indices) and
-:data:`MAX_TABLE_BYTES` for ``next_state``; a constraint over either is refused.
+Memory: per state 2 * C + 5 bytes (a ``next_state`` row, ``forced_token``, ``accepting``);
+once per constraint 4 * V bytes (``token_class``). On a 49,152-token vocabulary that is
+192 KiB once, and per state 517 bytes at C = 256, 4 KiB at C = 2,048, and 96 KiB at the
+bound C = V (a dense int32 [S, V] next-state table would take 192 KiB per state). Rows past
+the automaton's states (padding) act as the dead state. Limits: :data:`MAX_STATES` states
+(int16 indices) and :data:`MAX_TABLE_BYTES` for ``next_state``; a constraint over either
+is refused.
 
 The table build is cached on disk (:func:`build_tables`), keyed by the constraint, the
 tokenizer's vocabulary and the ``outlines-core`` version, under
