@@ -308,8 +308,8 @@ def _build_index(constraint: Constraint, tokens: Sequence[bytes | None],
         vocabulary = outlines_core.Vocabulary(int(eos_token_ids[0]), by_bytes)
         index = outlines_core.Index(pattern, vocabulary)
     except ValueError as error:
-        raise InvalidArgumentError(f"{constraint.describe()}: {_describe_failure(constraint, error)}"
-                                   ) from None
+        reason = _describe_failure(constraint, error)
+        raise InvalidArgumentError(f"{constraint.describe()}: {reason}") from None
     return index
 
 

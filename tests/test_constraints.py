@@ -336,7 +336,7 @@ def test_a_function_schema_on_smollm2s_vocabulary(tmp_path):
 MAX_WALK = 400
 
 
-# ----------------------------------------------------------------------------- ar under a constraint
+# ------------------------------------------------------------------------ ar under a constraint
 
 BOUNDED = ["[0-9]{1,3}", "(yes|no|maybe)", "[a-c]{2,5}", r'\{"a":[0-9]\}', "(ab|ba){1,3}"]
 
@@ -433,7 +433,9 @@ def test_constraints_in_one_size_bucket_share_the_compiled_program(tiny_model):
             assert tables_of(Regex(pattern)).next_state.shape == (16, 16)
             constrained_run(tiny_model, prompt, Regex(pattern), 0.0, 0)
         assert compiles == []
-        constrained_run(tiny_model, prompt, JsonSchema(SCHEMA), 0.0, 0)  # a larger bucket
+        larger = Regex("[0-9]{20}")  # a bucket no other test runs
+        assert tables_of(larger).next_state.shape == (32, 16)
+        constrained_run(tiny_model, prompt, larger, 0.0, 0)
         assert len(compiles) == 1
 
 
