@@ -41,3 +41,36 @@ def test_no_library_function_is_over_120_lines(package):
 def test_decode_keeps_only_the_drivers():
     lines = len((ROOT / "specjax" / "decode.py").read_text().splitlines())
     assert lines < MAX_DECODE_LINES, f"specjax/decode.py has {lines} lines"
+
+
+MAX_TRACKED_OUTSIDE_ASSETS = 40 * 2**20  # bytes: the checkout travels with every GPU call
+
+
+def tracked_bytes_outside_assets(root: Path) -> tuple[int, list[tuple[int, str]]]:
+    """(total bytes, the five largest (bytes, path)) of the files git tracks under ``root``
+    outside ``specjax/assets/`` (the shipped model assets, stored once, where they load)."""
+    import subprocess
+
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=root, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    sizes = [((root / name).stat().st_size, name) for name in names
+             if name and not name.startswith("specjax/assets/") and (root / name).is_file()]
+    return sum(size for size, _ in sizes), sorted(sizes)[-5:]
+
+
+def test_tracked_files_outside_the_assets_stay_under_40_mib():
+    total, largest = tracked_bytes_outside_assets(ROOT)
+    assert total <= MAX_TRACKED_OUTSIDE_ASSETS, (
+        f"{total / 2**20:.1f} MiB tracked outside specjax/assets (limit 40): store large "
+        f"artifacts once, where the code loads them; largest: {largest}")
+
+
+def test_the_size_check_counts_a_large_file(tmp_path):
+    import subprocess
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "big.bin").write_bytes(b"\0" * 3000)
+    (tmp_path / "specjax" / "assets").mkdir(parents=True)
+    (tmp_path / "specjax" / "assets" / "shipped.bin").write_bytes(b"\0" * 5000)
+    subprocess.run(["git", "add", "."], cwd=tmp_path, check=True)
+    assert tracked_bytes_outside_assets(tmp_path) == (3000, [(3000, "big.bin")])
