@@ -195,3 +195,30 @@ def test_train_draft_help_gives_every_option_help_and_its_default(capsys):
     assert "--seed SEED seed of the window sampling (and of the target's generations) " \
            "(default: 0)" in " ".join(text.split())
     assert "(default: none)" in text
+
+
+def test_the_way_the_error_names_gives_token_ids_to_a_target_without_tokenizer(
+        capsys, tokenless_target, tmp_path):
+    """The error for a text prompt names --prompts-file; a line of token ids there runs."""
+    status, _, err = run(capsys, "generate", "def f():", "-m", tokenless_target)
+    one_line_error(status, err, "has no tokenizer: give token ids with --prompts-file")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": [3, 17, 42, 5]}\n')
+    status, out, err = run(capsys, "generate", "--prompts-file", prompts, "-m",
+                           tokenless_target, "--method", "ar", "--max-new-tokens", "4")
+    assert status == 0, err
+    record = json.loads(out)
+    assert record["prompt"] == [3, 17, 42, 5] and 1 <= len(record["tokens"]) <= 4
+
+
+def test_the_readme_names_the_method_its_chat_example_runs():
+    """The README's sampled chat call runs the default method at T=0.8 of each backend."""
+    from pathlib import Path
+
+    from specjax import loading
+
+    line = next(line for line in (Path(__file__).parents[1] / "README.md").read_text()
+                .splitlines() if '"Write a haiku"' in line and "temperature=0.8" in line)
+    cpu, gpu = (loading.choose_default_method("smollm2-135m", backend, 0.8)[0]
+                for backend in ("cpu", "gpu"))
+    assert line.endswith(f"# {cpu} on CPU, {gpu} on GPU"), line
