@@ -11,8 +11,8 @@ contains a stop string). The device cannot decode, so it checks token sequences 
    first token's text ends with a start of the string, the middle ones' texts lie inside
    it, the last token's text starts with the rest;
 
-shortest first, lower ids first (the more frequent tokens of a BPE vocabulary), up to
-``MAX_STOP_SEQUENCES`` for all the strings of a request. A token's text is its text after
+shortest first, then in turns from each string, lower ids first (the more frequent tokens
+of a BPE vocabulary), up to ``MAX_STOP_SEQUENCES`` for all the strings of a request. A token's text is its text after
 another token (so a SentencePiece word's leading space counts), and each sequence is kept
 only where the tokenizer's own decoding of it contains the string at the start of a
 generation, after an ordinary token and after a lone byte piece (a token that decodes to
@@ -117,19 +117,27 @@ def stop_sequences(tokenizer, vocab_size: int, strings: Sequence[str],
     if tokenizer is None or not strings:
         return []
     vocabulary = _vocabulary(tokenizer, vocab_size)
-    by_length: dict[int, list[tuple[int, ...]]] = {}
-    for string in strings:
+    # [length][string]: the candidates, lower ids first; taken by length, then in turns
+    # from each string, so that one string's many spellings do not crowd out another's.
+    by_length: dict[int, list[list[tuple[int, ...]]]] = {}
+    for index, string in enumerate(strings):
         if vocabulary.cleans_spaces and " " in string:
             continue  # the clean-up may take the string's space out of the text
         for sequence in _spellings(vocabulary.texts, string):
-            by_length.setdefault(len(sequence), []).append(sequence)
+            by_length.setdefault(len(sequence), [[] for _ in strings])[index].append(sequence)
     found: list[tuple[int, ...]] = []
     for length in sorted(by_length):
-        for sequence in sorted(set(by_length[length]), key=lambda s: (sorted(s), s)):
-            if len(found) == limit:
-                return found
-            if any(vocabulary.contains(sequence, string) for string in strings):
-                found.append(sequence)
+        queues = [sorted(set(candidates), key=lambda s: (sorted(s), s), reverse=True)
+                  for candidates in by_length[length]]
+        while any(queues):
+            for string, queue in zip(strings, queues):
+                if not queue:
+                    continue
+                if len(found) == limit:
+                    return found
+                sequence = queue.pop()
+                if sequence not in found and vocabulary.contains(sequence, string):
+                    found.append(sequence)
     return found
 
 

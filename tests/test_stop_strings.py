@@ -51,11 +51,13 @@ def target(spec_target):
 @pytest.fixture(scope="module")
 def methods(spec_drafts, target):
     """Each method's options by name (the n-gram tables fitted on first use: slow tier)."""
-    weak = spec_drafts["weak"]
+    weak, fitted = spec_drafts["weak"], {}
 
     def options(name):
         if name in ("ngram", "staged"):
-            tables = fitted_tables(target, range(200, 203), 24)
+            if not fitted:
+                fitted["tables"] = fitted_tables(target, range(200, 203), 24)
+            tables = fitted["tables"]
             return {"ngram": dict(method="ngram", ngram=tables),
                     "staged": dict(method="staged", draft=weak, ngram=tables,
                                    tree_budget=6)}[name]
@@ -265,3 +267,48 @@ def test_stop_sequence_limits_are_one_line_errors():
     with pytest.raises(specjax.InvalidArgumentError, match="1 to 4 tokens"):
         stop_condition([], [(1, 2, 3, 4, 5)])
     assert np.asarray(stop_condition([7], [(1, 2)]).sequences)[0].tolist() == [-1, -1, 1, 2]
+
+
+def _sentencepiece_tokenizer(folder, add_space_prefix: bool):
+    """The tiny SentencePiece vocabulary (Llama 2's layout: "\\n" a byte piece) from a
+    GGUF file, as a user's file is read."""
+    import gguf
+
+    from helpers_checkpoints import add_sentencepiece_vocabulary
+    from specjax.checkpoints_tools.gguf_loader import read_gguf, tokenizer_from_gguf
+
+    path = folder / f"vocab-{add_space_prefix}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    add_sentencepiece_vocabulary(writer, add_space_prefix=add_space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tokenizer_from_gguf(read_gguf(path), str(path))
+
+
+def test_the_device_never_stops_before_the_host_rule(tmp_path):
+    """Random token streams (mostly tokens of the listed sequences) through a byte-level
+    and two SentencePiece tokenizers: the first token that completes a listed sequence
+    is never before the first token after which the decoded text contains the string
+    (it is that token in most streams; after it, or never, where the string came out in
+    a tokenization not listed)."""
+    tokenizers = [(tiny_tokenizer(), TINY_VOCAB)] + [
+        (tokenizer, len(tokenizer)) for tokenizer in
+        (_sentencepiece_tokenizer(tmp_path, prefix) for prefix in (True, False))]
+    rng = np.random.default_rng(0)
+    exact = 0
+    for tokenizer, size in tokenizers:
+        for stop in ["\n\n", " the", "e r", "he", ":\n", "x ="]:
+            sequences = stop_strings.stop_sequences(tokenizer, size, [stop])
+            pool = sorted({t for sequence in sequences for t in sequence}) or [0]
+            for _ in range(100):
+                tokens = [int(rng.choice(pool)) if rng.random() < 0.6 else int(rng.integers(size))
+                          for _ in range(10)]
+                device = next((k for k in range(1, 11) if any(
+                    tuple(tokens[max(0, k - len(s)):k]) == s for s in sequences)), None)
+                host = next((k for k in range(1, 11) if stop in tokenizer.decode(
+                    tokens[:k], skip_special_tokens=True)), None)
+                assert device is None or (host is not None and device >= host), (stop, tokens)
+                exact += device is not None and device == host
+    assert exact > 400, exact  # most streams: the same token
