@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import pytest
 
 import specjax
-from specjax import api, cli, loading
+from specjax import api, cli, loading, sampling
 from specjax.errors import InvalidArgumentError
 from specjax.methods import (METHODS, NgramOptions, SpecOptions, StagedOptions, TreeOptions,
                              build, method_options)
 from specjax.methods.flags import add_method_arguments, method_from_args
 from specjax.methods.options import all_option_fields, describe_defaults
 
-from conftest import fitted_tables, random_prompt
+from conftest import drop_compiled_programs, fitted_tables, random_prompt
 
 
 def test_every_method_has_an_options_class_with_validated_defaults():
@@ -196,3 +196,38 @@ def test_every_method_equals_ar_in_bfloat16(bfloat16_target, method):
             accepted.append(out.stats["mean_accepted"])
         if not sampling:  # the check above read drafted tokens, not only the roots'
             assert min(accepted) > 1.5, accepted
+
+
+@pytest.mark.filterwarnings("ignore::specjax.errors.PerformanceWarning")  # bf16 on a CPU
+@pytest.mark.parametrize("method", [name for name in METHODS if name != "ar"])
+def test_a_wrong_coupling_is_caught_by_every_method(bfloat16_target, method, monkeypatch):
+    """The negative of the test above: the coupling made wrong in the way a real bug would
+    be, the noise of a call over several tree nodes drawn for the next position (an
+    off-by-one in the verify pass's positions; ``ar``'s one-position calls keep theirs).
+    Each speculative method then departs from ``ar``'s coupled tokens, so the equality
+    above is evidence of the coupling, not of a test that cannot fail."""
+    target, tables = bfloat16_target
+    resources = {}
+    if METHODS[method].uses_draft:
+        resources["draft"] = target
+    if METHODS[method].uses_ngram:
+        resources["ngram"] = tables
+    right_noise = sampling.gumbel_noise
+
+    def off_by_one_in_a_pass(seed, positions, vocab_size):
+        shift = 1 if positions.shape[0] > 1 else 0
+        return right_noise(seed, positions + shift, vocab_size)
+
+    expected = {seed: specjax.generate(target, random_prompt(seed, 6), max_new_tokens=48,
+                                       seed=seed, temperature=1.0).tokens
+                for seed in BFLOAT16_PROMPTS}
+    drop_compiled_programs()  # the methods' programs compile again with the wrong noise
+    monkeypatch.setattr(sampling, "gumbel_noise", off_by_one_in_a_pass)
+    try:
+        differ = [specjax.generate(target, random_prompt(seed, 6), max_new_tokens=48,
+                                   seed=seed, temperature=1.0, method=method,
+                                   **resources).tokens != expected[seed]
+                  for seed in BFLOAT16_PROMPTS]
+    finally:
+        drop_compiled_programs()  # no program with the wrong noise outlives the test
+    assert any(differ), (method, differ)
