@@ -12,13 +12,15 @@ contains a stop string). The device cannot decode, so it checks token sequences 
    it, the last token's text starts with the rest;
 
 shortest first, then in turns from each string, lower ids first (the more frequent tokens
-of a BPE vocabulary), up to ``MAX_STOP_SEQUENCES`` for all the strings of a request. A token's text is its text after
-another token (so a SentencePiece word's leading space counts), and each sequence is kept
-only where the tokenizer's own decoding of it contains the string at the start of a
-generation, after an ordinary token and after a lone byte piece (a token that decodes to
-U+FFFD): tokens whose text depends on their neighbours (byte pieces, a space that the
-tokenizer's clean-up removes) are left out. A generation whose stop string comes out in a
-tokenization not listed runs on, and the host's cut gives the same text and tokens.
+of a BPE vocabulary), up to ``MAX_STOP_SEQUENCES`` for all the strings of a request. A
+token's text is its text after another token (so a SentencePiece word's leading space
+counts), and each sequence is kept only where the tokenizer's own decoding of it contains
+the string at the start of a generation, after an ordinary token and after a lone byte
+piece (a token that decodes to U+FFFD): tokens whose text depends on their neighbours
+(byte pieces, a space that the tokenizer's clean-up removes) are left out. A generation whose stop string comes out in a
+tokenization not listed runs on, and the host's cut gives the same text and tokens (and
+where a listed sequence ends one whose text holds no string, :func:`specjax.generate`
+runs it again without sequences).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ REPLACEMENT = "\ufffd"
 # Candidates per split of a string into a first and a last token, by id (bounds the work on
 # a string of common characters, whose pairs number millions).
 _MAX_ENDS = 64
+_MAX_CANDIDATES = 20_000  # sequences of 2 or more tokens looked at per string
 
 _TEXTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -92,13 +95,14 @@ def _anchor(tokenizer, decode) -> int:
 
 
 def _vocabulary(tokenizer, vocab_size: int) -> _Vocabulary:
+    """The tokenizer's :class:`_Vocabulary`, computed once per tokenizer and size."""
     try:
-        found = _TEXTS.get(tokenizer)
+        found = _TEXTS.setdefault(tokenizer, {})
     except TypeError:  # not weakly referable: computed each time
         return _Vocabulary(tokenizer, vocab_size)
-    if found is None:
-        found = _TEXTS[tokenizer] = _Vocabulary(tokenizer, vocab_size)
-    return found
+    if vocab_size not in found:
+        found[vocab_size] = _Vocabulary(tokenizer, vocab_size)
+    return found[vocab_size]
 
 
 def stop_sequences(tokenizer, vocab_size: int, strings: Sequence[str],
@@ -142,25 +146,30 @@ def stop_sequences(tokenizer, vocab_size: int, strings: Sequence[str],
 
 
 def _spellings(texts: list[str | None], string: str) -> list[tuple[int, ...]]:
-    """Candidate sequences for one string, by the texts alone (unchecked)."""
-    singles = [(t,) for t, text in enumerate(texts) if text and string in text]
+    """Candidate sequences for one string, by the texts alone (unchecked; at most
+    ``_MAX_CANDIDATES`` besides the single tokens)."""
+    found = [(t,) for t, text in enumerate(texts) if text and string in text]
     pieces: dict[str, list[int]] = {}
     inside = {string[a:b] for a in range(len(string)) for b in range(a + 1, len(string) + 1)}
     for t, text in enumerate(texts):
         if text and text in inside:
             pieces.setdefault(text, []).append(t)
-    found = list(singles)
+    lasts: dict[str, list[int]] = {}  # by the rest of the string they start with
+    budget = len(found) + _MAX_CANDIDATES
     for split in range(1, len(string)):
         head = string[:split]
         firsts = [t for t, text in enumerate(texts)
                   if text and text.endswith(head) and string not in text][:_MAX_ENDS]
         for middle in _middles(pieces, string, split, MAX_STOP_LENGTH - 2):
             rest = string[split + sum(len(texts[t]) for t in middle):]
-            if not rest:
+            if not rest or not firsts:
                 continue
-            lasts = [t for t, text in enumerate(texts)
-                     if text and text.startswith(rest)][:_MAX_ENDS]
-            found += [(first, *middle, last) for first in firsts for last in lasts]
+            if rest not in lasts:
+                lasts[rest] = [t for t, text in enumerate(texts)
+                               if text and text.startswith(rest)][:_MAX_ENDS]
+            found += [(first, *middle, last) for first in firsts for last in lasts[rest]]
+            if len(found) >= budget:
+                return found[:budget]
     return found
 
 
