@@ -10,9 +10,12 @@
 # transformers and torch but not specjax (as gpu_run.sh does: pip install -e, else a
 # symlinked layout on PYTHONPATH), refuses a machine where jax sees no GPU, then runs
 # benchmarks/gpu_check.py's steps in priority order within a time budget and writes
-# OUT_DIR/gpu_check.json (rewritten after every step), OUT_DIR/gpu_check.md (the targets)
-# and OUT_DIR/gpu_check_logs.tar.gz (each step's JSON and log). See gpu_check.py's
-# docstring for the steps and benchmarks/README.md for what follows from the JSON.
+# OUT_DIR/gpu_check.json (rewritten after every step; it names the checkout's commit and
+# changed files, from git or, on a copy without .git, from what
+# `python benchmarks/device_bundle.py stamp` (or pack) left in a carried .device),
+# OUT_DIR/gpu_check.md (the targets) and OUT_DIR/gpu_check_logs.tar.gz (each step's JSON
+# and log). See gpu_check.py's docstring for the steps and benchmarks/README.md for what
+# follows from the JSON.
 #
 # Environment: PYTHON (default python), GPU_CHECK_BUDGET (seconds, default 420; 900 on the CPU),
 # GPU_CHECK_STEP_LIMIT (seconds per step), GPU_CHECK_STEPS (names: only these),
