@@ -31,6 +31,12 @@ computes each block with dots, which are row-independent for the same reason:
 * **Blocks past a row's own position** (deeper rows share its tile) are fully masked: the
   update is an exact identity (max unchanged, correction ``exp(0) = 1``, zero
   probabilities, zero values), so the trip count does not change the result.
+* **Optional split over the sequence** (``split_kv``): splits at absolute positions 0,
+  ``split_kv``, ``2 split_kv``, ..., one program each, from a fresh softmax state; the
+  partial (m, l, acc) merge in split order (:func:`merge_splits`). The boundaries and the
+  order do not depend on the row count; a split holding none of a row's keys is
+  (``MASK_VALUE``, 0, 0), which merges as exact zeros, so the one-token step's fewer
+  non-empty splits merge to the same bits.
 
 So for a row at absolute position ``p``, every block's scores, maximum, probabilities and
 sums are the same operations on the same values whether the pass has 1 row or 64, and by
@@ -72,6 +78,9 @@ class GpuTiledBlockSizes:
 
     block_rows: int = 16
     block_kv: int = 64
+    # Positions per split of the sequence (0: no split), a multiple of block_kv: splits at
+    # absolute positions 0, split_kv, 2 split_kv, ..., one program each, merged in order.
+    split_kv: int = 0
     num_warps: int = 4
     num_stages: int = 1
 
@@ -81,6 +90,10 @@ class GpuTiledBlockSizes:
             if value < 16 or value & (value - 1):
                 raise InvalidArgumentError(
                     f"{KERNEL_NAME}: {name}={value} must be a power of two >= 16")
+        if self.split_kv < 0 or self.split_kv % self.block_kv:
+            raise InvalidArgumentError(
+                f"{KERNEL_NAME}: split_kv={self.split_kv} must be 0 (no split) or a "
+                f"multiple of block_kv={self.block_kv}")
 
 
 def _dot(a, b, *, transposed: bool):
@@ -117,14 +130,17 @@ def block_update(carry, q, keys, values, valid, *, scale: float):
     return m_next, l, acc
 
 
-def _tiled_rows(q, depth, length, cache_block, chain_block, *, block_kv: int, scale: float):
-    """The position-ordered online softmax of one row tile.
+def _tiled_rows(q, depth, length, cache_block, chain_block, blocks, *, block_kv: int,
+                scale: float):
+    """The position-ordered online softmax of one row tile over the blocks ``blocks``
+    (first, limit) (int32: the whole sequence, or one split of it).
 
     q [R, D] (one KV head's group, (token, head) rows); depth int32 [R] (-1 for padding
     rows); ``cache_block(start, readable)`` the committed keys and values of the block at
     ``start`` ([Bk, D] each, zero where not readable); ``chain_block(start, r)`` row r's
     ancestor keys and values at those positions ([Bk, D] each, zero below ``length`` and
-    past the row's depth). Returns [R, D] float32.
+    past the row's depth). Returns the carry (m [R], l [R], acc [R, D]) float32, the
+    initial one (``MASK_VALUE``, 0, 0) for rows with no key in ``blocks``.
     """
     rows, head_dim = q.shape
     last = length + depth  # each row's own position; padding rows: length - 1
@@ -162,21 +178,29 @@ def _tiled_rows(q, depth, length, cache_block, chain_block, *, block_kv: int, sc
     init = (jnp.full((rows,), layout.MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
     first_boundary = jnp.where(real, length // block_kv, 0)
-    carry = lax.fori_loop(0, first_boundary, shared, init)
-    carry = lax.fori_loop(first_boundary, pl.cdiv(end, block_kv), boundary, carry)
-    _, l, acc = carry
-    return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+    first, limit = blocks[0], jnp.minimum(blocks[1], pl.cdiv(end, block_kv))
+    carry = lax.fori_loop(first, jnp.minimum(first_boundary, limit), shared, init)
+    return lax.fori_loop(jnp.maximum(first, first_boundary), limit, boundary, carry)
+
+
+def _normalized(l, acc):
+    """The attention output from an online softmax's (l, acc): a row with no key (padding)
+    gives zeros."""
+    return acc / jnp.where(l == 0.0, 1.0, l)[..., None]
 
 
 def _tiled_kernel(length_ref, layer_ref, q_ref, depth_ref, links_ref, k_new_ref, v_new_ref,
-                  k_ref, v_ref, o_ref, *, block_rows: int, block_kv: int, scale: float):
-    """One (KV head, row tile) program.
+                  k_ref, v_ref, *out_refs, block_rows: int, block_kv: int, split_kv: int,
+                  scale: float):
+    """One (KV head, row tile[, split]) program.
 
     Refs: length_ref, layer_ref int32 [1]; q_ref [block_rows, D] (the group's rows);
     depth_ref int32 [block_rows]; links_ref the whole int32 [rows, Bk + W + Bk] (slot
     ``Bk + j``: the row's ancestor at depth j, a token index of ``k_new``; -1 elsewhere);
-    k_new_ref, v_new_ref the whole [T, K, D]; k_ref, v_ref the whole cache [L, S, K, D];
-    output o_ref [block_rows, D].
+    k_new_ref, v_new_ref the whole [T, K, D]; k_ref, v_ref the whole cache [L, S, K, D].
+    Outputs: without a split, o_ref [block_rows, D]; with one (``split_kv`` positions per
+    split, program axis 2), the split's m_ref, l_ref [block_rows] and acc_ref
+    [block_rows, D], float32.
     """
     kv_head, tile = pl.program_id(0), pl.program_id(1)
     length, layer = length_ref[0], layer_ref[0]
@@ -200,9 +224,39 @@ def _tiled_kernel(length_ref, layer_ref, q_ref, depth_ref, links_ref, k_new_ref,
         return (plgpu.load(k_new_ref.at[source, kv_head, columns], mask=mask, other=0),
                 plgpu.load(v_new_ref.at[source, kv_head, columns], mask=mask, other=0))
 
-    out = _tiled_rows(q, depth_ref[...], length, cache_block, chain_block,
-                      block_kv=block_kv, scale=scale)
-    o_ref[...] = out.astype(o_ref.dtype)
+    if split_kv:
+        split = pl.program_id(2)
+        per_split = split_kv // block_kv
+        blocks = (split * per_split, (split + 1) * per_split)
+    else:
+        blocks = (0, pl.cdiv(k_ref.shape[1], block_kv) + links_ref.shape[1] // block_kv)
+    m, l, acc = _tiled_rows(q, depth_ref[...], length, cache_block, chain_block, blocks,
+                            block_kv=block_kv, scale=scale)
+    if split_kv:
+        m_ref, l_ref, acc_ref = out_refs
+        m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+    else:
+        (o_ref,) = out_refs
+        o_ref[...] = _normalized(l, acc).astype(o_ref.dtype)
+
+
+def merge_splits(m, l, acc):
+    """The attention output from per-split partial softmaxes, merged in split order (a
+    fixed, position-aligned order: the same for a one-token call and a pass). A split
+    with no key for a row (m = ``MASK_VALUE``, l = 0, acc = 0) adds exact zeros.
+
+    Args:
+      m, l: float32 [splits, ...rows]; acc: float32 [splits, ...rows, D].
+    Returns:
+      float32 [...rows, D].
+    """
+    top = jnp.max(m, axis=0)
+    l_sum, acc_sum = jnp.zeros_like(l[0]), jnp.zeros_like(acc[0])
+    for split in range(m.shape[0]):  # unrolled: one order, written out
+        weight = jnp.exp(m[split] - top)
+        l_sum = l_sum + l[split] * weight
+        acc_sum = acc_sum + acc[split] * weight[..., None]
+    return _normalized(l_sum, acc_sum)
 
 
 def tiled_links(mask: jax.Array, group: int, rows: int, block_kv: int):
@@ -268,21 +322,37 @@ def tiled_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch
     links, depth = tiled_links(mask, group, rows, block_kv)
     length = jnp.asarray(length, jnp.int32).reshape(1)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    row_spec = pl.BlockSpec((None, block_rows, head_dim), lambda h, i: (h, i, 0))
+    split_kv = block_sizes.split_kv
+    grid = (num_kv_heads, rows // block_rows)
+    row_spec = pl.BlockSpec((None, block_rows, head_dim), lambda h, i, *_: (h, i, 0))
+    if split_kv:  # positions reach length + T - 1 < S + T
+        grid += (pl.cdiv(k_cache.shape[1] + num_tokens, split_kv),)
+        splits = (grid[2], num_kv_heads, rows)
+        vector_spec = pl.BlockSpec((None, None, block_rows), lambda h, i, j: (j, h, i))
+        out_specs = [vector_spec, vector_spec,
+                     pl.BlockSpec((None, None, block_rows, head_dim),
+                                  lambda h, i, j: (j, h, i, 0))]
+        out_shape = [jax.ShapeDtypeStruct(splits, jnp.float32)] * 2 + [
+            jax.ShapeDtypeStruct((*splits, head_dim), jnp.float32)]
+    else:
+        out_specs = row_spec
+        out_shape = jax.ShapeDtypeStruct((num_kv_heads, rows, head_dim), q.dtype)
     out = pl.pallas_call(
         functools.partial(_tiled_kernel, block_rows=block_rows, block_kv=block_kv,
-                          scale=1.0 / math.sqrt(head_dim)),
-        grid=(num_kv_heads, rows // block_rows),
+                          split_kv=split_kv, scale=1.0 / math.sqrt(head_dim)),
+        grid=grid,
         in_specs=[pl.no_block_spec, pl.no_block_spec, row_spec,
-                  pl.BlockSpec((block_rows,), lambda h, i: (i,)),
+                  pl.BlockSpec((block_rows,), lambda h, i, *_: (i,)),
                   pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, pl.no_block_spec,
                   pl.no_block_spec],
-        out_specs=row_spec,
-        out_shape=jax.ShapeDtypeStruct((num_kv_heads, rows, head_dim), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
                                              num_stages=block_sizes.num_stages),
         interpret=interpret,
         name="tiled_attention_gpu",
     )(length, layer, layout.pack_queries(q, num_kv_heads, rows), depth, links, k_new, v_new,
       k_cache, v_cache)
+    if split_kv:
+        out = merge_splits(*out).astype(q.dtype)
     return layout.unpack_output(out, num_tokens, num_heads)

@@ -27,7 +27,7 @@ from specjax.errors import InvalidArgumentError
 from specjax.kernels import attention_tiled_gpu as tiled
 from specjax.kernels import layout
 from specjax.kernels.attention_tiled_gpu import (GpuTiledBlockSizes, check_supported,
-                                                 tiled_attention_gpu)
+                                                 merge_splits, tiled_attention_gpu)
 from specjax.tree import ancestor_mask
 
 from test_fused_kernels import PINNED_ORDER, TREE_PARENTS
@@ -38,6 +38,7 @@ from test_kernels import Case, make_inputs, reference
 # output.
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 SMALL = GpuTiledBlockSizes(block_kv=16)
+SPLIT = GpuTiledBlockSizes(block_kv=16, split_kv=32)  # splits at positions 0, 32, 64, ...
 
 CASES = [
     Case("decode-g1-f32", 1, 2, 2, 64, 64, 37, tree=False, block_sizes=SMALL),
@@ -48,6 +49,8 @@ CASES = [
     Case("tree-g2-length0-f32", 5, 4, 2, 32, 48, 0, block_sizes=SMALL),
     Case("tree-g3-tiles-straddled-f32", 12, 3, 1, 32, 64, 29, block_sizes=SMALL),
     Case("prefill-no-cache-f32", 19, 4, 1, 64, None, 0, tree=False, block_sizes=SMALL),
+    Case("decode-g3-f32-split", 1, 3, 1, 64, 96, 70, tree=False, block_sizes=SPLIT),
+    Case("tree-g2-bf16-split", 9, 4, 2, 32, 64, 27, dtype=jnp.bfloat16, block_sizes=SPLIT),
 ]
 
 
@@ -129,29 +132,61 @@ def tree_versus_steps(kernel, dtype, length: int) -> list[bool]:
     return same
 
 
-def _right(*args, layer):
-    return tiled_attention_gpu(*args, layer=layer, block_sizes=SMALL, interpret=True)
+def _right(*args, layer, block_sizes=SMALL):
+    return tiled_attention_gpu(*args, layer=layer, block_sizes=block_sizes, interpret=True)
 
 
 # Lengths: mid-block (the tree's positions 20-26 inside one 16-slot block); across a block
 # edge (12-18: a node at depth >= 4 reads block [0, 16) as a shared block in its step and
-# per row in the tree); 0 (no cache).
-@pytest.mark.parametrize("length", [20, 12, 0])
+# per row in the tree); 0 (no cache). With splits of 32 positions: also across a split
+# edge (28-34).
+@pytest.mark.parametrize("sizes,length", [(SMALL, 20), (SMALL, 12), (SMALL, 0), (SPLIT, 12),
+                                          (SPLIT, 28)], ids=["20", "12", "0", "12-split",
+                                                             "28-split"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_every_tree_node_is_bitwise_its_one_token_step(dtype, length):
-    assert all(tree_versus_steps(_right, dtype, length))
+def test_every_tree_node_is_bitwise_its_one_token_step(dtype, sizes, length):
+    kernel = lambda *args, layer: _right(*args, layer=layer, block_sizes=sizes)  # noqa: E731
+    assert all(tree_versus_steps(kernel, dtype, length))
 
 
+ROW_COUNT_DEPENDENT = {  # (sizes for a one-token call, for a pass)
+    "block": (GpuTiledBlockSizes(block_kv=16), GpuTiledBlockSizes(block_kv=32)),
+    "split": (GpuTiledBlockSizes(block_kv=16, split_kv=16), SPLIT),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ROW_COUNT_DEPENDENT))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_a_row_count_dependent_block_is_caught(dtype):
-    """The KV block chosen from the number of new tokens (16 slots for a one-token call, 32
-    for a pass): from position 20, the step's 16-slot blocks split the keys that the pass
-    reads in one 32-slot block."""
-    def blocked_by_row_count(q, *args, layer):
-        sizes = GpuTiledBlockSizes(block_kv=16 if q.shape[0] == 1 else 32)
+def test_a_row_count_dependent_tiling_is_caught(dtype, variant):
+    """The KV block (16 slots for a one-token call, 32 for a pass) or the split (16
+    positions, 32) chosen from the number of new tokens: from position 20, the step splits
+    at position 16 the keys that the pass reads in one block or split."""
+    one, many = ROW_COUNT_DEPENDENT[variant]
+
+    def tiled_by_row_count(q, *args, layer):
+        sizes = one if q.shape[0] == 1 else many
         return tiled_attention_gpu(q, *args, layer=layer, block_sizes=sizes, interpret=True)
 
-    assert not all(tree_versus_steps(blocked_by_row_count, dtype, 20))
+    assert not all(tree_versus_steps(tiled_by_row_count, dtype, 20))
+
+
+def test_an_empty_split_merges_as_an_exact_identity():
+    """A split with no key for a row, inserted anywhere, leaves the merge's bits unchanged
+    (a one-token call has fewer non-empty splits than a pass over the same positions)."""
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    m = 3 * jax.random.normal(ks[0], (3, 5))
+    l = jnp.exp(jax.random.normal(ks[1], (3, 5)))
+    acc = jax.random.normal(ks[2], (3, 5, 16))
+    want = merge_splits(m, l, acc)
+    empty = (jnp.full((1, 5), layout.MASK_VALUE), jnp.zeros((1, 5)), jnp.zeros((1, 5, 16)))
+    for at in range(4):
+        got = merge_splits(*(jnp.concatenate([a[:at], e, a[at:]])
+                             for a, e in zip((m, l, acc), empty)))
+        np.testing.assert_array_equal(got, want)
+    # Not vacuous: a split with one key does change the result.
+    one_key = (m[:1] - 1, jnp.ones((1, 5)), acc[:1])
+    assert not np.array_equal(merge_splits(*(jnp.concatenate([a, e]) for a, e in
+                                             zip((m, l, acc), one_key))), want)
 
 
 def _halves(terms, axis):
@@ -195,22 +230,20 @@ def test_mixed_arithmetic_is_caught(dtype, monkeypatch, fresh_traces):
     original = tiled._tiled_rows
     traced = []
 
-    def mixed(q, depth, length, cache_block, chain_block, *, block_kv, scale):
+    def mixed(*args, **kwargs):
+        # The kernel traces `block_update` twice: first in the loop over shared blocks,
+        # then in the per-row loop over the blocks past `length`, which gets the
+        # elementwise update.
         real_update = tiled.block_update
-        # The boundary blocks' update is the one called inside the per-row loop: swap
-        # it in after the shared loop has been traced.
         calls = []
 
         def update(*args, **kwargs):
             calls.append(1)
-            # The shared block's update is traced once, first; every later trace is a
-            # boundary block's per-row update.
             return (real_update if len(calls) == 1 else _elementwise_update)(*args, **kwargs)
 
         monkeypatch.setattr(tiled, "block_update", update)
         try:
-            return original(q, depth, length, cache_block, chain_block, block_kv=block_kv,
-                            scale=scale)
+            return original(*args, **kwargs)
         finally:
             monkeypatch.setattr(tiled, "block_update", real_update)
             traced.append(len(calls))
@@ -228,13 +261,17 @@ def test_mixed_arithmetic_is_caught(dtype, monkeypatch, fresh_traces):
 
 def test_lowers_for_triton():
     sds = jax.ShapeDtypeStruct
-    # SmolLM2-135M decode and a 64-node verify (bf16, and the verify in fp32).
-    for t, dtype in [(1, jnp.bfloat16), (64, jnp.bfloat16), (64, jnp.float32)]:
+    # SmolLM2-135M decode and a 64-node verify (bf16, and the verify in fp32), without
+    # and with splits of 256 positions.
+    for t, dtype, split_kv in [(1, jnp.bfloat16, 0), (64, jnp.bfloat16, 0),
+                               (64, jnp.float32, 0), (1, jnp.bfloat16, 256),
+                               (64, jnp.bfloat16, 256)]:
         h, k, d, s, layers = 9, 3, 64, 2048, 30
         lowered = tiled_attention_gpu.trace(
             sds((t, h, d), dtype), sds((t, k, d), dtype), sds((t, k, d), dtype),
             sds((layers, s, k, d), dtype), sds((layers, s, k, d), dtype), sds((), jnp.int32),
             sds((t, t), jnp.bool_), layer=sds((), jnp.int32),
+            block_sizes=GpuTiledBlockSizes(split_kv=split_kv),
         ).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
 
@@ -250,6 +287,8 @@ def _args(t=2, s=64):
     (lambda: check_supported(*_args(), block_sizes=GpuTiledBlockSizes(block_rows=8)),
      "power of two"),
     (lambda: check_supported(*_args(s=48)), "not a multiple of block_kv=64"),
+    (lambda: check_supported(*_args(), block_sizes=GpuTiledBlockSizes(split_kv=96)),
+     "split_kv=96 must be 0"),
     (lambda: check_supported(*_args(), scratch_mask=jnp.ones((2, 3), bool)),
      "no scratch window"),
     (lambda: check_supported(*_args()[:5], jnp.ones((3, 3), bool)), "mask must be"),
