@@ -23,11 +23,13 @@ computes each block with dots, which are row-independent for the same reason:
   ``length`` and the row's own ancestor chain above it (the new tokens a row sees form a
   chain: prefill, decode and tree verification). In the one-token step at the same
   position those keys are committed, so the step reads them in a shared block. To give
-  both the same arithmetic, such a block runs the *same update* once per row ``r`` of the
-  tile with ``r``'s keys and values (``dot(q_tile, K_r^T)``, ``dot(p, V_r)``, the softmax
-  around them) and keeps row ``r``'s result: row ``r``'s value is then exactly what a shared
-  block with ``r``'s keys gives (the other rows' results are discarded). It costs
-  ``block_rows`` dots per such block, for the 1-2 blocks that overlap new tokens.
+  both the same arithmetic, such a block runs the *same update* once per new token ``n``
+  with rows in the tile, with ``n``'s keys and values (``dot(q_tile, K_n^T)``,
+  ``dot(p, V_n)``, the softmax around them), and keeps the rows of ``n`` (its G query
+  heads): their values are then exactly what a shared block with ``n``'s keys gives (the
+  other rows' results are discarded). It costs two dots per token of the tile (at most
+  ``block_rows / G + 1``; one in a one-token step) for the 1-2 blocks that overlap new
+  tokens.
 * **Blocks past a row's own position** (deeper rows share its tile) are fully masked: the
   update is an exact identity (max unchanged, correction ``exp(0) = 1``, zero
   probabilities, zero values), so the trip count does not change the result.
@@ -130,17 +132,25 @@ def block_update(carry, q, keys, values, valid, *, scale: float):
     return m_next, l, acc
 
 
-def _tiled_rows(q, depth, length, cache_block, chain_block, blocks, *, block_kv: int,
-                scale: float):
+def _tiled_rows(q, depth, owner, tokens, length, cache_block, chain_block, blocks, *,
+                block_kv: int, scale: float):
     """The position-ordered online softmax of one row tile over the blocks ``blocks``
     (first, limit) (int32: the whole sequence, or one split of it).
 
-    q [R, D] (one KV head's group, (token, head) rows); depth int32 [R] (-1 for padding
-    rows); ``cache_block(start, readable)`` the committed keys and values of the block at
-    ``start`` ([Bk, D] each, zero where not readable); ``chain_block(start, r)`` row r's
-    ancestor keys and values at those positions ([Bk, D] each, zero below ``length`` and
-    past the row's depth). Returns the carry (m [R], l [R], acc [R, D]) float32, the
-    initial one (``MASK_VALUE``, 0, 0) for rows with no key in ``blocks``.
+    Args:
+      q: [R, D] the tile's rows (one KV head's group, (token, head) rows).
+      depth: int32 [R], each row's depth among the new tokens (-1 for padding rows).
+      owner: int32 [R], the new token each row belongs to.
+      tokens: (first, stop) int32, the new tokens that own the tile's real rows.
+      length: int32 [] committed slots.
+      cache_block: ``(start, readable) ->`` the committed keys and values of the block at
+        ``start`` ([Bk, D] each, zero where not readable).
+      chain_block: ``(start, n) ->`` token n's ancestors' keys and values at the block's
+        positions ([Bk, D] each, zero below ``length`` and past n's depth).
+      blocks: (first, limit) int32 block indices.
+    Returns:
+      The carry (m [R], l [R], acc [R, D]) float32; the initial one (``MASK_VALUE``, 0, 0)
+      for rows with no key in ``blocks``.
     """
     rows, head_dim = q.shape
     last = length + depth  # each row's own position; padding rows: length - 1
@@ -148,7 +158,6 @@ def _tiled_rows(q, depth, length, cache_block, chain_block, blocks, *, block_kv:
     real = jnp.max(depth) >= 0
     end = jnp.where(real, length + jnp.max(depth) + 1, 0)
     offsets = jnp.arange(block_kv, dtype=jnp.int32)
-    row_ids = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     update = functools.partial(block_update, scale=scale)
 
     def shared(block, carry):
@@ -164,16 +173,16 @@ def _tiled_rows(q, depth, length, cache_block, chain_block, blocks, *, block_kv:
         keys, values = cache_block(start, in_cache)
         valid = positions[None, :] <= last[:, None]
 
-        def one_row(r, out):
-            chain_keys, chain_values = chain_block(start, r)
-            row_keys = jnp.where(in_cache[:, None], keys, chain_keys)
-            row_values = jnp.where(in_cache[:, None], values, chain_values)
-            m, l, acc = update(carry, q, row_keys, row_values, valid)
-            mine = row_ids == r
+        def one_token(n, out):
+            chain_keys, chain_values = chain_block(start, n)
+            token_keys = jnp.where(in_cache[:, None], keys, chain_keys)
+            token_values = jnp.where(in_cache[:, None], values, chain_values)
+            m, l, acc = update(carry, q, token_keys, token_values, valid)
+            mine = owner == n
             return (jnp.where(mine, m, out[0]), jnp.where(mine, l, out[1]),
                     jnp.where(mine[:, None], acc, out[2]))
 
-        return lax.fori_loop(0, rows, one_row, carry)
+        return lax.fori_loop(tokens[0], tokens[1], one_token, carry)
 
     init = (jnp.full((rows,), layout.MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
@@ -190,13 +199,14 @@ def _normalized(l, acc):
 
 
 def _tiled_kernel(length_ref, layer_ref, q_ref, depth_ref, links_ref, k_new_ref, v_new_ref,
-                  k_ref, v_ref, *out_refs, block_rows: int, block_kv: int, split_kv: int,
-                  scale: float):
+                  k_ref, v_ref, *out_refs, group: int, block_rows: int, block_kv: int,
+                  split_kv: int, scale: float):
     """One (KV head, row tile[, split]) program.
 
-    Refs: length_ref, layer_ref int32 [1]; q_ref [block_rows, D] (the group's rows);
-    depth_ref int32 [block_rows]; links_ref the whole int32 [rows, Bk + W + Bk] (slot
-    ``Bk + j``: the row's ancestor at depth j, a token index of ``k_new``; -1 elsewhere);
+    Refs: length_ref, layer_ref int32 [1]; q_ref [block_rows, D] (the group's rows, row
+    ``t * group + g`` token t's); depth_ref int32 [block_rows]; links_ref the whole int32
+    [T, Bk + W + Bk] (slot ``Bk + j``: the token's ancestor at depth j, an index of
+    ``k_new``; -1 elsewhere);
     k_new_ref, v_new_ref the whole [T, K, D]; k_ref, v_ref the whole cache [L, S, K, D].
     Outputs: without a split, o_ref [block_rows, D]; with one (``split_kv`` positions per
     split, program axis 2), the split's m_ref, l_ref [block_rows] and acc_ref
@@ -215,9 +225,9 @@ def _tiled_kernel(length_ref, layer_ref, q_ref, depth_ref, links_ref, k_new_ref,
         return (plgpu.load(k_ref.at[window], mask=mask, other=0),
                 plgpu.load(v_ref.at[window], mask=mask, other=0))
 
-    def chain_block(start, r):
+    def chain_block(start, token):
         # Link slots for positions >= length: slot Bk + (position - length) >= 1.
-        links = plgpu.load(links_ref.at[row0 + r, pl.ds(start - length + block_kv, block_kv)])
+        links = plgpu.load(links_ref.at[token, pl.ds(start - length + block_kv, block_kv)])
         mask = jnp.broadcast_to((links >= 0)[:, None], (block_kv, head_dim))
         # A gather: slot j reads new token links[j] (all-integer indexing).
         source = jnp.maximum(links, 0)[:, None]
@@ -230,8 +240,11 @@ def _tiled_kernel(length_ref, layer_ref, q_ref, depth_ref, links_ref, k_new_ref,
         blocks = (split * per_split, (split + 1) * per_split)
     else:
         blocks = (0, pl.cdiv(k_ref.shape[1], block_kv) + links_ref.shape[1] // block_kv)
-    m, l, acc = _tiled_rows(q, depth_ref[...], length, cache_block, chain_block, blocks,
-                            block_kv=block_kv, scale=scale)
+    owner = (row0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)) // group
+    tokens = (row0 // group, jnp.minimum(pl.cdiv(row0 + block_rows, group),
+                                         k_new_ref.shape[0]))
+    m, l, acc = _tiled_rows(q, depth_ref[...], owner, tokens, length, cache_block,
+                            chain_block, blocks, block_kv=block_kv, scale=scale)
     if split_kv:
         m_ref, l_ref, acc_ref = out_refs
         m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
@@ -260,20 +273,19 @@ def merge_splits(m, l, acc):
 
 
 def tiled_links(mask: jax.Array, group: int, rows: int, block_kv: int):
-    """(links int32 [rows, Bk + W + Bk], depth int32 [rows]) of :func:`tiled_attention_gpu`'s
-    rows (row ``t * group + g`` is token t's), from the visibility mask [T, T] among the new
-    tokens (W = T rounded up to ``block_kv``). Slot ``Bk + j`` of a row holds its token's
-    ancestor at depth j; every other slot, and every slot of a padding row, holds -1; a
-    padding row has depth -1. Depends on the mask only."""
+    """(links int32 [T, Bk + W + Bk], depth int32 [rows]) of :func:`tiled_attention_gpu`,
+    from the visibility mask [T, T] among the new tokens (W = T rounded up to
+    ``block_kv``). Slot ``Bk + j`` of token t's links holds its ancestor at depth j, every
+    other slot -1; ``depth`` is per row (row ``t * group + g`` is token t's; padding rows
+    -1). Depends on the mask only."""
     num_tokens = mask.shape[0]
     chain, depth = ancestor_chains(mask)
     chain = jnp.where(jnp.arange(num_tokens)[None, :] <= depth[:, None], chain, -1)
     width = layout.round_up(num_tokens, block_kv)
-    chain = jnp.repeat(chain, group, axis=0)
-    padding = rows - num_tokens * group
-    links = jnp.pad(chain, ((0, padding), (block_kv, width - num_tokens + block_kv)),
+    links = jnp.pad(chain, ((0, 0), (block_kv, width - num_tokens + block_kv)),
                     constant_values=-1)
-    return links, jnp.pad(jnp.repeat(depth, group), (0, padding), constant_values=-1)
+    depth = jnp.repeat(depth, group)
+    return links, jnp.pad(depth, (0, rows - depth.shape[0]), constant_values=-1)
 
 
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
@@ -338,8 +350,9 @@ def tiled_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch
         out_specs = row_spec
         out_shape = jax.ShapeDtypeStruct((num_kv_heads, rows, head_dim), q.dtype)
     out = pl.pallas_call(
-        functools.partial(_tiled_kernel, block_rows=block_rows, block_kv=block_kv,
-                          split_kv=split_kv, scale=1.0 / math.sqrt(head_dim)),
+        functools.partial(_tiled_kernel, group=group, block_rows=block_rows,
+                          block_kv=block_kv, split_kv=split_kv,
+                          scale=1.0 / math.sqrt(head_dim)),
         grid=grid,
         in_specs=[pl.no_block_spec, pl.no_block_spec, row_spec,
                   pl.BlockSpec((block_rows,), lambda h, i, *_: (i,)),

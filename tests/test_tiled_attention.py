@@ -73,7 +73,7 @@ def test_matches_reference(case):
 
 # --- the bitwise property ---------------------------------------------------------------
 
-HEADS, KV_HEADS, HEAD_DIM, CAPACITY, LAYERS = 4, 2, 32, 64, 2
+HEADS, KV_HEADS, HEAD_DIM, CAPACITY, LAYERS = 6, 2, 32, 64, 2  # G = 3: tokens straddle tiles
 
 
 def _pinned(function, *args):
