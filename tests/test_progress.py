@@ -7,6 +7,7 @@ stderr's); :func:`shown_lines` replays the output as a terminal would draw it.
 from __future__ import annotations
 
 import io
+import os
 import sys
 import time
 
@@ -153,9 +154,11 @@ def test_loading_a_tokenizer_without_torch_prints_no_transformers_advice(tmp_pat
             f"assert loading.load({str(path)!r}).tokenizer is not None\n"
             "import transformers.utils.logging as logging\n"
             "logging.get_logger('x').warning_advice('advice after the import')\n")
+    # As a user's shell has it: without the suite's TRANSFORMERS_VERBOSITY (conftest.py).
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env={k: v for k, v in __import__("os").environ.items()
-                                            if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"})
+                          timeout=300, env=environment)
     assert done.returncode == 0, done.stderr
     assert "PyTorch was not found" not in done.stderr, done.stderr
     assert "advice after the import" in done.stderr  # silenced during the import only
