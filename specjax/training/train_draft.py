@@ -367,6 +367,28 @@ def add_parser(subparsers) -> None:
                         "their output projections zeroed: the grown draft starts out "
                         "computing exactly the starting draft (a deeper draft that keeps "
                         "what --init-draft learned)")
+    _add_draft_kind_arguments(p)
+    _add_self_distillation_arguments(p)
+    p.add_argument("--compute-dtype", default="float32", choices=COMPUTE_DTYPES,
+                   help="dtype of the target's passes and of the draft's products (float32 "
+                        "master weights either way; bfloat16 is several times faster on a "
+                        "GPU or TPU)")
+    p.add_argument("--export-hf", action="store_true",
+                   help="also write OUT/draft-hf, loadable by transformers")
+    p.add_argument("--asset", default=None, metavar="DIR",
+                   help="also write the trained draft as a shippable asset into DIR "
+                        "(draft.safetensors + draft.json, sharing the target's embedding)")
+    p.add_argument("--head-tokens", type=int, default=None, metavar="K",
+                   help="with --asset: restrict the draft's head to the K most frequent "
+                        "tokens of the training mix (file corpus and, with "
+                        "--corpus-from-target, the target's generations by their share of "
+                        "a batch); faster draft passes, exactness unaffected")
+    p.add_argument("--note", default="", help="with --asset: a note stored in draft.json")
+    p.set_defaults(func=main)
+
+
+def _add_draft_kind_arguments(p) -> None:
+    """``train-draft``'s feature-draft and EAGLE-3 options (and the time budget)."""
     f = p.add_argument_group(
         "feature drafts", "EAGLE-style drafts that read the target's hidden states (see "
         "specjax.training.feature_draft); decode with method spec or tree")
@@ -407,6 +429,10 @@ def add_parser(subparsers) -> None:
                    help="stop training this many seconds after the run starts (corpus "
                         "generation and compilation included), save and export as if the "
                         "last step were reached; a rerun resumes")
+
+
+def _add_self_distillation_arguments(p) -> None:
+    """``train-draft``'s options for training on the target's own text."""
     g = p.add_argument_group(
         "self-distillation", "train on text the target writes itself (see the module "
         "docstring of specjax.training.train_draft)")
@@ -435,19 +461,3 @@ def add_parser(subparsers) -> None:
     g.add_argument("--prior-target-corpus", action="append", default=None, metavar="NPZ",
                    help="also train on the text of an earlier run's target_corpus.npz "
                         "(repeatable)")
-    p.add_argument("--compute-dtype", default="float32", choices=COMPUTE_DTYPES,
-                   help="dtype of the target's passes and of the draft's products (float32 "
-                        "master weights either way; bfloat16 is several times faster on a "
-                        "GPU or TPU)")
-    p.add_argument("--export-hf", action="store_true",
-                   help="also write OUT/draft-hf, loadable by transformers")
-    p.add_argument("--asset", default=None, metavar="DIR",
-                   help="also write the trained draft as a shippable asset into DIR "
-                        "(draft.safetensors + draft.json, sharing the target's embedding)")
-    p.add_argument("--head-tokens", type=int, default=None, metavar="K",
-                   help="with --asset: restrict the draft's head to the K most frequent "
-                        "tokens of the training mix (file corpus and, with "
-                        "--corpus-from-target, the target's generations by their share of "
-                        "a batch); faster draft passes, exactness unaffected")
-    p.add_argument("--note", default="", help="with --asset: a note stored in draft.json")
-    p.set_defaults(func=main)
