@@ -3,7 +3,9 @@ embedded model (loaded once per session)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import shutil
 import signal
@@ -37,6 +39,15 @@ from specjax.config import from_hf_config
 # fp32 everywhere; exact matmuls so that parity tolerances mean what they say.
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# CPython's cycle collector walks every tracked object on each full collection, and a
+# worker holds torch, transformers, JAX and specjax (~10^6 objects) from here on: 4% of a
+# test file's CPU time went to collections (tests/test_speculative.py, 2,694 of them,
+# 2026-11-29). What the imports left alive is frozen out of the collector's walks, and the
+# youngest generation is collected a tenth as often (JAX's tracing allocates in bursts).
+gc.collect()
+gc.freeze()
+gc.set_threshold(7_000, 10, 10)
+
 # One persistent compilation cache per test run, shared by the xdist workers: each test
 # module drops its compiled programs when it ends (_release_compiled_programs), and many
 # modules compile the same tiny models' programs again, as does the other worker. The
@@ -56,6 +67,7 @@ def pytest_configure(config):
             and not jax.config.jax_compilation_cache_dir):
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _optimise_compiles(as_users=False)
 
 TINY_VOCAB = 97
 
@@ -173,15 +185,19 @@ def _release_compiled_programs():
     drop_compiled_programs()
 
 
-# The fast tier compiles the tiny models' generation programs with XLA's CPU backend
-# optimisations off and with the CPU's older fusion emitters (LLVM IR emitted per fusion
-# directly, not through the MLIR fusion emitters): measured on a `staged` and a `tree`
-# program, backend compile 8.0-8.7 s at level 0 alone, 4.6 s with both, 20 s as users
-# compile (2026-11-25). The HLO passes are the same; `ar` and every method compile alike,
-# so exactness is checked like for like. Tests marked slow, and those on the real model,
-# whose run time would grow, compile as users do (but for slow ones also marked
-# fast_compiles: most of test_families' method grid); so do the sharding and multi-host
-# subprocesses' slow tiers.
+# The tiny models' generation programs compile with XLA's CPU backend optimisations off and
+# with the CPU's older fusion emitters (LLVM IR emitted per fusion directly, not through the
+# MLIR fusion emitters): measured on a `staged` and a `tree` program, backend compile
+# 8.0-8.7 s at level 0 alone, 4.6 s with both, 20 s as users compile (2026-11-25). The HLO
+# passes are the same; `ar` and every method compile alike, so exactness is checked like
+# for like. In both tiers: the slow one had spent most of its time compiling tiny batch and
+# tree programs as users do, 1.5-3.5 minutes a test; with these options 0.8-1.7 (2026-11-29).
+# Every other program compiles with XLA's optimisations off too (_optimise_compiles).
+# Programs compile as users compile them in tests on the real model (SmolLM2: greedy and
+# coupled exactness of every method, parity with transformers) and in tests marked
+# users_compile (a method per model family in test_families' grid, the compiled-step
+# structure in test_profile_step); so do the sharding and multi-host subprocesses' slow
+# tiers.
 _FAST_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
@@ -212,14 +228,34 @@ def fast_xla_flags() -> str:
                     for name, value in fast_compiler_options().items())
 
 
+def _optimise_compiles(as_users: bool) -> None:
+    """Every other program a test process compiles (forward passes for parity, training
+    steps, interpreted Pallas kernels) compiles with JAX's ``jax_disable_most_optimizations``
+    (XLA's CPU backend at level 0, LLVM's expensive passes off) unless ``as_users``:
+    tests/test_kernels.py's CPU time went from 170 s to 108 s (2026-11-29). Not on a GPU or
+    TPU (:func:`fast_compiler_options` is empty there)."""
+    jax.config.update("jax_disable_most_optimizations",
+                      not as_users and bool(fast_compiler_options()))
+
+
+@contextlib.contextmanager
+def users_compiles():
+    """Programs compiled inside compile as users compile them."""
+    _optimise_compiles(as_users=True)
+    try:
+        yield
+    finally:
+        _optimise_compiles(as_users=False)
+
+
 @pytest.fixture(autouse=True)
 def _fast_compiles(request):
     from specjax import decode
 
-    slow = (request.node.get_closest_marker("slow")
-            and not request.node.get_closest_marker("fast_compiles"))
-    if slow or "smollm2" in request.fixturenames:
-        yield
+    if (request.node.get_closest_marker("users_compile")
+            or "smollm2" in request.fixturenames):
+        with users_compiles():
+            yield
         return
     with decode.context_options(**fast_compiler_options()):
         yield
@@ -228,7 +264,8 @@ def _fast_compiles(request):
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF), fp32."""
-    return specjax.load("smollm2-135m")
+    with users_compiles():
+        return specjax.load("smollm2-135m")
 
 
 def load_benchmark(name: str):

@@ -513,16 +513,16 @@ GRID_METHODS = ("spec", "tree", "ngram", "staged")
 
 
 def _method_case(method: str, variant: str):
-    """The quick tier compiles with XLA's CPU optimisations off (conftest._fast_compiles),
-    the slow tier as users compile, which is 3-4x the compile time of these tiny programs.
-    In the slow tier each variant has one method compiled as users do, in turn over the
-    variants (so each method is so checked on several families), and its other methods
-    compiled as the quick tier does: `ar` and the method alike in either case."""
+    """The suite compiles with XLA's CPU optimisations off (conftest._fast_compiles), which
+    is a third to a quarter of the compile time of these tiny programs as users compile
+    them. In the slow tier each variant has one method compiled as users do (marked
+    users_compile), in turn over the variants (so each method is so checked on several
+    families): `ar` and the method alike in either case."""
     if not (variant in SLOW_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")):
         return (method, variant)
     slow = [m for m in GRID_METHODS if variant in SLOW_ONLY or m != "spec"]
     as_users = slow[METHOD_VARIANTS.index(variant) % len(slow)]
-    marks = [pytest.mark.slow] + ([] if method == as_users else [pytest.mark.fast_compiles])
+    marks = [pytest.mark.slow] + ([pytest.mark.users_compile] if method == as_users else [])
     return pytest.param(method, variant, marks=marks)
 
 

@@ -122,6 +122,7 @@ def test_tree_budget_reaches_the_program_and_each_row_records_its_options(profil
 
 
 @pytest.mark.slow
+@pytest.mark.users_compile
 def test_profile_step_writes_sane_counts(profile_step, tmp_path):
     """One command on the tiny config: per-pass wall time, CPU thunks from the trace, and HLO
     counts of the step, all non-zero and consistent."""
@@ -331,6 +332,7 @@ def programs(profile_step):
 
 
 @pytest.mark.slow
+@pytest.mark.users_compile
 @pytest.mark.parametrize("method", ["ar", "tree", "staged"])
 def test_compiled_steps_copy_no_cache(profile_step, programs, method):
     loop_text, step_text, shapes = programs[method]
@@ -342,7 +344,8 @@ def test_compiled_steps_copy_no_cache(profile_step, programs, method):
             method, where, report["cache_copies"], report["cache_writes"])
 
 
-@pytest.mark.parametrize("method,blocks", [pytest.param("spec", (0, 1), marks=pytest.mark.slow),
+@pytest.mark.parametrize("method,blocks", [pytest.param("spec", (0, 1), marks=[pytest.mark.slow,
+                                                                         pytest.mark.users_compile]),
                                            ("tree", (0, 1)), ("tree", (0,))])
 def test_feature_draft_steps_copy_no_cache_and_no_features(profile_step, method, blocks):
     """With a feature draft the loop also carries the target's features [S, d]: the step
