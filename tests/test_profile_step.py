@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import users_compiles
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -324,7 +326,8 @@ def programs(profile_step):
     out = {}
     for method in ("ar", "tree", "staged"):
         options = profile_step.method_options(method, model, 2, tables)
-        compiled = profile_step.compile_step_programs(model, prompt, options, NEW_TOKENS)
+        with users_compiles():  # a module fixture: set up before the test's own marker applies
+            compiled = profile_step.compile_step_programs(model, prompt, options, NEW_TOKENS)
         capacity = profile_step._capacity(compiled.loop)
         shapes = [(3, capacity, 3, 16)] + ([(2, capacity, 3, 16)] if "draft" in options else [])
         out[method] = (compiled.loop.as_text(), compiled.step.as_text(), shapes)
@@ -344,9 +347,9 @@ def test_compiled_steps_copy_no_cache(profile_step, programs, method):
             method, where, report["cache_copies"], report["cache_writes"])
 
 
-@pytest.mark.parametrize("method,blocks", [pytest.param("spec", (0, 1), marks=[pytest.mark.slow,
-                                                                         pytest.mark.users_compile]),
-                                           ("tree", (0, 1)), ("tree", (0,))])
+@pytest.mark.parametrize("method,blocks", [
+    pytest.param("spec", (0, 1), marks=[pytest.mark.slow, pytest.mark.users_compile]),
+    ("tree", (0, 1)), ("tree", (0,))])
 def test_feature_draft_steps_copy_no_cache_and_no_features(profile_step, method, blocks):
     """With a feature draft the loop also carries the target's features [S, d]: the step
     reads them at catch-up and writes the accepted path's rows in place; neither they nor
