@@ -504,17 +504,12 @@ def tables(pairs):
 
 
 # The newest variants' features are in their layers, which every method runs alike: `spec`
-# in the quick tier, their grid in the slow one (CI runs both).
+# in the quick tier, their whole grid in the slow one (CI runs both).
 QUICK_ONLY_SPEC = ("smollm3", "granite", "gpt-neox", "mixtral", "phi")
-# Their grid in the slow tier; parity covers the quick one.
+# Whole grid in the slow tier; parity covers the quick one.
 SLOW_ONLY = ("olmo2", "olmo3", "stablelm", "qwen3-moe", "olmoe", "gemma", "qwen2-moe",
              "starcoder2", "gpt-bigcode", "cohere", "cohere2")
 GRID_METHODS = ("spec", "tree", "ngram", "staged")
-# The slow tier's grid leaves `ngram` out: its step is `staged`'s stage-2 proposal verified
-# by the target's tree pass (specjax.methods.staged), both of which `staged` runs on every
-# variant, and `ngram` itself is checked on the quick tier's four variants (the 16 cases
-# took 254 s of the slow tier's test time on 2 cores, 2026-11-29).
-SLOW_GRID_METHODS = ("spec", "tree", "staged")
 
 
 def _method_case(method: str, variant: str):
@@ -525,22 +520,16 @@ def _method_case(method: str, variant: str):
     families): `ar` and the method alike in either case."""
     if not (variant in SLOW_ONLY or (variant in QUICK_ONLY_SPEC and method != "spec")):
         return (method, variant)
-    slow = [m for m in SLOW_GRID_METHODS if variant in SLOW_ONLY or m != "spec"]
+    slow = [m for m in GRID_METHODS if variant in SLOW_ONLY or m != "spec"]
     as_users = slow[METHOD_VARIANTS.index(variant) % len(slow)]
     marks = [pytest.mark.slow] + ([pytest.mark.users_compile] if method == as_users else [])
     return pytest.param(method, variant, marks=marks)
 
 
-def _in_grid(method: str, variant: str) -> bool:
-    quick = variant not in SLOW_ONLY and (variant not in QUICK_ONLY_SPEC or method == "spec")
-    return quick or method in SLOW_GRID_METHODS
-
-
 # Variant by variant, so that a worker runs a variant's methods one after another and
 # one_variants_programs keeps its `ar` programs for them.
 METHOD_CASES = [_method_case(method, variant)
-                for variant in METHOD_VARIANTS for method in GRID_METHODS
-                if _in_grid(method, variant)]
+                for variant in METHOD_VARIANTS for method in GRID_METHODS]
 
 
 _LAST_VARIANT = {"name": None}
