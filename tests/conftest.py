@@ -70,22 +70,6 @@ def pytest_configure(config):
     _optimise_compiles(as_users=False)
 
 
-# Modules holding the suite's longest tests or setups run first, each whole (its module
-# fixtures built once), the rest in file order: pytest-xdist's workers share out what is
-# left as they go, so a long test run last leaves the other core idle to its end (measured
-# on 2 cores, 2026-11-29: the sharding subprocess's setup 350 s in the slow tier, 58-66 s in
-# the quick one; the soak 291 s; the GPU check's rehearsal 223 s; the real-model batches,
-# Ctrl-C and exactness tests 60-240 s each; two multi-host processes 30-40 s).
-RUN_FIRST = ("test_sharding.py", "test_reliability.py", "test_gpu_check.py", "test_batch.py",
-             "test_multihost.py", "test_interrupt.py", "test_smollm2_speculative.py",
-             "test_notebook.py", "test_train_draft.py", "test_profile_step.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    first = {name: rank for rank, name in enumerate(RUN_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(RUN_FIRST)))  # stable
-
-
 TINY_VOCAB = 97
 
 
@@ -213,8 +197,8 @@ def _release_compiled_programs():
 # Programs compile as users compile them in tests on the real model (SmolLM2: greedy and
 # coupled exactness of every method, parity with transformers; not the batched `staged`
 # rows or the sharding subprocess, whose subjects are other) and in tests marked
-# users_compile (a method per model family in test_families' grid, the compiled-step
-# structure in test_profile_step).
+# users_compile (a method on each of six families in test_families' grid, the
+# compiled-step structure in test_profile_step).
 _FAST_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
