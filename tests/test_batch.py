@@ -212,10 +212,14 @@ def test_staged_rejection_samples_the_target_distribution_with_many_rows(spec_ta
 
 # ----------------------------------------------------------------------------- real model
 
+# 18, 27 and 25 tokens: rows of different lengths in one 32-token prompt bucket, so that
+# each row's batch-1 runs share one program (a 15-token prompt had a 16-token bucket: one
+# more real-model program per method to compile).
 HUMANEVAL = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
              "from typing import List\n\n\ndef has_close_elements(numbers: List[float], "
              "threshold: float) -> bool:\n",
-             "def is_palindrome(text: str) -> bool:\n"]
+             "def is_palindrome(text: str) -> bool:\n"
+             "    \"\"\"Whether the text reads the same backwards.\"\"\"\n"]
 
 
 @pytest.mark.slow
