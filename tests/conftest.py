@@ -195,8 +195,8 @@ def _release_compiled_programs():
 # tree programs as users do, 1.5-3.5 minutes a test; with these options 0.8-1.7 (2026-11-29).
 # Every other program compiles with XLA's optimisations off too (_optimise_compiles).
 # Programs compile as users compile them in tests on the real model (SmolLM2: greedy and
-# coupled exactness of every method, parity with transformers; not the batched `staged`
-# rows or the sharding subprocess, whose subjects are other) and in tests marked
+# coupled exactness of every method, parity with transformers; not the sharding
+# subprocess, whose subject is the partitioning) and in tests marked
 # users_compile (a method on each of six families in test_families' grid, the
 # compiled-step structure in test_profile_step).
 _FAST_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
