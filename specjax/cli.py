@@ -552,9 +552,10 @@ def _print_stream(model, stream, show_origin: bool, watch, stop: tuple[str, ...]
         stats = _print_tokens(model, stream, show_origin, watch, tokens, stop)
     except BaseException:
         if tokens:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            watch.line_open = False
+            with watch.output:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                watch.line_open = False
         raise
     print(_summary(stats), file=sys.stderr)
     if show_origin:
@@ -597,30 +598,33 @@ def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int],
             continue
         if show_origin:
             # Token by token, so each piece carries its origin's colour.
-            for token, origin in zip(new, names):
-                tokens.append(token)
-                text = visible(False)
-                if text.startswith(printed) and len(text) > len(printed):
-                    piece, printed = text[len(printed):], text
-                    watch.line_open = True  # before the write: a Ctrl-C may come between
-                    sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
-                                     if colour and ORIGIN_COLOURS[origin] else piece)
-            sys.stdout.flush()
-            watch.line_open = bool(printed)
+            with watch.output:
+                for token, origin in zip(new, names):
+                    tokens.append(token)
+                    text = visible(False)
+                    if text.startswith(printed) and len(text) > len(printed):
+                        piece, printed = text[len(printed):], text
+                        watch.line_open = True  # before the write: a Ctrl-C may come between
+                        sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{_RESET}"
+                                         if colour and ORIGIN_COLOURS[origin] else piece)
+                sys.stdout.flush()
+                watch.line_open = bool(printed)
             continue
         tokens += new
         text = visible(False)
         if text.startswith(printed) and len(text) > len(printed):
-            # Open before the write: a Ctrl-C between the two then still ends the line.
-            watch.line_open = True
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
+            with watch.output:  # the exit's newline comes after this write, not inside it
+                # Open before the write: a Ctrl-C between the two then still ends the line.
+                watch.line_open = True
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
             printed = text
     text = visible(True)
-    sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    watch.line_open = False
+    with watch.output:
+        sys.stdout.write(text[len(printed):] if text.startswith(printed) else "")
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        watch.line_open = False
     return stats
 
 

@@ -278,6 +278,10 @@ class Watch:
         self._lock = threading.Lock()
         self._finished = False
         self.line_open = False  # stdout holds a line not yet ended (streamed text)
+        # Held around each write of streamed text and its flush: the exit's newline then
+        # follows what a write in progress puts on stdout, never lands inside it (the exit
+        # may run on the watching thread while the main thread flushes).
+        self.output = threading.RLock()
 
     def finished(self) -> None:
         """The command's outcome is decided (everything is printed): Ctrl-C from now on
@@ -289,6 +293,10 @@ class Watch:
             return
         if not self._lock.acquire(blocking=False):
             return  # the other path (thread or handler) is ending the process already
+        # A write of streamed text in progress ends first (at most a second: a stdout
+        # nobody reads must not keep the process alive; re-entrant for the handler, which
+        # runs on the main thread).
+        self.output.acquire(timeout=1.0)
         # Bytes straight to the file descriptors, then os._exit: no Python clean-up, no
         # interpreter shutdown racing XLA's own threads (what crashed or aborted).
         if self.line_open:

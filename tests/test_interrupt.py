@@ -471,6 +471,33 @@ print("compiled", flush=True)
 """
 
 
+# The exit begins on the watching thread while the main thread is writing streamed text.
+EXIT_DURING_A_WRITE = """
+import sys, threading, time
+from specjax import interrupts
+
+with interrupts.exit_on_interrupt("specjax: interrupted") as watch:
+    with watch.output:  # as the command writes a piece of streamed text
+        watch.line_open = True
+        threading.Thread(target=watch._exit).start()
+        time.sleep(0.5)  # the exit has begun: it waits for this write to end
+        sys.stdout.write("streamed text")
+        sys.stdout.flush()
+    time.sleep(30)
+"""
+
+
+def test_the_exit_ends_the_line_after_a_write_in_progress():
+    """Found by the slow tier under load (2026-11-29): the newline a Ctrl-C adds after
+    streamed text was written by the watching thread while the main thread's write of the
+    next piece was being flushed, so that the piece came after it ('m\\n>'). The exit now
+    waits for a write in progress; without that the text below is lost ('\\n')."""
+    done = subprocess.run([sys.executable, "-c", EXIT_DURING_A_WRITE], capture_output=True,
+                          text=True, env=ENV, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "streamed text\n",
+                                                            INTERRUPTED)
+
+
 def test_ctrl_c_during_a_long_compile_exits_at_once(tmp_path):
     """A press during one long XLA call ends the process within a second, with the one
     line: no KeyboardInterrupt unwinding through jax while its compile threads run."""
