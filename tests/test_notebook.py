@@ -37,10 +37,24 @@ def _check_outputs(notebook, workdir: Path) -> set[str]:
             for kind in output.get("data", {})}
 
 
+def _shared_programs() -> dict[str, str]:
+    """The two runs of the notebook compile the same programs of the real model (~60 s as
+    users compile them): they keep them in one folder of the test run's compilation cache
+    (tests/conftest.py), the program's own cache (``SPECJAX_COMPILATION_CACHE``), so that
+    whichever runs second loads them. Its own folder: the program's cache drops its least
+    recently used entries past 2 GiB, and the run's folder holds every test's programs."""
+    run_cache = os.environ.get("SPECJAX_TEST_XLA_CACHE", "off")
+    if run_cache.lower() == "off":
+        return {}
+    return {"SPECJAX_COMPILATION_CACHE": os.path.join(run_cache, "quickstart-notebook")}
+
+
 @pytest.mark.slow
 def test_quickstart_notebook_executes_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    for name, value in _shared_programs().items():
+        monkeypatch.setenv(name, value)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     # A cell that raises fails the test with the cell's traceback (CellExecutionError).
     NotebookClient(notebook, timeout=900, kernel_name="python3",
@@ -75,7 +89,8 @@ def test_quickstart_notebook_runs_without_matplotlib(library_venv, tmp_path):
     workdir.mkdir()
     result = subprocess.run(
         [str(library_venv), "-c", RUNNER, str(NOTEBOOK), str(executed), str(workdir)],
-        env=venv_environment() | {"SPECJAX_NOTEBOOK_SMALL": "1"}, capture_output=True,
+        env=venv_environment() | {"SPECJAX_NOTEBOOK_SMALL": "1"} | _shared_programs(),
+        capture_output=True,
         text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
     notebook = nbformat.read(executed, as_version=4)
