@@ -190,9 +190,10 @@ def _release_compiled_programs():
 # with the CPU's older fusion emitters (LLVM IR emitted per fusion directly, not through the
 # MLIR fusion emitters): measured on a `staged` and a `tree` program, backend compile
 # 8.0-8.7 s at level 0 alone, 4.6 s with both, 20 s as users compile (2026-11-25). The HLO
-# passes are the same; `ar` and every method compile alike, so exactness is checked like
-# for like. In both tiers: the slow one had spent most of its time compiling tiny batch and
-# tree programs as users do, 1.5-3.5 minutes a test; with these options 0.8-1.7 (2026-11-29).
+# passes are those users get but two (below); `ar` and every method compile alike, so
+# exactness is checked like for like. In both tiers: the slow one had spent most of its
+# time compiling tiny batch and tree programs as users do, 1.5-3.5 minutes a test; with
+# these options 0.8-1.7 (2026-11-29).
 # Every other program compiles with XLA's optimisations off too (_optimise_compiles).
 # Programs compile as users compile them in tests on the real model (SmolLM2: greedy and
 # coupled exactness of every method, parity with transformers; not the sharding

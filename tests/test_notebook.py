@@ -38,11 +38,12 @@ def _check_outputs(notebook, workdir: Path) -> set[str]:
 
 
 def _shared_programs() -> dict[str, str]:
-    """The two runs of the notebook compile the same programs of the real model (~60 s as
-    users compile them): they keep them in one folder of the test run's compilation cache
-    (tests/conftest.py), the program's own cache (``SPECJAX_COMPILATION_CACHE``), so that
-    whichever runs second loads them. Its own folder: the program's cache drops its least
-    recently used entries past 2 GiB, and the run's folder holds every test's programs."""
+    """The two runs of the notebook compile the same programs of the real model: they keep
+    them in one folder of the test run's compilation cache (tests/conftest.py), the
+    program's own cache (``SPECJAX_COMPILATION_CACHE``), so that whichever runs second loads
+    them (38 s for the first run alone here, 28 s for the second, 2026-11-29). Its own
+    folder: the program's cache drops its least recently used entries past 2 GiB, and the
+    run's folder holds every test's programs."""
     run_cache = os.environ.get("SPECJAX_TEST_XLA_CACHE", "off")
     if run_cache.lower() == "off":
         return {}
