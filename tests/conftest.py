@@ -54,14 +54,14 @@ gc.set_threshold(7_000, 10, 10)
 # cache is keyed on the program and its compile options, so a hit is the same executable.
 # SPECJAX_TEST_XLA_CACHE names a folder to keep between runs, or "off"; JAX's own setting
 # (JAX_COMPILATION_CACHE_DIR) wins.
-_TEST_CACHE_ENV = "SPECJAX_TEST_XLA_CACHE"
+TEST_CACHE_ENV = "SPECJAX_TEST_XLA_CACHE"
 
 
 def pytest_configure(config):
-    directory = os.environ.get(_TEST_CACHE_ENV)
+    directory = os.environ.get(TEST_CACHE_ENV)
     if directory is None and not hasattr(config, "workerinput"):  # the controller
         directory = tempfile.mkdtemp(prefix="specjax-tests-xla-")
-        os.environ[_TEST_CACHE_ENV] = directory  # the workers inherit it
+        os.environ[TEST_CACHE_ENV] = directory  # the workers inherit it
         config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
     if (directory and directory.lower() != "off"
             and not jax.config.jax_compilation_cache_dir):

@@ -8,6 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from conftest import TEST_CACHE_ENV
 from test_packaging import library_venv, venv_environment  # noqa: F401 (a fixture)
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "benchmarks" / "notebooks" / "quickstart.ipynb"
@@ -44,7 +45,7 @@ def _shared_programs() -> dict[str, str]:
     them (38 s for the first run alone here, 28 s for the second, 2026-11-29). Its own
     folder: the program's cache drops its least recently used entries past 2 GiB, and the
     run's folder holds every test's programs."""
-    run_cache = os.environ.get("SPECJAX_TEST_XLA_CACHE", "off")
+    run_cache = os.environ.get(TEST_CACHE_ENV, "off")
     if run_cache.lower() == "off":
         return {}
     return {"SPECJAX_COMPILATION_CACHE": os.path.join(run_cache, "quickstart-notebook")}
