@@ -119,7 +119,7 @@ def test_default_method_is_spec_and_exact(capsys, served):
     assert int(match[3]) < len(expected.tokens)  # some step accepted a drafted token
 
 
-@pytest.mark.slow  # 26 s on the real model (two generations); greedy's default is quick
+@pytest.mark.slow  # 33 s alone on the real model, cold (two generations); greedy's default is quick
 def test_default_method_at_t_above_0_on_the_cpu_is_spec_and_says_why(capsys, served):
     """Sampling on the CPU spec beat ar in the measured table: the default is spec, the
     stats say it was chosen and why, and its coupled output is ar's; a named method (ar,

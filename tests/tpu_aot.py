@@ -195,10 +195,11 @@ def kernel_estimate(job: dict) -> dict:
 # sets most of a TPU compile's time: fewer heads of the published size and grouping (so a
 # narrower model), MLPs (and experts) at most 1,024 wide, vocabularies of 32,000 (Phi-3's
 # own 32,064, not a multiple of 128, stays). The kernels' VMEM at the published head
-# counts is what test_tpu_compile's kernel shapes check. CPU seconds of an `ar` compile for
-# the TPU, 2026-11-29: Mixtral's for v5e 162 at its 14,336-wide experts, 68 at an eighth;
-# Gemma 2's for v6e 27.9 at its published 256,000 x 2,304, 16.7 at 32,000 x 1,024; Phi-3's
-# for v6e 18.4 with its 32 heads, 9.3 with 8; GPT-NeoX's 25.2 with 16, 16.3 with 8.
+# counts is what test_tpu_compile's kernel shapes check. An `ar` program's compile for the
+# TPU on the 2-core CPU, 2026-11-29: Mixtral's for v5e 162 s of CPU at its 14,336-wide
+# experts, 68 s at an eighth; Gemma 2's for v6e 27.9 s at its published 256,000 x 2,304,
+# 16.7 s at 32,000 x 1,024; alone, wall (CPU) seconds: Phi-3's for v6e 18.4 (32.8) with its
+# 32 heads, 9.3 (15.2) with 8; GPT-NeoX's for v6e 25.2 (43.3) with 16, 16.3 (25.9) with 8.
 FAMILY_HF_CONFIGS = {
     # Qwen3-0.6B's heads (of 16 / 8: here 8 / 4, of 128) and q/k norms, 4 layers.
     "qwen3": dict(model_type="qwen3", vocab_size=32000, hidden_size=1024,
