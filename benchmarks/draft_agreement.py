@@ -43,7 +43,7 @@ def _logits(model, tokens):
     """float32 logits [T, V] of one teacher-forced pass over ``tokens``."""
     import jax.numpy as jnp
 
-    from specjax.decode import bucket
+    from specjax.state import bucket
 
     length = bucket(len(tokens), minimum=128)
     padded = np.zeros(length, np.int32)

@@ -48,6 +48,7 @@ import specjax
 from specjax import api, decode, methods, models
 from specjax.benchmark.environment import machine, write_json
 from specjax.config import ModelConfig
+from specjax.state import bucket
 from specjax.training.ngram_build import build_ngram
 
 VOCAB = 97
@@ -297,8 +298,8 @@ class Soak:
         """Every (method and rule, prompt bucket) at temperature 0 and above, and the
         limit calls: every program the soak needs."""
         for method, verify in self.combos:
-            for bucket in self.buckets:
-                length = self.rng.randint(bucket // 2 + 1, bucket)
+            for size in self.buckets:
+                length = self.rng.randint(size // 2 + 1, size)
                 prompt = tuple(self.rng.randrange(VOCAB) for _ in range(length))
                 for temperature in ((0.0,) if verify == "greedy" else (0.0, 1.0)):
                     self.check(Call(method, verify, prompt, 8, temperature, seed=1))
@@ -333,7 +334,7 @@ def expected_programs(fixture: Fixture, combos, buckets, limits=LIMITS) -> int:
     bucket) at capacity 128, plus one per method for the position limit when it needs a
     larger cache."""
     limit = fixture.target.config.max_position_embeddings
-    extra = sum(decode.bucket(limit + scratch(fixture, method), 128) != CAPACITY
+    extra = sum(bucket(limit + scratch(fixture, method), 128) != CAPACITY
                 for method in METHOD_NAMES) if "position" in limits else 0
     return len(combos) * len(buckets) + extra
 
@@ -401,7 +402,7 @@ def padded_past_table(runner: Soak) -> Call:
     padding rows sit there."""
     limit = runner.fixture.target.config.max_position_embeddings
     length = limit - 10
-    if decode.bucket(length) <= limit:
+    if bucket(length) <= limit:
         raise ValueError(f"a {length}-token prompt's bucket fits {limit} positions")
     return Call("ar", None, tuple(runner.rng.randrange(VOCAB) for _ in range(length)), 10)
 

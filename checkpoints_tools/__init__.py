@@ -1,4 +1,3 @@
 """Checkpoint tools (installed as ``specjax.checkpoints_tools``): loading HF directories,
 hub ids and GGUF files, converting them to orbax, and the shipped assets. Draft training
-and n-gram building live in :mod:`specjax.training`; the modules of theirs still here are
-deprecated aliases of it."""
+and n-gram building live in :mod:`specjax.training`."""

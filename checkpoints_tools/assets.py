@@ -6,9 +6,9 @@ target's embedding as two files:
 - ``draft.json``: ``num_layers``, ``embed_fingerprint`` (16 hex digits), ``head_tokens``
   (``null`` or the number of head-subset ids), ``base_config`` (the target's
   ``hidden_size`` and ``vocab_size``), optional ``feature_input`` (``true`` for a feature
-  draft, :mod:`~specjax.checkpoints_tools.feature_draft`: its tensors include ``fc``),
+  draft, :mod:`~specjax.training.feature_draft`: its tensors include ``fc``),
   optional ``feature_layers`` (the target blocks a multi-layer feature draft reads,
-  :mod:`~specjax.checkpoints_tools.eagle3`: its tensors include ``feature_fc``), optional
+  :mod:`~specjax.training.eagle3`: its tensors include ``feature_fc``), optional
   ``draft_vocab_size`` (a head of its own over that many ids: tensors ``draft_head`` and
   the int32 map ``draft_vocab``), and free-form provenance;
 - ``draft.safetensors``: the draft's own parameters, float16, named by their path in the

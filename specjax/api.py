@@ -39,7 +39,8 @@ from specjax.methods.exactness import run_exactness
 from specjax.model import Model, check_draft_compatible, resolve_dtype
 from specjax.origins import ORIGIN_NAMES, origin_name
 from specjax.sampling import make_sampling_params, static_rules
-from specjax.state import (MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, Method, StopCondition,
+from specjax.state import (MAX_BATCH_SIZE, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, Method,
+                           StopCondition, batch_bucket, batch_sampling, plan_capacity,
                            stop_condition, without_buffers)
 from specjax.stop_strings import stop_sequences
 
@@ -212,19 +213,14 @@ class _Settings:
 def kernel_options(model: Model, kernels: KernelOptions | None = None) -> KernelOptions:
     """The :class:`KernelOptions` a request on ``model`` runs with: ``kernels`` with its
     ``auto`` values made concrete for the model's backend, or that backend's
-    :meth:`KernelOptions.default`; the options of an enclosing (deprecated)
-    ``specjax.decode.compiler_options()`` block added under its compiler options."""
+    :meth:`KernelOptions.default`."""
     backend = model_backend(model)
     if kernels is None:
         kernels = KernelOptions.default(backend)
     elif not isinstance(kernels, KernelOptions):
         raise InvalidArgumentError(f"kernels must be a specjax.KernelOptions, got "
                                    f"{type(kernels).__name__}")
-    kernels = kernels.resolved(backend)
-    legacy = decode.context_compiler_options()
-    if legacy:
-        kernels = kernels.replace(compiler_options={**legacy, **dict(kernels.compiler_options)})
-    return kernels
+    return kernels.resolved(backend)
 
 
 def _check_kernels(model: Model, kernels: KernelOptions) -> None:
@@ -296,10 +292,10 @@ def _load_resources(model: Model, settings: _Settings, draft, ngram) -> None:
 
 def _plan(model: Model, settings: _Settings, prompt_length: int) -> tuple[int, int]:
     """(prompt_bucket, capacity) for the longest prompt, checked against both models."""
-    plan = decode.plan_capacity(prompt_length, settings.max_new_tokens,
+    plan = plan_capacity(prompt_length, settings.max_new_tokens,
                                 settings.method.scratch, model.config)
     if settings.draft_model is not None:
-        decode.plan_capacity(prompt_length, settings.max_new_tokens, settings.method.scratch,
+        plan_capacity(prompt_length, settings.max_new_tokens, settings.method.scratch,
                              settings.draft_model.config)
     return plan
 
@@ -381,7 +377,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
                    options, stop_strings: Sequence[str] = ()) -> list[_Batch]:
     if len(prompts) == 0:
         raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
-    limit = decode.MAX_BATCH_SIZE
+    limit = MAX_BATCH_SIZE
     batch_size = batch.size
     if batch_size is None:
         if len(prompts) > limit:
@@ -407,7 +403,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         lengths = [len(encoded[row]) for row in rows]
         prompt_bucket, capacity = _plan(model, settings, max(lengths))
         loop = _loop(model, settings, max(lengths), capacity, prompt_bucket, kernels)
-        size = decode.batch_bucket(len(rows))
+        size = batch_bucket(len(rows))
         # Padding rows: one token, one new token: done at prefill, then held.
         padded = np.zeros((size, prompt_bucket), np.int32)
         prompt_lengths = np.ones(size, np.int32)
@@ -421,7 +417,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         stop = jax.tree.map(lambda x, size=size: jnp.broadcast_to(x, (size, *x.shape)),
                             settings.stop)
         args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
-                jnp.asarray(budgets), decode.batch_sampling(settings.sampling, row_seeds),
+                jnp.asarray(budgets), batch_sampling(settings.sampling, row_seeds),
                 stop, settings.resources)
         batches.append(_Batch(loop, args, rows, lengths, settings.options,
                               batch.compact_rows, settings.choice))
@@ -619,14 +615,6 @@ def decode_text(model: Model, tokens: list[int]) -> str:
     return model.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-# Keywords of generate that an options object or another keyword replaced: accepted (with
-# a DeprecationWarning naming the replacement) for one release.
-_DEPRECATED = {"stop_tokens": "stop=[token ids]",
-               "attn_impl": "kernels=specjax.KernelOptions(attention=...)",
-               "batch_size": "batch=specjax.BatchOptions(size=...)",
-               "compact_rows": "batch=specjax.BatchOptions(compact_rows=...)"}
-
-
 @dataclasses.dataclass
 class _Arguments:
     """:func:`generate`'s keywords as the request functions take them."""
@@ -639,32 +627,13 @@ class _Arguments:
 
 def _arguments(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
                stop, chat, kernels, batch, progress, options: dict) -> _Arguments:
-    """Maps the deprecated keywords in ``options`` (each with a warning) and takes the
-    resources (``draft``, ``ngram``) out of them."""
+    """Checks the keywords and takes the resources (``draft``, ``ngram``) out of
+    ``options``."""
     if not isinstance(model, Model):
         raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
                                    f"{type(model).__name__}")
     options = dict(options)
-    old = {name: options.pop(name) for name in _DEPRECATED if name in options}
-    for name in old:
-        warnings.warn(f"generate({name}=...) is deprecated: use {_DEPRECATED[name]}",
-                      DeprecationWarning, stacklevel=3)
     strings, stop_tokens = split_stop(stop)
-    if "stop_tokens" in old:
-        if stop_tokens is not None:
-            raise InvalidArgumentError("stop_tokens and token ids in stop: give them in stop")
-        stop_tokens = old["stop_tokens"]
-    if "attn_impl" in old:
-        if kernels is not None:
-            raise InvalidArgumentError("attn_impl and kernels: give kernels only")
-        kernels = KernelOptions.default(model_backend(model)).replace(
-            attention=old["attn_impl"])
-    given = sorted({"batch_size", "compact_rows"} & set(old))
-    if given:
-        if batch is not None:
-            raise InvalidArgumentError(f"{' and '.join(given)} and batch: give batch only")
-        batch = BatchOptions(size=old.get("batch_size"),
-                             compact_rows=old.get("compact_rows", True))
     if batch is not None and not isinstance(batch, BatchOptions):
         raise InvalidArgumentError(f"batch must be a specjax.BatchOptions, got "
                                    f"{type(batch).__name__}")
@@ -754,8 +723,6 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         tokenizer; default: the draft shipped for the model) and ``ngram``
         (``staged``/``ngram``: a ``specjax build-ngram`` file or
         :class:`~specjax.drafters.ngram.NgramTables`; default: the shipped tables).
-        Deprecated, for one release: ``stop_tokens`` (``stop``), ``attn_impl``
-        (``kernels``), ``batch_size`` and ``compact_rows`` (``batch``).
     Returns:
       :class:`GenerationResult` with ``text``, ``tokens``, ``stats`` and, for the
       speculative methods, ``origins``; for a batch a list of them, whose ``stats`` also

@@ -17,19 +17,11 @@ attention implementation); they change what runs and how fast.
 ``specjax bench`` build it from the same flags (:func:`add_kernel_arguments`,
 :meth:`KernelOptions.from_args`). :class:`BatchOptions` holds how a list of prompts is cut
 into compiled batches (``batch=``).
-
-The ``SPECJAX_SAMPLING_RULES``, ``SPECJAX_KERNEL_INTERPRET`` and ``SPECJAX_GPU_KERNELS``
-environment variables are deprecated: :meth:`KernelOptions.default` still reads them (and
-nothing else does), with a :class:`DeprecationWarning` naming the field that replaces each.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import os
-import warnings
 from typing import Any, Mapping
 
 from specjax.errors import InvalidArgumentError
@@ -42,11 +34,6 @@ SAMPLING_RULES = ("auto", "static", "traced")
 PLATFORMS = ("cpu", "gpu", "tpu")
 # specjax.state.MAX_BATCH_SIZE (the state sits above this module; a test keeps them equal).
 MAX_BATCH_SIZE = 64
-
-# Deprecated environment variables -> the field each set (read by KernelOptions.default).
-DEPRECATED_ENV = {"SPECJAX_SAMPLING_RULES": "sampling_rules",
-                  "SPECJAX_KERNEL_INTERPRET": "interpret_variant",
-                  "SPECJAX_GPU_KERNELS": "gpu_linear"}
 
 _HELP = {
     "attention": "attention implementation: auto (the Pallas kernel on GPU/TPU where it "
@@ -93,17 +80,13 @@ class KernelOptions:
     """How generation programs are built: kernels, sampling rules, compiler options.
 
     Attributes:
-      attention: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (what
-        ``attn_impl`` was).
-      gpu_linear: ``"triton"`` or ``"mosaic"``: the GPU linear kernel's backend (what
-        ``SPECJAX_GPU_KERNELS`` was).
-      interpret_variant: ``"gpu"`` or ``"tpu"``: the kernels interpreted off GPU/TPU (what
-        ``SPECJAX_KERNEL_INTERPRET`` was).
-      sampling_rules: ``"auto"``, ``"static"`` or ``"traced"`` (what
-        ``SPECJAX_SAMPLING_RULES`` was; ``auto`` is static on a GPU only, see
-        :func:`specjax.sampling.static_rules`).
+      attention: ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"``.
+      gpu_linear: ``"triton"`` or ``"mosaic"``: the GPU linear kernel's backend.
+      interpret_variant: ``"gpu"`` or ``"tpu"``: the kernels interpreted off GPU/TPU.
+      sampling_rules: ``"auto"``, ``"static"`` or ``"traced"`` (``auto`` is static on a
+        GPU only, see :func:`specjax.sampling.static_rules`).
       compiler_options: XLA compiler options, given as a mapping, kept as a sorted tuple
-        of (name, value) pairs (what ``specjax.decode.compiler_options()`` set).
+        of (name, value) pairs.
     """
 
     attention: str = "auto"
@@ -123,10 +106,9 @@ class KernelOptions:
     def default(cls, platform: str) -> "KernelOptions":
         """The default for ``platform`` (``cpu``, ``gpu`` or ``tpu``), the one place the
         defaults are chosen: ``auto`` sampling rules made concrete (static on a GPU),
-        everything else as the field defaults. A deprecated ``SPECJAX_*`` variable that is
-        set overrides its field, with a :class:`DeprecationWarning`."""
+        everything else as the field defaults."""
         _choice("platform", platform, PLATFORMS)
-        return cls(**_environment_overrides()).resolved(platform)
+        return cls().resolved(platform)
 
     def resolved(self, platform: str) -> "KernelOptions":
         """These options with ``sampling_rules="auto"`` made concrete for ``platform``."""
@@ -157,18 +139,10 @@ class KernelOptions:
         """The options of the flags :func:`add_kernel_arguments` added, over
         :meth:`default` for ``platform`` (``None``: over the field defaults; the API
         resolves them for the model's backend)."""
-        base = cls(**_environment_overrides()) if platform is None else cls.default(platform)
+        base = cls() if platform is None else cls.default(platform)
         changes = {name: getattr(args, name) for name in
                    ("attention", "gpu_linear", "interpret_variant", "sampling_rules")
                    if getattr(args, name, None) is not None}
-        legacy = getattr(args, "attn_impl", None)
-        if legacy is not None:
-            if changes.get("attention", legacy) != legacy:
-                raise InvalidArgumentError("--attn-impl and --attention disagree: give "
-                                           "--attention only")
-            warnings.warn("--attn-impl is deprecated: use --attention", DeprecationWarning,
-                          stacklevel=2)
-            changes["attention"] = legacy
         pairs = getattr(args, "compiler_option", None) or []
         if pairs:
             changes["compiler_options"] = dict(parse_compiler_option(p) for p in pairs)
@@ -195,8 +169,8 @@ def parse_compiler_option(text: str) -> tuple[str, Any]:
 def add_kernel_arguments(parser) -> None:
     """The flags of :class:`KernelOptions` (``specjax generate`` and ``specjax bench``
     both): ``--attention``, ``--gpu-linear``, ``--interpret-variant``,
-    ``--sampling-rules``, ``--compiler-option`` (repeatable), and the deprecated
-    ``--attn-impl``. Unset flags are ``None``: the backend's default."""
+    ``--sampling-rules`` and ``--compiler-option`` (repeatable). Unset flags are ``None``:
+    the backend's default."""
     group = parser.add_argument_group("kernels (KernelOptions; default: the backend's)")
     group.add_argument("--attention", default=None, choices=ATTENTION_IMPLEMENTATIONS,
                        help=_HELP["attention"] + " (default: auto)")
@@ -208,62 +182,6 @@ def add_kernel_arguments(parser) -> None:
                        help=_HELP["sampling_rules"] + " (default: auto)")
     group.add_argument("--compiler-option", action="append", default=None,
                        metavar="NAME=VALUE", help=_HELP["compiler_options"])
-    group.add_argument("--attn-impl", default=None, choices=ATTENTION_IMPLEMENTATIONS,
-                       help="deprecated: --attention")
-
-
-def _environment_overrides() -> dict[str, str]:
-    """The fields the deprecated ``SPECJAX_*`` variables set, each with a warning."""
-    overrides = {}
-    for name, field in DEPRECATED_ENV.items():
-        value = os.environ.get(name, "").strip().lower()
-        if value:
-            warnings.warn(f"{name} is deprecated: use KernelOptions({field}={value!r}) "
-                          f"(generate(kernels=...)) or the --{field.replace('_', '-')} flag",
-                          DeprecationWarning, stacklevel=3)
-            overrides[field] = value
-    return overrides
-
-
-# The deprecated compiler_options() block's options (sorted (name, value) pairs).
-_COMPILER_OPTIONS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
-    "specjax_compiler_options", default=())
-
-
-@contextlib.contextmanager
-def compiler_options(**options):
-    """Deprecated (``specjax.decode.compiler_options``): ``KernelOptions(compiler_options=
-    {...})`` (``generate(kernels=...)``).
-
-    Generation programs compiled inside this block get these XLA compiler options under
-    those of their :class:`KernelOptions` (:func:`specjax.generate` records them there, in
-    ``stats["kernels"]``). A block inside another adds to its
-    options, and an option given as ``None`` is removed. The options are a context
-    variable: a new thread starts without them.
-    """
-    warnings.warn("specjax.decode.compiler_options() is deprecated: use "
-                  "KernelOptions(compiler_options={...}) (generate(kernels=...))",
-                  DeprecationWarning, stacklevel=3)
-    with context_options(**options):
-        yield
-
-
-@contextlib.contextmanager
-def context_options(**options):
-    """:func:`compiler_options` without its warning: the test suite's fast compiles
-    (``tests/conftest.py``) until the deprecated block goes."""
-    merged = {**dict(_COMPILER_OPTIONS.get()), **options}
-    token = _COMPILER_OPTIONS.set(tuple(sorted((name, value) for name, value in merged.items()
-                                               if value is not None)))
-    try:
-        yield
-    finally:
-        _COMPILER_OPTIONS.reset(token)
-
-
-def context_compiler_options() -> dict:
-    """The options of the enclosing (deprecated) :func:`compiler_options` blocks."""
-    return dict(_COMPILER_OPTIONS.get())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,20 +19,20 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from specjax import api, decode, interrupts, loading, progress
+from specjax import api, interrupts, loading, progress
 from specjax.backend_options import KernelOptions, add_kernel_arguments
 from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import sources
 from specjax.checkpoints_tools.convert import convert
 from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
-# The program's persistent cache; COMPILATION_CACHE_ENV is re-exported for the tests.
-from specjax.compilation_cache import COMPILATION_CACHE_ENV, use_compilation_cache  # noqa: F401
+from specjax.compilation_cache import use_compilation_cache
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
 from specjax.methods import METHODS, MethodOptions, choice
 from specjax.methods.flags import add_method_arguments, flag_of, method_from_args
 from specjax.methods.options import all_option_fields, backend_of
 from specjax.sampling import make_sampling_params
+from specjax.state import MAX_BATCH_SIZE
 from specjax.training import ngram_build, train_draft
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -69,7 +69,7 @@ def _add_generate(sub) -> None:
                         "\"seed\" (default: --seed), or just a JSON string")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help=f"with --prompts-file: prompts decoded together per compiled program, "
-                        f"1 to {decode.MAX_BATCH_SIZE} (default: {DEFAULT_BATCH_SIZE})")
+                        f"1 to {MAX_BATCH_SIZE} (default: {DEFAULT_BATCH_SIZE})")
     p.add_argument("--output", default=None, metavar="PATH",
                    help="with --prompts-file: write the JSONL results here (default: stdout)")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL,
@@ -221,8 +221,8 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
         if args.prompt is not None:
             raise InvalidArgumentError("give a prompt or --prompts-file, not both")
         size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
-        if not 1 <= size <= decode.MAX_BATCH_SIZE:
-            raise InvalidArgumentError(f"--batch-size must be in [1, {decode.MAX_BATCH_SIZE}], "
+        if not 1 <= size <= MAX_BATCH_SIZE:
+            raise InvalidArgumentError(f"--batch-size must be in [1, {MAX_BATCH_SIZE}], "
                                        f"got {size}")
         if args.output is not None:
             check_output_path(args.output)
@@ -670,9 +670,6 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-# The deprecation warnings of specjax's own deprecated flags, variables and keywords.
-_DEPRECATED_MESSAGES = r"(--attn-impl|SPECJAX_\w+|generate\(\w+=\.\.\.\)) is deprecated"
-
 _CACHE_ERRORS = ("Error reading persistent compilation cache entry",
                  "Error writing persistent compilation cache entry")
 
@@ -686,7 +683,7 @@ def run_command(args) -> int:
     def show_one_line(message, category, filename, lineno, file=None, line=None):
         nonlocal cache_reported
         file = sys.stderr if file is None else file
-        if issubclass(category, (PerformanceWarning, DeprecationWarning)):
+        if issubclass(category, PerformanceWarning):
             print(f"specjax: warning: {message}", file=file)
         elif str(message).startswith(_CACHE_ERRORS):
             # JAX warns per entry, on every run, and never rewrites an unreadable entry.
@@ -701,9 +698,6 @@ def run_command(args) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = show_one_line
-            # specjax's deprecated flags and variables: shown once each, not ignored.
-            warnings.filterwarnings("default", message=_DEPRECATED_MESSAGES,
-                                    category=DeprecationWarning)
             return args.func(args)
     except SpecjaxError as err:
         print(f"specjax: error: {err}", file=sys.stderr)

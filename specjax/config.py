@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any, Mapping
 
 from specjax.errors import InvalidArgumentError
@@ -413,18 +412,6 @@ class ModelConfig:
         """Each layer's sliding window (0: global), from the ``layer_windows`` pattern."""
         pattern = self.layer_windows or (0,)
         return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
-
-    @property
-    def num_params(self) -> int:
-        """Deprecated: :func:`specjax.models.num_params` (the parameter layout is the
-        models', and config sits below the models)."""
-        warnings.warn("ModelConfig.num_params is deprecated; use "
-                      "specjax.models.num_params(config)", DeprecationWarning, stacklevel=2)
-        # The one import inside a function in the core, for this deprecated alias only
-        # (tests/test_import_layers.py allows it); it goes with the alias.
-        from specjax.models import num_params
-
-        return num_params(self)
 
     def to_hf_config(self) -> dict[str, Any]:
         """Returns a Hugging Face ``config.json`` dict describing the same model."""

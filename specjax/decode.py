@@ -52,14 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kernels, sharding
-# The deprecated compiler-options block, where it has always been found.
-from specjax.backend_options import (_COMPILER_OPTIONS, compiler_options,  # noqa: F401
-                                     context_compiler_options, context_options)
 from specjax.state import (DecodeLoop, DecodeState, RowBook, hold_finished, prefill,
                            row_sampling, state_axes, take_rows, with_buffers, without_buffers)
-# The sizes callers plan a program with, where they have always found them.
-from specjax.state import (MAX_BATCH_SIZE, MAX_STOP_TOKENS, MIN_BUCKET,  # noqa: F401
-                           batch_bucket, batch_sampling, bucket, plan_capacity)
 
 
 def run_to_completion(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens,
@@ -136,8 +130,7 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
     Thread-safe: concurrent callers needing the same new program compile it once (see
     ``_COMPILE_LOCK``; compilations are serialised). The fallbacks recorded lowering the
     program go to the active :func:`.kernels.fallbacks.collecting` block, cached or not."""
-    # The loop's options over those of a (deprecated) compiler_options() block.
-    options = {**dict(_COMPILER_OPTIONS.get()), **dict(loop.kernels.compiler_options)}
+    options = dict(loop.kernels.compiler_options)
     key = (fn, loop, donate, carry, tuple(sorted(options.items())), _signature(args))
     hit = _EXECUTABLES.get(key)
     if hit is not None:

@@ -11,6 +11,7 @@ import shutil
 import signal
 import tempfile
 import threading
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -257,16 +258,37 @@ def users_compiles():
         _optimise_compiles(as_users=False)
 
 
+def with_fast_options(kernels):
+    """``kernels`` (a :class:`specjax.KernelOptions`) with :func:`fast_compiler_options`
+    under its own compiler options."""
+    fast = fast_compiler_options()
+    if not fast:
+        return kernels
+    return kernels.replace(compiler_options={**fast, **dict(kernels.compiler_options)})
+
+
+@contextlib.contextmanager
+def fast_compiles():
+    """Inside, every request's :class:`specjax.KernelOptions` (``api.kernel_options``, the
+    one place a request's options are made concrete) carries :func:`fast_compiler_options`
+    under its own compiler options, in every thread: so the programs are keyed, cached and
+    reported (``stats["kernels"]``) with the options they compiled with."""
+    from specjax import api
+
+    resolve = api.kernel_options
+    with mock.patch.object(api, "kernel_options",
+                           lambda model, kernels=None: with_fast_options(resolve(model, kernels))):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fast_compiles(request):
-    from specjax import decode
-
     if (request.node.get_closest_marker("users_compile")
             or "smollm2" in request.fixturenames):
         with users_compiles():
             yield
         return
-    with decode.context_options(**fast_compiler_options()):
+    with fast_compiles():
         yield
 
 

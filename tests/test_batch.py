@@ -14,6 +14,7 @@ import pytest
 import specjax
 from specjax import decode
 from specjax.errors import InvalidArgumentError
+from specjax.state import MAX_BATCH_SIZE, batch_bucket
 
 from conftest import TINY_VOCAB, fitted_tables, random_prompt
 
@@ -66,7 +67,7 @@ def test_each_row_equals_its_batch_1_output(spec_target, spec_drafts, tables, me
                 (method, name, size)
             for row, (out, single) in enumerate(zip(outs, singles)):
                 assert out.stats["batch"]["row"] == row
-                assert out.stats["batch"]["compiled_rows"] == decode.batch_bucket(size)
+                assert out.stats["batch"]["compiled_rows"] == batch_bucket(size)
                 # Ragged acceptance: each row keeps its own step count and histogram.
                 assert out.stats["target_calls"] == single.stats["target_calls"]
                 assert out.stats.get("accepted_histogram") == \
@@ -163,8 +164,8 @@ def test_the_pallas_kernel_batches_under_vmap(spec_target):
 @pytest.mark.parametrize("prompts, kwargs, fragment", [
     ([], {}, "the list of prompts is empty"),
     ([[1, 2], []], {}, r"prompts\[1\]: prompt is empty"),
-    ([[1, 2]] * (decode.MAX_BATCH_SIZE + 1), {}, "exceed the maximum batch size 64"),
-    ([[1, 2]] * 3, dict(batch=lambda: specjax.BatchOptions(size=decode.MAX_BATCH_SIZE + 1)),
+    ([[1, 2]] * (MAX_BATCH_SIZE + 1), {}, "exceed the maximum batch size 64"),
+    ([[1, 2]] * 3, dict(batch=lambda: specjax.BatchOptions(size=MAX_BATCH_SIZE + 1)),
      "BatchOptions.size must be"),
     ([[1, 2]] * 3, dict(batch=lambda: specjax.BatchOptions(size=0)), "BatchOptions.size must be"),
     ([[1, 2]] * 3, dict(seed=[1, 2]), "got 2 seeds for 3 prompts"),
@@ -198,8 +199,8 @@ def test_staged_rejection_samples_the_target_distribution_with_many_rows(spec_ta
     marginal = dist._second_token_marginal(spec_target)
     seeds = list(range(dist.SEEDS))
     tokens = []
-    for first in range(0, len(seeds), decode.MAX_BATCH_SIZE):
-        chunk = seeds[first: first + decode.MAX_BATCH_SIZE]
+    for first in range(0, len(seeds), MAX_BATCH_SIZE):
+        chunk = seeds[first: first + MAX_BATCH_SIZE]
         outs = specjax.generate(spec_target, [dist.PROMPT] * len(chunk), seed=chunk,
                                 max_new_tokens=2, stop=[], ngram=tables,
                                 draft=spec_target, verify="rejection",

@@ -20,6 +20,7 @@ import pytest
 
 import specjax
 from specjax import api, cli, decode, loading, models
+from specjax.compilation_cache import COMPILATION_CACHE_ENV
 
 from helpers_checkpoints import gguf_llama, save_tiny, tiny_model, write_tiny_gguf
 
@@ -231,7 +232,7 @@ def jax_cache_settings():
 
 def test_the_program_caches_compiled_programs_where_it_is_told(tmp_path, jax_cache_settings):
     for off in ("off", "0", "", "No"):
-        assert cli.use_compilation_cache({cli.COMPILATION_CACHE_ENV: off}) is None
+        assert cli.use_compilation_cache({COMPILATION_CACHE_ENV: off}) is None
         assert jax.config.jax_compilation_cache_dir is None
     # JAX's own setting stands.
     assert cli.use_compilation_cache({"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"),
@@ -239,7 +240,7 @@ def test_the_program_caches_compiled_programs_where_it_is_told(tmp_path, jax_cac
     assert jax.config.jax_compilation_cache_dir is None and not (tmp_path / "specjax").exists()
     # A named path that is not a directory: one line, and no cache.
     (tmp_path / "file").write_text("")
-    problem = cli.use_compilation_cache({cli.COMPILATION_CACHE_ENV: str(tmp_path / "file")})
+    problem = cli.use_compilation_cache({COMPILATION_CACHE_ENV: str(tmp_path / "file")})
     assert "not a writable directory" in problem and "\n" not in problem
     assert jax.config.jax_compilation_cache_dir is None
     # The default place, under XDG_CACHE_HOME; the user's minimum compile time stands.
@@ -261,7 +262,7 @@ def test_the_program_finds_its_cached_programs_and_survives_a_damaged_cache(
     def run():
         env = {k: v for k, v in os.environ.items()  # JAX's own cache settings would win
                if not (k.startswith("JAX_") and "CACHE" in k)}
-        env[cli.COMPILATION_CACHE_ENV] = str(cache)
+        env[COMPILATION_CACHE_ENV] = str(cache)
         return subprocess.run([str(script), "generate", PROMPT, "-m", str(tiny_gguf),
                                "--method", "ar", "--max-new-tokens", "4"],
                               capture_output=True, text=True, timeout=300, env=env)
@@ -662,10 +663,10 @@ def test_the_api_uses_the_programs_compilation_cache(tiny_gguf, tmp_path, monkey
                                                      jax_cache_settings):
     """specjax.load switches on the same persistent cache as the program (the suite runs
     with SPECJAX_COMPILATION_CACHE=off, the documented way to keep it off)."""
-    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, "off")
+    monkeypatch.setenv(COMPILATION_CACHE_ENV, "off")
     specjax.load(str(tiny_gguf))
     assert jax.config.jax_compilation_cache_dir is None
-    monkeypatch.setenv(cli.COMPILATION_CACHE_ENV, str(tmp_path / "xla"))
+    monkeypatch.setenv(COMPILATION_CACHE_ENV, str(tmp_path / "xla"))
     specjax.load(str(tiny_gguf))
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
 

@@ -21,11 +21,6 @@ It fails, naming the modules, on
 - a project import inside a function, outside the allowlists below (an import inside a
   function is for an optional third-party package or a CLI's start-up time, never to hide
   a cycle), or an allowlist entry that no longer matches anything.
-
-Deprecated aliases (``DEPRECATED_ALIASES``: the old paths of moved modules, kept one release)
-import the module that replaced them and nothing else: the layer rules skip them, and the
-check fails if one imports anything else or if any project module imports one (so an alias
-cannot carry an upward import or close a cycle).
 """
 
 from __future__ import annotations
@@ -61,16 +56,6 @@ FUNCTION_IMPORT_ALLOWLIST = {
     ("specjax.training.ngram_build", "load_tokenizer",
      "specjax.checkpoints_tools.gguf_loader"):
         "optional gguf package",
-    # A deprecated alias of specjax.models.num_params; config sits below the models. The
-    # entry goes with the alias.
-    ("specjax.config", "num_params", "specjax.models"):
-        "deprecated alias",
-}
-# Old module path -> the module that replaced it (each old module warns and hands back the
-# new one; tests/test_training_aliases.py). The entries go with the aliases.
-DEPRECATED_ALIASES = {
-    f"{LOADERS}.{name}": f"{TRAINING}.{name}"
-    for name in ("train_draft", "eagle3", "sample_corpus", "feature_draft", "ngram_build")
 }
 
 
@@ -222,7 +207,7 @@ def test_the_graph_sees_the_known_edges():
     assert ("specjax.checkpoints_tools.hf", "specjax.config") in edges
     assert ("specjax.training.sample_corpus", "specjax.training.corpus") in edges
     assert ("specjax.training.drafts", "specjax.checkpoints_tools.sources") in edges
-    assert ("specjax.checkpoints_tools.train_draft", "specjax.training.train_draft") in edges
+    assert ("specjax.training.train_draft", "specjax.training.loop") in edges
 
 
 def test_no_import_cycle():
@@ -256,21 +241,10 @@ def test_the_core_never_imports_the_loaders():
 
 def test_the_core_and_the_loaders_never_import_training():
     imports = project_imports()
-    upward = [i for i in imports if i.source not in DEPRECATED_ALIASES
-              and any(_in_layer(i.source, layer) for layer in (*CORE, LOADERS))
+    upward = [i for i in imports
+              if any(_in_layer(i.source, layer) for layer in (*CORE, LOADERS))
               and _in_layer(i.target, TRAINING)]
     assert not upward, f"the core or the loaders import specjax.training:\n{_describe(upward)}"
-
-
-def test_deprecated_aliases_import_only_their_new_module():
-    imports = project_imports()
-    modules = module_names()
-    assert set(DEPRECATED_ALIASES) <= set(modules), "an alias module is missing"
-    for alias, new in DEPRECATED_ALIASES.items():
-        targets = {i.target for i in imports if i.source == alias}
-        assert targets == {TRAINING, new}, f"{alias} imports {sorted(targets)}, not just {new}"
-    users = [i for i in imports if i.target in DEPRECATED_ALIASES]
-    assert not users, f"import the new modules, not the deprecated aliases:\n{_describe(users)}"
 
 
 def _allowed(i: Import) -> bool:
@@ -295,3 +269,14 @@ def test_every_allowlist_entry_is_still_needed():
     stale = [entry for entry in FUNCTION_IMPORT_ALLOWLIST
              if entry not in {(i.source, i.function, i.target) for i in inside}]
     assert not stale, f"allowlist entries that match no import any more: {stale}"
+
+
+def test_no_module_keeps_a_deprecated_name():
+    """The library was never released: a replaced name is removed, not kept behind a
+    warning (no ``DeprecationWarning`` is raised anywhere in the project)."""
+    raising = []
+    for name, path in module_names().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Name) and node.id == "DeprecationWarning":
+                raising.append(f"  {name}:{node.lineno}")
+    assert not raising, "DeprecationWarning in the project:\n" + "\n".join(raising)

@@ -1,10 +1,10 @@
 """One configuration surface (STYLE.md habit 17): :class:`specjax.KernelOptions` and
 :class:`specjax.BatchOptions` are what the API, ``specjax generate`` and ``specjax bench``
 build the same way; bad values are one-line errors naming the field; the defaults come
-from one place per backend; the options key the compiled programs; and every name they
-replaced (``generate`` keywords, ``SPECJAX_*`` variables, ``decode.compiler_options()``,
-``--attn-impl``) still works for one release with a :class:`DeprecationWarning`, giving
-the same tokens as the new spelling."""
+from one place per backend; the options key the compiled programs; and the names they
+replaced before the first release (``generate(attn_impl=, stop_tokens=, batch_size=,
+compact_rows=)``, ``--attn-impl``, the ``SPECJAX_*`` kernel variables) are gone: refused
+with a one-line error, or (the variables) read by nothing."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import warnings
 import pytest
 
 import specjax
-from specjax import api, backend_options, cli, decode, sampling
+from specjax import api, cli, decode, sampling
 from specjax.backend_options import BatchOptions, KernelOptions
+from specjax.state import MAX_BATCH_SIZE
 from specjax.benchmark import cli as bench_cli
 from specjax.errors import InvalidArgumentError
 
-from conftest import random_prompt, tiny_pair
+from conftest import random_prompt, tiny_pair, with_fast_options
 
 NEW = 6
 
@@ -27,12 +28,6 @@ NEW = 6
 @pytest.fixture(scope="module")
 def model():
     return tiny_pair("llama-gqa", seed=5, num_hidden_layers=2)[1]
-
-
-@pytest.fixture(autouse=True)
-def _no_deprecated_environment(monkeypatch):
-    for name in backend_options.DEPRECATED_ENV:
-        monkeypatch.delenv(name, raising=False)
 
 
 # ----------------------------------------------------------------------------- the objects
@@ -54,12 +49,12 @@ def test_bad_values_are_one_line_errors_naming_the_field(kwargs, field):
 
 
 def test_bad_batch_options_are_one_line_errors():
-    for kwargs, field in ((dict(size=0), "size"), (dict(size=decode.MAX_BATCH_SIZE + 1), "size"),
+    for kwargs, field in ((dict(size=0), "size"), (dict(size=MAX_BATCH_SIZE + 1), "size"),
                           (dict(size=2.0), "size"), (dict(compact_rows="yes"), "compact_rows")):
         with pytest.raises(InvalidArgumentError, match=f"BatchOptions.{field}") as info:
             BatchOptions(**kwargs)
         assert "\n" not in str(info.value)
-    assert BatchOptions(size=decode.MAX_BATCH_SIZE).size == decode.MAX_BATCH_SIZE
+    assert BatchOptions(size=MAX_BATCH_SIZE).size == MAX_BATCH_SIZE
 
 
 def test_options_are_hashable_and_compiler_options_are_sorted_pairs():
@@ -105,8 +100,7 @@ def test_stats_record_the_kernel_options_and_they_key_the_programs(model):
     prompt = random_prompt(7, 9)
     level = {"xla_backend_optimization_level": 1}  # the fast tier compiles at 0
     first = specjax.generate(model, prompt, max_new_tokens=NEW, temperature=1.0, seed=2)
-    assert first.stats["kernels"] == KernelOptions.default("cpu").replace(
-        compiler_options=decode.context_compiler_options()).to_dict()
+    assert first.stats["kernels"] == with_fast_options(KernelOptions.default("cpu")).to_dict()
     before = len(decode._EXECUTABLES)
     other = specjax.generate(model, prompt, max_new_tokens=NEW, temperature=1.0, seed=2,
                              kernels=KernelOptions(compiler_options=level))
@@ -137,80 +131,24 @@ def test_options_of_the_wrong_type_are_refused(model):
         specjax.generate(model, [[1, 2], [3, 4]], max_new_tokens=2, batch=2)
 
 
-# ----------------------------------------------------------------------------- deprecated names
+# ----------------------------------------------------------------------------- removed names
 
 
-def _deprecated(call, match: str):
-    with pytest.warns(DeprecationWarning, match=match):
-        return call()
+@pytest.mark.parametrize("keyword", ["stop_tokens", "attn_impl", "batch_size", "compact_rows"])
+def test_the_replaced_generate_keywords_are_refused(model, keyword):
+    with pytest.raises(InvalidArgumentError, match=f"unknown option '{keyword}'") as info:
+        specjax.generate(model, [1, 2, 3], max_new_tokens=2, **{keyword: 1})
+    assert "\n" not in str(info.value)
 
 
-def test_deprecated_keywords_warn_and_give_the_same_tokens(model):
-    prompt, prompts = random_prompt(3, 8), [random_prompt(4, 6), random_prompt(5, 9)]
-    free = specjax.generate(model, prompt, max_new_tokens=NEW).tokens
-    stop = free[2]
-    cases = [  # (old keywords, new keywords, prompt)
-        (dict(stop_tokens=[stop]), dict(stop=[stop]), prompt),
-        (dict(stop_tokens=[]), dict(stop=[]), prompt),
-        (dict(attn_impl="reference"), dict(kernels=KernelOptions(attention="reference")),
-         prompt),
-        (dict(batch_size=1, compact_rows=False),
-         dict(batch=BatchOptions(size=1, compact_rows=False)), prompts),
-    ]
-    for old, new, given in cases:
-        got = _deprecated(lambda: specjax.generate(model, given, max_new_tokens=NEW, **old),
-                          r"generate\(\w+=\.\.\.\) is deprecated: use")
-        expected = specjax.generate(model, given, max_new_tokens=NEW, **new)
-        tokens = [r.tokens for r in got] if isinstance(got, list) else got.tokens
-        assert tokens == ([r.tokens for r in expected] if isinstance(expected, list)
-                          else expected.tokens), old
-    streamed = _deprecated(lambda: list(specjax.stream_generate(
-        model, prompt, max_new_tokens=NEW, stop_tokens=[stop])), "stop_tokens")
-    assert sum((new for new, _ in streamed), []) == free[:3]
-    with pytest.raises(InvalidArgumentError, match="give kernels only"):
-        with pytest.warns(DeprecationWarning):
-            specjax.generate(model, prompt, max_new_tokens=2, attn_impl="auto",
-                             kernels=KernelOptions())
-
-
-@pytest.mark.parametrize("variable, value, field", [
-    ("SPECJAX_SAMPLING_RULES", "static", "sampling_rules"),
-    ("SPECJAX_KERNEL_INTERPRET", "tpu", "interpret_variant"),
-    ("SPECJAX_GPU_KERNELS", "mosaic", "gpu_linear"),
-])
-def test_deprecated_variables_warn_and_set_their_field(monkeypatch, variable, value, field):
-    monkeypatch.setenv(variable, value)
-    options = _deprecated(lambda: KernelOptions.default("cpu"), f"{variable} is deprecated")
-    assert getattr(options, field) == value
-    monkeypatch.setenv(variable, "nonsense")
-    with pytest.raises(InvalidArgumentError, match=f"KernelOptions.{field}"):
-        with pytest.warns(DeprecationWarning):
-            KernelOptions.default("cpu")
-
-
-def test_a_deprecated_variable_gives_the_tokens_of_its_field(model, monkeypatch):
-    prompt = random_prompt(6, 7)
-    expected = specjax.generate(model, prompt, max_new_tokens=NEW, temperature=0.9, seed=1,
-                                kernels=KernelOptions(sampling_rules="static"))
-    monkeypatch.setenv("SPECJAX_SAMPLING_RULES", "static")
-    got = _deprecated(lambda: specjax.generate(model, prompt, max_new_tokens=NEW,
-                                               temperature=0.9, seed=1), "SAMPLING_RULES")
-    assert got.tokens == expected.tokens
-    assert got.stats["sampling_rule"] == expected.stats["sampling_rule"] == "sample"
-
-
-def test_the_deprecated_compiler_options_block_maps_to_the_field(model):
-    prompt = random_prompt(8, 10)
-    level = {"xla_backend_optimization_level": 1}
-    expected = specjax.generate(model, prompt, max_new_tokens=NEW,
-                                kernels=KernelOptions(compiler_options=level))
-    with pytest.warns(DeprecationWarning, match=r"compiler_options\(\) is deprecated"):
-        with decode.compiler_options(**level):
-            got = specjax.generate(model, prompt, max_new_tokens=NEW)
-    assert got.tokens == expected.tokens
-    assert got.stats["compile_seconds"] == 0.0  # the same program: the same options
-    assert got.stats["kernels"]["compiler_options"] == expected.stats["kernels"][
-        "compiler_options"]
+def test_the_old_kernel_variables_change_nothing(monkeypatch):
+    for name, value in (("SPECJAX_SAMPLING_RULES", "static"), ("SPECJAX_GPU_KERNELS", "mosaic"),
+                        ("SPECJAX_KERNEL_INTERPRET", "tpu")):
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert KernelOptions.default("cpu") == KernelOptions(sampling_rules="traced")
+        assert KernelOptions.from_args(_parsed("generate")) == KernelOptions()
 
 
 # ----------------------------------------------------------------------------- command lines
@@ -239,17 +177,11 @@ def test_generate_and_bench_build_the_same_options_from_the_same_flags():
         assert KernelOptions.from_args(_parsed(command), "gpu") == KernelOptions.default("gpu")
 
 
-def test_the_old_attn_impl_flag_warns_and_maps_to_attention():
-    args = _parsed("generate", "--attn-impl", "kernel")
-    options = _deprecated(lambda: KernelOptions.from_args(args, "cpu"), "--attn-impl")
-    assert options.attention == "kernel"
-    with pytest.raises(InvalidArgumentError, match="--attn-impl and --attention"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            KernelOptions.from_args(_parsed("generate", "--attn-impl", "kernel",
-                                            "--attention", "fused"), "cpu")
+def test_a_bad_flag_is_refused():
     with pytest.raises(InvalidArgumentError, match="NAME=VALUE"):
         KernelOptions.from_args(_parsed("bench", "--compiler-option", "oops"), "cpu")
+    with pytest.raises(SystemExit):  # argparse: "unrecognized arguments: --attn-impl"
+        _parsed("generate", "--attn-impl", "kernel")
 
 
 def test_help_lists_the_kernel_flags(capsys):

@@ -100,12 +100,6 @@ def test_presets_have_the_published_sizes():
     assert abs(models.num_params(smollm2_135m()) - 134.5e6) < 0.5e6
 
 
-def test_config_num_params_is_a_deprecated_alias():
-    config = smollm2_135m()
-    with pytest.warns(DeprecationWarning, match=r"specjax\.models\.num_params"):
-        assert config.num_params == models.num_params(config)
-
-
 def test_config_round_trips_through_hf_dict():
     from specjax.config import from_hf_config
     for config in (gpt2("355m"), smollm2_135m()):

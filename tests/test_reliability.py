@@ -32,8 +32,9 @@ import transformers
 import specjax
 from specjax import api, decode
 from specjax.errors import NumericalError
+from specjax.state import plan_capacity
 
-from conftest import fast_compiler_options
+from conftest import fast_compiles
 from helpers_checkpoints import _LLAMA, _build, tiny_vocabulary, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,14 +58,14 @@ def llama(soak):
     """Llama target (RoPE, 512 positions), two drafts sharing a config, n-gram tables
     (fitted to the target's text by programs compiled as the fast tests' are, so that the
     soak counts one program per method)."""
-    with decode.context_options(**fast_compiler_options()):
+    with fast_compiles():
         return soak.build_fixture("llama", 512)
 
 
 @pytest.fixture(scope="module")
 def gpt2(soak, llama):
     """GPT-2 target (learned positions) with a 100-position table, and its drafts."""
-    with decode.context_options(**fast_compiler_options()):
+    with fast_compiles():
         return soak.build_fixture("gpt2", 100, tables=llama.tables)
 
 
@@ -121,7 +122,7 @@ def test_every_method_fills_the_cache_to_its_last_slot(soak, llama):
     calls = soak.limit_calls(llama, random.Random(1), ("fill",))
     assert sorted(c.method for c in calls) == sorted(soak.METHOD_NAMES)
     for call in calls:
-        capacity = decode.plan_capacity(len(call.prompt), call.max_new_tokens,
+        capacity = plan_capacity(len(call.prompt), call.max_new_tokens,
                                         soak.scratch(llama, call.method),
                                         llama.target.config)[1]
         total = len(call.prompt) + call.max_new_tokens + soak.scratch(llama, call.method)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import jax
 
-from specjax import decode, loading
+from specjax import loading
 from specjax.backend_options import KernelOptions, add_kernel_arguments
 from specjax.benchmark import environment, humaneval, plots
 from specjax.benchmark import report as reporting
@@ -36,6 +36,7 @@ from specjax.errors import InvalidArgumentError
 from specjax.methods.options import all_option_fields, backend_of, describe_defaults
 from specjax.model import resolve_dtype
 from specjax.methods.flags import add_method_arguments
+from specjax.state import MAX_BATCH_SIZE
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -173,8 +174,7 @@ def load_models(args, dtype: str, want_draft: str = "no"):
     ``"optional"`` (only the ``hf-assisted`` peer would use it)."""
     progress = sys.stderr.isatty()
     target = loading.load(args.model, dtype=dtype, progress=progress)
-    attention = getattr(args, "attention", None) or getattr(args, "attn_impl", None)
-    if attention == "fused":  # one kernel for q|k|v, one for gate|up
+    if getattr(args, "attention", None) == "fused":  # one kernel for q|k|v, one for gate|up
         target = target.with_fused_projections()
     if args.draft == "none" or (args.draft is None and want_draft == "no"):
         return target, None
@@ -205,8 +205,8 @@ def run(args) -> int:
             f"first-layers:K), or leave it out of --methods")
     batch_size = getattr(args, "batch_size", None)
     if batch_size is not None:
-        if not 1 <= batch_size <= decode.MAX_BATCH_SIZE:
-            raise InvalidArgumentError(f"--batch-size must be in [1, {decode.MAX_BATCH_SIZE}], "
+        if not 1 <= batch_size <= MAX_BATCH_SIZE:
+            raise InvalidArgumentError(f"--batch-size must be in [1, {MAX_BATCH_SIZE}], "
                                        f"got {batch_size}")
         if config.peers:
             raise InvalidArgumentError("--peers run at batch 1 only: drop them with "

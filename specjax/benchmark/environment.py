@@ -92,7 +92,6 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
         "load_average_start": os.getloadavg(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        # The deprecated kernel variables (SPECJAX_GPU_KERNELS, ...) still change what runs.
         "specjax_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECJAX_")},
         # Compile times are cache hits when a persistent compilation cache is on (the
         # specjax program turns it on; see the README).

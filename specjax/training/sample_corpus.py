@@ -45,7 +45,7 @@ import numpy as np
 from specjax import models
 from specjax.benchmark import humaneval
 from specjax.cache import advance, init_cache
-from specjax.decode import bucket
+from specjax.state import bucket
 from specjax.errors import InvalidArgumentError
 from specjax.sampling import SamplingParams, sample_tokens
 from specjax.training.corpus import stdlib_files
