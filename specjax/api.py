@@ -173,7 +173,7 @@ def resolve_method(model: Model, method: str | MethodOptions | None = None,
 def _resolve_method(model: Model, method, temperature, options) -> tuple[MethodOptions, str]:
     if isinstance(method, MethodOptions):
         clash = sorted(name for name, value in options.items() if value is not None
-                       and hasattr(method, name) and getattr(method, name) != value)
+                       and name in method.given and getattr(method, name) != value)
         if clash:  # one place for each setting: a keyword would silently win
             raise InvalidArgumentError(
                 f"{', '.join(clash)} given as a keyword and, with another value, in the "

@@ -13,8 +13,8 @@ All rules return a :class:`Verdict`. The tokens emitted by one step are
 ``tokens[path[1:count]]`` followed by ``next_token`` (:func:`emitted_tokens`), and
 :func:`specjax.cache.commit_path` consumes ``(path, count)`` to keep the accepted K/V.
 
-:func:`verify_tree` runs the target over a tree (one pass) and applies a rule by name; it
-is what every speculative method calls.
+The rules read logits only: the target pass that produces them is the methods'
+(:func:`specjax.methods.common.verify_tree` runs it and applies a rule by name).
 
 Rules:
 
@@ -40,10 +40,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import models
 from specjax.errors import InvalidArgumentError
-from specjax.sampling import first_argmax, sample_tokens, target_log_probs, top_k
-from specjax.state import DecodeLoop, DecodeState
+from specjax.sampling import first_argmax, top_k
 from specjax.tree import Tree, ancestor_mask, children_table, depths
 
 CHILDREN_MODES = ("with_replacement", "without_replacement", "deterministic")
@@ -317,54 +315,3 @@ def sample_draft_children(key: jax.Array, draft_logp: jax.Array, width: int,
         return top_k(draft_logp, width)[1].astype(jnp.int32)
     raise InvalidArgumentError(
         f"children_mode must be one of {', '.join(CHILDREN_MODES)}, got {children_mode!r}")
-
-
-# --------------------------------------------------------------------------------------
-# One target pass over a tree, then a rule.
-# --------------------------------------------------------------------------------------
-
-
-def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_depth: int,
-                width: int, verify: str, key: jax.Array, draft_logp: jax.Array | None = None,
-                children_mode: str = "deterministic", return_features: bool = False,
-                feature_layers: tuple[int, ...] = ()):
-    """One target pass over ``tree`` (rooted at the pending last token), then the rule.
-
-    Args:
-      params: target parameters; ``loop`` the static program description.
-      state: the decode state (its cache holds the committed prefix).
-      tree: the tree to verify (N nodes); ``max_depth`` and ``width`` its static bounds.
-      verify: ``greedy``/``coupled`` (the target's coupled token after every node: what
-        ``ar`` samples there), ``match`` or ``rejection``.
-      key: the step's key (``match``/``rejection`` draw from it).
-      draft_logp: [N, V] the draft's log q~ per node (``rejection`` only).
-      children_mode: how the children were drafted (``rejection`` only).
-      return_features: also return the target's features [N, d] of the nodes (static;
-        for drafts that read them); with ``feature_layers`` the outputs of those target
-        blocks [N, F*d] instead (a multi-layer feature draft's).
-    Returns:
-      (verdict, target cache with the tree's K/V in scratch, whether the logits of the
-      valid nodes were all finite), then the features when ``return_features``.
-    """
-    sampling = state.sampling
-    node_depths = depths(tree.parents, max_depth)
-    mask = ancestor_mask(tree.parents, tree.valid, max_depth)
-    positions = state.length - 1 + node_depths
-    out = models.forward(params, loop.config, tree.tokens, positions, state.cache, mask,
-                         attn_impl=loop.kernels, return_features=return_features,
-                         feature_layers=feature_layers)
-    logits, cache = out[0], out[-1]
-    finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])
-    if verify in ("greedy", "coupled"):
-        verdict = verify_choices(tree, sample_tokens(logits, sampling, positions + 1),
-                                 max_depth)
-    elif verify == "match":
-        verdict = verify_match(tree, target_log_probs(logits, sampling), key, max_depth)
-    elif verify == "rejection":
-        verdict = verify_rejection(tree, target_log_probs(logits, sampling), draft_logp, key,
-                                   max_depth, width, children_mode)
-    else:
-        raise InvalidArgumentError(f"unknown verify rule {verify!r}")
-    if return_features:
-        return verdict, cache, finite, out[1]
-    return verdict, cache, finite

@@ -15,7 +15,7 @@ import pytest
 from specjax import api, cli, sampling
 from specjax.benchmark import metrics, peers, plots, report, runner
 
-from conftest import random_prompt, serve_models, tiny_pair
+from conftest import random_prompt, serve_models, tiny_pair, with_fast_options
 
 PROMPTS = [random_prompt(0, 9), random_prompt(1, 14)]
 NEW = 8
@@ -735,7 +735,7 @@ def test_ab_compiler_options_applies_the_options_to_one_side_only(monkeypatch):
     monkeypatch.setattr(decode, "compiled", spy)
     # An option every XLA backend takes, so the options side really compiles with it.
     options = {"xla_backend_optimization_level": 1}
-    base = decode._COMPILER_OPTIONS.get()
+    base = with_fast_options(specjax.KernelOptions()).compiler_options
     result = ab.run_ab(model, [list(range(3, 20)), list(range(5, 30))], ["ar"], options, 5)
     # The 'without' side compiles with whatever options surround the run (the suite's
     # conftest sets some), the 'with' side with those plus ``options``.

@@ -73,6 +73,35 @@ def test_an_options_object_and_a_name_with_keywords_are_one_method(spec_target):
     assert build(StagedOptions(tree_budget=5), spec_target.config).budget == 5
 
 
+def test_the_registry_holds_each_method_once_from_its_module():
+    """Each method module exports the options it runs (``OPTIONS``) and their builder
+    (``build``); the registry has every method of ``METHODS``, each with its own class,
+    and options it does not hold are refused in one line (never run as another method)."""
+    from specjax.methods import REGISTRY, ar, speculative, staged
+
+    assert set(REGISTRY) == set(METHODS)
+    assert all(REGISTRY[name].options is cls for name, cls in METHODS.items())
+    assert [REGISTRY[name].builder for name in ("ar", "spec", "ngram")] == [
+        ar.build, speculative.build, staged.build]
+
+    @dataclasses.dataclass(frozen=True)
+    class BeamOptions(SpecOptions):
+        name = "beam"
+
+    for wrong in (BeamOptions(), "spec", None):
+        with pytest.raises(InvalidArgumentError, match="no method runs") as info:
+            build(wrong, spec_target_config())
+        assert "\n" not in str(info.value)
+    from specjax.methods import choice
+    assert {name: choice.needs(cls) for name, cls in METHODS.items()} == {
+        "ar": (), "spec": ("draft",), "tree": ("draft",), "ngram": ("ngram",),
+        "staged": ("draft", "ngram")}
+
+
+def spec_target_config():
+    return specjax.config.gpt2("124m")
+
+
 def test_generate_takes_an_options_object_or_a_name(spec_target, spec_drafts):
     prompt = random_prompt(5, 9)
     draft = spec_drafts["weak"]
@@ -143,12 +172,28 @@ def test_backend_defaults_apply_to_method_names_and_are_reported(spec_target, mo
     assert method_options("tree", backend="cuda").tree_budget == 24
     assert method_options("tree", backend="cuda", tree_budget=4).tree_budget == 4  # explicit
     assert method_options("tree", backend="cpu") == TreeOptions()
-    assert method_options(TreeOptions(), backend="cuda") == TreeOptions()  # objects as given
+    # Objects too: what the caller left out takes the backend's default, what it set stays.
+    assert method_options(TreeOptions(), backend="cuda") == method_options("tree",
+                                                                           backend="cuda")
+    assert method_options(TreeOptions(draft_depth=3), backend="cuda") == TreeOptions(
+        tree_budget=24, draft_depth=3)
+    assert method_options(TreeOptions(tree_budget=4), backend="gpu").tree_budget == 4
+    assert method_options(TreeOptions().replace(tree_budget=8), backend="gpu").tree_budget == 8
+    assert method_options(method_options(TreeOptions(), backend="gpu"), backend="cpu") == \
+        TreeOptions()  # resolved again for another backend: that backend's
+    assert method_options(TreeOptions(), backend="cpu") is not None
     assert "tree 8 (gpu: 24; tpu: 32)" in describe_defaults("tree_budget")
     out = specjax.generate(spec_target, [1, 2, 3], max_new_tokens=2, method="ar")
     assert out.stats["backend"] == "cpu"  # the test machine's weights are on the CPU
     monkeypatch.setattr(api, "model_backend", lambda model: "gpu")
     assert api.resolve_method(spec_target, "tree").tree_budget == 24
+    assert api.resolve_method(spec_target, TreeOptions()).tree_budget == 24
+    assert api.resolve_method(spec_target, TreeOptions(), tree_budget=5).tree_budget == 5
+    # A keyword and an option the object set, with another value: one place for each.
+    with pytest.raises(InvalidArgumentError, match="tree_budget given as a keyword and"):
+        api.resolve_method(spec_target, TreeOptions(tree_budget=4), tree_budget=5)
+    assert api.resolve_method(spec_target, TreeOptions(tree_budget=4), tree_budget=4,
+                              draft_depth=3) == TreeOptions(tree_budget=4, draft_depth=3)
     args = argparse.ArgumentParser()
     add_method_arguments(args)
     assert method_from_args(args.parse_args([]), "tree", "cuda").tree_budget == 24

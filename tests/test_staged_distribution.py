@@ -15,6 +15,7 @@ import pytest
 import specjax
 from specjax import BatchOptions
 from specjax import decode, models, verify
+from specjax.methods import common
 from specjax.sampling import make_sampling_params, target_log_probs
 from specjax.training.ngram_build import build_ngram
 
@@ -101,7 +102,7 @@ def test_the_same_test_catches_a_wrong_rule(setup, monkeypatch):
         uniform = jnp.full(log_p.shape, -np.log(log_p.shape[-1]), jnp.float32)
         return real_rejection(tree, log_p, uniform, key, max_depth, width, "with_replacement")
 
-    monkeypatch.setattr(verify, "verify_rejection", uniform_q_rejection)
+    monkeypatch.setattr(common, "verify_rejection", uniform_q_rejection)  # verify_tree's
     counts = _second_tokens(target, tables, draft=target, verify="rejection", **STAGED)
     statistic, dof = _pooled_chi2(counts, marginal)
     assert statistic > chi2_threshold(dof), (statistic, dof)

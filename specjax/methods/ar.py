@@ -25,8 +25,10 @@ from flax import struct
 
 from specjax import models
 from specjax.cache import advance
+from specjax.config import ModelConfig
 from specjax.constraints import INITIAL_STATE, ConstraintTables, mask_logits
 from specjax.constraints import advance as advance_automaton
+from specjax.methods.options import ArOptions
 from specjax.sampling import sample_tokens
 from specjax.state import DecodeLoop, DecodeState, append_tokens, check_finite
 
@@ -117,3 +119,14 @@ class Autoregressive:
 
     def step(self, params, loop: DecodeLoop, state: DecodeState, resources) -> DecodeState:
         return ar_step(params, loop, state, resources if self.constrained else None)
+
+
+# The method registry's entry (specjax.methods.REGISTRY): the options this module runs and
+# the builder of its step object.
+OPTIONS = (ArOptions,)
+
+
+def build(options: ArOptions, draft_config: ModelConfig | None = None) -> Autoregressive:
+    """The step object of ``ar`` (a constrained request builds its own: the API's)."""
+    del options, draft_config
+    return Autoregressive()

@@ -23,9 +23,14 @@ import json
 from pathlib import Path
 from typing import Mapping
 
-# What each method needs besides the target (shipped with a known model).
-NEEDS = {"ar": (), "spec": ("draft",), "tree": ("draft",), "ngram": ("ngram",),
-         "staged": ("draft", "ngram")}
+from specjax.methods.options import METHODS, MethodOptions
+
+
+def needs(options: type[MethodOptions] | MethodOptions) -> tuple[str, ...]:
+    """What a method needs besides the target (a known model ships them), from its
+    options: ``"draft"`` where it ``uses_draft``, ``"ngram"`` where it ``uses_ngram``."""
+    return tuple(resource for resource, used in (("draft", options.uses_draft),
+                                                 ("ngram", options.uses_ngram)) if used)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +94,7 @@ def choose_method(backend: str, temperature: float, shipped: set[str] | frozense
       (method name, reason).
     """
     kind = sampling_kind(temperature)
-    usable = {name for name, needs in NEEDS.items() if set(needs) <= set(shipped)}
+    usable = {name for name, cls in METHODS.items() if set(needs(cls)) <= set(shipped)}
     if usable == {"ar"}:
         return "ar", "ar: the model ships no draft or n-gram tables"
     measured = MEASURED.get((backend, kind))

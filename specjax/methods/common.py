@@ -7,6 +7,8 @@
 * :func:`rank_children` -- how a draft ranks the children it proposes, per verify rule.
 * :func:`commit_step` -- keep the accepted path's K/V, append the emitted tokens, count
   them by origin.
+* :func:`verify_tree` -- one target pass over a tree, then an acceptance rule of
+  :mod:`specjax.verify` by name.
 * :class:`PassPlan` -- the forward passes one step runs (for cost breakdowns).
 """
 
@@ -18,13 +20,16 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax import models
 from specjax.cache import commit_path
+from specjax.errors import InvalidArgumentError
 from specjax.origins import NUM_ORIGINS, ORIGIN_TARGET
-from specjax.sampling import (SamplingParams, by_temperature, perturbed_scores,
+from specjax.sampling import (SamplingParams, by_temperature, perturbed_scores, sample_tokens,
                               target_log_probs)
-from specjax.state import DecodeState, append_tokens, flag_nonfinite
-from specjax.tree import Tree
-from specjax.verify import Verdict, emitted_tokens
+from specjax.state import DecodeLoop, DecodeState, append_tokens, flag_nonfinite
+from specjax.tree import Tree, ancestor_mask, depths
+from specjax.verify import (Verdict, emitted_tokens, verify_choices, verify_match,
+                            verify_rejection)
 
 
 @struct.dataclass
@@ -164,3 +169,49 @@ def commit_step(state: DecodeState, tree: Tree, tree_origin: jax.Array, verdict:
     accepted = tally.accepted.at[verdict.count - 1].add(1)
     tally = Tally(accepted=accepted, origins=origins, origin_counts=counts)
     return state.replace(method_state=kept.replace(tally=tally))
+
+
+def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_depth: int,
+                width: int, verify: str, key: jax.Array, draft_logp: jax.Array | None = None,
+                children_mode: str = "deterministic", return_features: bool = False,
+                feature_layers: tuple[int, ...] = ()):
+    """One target pass over ``tree`` (rooted at the pending last token), then the rule.
+
+    Args:
+      params: target parameters; ``loop`` the static program description.
+      state: the decode state (its cache holds the committed prefix).
+      tree: the tree to verify (N nodes); ``max_depth`` and ``width`` its static bounds.
+      verify: ``greedy``/``coupled`` (the target's coupled token after every node: what
+        ``ar`` samples there), ``match`` or ``rejection``.
+      key: the step's key (``match``/``rejection`` draw from it).
+      draft_logp: [N, V] the draft's log q~ per node (``rejection`` only).
+      children_mode: how the children were drafted (``rejection`` only).
+      return_features: also return the target's features [N, d] of the nodes (static;
+        for drafts that read them); with ``feature_layers`` the outputs of those target
+        blocks [N, F*d] instead (a multi-layer feature draft's).
+    Returns:
+      (verdict, target cache with the tree's K/V in scratch, whether the logits of the
+      valid nodes were all finite), then the features when ``return_features``.
+    """
+    sampling = state.sampling
+    node_depths = depths(tree.parents, max_depth)
+    mask = ancestor_mask(tree.parents, tree.valid, max_depth)
+    positions = state.length - 1 + node_depths
+    out = models.forward(params, loop.config, tree.tokens, positions, state.cache, mask,
+                         attn_impl=loop.kernels, return_features=return_features,
+                         feature_layers=feature_layers)
+    logits, cache = out[0], out[-1]
+    finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])
+    if verify in ("greedy", "coupled"):
+        verdict = verify_choices(tree, sample_tokens(logits, sampling, positions + 1),
+                                 max_depth)
+    elif verify == "match":
+        verdict = verify_match(tree, target_log_probs(logits, sampling), key, max_depth)
+    elif verify == "rejection":
+        verdict = verify_rejection(tree, target_log_probs(logits, sampling), draft_logp, key,
+                                   max_depth, width, children_mode)
+    else:
+        raise InvalidArgumentError(f"unknown verify rule {verify!r}")
+    if return_features:
+        return verdict, cache, finite, out[1]
+    return verdict, cache, finite

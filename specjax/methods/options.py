@@ -82,8 +82,34 @@ class MethodOptions:
     uses_ngram: ClassVar[bool] = False
     summary: ClassVar[str] = ""
 
+    def __new__(cls, *args, **kwargs):
+        # Which options the caller set (positionally or by name): the others take the
+        # backend's defaults wherever the options are resolved for one (for_backend).
+        self = super().__new__(cls)
+        names = [field.name for field in dataclasses.fields(cls) if field.init]
+        object.__setattr__(self, "_given", frozenset(names[:len(args)]) | frozenset(kwargs))
+        return self
+
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
+
+    @property
+    def given(self) -> frozenset[str]:
+        """The options set explicitly (the others are defaults: the CPU's, the dataclass
+        defaults, until :meth:`for_backend` resolves them for a backend)."""
+        return self._given
+
+    def _with_given(self, given) -> "MethodOptions":
+        object.__setattr__(self, "_given", frozenset(given))
+        return self
+
+    def for_backend(self, backend: str) -> "MethodOptions":
+        """These options with ``backend``'s defaults (:data:`BACKEND_DEFAULTS`) for every
+        option not set explicitly: ``StagedOptions()`` on a GPU is what ``"staged"`` is
+        there. The options set explicitly stay; so does :attr:`given`."""
+        resolved = type(self)(**{**backend_defaults(self.name, backend),
+                                 **{name: getattr(self, name) for name in self._given}})
+        return self if resolved == self else resolved._with_given(self._given)
 
     def check_sampling(self, temperature: float) -> None:
         """Raises if these options cannot decode at ``temperature``."""
@@ -96,7 +122,7 @@ class MethodOptions:
     def replace(self, **changes) -> "MethodOptions":
         """A copy with ``changes`` applied (validated; unknown names are an error)."""
         _check_names(type(self), changes)
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)._with_given(self._given | set(changes))
 
     def to_dict(self) -> dict[str, Any]:
         """``{"method": name, option: value, ...}`` (JSON-ready)."""
@@ -356,8 +382,9 @@ def method_options(method: str | MethodOptions = "ar", *, backend: str = "cpu",
 
     Args:
       method: a method name (:data:`METHODS`) or a :class:`MethodOptions` instance.
-      backend: whose defaults a method name gets (:data:`BACKEND_DEFAULTS`; a jax platform
-        name such as ``cuda`` works too). Ignored for an options object.
+      backend: whose defaults the options not set explicitly take (:data:`BACKEND_DEFAULTS`;
+        a jax platform name such as ``cuda`` works too), for a name and for an options
+        object alike (:meth:`MethodOptions.for_backend`).
       **overrides: option values; ``None`` values are ignored (they mean "default").
     Returns:
       A validated, frozen options object.
@@ -367,13 +394,14 @@ def method_options(method: str | MethodOptions = "ar", *, backend: str = "cpu",
     """
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(method, MethodOptions):
+        method = method.for_backend(backend)
         return method.replace(**overrides) if overrides else method
     if not isinstance(method, str) or method not in METHODS:
         raise InvalidArgumentError(f"unknown method {method!r}; expected one of "
                                    f"{', '.join(METHODS)}")
     cls = METHODS[method]
     _check_names(cls, overrides)
-    return cls(**{**backend_defaults(method, backend), **overrides})
+    return cls(**{**backend_defaults(method, backend), **overrides})._with_given(overrides)
 
 
 def default_value(method: str, option: str):

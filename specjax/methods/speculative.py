@@ -60,13 +60,12 @@ from specjax.cache import KVCache, advance, init_cache
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
 from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
-                                    rank_children, step_key)
+                                    rank_children, step_key, verify_tree)
 from specjax.methods.options import SpecOptions, TreeOptions, fixed_topology_shape
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_TARGET
 from specjax.sampling import target_log_probs, top_k
 from specjax.state import DecodeLoop, DecodeState
 from specjax.tree import Tree, chain_parents, select_top_nodes
-from specjax.verify import verify_tree
 
 _KEY_TAG = 0x5EC
 
@@ -454,3 +453,12 @@ class Speculative(DraftFeatures):
         tree = Tree(tokens=tokens, parents=jnp.asarray(fixed.parents),
                     valid=jnp.ones((n,), jnp.bool_))
         return tree, draft_logp, cache
+
+
+# The method registry's entry (specjax.methods.REGISTRY).
+OPTIONS = (SpecOptions, TreeOptions)
+
+
+def build(options: SpecOptions | TreeOptions, draft_config: ModelConfig) -> Speculative:
+    """The step object of ``spec`` or ``tree`` with the draft's config."""
+    return Speculative(options, draft_config)

@@ -70,14 +70,13 @@ from specjax.cache import advance
 from specjax.config import ModelConfig
 from specjax.drafters.ngram import NgramTables, propose
 from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
-                                    rank_children, step_key)
+                                    rank_children, step_key, verify_tree)
 from specjax.methods.options import NgramOptions, StagedOptions
 from specjax.methods.speculative import commit_features, previous_features, start_draft
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_LOOKUP, ORIGIN_TARGET
 from specjax.sampling import top_k
 from specjax.state import DecodeLoop, DecodeState
 from specjax.tree import Tree, ancestor_mask, select_top_indices, select_top_nodes
-from specjax.verify import verify_tree
 
 _KEY_TAG = 0x57A6
 
@@ -473,3 +472,15 @@ class Staged(DraftFeatures):
             kept = kept.replace(features=commit_features(state, verified[3], verdict.path))
         return commit_step(state, tree, tree_origin, verdict, target_cache, finite,
                            self.rounds, kept)
+
+
+# The method registry's entry (specjax.methods.REGISTRY).
+OPTIONS = (NgramOptions, StagedOptions)
+
+
+def build(options: NgramOptions | StagedOptions,
+          draft_config: ModelConfig | None = None) -> NgramOnly | Staged:
+    """The step object of ``ngram`` (no draft) or ``staged`` (with the draft's config)."""
+    if options.name == "ngram":
+        return NgramOnly(options)
+    return Staged(options, draft_config)
