@@ -360,7 +360,7 @@ def measure_size(size: str, args, nodes: list[int], dtype, bandwidth: float,
                "relative_to_ar": programs[f"verify@{n}"].ms / ar_ms} for n in nodes]
     result = {
         "size": size, "num_layers": config.num_layers, "hidden_size": config.hidden_size,
-        "num_params": config.num_params, "param_bytes": param_bytes,
+        "num_params": models.num_params(config), "param_bytes": param_bytes,
         "kv_prefix_bytes": kv_prefix_bytes, "roofline_bytes": roofline_bytes,
         "ar_ms": ar_ms,
         "roofline_ms_measured_bandwidth": roofline_ms,
