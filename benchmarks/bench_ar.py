@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import specjax
 from specjax import api, decode, models
 from specjax.benchmark.environment import git_commit, versions, write_json
-from specjax.benchmark.humaneval import humaneval_prompts
+from specjax.humaneval import humaneval_prompts
 from specjax.benchmark.peers import fastest_torch_threads
 from specjax.cache import init_cache
 

@@ -31,7 +31,8 @@ import time
 
 import specjax
 from specjax import api
-from specjax.benchmark import environment, humaneval
+from specjax import humaneval
+from specjax.benchmark import environment
 
 
 def _median_run(model, prompts, repeats: int, **kwargs) -> tuple[float, list]:

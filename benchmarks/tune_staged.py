@@ -89,7 +89,7 @@ def main(argv=None) -> int:
 
     import specjax
     from specjax.benchmark.environment import git_commit, machine, versions, write_json
-    from specjax.benchmark.humaneval import humaneval_prompts
+    from specjax.humaneval import humaneval_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")

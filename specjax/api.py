@@ -23,7 +23,6 @@ from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
-import jinja2
 import numpy as np
 
 from specjax import decode, loading, methods, models, progress as progress_lib
@@ -36,7 +35,7 @@ from specjax.loading import (check_resources, choose_default_method, resolve_dra
 from specjax.methods import MethodOptions
 from specjax.methods.common import tally_of
 from specjax.methods.exactness import run_exactness
-from specjax.model import Model, check_draft_compatible, resolve_dtype
+from specjax.model import Model, check_draft_compatible, encode_prompt, resolve_dtype
 from specjax.origins import ORIGIN_NAMES, origin_name
 from specjax.sampling import make_sampling_params, static_rules
 from specjax.state import (MAX_BATCH_SIZE, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, Method,
@@ -108,43 +107,6 @@ class _Request:
     prompt_length: int
     options: MethodOptions
     choice: str = "given"  # why this method: "given", or the default's reason
-
-
-def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
-    """Token ids for a prompt string (optionally through the chat template) or id list."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidArgumentError("prompt is empty")
-        if model.tokenizer is None:
-            raise InvalidArgumentError(
-                f"model {model.name!r} has no tokenizer: pass a list of token ids")
-        if chat:
-            if not getattr(model.tokenizer, "chat_template", None):
-                raise InvalidArgumentError(f"model {model.name!r} has no chat template")
-            try:
-                ids = model.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True,
-                    tokenize=True)
-            except jinja2.TemplateError as error:  # a sandbox refusal or a broken template
-                message = " ".join(str(error).split())
-                raise InvalidArgumentError(f"model {model.name!r}: its chat template "
-                                           f"failed ({message})") from None
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            # verbose=False: a prompt longer than the model's context gets specjax's own
-            # one-line error (from plan_capacity), not a transformers warning beside it.
-            ids = model.tokenizer(prompt, verbose=False)["input_ids"]
-        ids = list(ids)
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise InvalidArgumentError("prompt is empty")
-    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-    if bad:
-        raise InvalidArgumentError(
-            f"prompt token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})")
-    return ids
 
 
 def _stop_array(model: Model, stop_tokens: Sequence[int] | None,

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+import specjax
 from specjax import api, interrupts, loading, progress
 from specjax.backend_options import KernelOptions, add_kernel_arguments
 from specjax.benchmark import cli as bench_cli
@@ -33,7 +34,7 @@ from specjax.methods.flags import add_method_arguments, flag_of, method_from_arg
 from specjax.methods.options import all_option_fields, backend_of
 from specjax.sampling import make_sampling_params
 from specjax.state import MAX_BATCH_SIZE
-from specjax.training import ngram_build, train_draft
+from specjax.commands import build_ngram, train_draft
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_BATCH_SIZE = 8
@@ -44,7 +45,6 @@ def specjax_version() -> str:
     try:
         return importlib.metadata.version("specjax")
     except importlib.metadata.PackageNotFoundError:
-        import specjax
         return specjax.__version__
 
 
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_models(sub)
     train_draft.add_parser(sub)
-    ngram_build.add_parser(sub)
+    build_ngram.add_parser(sub)
     bench_cli.add_parser(sub)
     return parser
 

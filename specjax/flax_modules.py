@@ -21,8 +21,9 @@ Moving between the two worlds:
   :class:`specjax.Model` that :func:`specjax.generate` decodes with every method;
 * :func:`to_flax` goes back (an NNX module, or a linen module and its variables),
   sharing the model's arrays;
-* :func:`save_for_specjax` writes what a pipeline trained as a specjax checkpoint
-  directory (``specjax_config.json`` + orbax ``params/``) that :func:`specjax.load` reads.
+* :func:`specjax.checkpoints_tools.flax_export.save_for_specjax` writes what a pipeline
+  trained as a specjax checkpoint directory (``specjax_config.json`` + orbax ``params/``)
+  that :func:`specjax.load` reads (the writing is the loaders', above this module).
 
 Modules keep no state between calls: the KV cache is an argument and a return value.
 
@@ -36,14 +37,12 @@ Two things worth knowing in a pipeline (flax 0.12):
   step. Training steps, which update the weights anyway, do not mind.
 * An ``nnx.State`` written by orbax as is stores every leaf as ``{"value": array}``;
   ``specjax.load`` refuses that tree by name. Write checkpoints for specjax with
-  :func:`save_for_specjax` (or save ``nnx.to_pure_dict(state)`` under ``params/``).
+  ``save_for_specjax`` (or save ``nnx.to_pure_dict(state)`` under ``params/``).
 """
 
 from __future__ import annotations
 
-import os
 import weakref
-from pathlib import Path
 from typing import Any, Mapping
 
 import jax
@@ -52,9 +51,9 @@ from flax import linen, nnx
 
 from specjax import models
 from specjax.cache import KVCache
-from specjax.checkpoints_tools.orbax_io import save_orbax
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
+from specjax.model import Model
 
 
 def apply_forward(params: dict, config: ModelConfig, tokens: jax.Array,
@@ -306,10 +305,8 @@ def model_from_flax(source: Any, config: ModelConfig | None = None, tokenizer: A
     Returns:
       A :class:`specjax.Model`.
     """
-    import specjax
-
     config, params = flax_params(source, config)
-    return specjax.Model.from_params(config, params, tokenizer, name=name, dtype=dtype)
+    return Model.from_params(config, params, tokenizer, name=name, dtype=dtype)
 
 
 def to_flax(model, api: str = "nnx"):
@@ -346,27 +343,9 @@ def to_flax(model, api: str = "nnx"):
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def save_for_specjax(path: str | os.PathLike, source: Any, config: ModelConfig | None = None,
-                     tokenizer: Any = None) -> Path:
-    """Writes a Flax model or training state as a checkpoint :func:`specjax.load` reads.
-
-    The directory holds ``specjax_config.json`` and the parameter tree under ``params/``
-    (orbax ``StandardCheckpointer``), plus the tokenizer's files when one is given: the
-    format of :mod:`specjax.checkpoints_tools.orbax_io`. Only parameters are written
-    (no optimizer state).
-
-    Args:
-      path: a directory that does not exist yet or is empty.
-      source, config: see :func:`flax_params`.
-      tokenizer: a transformers tokenizer to store alongside; default: that of the model
-        :func:`to_flax` made ``source`` from (an NNX module, or the linen module), if any.
-    Returns:
-      The checkpoint directory as an absolute path.
-    """
-    if tokenizer is None:
-        try:
-            tokenizer = _TOKENIZERS.get(source)
-        except TypeError:  # not weak-referenceable (a dict of params): nothing recorded
-            tokenizer = None
-    config, params = flax_params(source, config)
-    return save_orbax(path, config, params, tokenizer)
+def tokenizer_of(source: Any) -> Any:
+    """The tokenizer of the model :func:`to_flax` made ``source`` from, or ``None``."""
+    try:
+        return _TOKENIZERS.get(source)
+    except TypeError:  # not weak-referenceable (a dict of params): nothing recorded
+        return None

@@ -7,10 +7,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import jinja2
 
 from specjax import models
 from specjax.config import ModelConfig
@@ -199,3 +200,38 @@ def pad_draft_vocabulary(draft: Model, vocab_size: int) -> Model:
                                name=f"{draft.name}[vocabulary {have} -> {vocab_size}]")
 
 
+def encode_prompt(model: Model, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+    """Token ids for a prompt string (optionally through the chat template) or id list."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidArgumentError("prompt is empty")
+        if model.tokenizer is None:
+            raise InvalidArgumentError(
+                f"model {model.name!r} has no tokenizer: pass a list of token ids")
+        if chat:
+            if not getattr(model.tokenizer, "chat_template", None):
+                raise InvalidArgumentError(f"model {model.name!r} has no chat template")
+            try:
+                ids = model.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                    tokenize=True)
+            except jinja2.TemplateError as error:  # a sandbox refusal or a broken template
+                message = " ".join(str(error).split())
+                raise InvalidArgumentError(f"model {model.name!r}: its chat template "
+                                           f"failed ({message})") from None
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            # verbose=False: a prompt longer than the model's context gets specjax's own
+            # one-line error (from plan_capacity), not a transformers warning beside it.
+            ids = model.tokenizer(prompt, verbose=False)["input_ids"]
+        ids = list(ids)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidArgumentError("prompt is empty")
+    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+    if bad:
+        raise InvalidArgumentError(
+            f"prompt token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})")
+    return ids

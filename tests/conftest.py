@@ -110,7 +110,7 @@ def serve_models(monkeypatch, served: dict, prompts) -> dict:
     """Makes ``specjax`` commands load the models in ``served`` by name (``-m tiny --draft
     tiny-draft``) and run the benchmark suite on ``prompts``; returns ``served``."""
     from specjax import loading
-    from specjax.benchmark import humaneval
+    from specjax import humaneval
 
     monkeypatch.setattr(loading, "load", lambda name, dtype=None, *, progress=False: served[name])
     real_check = loading.check_draft_spec

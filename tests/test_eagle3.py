@@ -309,7 +309,7 @@ def test_the_learning_rate_follows_steps_or_the_clock():
     """An EAGLE-3 run's rate: linear warm-up, then a cosine to a tenth, ended by the last
     step or by the time budget, whichever comes first; set between steps without
     rebuilding the optimizer."""
-    from specjax.training import train_draft
+    from specjax.commands import train_draft
 
     cfg = train_draft.TrainConfig(eagle3=True, init_layers=(0,), steps=110, warmup_steps=10,
                                   learning_rate=1e-3)
@@ -340,7 +340,7 @@ def test_a_schedule_start_replays_a_budgeted_runs_clock_by_step_count(capsys):
     import argparse
 
     from specjax import cli
-    from specjax.training import train_draft
+    from specjax.commands import train_draft
 
     rate = train_draft.learning_rate
     base = dict(eagle3=True, init_layers=(0,), warmup_steps=10, learning_rate=1e-3)
@@ -517,7 +517,8 @@ def test_train_draft_stops_at_its_time_budget_resumes_and_exports(tokenizer_targ
     per-depth held-out agreement on the target's continuations; the draft's vocabulary is
     the most frequent ids of that text; the asset decodes exactly."""
     from specjax.checkpoints_tools import sources
-    from specjax.training import sample_corpus, train_draft
+    from specjax.commands import train_draft
+    from specjax.training import sample_corpus
 
     from conftest import write_corpus
 

@@ -1173,7 +1173,7 @@ def test_train_draft_works_for_a_gemma_target(tmp_path, feature):
     export is a Gemma 2 checkpoint that transformers loads with the same logits."""
     import transformers
     from conftest import write_corpus
-    from specjax.training import train_draft
+    from specjax.commands import train_draft
 
     _, target = _gguf_pair("gemma2", tmp_path / "t.gguf")
     files = write_corpus(tmp_path, [f"def f_{i}(x):\n    return x * {i} + 1\n" * 8

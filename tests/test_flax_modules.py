@@ -15,8 +15,8 @@ import specjax
 from specjax import models, tree
 from specjax.cache import advance, init_cache
 from specjax.errors import CheckpointError, InvalidArgumentError
-from specjax.flax_modules import (LinenCausalLM, NNXCausalLM, flax_params, model_from_flax,
-                                  save_for_specjax, to_flax)
+from specjax.checkpoints_tools.flax_export import save_for_specjax
+from specjax.flax_modules import LinenCausalLM, NNXCausalLM, flax_params, model_from_flax, to_flax
 from specjax.training.ngram_build import build_ngram
 
 from conftest import TINY_VOCAB, random_prompt, tiny_pair
@@ -262,7 +262,7 @@ def test_conversion_errors():
 
 def test_train_draft_runs_through_the_module():
     """train-draft's steps compute what the former vmap of models.forward computed."""
-    from specjax.training import train_draft
+    from specjax.commands import train_draft
 
     target = tiny_pair("llama-gqa", seed=8)[1]
     cfg = train_draft.TrainConfig(init_layers=(0, 2), steps=2, batch_size=2, seq_len=8,

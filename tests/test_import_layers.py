@@ -13,11 +13,17 @@ above the importer itself (they are already initialising).
 ``importlib.import_module`` (the lazy faces of ``specjax`` and ``specjax.kernels``) are not
 seen.
 
+Every module is in one of five layers (:func:`layer_of`): the kernels, the core, the
+loaders (``specjax.checkpoints_tools``), draft training (``specjax.training``) and the
+front (:data:`FRONT`, each module named with what it is). A module not named elsewhere is
+core. :data:`MAY_IMPORT` names what each layer may import.
+
 It fails, naming the modules, on
 - any import cycle;
-- a kernels module importing a project module other than ``specjax.errors`` or a kernel;
-- a core module importing ``specjax.checkpoints_tools`` (the loaders sit above the core);
-- a core or loader module importing ``specjax.training`` (draft training sits above both);
+- a module importing a layer its own may not (:data:`MAY_IMPORT`);
+- a module outside the front using a name of the package face through ``import specjax``
+  (``specjax.load``: the face imports the API, so that would be an import of the front
+  that the graph cannot see);
 - a project import inside a function, outside the allowlists below (an import inside a
   function is for an optional third-party package or a CLI's start-up time, never to hide
   a cycle), or an allowlist entry that no longer matches anything.
@@ -37,11 +43,26 @@ PACKAGES = {"specjax": "specjax", "kernels": "specjax.kernels",
 KERNELS = "specjax.kernels"
 LOADERS = "specjax.checkpoints_tools"
 TRAINING = "specjax.training"
-# The layers the loaders sit above; specjax.api, cli, loading and the other modules of the
-# loading/API layer may import the loaders. Training sits above the core and the loaders.
-CORE = ("specjax.config", "specjax.models", "specjax.attention", "specjax.cache",
-        "specjax.sharding", "specjax.sampling", "specjax.tree", "specjax.verify",
-        "specjax.decode", "specjax.methods", "specjax.drafters", KERNELS)
+# The front: what users call by name, and the commands. Every module of specjax/ that is not
+# here, in the kernels, the loaders or training is core.
+FRONT = {
+    "specjax": "the package face (lazy: each name imports its module on first use)",
+    "specjax.api": "the request path: load, generate, stream_generate",
+    "specjax.cli": "the command line",
+    "specjax.launch": "the command's entry point (takes Ctrl-C before the slow imports)",
+    "specjax.loading": "models, drafts and n-gram tables by name, through the loaders",
+    "specjax.demo": "specjax demo",
+    "specjax.benchmark": "specjax bench: the suite, the transformers peers, reports",
+    "specjax.commands": "specjax train-draft and build-ngram: flags, loading by name",
+}
+# What each layer may import besides itself and specjax.errors (which every layer may).
+MAY_IMPORT = {
+    "kernels": set(),
+    "core": {"kernels"},
+    "loaders": {"core", "kernels"},
+    "training": {"core", "kernels", "loaders"},
+    "front": {"core", "kernels", "loaders", "training"},
+}
 
 # (module, function, imported module): imports allowed inside a function, and why.
 FUNCTION_IMPORT_ALLOWLIST = {
@@ -207,7 +228,7 @@ def test_the_graph_sees_the_known_edges():
     assert ("specjax.checkpoints_tools.hf", "specjax.config") in edges
     assert ("specjax.training.sample_corpus", "specjax.training.corpus") in edges
     assert ("specjax.training.drafts", "specjax.checkpoints_tools.sources") in edges
-    assert ("specjax.training.train_draft", "specjax.training.loop") in edges
+    assert ("specjax.commands.train_draft", "specjax.training.loop") in edges
 
 
 def test_no_import_cycle():
@@ -225,26 +246,58 @@ def test_no_import_cycle():
     assert not cycles, "\n".join(message)
 
 
-def test_kernels_are_a_leaf():
+def layer_of(module: str) -> str:
+    """``front``, ``kernels``, ``loaders``, ``training`` or (anything else) ``core``."""
+    if module in FRONT or any(_in_layer(module, front) for front in FRONT if front != "specjax"):
+        return "front"
+    for layer, package in (("kernels", KERNELS), ("loaders", LOADERS), ("training", TRAINING)):
+        if _in_layer(module, package):
+            return layer
+    return "core"
+
+
+def test_every_module_is_in_a_layer_and_each_front_module_exists():
+    modules = module_names()
+    layers = {layer_of(name) for name in modules}
+    assert layers == set(MAY_IMPORT), layers
+    assert not set(FRONT) - set(modules), f"FRONT names no module: {set(FRONT) - set(modules)}"
+    # The core is most of the library, named by nothing but the absence of a layer.
+    assert {"specjax.config", "specjax.state", "specjax.model", "specjax.backend_options",
+            "specjax.flax_modules", "specjax.verify", "specjax.methods.staged"} <= {
+        name for name in modules if layer_of(name) == "core"}
+
+
+def test_each_layer_imports_only_what_it_may():
     imports = project_imports()
-    upward = [i for i in imports if _in_layer(i.source, KERNELS)
-              and not _in_layer(i.target, KERNELS) and i.target != "specjax.errors"]
-    assert not upward, f"kernels import only jax, Pallas and specjax.errors:\n{_describe(upward)}"
+    wrong = [i for i in imports if i.target != "specjax.errors"
+             and layer_of(i.target) != layer_of(i.source)
+             and layer_of(i.target) not in MAY_IMPORT[layer_of(i.source)]]
+    assert not wrong, "imports across the layers that MAY_IMPORT does not allow:\n" + "\n".join(
+        f"  {i.source}:{i.line} ({layer_of(i.source)}) imports {i.target} "
+        f"({layer_of(i.target)})" for i in wrong)
 
 
-def test_the_core_never_imports_the_loaders():
-    imports = project_imports()
-    upward = [i for i in imports if any(_in_layer(i.source, layer) for layer in CORE)
-              and _in_layer(i.target, LOADERS)]
-    assert not upward, f"the core imports the loaders:\n{_describe(upward)}"
+def test_the_rules_read_logits_only():
+    """specjax.verify holds the acceptance rules on logits: the target pass that makes the
+    logits, the models and the decode state are the methods'."""
+    targets = {i.target for i in project_imports() if i.source == "specjax.verify"}
+    assert targets <= {"specjax.errors", "specjax.sampling", "specjax.tree"}, targets
 
 
-def test_the_core_and_the_loaders_never_import_training():
-    imports = project_imports()
-    upward = [i for i in imports
-              if any(_in_layer(i.source, layer) for layer in (*CORE, LOADERS))
-              and _in_layer(i.target, TRAINING)]
-    assert not upward, f"the core or the loaders import specjax.training:\n{_describe(upward)}"
+def test_only_the_front_uses_the_package_face():
+    """``import specjax`` then ``specjax.load``: the face imports specjax.api on first use,
+    an import of the front the graph does not see. Below the front a module imports what
+    it uses from its own module (``specjax.__file__`` and ``__version__`` are the package's)."""
+    exports = lazy_exports()
+    users = []
+    for name, path in module_names().items():
+        if layer_of(name) == "front":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "specjax" and node.attr in exports):
+                users.append(f"  {name}:{node.lineno} uses specjax.{node.attr}")
+    assert not users, "the package face used below the front:\n" + "\n".join(users)
 
 
 def _allowed(i: Import) -> bool:
@@ -280,3 +333,15 @@ def test_no_module_keeps_a_deprecated_name():
             if isinstance(node, ast.Name) and node.id == "DeprecationWarning":
                 raising.append(f"  {name}:{node.lineno}")
     assert not raising, "DeprecationWarning in the project:\n" + "\n".join(raising)
+
+
+def test_no_function_imports_the_package_face():
+    """``import specjax`` inside a function (the graph above skips the package an importer
+    is in: that import is invisible to it) hides a dependency as any function import would."""
+    hidden = []
+    for name, path in module_names().items():
+        for node, function in _walk(ast.parse(path.read_text(), str(path)), None):
+            if function is not None and isinstance(node, ast.Import) and any(
+                    alias.name == "specjax" for alias in node.names):
+                hidden.append(f"  {name}:{node.lineno} inside {function}()")
+    assert not hidden, "import specjax inside a function:\n" + "\n".join(hidden)

@@ -124,7 +124,8 @@ def test_build_from_draft_gives_tables_staged_accepts(target_dir, draft, tmp_pat
     (tmp_path / "text" / "a.py").write_text(CODE)
     out = tmp_path / "ngram.npz"
     path, meta = ngram_build.build_ngram_from_draft(
-        out, str(target_dir), draft, 300, temperature=1.5, seed=0, batch_size=4, seq_len=32,
+        out, specjax.load(str(target_dir)), draft, 300, temperature=1.5, seed=0, batch_size=4,
+        seq_len=32,
         prompt_text=[tmp_path / "text"], samples_out=tmp_path / "samples.npy",
         text=[tmp_path / "text"], top_k=4, trigram_top_k=2, trigram_buckets=256)
     assert path == out and out.is_file()
@@ -150,8 +151,8 @@ def test_ctrl_c_while_sampling_leaves_nothing(target_dir, draft, tmp_path, monke
 
     monkeypatch.setattr(sample_corpus, "draft_samples", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        ngram_build.build_ngram_from_draft(tmp_path / "ngram.npz", str(target_dir), draft, 10,
-                                           samples_out=tmp_path / "samples.npy")
+        ngram_build.build_ngram_from_draft(tmp_path / "ngram.npz", specjax.load(
+            str(target_dir)), draft, 10, samples_out=tmp_path / "samples.npy")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -15,7 +15,7 @@ import pytest
 import specjax
 from specjax import cli
 from specjax.drafters import ngram as ngram_lib
-from specjax.training import train_draft
+from specjax.commands import train_draft
 
 from helpers_checkpoints import VOCAB, save_tiny, tiny_model
 

@@ -12,7 +12,7 @@ import transformers
 import specjax
 from specjax.checkpoints_tools import sources
 from specjax.errors import InvalidArgumentError
-from specjax.training import train_draft
+from specjax.commands import train_draft
 
 from conftest import tiny_target_with_tokenizer, write_corpus
 from tolerances import assert_sums_close, forward_sums

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from specjax.training import train_draft
+from specjax.commands import train_draft
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_draft_gpu.sh"

@@ -25,7 +25,7 @@ import sys
 
 import specjax
 from specjax.benchmark.environment import machine, write_json
-from specjax.benchmark.humaneval import humaneval_prompts
+from specjax.humaneval import humaneval_prompts
 from specjax.errors import InvalidArgumentError
 
 

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import specjax
     from specjax.benchmark.environment import git_commit, machine, versions
-    from specjax.benchmark.humaneval import humaneval_prompts
+    from specjax.humaneval import humaneval_prompts
     from specjax.checkpoints_tools.sources import load_bundled_draft
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

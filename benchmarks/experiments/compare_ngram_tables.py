@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import specjax
     from specjax.benchmark.environment import git_commit, machine, versions
-    from specjax.benchmark.humaneval import humaneval_prompts
+    from specjax.humaneval import humaneval_prompts
     from specjax.drafters.ngram import read_ngram_metadata
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

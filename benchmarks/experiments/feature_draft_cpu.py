@@ -49,7 +49,7 @@ def extract(args) -> None:
     import jax.numpy as jnp
 
     from specjax import models
-    from specjax.training import train_draft
+    from specjax.commands import train_draft
 
     target = _target()
     work = Path(args.work)
@@ -171,7 +171,7 @@ def train(args) -> None:
 def bench(args) -> None:
     import specjax
     from specjax import api
-    from specjax.benchmark.humaneval import humaneval_prompts
+    from specjax.humaneval import humaneval_prompts
 
     target = _target()
     config, params = _initial(target, args.from_draft)

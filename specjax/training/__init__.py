@@ -1,10 +1,10 @@
 """Draft training and the text it trains on (installed as ``specjax.training``).
 
 Modules, one concern each, importing the core and :mod:`specjax.checkpoints_tools` (never
-the other way round; ``tests/test_import_layers.py``):
+the other way round, and never the front: API, CLI, loading; ``tests/test_import_layers.py``).
+They work on loaded models; the commands (``specjax train-draft``, ``specjax build-ngram``)
+are :mod:`specjax.commands`'.
 
-* :mod:`~specjax.training.train_draft`: ``specjax train-draft`` (flags, entry point) and
-  the public names of draft training;
 * :mod:`~specjax.training.config`: :class:`~specjax.training.config.TrainConfig`;
 * :mod:`~specjax.training.corpus`: the file corpus, its held-out split and batch windows;
 * :mod:`~specjax.training.target_corpus`: the target's own text (self-distillation);
@@ -15,5 +15,5 @@ the other way round; ``tests/test_import_layers.py``):
 * :mod:`~specjax.training.export`: a run's latest state as a draft or shipped asset;
 * :mod:`~specjax.training.feature_draft`, :mod:`~specjax.training.eagle3`: the feature
   (EAGLE-style) and EAGLE-3 drafts' parameters and losses;
-* :mod:`~specjax.training.ngram_build`: ``specjax build-ngram``, the n-gram tables.
+* :mod:`~specjax.training.ngram_build`: the n-gram tables (``specjax build-ngram``).
 """

@@ -1,5 +1,5 @@
 """The settings of a draft-training run: :class:`TrainConfig`, one field per flag of
-``specjax train-draft`` (:mod:`~specjax.training.train_draft`)."""
+``specjax train-draft`` (:mod:`~specjax.commands.train_draft`)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     max_corpus_tokens: int = 20_000_000
     heldout_fraction: float = 0.02
-    # Self-distillation (specjax/training/train_draft.py's docstring); recorded in
+    # Self-distillation (specjax/commands/train_draft.py's docstring); recorded in
     # train_config.json only when used.
     target_corpus_tokens: int = 0
     target_corpus_fraction: float = 0.5
@@ -45,13 +45,13 @@ class TrainConfig:
     target_chat_fraction: float = 0.0  # recorded only when set
     init_draft: str | None = None
     add_layers: tuple[int, ...] = ()
-    # Feature drafts (specjax/training/train_draft.py's docstring); recorded in
+    # Feature drafts (specjax/commands/train_draft.py's docstring); recorded in
     # train_config.json only when used.
     feature_draft: bool = False
     feature_noise: float = 0.1
     feature_unroll: int = 2
     feature_weight: float = 1.0
-    # EAGLE-3 drafts (specjax/training/train_draft.py's docstring); recorded in
+    # EAGLE-3 drafts (specjax/commands/train_draft.py's docstring); recorded in
     # train_config.json only when used.
     eagle3: bool = False
     feature_layers: tuple[int, ...] | None = None  # None: eagle3.default_feature_layers

@@ -292,7 +292,7 @@ def eagle3_loss(params: dict, config, windows, target_logits, target_features,
 def make_eagle3_steps(target_config, draft_config, loss_cfg: Eagle3LossConfig, optimizer,
                       compute_dtype: str = "float32"):
     """Jitted ``(train_step, eval_step)`` with the signatures of
-    :func:`specjax.training.train_draft.make_steps`: windows [B, T + 1] (the last
+    :func:`specjax.commands.train_draft.make_steps`: windows [B, T + 1] (the last
     token only ends the window), the target's logits and block outputs computed inside
     the step by a frozen target pass (``target_params`` already in ``compute_dtype``; the
     draft's float32 parameters are cast to it inside the step, so its products run in that

@@ -1,6 +1,6 @@
 """The draft-training loop (:func:`train_draft`): claims the output folder, reads or
 makes the corpora, trains with resumable orbax checkpoints, evaluates held-out agreement,
-and exports the draft atomically (see :mod:`~specjax.training.train_draft` for the folder
+and exports the draft atomically (see :mod:`~specjax.commands.train_draft` for the folder
 it writes)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
 
     Args:
       target: a :class:`specjax.Model`; with a tokenizer unless the corpus is token files.
-      out: output directory (see :mod:`~specjax.training.train_draft`); reused to resume.
+      out: output directory (see :mod:`~specjax.commands.train_draft`); reused to resume.
         A run that fails (an error, not Ctrl-C) in a directory it created, before its
         first checkpoint, removes it: the corrected command starts afresh.
       cfg: training knobs.

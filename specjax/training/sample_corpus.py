@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import models
-from specjax.benchmark import humaneval
+from specjax import humaneval
 from specjax.cache import advance, init_cache
 from specjax.state import bucket
 from specjax.errors import InvalidArgumentError

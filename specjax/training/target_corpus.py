@@ -1,5 +1,5 @@
 """Self-distillation text for draft training (``--corpus-from-target N``, see
-:mod:`~specjax.training.train_draft`): the target writes documents from docstring prompts
+:mod:`~specjax.commands.train_draft`): the target writes documents from docstring prompts
 of the file corpus (:mod:`~specjax.training.corpus`), batched and seeded per row by
 :mod:`~specjax.training.sample_corpus`."""
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from specjax import progress as progress_lib
-from specjax.api import encode_prompt
+from specjax.model import encode_prompt
 from specjax.errors import InvalidArgumentError
 from specjax.models import cast_floats
 from specjax.training import sample_corpus
@@ -79,7 +79,7 @@ def _generation_rows(target, params, prompts: list[str], rows: int, cfg: "TrainC
 def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
                            separator: int, log=print,
                            progress: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
-    """The self-distillation corpus (see :mod:`~specjax.training.train_draft`): (train,
+    """The self-distillation corpus (see :mod:`~specjax.commands.train_draft`): (train,
     held-out) int32 streams of documents written by ``target``, and a description of how
     they were made.
 

@@ -102,7 +102,7 @@ import json
 import sys
 from pathlib import Path
 
-import specjax
+from specjax import api
 from specjax import interrupts
 from specjax.errors import InvalidArgumentError
 # The public names of draft training, importable from here as before the package split.
@@ -287,7 +287,7 @@ def main(args) -> int:
     with interrupts.command("specjax: interrupted",
                             finish_on_completed=not args.asset) as on_interrupt:
         # Loading writes nothing: Ctrl-C may end the process at once.
-        target = specjax.load(args.target, progress=progress)
+        target = api.load(args.target, progress=progress)
         choose_defaults(args, target.config, log)
         cfg = train_config(args)
         on_interrupt.exit_at_once = False  # orbax's threads may be writing from here on
@@ -322,7 +322,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "train-draft", help="distil a small draft model from a target (optax, resumable)",
         description="Distil a Llama-family draft from TARGET into OUT (resumable; see "
-                    "specjax.training.train_draft). Defaults that depend on the target "
+                    "specjax.commands.train_draft). Defaults that depend on the target "
                     "(--init-layers, and with --eagle3 --feature-layers and --draft-vocab) "
                     "are chosen once it loads, one stderr line each.",
         formatter_class=_DefaultsFormatter)
@@ -435,7 +435,7 @@ def _add_self_distillation_arguments(p) -> None:
     """``train-draft``'s options for training on the target's own text."""
     g = p.add_argument_group(
         "self-distillation", "train on text the target writes itself (see the module "
-        "docstring of specjax.training.train_draft)")
+        "docstring of specjax.commands.train_draft)")
     g.add_argument("--corpus-from-target", type=int, default=None, metavar="N",
                    help="generate N tokens with the target from docstring prompts of the "
                         "corpus files (cached in OUT/target_corpus.npz) and mix them in")
