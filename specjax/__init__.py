@@ -33,6 +33,7 @@ _EXPORTS = {
     "NgramOptions": "specjax.methods", "SpecOptions": "specjax.methods",
     "StagedOptions": "specjax.methods", "TreeOptions": "specjax.methods",
     "Model": "specjax.model",
+    "JsonSchema": "specjax.constraints", "Regex": "specjax.constraints",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from specjax.methods import (ArOptions, MethodOptions, NgramOptions, SpecOptions,
                                  StagedOptions, TreeOptions)
     from specjax.model import Model
+    from specjax.constraints import JsonSchema, Regex
 
 
 def __getattr__(name: str):

@@ -28,11 +28,12 @@ import numpy as np
 from specjax import decode, loading, methods, models, progress as progress_lib
 from specjax.backend_options import BatchOptions, KernelOptions
 from specjax.compilation_cache import use_compilation_cache
+from specjax.constraints import build_tables, check_constraint_type
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
 from specjax.kernels import fallbacks
 from specjax.loading import (check_resources, choose_default_method, resolve_draft,
                              resolve_ngram)
-from specjax.methods import MethodOptions
+from specjax.methods import Autoregressive, MethodOptions
 from specjax.methods.common import tally_of
 from specjax.methods.exactness import run_exactness
 from specjax.model import Model, check_draft_compatible, encode_prompt, resolve_dtype
@@ -107,21 +108,26 @@ class _Request:
     prompt_length: int
     options: MethodOptions
     choice: str = "given"  # why this method: "given", or the default's reason
+    constraint: dict | None = None  # the constraint's stats (None: unconstrained)
 
 
 def _stop_array(model: Model, stop_tokens: Sequence[int] | None,
                 strings: Sequence[str] = ()) -> StopCondition:
     """The device's stop condition: ``stop_tokens`` (``None``: the model's EOS ids) and
     the token sequences that spell the stop ``strings`` (:mod:`specjax.stop_strings`)."""
-    if stop_tokens is None:
-        stop = list(model.config.eos_token_ids)
-        eos = getattr(model.tokenizer, "eos_token_id", None)
-        if eos is not None and eos not in stop:
-            stop.append(int(eos))
-    else:
-        stop = [int(t) for t in stop_tokens]
     sequences = stop_sequences(model.tokenizer, model.config.vocab_size, strings)
-    return stop_condition(stop, sequences)
+    return stop_condition(list(_stop_ids(model, stop_tokens)), sequences)
+
+
+def _stop_ids(model: Model, stop_tokens: Sequence[int] | None) -> tuple[int, ...]:
+    """The token ids that end a row: ``stop_tokens``, or (``None``) the model's EOS ids."""
+    if stop_tokens is not None:
+        return tuple(int(t) for t in stop_tokens)
+    stop = list(model.config.eos_token_ids)
+    eos = getattr(model.tokenizer, "eos_token_id", None)
+    if eos is not None and eos not in stop:
+        stop.append(int(eos))
+    return tuple(stop)
 
 
 def resolve_method(model: Model, method: str | MethodOptions | None = None,
@@ -170,6 +176,9 @@ class _Settings:
     resources: Any  # the method's own (Method.build_resources)
     max_new_tokens: int
     choice: str = "given"
+    stop_ids: tuple[int, ...] = ()  # the tokens that end a row (a constraint's EOS)
+    constraint: Any = None  # a constraints.Regex or JsonSchema, or None
+    constraint_stats: dict | None = None  # set with the constraint's tables
 
 
 def kernel_options(model: Model, kernels: KernelOptions | None = None) -> KernelOptions:
@@ -199,13 +208,18 @@ def _check_kernels(model: Model, kernels: KernelOptions) -> None:
 
 
 def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
-              draft, ngram, stop_tokens, kernels, options, stop_strings=()) -> _Settings:
+              draft, ngram, stop_tokens, kernels, options, stop_strings=(),
+              constraint=None) -> _Settings:
     # Every setting is checked before anything loads (the draft, the tables).
     if not isinstance(model, Model):
         raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
                                    f"{type(model).__name__}")
     make_sampling_params(temperature, top_k, top_p, seed)  # a bad temperature first
+    constrained_choice = None
+    if constraint is not None:
+        method, constrained_choice = constrained_method(method, constraint)
     opts, choice = _resolve_method(model, method, temperature, options)
+    choice = constrained_choice or choice
     sampling = make_sampling_params(
         temperature, top_k, top_p, seed,
         static_rule=static_rules(model_backend(model), kernels.sampling_rules))
@@ -216,10 +230,39 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
         raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got "
                                    f"{max_new_tokens}")
     stop = _stop_array(model, stop_tokens, stop_strings)
+    stop_ids = _stop_ids(model, stop_tokens)
+    if constraint is not None:
+        if model.tokenizer is None:
+            raise InvalidArgumentError(f"model {model.name!r} has no tokenizer: a constraint "
+                                       f"is on the text, spelled through one")
+        if not stop_ids:
+            raise InvalidArgumentError("a constraint ends its output with an end-of-sequence "
+                                       "token, and stop=[] leaves none: give one in stop")
     _warn_if_slow_dtype(model)
     _check_kernels(model, kernels)
     return _Settings(opts, sampling, stop, None, None, None, int(max_new_tokens),
-                     choice)
+                     choice, stop_ids, constraint)
+
+
+# Why ar decodes under a constraint (stats["method_choice"]): the speculative methods do
+# not run under one yet.
+CONSTRAINED_CHOICE = ("ar: the one method that decodes under a constraint (the speculative "
+                      "methods do not yet)")
+
+
+def constrained_method(method, constraint) -> tuple[Any, str | None]:
+    """(the method, its choice) for a request under ``constraint``: ``ar`` when none is
+    named; a named speculative method is refused in one line. Checks the constraint's type
+    (:func:`specjax.constraints.check_constraint_type`)."""
+    check_constraint_type(constraint)
+    if method is None:
+        return "ar", CONSTRAINED_CHOICE
+    name = method.name if isinstance(method, MethodOptions) else method
+    if name != "ar":
+        raise InvalidArgumentError(
+            f"constraint=: method {name!r} does not decode under a constraint yet (ar does); "
+            f"use method='ar', or leave the method unset")
+    return method, None
 
 
 # Half-precision parameters XLA's CPU backend runs slower than float32: its bf16/fp16 matmuls
@@ -243,6 +286,21 @@ def _warn_if_slow_dtype(model: Model) -> None:
 
 
 def _load_resources(model: Model, settings: _Settings, draft, ngram) -> None:
+    if settings.constraint is not None:
+        # The constrained ar step: its resources are the constraint's automaton tables
+        # (traced: constraints of one size bucket share the compiled program).
+        tables, info = build_tables(settings.constraint, model.tokenizer,
+                                    model.config.vocab_size, settings.stop_ids)
+        settings.method = Autoregressive(constrained=True)
+        settings.draft_model = None
+        settings.resources = jax.tree.map(jnp.asarray, tables)
+        settings.constraint_stats = {
+            "constraint": settings.constraint.describe(), "states": info.num_states,
+            "token_classes": info.num_classes,
+            "table_bucket": [info.state_bucket, info.class_bucket],
+            "table_bytes": info.table_bytes, "build_seconds": info.seconds,
+            "from_cache": info.from_cache}
+        return
     opts = settings.options
     draft_model = resolve_draft(model, draft) if opts.uses_draft else None
     tables = resolve_ngram(model, ngram) if opts.uses_ngram else None
@@ -278,13 +336,14 @@ def _loop(model: Model, settings: _Settings, prompt_length: int, capacity: int,
 
 def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k, top_p,
              seed, draft, ngram, stop_tokens, chat, kernels, options,
-             stop_strings: Sequence[str] = ()) -> _Request:
+             stop_strings: Sequence[str] = (), constraint=None) -> _Request:
     """One prompt's request; ``stop_strings`` end it on the device where they come out as
     one of their listed token sequences (:mod:`specjax.stop_strings`)."""
     settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                          draft=draft, ngram=ngram, stop_tokens=stop_tokens,
-                         kernels=kernels, options=options, stop_strings=stop_strings)
+                         kernels=kernels, options=options, stop_strings=stop_strings,
+                         constraint=constraint)
     ids = encode_prompt(model, prompt, chat)
     _load_resources(model, settings, draft, ngram)
     prompt_bucket, capacity = _plan(model, settings, len(ids))
@@ -293,7 +352,8 @@ def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k
     padded[: len(ids)] = ids
     args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new_tokens),
             settings.sampling, settings.stop, settings.resources)
-    return _Request(loop, args, len(ids), settings.options, settings.choice)
+    return _Request(loop, args, len(ids), settings.options, settings.choice,
+                    settings.constraint_stats)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -310,6 +370,7 @@ class _Batch:
     options: MethodOptions
     compact: bool = True  # live rows move to smaller programs as rows finish
     choice: str = "given"  # why this method (see _Request)
+    constraint: dict | None = None  # see _Request
 
 
 def is_batch(prompt) -> bool:
@@ -336,7 +397,7 @@ def _row_seeds(seed, rows: int) -> list[int]:
 
 def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature, top_k,
                    top_p, seed, draft, ngram, stop_tokens, chat, kernels, batch: BatchOptions,
-                   options, stop_strings: Sequence[str] = ()) -> list[_Batch]:
+                   options, stop_strings: Sequence[str] = (), constraint=None) -> list[_Batch]:
     if len(prompts) == 0:
         raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
     limit = MAX_BATCH_SIZE
@@ -352,7 +413,8 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
     settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[0],
                          draft=draft, ngram=ngram, stop_tokens=stop_tokens,
-                         kernels=kernels, options=options, stop_strings=stop_strings)
+                         kernels=kernels, options=options, stop_strings=stop_strings,
+                         constraint=constraint)
     encoded = []
     for index, prompt in enumerate(prompts):
         try:
@@ -382,7 +444,7 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
                 jnp.asarray(budgets), batch_sampling(settings.sampling, row_seeds),
                 stop, settings.resources)
         batches.append(_Batch(loop, args, rows, lengths, settings.options,
-                              batch.compact_rows, settings.choice))
+                              batch.compact_rows, settings.choice, settings.constraint_stats))
     return batches
 
 
@@ -407,7 +469,8 @@ def _host_rows(state: decode.DecodeState, count: int) -> list[decode.DecodeState
 
 
 def _row_request(batch: _Batch, slot: int) -> _Request:
-    return _Request(batch.loop, (), batch.prompt_lengths[slot], batch.options, batch.choice)
+    return _Request(batch.loop, (), batch.prompt_lengths[slot], batch.options, batch.choice,
+                    batch.constraint)
 
 
 def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
@@ -530,6 +593,8 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         "draft_calls": int(state.draft_calls),
         "mean_accepted": new_tokens / target_calls,
     }
+    if request.constraint is not None:  # the constraint and its automaton's tables
+        stats["constraint"] = dict(request.constraint)
     counts = dict.fromkeys(ORIGIN_NAMES.values(), 0)
     tally = tally_of(state)
     if tally is None:  # ar: every token is the target's
@@ -601,7 +666,9 @@ def _arguments(model: Model, *, method, max_new_tokens, temperature, top_k, top_
                                    f"{type(batch).__name__}")
     settings = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature,
                     top_k=top_k, top_p=top_p, seed=seed, draft=options.pop("draft", None),
-                    ngram=options.pop("ngram", None), stop_tokens=stop_tokens, chat=chat,
+                    ngram=options.pop("ngram", None),
+                    constraint=options.pop("constraint", None), stop_tokens=stop_tokens,
+                    chat=chat,
                     kernels=kernel_options(model, kernels), options=options)
     return _Arguments(settings, strings, batch,
                       bool(model.progress if progress is None else progress))
@@ -684,7 +751,11 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         draft asset folder or any model :func:`load` accepts, sharing the target's
         tokenizer; default: the draft shipped for the model) and ``ngram``
         (``staged``/``ngram``: a ``specjax build-ngram`` file or
-        :class:`~specjax.drafters.ngram.NgramTables`; default: the shipped tables).
+        :class:`~specjax.drafters.ngram.NgramTables`; default: the shipped tables). And
+        ``constraint``: a :class:`~specjax.constraints.Regex` or
+        :class:`~specjax.constraints.JsonSchema` the output must match (an automaton on
+        the device; ``ar`` only so far, the default under a constraint;
+        ``stats["constraint"]``).
     Returns:
       :class:`GenerationResult` with ``text``, ``tokens``, ``stats`` and, for the
       speculative methods, ``origins``; for a batch a list of them, whose ``stats`` also

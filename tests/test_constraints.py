@@ -459,3 +459,89 @@ def test_a_batch_under_one_constraint_equals_its_single_runs(tiny_model):
         tokens = np.asarray(state.tokens[row, start:end]).tolist()
         assert tokens == constrained_run(tiny_model, prompt, constraint, 0.0, 0)
         assert re.fullmatch(BOUNDED[3], spelled(tokens[:-1]).decode())
+
+
+# ----------------------------------------------------------------------------- the API and CLI
+
+
+@pytest.fixture(scope="module")
+def spelling_model(tiny_model):
+    """The tiny model with the tiny tokenizer (transformers' wrapper of it), so that
+    ``generate`` builds the constraint's tables itself."""
+    import specjax
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer(), eos_token="<eos>")
+    return specjax.Model.from_params(tiny_model.config, tiny_model.params, tokenizer,
+                                     name="tiny-spelling")
+
+
+def test_generate_under_a_constraint_runs_the_constrained_ar_step(spelling_model, tiny_model):
+    """``generate(..., constraint=)`` (one prompt, a batch, a stream) gives the tokens of
+    the constrained step run by hand, greedy and coupled; the stats say so; without a
+    method the choice is ar and says why."""
+    import specjax
+    from specjax import api
+
+    constraint = Regex(BOUNDED[3])
+    prompts = [np.random.default_rng(seed).integers(0, 100, 4 + 3 * seed).tolist()
+               for seed in range(2)]
+    for temperature, seed in ((0.0, 0), (1.0, 3)):
+        out = specjax.generate(spelling_model, prompts[0], constraint=constraint,
+                               max_new_tokens=12, temperature=temperature, seed=seed,
+                               stop=[eos_id()])
+        assert out.tokens == constrained_run(tiny_model, prompts[0], constraint, temperature,
+                                             seed)
+    assert out.stats["method"] == "ar"
+    assert out.stats["method_choice"] == api.CONSTRAINED_CHOICE
+    assert out.stats["constraint"]["constraint"] == constraint.describe()
+    assert out.stats["constraint"]["table_bucket"] == [16, 16]
+    rows = specjax.generate(spelling_model, prompts, constraint=constraint, max_new_tokens=12,
+                            stop=[eos_id()], method="ar")
+    assert [r.tokens for r in rows] == [constrained_run(tiny_model, p, constraint, 0.0, 0)
+                                        for p in prompts]
+    assert rows[1].stats["constraint"] == rows[0].stats["constraint"]
+    streamed = list(specjax.stream_generate(spelling_model, prompts[1], constraint=constraint,
+                                            max_new_tokens=12, stop=[eos_id()]))
+    assert sum((new for new, _ in streamed), []) == rows[1].tokens
+    # The model's own EOS ends the output when stop is not given.
+    text = specjax.generate(spelling_model, prompts[0], constraint=Regex("(yes|no)"),
+                            max_new_tokens=8).text
+    assert text in ("yes", "no")
+
+
+def test_a_constraint_is_refused_in_one_line_where_it_cannot_run(spelling_model, tiny_model):
+    import specjax
+
+    cases = [
+        (spelling_model, dict(constraint="[0-9]+"), "constraint must be specjax.Regex"),
+        (spelling_model, dict(constraint=Regex("[0-9]+"), method="spec"),
+         "method 'spec' does not decode under a constraint yet"),
+        (spelling_model, dict(constraint=Regex("[0-9]+"), method=specjax.NgramOptions()),
+         "method 'ngram' does not decode under a constraint yet"),
+        (spelling_model, dict(constraint=Regex("[0-9]+"), stop=[]), "stop=[] leaves none"),
+        (tiny_model, dict(constraint=Regex("[0-9]+")), "has no tokenizer"),
+    ]
+    for model, kwargs, message in cases:
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)) as info:
+            specjax.generate(model, [1, 2, 3], max_new_tokens=4, **kwargs)
+        assert "\n" not in str(info.value)
+
+
+def test_the_cli_refuses_a_bad_constraint_before_the_model_loads(tmp_path, capsys):
+    """``--regex`` and ``--json-schema`` are checked first: the model named here does not
+    exist, and the error is the constraint's."""
+    from specjax import cli
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "nonsense"}}}')
+    cases = [(["--regex", "(ab"], "--regex:"),
+             (["--json-schema", str(schema)], "--json-schema: JsonSchema: not a valid schema"),
+             (["--json-schema", str(tmp_path / "missing.json")], "cannot read it"),
+             (["--regex", "[0-9]+", "--method", "tree"],
+              "--regex/--json-schema: --method 'tree' does not decode under a constraint")]
+    for flags, message in cases:
+        code = cli.main(["generate", "x", "-m", str(tmp_path / "no-such-model"), *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, err
+        assert "no-such-model" not in err
