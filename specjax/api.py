@@ -33,7 +33,7 @@ from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarn
 from specjax.kernels import fallbacks
 from specjax.loading import (check_resources, choose_default_method, resolve_draft,
                              resolve_ngram)
-from specjax.methods import Autoregressive, MethodOptions
+from specjax.methods import MethodOptions
 from specjax.methods.common import tally_of
 from specjax.methods.exactness import run_exactness
 from specjax.model import Model, check_draft_compatible, encode_prompt, resolve_dtype
@@ -244,24 +244,18 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
                      choice, stop_ids, constraint)
 
 
-# Why ar decodes under a constraint (stats["method_choice"]): the speculative methods do
-# not run under one yet.
-CONSTRAINED_CHOICE = ("ar: the one method that decodes under a constraint (the speculative "
-                      "methods do not yet)")
+# Why ar is the default under a constraint (stats["method_choice"]): every method decodes
+# under one, but none is timed against ar there yet.
+CONSTRAINED_CHOICE = "ar: under a constraint no method is timed against ar yet"
 
 
 def constrained_method(method, constraint) -> tuple[Any, str | None]:
     """(the method, its choice) for a request under ``constraint``: ``ar`` when none is
-    named; a named speculative method is refused in one line. Checks the constraint's type
+    named, else the method named. Checks the constraint's type
     (:func:`specjax.constraints.check_constraint_type`)."""
     check_constraint_type(constraint)
     if method is None:
         return "ar", CONSTRAINED_CHOICE
-    name = method.name if isinstance(method, MethodOptions) else method
-    if name != "ar":
-        raise InvalidArgumentError(
-            f"constraint=: method {name!r} does not decode under a constraint yet (ar does); "
-            f"use method='ar', or leave the method unset")
     return method, None
 
 
@@ -286,28 +280,28 @@ def _warn_if_slow_dtype(model: Model) -> None:
 
 
 def _load_resources(model: Model, settings: _Settings, draft, ngram) -> None:
+    opts = settings.options
+    draft_model = resolve_draft(model, draft) if opts.uses_draft else None
+    tables = resolve_ngram(model, ngram) if opts.uses_ngram else None
+    settings.method = methods.build(opts, None if draft_model is None else draft_model.config)
+    settings.draft_model = draft_model
+    constraint = None
     if settings.constraint is not None:
-        # The constrained ar step: its resources are the constraint's automaton tables
-        # (traced: constraints of one size bucket share the compiled program).
-        tables, info = build_tables(settings.constraint, model.tokenizer,
-                                    model.config.vocab_size, settings.stop_ids)
-        settings.method = Autoregressive(constrained=True)
-        settings.draft_model = None
-        settings.resources = jax.tree.map(jnp.asarray, tables)
+        # The method's constrained step; the automaton's tables are a resource (traced:
+        # constraints of one size bucket share the compiled program).
+        built, info = build_tables(settings.constraint, model.tokenizer,
+                                   model.config.vocab_size, settings.stop_ids)
+        constraint = jax.tree.map(jnp.asarray, built)
+        settings.method = dataclasses.replace(settings.method, constrained=True)
         settings.constraint_stats = {
             "constraint": settings.constraint.describe(), "states": info.num_states,
             "token_classes": info.num_classes,
             "table_bucket": [info.state_bucket, info.class_bucket],
             "table_bytes": info.table_bytes, "build_seconds": info.seconds,
             "from_cache": info.from_cache}
-        return
-    opts = settings.options
-    draft_model = resolve_draft(model, draft) if opts.uses_draft else None
-    tables = resolve_ngram(model, ngram) if opts.uses_ngram else None
-    settings.method = methods.build(opts, None if draft_model is None else draft_model.config)
-    settings.draft_model = draft_model
     settings.resources = settings.method.build_resources(
-        draft_params=None if draft_model is None else draft_model.params, tables=tables)
+        draft_params=None if draft_model is None else draft_model.params, tables=tables,
+        constraint=constraint)
 
 
 def _plan(model: Model, settings: _Settings, prompt_length: int) -> tuple[int, int]:
@@ -754,7 +748,7 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         :class:`~specjax.drafters.ngram.NgramTables`; default: the shipped tables). And
         ``constraint``: a :class:`~specjax.constraints.Regex` or
         :class:`~specjax.constraints.JsonSchema` the output must match (an automaton on
-        the device; ``ar`` only so far, the default under a constraint;
+        the device, every method; ``ar`` is the default under one;
         ``stats["constraint"]``).
     Returns:
       :class:`GenerationResult` with ``text``, ``tokens``, ``stats`` and, for the

@@ -109,10 +109,10 @@ def _add_generate(sub) -> None:
     constraint = p.add_mutually_exclusive_group()
     constraint.add_argument("--regex", default=None, metavar="PATTERN",
                             help="the output matches PATTERN as a whole, then ends (an "
-                                 "automaton on the device; decodes with ar)")
+                                 "automaton on the device; default method: ar)")
     constraint.add_argument("--json-schema", default=None, metavar="FILE",
                             help="the output is a JSON document valid under the schema in "
-                                 "FILE, then ends (decodes with ar)")
+                                 "FILE, then ends (default method: ar)")
     p.add_argument("--dtype", default="auto",
                    help="parameter dtype: float32, bfloat16, or auto = bfloat16 on GPU/TPU, "
                         "float32 on CPU, where bfloat16 runs ~7x slower (default: auto, as "
@@ -259,11 +259,7 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
     args.constraint = constraint_from_args(args)
     method, reason = args.method, "given"
     if args.constraint is not None:
-        try:
-            method, why = api.constrained_method(method, args.constraint)
-        except InvalidArgumentError as error:
-            raise InvalidArgumentError(_with_flag_names(str(error), args).replace(
-                "constraint=: method", "--regex/--json-schema: --method")) from None
+        method, why = api.constrained_method(method, args.constraint)
         reason = why or reason
     if method is None:
         method, reason = loading.choose_default_method(sources.known_origin(args.model),

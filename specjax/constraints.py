@@ -626,3 +626,28 @@ def forced_token(tables: ConstraintTables, state: jax.Array) -> jax.Array:
     """
     state = jnp.asarray(state, jnp.int32)
     return jnp.where(state < 0, -1, jnp.take(tables.forced_token, jnp.maximum(state, 0)))
+
+
+def start_automaton(tables: ConstraintTables, state) -> jax.Array:
+    """The automaton's state after the prefill's token (sampled under
+    :data:`INITIAL_STATE`): int32 []. ``state``: the decode state after the prefill."""
+    return advance(tables, jnp.int32(INITIAL_STATE),
+                   jax.lax.dynamic_index_in_dim(state.tokens, state.prompt_length,
+                                                keepdims=False))
+
+
+def tree_states(tables: ConstraintTables, root_state: jax.Array, tokens: jax.Array,
+                parents: jax.Array, max_depth: int) -> jax.Array:
+    """The automaton's state after each node of a tree: int32 [N].
+
+    Args:
+      tables: the constraint's tables.
+      root_state: int32 [], the state after the root's token (committed already).
+      tokens: int32 [N] the nodes' tokens; ``parents`` int32 [N], -1 at the root.
+      max_depth: the tree's depth bound (static): a node at depth d is right after d rounds.
+    """
+    states = jnp.full(tokens.shape, root_state, jnp.int32)
+    for _ in range(max_depth):
+        following = advance(tables, states[jnp.maximum(parents, 0)], tokens)
+        states = jnp.where(parents >= 0, following, root_state)
+    return states

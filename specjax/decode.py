@@ -68,7 +68,7 @@ def run_to_completion(params, loop: DecodeLoop, prompt, prompt_length, max_new_t
 def _start(params, loop: DecodeLoop, prompt, prompt_length, max_new_tokens, sampling,
            stop, resources: Any) -> DecodeState:
     state, features = prefill(params, loop, prompt, prompt_length, max_new_tokens, sampling,
-                              stop)
+                              stop, loop.method.constraint_of(resources))
     return loop.method.init(params, loop, state, resources, features)
 
 

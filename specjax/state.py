@@ -45,6 +45,7 @@ from specjax import models, sharding
 from specjax.backend_options import MAX_BATCH_SIZE, KernelOptions  # noqa: F401
 from specjax.cache import KVCache, advance, init_cache
 from specjax.config import ModelConfig
+from specjax.constraints import INITIAL_STATE, ConstraintTables, mask_logits
 from specjax.errors import InvalidArgumentError
 from specjax.sampling import SamplingParams, sample_tokens
 
@@ -112,10 +113,14 @@ class Method(Protocol):
     def scratch(self) -> int:
         """Cache slots past the committed prefix one step may write."""
 
-    def build_resources(self, draft_params=None, tables=None) -> Any:
+    def build_resources(self, draft_params=None, tables=None, constraint=None) -> Any:
         """The traced arrays the method decodes with besides the target (a pytree passed
         to every ``init`` and ``step``; ``None`` where it takes none), from the draft's
-        parameters and the stage-2 n-gram tables it was given."""
+        parameters, the stage-2 n-gram tables and the constraint's tables it was given."""
+
+    def constraint_of(self, resources) -> Any:
+        """The constraint's tables in ``resources`` (the prefill samples under them), or
+        ``None`` for a method decoding without one."""
 
     def init(self, params, loop: "DecodeLoop", state: "DecodeState", resources,
              prompt_features) -> "DecodeState":
@@ -225,9 +230,10 @@ class DecodeState:
 
 
 def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Array,
-            max_new_tokens: jax.Array, sampling: SamplingParams,
-            stop: StopCondition) -> tuple[DecodeState, jax.Array | None]:
-    """Runs the target over the padded prompt [P] and samples the first new token.
+            max_new_tokens: jax.Array, sampling: SamplingParams, stop: StopCondition,
+            constraint: ConstraintTables | None = None) -> tuple[DecodeState, jax.Array | None]:
+    """Runs the target over the padded prompt [P] and samples the first new token (under
+    the ``constraint``'s initial state, when given: its tables).
 
     Returns:
       (the state, without a method state; the target's features over the prompt [P, F]
@@ -248,6 +254,9 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
     # The head only where it is needed: the last prompt token.
     last = models.lm_head(params, config,
                           jax.lax.dynamic_index_in_dim(hidden, prompt_length - 1, keepdims=True))
+    target_logits = last
+    if constraint is not None:
+        last = mask_logits(constraint, jnp.int32(INITIAL_STATE), last)
     first = sample_tokens(last, sampling, prompt_length[None])
     tokens = jnp.zeros((loop.capacity,), jnp.int32).at[: loop.prompt_bucket].set(prompt)
     state = DecodeState(
@@ -257,7 +266,7 @@ def prefill(params, loop: DecodeLoop, prompt: jax.Array, prompt_length: jax.Arra
         target_calls=jnp.int32(0), draft_calls=jnp.int32(0), stop=stop,
         sampling=sampling,
     )
-    state = check_finite(state, last)
+    state = check_finite(state, target_logits)  # the target's own logits, before any mask
     return append_tokens(state, first, (~state.nonfinite).astype(jnp.int32)), features
 
 

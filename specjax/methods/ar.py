@@ -10,9 +10,9 @@ automaton state of the sequence, after the last sampled token. Each token is the
 from the target's logits masked by that state (:func:`specjax.constraints.mask_logits`),
 greedy or coupled alike, and the state advances over it.
 
-The prefill samples the first new token without the constraint; a constrained ``init``
-samples it again from the prompt's last logits, masked (the prefill keeps the final hidden
-states over the prompt for it: ``uses_features``), and puts it in the first one's place.
+The prefill samples the first new token under the constraint's initial state (every
+method's prefill does, given the method's :meth:`constraint_of` tables); ``init`` starts
+the automaton after it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flax import struct
 from specjax import models
 from specjax.cache import advance
 from specjax.config import ModelConfig
-from specjax.constraints import INITIAL_STATE, ConstraintTables, mask_logits
+from specjax.constraints import ConstraintTables, mask_logits, start_automaton
 from specjax.constraints import advance as advance_automaton
 from specjax.methods.options import ArOptions
 from specjax.sampling import sample_tokens
@@ -59,34 +59,6 @@ def ar_step(params, loop: DecodeLoop, state: DecodeState,
     return append_tokens(state, new, (~state.nonfinite).astype(jnp.int32))
 
 
-def constrained_first_token(params, loop: DecodeLoop, state: DecodeState,
-                            tables: ConstraintTables, hidden: jax.Array) -> DecodeState:
-    """Samples the first new token again, from the prompt's last logits masked by the
-    constraint's initial state, in place of the prefill's unconstrained one.
-
-    Args:
-      params, loop: the target's parameters and the static loop.
-      state: the state the prefill returned (one token appended, unless it stopped on
-        non-finite logits).
-      tables: the constraint's tables.
-      hidden: float [P, F], the target's final-normed hidden states over the padded prompt.
-
-    Returns:
-      The state with the masked first token and an :class:`ArState`.
-    """
-    last = models.lm_head(params, loop.config, jax.lax.dynamic_index_in_dim(
-        hidden, state.prompt_length - 1, keepdims=True))  # [1, V]
-    start = jnp.int32(INITIAL_STATE)
-    first = sample_tokens(mask_logits(tables, start, last), state.sampling,
-                          state.prompt_length[None])
-    # Undo the prefill's append (it set ``done`` only for a stop token, the length limit or
-    # non-finite logits; the last stays) and append the masked token instead.
-    state = state.replace(length=state.prompt_length, done=state.nonfinite,
-                          method_state=ArState(automaton=advance_automaton(tables, start,
-                                                                           first[0])))
-    return append_tokens(state, first, (~state.nonfinite).astype(jnp.int32))
-
-
 @dataclasses.dataclass(frozen=True)
 class Autoregressive:
     """The ``ar`` method: one target pass per token.
@@ -99,23 +71,23 @@ class Autoregressive:
     name: str = "ar"
     scratch: int = 1
     constrained: bool = False
+    uses_features = False
     feature_layers = ()
 
-    @property
-    def uses_features(self) -> bool:
-        """Constrained, the prefill keeps the final hidden states over the prompt (the
-        first token is sampled again from them, masked)."""
-        return self.constrained
-
-    def build_resources(self, draft_params=None, tables=None) -> None:
+    def build_resources(self, draft_params=None, tables=None, constraint=None):
+        """``None``, or constrained the constraint's tables."""
         del draft_params, tables
-        return None
+        return constraint if self.constrained else None
+
+    def constraint_of(self, resources) -> ConstraintTables | None:
+        return resources if self.constrained else None
 
     def init(self, params, loop: DecodeLoop, state: DecodeState, resources,
              prompt_features) -> DecodeState:
+        del params, loop, prompt_features
         if not self.constrained:
             return state
-        return constrained_first_token(params, loop, state, resources, prompt_features)
+        return state.replace(method_state=ArState(automaton=start_automaton(resources, state)))
 
     def step(self, params, loop: DecodeLoop, state: DecodeState, resources) -> DecodeState:
         return ar_step(params, loop, state, resources if self.constrained else None)

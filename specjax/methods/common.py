@@ -9,6 +9,8 @@
   them by origin.
 * :func:`verify_tree` -- one target pass over a tree, then an acceptance rule of
   :mod:`specjax.verify` by name.
+* :func:`tree_constraint`, :func:`automaton_after` -- a constrained step's automaton
+  states over its tree, and after its accepted tokens.
 * :class:`PassPlan` -- the forward passes one step runs (for cost breakdowns).
 """
 
@@ -22,6 +24,8 @@ from flax import struct
 
 from specjax import models
 from specjax.cache import commit_path
+from specjax.constraints import advance as advance_automaton
+from specjax.constraints import mask_logits, tree_states
 from specjax.errors import InvalidArgumentError
 from specjax.origins import NUM_ORIGINS, ORIGIN_TARGET
 from specjax.sampling import (SamplingParams, by_temperature, perturbed_scores, sample_tokens,
@@ -174,8 +178,9 @@ def commit_step(state: DecodeState, tree: Tree, tree_origin: jax.Array, verdict:
 def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_depth: int,
                 width: int, verify: str, key: jax.Array, draft_logp: jax.Array | None = None,
                 children_mode: str = "deterministic", return_features: bool = False,
-                feature_layers: tuple[int, ...] = ()):
-    """One target pass over ``tree`` (rooted at the pending last token), then the rule.
+                feature_layers: tuple[int, ...] = (), constraint=None):
+    """One target pass over ``tree`` (rooted at the pending last token), then the rule
+    (on the target's logits masked per node by a constraint, when given).
 
     Args:
       params: target parameters; ``loop`` the static program description.
@@ -189,6 +194,10 @@ def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_de
       return_features: also return the target's features [N, d] of the nodes (static;
         for drafts that read them); with ``feature_layers`` the outputs of those target
         blocks [N, F*d] instead (a multi-layer feature draft's).
+      constraint: ``(tables, node_states)``: a constraint's tables and the automaton's
+        state after each node (:func:`specjax.constraints.tree_states`); the target's
+        logits after each node are masked by its state, so every rule decides on the
+        masked distributions (``ar``'s under the constraint).
     Returns:
       (verdict, target cache with the tree's K/V in scratch, whether the logits of the
       valid nodes were all finite), then the features when ``return_features``.
@@ -201,7 +210,9 @@ def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_de
                          attn_impl=loop.kernels, return_features=return_features,
                          feature_layers=feature_layers)
     logits, cache = out[0], out[-1]
-    finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])
+    finite = jnp.all(jnp.isfinite(logits) | ~tree.valid[:, None])  # before any mask
+    if constraint is not None:
+        logits = mask_logits(*constraint, logits)
     if verify in ("greedy", "coupled"):
         verdict = verify_choices(tree, sample_tokens(logits, sampling, positions + 1),
                                  max_depth)
@@ -215,3 +226,20 @@ def verify_tree(params, loop: DecodeLoop, state: DecodeState, tree: Tree, max_de
     if return_features:
         return verdict, cache, finite, out[1]
     return verdict, cache, finite
+
+
+def tree_constraint(tables, automaton: jax.Array, tree: Tree, max_depth: int):
+    """``verify_tree``'s ``constraint`` for a step under a constraint: ``(tables, the
+    automaton's state after each node)``, from the state after the root (``automaton``);
+    ``None`` without one (``tables`` None)."""
+    if tables is None:
+        return None
+    return tables, tree_states(tables, automaton, tree.tokens, tree.parents, max_depth)
+
+
+def automaton_after(constraint, verdict: Verdict) -> jax.Array:
+    """The automaton's state after a step's tokens: the accepted path's last node's state,
+    advanced over the target's next token. ``constraint``: :func:`tree_constraint`'s."""
+    tables, node_states = constraint
+    return advance_automaton(tables, node_states[verdict.path[verdict.count - 1]],
+                             verdict.next_token)

@@ -49,6 +49,7 @@ verify rule's, as for any draft.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +59,11 @@ from flax import struct
 from specjax import models
 from specjax.cache import KVCache, advance, init_cache
 from specjax.config import ModelConfig
+from specjax.constraints import start_automaton
 from specjax.errors import InvalidArgumentError
 from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
-                                    rank_children, step_key, verify_tree)
+                                    automaton_after, rank_children, step_key,
+                                    tree_constraint, verify_tree)
 from specjax.methods.options import SpecOptions, TreeOptions, fixed_topology_shape
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_TARGET
 from specjax.sampling import target_log_probs, top_k
@@ -103,6 +106,7 @@ class DraftResources:
     """What a method with a draft model decodes with (``spec``, ``tree``)."""
 
     draft_params: dict  # the draft model's parameter tree
+    constraint: Any = None  # a constraint's ConstraintTables (a constrained method), or None
 
 
 @struct.dataclass
@@ -118,6 +122,8 @@ class DraftState:
     # draft (the draft fuses them itself: the target pass stays the draft's). ``None``
     # for other drafts.
     features: jax.Array | None = None
+    # int32 []: a constrained method's automaton state after the last committed token.
+    automaton: jax.Array | None = None
 
     buffers = ("draft_cache", "features")  # read on the device only (specjax.state)
 
@@ -251,6 +257,7 @@ class Speculative(DraftFeatures):
 
     options: SpecOptions | TreeOptions
     draft_config: ModelConfig
+    constrained: bool = False  # decodes under a constraint (its tables in the resources)
 
     @property
     def name(self) -> str:
@@ -330,17 +337,26 @@ class Speculative(DraftFeatures):
 
     # ------------------------------------------------------------------ method protocol
 
-    def build_resources(self, draft_params=None, tables=None) -> DraftResources:
+    def build_resources(self, draft_params=None, tables=None,
+                        constraint=None) -> DraftResources:
         del tables
-        return DraftResources(draft_params=draft_params)
+        return DraftResources(draft_params=draft_params,
+                              constraint=constraint if self.constrained else None)
+
+    def constraint_of(self, resources: DraftResources):
+        return resources.constraint if self.constrained else None
 
     def init(self, params, loop: DecodeLoop, state: DecodeState, resources: DraftResources,
              prompt_features) -> DecodeState:
         """Prefills the draft cache with the prompt; keeps the prompt's target features for
-        a feature draft."""
+        a feature draft; starts a constraint's automaton after the prefill's token."""
         del params
-        return start_draft(resources.draft_params, self.draft_config, loop, state,
-                           prompt_features, self.shape.depth)
+        state = start_draft(resources.draft_params, self.draft_config, loop, state,
+                            prompt_features, self.shape.depth)
+        if not self.constrained:
+            return state
+        return state.replace(method_state=state.method_state.replace(
+            automaton=start_automaton(resources.constraint, state)))
 
     def step(self, params, loop: DecodeLoop, state: DecodeState,
              resources: DraftResources) -> DecodeState:
@@ -360,13 +376,17 @@ class Speculative(DraftFeatures):
                                         root_hidden if self.uses_features else None,
                                         root_position, sampling, draft_key)
 
-        # 3. Verify with one target pass.
+        # 3. Verify with one target pass (masked per node under a constraint).
+        constraint = tree_constraint(self.constraint_of(resources),
+                                     state.method_state.automaton, tree, shape.depth)
         verified = verify_tree(params, loop, state, tree, shape.depth, shape.width,
                                self.verify, verify_key, draft_logp, self.children_mode,
                                return_features=self.uses_features,
-                               feature_layers=self.feature_layers)
+                               feature_layers=self.feature_layers, constraint=constraint)
         verdict, target_cache, finite = verified[:3]
         kept = state.method_state.replace(draft_cache=cache)
+        if constraint is not None:
+            kept = kept.replace(automaton=automaton_after(constraint, verdict))
         if self.uses_features:
             kept = kept.replace(features=commit_features(state, verified[3], verdict.path))
 

@@ -59,6 +59,7 @@ origin of every generated token.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,9 +69,11 @@ from flax import struct
 from specjax import models
 from specjax.cache import advance
 from specjax.config import ModelConfig
+from specjax.constraints import start_automaton
 from specjax.drafters.ngram import NgramTables, propose
 from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
-                                    rank_children, step_key, verify_tree)
+                                    automaton_after, rank_children, step_key,
+                                    tree_constraint, verify_tree)
 from specjax.methods.options import NgramOptions, StagedOptions
 from specjax.methods.speculative import commit_features, previous_features, start_draft
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_LOOKUP, ORIGIN_TARGET
@@ -85,8 +88,9 @@ _KEY_TAG = 0x57A6
 class StagedResources:
     """What ``staged`` decodes with."""
 
-    draft_params: dict  # the draft model's parameter tree
+    draft_params: dict | None  # the draft model's parameter tree (None: constrained ngram)
     tables: NgramTables  # stage-2 n-gram tables
+    constraint: Any = None  # a constraint's ConstraintTables (constrained), or None
 
 
 @struct.dataclass
@@ -95,6 +99,7 @@ class NgramState:
     :class:`~specjax.methods.speculative.DraftState`)."""
 
     tally: Tally  # per-step statistics
+    automaton: jax.Array | None = None  # int32 []: constrained, the automaton's state
 
 
 def _log(probability: float) -> float:
@@ -172,6 +177,7 @@ class NgramOnly:
     ``rejection`` rule runs in ``deterministic`` children mode."""
 
     options: NgramOptions = NgramOptions()
+    constrained: bool = False  # resources: StagedResources without a draft, and a constraint
 
     name = "ngram"
     uses_features = False
@@ -198,19 +204,31 @@ class NgramOnly:
     def pass_plan(self) -> PassPlan:
         return PassPlan(target_nodes=self.budget)
 
-    def build_resources(self, draft_params=None, tables=None) -> NgramTables:
+    def build_resources(self, draft_params=None, tables=None, constraint=None):
+        """The n-gram tables; constrained, with the constraint (:class:`StagedResources`
+        without a draft)."""
         del draft_params
+        if self.constrained:
+            return StagedResources(draft_params=None, tables=tables, constraint=constraint)
         return tables
 
-    def init(self, params, loop: DecodeLoop, state: DecodeState, resources: NgramTables,
-             prompt_features) -> DecodeState:
-        del params, loop, resources, prompt_features
-        return state.replace(method_state=NgramState(tally=init_tally(state, self.max_depth)))
+    def constraint_of(self, resources):
+        return resources.constraint if self.constrained else None
 
-    def step(self, params, loop: DecodeLoop, state: DecodeState,
-             resources: NgramTables) -> DecodeState:
+    def _tables(self, resources) -> NgramTables:
+        return resources.tables if self.constrained else resources
+
+    def init(self, params, loop: DecodeLoop, state: DecodeState, resources,
+             prompt_features) -> DecodeState:
+        del params, loop, prompt_features
+        kept = NgramState(tally=init_tally(state, self.max_depth))
+        if self.constrained:
+            kept = kept.replace(automaton=start_automaton(resources.constraint, state))
+        return state.replace(method_state=kept)
+
+    def step(self, params, loop: DecodeLoop, state: DecodeState, resources) -> DecodeState:
         key = step_key(state.sampling, state.length, _KEY_TAG)
-        prop = propose(resources, state.tokens, state.length, self.proposal,
+        prop = propose(self._tables(resources), state.tokens, state.length, self.proposal,
                        use_lookup=self.options.use_lookup)
         root = state.tokens[state.length - 1]
         tree = Tree(tokens=jnp.concatenate([root[None], prop.tokens]),
@@ -218,9 +236,15 @@ class NgramOnly:
                                              jnp.where(prop.parents < 0, 0, prop.parents + 1)]),
                     valid=jnp.concatenate([jnp.array([True]), prop.valid]))
         origin = jnp.concatenate([jnp.array([ORIGIN_TARGET], jnp.int8), prop.origin])
+        constraint = tree_constraint(self.constraint_of(resources),
+                                     state.method_state.automaton, tree, self.max_depth)
         verdict, cache, finite = verify_tree(params, loop, state, tree, self.max_depth,
-                                             max(self.proposal), self.options.verify, key)
-        return commit_step(state, tree, origin, verdict, cache, finite, 0, state.method_state)
+                                             max(self.proposal), self.options.verify, key,
+                                             constraint=constraint)
+        kept = state.method_state
+        if constraint is not None:
+            kept = kept.replace(automaton=automaton_after(constraint, verdict))
+        return commit_step(state, tree, origin, verdict, cache, finite, 0, kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +265,7 @@ class Staged(DraftFeatures):
 
     options: StagedOptions
     draft_config: ModelConfig
+    constrained: bool = False  # decodes under a constraint (its tables in the resources)
 
     name = "staged"
 
@@ -296,16 +321,25 @@ class Staged(DraftFeatures):
         """Ranking log-scores [E, V] for the children of E evaluated nodes."""
         return rank_children(logits, sampling, child_positions, self.verify)
 
-    def build_resources(self, draft_params=None, tables=None) -> StagedResources:
-        return StagedResources(draft_params=draft_params, tables=tables)
+    def build_resources(self, draft_params=None, tables=None,
+                        constraint=None) -> StagedResources:
+        return StagedResources(draft_params=draft_params, tables=tables,
+                               constraint=constraint if self.constrained else None)
+
+    def constraint_of(self, resources: StagedResources):
+        return resources.constraint if self.constrained else None
 
     def init(self, params, loop: DecodeLoop, state: DecodeState, resources: StagedResources,
              prompt_features) -> DecodeState:
         """Prefills the draft cache with the prompt; keeps the prompt's target features for
-        a feature draft."""
+        a feature draft; starts a constraint's automaton after the prefill's token."""
         del params
-        return start_draft(resources.draft_params, self.draft_config, loop, state,
-                           prompt_features, self.max_depth)
+        state = start_draft(resources.draft_params, self.draft_config, loop, state,
+                            prompt_features, self.max_depth)
+        if not self.constrained:
+            return state
+        return state.replace(method_state=state.method_state.replace(
+            automaton=start_automaton(resources.constraint, state)))
 
     def _pass_candidates(self, pass_tokens, pass_valid, pass_origin, rank, first_parent,
                          first_score, base: int):
@@ -462,12 +496,16 @@ class Staged(DraftFeatures):
         # 3. Select the target tree.
         tree, tree_origin = self._select(cands, kill)
 
-        # 4. Verify and commit.
+        # 4. Verify (masked per node under a constraint) and commit.
+        constraint = tree_constraint(self.constraint_of(resources),
+                                     state.method_state.automaton, tree, self.max_depth)
         verified = verify_tree(params, loop, state, tree, self.max_depth, width, self.verify,
                                key, return_features=self.uses_features,
-                               feature_layers=self.feature_layers)
+                               feature_layers=self.feature_layers, constraint=constraint)
         verdict, target_cache, finite = verified[:3]
         kept = state.method_state.replace(draft_cache=cache)
+        if constraint is not None:
+            kept = kept.replace(automaton=automaton_after(constraint, verdict))
         if self.uses_features:
             kept = kept.replace(features=commit_features(state, verified[3], verdict.path))
         return commit_step(state, tree, tree_origin, verdict, target_cache, finite,
