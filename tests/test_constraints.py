@@ -617,3 +617,94 @@ def test_the_same_test_catches_an_unmasked_verify_pass(spelling_model, drafts, m
         differ += got.tokens != specjax.generate(spelling_model, prompt, method="ar",
                                                  **kwargs).tokens
     assert differ >= 2
+
+
+# ----------------------------------------------------------------------------- sampled
+
+
+DIST_SEEDS = 1024
+DIST_PROMPT = [5, 17, 42, 8, 61]
+DIST_PATTERN = BOUNDED[4]
+
+
+def masked_log_probs(model, tokens, state) -> np.ndarray:
+    """log p~ of the token after ``tokens`` at temperature 1, masked by the automaton's
+    ``state`` (the distribution ar samples from under the constraint)."""
+    from specjax import models
+
+    logits = models.forward(model.params, model.config, jnp.asarray(tokens, jnp.int32),
+                            jnp.arange(len(tokens), dtype=jnp.int32))[0][-1]
+    tables = tables_of(Regex(DIST_PATTERN))
+    masked = np.where(np.asarray(_allowed(tables, jnp.int32(state))), np.asarray(logits,
+                                                                                np.float64),
+                      -np.inf)
+    return masked - np.logaddexp.reduce(masked)
+
+
+def second_token_marginal(model) -> np.ndarray:
+    tables = tables_of(Regex(DIST_PATTERN))
+    first = np.exp(masked_log_probs(model, DIST_PROMPT, INITIAL_STATE))
+    marginal = np.zeros(V)
+    for x1 in np.flatnonzero(first):
+        state = int(_advance(tables, jnp.int32(INITIAL_STATE), jnp.int32(x1)))
+        marginal += first[x1] * np.exp(masked_log_probs(model, DIST_PROMPT + [int(x1)], state))
+    return marginal
+
+
+def second_tokens(model, draft, **options) -> np.ndarray:
+    """The second token of DIST_SEEDS constrained generations, one seed each (batches of 64
+    rows: each row is its own batch-1 call, tests/test_batch.py)."""
+    import specjax
+    from specjax import BatchOptions
+
+    outs = specjax.generate(model, [DIST_PROMPT] * DIST_SEEDS, max_new_tokens=2,
+                            seed=list(range(DIST_SEEDS)), stop=[eos_id()], temperature=1.0,
+                            constraint=Regex(DIST_PATTERN), draft=draft,
+                            batch=BatchOptions(size=64, compact_rows=False), **options)
+    return np.bincount([out.tokens[1] for out in outs if len(out.tokens) > 1], minlength=V)
+
+
+def pearson(counts, probs) -> float:
+    """Pearson's statistic over the cells of expected count >= 5 (the rest pooled), and
+    its degrees of freedom; a count outside the support is an infinite statistic."""
+    from test_verify import chi2_threshold
+
+    support = probs > 0
+    if counts[~support].sum():
+        return float("inf"), chi2_threshold(1)
+    expected = counts.sum() * probs / probs.sum()
+    big = support & (expected >= 5)
+    cells = [(counts[big], expected[big]),
+             (np.array([counts[support & ~big].sum()]), np.array([expected[support & ~big].sum()]))]
+    stat = sum(float(((c - e) ** 2 / np.where(e > 0, e, 1)).sum()) for c, e in cells)
+    return stat, chi2_threshold(int(big.sum()))
+
+
+SAMPLED = [("tree", dict(verify="rejection", tree_budget=6, draft_depth=2, draft_width=3)),
+           pytest.param("spec", dict(verify="match", draft_depth=2), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("method, options", SAMPLED)
+def test_match_and_rejection_sample_the_masked_target_distribution(spelling_model, method,
+                                                                   options):
+    """The second token (the first a verify step decides) of constrained generations
+    follows the target's masked distribution, marginalised over the first: a chi-square
+    test. The draft is the target itself, so most drafted tokens are forbidden ones."""
+    counts = second_tokens(spelling_model, spelling_model, method=method, **options)
+    statistic, threshold = pearson(counts, second_token_marginal(spelling_model))
+    assert statistic < threshold, (method, statistic, threshold)
+
+
+def test_the_same_test_catches_rejection_on_unmasked_logits(spelling_model, monkeypatch,
+                                                            request):
+    """WRONG on purpose: rejection sampling decides on the target's unmasked logits."""
+    from specjax import decode
+    from specjax.methods import common
+
+    decode.clear_compiled()
+    monkeypatch.setattr(common, "mask_logits", lambda tables, states, logits: logits)
+    request.addfinalizer(decode.clear_compiled)
+    method, options = SAMPLED[0]
+    counts = second_tokens(spelling_model, spelling_model, method=method, **options)
+    statistic, threshold = pearson(counts, second_token_marginal(spelling_model))
+    assert statistic > threshold, (statistic, threshold)
