@@ -59,7 +59,8 @@ from flax import struct
 from specjax import models
 from specjax.cache import KVCache, advance, init_cache
 from specjax.config import ModelConfig
-from specjax.constraints import start_automaton
+from specjax.constraints import advance as advance_automaton
+from specjax.constraints import mask_logits, start_automaton
 from specjax.errors import InvalidArgumentError
 from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
                                     automaton_after, rank_children, step_key,
@@ -370,11 +371,14 @@ class Speculative(DraftFeatures):
             shape.depth + 1)
         root_token = state.tokens[root_position]
 
-        # 2. Draft the tree.
+        # 2. Draft the tree (only tokens the constraint allows, where the rule permits).
         build = self._draft_fixed if shape.topology is not None else self._draft_dynamic
+        automaton = None
+        if self._filters_draft:
+            automaton = (resources.constraint, state.method_state.automaton)
         tree, draft_logp, cache = build(draft_params, loop, cache, root_token, root_logits,
                                         root_hidden if self.uses_features else None,
-                                        root_position, sampling, draft_key)
+                                        root_position, sampling, draft_key, automaton)
 
         # 3. Verify with one target pass (masked per node under a constraint).
         constraint = tree_constraint(self.constraint_of(resources),
@@ -397,12 +401,28 @@ class Speculative(DraftFeatures):
 
     # ------------------------------------------------------------------ tree builders
 
+    @property
+    def _filters_draft(self) -> bool:
+        """Under a constraint the draft proposes only the tokens the automaton allows
+        along its own path (its logits masked like the target's): forbidden proposals
+        are never accepted, so they would only take nodes. Not for a fixed topology under
+        ``rejection``: that rule takes the children as a sample without replacement from
+        the draft's distribution, which must not run out of tokens."""
+        return self.constrained and not (self.shape.topology is not None
+                                         and self.verify == "rejection")
+
     def _draft_dynamic(self, draft_params, loop, cache, root_token, root_logits,
-                       root_hidden, root_position, sampling, key):
+                       root_hidden, root_position, sampling, key, automaton=None):
+        """``automaton``: ``(tables, the state after the root)`` to draft under, or None."""
         width, depth = self.shape.width, self.shape.depth
         keys = jax.random.split(key, depth)
+        if automaton is not None:
+            tables, root_state = automaton
+            root_logits = mask_logits(tables, root_state[None], root_logits)
         rank = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
         top_scores, top_tokens = top_k(rank[0], width)
+        if automaton is not None:
+            frontier_states = advance_automaton(tables, root_state, top_tokens)
         cand_tokens = [root_token[None], top_tokens]
         cand_parents = [jnp.array([-1], jnp.int32), jnp.zeros((width,), jnp.int32)]
         cand_scores = [jnp.zeros((1,), jnp.float32), top_scores]
@@ -417,6 +437,8 @@ class Speculative(DraftFeatures):
             logits, cache, hidden = self._draft_pass(draft_params, loop, cache,
                                                      frontier_tokens, positions, ancestry,
                                                      frontier_features)
+            if automaton is not None:
+                logits = mask_logits(tables, frontier_states, logits)
             rank = self._rank(logits, sampling, positions + 1, keys[level])
             child_scores, child_tokens = top_k(rank, width)  # [W, W]
             child_scores = frontier_scores[:, None] + child_scores
@@ -431,6 +453,9 @@ class Speculative(DraftFeatures):
             frontier = base + best.astype(jnp.int32)
             frontier_tokens = child_tokens.reshape(-1)[best]
             frontier_scores = best_scores
+            if automaton is not None:
+                frontier_states = advance_automaton(tables, frontier_states[parent_row],
+                                                    frontier_tokens)
             if hidden is not None:
                 frontier_features = hidden[parent_row]
         scores = jnp.concatenate(cand_scores)
@@ -440,10 +465,15 @@ class Speculative(DraftFeatures):
         return tree, None, cache
 
     def _draft_fixed(self, draft_params, loop, cache, root_token, root_logits, root_hidden,
-                     root_position, sampling, key):
+                     root_position, sampling, key, automaton=None):
+        """``automaton``: ``(tables, the state after the root)`` to draft under, or None."""
         fixed = self._fixed
         width, n = self.shape.width, len(fixed.parents)
         keys = jax.random.split(key, len(fixed.levels))
+        if automaton is not None:
+            tables, root_state = automaton
+            root_logits = mask_logits(tables, root_state[None], root_logits)
+            node_states = jnp.full((n,), root_state, jnp.int32)
         rank = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
         ranked = [top_k(rank[0], width)[1][None]]  # per evaluated row: [rows, W]
         dists = [target_log_probs(root_logits, sampling)]  # log q~ (the rejection rule's)
@@ -454,6 +484,9 @@ class Speculative(DraftFeatures):
             table = jnp.concatenate(ranked)
             rows = fixed.row[fixed.parents[nodes]]
             tokens = tokens.at[nodes].set(table[rows, fixed.rank[nodes]])
+            if automaton is not None:
+                node_states = node_states.at[nodes].set(advance_automaton(
+                    tables, node_states[fixed.parents[nodes]], tokens[nodes]))
             evaluated = np.asarray(fixed.evaluated[level], np.int32)
             if len(evaluated) == 0:
                 continue
@@ -464,6 +497,8 @@ class Speculative(DraftFeatures):
                                                      tokens[evaluated], positions,
                                                      jnp.asarray(fixed.scratch_masks[level]),
                                                      features)
+            if automaton is not None:
+                logits = mask_logits(tables, node_states[evaluated], logits)
             hiddens.append(hidden)
             rank = self._rank(logits, sampling, positions + 1, keys[level])
             ranked.append(top_k(rank, width)[1])
