@@ -27,7 +27,7 @@ from specjax.checkpoints_tools import sources
 from specjax.checkpoints_tools.convert import convert
 from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
 from specjax.compilation_cache import use_compilation_cache
-from specjax.constraints import check_constraint
+from specjax.constraints import add_constraint_arguments, constraint_from_args
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
 from specjax.methods import METHODS, MethodOptions, choice
@@ -106,13 +106,7 @@ def _add_generate(sub) -> None:
                         "checked on the host after each step)")
     p.add_argument("--chat", action="store_true",
                    help="apply the model's chat template to the prompt")
-    constraint = p.add_mutually_exclusive_group()
-    constraint.add_argument("--regex", default=None, metavar="PATTERN",
-                            help="the output matches PATTERN as a whole, then ends (an "
-                                 "automaton on the device; default method: ar)")
-    constraint.add_argument("--json-schema", default=None, metavar="FILE",
-                            help="the output is a JSON document valid under the schema in "
-                                 "FILE, then ends (default method: ar)")
+    add_constraint_arguments(p)
     p.add_argument("--dtype", default="auto",
                    help="parameter dtype: float32, bfloat16, or auto = bfloat16 on GPU/TPU, "
                         "float32 on CPU, where bfloat16 runs ~7x slower (default: auto, as "
@@ -285,31 +279,6 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
     if args.ngram is not None:
         _check_ngram_file(args.ngram)
     return options, bench_cli.resolve_dtype_flag(args.dtype)
-
-
-def constraint_from_args(args):
-    """The constraint of ``--regex`` or ``--json-schema`` (``None`` without either), checked
-    before anything loads: a bad pattern or schema, or an automaton over the size limit, is
-    a one-line error naming the flag."""
-    if getattr(args, "regex", None) is not None:
-        flag, make = "--regex", lambda: specjax.Regex(args.regex)
-    elif getattr(args, "json_schema", None) is not None:
-        flag = "--json-schema"
-        path = Path(args.json_schema)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise InvalidArgumentError(f"--json-schema {path}: cannot read it "
-                                       f"({error.__class__.__name__})") from None
-        make = lambda: specjax.JsonSchema(text)  # noqa: E731
-    else:
-        return None
-    try:
-        constraint = make()
-        check_constraint(constraint)
-    except InvalidArgumentError as error:
-        raise InvalidArgumentError(f"{flag}: {error}") from None
-    return constraint
 
 
 def _check_gpu_linear(given: str | None, kernels: KernelOptions, backend: str) -> None:

@@ -562,6 +562,43 @@ def check_constraint_type(constraint) -> None:
                                    f"got {type(constraint).__name__}")
 
 
+def add_constraint_arguments(parser) -> None:
+    """``--regex PATTERN`` and ``--json-schema FILE`` (one or neither), for ``specjax
+    generate`` and ``specjax bench``; :func:`constraint_from_args` reads them."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--regex", default=None, metavar="PATTERN",
+                       help="the output matches PATTERN as a whole, then ends (an automaton "
+                            "on the device; default method: ar)")
+    group.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="the output is a JSON document valid under the schema in FILE, "
+                            "then ends (default method: ar)")
+
+
+def constraint_from_args(args):
+    """The constraint of ``--regex`` or ``--json-schema`` (``None`` without either), checked
+    before anything loads: a bad pattern or schema, or an automaton over the size limit, is
+    a one-line error naming the flag."""
+    if getattr(args, "regex", None) is not None:
+        flag, make = "--regex", lambda: Regex(args.regex)
+    elif getattr(args, "json_schema", None) is not None:
+        flag = "--json-schema"
+        path = Path(args.json_schema)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise InvalidArgumentError(f"--json-schema {path}: cannot read it "
+                                       f"({error.__class__.__name__})") from None
+        make = lambda: JsonSchema(text)  # noqa: E731
+    else:
+        return None
+    try:
+        constraint = make()
+        check_constraint(constraint)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{flag}: {error}") from None
+    return constraint
+
+
 # ----------------------------------------------------------------------------- on the device
 
 

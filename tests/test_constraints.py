@@ -733,3 +733,29 @@ def test_the_same_test_catches_rejection_on_unmasked_logits(spelling_model, monk
     counts = second_tokens(spelling_model, spelling_model, method=method, **options)
     statistic, threshold = pearson(counts, second_token_marginal(spelling_model))
     assert statistic > threshold, (statistic, threshold)
+
+
+def test_the_suite_runs_every_system_under_the_constraint(spelling_model, tmp_path, capsys,
+                                                          monkeypatch):
+    """``specjax bench --regex``: every system decodes under the constraint (outputs that
+    match it and equal ar's, checked by the suite), stored in the result's config; peers
+    are refused with it, before anything loads."""
+    from specjax import cli
+
+    from conftest import serve_models
+
+    serve_models(monkeypatch, {"tiny": spelling_model}, ["ab", "ba ab"])
+    out = tmp_path / "suite.json"
+    argv = ["bench", "-m", "tiny", "--draft", "tiny", "--methods", "ar,spec", "--regex",
+            BOUNDED[4], "--max-new-tokens", "8", "--warmup-tokens", "2",
+            "--no-pass-breakdown", "--json", str(out)]
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["constraint"] == {"pattern": BOUNDED[4]}
+    assert result["all_outputs_match"]
+    rows = [r for r in result["rows"] if r.get("prompt") is not None]
+    assert {r["system"] for r in rows} == {"ar", "spec"} and all(r["status"] == "ok"
+                                                                  for r in rows)
+    capsys.readouterr()
+    assert cli.main([*argv[:-2], "--peers", "hf"]) == 2
+    assert "drop --peers" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from specjax.benchmark import report as reporting
 from specjax.benchmark.peers import one_line, parse_peers
 from specjax.benchmark.runner import (SuiteConfig, finished_prompts, needs_draft,
                                      render_batch_text, run_batch_suite, run_suite)
+from specjax.constraints import add_constraint_arguments, constraint_from_args
 from specjax.errors import InvalidArgumentError
 from specjax.methods.options import all_option_fields, backend_of, describe_defaults
 from specjax.model import resolve_dtype
@@ -83,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # suite each applies to the methods that take it.
     add_method_arguments(p, budget_flag=False)
     add_kernel_arguments(p)  # the KernelOptions flags, as specjax generate's
+    add_constraint_arguments(p)  # every system under one constraint, as specjax generate's
     p.add_argument("--peers", default="none",
                    help="transformers peers: none, all, or a subset of hf,hf-assisted,hf-lookup "
                         "(default: none)")
@@ -155,7 +157,7 @@ def suite_config(args) -> SuiteConfig:
         kernels=KernelOptions.from_args(args, backend_of(jax.default_backend())),
         peers=tuple(parse_peers(args.peers)), repeats=args.repeats,
         warmup_tokens=args.warmup_tokens, torch_threads=args.torch_threads,
-        pass_breakdown=args.pass_breakdown)
+        pass_breakdown=args.pass_breakdown, constraint=constraint_from_args(args))
 
 
 def resolve_dtype_flag(name: str) -> str:

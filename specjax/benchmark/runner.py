@@ -37,6 +37,7 @@ from specjax import api
 from specjax.benchmark import metrics, passcost
 from specjax.benchmark.peers import PEERS, TransformersPeers, one_line
 from specjax.backend_options import KernelOptions
+from specjax.constraints import check_constraint_type
 from specjax.errors import InvalidArgumentError
 from specjax.loading import resolve_ngram
 from specjax.methods import METHODS
@@ -74,6 +75,10 @@ class SuiteConfig:
       torch_threads: PyTorch CPU threads (0: probe 1 and all cores, keep the faster).
       pass_breakdown: time each system's target and draft passes on their own after the
         prompts (:mod:`specjax.benchmark.passcost`).
+      constraint: a :class:`~specjax.constraints.Regex` or
+        :class:`~specjax.constraints.JsonSchema` every system decodes under (``None``:
+        none); the outputs then end at the model's end-of-sequence token, and no
+        transformers peer runs (they would decode without it).
     """
 
     suite: str = "humaneval"
@@ -100,6 +105,7 @@ class SuiteConfig:
     warmup_tokens: int = 4
     torch_threads: int = 0
     pass_breakdown: bool = True
+    constraint: Any = None
 
     def __post_init__(self):
         if not self.methods or any(not m or not m.replace("_", "").isalnum()
@@ -118,6 +124,11 @@ class SuiteConfig:
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
             raise InvalidArgumentError(f"unknown peer {unknown[0]!r}; expected one of {PEERS}")
+        if self.constraint is not None:
+            check_constraint_type(self.constraint)
+            if self.peers:
+                raise InvalidArgumentError("a constraint (--regex/--json-schema) and peers: the "
+                                           "transformers peers decode without it; drop --peers")
         self.method_options()  # every method's options, validated before anything loads
 
     def given_options(self) -> dict[str, Any]:
@@ -401,6 +412,8 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
     n = config.max_new_tokens
     common = dict(top_k=config.top_k, top_p=config.top_p, seed=config.seed, stop=[],
                   kernels=config.kernels)
+    if config.constraint is not None:  # the output ends where the constraint is met
+        common.update(stop=None, constraint=config.constraint)
 
     def run_ours(system: System, prompt_ids, temperature, max_new_tokens):
         return generate(target, prompt_ids, max_new_tokens=max_new_tokens,
@@ -624,6 +637,8 @@ def run_batch_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | 
         check_draft_compatible(target, draft)
     common = dict(top_k=config.top_k, top_p=config.top_p, seed=config.seed, stop=[],
                   kernels=config.kernels)
+    if config.constraint is not None:  # the output ends where the constraint is met
+        common.update(stop=None, constraint=config.constraint)
     chunks = [ids[i: i + batch_size] for i in range(0, len(ids), batch_size)]
 
     def run(system: System, rows, temperature, max_new_tokens):
