@@ -179,9 +179,12 @@ def test_backend_defaults_apply_to_method_names_and_are_reported(spec_target, mo
         tree_budget=24, draft_depth=3)
     assert method_options(TreeOptions(tree_budget=4), backend="gpu").tree_budget == 4
     assert method_options(TreeOptions().replace(tree_budget=8), backend="gpu").tree_budget == 8
-    assert method_options(method_options(TreeOptions(), backend="gpu"), backend="cpu") == \
-        TreeOptions()  # resolved again for another backend: that backend's
-    assert method_options(TreeOptions(), backend="cpu") is not None
+    # Resolved options are concrete: resolving them again, for any backend, keeps them
+    # (a GPU program compiled for an abstract model on the CPU keeps the GPU's tree).
+    on_gpu = method_options(TreeOptions(), backend="gpu")
+    assert method_options(on_gpu, backend="cpu") == on_gpu
+    assert method_options(method_options("tree", backend="gpu"), backend="cpu") == on_gpu
+    assert method_options(TreeOptions(), backend="cpu") == TreeOptions()
     assert "tree 8 (gpu: 24; tpu: 32)" in describe_defaults("tree_budget")
     out = specjax.generate(spec_target, [1, 2, 3], max_new_tokens=2, method="ar")
     assert out.stats["backend"] == "cpu"  # the test machine's weights are on the CPU

@@ -95,8 +95,9 @@ class MethodOptions:
 
     @property
     def given(self) -> frozenset[str]:
-        """The options set explicitly (the others are defaults: the CPU's, the dataclass
-        defaults, until :meth:`for_backend` resolves them for a backend)."""
+        """The options set explicitly, or all of them once resolved for a backend (by
+        :meth:`for_backend` or :func:`method_options`): the others are the dataclass
+        defaults, the CPU's, until then."""
         return self._given
 
     def _with_given(self, given) -> "MethodOptions":
@@ -106,10 +107,13 @@ class MethodOptions:
     def for_backend(self, backend: str) -> "MethodOptions":
         """These options with ``backend``'s defaults (:data:`BACKEND_DEFAULTS`) for every
         option not set explicitly: ``StagedOptions()`` on a GPU is what ``"staged"`` is
-        there. The options set explicitly stay; so does :attr:`given`."""
+        there. The options set explicitly stay. The result is resolved: every option
+        counts as set (:attr:`given`), so resolving it again, for any backend, keeps it."""
+        if self._given == frozenset(self.option_names()):
+            return self
         resolved = type(self)(**{**backend_defaults(self.name, backend),
                                  **{name: getattr(self, name) for name in self._given}})
-        return self if resolved == self else resolved._with_given(self._given)
+        return resolved._with_given(self.option_names())
 
     def check_sampling(self, temperature: float) -> None:
         """Raises if these options cannot decode at ``temperature``."""
@@ -401,7 +405,8 @@ def method_options(method: str | MethodOptions = "ar", *, backend: str = "cpu",
                                    f"{', '.join(METHODS)}")
     cls = METHODS[method]
     _check_names(cls, overrides)
-    return cls(**{**backend_defaults(method, backend), **overrides})._with_given(overrides)
+    return cls(**{**backend_defaults(method, backend), **overrides})._with_given(
+        cls.option_names())  # resolved: every option counts as set
 
 
 def default_value(method: str, option: str):
