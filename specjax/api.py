@@ -111,12 +111,12 @@ class _Request:
     constraint: dict | None = None  # the constraint's stats (None: unconstrained)
 
 
-def _stop_array(model: Model, stop_tokens: Sequence[int] | None,
+def _stop_array(model: Model, stop_ids: Sequence[int],
                 strings: Sequence[str] = ()) -> StopCondition:
-    """The device's stop condition: ``stop_tokens`` (``None``: the model's EOS ids) and
-    the token sequences that spell the stop ``strings`` (:mod:`specjax.stop_strings`)."""
+    """The device's stop condition: ``stop_ids`` (:func:`_stop_ids`) and the token
+    sequences that spell the stop ``strings`` (:mod:`specjax.stop_strings`)."""
     sequences = stop_sequences(model.tokenizer, model.config.vocab_size, strings)
-    return stop_condition(list(_stop_ids(model, stop_tokens)), sequences)
+    return stop_condition(list(stop_ids), sequences)
 
 
 def _stop_ids(model: Model, stop_tokens: Sequence[int] | None) -> tuple[int, ...]:
@@ -229,8 +229,8 @@ def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p
             or max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got "
                                    f"{max_new_tokens}")
-    stop = _stop_array(model, stop_tokens, stop_strings)
     stop_ids = _stop_ids(model, stop_tokens)
+    stop = _stop_array(model, stop_ids, stop_strings)
     if constraint is not None:
         if model.tokenizer is None:
             raise InvalidArgumentError(f"model {model.name!r} has no tokenizer: a constraint "
@@ -306,11 +306,11 @@ def _load_resources(model: Model, settings: _Settings, draft, ngram) -> None:
 
 def _plan(model: Model, settings: _Settings, prompt_length: int) -> tuple[int, int]:
     """(prompt_bucket, capacity) for the longest prompt, checked against both models."""
-    plan = plan_capacity(prompt_length, settings.max_new_tokens,
-                                settings.method.scratch, model.config)
+    plan = plan_capacity(prompt_length, settings.max_new_tokens, settings.method.scratch,
+                         model.config)
     if settings.draft_model is not None:
         plan_capacity(prompt_length, settings.max_new_tokens, settings.method.scratch,
-                             settings.draft_model.config)
+                      settings.draft_model.config)
     return plan
 
 

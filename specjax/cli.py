@@ -26,6 +26,7 @@ from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import sources
 from specjax.checkpoints_tools.convert import convert
 from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
+from specjax.commands import build_ngram, train_draft
 from specjax.compilation_cache import use_compilation_cache
 from specjax.constraints import add_constraint_arguments, constraint_from_args
 from specjax.drafters import ngram as ngram_lib
@@ -35,7 +36,6 @@ from specjax.methods.flags import add_method_arguments, flag_of, method_from_arg
 from specjax.methods.options import all_option_fields, backend_of
 from specjax.sampling import make_sampling_params
 from specjax.state import MAX_BATCH_SIZE
-from specjax.commands import build_ngram, train_draft
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_BATCH_SIZE = 8

@@ -90,16 +90,12 @@ def test_the_registry_holds_each_method_once_from_its_module():
 
     for wrong in (BeamOptions(), "spec", None):
         with pytest.raises(InvalidArgumentError, match="no method runs") as info:
-            build(wrong, spec_target_config())
+            build(wrong, specjax.config.gpt2("124m"))
         assert "\n" not in str(info.value)
     from specjax.methods import choice
     assert {name: choice.needs(cls) for name, cls in METHODS.items()} == {
         "ar": (), "spec": ("draft",), "tree": ("draft",), "ngram": ("ngram",),
         "staged": ("draft", "ngram")}
-
-
-def spec_target_config():
-    return specjax.config.gpt2("124m")
 
 
 def test_generate_takes_an_options_object_or_a_name(spec_target, spec_drafts):

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import jax
 
-from specjax import loading
+from specjax import humaneval, loading
 from specjax.backend_options import KernelOptions, add_kernel_arguments
-from specjax import humaneval
 from specjax.benchmark import environment, plots
 from specjax.benchmark import report as reporting
 from specjax.benchmark.peers import one_line, parse_peers

@@ -9,8 +9,8 @@ first. Each step object builds its own resources (``build_resources``) and its o
 (``init``, kept in ``DecodeState.method_state``): the protocol is
 :class:`specjax.state.Method`. The registry (:data:`REGISTRY`) maps each method's name to
 its options class and builder, both exported by the method's module (``OPTIONS``,
-``build``); a name it does not hold is an error everywhere. Shared pieces (statistics, keys, ranking, commit) live in
-:mod:`specjax.methods.common`.
+``build``); a name it does not hold is an error everywhere. Shared pieces (statistics,
+keys, ranking, commit) live in :mod:`specjax.methods.common`.
 
 | method   | options            | module        | resources         | state         |
 |----------|--------------------|---------------|-------------------|---------------|
@@ -66,7 +66,7 @@ def build(options: MethodOptions, draft_config: ModelConfig | None = None) -> Me
 
 
 __all__ = [
-    "METHODS", "REGISTRY", "VERIFY_RULES", "ArOptions", "Autoregressive", "MethodOptions", "NgramOnly",
-    "NgramOptions", "SpecOptions", "Speculative", "Staged", "StagedOptions", "TreeOptions",
-    "build", "check_verify_rule", "method_options",
+    "METHODS", "REGISTRY", "VERIFY_RULES", "ArOptions", "Autoregressive", "MethodOptions",
+    "NgramOnly", "NgramOptions", "SpecOptions", "Speculative", "Staged", "StagedOptions",
+    "TreeOptions", "build", "check_verify_rule", "method_options",
 ]

@@ -99,6 +99,7 @@ OPTIONS = (ArOptions,)
 
 
 def build(options: ArOptions, draft_config: ModelConfig | None = None) -> Autoregressive:
-    """The step object of ``ar`` (a constrained request builds its own: the API's)."""
+    """The step object of ``ar`` (under a constraint the API sets ``constrained``, as for
+    every method)."""
     del options, draft_config
     return Autoregressive()

@@ -9,8 +9,8 @@
   them by origin.
 * :func:`verify_tree` -- one target pass over a tree, then an acceptance rule of
   :mod:`specjax.verify` by name.
-* :func:`tree_constraint`, :func:`automaton_after` -- a constrained step's automaton
-  states over its tree, and after its accepted tokens.
+* :func:`tree_constraint` -- a constrained step's automaton states over its tree
+  (``verify_tree`` masks with them, ``commit_step`` advances the automaton).
 * :class:`PassPlan` -- the forward passes one step runs (for cost breakdowns).
 """
 
@@ -135,7 +135,8 @@ def rank_children(logits: jax.Array, sampling: SamplingParams, child_positions: 
 
 
 def commit_step(state: DecodeState, tree: Tree, tree_origin: jax.Array, verdict: Verdict,
-                target_cache, finite: jax.Array, draft_calls: int, kept) -> DecodeState:
+                target_cache, finite: jax.Array, draft_calls: int, kept,
+                constraint=None) -> DecodeState:
     """Ends a speculative step: commits the accepted path, appends the emitted tokens (cut
     at a stop token and ``max_length``) and tallies them.
 
@@ -148,8 +149,13 @@ def commit_step(state: DecodeState, tree: Tree, tree_origin: jax.Array, verdict:
         the step appends nothing and generation stops (:func:`specjax.state.flag_nonfinite`).
       draft_calls: draft passes this step ran (static).
       kept: the method's state after this step (e.g. its new draft cache) but for its
-        ``tally``, which this updates.
+        ``tally`` and (under a constraint) its ``automaton``, which this updates.
+      constraint: :func:`tree_constraint`'s pair, under a constraint (else ``None``).
     """
+    if constraint is not None:  # the state after the accepted path and the next token
+        tables, node_states = constraint
+        kept = kept.replace(automaton=advance_automaton(
+            tables, node_states[verdict.path[verdict.count - 1]], verdict.next_token))
     tokens = emitted_tokens(tree, verdict)
     slots = jnp.arange(tokens.shape[0])
     path_origin = tree_origin[jnp.concatenate([verdict.path[1:],
@@ -236,10 +242,3 @@ def tree_constraint(tables, automaton: jax.Array, tree: Tree, max_depth: int):
         return None
     return tables, tree_states(tables, automaton, tree.tokens, tree.parents, max_depth)
 
-
-def automaton_after(constraint, verdict: Verdict) -> jax.Array:
-    """The automaton's state after a step's tokens: the accepted path's last node's state,
-    advanced over the target's next token. ``constraint``: :func:`tree_constraint`'s."""
-    tables, node_states = constraint
-    return advance_automaton(tables, node_states[verdict.path[verdict.count - 1]],
-                             verdict.next_token)

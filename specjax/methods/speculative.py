@@ -63,8 +63,8 @@ from specjax.constraints import advance as advance_automaton
 from specjax.constraints import mask_logits, start_automaton
 from specjax.errors import InvalidArgumentError
 from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
-                                    automaton_after, rank_children, step_key,
-                                    tree_constraint, verify_tree)
+                                    rank_children, step_key, tree_constraint,
+                                    verify_tree)
 from specjax.methods.options import SpecOptions, TreeOptions, fixed_topology_shape
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_TARGET
 from specjax.sampling import target_log_probs, top_k
@@ -389,15 +389,13 @@ class Speculative(DraftFeatures):
                                feature_layers=self.feature_layers, constraint=constraint)
         verdict, target_cache, finite = verified[:3]
         kept = state.method_state.replace(draft_cache=cache)
-        if constraint is not None:
-            kept = kept.replace(automaton=automaton_after(constraint, verdict))
         if self.uses_features:
             kept = kept.replace(features=commit_features(state, verified[3], verdict.path))
 
         # 4. Commit (catch-up + one draft pass per expanded level = depth passes).
         origin = jnp.full((tree.size,), ORIGIN_DRAFT, jnp.int8).at[0].set(ORIGIN_TARGET)
         return commit_step(state, tree, origin, verdict, target_cache, finite, shape.depth,
-                           kept)
+                           kept, constraint)
 
     # ------------------------------------------------------------------ tree builders
 

@@ -72,8 +72,8 @@ from specjax.config import ModelConfig
 from specjax.constraints import start_automaton
 from specjax.drafters.ngram import NgramTables, propose
 from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
-                                    automaton_after, rank_children, step_key,
-                                    tree_constraint, verify_tree)
+                                    rank_children, step_key, tree_constraint,
+                                    verify_tree)
 from specjax.methods.options import NgramOptions, StagedOptions
 from specjax.methods.speculative import commit_features, previous_features, start_draft
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_LOOKUP, ORIGIN_TARGET
@@ -241,10 +241,8 @@ class NgramOnly:
         verdict, cache, finite = verify_tree(params, loop, state, tree, self.max_depth,
                                              max(self.proposal), self.options.verify, key,
                                              constraint=constraint)
-        kept = state.method_state
-        if constraint is not None:
-            kept = kept.replace(automaton=automaton_after(constraint, verdict))
-        return commit_step(state, tree, origin, verdict, cache, finite, 0, kept)
+        return commit_step(state, tree, origin, verdict, cache, finite, 0, state.method_state,
+                           constraint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,12 +502,10 @@ class Staged(DraftFeatures):
                                feature_layers=self.feature_layers, constraint=constraint)
         verdict, target_cache, finite = verified[:3]
         kept = state.method_state.replace(draft_cache=cache)
-        if constraint is not None:
-            kept = kept.replace(automaton=automaton_after(constraint, verdict))
         if self.uses_features:
             kept = kept.replace(features=commit_features(state, verified[3], verdict.path))
         return commit_step(state, tree, tree_origin, verdict, target_cache, finite,
-                           self.rounds, kept)
+                           self.rounds, kept, constraint)
 
 
 # The method registry's entry (specjax.methods.REGISTRY).
