@@ -756,6 +756,9 @@ def test_the_suite_runs_every_system_under_the_constraint(spelling_model, tmp_pa
     rows = [r for r in result["rows"] if r.get("prompt") is not None]
     assert {r["system"] for r in rows} == {"ar", "spec"} and all(r["status"] == "ok"
                                                                   for r in rows)
+    # Under the constraint each output ends at its EOS, before the 8-token budget that
+    # an unconstrained run (the suite's stop=[]) fills.
+    assert all(r["new_tokens"] < 8 for r in rows), [r["new_tokens"] for r in rows]
     capsys.readouterr()
     assert cli.main([*argv[:-2], "--peers", "hf"]) == 2
     assert "drop --peers" in capsys.readouterr().err
