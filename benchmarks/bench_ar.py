@@ -60,10 +60,8 @@ def ar_program(model, ids: list[int], budget: int):
     """The loop and arguments of ``specjax.generate(model, ids, max_new_tokens=budget,
     **AR)``, built by the function ``generate`` builds them with, so that the same
     executable can be run with a smaller (traced) ``max_new_tokens``."""
-    request = api._prepare(model, ids, method=AR["method"], max_new_tokens=budget,
-                           temperature=0.0, top_k=0, top_p=1.0, seed=0, draft=None,
-                           ngram=None, stop_tokens=[], chat=False,
-                           kernels=api.kernel_options(model), options={})
+    request = api._prepare(model, ids, api.request(
+        backend=api.model_backend(model), assets=model.assets, max_new_tokens=budget, **AR))
     return request.loop, request.args
 
 

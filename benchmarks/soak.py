@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 import specjax
-from specjax import api, decode, methods, models
+from specjax import api, decode, methods, models, requests
 from specjax.benchmark.environment import machine, write_json
 from specjax.config import ModelConfig
 from specjax.state import bucket
@@ -347,7 +347,8 @@ def soak(fixture: Fixture, calls: int, combos=DEFAULT_COMBOS, buckets=(16,), see
     report: dict[str, Any] = {"rss_start_bytes": rss_bytes()}
     compiles_before = backend_compiles()
     start = time.perf_counter()
-    kernels = api.kernel_options(fixture.target)  # what every soak call runs with
+    # what every soak call runs with
+    kernels = requests.kernel_options(requests.model_backend(fixture.target))
     runner = Soak(fixture, combos, buckets, seed, limits)
     runner.warm_up()
     warm = time.perf_counter()

@@ -28,25 +28,26 @@ import numpy as np
 from specjax import decode, loading, methods, models, progress as progress_lib
 from specjax.backend_options import BatchOptions, KernelOptions
 from specjax.compilation_cache import use_compilation_cache
-from specjax.constraints import build_tables, check_constraint_type
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
 from specjax.kernels import fallbacks
-from specjax.loading import (check_resources, choose_default_method, resolve_draft,
-                             resolve_ngram)
+from specjax.loading import choose_default_method
 from specjax.methods import MethodOptions
 from specjax.methods.common import tally_of
 from specjax.methods.exactness import run_exactness
 from specjax.model import Model, check_draft_compatible, encode_prompt, resolve_dtype
 from specjax.origins import ORIGIN_NAMES, origin_name
-from specjax.sampling import make_sampling_params, static_rules
-from specjax.state import (MAX_BATCH_SIZE, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, Method,
-                           StopCondition, batch_bucket, batch_sampling, plan_capacity,
-                           stop_condition, without_buffers)
-from specjax.stop_strings import stop_sequences
+from specjax.requests import (CONSTRAINED_CHOICE, Request, bind, constrained_method,
+                              kernel_options, model_backend, plan, platform_of, program,
+                              request, resolve_method, split_stop, stop_strings)
+from specjax.sampling import make_sampling_params
+from specjax.state import (MAX_BATCH_SIZE, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES,
+                           StopCondition, batch_bucket, batch_sampling, without_buffers)
 
-__all__ = ["BatchOptions", "GenerationResult", "KernelOptions", "Model",
-           "check_draft_compatible", "decode_text", "encode_prompt", "generate", "load",
-           "resolve_dtype", "stream_generate"]
+__all__ = ["CONSTRAINED_CHOICE", "BatchOptions", "GenerationResult", "KernelOptions", "Model",
+           "Request", "check_draft_compatible", "choose_default_method", "constrained_method",
+           "decode_text", "encode_prompt", "generate", "kernel_options", "load",
+           "model_backend", "request", "resolve_dtype", "resolve_method", "split_stop",
+           "stop_strings", "stream_generate"]
 
 
 def load(name_or_path, dtype=None, *, progress: bool = False, mesh=None) -> Model:
@@ -111,243 +112,19 @@ class _Request:
     constraint: dict | None = None  # the constraint's stats (None: unconstrained)
 
 
-def _stop_array(model: Model, stop_ids: Sequence[int],
-                strings: Sequence[str] = ()) -> StopCondition:
-    """The device's stop condition: ``stop_ids`` (:func:`_stop_ids`) and the token
-    sequences that spell the stop ``strings`` (:mod:`specjax.stop_strings`)."""
-    sequences = stop_sequences(model.tokenizer, model.config.vocab_size, strings)
-    return stop_condition(list(stop_ids), sequences)
 
-
-def _stop_ids(model: Model, stop_tokens: Sequence[int] | None) -> tuple[int, ...]:
-    """The token ids that end a row: ``stop_tokens``, or (``None``) the model's EOS ids."""
-    if stop_tokens is not None:
-        return tuple(int(t) for t in stop_tokens)
-    stop = list(model.config.eos_token_ids)
-    eos = getattr(model.tokenizer, "eos_token_id", None)
-    if eos is not None and eos not in stop:
-        stop.append(int(eos))
-    return tuple(stop)
-
-
-def resolve_method(model: Model, method: str | MethodOptions | None = None,
-                   temperature: float = 0.0, **options) -> MethodOptions:
-    """The validated options for ``method`` (default: :func:`choose_default_method` for
-    the model, its backend and ``temperature``) with ``options`` applied; see
-    :func:`specjax.methods.method_options`."""
-    return _resolve_method(model, method, temperature, options)[0]
-
-
-def _resolve_method(model: Model, method, temperature, options) -> tuple[MethodOptions, str]:
-    if isinstance(method, MethodOptions):
-        clash = sorted(name for name, value in options.items() if value is not None
-                       and name in method.given and getattr(method, name) != value)
-        if clash:  # one place for each setting: a keyword would silently win
-            raise InvalidArgumentError(
-                f"{', '.join(clash)} given as a keyword and, with another value, in the "
-                f"{type(method).__name__} passed as method=: set it in one place")
-    backend = model_backend(model)
-    choice = "given"
-    if method is None:
-        method, choice = choose_default_method(model.assets, backend, float(temperature))
-    return methods.method_options(method, backend=backend, **options), choice
-
-
-def model_backend(model: Model) -> str:
-    """Whose method defaults the model gets: ``cpu``, ``gpu`` or ``tpu``, from the device
-    its weights are on (:func:`specjax.methods.options.backend_of`)."""
-    return methods.options.backend_of(_platform(jax.tree_util.tree_leaves(model.params)[0]))
-
-
-def _platform(array) -> str:
-    devices = getattr(array, "devices", None)
-    return next(iter(devices())).platform if callable(devices) else jax.default_backend()
-
-
-@dataclasses.dataclass
-class _Settings:
-    """Everything of a request but its prompts, checked and loaded."""
-
-    options: MethodOptions
-    sampling: Any  # SamplingParams (scalars)
-    stop: StopCondition
-    method: Method
-    draft_model: Model | None
-    resources: Any  # the method's own (Method.build_resources)
-    max_new_tokens: int
-    choice: str = "given"
-    stop_ids: tuple[int, ...] = ()  # the tokens that end a row (a constraint's EOS)
-    constraint: Any = None  # a constraints.Regex or JsonSchema, or None
-    constraint_stats: dict | None = None  # set with the constraint's tables
-
-
-def kernel_options(model: Model, kernels: KernelOptions | None = None) -> KernelOptions:
-    """The :class:`KernelOptions` a request on ``model`` runs with: ``kernels`` with its
-    ``auto`` values made concrete for the model's backend, or that backend's
-    :meth:`KernelOptions.default`."""
-    backend = model_backend(model)
-    if kernels is None:
-        kernels = KernelOptions.default(backend)
-    elif not isinstance(kernels, KernelOptions):
-        raise InvalidArgumentError(f"kernels must be a specjax.KernelOptions, got "
-                                   f"{type(kernels).__name__}")
-    return kernels.resolved(backend)
-
-
-def _check_kernels(model: Model, kernels: KernelOptions) -> None:
-    if kernels.attention == "fused" and not models.has_fused_layers(model.config):
-        # Running the default layers instead would drop the bitwise guarantee silently.
-        raise InvalidArgumentError(
-            f"attention 'fused' needs a Llama-family model (the fused layers); {model.name}: "
-            f"{models.no_fused_layers_reason(model.config)}: use 'auto' or 'kernel'")
-    if kernels.attention == "fused" and model_backend(model) == "cpu":
-        warnings.warn(
-            f"{model.name}: attention 'fused' on the CPU runs its Pallas kernels in Pallas' "
-            f"interpreter, several times slower than 'auto' (it is meant for GPU/TPU); use "
-            f"KernelOptions(attention='auto') on a CPU", PerformanceWarning, stacklevel=5)
-
-
-def _settings(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
-              draft, ngram, stop_tokens, kernels, options, stop_strings=(),
-              constraint=None) -> _Settings:
-    # Every setting is checked before anything loads (the draft, the tables).
-    if not isinstance(model, Model):
-        raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
-                                   f"{type(model).__name__}")
-    make_sampling_params(temperature, top_k, top_p, seed)  # a bad temperature first
-    constrained_choice = None
-    if constraint is not None:
-        method, constrained_choice = constrained_method(method, constraint)
-    opts, choice = _resolve_method(model, method, temperature, options)
-    choice = constrained_choice or choice
-    sampling = make_sampling_params(
-        temperature, top_k, top_p, seed,
-        static_rule=static_rules(model_backend(model), kernels.sampling_rules))
-    opts.check_sampling(float(temperature))
-    check_resources(opts, draft, ngram)
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
-            or max_new_tokens < 1:
-        raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got "
-                                   f"{max_new_tokens}")
-    stop_ids = _stop_ids(model, stop_tokens)
-    stop = _stop_array(model, stop_ids, stop_strings)
-    if constraint is not None:
-        if model.tokenizer is None:
-            raise InvalidArgumentError(f"model {model.name!r} has no tokenizer: a constraint "
-                                       f"is on the text, spelled through one")
-        if not stop_ids:
-            raise InvalidArgumentError("a constraint ends its output with an end-of-sequence "
-                                       "token, and stop=[] leaves none: give one in stop")
-    _warn_if_slow_dtype(model)
-    _check_kernels(model, kernels)
-    return _Settings(opts, sampling, stop, None, None, None, int(max_new_tokens),
-                     choice, stop_ids, constraint)
-
-
-# Why ar is the default under a constraint (stats["method_choice"]): every method decodes
-# under one, but none is timed against ar there yet.
-CONSTRAINED_CHOICE = "ar: under a constraint no method is timed against ar yet"
-
-
-def constrained_method(method, constraint) -> tuple[Any, str | None]:
-    """(the method, its choice) for a request under ``constraint``: ``ar`` when none is
-    named, else the method named. Checks the constraint's type
-    (:func:`specjax.constraints.check_constraint_type`)."""
-    check_constraint_type(constraint)
-    if method is None:
-        return "ar", CONSTRAINED_CHOICE
-    return method, None
-
-
-# Half-precision parameters XLA's CPU backend runs slower than float32: its bf16/fp16 matmuls
-# and conversions are not vectorised like its float32 ones (benchmarks/README.md, "Half
-# precision on the CPU").
-_SLOW_ON_CPU = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _warn_if_slow_dtype(model: Model) -> None:
-    """A :class:`PerformanceWarning` when ``model``'s parameters are bf16/fp16 on a CPU."""
-    leaves = [x for x in jax.tree_util.tree_leaves(model.params)
-              if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)]
-    slow = sorted({x.dtype.name for x in leaves if jnp.dtype(x.dtype) in _SLOW_ON_CPU})
-    if not slow or any(d.platform != "cpu" for x in leaves for d in x.devices()):
-        return
-    warnings.warn(
-        f"{model.name}: {'/'.join(slow)} parameters on the CPU run slower than float32 there "
-        f"(XLA's CPU matmuls in half precision: a one-token pass measured 7x slower in "
-        f"bfloat16, 2x in float16); load with dtype='float32' or 'auto' on a CPU",
-        PerformanceWarning, stacklevel=4)
-
-
-def _load_resources(model: Model, settings: _Settings, draft, ngram) -> None:
-    opts = settings.options
-    draft_model = resolve_draft(model, draft) if opts.uses_draft else None
-    tables = resolve_ngram(model, ngram) if opts.uses_ngram else None
-    settings.method = methods.build(opts, None if draft_model is None else draft_model.config)
-    settings.draft_model = draft_model
-    constraint = None
-    if settings.constraint is not None:
-        # The method's constrained step; the automaton's tables are a resource (traced:
-        # constraints of one size bucket share the compiled program).
-        built, info = build_tables(settings.constraint, model.tokenizer,
-                                   model.config.vocab_size, settings.stop_ids)
-        constraint = jax.tree.map(jnp.asarray, built)
-        settings.method = dataclasses.replace(settings.method, constrained=True)
-        settings.constraint_stats = {
-            "constraint": settings.constraint.describe(), "states": info.num_states,
-            "token_classes": info.num_classes,
-            "table_bucket": [info.state_bucket, info.class_bucket],
-            "table_bytes": info.table_bytes, "build_seconds": info.seconds,
-            "from_cache": info.from_cache}
-    settings.resources = settings.method.build_resources(
-        draft_params=None if draft_model is None else draft_model.params, tables=tables,
-        constraint=constraint)
-
-
-def _plan(model: Model, settings: _Settings, prompt_length: int) -> tuple[int, int]:
-    """(prompt_bucket, capacity) for the longest prompt, checked against both models."""
-    plan = plan_capacity(prompt_length, settings.max_new_tokens, settings.method.scratch,
-                         model.config)
-    if settings.draft_model is not None:
-        plan_capacity(prompt_length, settings.max_new_tokens, settings.method.scratch,
-                      settings.draft_model.config)
-    return plan
-
-
-def _loop(model: Model, settings: _Settings, prompt_length: int, capacity: int,
-          prompt_bucket: int, kernels) -> decode.DecodeLoop:
-    """The static program of a generation whose longest prompt has ``prompt_length``
-    tokens, with the target's and the draft's configs for ``prompt_length +
-    max_new_tokens`` positions (LongRoPE's factor set, picked once for the whole
-    generation: :meth:`~specjax.config.ModelConfig.for_length`)."""
-    length = prompt_length + settings.max_new_tokens
-    method = settings.method
-    if getattr(method, "draft_config", None) is not None:
-        method = dataclasses.replace(method, draft_config=method.draft_config.for_length(length))
-    return decode.DecodeLoop(config=model.config.for_length(length), capacity=capacity,
-                             prompt_bucket=prompt_bucket, kernels=kernels, method=method)
-
-
-def _prepare(model: Model, prompt, *, method, max_new_tokens, temperature, top_k, top_p,
-             seed, draft, ngram, stop_tokens, chat, kernels, options,
-             stop_strings: Sequence[str] = (), constraint=None) -> _Request:
-    """One prompt's request; ``stop_strings`` end it on the device where they come out as
-    one of their listed token sequences (:mod:`specjax.stop_strings`)."""
-    settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                         draft=draft, ngram=ngram, stop_tokens=stop_tokens,
-                         kernels=kernels, options=options, stop_strings=stop_strings,
-                         constraint=constraint)
-    ids = encode_prompt(model, prompt, chat)
-    _load_resources(model, settings, draft, ngram)
-    prompt_bucket, capacity = _plan(model, settings, len(ids))
-    loop = _loop(model, settings, len(ids), capacity, prompt_bucket, kernels)
+def _prepare(model: Model, prompt, req: Request) -> _Request:
+    """One prompt's program and arguments; the request's stop strings end it on the device
+    where they come out as one of their listed token sequences (:mod:`specjax.stop_strings`)."""
+    settings, (ids,) = bind(model, req, [prompt], listed=False)
+    prompt_bucket, capacity = plan(model, settings, len(ids))
+    loop = program(model, settings, len(ids), capacity, prompt_bucket, req.kernels)
     padded = np.zeros(prompt_bucket, np.int32)
     padded[: len(ids)] = ids
-    args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)), jnp.int32(max_new_tokens),
-            settings.sampling, settings.stop, settings.resources)
-    return _Request(loop, args, len(ids), settings.options, settings.choice,
-                    settings.constraint_stats)
+    args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)),
+            jnp.int32(req.max_new_tokens), settings.sampling, settings.stop,
+            settings.resources)
+    return _Request(loop, args, len(ids), req.options, req.choice, settings.constraint_stats)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -389,11 +166,10 @@ def _row_seeds(seed, rows: int) -> list[int]:
     return [int(value) for value in seeds]
 
 
-def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature, top_k,
-                   top_p, seed, draft, ngram, stop_tokens, chat, kernels, batch: BatchOptions,
-                   options, stop_strings: Sequence[str] = (), constraint=None) -> list[_Batch]:
+def _prepare_batch(model: Model, prompts, req: Request) -> list[_Batch]:
     if len(prompts) == 0:
         raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
+    batch = req.batch or BatchOptions()
     limit = MAX_BATCH_SIZE
     batch_size = batch.size
     if batch_size is None:
@@ -403,24 +179,13 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
                 f"batch=specjax.BatchOptions(size=B) (B at most {limit}) to run them in "
                 f"batches of B")
         batch_size = len(prompts)
-    seeds = _row_seeds(seed, len(prompts))
-    settings = _settings(model, method=method, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[0],
-                         draft=draft, ngram=ngram, stop_tokens=stop_tokens,
-                         kernels=kernels, options=options, stop_strings=stop_strings,
-                         constraint=constraint)
-    encoded = []
-    for index, prompt in enumerate(prompts):
-        try:
-            encoded.append(encode_prompt(model, prompt, chat))
-        except InvalidArgumentError as error:
-            raise InvalidArgumentError(f"prompts[{index}]: {error}") from None
-    _load_resources(model, settings, draft, ngram)
+    seeds = _row_seeds(req.seed, len(prompts))
+    settings, encoded = bind(model, req, list(prompts), listed=True, seed=seeds[0])
     batches = []
-    for rows in _batch_rows(model, encoded, settings.max_new_tokens, int(batch_size)):
+    for rows in _batch_rows(model, encoded, req.max_new_tokens, int(batch_size)):
         lengths = [len(encoded[row]) for row in rows]
-        prompt_bucket, capacity = _plan(model, settings, max(lengths))
-        loop = _loop(model, settings, max(lengths), capacity, prompt_bucket, kernels)
+        prompt_bucket, capacity = plan(model, settings, max(lengths))
+        loop = program(model, settings, max(lengths), capacity, prompt_bucket, req.kernels)
         size = batch_bucket(len(rows))
         # Padding rows: one token, one new token: done at prefill, then held.
         padded = np.zeros((size, prompt_bucket), np.int32)
@@ -430,15 +195,15 @@ def _prepare_batch(model: Model, prompts, *, method, max_new_tokens, temperature
         for slot, row in enumerate(rows):
             padded[slot, : lengths[slot]] = encoded[row]
             prompt_lengths[slot] = lengths[slot]
-            budgets[slot] = settings.max_new_tokens
+            budgets[slot] = req.max_new_tokens
             row_seeds[slot] = seeds[row]
         stop = jax.tree.map(lambda x, size=size: jnp.broadcast_to(x, (size, *x.shape)),
                             settings.stop)
         args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
                 jnp.asarray(budgets), batch_sampling(settings.sampling, row_seeds),
                 stop, settings.resources)
-        batches.append(_Batch(loop, args, rows, lengths, settings.options,
-                              batch.compact_rows, settings.choice, settings.constraint_stats))
+        batches.append(_Batch(loop, args, rows, lengths, req.options, batch.compact_rows,
+                              req.choice, settings.constraint_stats))
     return batches
 
 
@@ -576,7 +341,7 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         # how the program was built (KernelOptions, the backend's defaults made concrete)
         "kernels": request.loop.kernels.to_dict(),
         # whose defaults a method name gets here (methods.options.BACKEND_DEFAULTS)
-        "backend": methods.options.backend_of(_platform(state.length)),
+        "backend": methods.options.backend_of(platform_of(state.length)),
         # the sampling rule compiled alone, or "traced": every rule, chosen on the device
         "sampling_rule": state.sampling.rule or "traced",
         "new_tokens": new_tokens,
@@ -603,7 +368,7 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         for code, value in enumerate(np.asarray(tally.origin_counts).tolist()):
             counts[ORIGIN_NAMES[code]] = int(value)
     stats["tokens_by_origin"] = counts
-    fallback = models.attention_fallback(request.loop.config, _platform(state.length))
+    fallback = models.attention_fallback(request.loop.config, platform_of(state.length))
     if fallback is not None:  # never silent: what ran instead of the attention kernels
         stats["attention_fallback"] = fallback
     # What the programs ran instead of what was asked for (specjax.kernels.fallbacks).
@@ -618,7 +383,7 @@ def _exactness(state: decode.DecodeState, request: _Request) -> tuple[str, str]:
     rows = options.get("tree_budget", options.get("draft_depth", 0) + 1)
     sampled = bool(np.any(np.asarray(state.sampling.temperature) > 0))
     return run_exactness(request.options.name, options.get("verify"), sampled,
-                         _platform(state.length), request.loop.kernels, rows)
+                         platform_of(state.length), request.loop.kernels, rows)
 
 
 def token_origins(state: decode.DecodeState) -> list[str] | None:
@@ -636,36 +401,29 @@ def decode_text(model: Model, tokens: list[int]) -> str:
     return model.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-@dataclasses.dataclass
-class _Arguments:
-    """:func:`generate`'s keywords as the request functions take them."""
-
-    settings: dict  # _prepare's keywords (and _prepare_batch's, but for batch)
-    stop: tuple[str, ...]  # stop strings (checked on the host)
-    batch: BatchOptions | None
-    progress: bool
-
-
-def _arguments(model: Model, *, method, max_new_tokens, temperature, top_k, top_p, seed,
-               stop, chat, kernels, batch, progress, options: dict) -> _Arguments:
-    """Checks the keywords and takes the resources (``draft``, ``ngram``) out of
-    ``options``."""
+def _request_of(model: Model, given: Request | None, keywords: dict) -> Request:
+    """The request of a :func:`generate` call: ``given`` (``request=``), or one
+    :func:`request` makes of ``keywords`` for the model's backend and assets."""
     if not isinstance(model, Model):
         raise InvalidArgumentError(f"model must be a specjax.Model (from specjax.load), got "
                                    f"{type(model).__name__}")
-    options = dict(options)
-    strings, stop_tokens = split_stop(stop)
-    if batch is not None and not isinstance(batch, BatchOptions):
-        raise InvalidArgumentError(f"batch must be a specjax.BatchOptions, got "
-                                   f"{type(batch).__name__}")
-    settings = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature,
-                    top_k=top_k, top_p=top_p, seed=seed, draft=options.pop("draft", None),
-                    ngram=options.pop("ngram", None),
-                    constraint=options.pop("constraint", None), stop_tokens=stop_tokens,
-                    chat=chat,
-                    kernels=kernel_options(model, kernels), options=options)
-    return _Arguments(settings, strings, batch,
-                      bool(model.progress if progress is None else progress))
+    if given is None:
+        return request(backend=model_backend(model), assets=model.assets, **keywords)
+    defaults = _REQUEST_DEFAULTS
+    beside = sorted(name for name, value in keywords.items()
+                    if name not in defaults or not _same(value, defaults[name]))
+    if beside:
+        raise InvalidArgumentError(f"{', '.join(beside)} given beside request=: the request "
+                                   f"holds every setting (make it with them)")
+    return given
+
+
+def _same(value, default) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def _progress_of(model: Model, req: Request) -> bool:
+    return bool(model.progress if req.progress is None else req.progress)
 
 
 def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], *,
@@ -674,6 +432,7 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
              seed: int | Sequence[int] = 0, stop: str | int | Sequence[str | int] | None = None,
              chat: bool = False, kernels: KernelOptions | None = None,
              batch: BatchOptions | None = None, progress: bool | None = None,
+             request: Request | None = None,
              **options) -> GenerationResult | list[GenerationResult]:
     """Generates a continuation as one compiled program on the device.
 
@@ -750,6 +509,9 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         :class:`~specjax.constraints.JsonSchema` the output must match (an automaton on
         the device, every method; ``ar`` is the default under one;
         ``stats["constraint"]``).
+      request: a :class:`Request` (:func:`request`) holding every setting above, checked
+        before the model loaded (the ``specjax generate`` command's way); no other keyword
+        may then be given.
     Returns:
       :class:`GenerationResult` with ``text``, ``tokens``, ``stats`` and, for the
       speculative methods, ``origins``; for a batch a list of them, whose ``stats`` also
@@ -757,37 +519,38 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
       program's real and padded row counts), ``new_tokens`` and ``tokens_per_s`` (all rows
       of the program together; ``seconds`` is the program's time, shared by its rows).
     """
-    call = _arguments(model, method=method, max_new_tokens=max_new_tokens,
-                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                      chat=chat, kernels=kernels, batch=batch, progress=progress,
-                      options=options)
+    req = _request_of(model, request, dict(
+        method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, stop=stop, chat=chat, kernels=kernels, batch=batch,
+        progress=progress, **options))
+    stop_strings = req.stop_strings
     if is_batch(prompt):
-        batches = _prepare_batch(model, prompt, batch=call.batch or BatchOptions(),
-                                 stop_strings=call.stop, **call.settings)
-        with _reporting(call.progress):
-            return _generate_batch(model, batches, call.stop)
-    _check_one_prompt(call)
-    request = _prepare(model, prompt, stop_strings=call.stop, **call.settings)
-    args = request.args
-    with _reporting(call.progress), fallbacks.collecting() as reasons:
-        state, compile_seconds, seconds = decode.run_program(args[0], request.loop, *args[1:])
-        tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
-        if _false_stop(model, tokens, call.stop, args[5]):  # see _false_stop: run again
-            state, more, again = decode.run_program(args[0], request.loop, *args[1:5],
+        batches = _prepare_batch(model, prompt, req)
+        with _reporting(_progress_of(model, req)):
+            return _generate_batch(model, batches, stop_strings)
+    _check_one_prompt(req)
+    prepared = _prepare(model, prompt, req)
+    args = prepared.args
+    with _reporting(_progress_of(model, req)), fallbacks.collecting() as reasons:
+        state, compile_seconds, seconds = decode.run_program(args[0], prepared.loop, *args[1:])
+        tokens = np.asarray(state.tokens)[prepared.prompt_length: int(state.length)].tolist()
+        if _false_stop(model, tokens, stop_strings, args[5]):  # see _false_stop: run again
+            state, more, again = decode.run_program(args[0], prepared.loop, *args[1:5],
                                                     _without_sequences(args[5]), args[6])
             compile_seconds, seconds = compile_seconds + more, seconds + again
-            tokens = np.asarray(state.tokens)[request.prompt_length: int(state.length)].tolist()
-    cut = _stop_cut(model, tokens, call.stop)
-    stats = _stats(state, request, cut[0], seconds, compile_seconds, reasons)
+            tokens = np.asarray(state.tokens)[
+                prepared.prompt_length: int(state.length)].tolist()
+    cut = _stop_cut(model, tokens, stop_strings)
+    stats = _stats(state, prepared, cut[0], seconds, compile_seconds, reasons)
     return _result(model, tokens, token_origins(state), cut, stats)
 
 
-def _check_one_prompt(call: _Arguments) -> None:
-    if call.batch is not None and call.batch.size is not None:
+def _check_one_prompt(req: Request) -> None:
+    if req.batch is not None and req.batch.size is not None:
         # (compact_rows alone is harmless on one prompt, as it always was)
         raise InvalidArgumentError("a batch size (BatchOptions.size) applies to a list of "
                                    "prompts only")
-    _check_one_seed(call.settings["seed"])
+    _check_one_seed(req.seed)
 
 
 def _check_one_seed(seed) -> None:
@@ -795,40 +558,6 @@ def _check_one_seed(seed) -> None:
         raise InvalidArgumentError(f"seed: a list of seeds ({len(seed)}) goes with a list of "
                                    "prompts; give one int for one prompt")
 
-
-def stop_strings(stop) -> tuple[str, ...]:
-    """``stop=`` as a tuple of non-empty strings (one string is a tuple of one).
-
-    Raises:
-      InvalidArgumentError: not a string or a list of non-empty strings.
-    """
-    if stop is None:
-        return ()
-    items = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(items, (list, tuple)) or not all(
-            isinstance(item, str) and item for item in items):
-        raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got "
-                                   f"{stop!r}")
-    return tuple(items)
-
-
-def split_stop(stop) -> tuple[tuple[str, ...], list[int] | None]:
-    """``stop=`` as (stop strings, stop token ids): the ids are ``None`` (the model's EOS
-    ids) unless ids are given, and ``[]`` (no stop token) for an empty list.
-
-    Raises:
-      InvalidArgumentError: not a string, a token id, or a list of them.
-    """
-    items = [stop] if isinstance(stop, (int, np.integer)) else stop
-    if not isinstance(items, (list, tuple)):
-        return stop_strings(stop), None
-    if not items:
-        return (), []
-    ids = [item for item in items if isinstance(item, (int, np.integer))]
-    if any(isinstance(item, bool) for item in ids):
-        raise InvalidArgumentError(f"stop: a token id must be an integer, got {stop!r}")
-    strings = stop_strings([item for item in items if not isinstance(item, (int, np.integer))])
-    return strings, ([int(item) for item in ids] or None)
 
 
 def first_stop(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
@@ -889,6 +618,9 @@ def _without_sequences(condition: StopCondition) -> StopCondition:
 
 
 _GENERATE_SIGNATURE = inspect.signature(generate)
+_REQUEST_DEFAULTS = {name: parameter.default
+                     for name, parameter in _GENERATE_SIGNATURE.parameters.items()
+                     if parameter.default is not inspect.Parameter.empty}
 
 
 def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool = False,
@@ -912,19 +644,20 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     arguments.pop("model"), arguments.pop("prompt")
-    call = _arguments(model, **arguments)
-    stop, progress = call.stop, call.progress
+    given = arguments.pop("request")
+    arguments.update(arguments.pop("options"))
+    req = _request_of(model, given, arguments)
+    stop, progress = req.stop_strings, _progress_of(model, req)
     if is_batch(prompt):
         if stop:
             raise InvalidArgumentError("stop strings apply to one streamed prompt; for a "
                                        "batch use generate")
-        batches = _prepare_batch(model, prompt, batch=call.batch or BatchOptions(),
-                                 **call.settings)
+        batches = _prepare_batch(model, prompt, req)
         with _reporting(progress):
             yield from _stream_batch(model, batches, len(prompt), origins)
         return
-    _check_one_prompt(call)
-    request = _prepare(model, prompt, **call.settings)
+    _check_one_prompt(req)
+    request = _prepare(model, prompt, req)
     compile_total, state, tokens, found, reasons = 0.0, None, [], None, set()
     start = time.perf_counter()
     with _reporting(progress):

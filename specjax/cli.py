@@ -31,10 +31,9 @@ from specjax.compilation_cache import use_compilation_cache
 from specjax.constraints import add_constraint_arguments, constraint_from_args
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
-from specjax.methods import METHODS, MethodOptions, choice
-from specjax.methods.flags import add_method_arguments, flag_of, method_from_args
+from specjax.methods import METHODS, choice
+from specjax.methods.flags import add_method_arguments, flag_of
 from specjax.methods.options import all_option_fields, backend_of
-from specjax.sampling import make_sampling_params
 from specjax.state import MAX_BATCH_SIZE
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -213,11 +212,13 @@ def _progress() -> bool:
 
 
 
-def check_generate_args(args) -> tuple[MethodOptions, str]:
-    """Every setting of ``specjax generate``, checked before anything loads.
+def check_generate_args(args) -> tuple[api.Request, str]:
+    """Every setting of ``specjax generate``, checked before anything loads: the prompt
+    flags here, the rest by :func:`specjax.api.request` (the API's own checks and
+    default-method choice), whose errors are told in flags.
 
     Returns:
-      (the method's options, the parameter dtype).
+      (the request, the parameter dtype).
     """
     if args.prompts_file is not None:
         if args.prompt is not None:
@@ -245,40 +246,32 @@ def check_generate_args(args) -> tuple[MethodOptions, str]:
         _check_utf8(args.prompt, "the prompt")
     if args.stop is not None and not all(args.stop):
         raise InvalidArgumentError("--stop needs a non-empty STRING")
-    if args.max_new_tokens < 1:
-        raise InvalidArgumentError(
-            f"--max-new-tokens must be an integer >= 1, got {args.max_new_tokens}")
-    make_sampling_params(args.temperature, args.top_k, args.top_p, args.seed)
-    backend = jax.default_backend()
-    args.constraint = constraint_from_args(args)
-    method, reason = args.method, "given"
-    if args.constraint is not None:
-        method, why = api.constrained_method(method, args.constraint)
-        reason = why or reason
-    if method is None:
-        method, reason = loading.choose_default_method(sources.known_origin(args.model),
-                                                       backend_of(backend), args.temperature)
-    args.method_choice = reason  # for the stats: the API sees an options object, "given"
+    backend = backend_of(jax.default_backend())
+    kernels = KernelOptions.from_args(args, backend)
+    flags = {name: getattr(args, name) for name in all_option_fields()
+             if getattr(args, name, None) is not None}
+    constraint = constraint_from_args(args)
+    if constraint is not None:
+        flags["constraint"] = constraint
+    assets = sources.known_origin(args.model)
     try:
-        options = method_from_args(args, method, backend)
+        request = api.request(
+            backend=backend, assets=assets, method=args.method,
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+            chat=args.chat, kernels=kernels, draft=args.draft, ngram=args.ngram, **flags)
     except InvalidArgumentError as error:
-        message = _with_flag_names(str(error), args)
+        message = _flag_draft(_with_flag_names(_cli_words(str(error)), args))
         if args.method is None and "does not apply" in message:
             # A method's flag without --method: say why the default is a method without it.
+            reason = loading.choose_default_method(assets, backend, args.temperature)[1]
             message += f"; without --method the default here is {reason.split(' (')[0]}"
         raise InvalidArgumentError(message) from None
-    options.check_sampling(args.temperature)
-    args.kernels = KernelOptions.from_args(args, backend_of(backend))
-    _check_gpu_linear(args.gpu_linear, args.kernels, backend_of(backend))
-    check_compiler_options(args.kernels.compiler_options)
-    loading.check_resources(options, args.draft, args.ngram)
-    try:
-        loading.check_draft_spec(args.draft)
-    except InvalidArgumentError as error:
-        raise InvalidArgumentError(_flag_draft(str(error))) from None
+    _check_gpu_linear(args.gpu_linear, request.kernels, backend)
+    check_compiler_options(request.kernels.compiler_options)
     if args.ngram is not None:
         _check_ngram_file(args.ngram)
-    return options, bench_cli.resolve_dtype_flag(args.dtype)
+    return request, bench_cli.resolve_dtype_flag(args.dtype)
 
 
 def _check_gpu_linear(given: str | None, kernels: KernelOptions, backend: str) -> None:
@@ -335,7 +328,9 @@ def _check_ngram_file(path: str) -> None:
 def _with_flag_names(message: str, args) -> str:
     """``message`` (about method options) with options named as their flags:
     ``tree_budget 99`` -> ``--tree-budget 99`` (each one given, and every one whose name
-    cannot be an English word: ``draft_depth``)."""
+    cannot be an English word: ``draft_depth``); ``option 'use_lookup'`` -> ``--no-lookup``."""
+    message = re.sub(r"\boption '(\w+)'", lambda m: flag_of(m.group(1))
+                     if m.group(1) in all_option_fields() else m.group(0), message)
     for name in all_option_fields():
         if getattr(args, name, None) is not None or "_" in name:
             message = re.sub(rf"(?<![\w-]){name}\b", flag_of(name), message)
@@ -437,7 +432,7 @@ def read_prompts_file(path: str) -> list[dict]:
     return rows
 
 
-def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
+def _generate_file(args, model, rows: list[dict], request: api.Request) -> int:
     """Generates for every prompt of ``rows`` in batches of ``--batch-size`` and writes
     one JSON line per prompt as each batch ends; prints a summary line to stderr."""
     size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
@@ -451,7 +446,8 @@ def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
             chunk = rows[first: first + size]
             try:
                 results = api.generate(model, [row["prompt"] for row in chunk],
-                                       **dict(kwargs, seed=[row["seed"] for row in chunk]))
+                                       request=request.replace(
+                                           seed=tuple(row["seed"] for row in chunk)))
             except InvalidArgumentError as error:  # name the line, not the batch's row
                 message = str(error)
                 if message.startswith("prompts["):
@@ -460,7 +456,6 @@ def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
                         message[message.index("]") + 1:]
                 raise InvalidArgumentError(message) from None
             for offset, (row, result) in enumerate(zip(chunk, results)):
-                result.stats["method_choice"] = args.method_choice
                 record = {"id": row["id"], "index": first + offset, "prompt": row["prompt"],
                           "text": result.text, "tokens": result.tokens,
                           "method": result.stats["method"], "stats": result.stats}
@@ -475,44 +470,38 @@ def _generate_file(args, model, rows: list[dict], kwargs: dict) -> int:
         if sink is not sys.stdout:
             sink.close()
     rate = f"{tokens / seconds:.1f} tok/s" if seconds > 0 else "too fast to time"
-    print(f"[{kwargs['method'].name}] {_counted(len(rows), 'prompt')} in batches of {size}: "
+    print(f"[{request.options.name}] {_counted(len(rows), 'prompt')} in batches of {size}: "
           f"{_counted(int(tokens), 'token')} in {seconds:.2f} s ({rate} in total), compile "
           f"{compile_seconds:.1f} s", file=sys.stderr)
     return 0
 
 
 def _generate(args) -> int:
-    options, dtype = check_generate_args(args)
+    request, dtype = check_generate_args(args)
     rows = None if args.prompts_file is None else read_prompts_file(args.prompts_file)
     # Nothing here needs finishing or removing on Ctrl-C: it ends the process at once, at
     # any moment (loading, compiling, prefill, generation), with one line.
     with interrupts.exit_on_interrupt("specjax: interrupted") as watch:
-        status = _generate_watched(args, options, dtype, rows, watch)
+        status = _generate_watched(args, request, dtype, rows, watch)
         watch.finished()
     return status
 
 
-def _generate_watched(args, options, dtype, rows, watch) -> int:
+def _generate_watched(args, request: api.Request, dtype, rows, watch) -> int:
     with progress.phases(enabled=not args.json) as shown:
         with shown.phase(f"loading {args.model}"):
             model = loading.load(args.model, dtype=dtype, progress=shown.enabled)
-            if args.kernels.attention == "fused":  # one kernel for q|k|v, one for gate|up
+            if request.kernels.attention == "fused":  # one kernel for q|k|v, one for gate|up
                 model = model.with_fused_projections()
-        kwargs = dict(method=options, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      seed=args.seed, chat=args.chat, kernels=args.kernels,
-                      ngram=args.ngram, stop=args.stop)
-        if args.constraint is not None:
-            kwargs["constraint"] = args.constraint
-        if options.uses_draft:
+        if request.options.uses_draft:
             with shown.phase(f"loading draft {args.draft or '(shipped)'}"):
                 try:
-                    kwargs["draft"] = loading.resolve_draft(model, args.draft,
-                                                            progress=shown.enabled)
+                    request = request.replace(draft=loading.resolve_draft(
+                        model, args.draft, progress=shown.enabled))
                 except InvalidArgumentError as error:
                     raise InvalidArgumentError(_flag_draft(str(error))) from None
         try:
-            return _generate_loaded(args, model, rows, kwargs, options, shown, watch)
+            return _generate_loaded(args, model, rows, request, shown, watch)
         except InvalidArgumentError as error:  # limits that depend on the loaded model
             raise InvalidArgumentError(_with_flag_names(_cli_words(str(error)), args)) \
                 from None
@@ -528,24 +517,24 @@ def _cli_words(message: str) -> str:
         '{"prompt": [1, 2, 3]}')
 
 
-def _generate_loaded(args, model, rows, kwargs, options, shown, watch) -> int:
+def _generate_loaded(args, model, rows, request: api.Request, shown, watch) -> int:
     """Generates with the loaded model: the prompts file, --json, or streamed text."""
     if rows is not None:
-        return _generate_file(args, model, rows, kwargs)
+        return _generate_file(args, model, rows, request)
     if args.json:
-        result = api.generate(model, args.prompt, **kwargs)
-        result.stats["method_choice"] = args.method_choice
-        record = {"text": result.text, "tokens": result.tokens, "method": options.name,
+        result = api.generate(model, args.prompt, request=request)
+        record = {"text": result.text, "tokens": result.tokens,
+                  "method": request.options.name,
                   "stats": result.stats}
         if args.show_origin:
             record["origins"] = result.origins or ["target"] * len(result.tokens)
         print(json.dumps(record))
         return 0
-    stream = api.stream_generate(model, args.prompt, origins=True, **kwargs)
+    stream = api.stream_generate(model, args.prompt, origins=True, request=request)
     with shown.phase("compiling and prefilling"):
         first = next(stream)
     _print_stream(model, itertools.chain([first], stream), args.show_origin, watch,
-                  api.stop_strings(args.stop))
+                  request.stop_strings)
     return 0
 
 

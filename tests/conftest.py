@@ -269,15 +269,16 @@ def with_fast_options(kernels):
 
 @contextlib.contextmanager
 def fast_compiles():
-    """Inside, every request's :class:`specjax.KernelOptions` (``api.kernel_options``, the
+    """Inside, every request's :class:`specjax.KernelOptions` (``requests.kernel_options``, the
     one place a request's options are made concrete) carries :func:`fast_compiler_options`
     under its own compiler options, in every thread: so the programs are keyed, cached and
     reported (``stats["kernels"]``) with the options they compiled with."""
-    from specjax import api
+    from specjax import requests
 
-    resolve = api.kernel_options
-    with mock.patch.object(api, "kernel_options",
-                           lambda model, kernels=None: with_fast_options(resolve(model, kernels))):
+    resolve = requests.kernel_options
+    with mock.patch.object(requests, "kernel_options",
+                           lambda backend, kernels=None: with_fast_options(
+                               resolve(backend, kernels))):
         yield
 
 

@@ -103,8 +103,9 @@ def test_fused_attention_fuses_the_target_and_draft_projections(capsys, served, 
     status, out, err = run_cli(capsys, "generate", PROMPT, "--attention", "fused", "--json")
     assert status == 0, err
     (model, kwargs), = calls
-    assert kwargs["kernels"].attention == "fused" and models.projections_fused(model.params)
-    assert models.projections_fused(kwargs["draft"].params)
+    request = kwargs["request"]
+    assert request.kernels.attention == "fused" and models.projections_fused(model.params)
+    assert models.projections_fused(request.draft.params)
     assert not models.projections_fused(served.params)  # the loaded model is left as it was
 
 
@@ -331,8 +332,9 @@ def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
     ([PROMPT, "--method", "staged", "--verify", "greedy", "--temperature", "1"],
      "needs temperature 0"),
     ([PROMPT, "--tree-budget", "8", "--temperature", "1"],
-     "--tree-budget does not apply to method 'spec' (it applies to tree, staged); without "
-     "--method the default here is spec: the fastest for cpu, T>0"),
+     "--tree-budget does not apply to method 'spec' (it applies to tree, staged; spec's "
+     "options: verify, --draft-depth); without --method the default here is spec: the "
+     "fastest for cpu, T>0"),
     ([PROMPT, "--draft-rounds", "2"], "--draft-rounds does not apply to method 'spec'"),
     ([PROMPT, "--draft-depth", "-1"], "--draft-depth must be"),
     ([PROMPT, "--method", "spec", "--draft-depth", "0"], "--draft-depth must be"),
@@ -406,8 +408,8 @@ def test_gpu_linear_needs_the_fused_kernels_on_a_gpu(capsys, no_load, monkeypatc
                           "--attention fused")
     args = cli.build_parser().parse_args(["generate", PROMPT, "--method", "ar", "--attention",
                                           "fused", "--gpu-linear", "mosaic"])
-    assert cli.check_generate_args(args)[0].name == "ar"
-    assert args.kernels.gpu_linear == "mosaic"
+    request = cli.check_generate_args(args)[0]
+    assert request.options.name == "ar" and request.kernels.gpu_linear == "mosaic"
 
 
 def test_standard_input_gives_the_prompt_or_the_prompts_file(capsys, no_load, monkeypatch):

@@ -354,10 +354,9 @@ def constrained_run(model, prompt, constraint, temperature, seed, max_new_tokens
     from specjax import api, decode
     from specjax.methods import Autoregressive
 
-    request = api._prepare(model, prompt, method="ar", max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_k=0, top_p=1.0, seed=seed, draft=None,
-                           ngram=None, stop_tokens=[eos_id()], chat=False,
-                           kernels=api.kernel_options(model), options={})
+    request = api._prepare(model, prompt, api.request(
+        method="ar", max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+        stop=[eos_id()]))
     loop = dataclasses.replace(request.loop, method=Autoregressive(constrained=True))
     args = request.args[:-1] + (tables_of(constraint),)
     state = decode.run_program(args[0], loop, *args[1:])[0]
@@ -447,10 +446,8 @@ def test_a_batch_under_one_constraint_equals_its_single_runs(tiny_model):
     prompts = [np.random.default_rng(seed).integers(0, 100, 4 + 3 * seed).tolist()
                for seed in range(3)]
     constraint = Regex(BOUNDED[3])
-    (batch,) = api._prepare_batch(
-        tiny_model, prompts, method="ar", max_new_tokens=12, temperature=0.0, top_k=0,
-        top_p=1.0, seed=0, draft=None, ngram=None, stop_tokens=[eos_id()], chat=False,
-        kernels=api.kernel_options(tiny_model), batch=BatchOptions(), options={})
+    (batch,) = api._prepare_batch(tiny_model, prompts, api.request(
+        method="ar", max_new_tokens=12, stop=[eos_id()], batch=BatchOptions()))
     loop = dataclasses.replace(batch.loop, method=Autoregressive(constrained=True))
     args = batch.args[:-1] + (tables_of(constraint),)
     state = decode.run_batch(args[0], loop, *args[1:])[0]

@@ -255,10 +255,8 @@ def test_the_state_keeps_the_targets_block_outputs(target):
     draft = eagle3_draft(target, seed=5)
     prompt = random_prompt(8, 9)
     options = {k: v for k, v in SHAPES["dynamic"].items() if k != "method"}
-    request = api._prepare(target, prompt, method="tree", max_new_tokens=NEW, temperature=0.0,
-                           top_k=0, top_p=1.0, seed=0, draft=draft, ngram=None,
-                           stop_tokens=None, chat=False, kernels=api.kernel_options(target),
-                           options=options)
+    request = api._prepare(target, prompt, api.request(
+        method="tree", max_new_tokens=NEW, draft=draft, **options))
     state = decode.run_program(request.args[0], request.loop, *request.args[1:])[0]
     length = int(state.length) - 1  # the last token is pending: the target has not run it
     tokens = jnp.asarray(state.tokens[:length])

@@ -58,10 +58,8 @@ def test_greedy_and_coupled_equal_ar(target, shape):
 
 
 def _final_state(target, draft, prompt, method, **options):
-    request = api._prepare(target, prompt, method=method, max_new_tokens=NEW, temperature=0.0,
-                           top_k=0, top_p=1.0, seed=0, draft=draft, ngram=None,
-                           stop_tokens=None, chat=False, kernels=api.kernel_options(target),
-                           options=options)
+    request = api._prepare(target, prompt, api.request(
+        method=method, max_new_tokens=NEW, draft=draft, **options))
     return decode.run_program(request.args[0], request.loop, *request.args[1:])[0]
 
 

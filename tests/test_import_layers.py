@@ -47,7 +47,8 @@ TRAINING = "specjax.training"
 # here, in the kernels, the loaders or training is core.
 FRONT = {
     "specjax": "the package face (lazy: each name imports its module on first use)",
-    "specjax.api": "the request path: load, generate, stream_generate",
+    "specjax.api": "load, generate, stream_generate: prompts through a request's program",
+    "specjax.requests": "the one request path: checks, the default choice, binding to a model",
     "specjax.cli": "the command line",
     "specjax.launch": "the command's entry point (takes Ctrl-C before the slow imports)",
     "specjax.loading": "models, drafts and n-gram tables by name, through the loaders",

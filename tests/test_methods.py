@@ -3,13 +3,14 @@ interchangeable; the API and the CLI agree on the default method."""
 
 import argparse
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import specjax
-from specjax import api, cli, loading, sampling
+from specjax import api, cli, loading, requests, sampling
 from specjax.errors import InvalidArgumentError
 from specjax.methods import (METHODS, NgramOptions, SpecOptions, StagedOptions, TreeOptions,
                              build, method_options)
@@ -111,6 +112,58 @@ def test_generate_takes_an_options_object_or_a_name(spec_target, spec_drafts):
         TreeOptions(tree_budget=6, draft_width=2).to_dict())
 
 
+def test_one_request_path_for_keywords_and_a_request(spec_target, spec_drafts):
+    """``api.request`` checks every setting without the model; ``generate(request=...)``
+    runs exactly what the same keywords run (``stream_generate(request=...)``: the CLI's
+    streamed output, tests/test_cli.py)."""
+    prompt = random_prompt(5, 9)
+    keywords = dict(method="tree", tree_budget=6, draft_width=2, max_new_tokens=12)
+    request = api.request(backend="cpu", assets=spec_target.assets,
+                          draft=spec_drafts["weak"], **keywords)
+    assert request.options == TreeOptions(tree_budget=6, draft_width=2)
+    assert request.choice == "given" and request.kernels.sampling_rules != "auto"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.max_new_tokens = 3
+    by_keywords = specjax.generate(spec_target, prompt, draft=spec_drafts["weak"], **keywords)
+    by_request = specjax.generate(spec_target, prompt, request=request)
+    assert by_request.tokens == by_keywords.tokens
+    assert by_request.stats["options"] == by_keywords.stats["options"]
+    # The default choice is the request's, for the assets it was made for.
+    default = api.request(backend="cpu", assets="smollm2-135m")
+    assert (default.options.name, default.choice) == ("spec", api.choose_default_method(
+        "smollm2-135m", "cpu", 0.0)[1])
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: api.request(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (lambda: api.request(temperature=-1.0), "temperature"),
+    (lambda: api.request(method="ar", draft="x"), "takes no draft"),
+    (lambda: api.request(method="spec", tree_budget=4), "'tree_budget' does not apply"),
+    (lambda: api.request(backend="gpuu"), "backend must be 'cpu', 'gpu' or 'tpu'"),
+    (lambda: api.request(batch=3), "batch must be a specjax.BatchOptions"),
+    (lambda: api.request().replace(max_new_tokens=4), "changes the seed, draft or ngram "
+                                                      "only, not max_new_tokens"),
+])
+def test_a_request_refuses_a_bad_setting_in_one_line(make, message):
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        make()
+
+
+def test_a_request_is_whole_and_for_its_backend(spec_target):
+    request = api.request(backend="cpu", method="ar", max_new_tokens=4)
+    with pytest.raises(InvalidArgumentError, match="max_new_tokens, top_k given beside "
+                                                   "request="):
+        specjax.generate(spec_target, [1, 2], request=request, max_new_tokens=5, top_k=3)
+    with pytest.raises(InvalidArgumentError, match="given beside request="):
+        list(api.stream_generate(spec_target, [1, 2], request=request, tree_budget=3))
+    on_gpu = api.request(backend="gpu", method="ar", max_new_tokens=4)
+    with pytest.raises(InvalidArgumentError, match="made for backend 'gpu' and the model's "
+                                                   "weights are on 'cpu'"):
+        specjax.generate(spec_target, [1, 2], request=on_gpu)
+    with pytest.raises(InvalidArgumentError, match="request must be a specjax.api.Request"):
+        api._prepare(spec_target, [1, 2], {"method": "ar"})
+
+
 def test_generate_rejects_an_option_the_method_does_not_take(spec_target):
     with pytest.raises(InvalidArgumentError, match="'draft_rounds' does not apply to "
                                                    "method 'tree'"):
@@ -148,12 +201,12 @@ def test_api_and_cli_default_to_the_same_method(spec_target, smollm2, tmp_path):
     assert api.resolve_method(spec_target).name == "ar"  # no shipped assets
     assert api.resolve_method(smollm2).name == "spec"
     args = cli.build_parser().parse_args(["generate", "x", "-m", "smollm2-135m"])
-    assert cli.check_generate_args(args)[0] == api.resolve_method(smollm2)
+    assert cli.check_generate_args(args)[0].options == api.resolve_method(smollm2)
     # A model without shipped assets: ar for both (the CLI decides without loading it).
     broken = tmp_path / "model"
     broken.mkdir()
     args = cli.build_parser().parse_args(["generate", "x", "-m", str(broken)])
-    assert cli.check_generate_args(args)[0] == api.resolve_method(spec_target)
+    assert cli.check_generate_args(args)[0].options == api.resolve_method(spec_target)
 
 
 def test_backend_defaults_apply_to_method_names_and_are_reported(spec_target, monkeypatch):
@@ -184,7 +237,7 @@ def test_backend_defaults_apply_to_method_names_and_are_reported(spec_target, mo
     assert "tree 8 (gpu: 24; tpu: 32)" in describe_defaults("tree_budget")
     out = specjax.generate(spec_target, [1, 2, 3], max_new_tokens=2, method="ar")
     assert out.stats["backend"] == "cpu"  # the test machine's weights are on the CPU
-    monkeypatch.setattr(api, "model_backend", lambda model: "gpu")
+    monkeypatch.setattr(requests, "model_backend", lambda model: "gpu")
     assert api.resolve_method(spec_target, "tree").tree_budget == 24
     assert api.resolve_method(spec_target, TreeOptions()).tree_budget == 24
     assert api.resolve_method(spec_target, TreeOptions(), tree_budget=5).tree_budget == 5

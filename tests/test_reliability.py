@@ -192,10 +192,9 @@ def test_non_finite_target_logits_stop_at_the_named_position(soak, llama):
         resources = llama.resources(method, draft=1)
         with pytest.raises(NumericalError) as info:
             specjax.generate(broken, prompt, method=method, max_new_tokens=40, **resources)
-        request = api._prepare(
-            broken, prompt, method=method, max_new_tokens=40, temperature=0.0, top_k=0,
-            top_p=1.0, seed=0, draft=resources.get("draft"), ngram=resources.get("ngram"),
-            stop_tokens=None, chat=False, kernels=api.kernel_options(broken), options={})
+        request = api._prepare(broken, prompt, api.request(
+            method=method, max_new_tokens=40, draft=resources.get("draft"),
+            ngram=resources.get("ngram")))
         state, _, _ = decode.run_program(request.args[0], request.loop, *request.args[1:])
         stop, length = int(state.nonfinite_position), int(state.length)
         assert bool(state.nonfinite) and bool(state.done), method

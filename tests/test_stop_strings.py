@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models as token_models, pre_tokenize
 from transformers import PreTrainedTokenizerFast
 
 import specjax
-from specjax import api, stop_strings
+from specjax import api, requests, stop_strings
 from specjax.state import DecodeState, StopCondition, append_tokens, stop_condition
 
 from conftest import TINY_VOCAB, fitted_tables, random_prompt
@@ -228,7 +228,7 @@ def test_stats_count_returned_tokens_when_the_host_cuts(target, monkeypatch):
     prompt = random_prompt(2, 9)
     free = specjax.generate(target, prompt, max_new_tokens=NEW, stop=[]).tokens
     stop = early_stop(target, free, 2, 4)
-    monkeypatch.setattr(api, "stop_sequences", lambda *args: [])
+    monkeypatch.setattr(requests, "stop_sequences", lambda *args: [])
     out = checked(specjax.generate(target, prompt, max_new_tokens=NEW, stop=stop), target,
                   free, stop)
     assert out.stats["target_calls"] == NEW and len(out.tokens) == 4
@@ -242,7 +242,7 @@ def test_a_sequence_that_stops_too_early_is_run_again(target, monkeypatch):
     prompt = random_prompt(2, 9)
     free = specjax.generate(target, prompt, max_new_tokens=NEW, stop=[]).tokens
     stop = early_stop(target, free, 5, 8)
-    monkeypatch.setattr(api, "stop_sequences", lambda *args: [(free[1],)])  # not the string
+    monkeypatch.setattr(requests, "stop_sequences", lambda *args: [(free[1],)])  # not the string
     for kwargs in (dict(), dict(batch=specjax.BatchOptions())):
         one = specjax.generate(target, [prompt] if kwargs else prompt, max_new_tokens=NEW,
                                stop=stop, **kwargs)

@@ -383,13 +383,12 @@ def build_generation_program(method: str, *, verify: str | None = None,
     method = methods.method_options(method, backend=defaults)
     if verify is not None:  # in the options object: a keyword beside it may not differ
         method = dataclasses.replace(method, verify=verify)
-    request = api._prepare(target, list(range(1, prompt_tokens + 1)), method=method,
-                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=0,
-                           top_p=1.0, seed=0, draft=draft_model, ngram=None,
-                           stop_tokens=None, chat=False, kernels=api.KernelOptions(
-                               attention=attn_impl, sampling_rules=sampling_rules,
-                               gpu_linear=gpu_linear),
-                           options={})
+    # The abstract model's backend is the CPU's (no device holds its weights); the
+    # method's options are the accelerator's (``defaults``), resolved above.
+    request = api._prepare(target, list(range(1, prompt_tokens + 1)), api.request(
+        method=method, max_new_tokens=max_new_tokens, temperature=temperature,
+        draft=draft_model, assets=target.assets, kernels=api.KernelOptions(
+            attention=attn_impl, sampling_rules=sampling_rules, gpu_linear=gpu_linear)))
     loop = request.loop
     fn = jax.jit(lambda params, *rest: decode.run_to_completion(params, loop, *rest))
     return fn, request.args
