@@ -80,13 +80,17 @@ def test_one_default_per_backend():
         KernelOptions.default("cuda")
 
 
-def test_generate_takes_at_most_eleven_named_parameters():
+def test_generate_takes_at_most_eleven_named_settings():
     """method, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, kernels, batch,
-    progress; the method's options (and its draft and tables) by name through **options."""
+    progress; the method's options (and its draft and tables) by name through **options;
+    and ``request=``, all of them at once (``api.request``)."""
     for function in (api.generate,):
         parameters = inspect.signature(function).parameters.values()
         named = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        assert "request" in named
+        named.remove("request")
         assert len(named) <= 11, named
+        assert set(named) <= set(inspect.signature(api.request).parameters), named
         assert "kernels" in named and "batch" in named
         assert not {"attn_impl", "stop_tokens", "batch_size", "compact_rows"} & set(named)
 
