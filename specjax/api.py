@@ -118,7 +118,7 @@ def _prepare(model: Model, prompt, req: Request) -> _Request:
     where they come out as one of their listed token sequences (:mod:`specjax.stop_strings`)."""
     settings, (ids,) = bind(model, req, [prompt], listed=False)
     prompt_bucket, capacity = plan(model, settings, len(ids))
-    loop = program(model, settings, len(ids), capacity, prompt_bucket, req.kernels)
+    loop = program(model, settings, len(ids), capacity, prompt_bucket)
     padded = np.zeros(prompt_bucket, np.int32)
     padded[: len(ids)] = ids
     args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)),
@@ -185,7 +185,7 @@ def _prepare_batch(model: Model, prompts, req: Request) -> list[_Batch]:
     for rows in _batch_rows(model, encoded, req.max_new_tokens, int(batch_size)):
         lengths = [len(encoded[row]) for row in rows]
         prompt_bucket, capacity = plan(model, settings, max(lengths))
-        loop = program(model, settings, max(lengths), capacity, prompt_bucket, req.kernels)
+        loop = program(model, settings, max(lengths), capacity, prompt_bucket)
         size = batch_bucket(len(rows))
         # Padding rows: one token, one new token: done at prefill, then held.
         padded = np.zeros((size, prompt_bucket), np.int32)

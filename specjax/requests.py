@@ -136,7 +136,8 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class Bound:
-    """A :class:`Request` bound to a model (:func:`bind`): checked against it, its resources loaded."""
+    """A :class:`Request` bound to a model (:func:`bind`): checked against it, its
+    resources loaded."""
 
     request: Request
     sampling: Any  # SamplingParams (scalars)
@@ -146,14 +147,6 @@ class Bound:
     draft_model: Model | None
     resources: Any  # the method's own (Method.build_resources)
     constraint_stats: dict | None  # the constraint and its tables (None: unconstrained)
-
-    @property
-    def options(self) -> MethodOptions:
-        return self.request.options
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.request.max_new_tokens
 
 
 def kernel_options(backend: str, kernels: KernelOptions | None = None) -> KernelOptions:
@@ -167,13 +160,13 @@ def kernel_options(backend: str, kernels: KernelOptions | None = None) -> Kernel
     return kernels.resolved(backend)
 
 
-def _check_kernels(model: Model, kernels: KernelOptions) -> None:
+def _check_kernels(model: Model, backend: str, kernels: KernelOptions) -> None:
     if kernels.attention == "fused" and not models.has_fused_layers(model.config):
         # Running the default layers instead would drop the bitwise guarantee silently.
         raise InvalidArgumentError(
             f"attention 'fused' needs a Llama-family model (the fused layers); {model.name}: "
             f"{models.no_fused_layers_reason(model.config)}: use 'auto' or 'kernel'")
-    if kernels.attention == "fused" and model_backend(model) == "cpu":
+    if kernels.attention == "fused" and backend == "cpu":
         warnings.warn(
             f"{model.name}: attention 'fused' on the CPU runs its Pallas kernels in Pallas' "
             f"interpreter, several times slower than 'auto' (it is meant for GPU/TPU); use "
@@ -197,8 +190,7 @@ def request(*, backend: str | None = None, assets: str | None = None,
       InvalidArgumentError: the first setting that is wrong, in one line.
     """
     backend = jax.default_backend() if backend is None else backend
-    if not isinstance(backend, str) or backend.lower() not in ("cpu", "gpu", "cuda", "rocm",
-                                                                "tpu"):
+    if not isinstance(backend, str) or backend.lower() not in methods.options.PLATFORMS:
         raise InvalidArgumentError(f"backend must be 'cpu', 'gpu' or 'tpu', got {backend!r}")
     backend = methods.options.backend_of(backend)
     options = dict(options)
@@ -234,13 +226,13 @@ def request(*, backend: str | None = None, assets: str | None = None,
 def _first_seed(seed):
     """The seed checked with the sampling settings: a batch's first (each is checked per
     row when the prompts are known)."""
-    if isinstance(seed, (list, tuple, np.ndarray)) and len(seed):
-        return seed[0]
-    return 0 if isinstance(seed, (list, tuple, np.ndarray)) else seed
+    if isinstance(seed, (list, tuple, np.ndarray)):
+        return seed[0] if len(seed) else 0
+    return seed
 
 
 def bind(model: Model, req: Request, prompts: list, *, listed: bool,
-              seed=None) -> tuple[Bound, list[list[int]]]:
+         seed=None) -> tuple[Bound, list[list[int]]]:
     """``req`` bound to ``model`` and ``prompts`` encoded: the checks that need the model,
     the prompts (``listed``: an error names its index), then the resources (the draft, the
     n-gram tables, a constraint's automaton) loaded; ``seed`` is the first row's (default:
@@ -269,7 +261,7 @@ def bind(model: Model, req: Request, prompts: list, *, listed: bool,
             raise InvalidArgumentError("a constraint ends its output with an end-of-sequence "
                                        "token, and stop=[] leaves none: give one in stop")
     _warn_if_slow_dtype(model)
-    _check_kernels(model, req.kernels)
+    _check_kernels(model, backend, req.kernels)
     encoded = []
     for index, prompt in enumerate(prompts):
         try:
@@ -300,7 +292,7 @@ def bind(model: Model, req: Request, prompts: list, *, listed: bool,
         draft_params=None if draft_model is None else draft_model.params, tables=tables,
         constraint=constraint)
     return Bound(req, sampling, stop, stop_ids, method, draft_model, resources,
-                     constraint_stats), encoded
+                 constraint_stats), encoded
 
 
 # Why ar is the default under a constraint (stats["method_choice"]): every method decodes
@@ -340,26 +332,28 @@ def _warn_if_slow_dtype(model: Model) -> None:
 
 def plan(model: Model, settings: Bound, prompt_length: int) -> tuple[int, int]:
     """(prompt_bucket, capacity) for the longest prompt, checked against both models."""
-    bucket_and_capacity = plan_capacity(prompt_length, settings.max_new_tokens,
-                                        settings.method.scratch, model.config)
+    budget = settings.request.max_new_tokens
+    bucket_and_capacity = plan_capacity(prompt_length, budget, settings.method.scratch,
+                                        model.config)
     if settings.draft_model is not None:
-        plan_capacity(prompt_length, settings.max_new_tokens, settings.method.scratch,
+        plan_capacity(prompt_length, budget, settings.method.scratch,
                       settings.draft_model.config)
     return bucket_and_capacity
 
 
 def program(model: Model, settings: Bound, prompt_length: int, capacity: int,
-            prompt_bucket: int, kernels) -> decode.DecodeLoop:
+            prompt_bucket: int) -> decode.DecodeLoop:
     """The static program of a generation whose longest prompt has ``prompt_length``
     tokens, with the target's and the draft's configs for ``prompt_length +
     max_new_tokens`` positions (LongRoPE's factor set, picked once for the whole
     generation: :meth:`~specjax.config.ModelConfig.for_length`)."""
-    length = prompt_length + settings.max_new_tokens
+    length = prompt_length + settings.request.max_new_tokens
     method = settings.method
     if getattr(method, "draft_config", None) is not None:
         method = dataclasses.replace(method, draft_config=method.draft_config.for_length(length))
     return decode.DecodeLoop(config=model.config.for_length(length), capacity=capacity,
-                             prompt_bucket=prompt_bucket, kernels=kernels, method=method)
+                             prompt_bucket=prompt_bucket, kernels=settings.request.kernels,
+                             method=method)
 
 
 def stop_strings(stop) -> tuple[str, ...]:

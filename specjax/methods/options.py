@@ -353,11 +353,16 @@ def methods_taking(option: str) -> list[str]:
     return [name for name, cls in METHODS.items() if option in cls.option_names()]
 
 
+# The jax platform names of each defaults family (backend_of).
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+PLATFORMS = ("cpu", "tpu", *GPU_PLATFORMS)
+
+
 def backend_of(platform: str) -> str:
     """The defaults family of a jax platform name: ``gpu`` (cuda, rocm), ``tpu`` or
     ``cpu`` (anything else)."""
     platform = str(platform).lower()
-    if platform in ("gpu", "cuda", "rocm"):
+    if platform in GPU_PLATFORMS:
         return "gpu"
     return "tpu" if platform == "tpu" else "cpu"
 
