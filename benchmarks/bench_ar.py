@@ -45,10 +45,10 @@ import jax.numpy as jnp
 
 import specjax
 from specjax import api, decode, models
-from specjax.benchmark.environment import git_commit, versions, write_json
-from specjax.humaneval import humaneval_prompts
-from specjax.benchmark.peers import fastest_torch_threads
 from specjax.cache import init_cache
+from specjax.harness.environment import git_commit, versions, write_json
+from specjax.harness.peers import fastest_torch_threads
+from specjax.humaneval import humaneval_prompts
 
 
 # What is timed: ``ar`` by name (a known model's default method is ``spec``), exactly

@@ -32,7 +32,7 @@ import time
 import specjax
 from specjax import api
 from specjax import humaneval
-from specjax.benchmark import environment
+from specjax.harness import environment
 
 
 def _median_run(model, prompts, repeats: int, **kwargs) -> tuple[float, list]:

@@ -51,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from specjax.attention import attention_reference  # noqa: E402
-from specjax.benchmark import environment  # noqa: E402
+from specjax.harness import environment  # noqa: E402
 from specjax.tree import ancestor_mask, kary_parents  # noqa: E402
 
 try:

@@ -54,8 +54,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_kernels  # noqa: E402
-from specjax.benchmark import environment  # noqa: E402
 from specjax.errors import InvalidArgumentError  # noqa: E402
+from specjax.harness import environment  # noqa: E402
 
 try:
     from specjax import kernels  # installed: kernels/ is specjax.kernels

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 import specjax
 from specjax import models
-from specjax.benchmark.environment import git_commit, write_json
 from specjax.cache import init_cache
+from specjax.harness.environment import git_commit, write_json
 from specjax.tree import ancestor_mask, depths, kary_parents
 
 

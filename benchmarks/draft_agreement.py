@@ -126,9 +126,9 @@ def head_tokens(draft):
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import specjax
-    from specjax.benchmark.environment import git_commit, machine, versions, write_json
-    from specjax.humaneval import humaneval_prompts
     from specjax.checkpoints_tools.sources import load_bundled_draft
+    from specjax.harness.environment import git_commit, machine, versions, write_json
+    from specjax.humaneval import humaneval_prompts
     from specjax.training import sample_corpus
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

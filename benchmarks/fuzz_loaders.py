@@ -45,12 +45,12 @@ def main(argv=None) -> int:
     import numpy as np
 
     import test_fuzz_loaders as fuzz
-    from specjax.benchmark.environment import machine, write_json
     from specjax.checkpoints_tools.assets import check_draft_asset
     from specjax.checkpoints_tools.gguf_loader import load_gguf, read_gguf
     from specjax.checkpoints_tools.hf import load_hf_directory
     from specjax.checkpoints_tools.orbax_io import load_orbax
     from specjax.drafters.ngram import load_ngram
+    from specjax.harness.environment import machine, write_json
 
     rng = np.random.default_rng(args.seed)
     scratch = Path(tempfile.mkdtemp(prefix="fuzz-loaders-"))

@@ -47,7 +47,7 @@ for path in (str(ROOT), str(ROOT / "tests")):
         sys.path.insert(0, path)
 
 import gpu_aot  # noqa: E402
-from specjax.benchmark import environment  # noqa: E402
+from specjax.harness import environment  # noqa: E402
 
 CONFIGS = {
     "kernel": dict(attn_impl="kernel"),

@@ -784,8 +784,8 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    from specjax.backend_options import KernelOptions, add_kernel_arguments
     from specjax.errors import InvalidArgumentError
+    from specjax.kernel_options import KernelOptions, add_kernel_arguments
     from specjax.methods import method_options as resolve_options
     from specjax.methods.options import backend_of, describe_defaults
 
@@ -816,8 +816,8 @@ def main(argv=None) -> int:
     except InvalidArgumentError as error:
         parser.error(str(error))
 
-    from specjax.benchmark import environment
-    from specjax.benchmark.environment import machine
+    from specjax.harness import environment
+    from specjax.harness.environment import machine
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]

@@ -480,7 +480,7 @@ def main(argv=None) -> int:
     except (InvalidArgumentError, ValueError, TypeError) as error:
         parser.error(str(error).splitlines()[0])
 
-    from specjax.benchmark.environment import machine, write_json
+    from specjax.harness.environment import machine, write_json
 
     info = machine()
     versions, git = info.pop("versions"), info.pop("git")

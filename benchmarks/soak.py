@@ -46,8 +46,8 @@ import numpy as np
 
 import specjax
 from specjax import api, decode, methods, models, requests
-from specjax.benchmark.environment import machine, write_json
 from specjax.config import ModelConfig
+from specjax.harness.environment import machine, write_json
 from specjax.state import bucket
 from specjax.training.ngram_build import build_ngram
 

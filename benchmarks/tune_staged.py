@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     import jax
 
     import specjax
-    from specjax.benchmark.environment import git_commit, machine, versions, write_json
+    from specjax.harness.environment import git_commit, machine, versions, write_json
     from specjax.humaneval import humaneval_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

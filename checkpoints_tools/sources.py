@@ -37,7 +37,7 @@ from specjax.checkpoints_tools.hf import (as_numpy_dtype, check_safetensors_head
                                           one_line, read_json_object)
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
-from specjax.model import Model
+from specjax.loaded_model import Model
 from specjax.models import HEAD_SUBSET
 
 

@@ -28,11 +28,11 @@ _EXPORTS = {
     "ModelNotFoundError": "specjax.errors", "NumericalError": "specjax.errors",
     "SpecjaxError": "specjax.errors", "PerformanceWarning": "specjax.errors",
     "load": "specjax.api",
-    "BatchOptions": "specjax.backend_options", "KernelOptions": "specjax.backend_options",
+    "BatchOptions": "specjax.batch_options", "KernelOptions": "specjax.kernel_options",
     "ArOptions": "specjax.methods", "MethodOptions": "specjax.methods",
     "NgramOptions": "specjax.methods", "SpecOptions": "specjax.methods",
     "StagedOptions": "specjax.methods", "TreeOptions": "specjax.methods",
-    "Model": "specjax.model",
+    "Model": "specjax.loaded_model",
     "JsonSchema": "specjax.constraints", "Regex": "specjax.constraints",
 }
 
@@ -40,15 +40,16 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from specjax.api import GenerationResult, generate, stream_generate
+    from specjax.api import load
+    from specjax.batch_options import BatchOptions
     from specjax.config import ModelConfig, from_hf_config
+    from specjax.constraints import JsonSchema, Regex
     from specjax.errors import (CheckpointError, InvalidArgumentError, ModelNotFoundError,
                                 NumericalError, PerformanceWarning, SpecjaxError)
-    from specjax.api import load
-    from specjax.backend_options import BatchOptions, KernelOptions
+    from specjax.kernel_options import KernelOptions
+    from specjax.loaded_model import Model
     from specjax.methods import (ArOptions, MethodOptions, NgramOptions, SpecOptions,
                                  StagedOptions, TreeOptions)
-    from specjax.model import Model
-    from specjax.constraints import JsonSchema, Regex
 
 
 def __getattr__(name: str):

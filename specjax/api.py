@@ -26,15 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import decode, loading, methods, models, progress as progress_lib
-from specjax.backend_options import BatchOptions, KernelOptions
+from specjax.batch_options import BatchOptions
 from specjax.compilation_cache import use_compilation_cache
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
+from specjax.kernel_options import KernelOptions
 from specjax.kernels import fallbacks
+from specjax.loaded_model import Model, check_draft_compatible, encode_prompt, resolve_dtype
 from specjax.loading import choose_default_method
 from specjax.methods import MethodOptions
 from specjax.methods.common import tally_of
 from specjax.methods.exactness import run_exactness
-from specjax.model import Model, check_draft_compatible, encode_prompt, resolve_dtype
 from specjax.origins import ORIGIN_NAMES, origin_name
 from specjax.requests import (CONSTRAINED_CHOICE, Request, bind, constrained_method,
                               kernel_options, model_backend, plan, platform_of, program,

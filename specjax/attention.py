@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import kernels, sharding
-from specjax.backend_options import ATTENTION_IMPLEMENTATIONS
 from specjax.errors import InvalidArgumentError
+from specjax.kernel_options import ATTENTION_IMPLEMENTATIONS
 from specjax.kernels.numerics import matmul_precision
 
 IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS

@@ -21,8 +21,6 @@ import numpy as np
 
 import specjax
 from specjax import api, interrupts, loading, progress
-from specjax.backend_options import KernelOptions, add_kernel_arguments
-from specjax.benchmark import cli as bench_cli
 from specjax.checkpoints_tools import sources
 from specjax.checkpoints_tools.convert import convert
 from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
@@ -31,6 +29,8 @@ from specjax.compilation_cache import use_compilation_cache
 from specjax.constraints import add_constraint_arguments, constraint_from_args
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
+from specjax.harness import cli as bench_cli
+from specjax.kernel_options import KernelOptions, add_kernel_arguments
 from specjax.methods import METHODS, choice
 from specjax.methods.flags import add_method_arguments, flag_of
 from specjax.methods.options import all_option_fields, backend_of

@@ -7,7 +7,7 @@ The rule that keeps jit fast:
 
 * **Static** -- part of the compiled program, held by the hashable
   :class:`~specjax.state.DecodeLoop`: model config, cache capacity, prompt bucket,
-  kernel options (:class:`~specjax.backend_options.KernelOptions`: attention
+  kernel options (:class:`~specjax.kernel_options.KernelOptions`: attention
   implementation, kernel backends, XLA compiler options), method and tree shape (budget,
   depth, width), number of stop-token and stop-sequence slots; where the sampling rule
   is fixed (``SamplingParams.rule``: a GPU's default), the rule.

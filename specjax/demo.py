@@ -19,8 +19,8 @@ import sys
 from typing import TextIO
 
 from specjax import api
-from specjax.benchmark.cli import resolve_dtype_flag
-from specjax.model import Model
+from specjax.harness.cli import resolve_dtype_flag
+from specjax.loaded_model import Model
 
 PROMPT = "def fibonacci(n):"
 MAX_NEW_TOKENS = 128  # specjax generate's default

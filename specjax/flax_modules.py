@@ -53,7 +53,7 @@ from specjax import models
 from specjax.cache import KVCache
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
-from specjax.model import Model
+from specjax.loaded_model import Model
 
 
 def apply_forward(params: dict, config: ModelConfig, tokens: jax.Array,

@@ -28,8 +28,8 @@ from specjax import models, sharding
 from specjax.checkpoints_tools import sources
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
+from specjax.loaded_model import Model, check_draft_compatible, pad_draft_vocabulary, resolve_dtype
 from specjax.methods import MethodOptions, choice
-from specjax.model import Model, check_draft_compatible, pad_draft_vocabulary, resolve_dtype
 
 DRAFT_SUFFIX = "-draft"
 FIRST_LAYERS = "first-layers:"

@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import decode, loading, methods, models
-from specjax.backend_options import BatchOptions, KernelOptions
+from specjax.batch_options import BatchOptions
 from specjax.constraints import build_tables, check_constraint_type
 from specjax.errors import InvalidArgumentError, PerformanceWarning
+from specjax.kernel_options import KernelOptions
+from specjax.loaded_model import Model, encode_prompt
 from specjax.loading import (check_resources, choose_default_method, resolve_draft,
                              resolve_ngram)
 from specjax.methods import MethodOptions
-from specjax.model import Model, encode_prompt
 from specjax.sampling import make_sampling_params, static_rules
 from specjax.state import Method, StopCondition, plan_capacity, stop_condition
 from specjax.stop_strings import stop_sequences

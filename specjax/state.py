@@ -42,11 +42,12 @@ from flax import struct
 from specjax import models, sharding
 # MAX_BATCH_SIZE: the most rows one compiled batch program takes (callers split longer
 # lists); defined beside BatchOptions, which checks it.
-from specjax.backend_options import MAX_BATCH_SIZE, KernelOptions  # noqa: F401
+from specjax.batch_options import MAX_BATCH_SIZE  # noqa: F401
 from specjax.cache import KVCache, advance, init_cache
 from specjax.config import ModelConfig
 from specjax.constraints import INITIAL_STATE, ConstraintTables, mask_logits
 from specjax.errors import InvalidArgumentError
+from specjax.kernel_options import KernelOptions
 from specjax.sampling import SamplingParams, sample_tokens
 
 MIN_BUCKET = 16
@@ -140,7 +141,7 @@ class DecodeLoop:
       config: target model config.
       capacity: S, cache slots and sequence-buffer length.
       prompt_bucket: P, padded prompt length.
-      kernels: the :class:`~specjax.backend_options.KernelOptions` the program is built
+      kernels: the :class:`~specjax.kernel_options.KernelOptions` the program is built
         with (attention implementation, kernel backends, sampling rules, compiler
         options); the methods pass it to the model functions as ``attn_impl=``.
       method: the :class:`Method` (``specjax.methods.build`` makes it from its options;

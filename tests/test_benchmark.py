@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from specjax import api, cli, sampling
-from specjax.benchmark import metrics, peers, plots, report, runner
+from specjax.harness import metrics, peers, plots, report, runner
 
 from conftest import random_prompt, serve_models, tiny_pair, with_fast_options
 
@@ -152,7 +152,7 @@ def test_pass_costs_split_a_step_into_target_draft_and_rest():
 def test_step_breakdowns_time_every_pass_once_per_round_in_rotation(monkeypatch):
     """Each distinct pass is compiled once, then timed once per round, the order rotated;
     methods sharing a pass share its time; a pass's time is its median over the rounds."""
-    from specjax.benchmark import passcost
+    from specjax.harness import passcost
     from specjax.methods import method_options
     target, draft = tiny_pair("llama-gqa")
     clock = [0.0]
@@ -190,7 +190,7 @@ def test_step_breakdowns_time_every_pass_once_per_round_in_rotation(monkeypatch)
 
 
 def test_pass_plans_follow_the_methods_options():
-    from specjax.benchmark.passcost import pass_plan
+    from specjax.harness.passcost import pass_plan
     from specjax.methods import method_options
     _, draft = tiny_pair("llama-gqa")
     assert pass_plan(method_options("ar"), None).target_nodes == 1
@@ -351,7 +351,7 @@ def test_peers_unavailable_are_rows_not_crashes(models, monkeypatch):
 
 
 def test_cli_json_plots_and_report(served, capsys, tmp_path, monkeypatch):
-    from specjax.benchmark import environment
+    from specjax.harness import environment
 
     out_json, plot_dir = tmp_path / "run.json", tmp_path / "plots"
     written = []  # the JSON is saved after every prompt, then whole
@@ -645,7 +645,7 @@ def test_scaling_projection_formula_and_accepted_parsing(tmp_path, monkeypatch):
 
 
 def test_weight_bytes_of_a_subset_head_draft_skip_the_gathered_embedding(spec_target):
-    from specjax.benchmark.runner import weight_bytes
+    from specjax.harness.runner import weight_bytes
 
     full = weight_bytes(spec_target)
     embed = spec_target.params["embed"].nbytes
@@ -752,8 +752,8 @@ def test_write_json_writes_whole_results_or_nothing(tmp_path, monkeypatch):
     """Benchmark results (``specjax bench --json``, the scripts) are written whole: parent
     folders are made, a result that cannot be serialised leaves no file, and an interrupted
     write leaves the previous result as it was and no temporary file."""
-    from specjax.benchmark import environment
-    from specjax.benchmark.environment import write_json
+    from specjax.harness import environment
+    from specjax.harness.environment import write_json
 
     path = write_json(tmp_path / "new" / "result.json", {"rows": [1, 2], "median": 0.5})
     assert json.loads(path.read_text()) == {"rows": [1, 2], "median": 0.5}
@@ -777,7 +777,7 @@ def test_write_json_marks_a_result_from_a_dirty_tree(tmp_path, capsys):
     tree; true, with one warning line on stderr, from a tree with uncommitted changes,
     wherever the git record sits (a resumed run's parts included). A result without git
     state is written as it is."""
-    from specjax.benchmark import environment
+    from specjax.harness import environment
 
     clean = {"commit": "a" * 40, "dirty_files": []}
     dirty = {"commit": "b" * 40, "dirty_files": [" M specjax/api.py", " M README.md"]}

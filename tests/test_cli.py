@@ -758,7 +758,7 @@ def test_show_origin_on_a_terminal_names_each_colour(capsys, tiny_gguf, monkeypa
 
 
 def test_bench_progress_says_its_speedups_are_running_figures():
-    from specjax.benchmark import runner
+    from specjax.harness import runner
     line = runner._running_speedups({("ar", 0.0): (100, 10.0), ("staged", 0.0): (120, 10.0)},
                                     0.0)
     assert line == "T=0 so far: staged 1.20x ar"

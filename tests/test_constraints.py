@@ -440,7 +440,7 @@ def test_constraints_in_one_size_bucket_share_the_compiled_program(tiny_model):
 
 def test_a_batch_under_one_constraint_equals_its_single_runs(tiny_model):
     from specjax import api, decode
-    from specjax.backend_options import BatchOptions
+    from specjax.batch_options import BatchOptions
     from specjax.methods import Autoregressive
 
     prompts = [np.random.default_rng(seed).integers(0, 100, 4 + 3 * seed).tolist()

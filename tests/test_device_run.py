@@ -351,7 +351,7 @@ def test_tune_staged_saves_after_every_prompt(monkeypatch, tmp_path):
     # gpu_run.sh's defaults step: stopped part-way, it keeps the prompts it finished.
     import specjax
     from specjax import humaneval
-    from specjax.benchmark import environment
+    from specjax.harness import environment
 
     from conftest import random_prompt, tiny_pair
 

@@ -447,7 +447,7 @@ def test_the_pass_cost_split_times_a_feature_draft(target):
     """``specjax bench``'s pass-cost split (after the prompts) runs an EAGLE-3 draft's
     passes with feature rows, as decoding does; it stopped a whole suite run with "a feature
     draft needs features" on 2026-11-27."""
-    from specjax.benchmark import passcost
+    from specjax.harness import passcost
     from specjax.methods import method_options
 
     draft = eagle3_draft(target, seed=5, vocab=vocabulary(5))

@@ -7,7 +7,7 @@ import pytest
 
 import specjax
 from specjax import models
-from specjax.backend_options import KernelOptions
+from specjax.kernel_options import KernelOptions
 from specjax.methods import exactness
 from specjax.methods.exactness import (BITWISE, IN_DISTRIBUTION, UP_TO_ROUNDING,
                                        run_exactness)

@@ -1105,7 +1105,7 @@ class _Vocabulary:
      r"different tokenizers: 1 tokens are in one only \(the first, '<extra>', in the draft\)"),
 ])
 def test_a_real_tokenizer_mismatch_is_refused_in_one_line(padded_target, edit, message):
-    from specjax.model import check_draft_compatible
+    from specjax.loaded_model import check_draft_compatible
 
     target, used = padded_target
     draft = specjax.Model(dataclasses.replace(target.config, vocab_size=used + 5),
@@ -1117,7 +1117,7 @@ def test_a_real_tokenizer_mismatch_is_refused_in_one_line(padded_target, edit, m
 
 
 def test_rows_past_the_smaller_vocabulary_in_use_are_refused(padded_target):
-    from specjax.model import check_draft_compatible
+    from specjax.loaded_model import check_draft_compatible
 
     target, used = padded_target
     draft = specjax.Model(dataclasses.replace(target.config, vocab_size=used - 1),

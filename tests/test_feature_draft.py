@@ -88,7 +88,7 @@ def test_a_position_reads_the_previous_positions_feature(target):
     ``t - 1``, zeros at ``t = 0``."""
     from types import SimpleNamespace
 
-    from specjax.methods.speculative import previous_features
+    from specjax.drafters.model import previous_features
 
     features = jnp.arange(10 * 4, dtype=jnp.float32).reshape(10, 4) + 1
     positions = jnp.asarray([0, 1, 5, 9], jnp.int32)

@@ -47,10 +47,10 @@ import pytest
 
 import specjax
 from specjax import kernels, models
-from specjax.backend_options import KernelOptions
 from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
+from specjax.kernel_options import KernelOptions
 from specjax.kernels.attention_ordered_gpu import (GpuOrderedBlockSizes, check_packed,
                                                    ordered_attention_gpu,
                                                    ordered_attention_packed_gpu, packed_links)

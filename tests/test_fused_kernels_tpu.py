@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 
 from specjax import kernels
-from specjax.backend_options import KernelOptions
 from specjax.errors import InvalidArgumentError
+from specjax.kernel_options import KernelOptions
 from specjax.kernels.attention_ordered_tpu import ordered_attention_tpu
 from specjax.kernels.linear_tpu import (TpuLinearBlockSizes, check_supported,
                                         fused_linear_reference, fused_linear_tpu)

@@ -53,7 +53,7 @@ FRONT = {
     "specjax.launch": "the command's entry point (takes Ctrl-C before the slow imports)",
     "specjax.loading": "models, drafts and n-gram tables by name, through the loaders",
     "specjax.demo": "specjax demo",
-    "specjax.benchmark": "specjax bench: the suite, the transformers peers, reports",
+    "specjax.harness": "specjax bench: the suite, the transformers peers, reports",
     "specjax.commands": "specjax train-draft and build-ngram: flags, loading by name",
 }
 # What each layer may import besides itself and specjax.errors (which every layer may).
@@ -263,7 +263,7 @@ def test_every_module_is_in_a_layer_and_each_front_module_exists():
     assert layers == set(MAY_IMPORT), layers
     assert not set(FRONT) - set(modules), f"FRONT names no module: {set(FRONT) - set(modules)}"
     # The core is most of the library, named by nothing but the absence of a layer.
-    assert {"specjax.config", "specjax.state", "specjax.model", "specjax.backend_options",
+    assert {"specjax.config", "specjax.state", "specjax.loaded_model", "specjax.kernel_options",
             "specjax.flax_modules", "specjax.verify", "specjax.methods.staged"} <= {
         name for name in modules if layer_of(name) == "core"}
 

@@ -15,10 +15,11 @@ import pytest
 
 import specjax
 from specjax import api, cli, decode, sampling
-from specjax.backend_options import BatchOptions, KernelOptions
-from specjax.state import MAX_BATCH_SIZE
-from specjax.benchmark import cli as bench_cli
+from specjax.batch_options import BatchOptions
 from specjax.errors import InvalidArgumentError
+from specjax.harness import cli as bench_cli
+from specjax.kernel_options import KernelOptions
+from specjax.state import MAX_BATCH_SIZE
 
 from conftest import random_prompt, tiny_pair, with_fast_options
 

@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 
 from specjax import kernels, models
-from specjax.backend_options import KernelOptions
 from specjax.errors import InvalidArgumentError
+from specjax.kernel_options import KernelOptions
 from specjax.kernels import linear_mosaic_gpu
 from specjax.kernels.linear_gpu import fused_linear_reference
 from specjax.kernels.linear_mosaic_gpu import (MosaicGpuLinearBlockSizes, check_supported,

@@ -8,7 +8,7 @@ import jax
 import pytest
 import torch
 
-from specjax.benchmark import peers
+from specjax.harness import peers
 
 
 def test_cuda_when_torch_sees_a_gpu(monkeypatch):

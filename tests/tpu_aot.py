@@ -361,7 +361,7 @@ def build_generation_program(method: str, *, verify: str | None = None,
     import jax.numpy as jnp
 
     from specjax import api, decode, methods, models
-    from specjax.model import Model
+    from specjax.loaded_model import Model
 
     key = jax.random.key(0)
     config, draft_config = program_configs(method, family=family, draft=draft)

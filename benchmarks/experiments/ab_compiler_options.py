@@ -24,9 +24,9 @@ import statistics
 import sys
 
 import specjax
-from specjax.benchmark.environment import machine, write_json
-from specjax.humaneval import humaneval_prompts
 from specjax.errors import InvalidArgumentError
+from specjax.harness.environment import machine, write_json
+from specjax.humaneval import humaneval_prompts
 
 
 def parse_option(text: str) -> tuple[str, object]:

@@ -32,8 +32,8 @@ import jsonschema
 
 import specjax
 from specjax import humaneval
-from specjax.benchmark import environment
 from specjax.constraints import build_tables
+from specjax.harness import environment
 
 # A function's signature and docstring: name, up to 6 arguments, a one-paragraph summary.
 SCHEMA = {

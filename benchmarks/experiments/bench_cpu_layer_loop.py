@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax.benchmark import environment
+    from specjax.harness import environment
 
     machine = environment.machine()
     rng = np.random.default_rng(0)

@@ -49,7 +49,7 @@ def measure(rows, repeats: int, form: str = "x@w") -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax.benchmark.environment import median_ms
+    from specjax.harness.environment import median_ms
 
     rng = np.random.default_rng(0)
     stored = (lambda a: a) if form == "x@w" else (lambda a: np.ascontiguousarray(a.T))

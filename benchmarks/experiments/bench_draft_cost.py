@@ -30,8 +30,8 @@ def main(argv=None) -> int:
 
     import specjax
     from specjax import models
-    from specjax.benchmark.environment import git_commit, machine, versions
     from specjax.cache import init_cache
+    from specjax.harness.environment import git_commit, machine, versions
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")

@@ -29,8 +29,8 @@ import numpy as np
 
 import specjax
 from specjax import models
-from specjax.benchmark.environment import machine, write_json
 from specjax.config import ModelConfig
+from specjax.harness.environment import machine, write_json
 
 _BASE = dict(architecture="llama", vocab_size=32000, hidden_size=512, num_layers=8,
              num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536,

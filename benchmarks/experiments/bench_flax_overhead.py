@@ -40,9 +40,9 @@ from flax import nnx
 
 import specjax
 from specjax import models
-from specjax.benchmark.environment import machine
 from specjax.cache import init_cache
 from specjax.flax_modules import to_flax
+from specjax.harness.environment import machine
 
 
 def _normalised_hlo(compiled) -> str:

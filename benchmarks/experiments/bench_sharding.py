@@ -38,8 +38,8 @@ import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
 from specjax import models, sharding  # noqa: E402
-from specjax.benchmark.environment import git_commit, versions, write_json  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
+from specjax.harness.environment import git_commit, versions, write_json  # noqa: E402
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4), (4, 2), (8, 1)]  # (data, model)
 

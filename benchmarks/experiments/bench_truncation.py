@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from specjax import sampling
-    from specjax.benchmark import environment
-    from specjax.benchmark.environment import median_ms
+    from specjax.harness import environment
+    from specjax.harness.environment import median_ms
 
     machine = environment.machine()  # the date and load average at the start
     rows = [int(r) for r in args.rows.split(",")]

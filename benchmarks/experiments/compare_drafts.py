@@ -31,9 +31,9 @@ def _floats(text: str) -> list[float]:
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import specjax
-    from specjax.benchmark.environment import git_commit, machine, versions
-    from specjax.humaneval import humaneval_prompts
     from specjax.checkpoints_tools.sources import load_bundled_draft
+    from specjax.harness.environment import git_commit, machine, versions
+    from specjax.humaneval import humaneval_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")

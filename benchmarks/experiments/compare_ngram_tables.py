@@ -23,9 +23,9 @@ from pathlib import Path
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import specjax
-    from specjax.benchmark.environment import git_commit, machine, versions
-    from specjax.humaneval import humaneval_prompts
     from specjax.drafters.ngram import read_ngram_metadata
+    from specjax.harness.environment import git_commit, machine, versions
+    from specjax.humaneval import humaneval_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")

@@ -4,7 +4,9 @@ Stage 2 of staged speculative decoding (Spector & Ré 2023; docs/guide.md):
 
 * :mod:`specjax.drafters.ngram`: Katz-backoff trigram tables as static-size arrays,
   :func:`ngram_topk` and the proposal tree :func:`propose`;
-* :mod:`specjax.drafters.lookup`: context (prompt) lookup, :func:`lookup_continuation`.
+* :mod:`specjax.drafters.lookup`: context (prompt) lookup, :func:`lookup_continuation`;
+* :mod:`specjax.drafters.model`: a draft model's state and passes (stage 1: the draft that
+  ``spec``, ``tree`` and ``staged`` run), :class:`DraftState`.
 
 Tables are built by ``specjax build-ngram`` (:mod:`specjax.training.ngram_build`).
 """

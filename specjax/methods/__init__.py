@@ -10,7 +10,9 @@ first. Each step object builds its own resources (``build_resources``) and its o
 :class:`specjax.state.Method`. The registry (:data:`REGISTRY`) maps each method's name to
 its options class and builder, both exported by the method's module (``OPTIONS``,
 ``build``); a name it does not hold is an error everywhere. Shared pieces (statistics,
-keys, ranking, commit) live in :mod:`specjax.methods.common`.
+keys, ranking, commit) live in :mod:`specjax.methods.common`; the proposers, the draft
+model's state and passes (:mod:`specjax.drafters.model`) among them, in
+:mod:`specjax.drafters`.
 
 | method   | options            | module        | resources         | state         |
 |----------|--------------------|---------------|-------------------|---------------|

@@ -21,7 +21,7 @@ for bit depends on the path the program ran, not on the method:
 
 from __future__ import annotations
 
-from specjax.backend_options import KernelOptions
+from specjax.kernel_options import KernelOptions
 
 BITWISE = "bitwise"
 UP_TO_ROUNDING = "up to rounding"
@@ -42,7 +42,7 @@ def run_exactness(method: str, verify: str | None, sampled: bool, platform: str,
       sampled: whether the run samples (``temperature > 0``; ``None`` temperatures, a
         batch of mixed rows, count as sampled).
       platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``: where the program ran.
-      kernels: the run's :class:`~specjax.backend_options.KernelOptions`.
+      kernels: the run's :class:`~specjax.kernel_options.KernelOptions`.
       verify_rows: the most tree nodes one verify pass holds (the method's budget).
     Returns:
       (level, reason): ``level`` one of :data:`LEVELS`.

@@ -70,12 +70,12 @@ from specjax import models
 from specjax.cache import advance
 from specjax.config import ModelConfig
 from specjax.constraints import start_automaton
+from specjax.drafters.model import commit_features, previous_features, start_draft
 from specjax.drafters.ngram import NgramTables, propose
 from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
                                     rank_children, step_key, tree_constraint,
                                     verify_tree)
 from specjax.methods.options import NgramOptions, StagedOptions
-from specjax.methods.speculative import commit_features, previous_features, start_draft
 from specjax.origins import ORIGIN_DRAFT, ORIGIN_LOOKUP, ORIGIN_TARGET
 from specjax.sampling import top_k
 from specjax.state import DecodeLoop, DecodeState
@@ -96,7 +96,7 @@ class StagedResources:
 @struct.dataclass
 class NgramState:
     """The state of ``ngram`` in ``DecodeState.method_state`` (``staged`` keeps a
-    :class:`~specjax.methods.speculative.DraftState`)."""
+    :class:`~specjax.drafters.model.DraftState`)."""
 
     tally: Tally  # per-step statistics
     automaton: jax.Array | None = None  # int32 []: constrained, the automaton's state
@@ -333,7 +333,7 @@ class Staged(DraftFeatures):
         a feature draft; starts a constraint's automaton after the prefill's token."""
         del params
         state = start_draft(resources.draft_params, self.draft_config, loop, state,
-                            prompt_features, self.max_depth)
+                            prompt_features, init_tally(state, self.max_depth))
         if not self.constrained:
             return state
         return state.replace(method_state=state.method_state.replace(

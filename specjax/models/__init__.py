@@ -28,10 +28,10 @@ import numpy as np
 
 from specjax import kernels, sharding
 from specjax.attention import attention, matmul_precision
-from specjax.backend_options import KernelOptions
 from specjax.cache import KVCache, write_scratch
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, InvalidArgumentError
+from specjax.kernel_options import KernelOptions
 from specjax.kernels.layout import round_up
 from specjax.models import gpt2, llama
 
@@ -558,7 +558,7 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
       mask: bool [T, T] visibility among the new tokens; ``None`` means causal.
       scratch_mask: optional bool [T, M]: the new tokens also see scratch slot
         ``length + m`` where set, and are written after those M slots (tree drafting).
-      attn_impl: a :class:`~specjax.backend_options.KernelOptions` (static: its
+      attn_impl: a :class:`~specjax.kernel_options.KernelOptions` (static: its
         ``attention`` and the kernels' backends), or just the attention implementation's
         name, ``"auto"``, ``"reference"``, ``"kernel"`` or ``"fused"`` (the last also runs
         the Llama family's projections and head through the row-tiled kernel,

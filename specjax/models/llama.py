@@ -518,7 +518,7 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
     :func:`specjax.kernels.qkv_rope_into` (one kernel on a GPU).
     ``attend(packed, index)`` returns the [rows, H*D] input of the output projection;
     ``interpret_variant`` and ``gpu_linear`` pick that kernel's variant and backend
-    (:class:`~specjax.backend_options.KernelOptions`). Returns (x, packed).
+    (:class:`~specjax.kernel_options.KernelOptions`). Returns (x, packed).
     """
     cos, sin = rope
     heads = config.num_heads + config.num_kv_heads  # those RoPE rotates

@@ -62,7 +62,7 @@ from specjax.checkpoints_tools.hf import hub_snapshot, load_hf_tokenizer, read_h
 from specjax.checkpoints_tools.orbax_io import CONFIG_FILE, read_orbax_config
 from specjax.drafters.ngram import NUM_PROBES, NgramTables, save_ngram, trigram_slots
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
-from specjax.model import Model
+from specjax.loaded_model import Model
 from specjax.training import sample_corpus
 # Token files are read as draft training reads them.
 from specjax.training.corpus import read_token_file

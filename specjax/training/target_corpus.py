@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from specjax import progress as progress_lib
-from specjax.model import encode_prompt
 from specjax.errors import InvalidArgumentError
+from specjax.loaded_model import encode_prompt
 from specjax.models import cast_floats
 from specjax.training import sample_corpus
 from specjax.training.corpus import is_heldout

@@ -8,9 +8,9 @@ the blocks, its head rows through the head), each jitted and timed after a warm-
 cache of ``prefix`` committed tokens. What a step costs beyond those passes (stage-2
 proposals, context lookup, ranking, tree selection, acceptance, cache commit, the loop)
 is the *rest*: ``ms per target pass - target - draft`` (see
-:func:`specjax.benchmark.report.pass_costs`).
+:func:`specjax.harness.report.pass_costs`).
 
-    from specjax.benchmark.passcost import step_breakdown
+    from specjax.harness.passcost import step_breakdown
     parts = step_breakdown(target, draft, specjax.method_options("staged"))
     # keys: target_nodes, target_ms, draft_passes ([rows, head_rows] each), draft_ms, ...
 """
@@ -27,8 +27,8 @@ import numpy as np
 
 from specjax import methods, models
 from specjax.cache import init_cache
+from specjax.loaded_model import Model
 from specjax.methods.common import PassPlan
-from specjax.model import Model
 from specjax.tree import ancestor_mask, depths, kary_parents
 
 

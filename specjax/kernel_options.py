@@ -1,4 +1,4 @@
-"""Kernel and backend options: how a program is built for the device, one typed object.
+"""Kernel options: how a program is built for the device, one typed object.
 
 :class:`KernelOptions` is the single place for the settings that pick kernels and compile
 programs: the attention implementation (which, at ``"fused"``, also runs the Llama
@@ -15,8 +15,8 @@ attention implementation); they change what runs and how fast.
 
 :func:`specjax.generate` takes it as ``kernels=``; ``specjax generate`` and
 ``specjax bench`` build it from the same flags (:func:`add_kernel_arguments`,
-:meth:`KernelOptions.from_args`). :class:`BatchOptions` holds how a list of prompts is cut
-into compiled batches (``batch=``).
+:meth:`KernelOptions.from_args`). How a list of prompts is cut into compiled batches is
+:class:`specjax.batch_options.BatchOptions`'s.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ GPU_LINEAR_BACKENDS = ("triton", "mosaic")
 INTERPRET_VARIANTS = ("gpu", "tpu")
 SAMPLING_RULES = ("auto", "static", "traced")
 PLATFORMS = ("cpu", "gpu", "tpu")
-# specjax.state.MAX_BATCH_SIZE (the state sits above this module; a test keeps them equal).
-MAX_BATCH_SIZE = 64
 
 _HELP = {
     "attention": "attention implementation: auto (the Pallas kernel on GPU/TPU where it "
@@ -182,32 +180,3 @@ def add_kernel_arguments(parser) -> None:
                        help=_HELP["sampling_rules"] + " (default: auto)")
     group.add_argument("--compiler-option", action="append", default=None,
                        metavar="NAME=VALUE", help=_HELP["compiler_options"])
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchOptions:
-    """How a list of prompts runs (``generate(prompts, batch=...)``); no row's tokens
-    depend on it.
-
-    Attributes:
-      size: rows per compiled program, in [1, 64]; a longer list runs as consecutive
-        batches of this size. ``None``: the whole list in one batch. The program's row
-        count is rounded up to a power of two (padding rows are discarded).
-      compact_rows: once at most half of a program's rows are still generating, move
-        them to a program of the next smaller power of two, so that finished rows stop
-        costing work (compiles up to log2(B) more programs, once per process each; no
-        effect over a device mesh).
-    """
-
-    size: int | None = None
-    compact_rows: bool = True
-
-    def __post_init__(self):
-        size = self.size
-        if size is not None and (not isinstance(size, int) or isinstance(size, bool)
-                                 or not 1 <= size <= MAX_BATCH_SIZE):
-            raise InvalidArgumentError(f"BatchOptions.size must be an integer in "
-                                       f"[1, {MAX_BATCH_SIZE}], got {size!r}")
-        if not isinstance(self.compact_rows, bool):
-            raise InvalidArgumentError(f"BatchOptions.compact_rows must be True or False, "
-                                       f"got {self.compact_rows!r}")

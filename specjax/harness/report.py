@@ -12,8 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from specjax.benchmark.environment import dirty_tree_warning
 from specjax.errors import InvalidArgumentError
+from specjax.harness.environment import dirty_tree_warning
 
 
 def read_result(path: str | Path) -> dict:
@@ -285,7 +285,7 @@ def pass_costs(result: dict) -> list[dict]:
     per (specjax system, temperature) with target passes: ``system``, ``temperature``,
     ``draft_passes_per_target_pass``, ``ms_per_target_pass``, ``vs_ar_step``,
     ``accepted`` and ``speedup`` (totals; ``None`` where ``ar`` did not run); where the
-    result has a ``pass_breakdown`` (:mod:`specjax.benchmark.passcost`), also
+    result has a ``pass_breakdown`` (:mod:`specjax.harness.passcost`), also
     ``target_nodes``, ``target_ms``, ``draft_ms`` and ``rest_ms`` (the step's time outside
     those passes).
     """

@@ -26,17 +26,17 @@ from pathlib import Path
 import jax
 
 from specjax import humaneval, loading
-from specjax.backend_options import KernelOptions, add_kernel_arguments
-from specjax.benchmark import environment, plots
-from specjax.benchmark import report as reporting
-from specjax.benchmark.peers import one_line, parse_peers
-from specjax.benchmark.runner import (SuiteConfig, finished_prompts, needs_draft,
-                                     render_batch_text, run_batch_suite, run_suite)
 from specjax.constraints import add_constraint_arguments, constraint_from_args
 from specjax.errors import InvalidArgumentError
-from specjax.methods.options import all_option_fields, backend_of, describe_defaults
-from specjax.model import resolve_dtype
+from specjax.harness import environment, plots
+from specjax.harness import report as reporting
+from specjax.harness.peers import one_line, parse_peers
+from specjax.harness.runner import (SuiteConfig, finished_prompts, needs_draft,
+                                     render_batch_text, run_batch_suite, run_suite)
+from specjax.kernel_options import KernelOptions, add_kernel_arguments
+from specjax.loaded_model import resolve_dtype
 from specjax.methods.flags import add_method_arguments
+from specjax.methods.options import all_option_fields, backend_of, describe_defaults
 from specjax.state import MAX_BATCH_SIZE
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -142,7 +142,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 
 
 def suite_config(args) -> SuiteConfig:
-    """The :class:`~specjax.benchmark.runner.SuiteConfig` for parsed flags (validated)."""
+    """The :class:`~specjax.harness.runner.SuiteConfig` for parsed flags (validated)."""
     budgets = (_ints(args.tree_budgets, "tree-budgets") if args.tree_budgets
                else (args.tree_budget,))
     return SuiteConfig(

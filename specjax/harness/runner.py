@@ -11,7 +11,7 @@ Order of work (so that machine drift and background load hit every system alike)
    time). PyTorch's thread count is re-probed before each prompt's peers.
 3. **Pass breakdown** (``pass_breakdown``, on by default): after the prompts, each specjax
    system's target pass and draft passes are timed on their own, every system's passes
-   interleaved round by round (:func:`specjax.benchmark.passcost.step_breakdowns`), so the
+   interleaved round by round (:func:`specjax.harness.passcost.step_breakdowns`), so the
    report can split a step into target, draft and the rest.
 4. **Output check**: each specjax row's tokens are compared with ``ar``'s for the same
    prompt, temperature and seed. They must be equal at temperature 0 and, at temperature
@@ -34,16 +34,16 @@ import jax
 from tqdm.auto import tqdm
 
 from specjax import api
-from specjax.benchmark import metrics, passcost
-from specjax.benchmark.peers import PEERS, TransformersPeers, one_line
-from specjax.backend_options import KernelOptions
 from specjax.constraints import check_constraint_type
 from specjax.errors import InvalidArgumentError
+from specjax.harness import metrics, passcost
+from specjax.harness.peers import PEERS, TransformersPeers, one_line
+from specjax.kernel_options import KernelOptions
+from specjax.loaded_model import check_draft_compatible
 from specjax.loading import resolve_ngram
 from specjax.methods import METHODS
 from specjax.methods import method_options as build_options
 from specjax.methods.options import default_value, methods_taking
-from specjax.model import check_draft_compatible
 from specjax.models import HEAD_SUBSET
 
 def _suite_options(cls) -> tuple[str, ...]:
@@ -67,14 +67,14 @@ class SuiteConfig:
       draft_depth, draft_width, draft_rounds, proposal, ngram, use_lookup, stage2_prior,
       verify: passed
         to the methods that take them (see :data:`METHOD_OPTIONS`); ``None``: defaults.
-      kernels: the :class:`~specjax.backend_options.KernelOptions` every system runs with
+      kernels: the :class:`~specjax.kernel_options.KernelOptions` every system runs with
         (``specjax bench`` builds it from the same flags as ``specjax generate``).
-      peers: subset of :data:`~specjax.benchmark.peers.PEERS`.
+      peers: subset of :data:`~specjax.harness.peers.PEERS`.
       repeats: rounds per prompt; each row keeps its fastest.
       warmup_tokens: new tokens of each warm-up generation.
       torch_threads: PyTorch CPU threads (0: probe 1 and all cores, keep the faster).
       pass_breakdown: time each system's target and draft passes on their own after the
-        prompts (:mod:`specjax.benchmark.passcost`).
+        prompts (:mod:`specjax.harness.passcost`).
       constraint: a :class:`~specjax.constraints.Regex` or
         :class:`~specjax.constraints.JsonSchema` every system decodes under (``None``:
         none); the outputs then end at the model's end-of-sequence token, and no
@@ -392,7 +392,7 @@ def run_suite(config: SuiteConfig, target, draft, prompts: Sequence[str | Sequen
     Returns:
       ``{"config", "models", "systems", "peers", "warmup", "rows", "aggregates",
       "pass_breakdown", "mismatches", "all_outputs_match", "complete"}``; see
-      :mod:`specjax.benchmark.metrics` for rows.
+      :mod:`specjax.harness.metrics` for rows.
     """
     generate = generate or api.generate
     if progress is None:
@@ -562,7 +562,7 @@ def _results(config: SuiteConfig, target, draft, systems, peers, warmup: list, r
 
 
 def _pass_breakdown(config: SuiteConfig, systems, target, draft) -> dict:
-    """Each system's step split into its parts (:mod:`specjax.benchmark.passcost`)."""
+    """Each system's step split into its parts (:mod:`specjax.harness.passcost`)."""
     steps = {}
     for system in systems:
         options = build_options(system.method, backend=jax.default_backend(),
