@@ -22,16 +22,15 @@ import numpy as np
 import specjax
 from specjax import api, interrupts, loading, progress
 from specjax.checkpoints_tools import sources
-from specjax.checkpoints_tools.convert import convert
-from specjax.checkpoints_tools.hf import as_numpy_dtype, one_line
-from specjax.commands import build_ngram, train_draft
+from specjax.checkpoints_tools.hf import one_line
+from specjax.commands import build_ngram, convert, list_models, train_draft
 from specjax.compilation_cache import use_compilation_cache
 from specjax.constraints import add_constraint_arguments, constraint_from_args
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
 from specjax.harness import cli as bench_cli
 from specjax.kernel_options import KernelOptions, add_kernel_arguments
-from specjax.methods import METHODS, choice
+from specjax.methods import METHODS
 from specjax.methods.flags import add_method_arguments, flag_of
 from specjax.methods.options import all_option_fields, backend_of
 from specjax.state import MAX_BATCH_SIZE
@@ -116,24 +115,6 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=_generate)
 
 
-def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="convert a checkpoint to specjax's orbax format",
-                       description="Convert SRC (model name, GGUF file, HF directory or hub id) "
-                                   "into an orbax directory DST (config + params + tokenizer, "
-                                   "and specjax_origin.json: what it was made from, so that a "
-                                   "converted known model keeps its shipped draft and n-gram "
-                                   "tables). DST appears only when the conversion succeeded: "
-                                   "Ctrl-C at any moment leaves no DST and no partial "
-                                   "directory. On a terminal, shows each phase with its time.")
-    p.add_argument("src", help="model name, GGUF file, HF or specjax directory, or hub id")
-    p.add_argument("dst", help="the checkpoint directory to create")
-    p.add_argument("--dtype", default=None,
-                   help="store parameters in this dtype: float32, bfloat16 or float16 "
-                        "(default: as loaded)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    p.set_defaults(func=_convert)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with specjax's error format: one line on stderr, exit status 2."""
 
@@ -148,41 +129,14 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
-def _add_models(sub) -> None:
-    p = sub.add_parser("models", help="list the known models and what is shipped for each",
-                       description="The models known by name (-m NAME), where their weights "
-                                   "come from, the draft and n-gram tables shipped for each, "
-                                   "and the method each decodes with by default.")
-    p.set_defaults(func=_models)
-
-
-def _models(args) -> int:
-    del args
-    for name, known in sources.KNOWN_MODELS.items():
-        draft = loading.shipped_draft_name(name)
-        folder = loading.shipped_assets(name)
-        tables = folder / "ngram.npz" if loading.has_shipped_ngram(name) else None
-        print(name)
-        print(f"  weights: {known.filename} (pip package {known.distribution})")
-        print(f"  draft: {f'{draft} ({folder})' if draft else 'none shipped'}")
-        print(f"  n-gram tables: {tables or 'none shipped'}")
-        for backend in ("cpu", "gpu", "tpu"):
-            greedy = loading.default_method(name, backend, 0.0)
-            sampled = loading.default_method(name, backend, 1.0)
-            timed = ("" if (backend, "greedy") in choice.MEASURED
-                     else " (not timed with this code)")
-            print(f"  default method on {backend}: {greedy} at T=0, {sampled} at T>0{timed}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specjax", description="Lossless speculative decoding in JAX.")
     parser.add_argument("--version", action="version",
                         version=f"specjax {specjax_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    _add_convert(sub)
-    _add_models(sub)
+    convert.add_parser(sub)
+    list_models.add_parser(sub)
     train_draft.add_parser(sub)
     build_ngram.add_parser(sub)
     bench_cli.add_parser(sub)
@@ -203,11 +157,6 @@ def _summary(stats: dict) -> str:
             f"target calls {stats['target_calls']}, mean accepted {stats['mean_accepted']:.2f}"
             + (f", {_counted(len(fallbacks), 'kernel fallback')} (--json lists them)"
                if fallbacks else ""))
-
-
-def _progress() -> bool:
-    # Progress bars only on a terminal: piped stderr keeps the one-line summary or error.
-    return sys.stderr.isatty()
 
 
 
@@ -623,27 +572,6 @@ def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int],
         sys.stdout.flush()
         watch.line_open = False
     return stats
-
-
-# The dtypes --dtype names in its help (others numpy knows as floating types work too).
-CONVERT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _convert(args) -> int:
-    if args.dtype is not None:
-        try:
-            as_numpy_dtype(args.dtype)
-        except InvalidArgumentError:
-            raise InvalidArgumentError(f"--dtype {args.dtype}: not a parameter dtype; use "
-                                       f"{', '.join(CONVERT_DTYPES)}") from None
-    # Until convert() writes (it holds Ctrl-C back then, and cleans up), nothing needs
-    # cleaning up: Ctrl-C ends the process at once, so that no gc callback or import can
-    # swallow or garble it. Once DST is in place, Ctrl-C is ignored (see interrupts.command).
-    with interrupts.command("specjax: interrupted"):
-        convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite,
-                progress=_progress())
-        print(f"wrote {args.dst}", file=sys.stderr)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,7 +54,7 @@ FRONT = {
     "specjax.loading": "models, drafts and n-gram tables by name, through the loaders",
     "specjax.demo": "specjax demo",
     "specjax.harness": "specjax bench: the suite, the transformers peers, reports",
-    "specjax.commands": "specjax train-draft and build-ngram: flags, loading by name",
+    "specjax.commands": "specjax convert, models, train-draft, build-ngram: flags, by name",
 }
 # What each layer may import besides itself and specjax.errors (which every layer may).
 MAY_IMPORT = {

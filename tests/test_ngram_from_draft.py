@@ -14,7 +14,7 @@ from specjax.checkpoints_tools.orbax_io import save_orbax
 from specjax.config import from_hf_config
 from specjax.drafters.ngram import load_ngram, read_ngram_metadata
 from specjax.errors import InvalidArgumentError
-from specjax.training import ngram_build, sample_corpus
+from specjax.training import ngram_build, ngram_from_draft, sample_corpus
 
 CODE = '''def mean(values):
     """Average of values."""
@@ -123,7 +123,7 @@ def test_build_from_draft_gives_tables_staged_accepts(target_dir, draft, tmp_pat
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.py").write_text(CODE)
     out = tmp_path / "ngram.npz"
-    path, meta = ngram_build.build_ngram_from_draft(
+    path, meta = ngram_from_draft.build_ngram_from_draft(
         out, specjax.load(str(target_dir)), draft, 300, temperature=1.5, seed=0, batch_size=4,
         seq_len=32,
         prompt_text=[tmp_path / "text"], samples_out=tmp_path / "samples.npy",
@@ -151,7 +151,7 @@ def test_ctrl_c_while_sampling_leaves_nothing(target_dir, draft, tmp_path, monke
 
     monkeypatch.setattr(sample_corpus, "draft_samples", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        ngram_build.build_ngram_from_draft(tmp_path / "ngram.npz", specjax.load(
+        ngram_from_draft.build_ngram_from_draft(tmp_path / "ngram.npz", specjax.load(
             str(target_dir)), draft, 10, samples_out=tmp_path / "samples.npy")
     assert list(tmp_path.iterdir()) == []
 

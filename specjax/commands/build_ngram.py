@@ -1,5 +1,6 @@
-"""``specjax build-ngram``: the command over :mod:`specjax.training.ngram_build` (flags,
-loading the target and the draft by name, the entry point)."""
+"""``specjax build-ngram``: the command over :mod:`specjax.training.ngram_build` and
+:mod:`specjax.training.ngram_from_draft` (flags, loading the target and the draft by name,
+the entry point)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import sys
 
 from specjax import api, interrupts, loading
 from specjax.errors import InvalidArgumentError
-from specjax.training.ngram_build import (DEFAULT_MIN_CONTEXT_COUNT, DEFAULT_SAMPLE_BATCH,
-                                          DEFAULT_SAMPLE_SEQ_LEN, DEFAULT_SAMPLE_TEMPERATURE,
-                                          DEFAULT_TOP_K, DEFAULT_TRIGRAM_BUCKETS,
-                                          DEFAULT_TRIGRAM_TOP_K, build_ngram_files,
-                                          build_ngram_from_draft, check_draft_sampling)
+from specjax.training.ngram_build import (DEFAULT_MIN_CONTEXT_COUNT, DEFAULT_TOP_K,
+                                          DEFAULT_TRIGRAM_BUCKETS, DEFAULT_TRIGRAM_TOP_K,
+                                          build_ngram_files)
+from specjax.training.ngram_from_draft import (DEFAULT_SAMPLE_BATCH, DEFAULT_SAMPLE_SEQ_LEN,
+                                               DEFAULT_SAMPLE_TEMPERATURE,
+                                               build_ngram_from_draft, check_draft_sampling)
 
 
 def add_parser(subparsers) -> None:

@@ -6,6 +6,7 @@ Modules, one concern each:
   reads them too);
 * :mod:`~specjax.harness.runner`: :class:`SuiteConfig` and :func:`run_suite` (warm-up,
   interleaved runs, output check against ``ar``);
+* :mod:`~specjax.harness.batch`: :func:`run_batch_suite`, the same systems in batches;
 * :mod:`~specjax.harness.peers`: transformers ``generate()`` plain, assisted, lookup;
 * :mod:`~specjax.harness.metrics`: per-prompt values and aggregates (pure functions);
 * :mod:`~specjax.harness.report`: text and Markdown tables of a result;

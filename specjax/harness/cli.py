@@ -30,9 +30,9 @@ from specjax.constraints import add_constraint_arguments, constraint_from_args
 from specjax.errors import InvalidArgumentError
 from specjax.harness import environment, plots
 from specjax.harness import report as reporting
+from specjax.harness.batch import render_batch_text, run_batch_suite
 from specjax.harness.peers import one_line, parse_peers
-from specjax.harness.runner import (SuiteConfig, finished_prompts, needs_draft,
-                                     render_batch_text, run_batch_suite, run_suite)
+from specjax.harness.runner import SuiteConfig, finished_prompts, needs_draft, run_suite
 from specjax.kernel_options import KernelOptions, add_kernel_arguments
 from specjax.loaded_model import resolve_dtype
 from specjax.methods.flags import add_method_arguments

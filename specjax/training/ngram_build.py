@@ -35,8 +35,9 @@ model to draft samples at temperature 1.5) are fed in::
     specjax build-ngram ngram.npz --tokenizer smollm2-135m --text corpus/ --pattern '*.py'
     specjax build-ngram ngram.npz --tokenizer smollm2-135m --tokens samples.npy
 
-or sampled here (:func:`build_ngram_from_draft`, on device, see
-:mod:`specjax.training.sample_corpus`), optionally mixed with text and token files::
+or sampled here (:func:`specjax.training.ngram_from_draft.build_ngram_from_draft`, on
+device, see :mod:`specjax.training.sample_corpus`), optionally mixed with text and token
+files::
 
     specjax build-ngram ngram.npz --target smollm2-135m --from-draft DRAFT \\
         --samples 2000000 --temperature 1.5 --samples-out samples.npy
@@ -45,7 +46,6 @@ or sampled here (:func:`build_ngram_from_draft`, on device, see
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 import tempfile
 import time
@@ -62,8 +62,6 @@ from specjax.checkpoints_tools.hf import hub_snapshot, load_hf_tokenizer, read_h
 from specjax.checkpoints_tools.orbax_io import CONFIG_FILE, read_orbax_config
 from specjax.drafters.ngram import NUM_PROBES, NgramTables, save_ngram, trigram_slots
 from specjax.errors import InvalidArgumentError, ModelNotFoundError
-from specjax.loaded_model import Model
-from specjax.training import sample_corpus
 # Token files are read as draft training reads them.
 from specjax.training.corpus import read_token_file
 
@@ -259,7 +257,7 @@ def build_ngram(token_sequences: Iterable[Sequence[int]], vocab_size: int, *,
     Raises:
       InvalidArgumentError: a bad setting, an id outside the vocabulary, or an empty corpus.
     """
-    _check_settings(vocab_size, top_k, trigram_top_k, trigram_buckets, min_context_count)
+    check_settings(vocab_size, top_k, trigram_top_k, trigram_buckets, min_context_count)
     started = time.perf_counter()
     counts = count_ngrams(token_sequences, vocab_size)
     total = int(counts.unigram.sum())
@@ -404,7 +402,7 @@ def _trigram_table(kept, tokens, scores, context_keys, tri_alpha, trigram_bucket
     return (tri_keys, tri_tokens, tri_scores, tri_log_alpha), placed
 
 
-def _check_settings(vocab_size, top_k, trigram_top_k, trigram_buckets, min_context_count):
+def check_settings(vocab_size, top_k, trigram_top_k, trigram_buckets, min_context_count):
     def integer(name, value, low):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -573,7 +571,7 @@ def build_ngram_files(out: str | os.PathLike, tokenizer: str, *,
     """
     started = time.perf_counter()
     out = Path(out).expanduser().absolute()
-    _check_settings(1, top_k, trigram_top_k, trigram_buckets, min_context_count)
+    check_settings(1, top_k, trigram_top_k, trigram_buckets, min_context_count)
     if out.exists() and not overwrite:
         raise InvalidArgumentError(f"{out} already exists; pass overwrite=True (--overwrite) "
                                    "to replace it")
@@ -602,132 +600,6 @@ def build_ngram_files(out: str | os.PathLike, tokenizer: str, *,
         with interrupt.deferred():
             _write_tables(out, built.tables, metadata, interrupt)
     return out, metadata
-
-
-DEFAULT_SAMPLE_TEMPERATURE = 1.5  # the paper's
-DEFAULT_SAMPLE_BATCH = 32
-DEFAULT_SAMPLE_SEQ_LEN = 256
-
-
-def check_draft_sampling(out: str | os.PathLike, num_samples: int, *,
-                         temperature: float = DEFAULT_SAMPLE_TEMPERATURE,
-                         batch_size: int = DEFAULT_SAMPLE_BATCH,
-                         seq_len: int = DEFAULT_SAMPLE_SEQ_LEN,
-                         samples_out: str | os.PathLike | None = None, **corpus) -> None:
-    """The checks of :func:`build_ngram_from_draft`'s settings, which need no model (the
-    command makes them before it loads one). Raises :class:`InvalidArgumentError`."""
-    overwrite = corpus.get("overwrite", False)
-    out = Path(out).expanduser()
-    for path in [out] + ([Path(samples_out).expanduser()] if samples_out else []):
-        if path.exists() and not overwrite:
-            raise InvalidArgumentError(f"{path.absolute()} already exists; pass "
-                                       "overwrite=True (--overwrite) to replace it")
-    if not num_samples >= 1 or int(num_samples) != num_samples:
-        raise InvalidArgumentError(f"the number of samples must be an integer >= 1, got "
-                                   f"{num_samples}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise InvalidArgumentError(f"the sampling temperature must be > 0 (the paper: 1.5), "
-                                   f"got {temperature}")
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if not value >= 1:
-            raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
-    _check_settings(1, *(corpus.get(name, default) for name, default in (
-        ("top_k", DEFAULT_TOP_K), ("trigram_top_k", DEFAULT_TRIGRAM_TOP_K),
-        ("trigram_buckets", DEFAULT_TRIGRAM_BUCKETS),
-        ("min_context_count", DEFAULT_MIN_CONTEXT_COUNT))))
-
-
-def build_ngram_from_draft(out: str | os.PathLike, target, draft, num_samples: int, *,
-                           temperature: float = DEFAULT_SAMPLE_TEMPERATURE, seed: int = 0,
-                           batch_size: int = DEFAULT_SAMPLE_BATCH,
-                           seq_len: int = DEFAULT_SAMPLE_SEQ_LEN,
-                           prompt_text: Sequence[str | os.PathLike] | None = None,
-                           samples_out: str | os.PathLike | None = None,
-                           progress: bool = False, log=None, **corpus) -> tuple[Path, dict]:
-    """``specjax build-ngram --from-draft``: tables fitted to tokens sampled from a draft.
-
-    Samples ``num_samples`` tokens from ``draft`` with
-    :func:`~specjax.training.sample_corpus.draft_samples` (rows of ``seq_len``,
-    prompts: the separator plus 0-16 tokens at a random offset of a file of
-    ``prompt_text``, default 256 files of the standard library), then builds through
-    :func:`build_ngram_files`, mixed with the text and token files given in ``corpus``.
-
-    Args:
-      out: the ``.npz`` file to write.
-      target: the target :class:`~specjax.Model` (its tokenizer and vocabulary index the
-        tables, and the draft must fit it).
-      draft: the draft :class:`~specjax.Model` (``specjax build-ngram --from-draft`` loads
-        it with :func:`specjax.loading.resolve_draft`).
-      num_samples: tokens to sample (``>= 1``).
-      temperature, seed, batch_size, seq_len: the sampling (see
-        :func:`~specjax.training.sample_corpus.sample_continuations`).
-      prompt_text: text files or directories for the prompts (``*.py`` in directories).
-      samples_out: also save the samples as a 2-D ``.npy`` (``-1`` padded; reusable with
-        ``--tokens``), written atomically before the tables.
-      progress, log: progress bars; ``log`` is called with one-line messages.
-      corpus: ``text``, ``tokens``, ``pattern``, ``exclude``, the table settings and
-        ``overwrite``, as for :func:`build_ngram_files`.
-    Returns:
-      (path written, metadata stored).
-    Raises:
-      InvalidArgumentError: bad settings, ``out`` (or ``samples_out``) exists.
-      KeyboardInterrupt: Ctrl-C; nothing half-written is left (see build_ngram_files).
-    """
-    started = time.perf_counter()
-    out = Path(out).expanduser().absolute()
-    check_draft_sampling(out, num_samples, temperature=temperature, batch_size=batch_size,
-                         seq_len=seq_len, samples_out=samples_out, **corpus)
-    for name, value in (("target", target), ("draft", draft)):
-        if not isinstance(value, Model):
-            raise InvalidArgumentError(f"the {name} must be a specjax.Model (load it first: "
-                                       f"specjax.load, specjax.loading.resolve_draft), got "
-                                       f"{type(value).__name__}")
-    model, draft_model = target, draft
-    files = (collect_text_files(prompt_text, "*.py", ()) if prompt_text is not None
-             else None)
-    streams = sample_corpus.prompt_streams(model.tokenizer, files, seed=seed)
-    if log:
-        log(f"sampling {num_samples} tokens from {draft_model.name} at temperature "
-            f"{temperature} ({batch_size} rows x {seq_len} per batch)")
-    began = time.perf_counter()
-    samples = sample_corpus.draft_samples(draft_model, num_samples, temperature=temperature,
-                                          seed=seed, batch_size=batch_size, seq_len=seq_len,
-                                          streams=streams)
-    seconds = time.perf_counter() - began
-    if samples_out:
-        _save_samples(Path(samples_out).expanduser().absolute(), samples)
-    recorded = {"draft_samples": {
-        "draft": str(draft) if not isinstance(draft, Model) else draft.name,
-        "target": model.name, "tokens": int(num_samples),
-        "tokens_kept": int((samples >= 0).sum()), "rows": int(samples.shape[0]),
-        "temperature": float(temperature), "seed": int(seed), "batch_size": int(batch_size),
-        "seq_len": int(seq_len), "prompt_files": len(streams),
-        "prompts": "separator + 0-16 tokens at a random offset of a prompt file",
-        "sampling_seconds": round(seconds, 2),
-        "tokens_per_second": round(num_samples / max(seconds, 1e-9), 1),
-        "samples_file": str(samples_out) if samples_out else None}}
-    tokenizer = corpus.pop("tokenizer", None) or os.fspath(target if isinstance(target, str)
-                                                           else model.name)
-    path, metadata = build_ngram_files(out, tokenizer, sequences=list(samples),
-                                       sources=recorded, progress=progress, **corpus)
-    metadata["total_seconds"] = round(time.perf_counter() - started, 2)
-    return path, metadata
-
-
-def _save_samples(path: Path, samples: np.ndarray) -> None:
-    """Writes ``samples`` to ``path`` (.npy) atomically (complete or absent on Ctrl-C)."""
-    with interrupts.guard() as interrupt, interrupt.deferred():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(prefix=f".{path.name}.partial-", dir=path.parent,
-                                        suffix=".npy")
-        os.close(handle)
-        try:
-            np.save(name, samples)
-            interrupt.check()
-            os.replace(name, path)
-        except BaseException:
-            Path(name).unlink(missing_ok=True)
-            raise
 
 
 def _write_tables(out: Path, tables: NgramTables, metadata: dict,
