@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import decode, loading, methods, models, progress as progress_lib
+from specjax import calibration, decode, loading, methods, models, progress as progress_lib
 from specjax.batch_options import BatchOptions
 from specjax.compilation_cache import use_compilation_cache
 from specjax.errors import InvalidArgumentError, NumericalError, PerformanceWarning
@@ -111,7 +111,7 @@ class _Request:
     options: MethodOptions
     choice: str = "given"  # why this method: "given", or the default's reason
     constraint: dict | None = None  # the constraint's stats (None: unconstrained)
-
+    calibration: dict | None = None  # what the default's choice timed here (calibration)
 
 
 def _prepare(model: Model, prompt, req: Request) -> _Request:
@@ -125,7 +125,8 @@ def _prepare(model: Model, prompt, req: Request) -> _Request:
     args = (model.params, jnp.asarray(padded), jnp.int32(len(ids)),
             jnp.int32(req.max_new_tokens), settings.sampling, settings.stop,
             settings.resources)
-    return _Request(loop, args, len(ids), req.options, req.choice, settings.constraint_stats)
+    return _Request(loop, args, len(ids), req.options, req.choice, settings.constraint_stats,
+                    req.calibration)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -355,6 +356,8 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
     }
     if request.constraint is not None:  # the constraint and its automaton's tables
         stats["constraint"] = dict(request.constraint)
+    if request.calibration is not None:  # the step costs the default was chosen by
+        stats["calibration"] = dict(request.calibration)
     counts = dict.fromkeys(ORIGIN_NAMES.values(), 0)
     tally = tally_of(state)
     if tally is None:  # ar: every token is the target's
@@ -530,7 +533,7 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         with _reporting(_progress_of(model, req)):
             return _generate_batch(model, batches, stop_strings)
     _check_one_prompt(req)
-    prepared = _prepare(model, prompt, req)
+    prepared = _prepare(model, prompt, calibration.calibrated(model, req, generate))
     args = prepared.args
     with _reporting(_progress_of(model, req)), fallbacks.collecting() as reasons:
         state, compile_seconds, seconds = decode.run_program(args[0], prepared.loop, *args[1:])
@@ -658,7 +661,7 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
             yield from _stream_batch(model, batches, len(prompt), origins)
         return
     _check_one_prompt(req)
-    request = _prepare(model, prompt, req)
+    request = _prepare(model, prompt, calibration.calibrated(model, req, generate))
     compile_total, state, tokens, found, reasons = 0.0, None, [], None, set()
     start = time.perf_counter()
     with _reporting(progress):

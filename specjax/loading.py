@@ -134,7 +134,8 @@ def describe_defaults(assets: str | None) -> str:
         + ("" if (backend, "greedy") in choice.MEASURED else " (not measured)")
         for backend in ("cpu", "gpu", "tpu"))
     return (f"the method measured fastest on the backend at the temperature, ar where "
-            f"none beat it ({per_backend}); spec, tree and staged use the shipped draft "
+            f"none beat it ({per_backend}; on a CPU, scaled by its own step costs, timed "
+            f"once: SPECJAX_CALIBRATION); spec, tree and staged use the shipped draft "
             f"{shipped_draft_name(assets)!r}, ngram and staged the shipped n-gram tables")
 
 

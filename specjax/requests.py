@@ -102,6 +102,10 @@ class Request:
       kernels: the :class:`KernelOptions`, concrete for ``backend``.
       stop_strings, stop_tokens: ``stop=`` split (:func:`split_stop`).
       draft, ngram, constraint: the resources as given (names, paths or objects).
+      calibrate: the method is the default, chosen by the table alone (no method, method
+        option, draft, tables or constraint given): :mod:`specjax.calibration` may choose
+        again from this machine's step costs once the model is known.
+      calibration: what that choice timed (``stats["calibration"]``), or ``None``.
     """
 
     backend: str
@@ -122,6 +126,8 @@ class Request:
     constraint: Any = None
     batch: BatchOptions | None = None
     progress: bool | None = None
+    calibrate: bool = False
+    calibration: dict | None = None
 
     def replace(self, **changes) -> "Request":
         """This request with other seeds (one per prompt: checked per row when the prompts
@@ -201,6 +207,8 @@ def request(*, backend: str | None = None, assets: str | None = None,
     constrained_choice = None
     if constraint is not None:
         method, constrained_choice = constrained_method(method, constraint)
+    calibrate = (method is None and draft is None and ngram is None and constraint is None
+                 and all(value is None for value in options.values()))
     opts, choice = _resolve_method(backend, assets, method, temperature, options)
     opts.check_sampling(float(temperature))
     check_resources(opts, draft, ngram)
@@ -221,7 +229,8 @@ def request(*, backend: str | None = None, assets: str | None = None,
                    stop_strings=strings,
                    stop_tokens=None if stop_tokens is None else tuple(stop_tokens),
                    chat=bool(chat), kernels=kernel_options(backend, kernels), draft=draft,
-                   ngram=ngram, constraint=constraint, batch=batch, progress=progress)
+                   ngram=ngram, constraint=constraint, batch=batch, progress=progress,
+                   calibrate=calibrate)
 
 
 def _first_seed(seed):

@@ -18,6 +18,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The specjax program keeps compiled programs in ~/.cache between runs; not for the tests
 # (tests/test_cli.py turns it on where it tests it).
 os.environ.setdefault("SPECJAX_COMPILATION_CACHE", "off")
+# Nor do they time this machine's steps for the default method (specjax.calibration):
+# they check the table's choice; tests/test_calibration.py turns it on where it tests it.
+os.environ.setdefault("SPECJAX_CALIBRATION", "off")
 
 import jax
 import numpy as np

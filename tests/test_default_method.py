@@ -23,6 +23,10 @@ def test_the_table_holds_the_committed_measurements(key):
     source = ROOT / measured.source
     assert source.is_file(), measured.source
     assert dict(measured.speedup) == choice.speedups_from_suite(source, measured.temperature)
+    if measured.step_cost:  # what specjax.calibration scales the speedups by
+        assert dict(measured.step_cost) == {
+            name: cost for name, cost in choice.step_costs_from_suite(
+                source, measured.temperature).items() if name in measured.speedup}
 
 
 @pytest.mark.parametrize("key", sorted(choice.MEASURED))

@@ -49,6 +49,7 @@ FRONT = {
     "specjax": "the package face (lazy: each name imports its module on first use)",
     "specjax.api": "load, generate, stream_generate: prompts through a request's program",
     "specjax.requests": "the one request path: checks, the default choice, binding to a model",
+    "specjax.calibration": "the default method from this machine's step costs (runs generate)",
     "specjax.cli": "the command line",
     "specjax.launch": "the command's entry point (takes Ctrl-C before the slow imports)",
     "specjax.loading": "models, drafts and n-gram tables by name, through the loaders",

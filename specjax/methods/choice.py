@@ -41,6 +41,10 @@ class Measurement:
     temperature: float  # the temperature the suite sampled at
     speedup: Mapping[str, float]  # method -> median over prompts of its tokens/s / ar's
     where: str  # machine, prompts and commit, for the reason line
+    # method -> the time of one of its steps (a target pass and what the method runs
+    # beside it) over one of ar's, over the whole suite (:func:`step_costs_from_suite`):
+    # what a speedup is scaled by on another machine (specjax.calibration). Empty: none.
+    step_cost: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 # The protocol run with the shipped EAGLE-3 draft (run with the same file under
@@ -58,10 +62,12 @@ _GPU_SUITE = "benchmarks/results/h200/suite_2026-11-27/suite_bf16_default_8.json
 MEASURED: dict[tuple[str, str], Measurement] = {
     ("cpu", "greedy"): Measurement(
         _CPU_SUITE, 0.0, {"spec": 1.311, "tree": 1.103, "ngram": 1.052, "staged": 1.271},
-        "2-core CPU, smollm2-135m, 164 HumanEval prompts"),
+        "2-core CPU, smollm2-135m, 164 HumanEval prompts",
+        {"spec": 1.806, "tree": 2.806, "ngram": 1.896, "staged": 1.845}),
     ("cpu", "sampled"): Measurement(
         _CPU_SUITE, 1.0, {"spec": 1.096, "tree": 0.944, "ngram": 0.758, "staged": 0.937},
-        "2-core CPU, smollm2-135m, 164 HumanEval prompts"),
+        "2-core CPU, smollm2-135m, 164 HumanEval prompts",
+        {"spec": 1.868, "tree": 2.985, "ngram": 1.923, "staged": 1.925}),
     ("gpu", "greedy"): Measurement(
         _GPU_SUITE, 0.0, {"spec": 1.712, "tree": 2.066, "ngram": 2.51, "staged": 2.477},
         "one H200, bf16, smollm2-135m, 8 HumanEval prompts"),
@@ -82,14 +88,20 @@ def sampling_kind(temperature: float) -> str:
     return "greedy" if float(temperature) == 0.0 else "sampled"
 
 
-def choose_method(backend: str, temperature: float, shipped: set[str] | frozenset[str]
-                  ) -> tuple[str, str]:
+def choose_method(backend: str, temperature: float, shipped: set[str] | frozenset[str],
+                  step_cost_here: Mapping[str, float] | None = None,
+                  here: str = "this machine") -> tuple[str, str]:
     """The default method and why, in one line.
 
     Args:
       backend: ``cpu``, ``gpu`` or ``tpu``.
       temperature: the sampling temperature (0: greedy).
       shipped: what the model ships: a subset of ``{"draft", "ngram"}``.
+      step_cost_here: each method's step time over ``ar``'s measured on the machine that
+        will run it (:mod:`specjax.calibration`), or ``None``: the table as it is. Each
+        measured speedup is scaled by the measurement's step cost over this one
+        (:func:`predicted_speedups`); a method not measured here is not chosen.
+      here: the machine's name in the reason.
     Returns:
       (method name, reason).
     """
@@ -105,24 +117,55 @@ def choose_method(backend: str, temperature: float, shipped: set[str] | frozense
                "ar until the suite is timed on it")
         return method, f"{method}: {setting}, no timing of the current code; {why}"
     candidates = {m: s for m, s in measured.speedup.items() if m in usable}
+    source = f"{measured.where}, {measured.source}"
+    if step_cost_here is not None:
+        candidates = predicted_speedups(measured, step_cost_here, candidates)
+        source = (f"predicted for {here}: {source}, scaled by each step's cost over ar's "
+                  f"measured here ({_listed(step_cost_here, 'x ar step')})")
     best = max(candidates, key=candidates.get, default=None)
     if best is None or candidates[best] <= 1.0:
-        return "ar", (f"ar: no method beat it for {setting} ({_listed(candidates)}; "
-                      f"{measured.where}, {measured.source})")
-    return best, (f"{best}: the fastest for {setting} ({_listed(candidates)}; "
-                  f"{measured.where}, {measured.source})")
+        return "ar", f"ar: no method beat it for {setting} ({_listed(candidates)}; {source})"
+    return best, (f"{best}: the fastest for {setting} ({_listed(candidates)}; {source})")
 
 
-def _listed(speedups: Mapping[str, float]) -> str:
+def predicted_speedups(measured: Measurement, step_cost_here: Mapping[str, float],
+                       methods: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The speedups ``measured`` predicts on a machine whose steps cost ``step_cost_here``
+    (each method's step time over ``ar``'s there): a method commits the same tokens per
+    pass on every machine (the same draft, the same target), so its speedup scales with
+    the inverse of its step cost, ``speedup * step_cost / step_cost_here``. Only methods
+    in both (and in ``methods``, default all measured) are predicted."""
+    names = measured.speedup if methods is None else methods
+    return {name: round(measured.speedup[name] * measured.step_cost[name]
+                        / step_cost_here[name], 3)
+            for name in names if name in step_cost_here and name in measured.step_cost}
+
+
+def _listed(speedups: Mapping[str, float], unit: str = "x") -> str:
     ranked = sorted(speedups.items(), key=lambda item: -item[1])
-    return ", ".join(f"{name} {value:.2f}x" for name, value in ranked) + " ar"
+    return ", ".join(f"{name} {value:.2f}{unit}" for name, value in ranked) + (
+        " ar" if unit == "x" else "")
+
+
+def _aggregates(path: str | Path, temperature: float) -> dict[str, dict]:
+    data = json.loads(Path(path).read_text())
+    return {row["method"]: row for row in data["aggregates"]
+            if row.get("kind") == "specjax" and float(row["temperature"]) == float(temperature)}
+
+
+def step_costs_from_suite(path: str | Path, temperature: float) -> dict[str, float]:
+    """Each method's step time over ``ar``'s at ``temperature`` in a suite result, over
+    all its prompts: (seconds per target pass) / (``ar``'s seconds per token), i.e. its
+    tokens per pass times ``ar``'s tokens/s over its own; rounded to 3 decimals."""
+    rows = _aggregates(path, temperature)
+    ar = rows["ar"]["tokens_per_s"]["aggregate"]
+    return {name: round(row["mean_accepted"]["aggregate"] * ar
+                        / row["tokens_per_s"]["aggregate"], 3)
+            for name, row in rows.items() if name != "ar"}
 
 
 def speedups_from_suite(path: str | Path, temperature: float) -> dict[str, float]:
     """Each method's median speedup over ``ar`` at ``temperature`` in a suite result
     (``specjax bench --json``), rounded to 3 decimals as :data:`MEASURED` holds them."""
-    data = json.loads(Path(path).read_text())
-    return {row["method"]: round(row["speedup_vs_ar"]["median"], 3)
-            for row in data["aggregates"]
-            if row.get("kind") == "specjax" and row["method"] != "ar"
-            and float(row["temperature"]) == float(temperature)}
+    return {name: round(row["speedup_vs_ar"]["median"], 3)
+            for name, row in _aggregates(path, temperature).items() if name != "ar"}
