@@ -303,6 +303,38 @@ def test_training_lowers_the_loss(target, compute_dtype):
     assert np.isfinite(float(loss))
 
 
+@pytest.mark.parametrize("objective", ["tvd", "lk"])
+def test_each_acceptance_objective_lowers_itself(target, objective):
+    """``--loss tvd`` (1 - alpha) and ``--loss lk`` (-log alpha), alpha = sum min(p, q)
+    the acceptance rate at T=1: the loss a step returns is that objective, depth-weighted
+    (not the KL: the check a step that trained the KL instead would fail), and AdamW steps
+    raise alpha at depth 1."""
+    vocab = np.arange(target.config.vocab_size)
+    config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
+                                                     LAYERS)
+    trainable, frozen = eagle3.split_eagle3_trainable(jax.tree.map(jnp.asarray, params))
+    optimizer = optax.adamw(1e-3)
+    opt_state = optimizer.init(trainable)
+    loss_cfg = eagle3.Eagle3LossConfig(unroll=2, objective=objective)
+    train_step, eval_step = eagle3.make_eagle3_steps(target.config, config, loss_cfg,
+                                                     optimizer)
+    batch = jnp.asarray([random_prompt(seed, 5) + specjax.generate(
+        target, random_prompt(seed, 5), max_new_tokens=20).tokens for seed in range(6)],
+        jnp.int32)
+    before = eval_step(trainable, frozen, target.params, batch)
+    own = {"tvd": lambda m, d: 1.0 - m[f"acceptance{d}"],
+           "lk": lambda m, d: -m[f"log_acceptance{d}"]}[objective]
+    _, _, loss, _ = train_step(trainable, opt_state, frozen, target.params, batch)
+    assert float(loss) == pytest.approx(
+        float(own(before, 1) + loss_cfg.decay * own(before, 2)), rel=1e-5)
+    for _ in range(20):
+        trainable, opt_state, loss, _ = train_step(trainable, opt_state, frozen,
+                                                   target.params, batch)
+    after = eval_step(trainable, frozen, target.params, batch)
+    assert own(after, 1) < 0.9 * own(before, 1), (before, after)
+    assert after["acceptance1"] > before["acceptance1"]
+
+
 def test_the_learning_rate_follows_steps_or_the_clock():
     """An EAGLE-3 run's rate: linear warm-up, then a cosine to a tenth, ended by the last
     step or by the time budget, whichever comes first; set between steps without
@@ -466,6 +498,15 @@ def test_errors_are_one_line(target):
         eagle3.eagle3_draft_from_target(target.config, target.params, [1, 2], (0, 3))
     with pytest.raises(InvalidArgumentError, match="unroll must be an integer >= 1"):
         eagle3.Eagle3LossConfig(unroll=0)
+    from specjax.training.config import TrainConfig
+
+    with pytest.raises(InvalidArgumentError, match="unknown EAGLE-3 objective 'ce'"):
+        eagle3.Eagle3LossConfig(objective="ce")
+    with pytest.raises(InvalidArgumentError, match="--loss one of .*, not 'ce'"):
+        TrainConfig(eagle3=True, loss="ce")
+    with pytest.raises(InvalidArgumentError, match=r"feature draft .*\(--loss kl\), not 'lk'"):
+        TrainConfig(feature_draft=True, loss="lk")
+    assert TrainConfig(eagle3=True, loss="lk").loss_config().objective == "lk"
     draft = eagle3_draft(target, seed=7)
     with pytest.raises(InvalidArgumentError, match="already scores a reduced vocabulary"):
         draft.with_head_subset([1, 2, 3])

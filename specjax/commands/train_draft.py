@@ -337,8 +337,10 @@ def add_parser(subparsers) -> None:
                    help="comma-separated target blocks the draft starts from (default: 0,1; "
                         "0 for --eagle3 or a target of 2 blocks or fewer)")
     p.add_argument("--loss", default="kl", choices=LOSSES,
-                   help="kl: distil the target's distributions; tvd: total variation; ce: "
-                        "next-token cross-entropy on the text (no teacher pass); ce+kl: both")
+                   help="kl: distil the target's distributions; tvd: total variation (1 - "
+                        "the acceptance rate at T=1); lk: -log of that acceptance rate; ce: "
+                        "next-token cross-entropy on the text (no teacher pass); ce+kl: both "
+                        "(--eagle3: kl, tvd or lk; --feature-draft: kl)")
     p.add_argument("--steps", type=int, default=2000, help="training steps")
     p.add_argument("--batch-size", type=int, default=8, help="windows per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window")

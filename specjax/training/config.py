@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 
 from specjax.errors import InvalidArgumentError
-from specjax.training.eagle3 import Eagle3LossConfig
+from specjax.training.eagle3 import OBJECTIVES, Eagle3LossConfig
 from specjax.training.feature_draft import FeatureLossConfig
 
-LOSSES = ("kl", "tvd", "ce", "ce+kl")
+LOSSES = ("kl", "tvd", "lk", "ce", "ce+kl")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
@@ -105,6 +105,9 @@ class TrainConfig:
             raise InvalidArgumentError(
                 f"target_corpus_tokens must be >= 0, got {self.target_corpus_tokens}")
         if self.feature_draft:
+            if self.loss != "kl":
+                raise InvalidArgumentError(f"a feature draft trains on the target's "
+                                           f"distributions (--loss kl), not {self.loss!r}")
             FeatureLossConfig(noise=self.feature_noise, unroll=self.feature_unroll,
                               feature_weight=self.feature_weight)
         if self.eagle3:
@@ -113,9 +116,10 @@ class TrainConfig:
                                            "--init-layers or from an EAGLE-3 asset "
                                            "--init-draft: --feature-draft and --add-layers "
                                            "do not apply")
-            if self.loss != "kl":
-                raise InvalidArgumentError("an EAGLE-3 draft trains on the target's soft "
-                                           "labels (--loss kl)")
+            if self.loss not in OBJECTIVES:
+                raise InvalidArgumentError(f"an EAGLE-3 draft trains on the target's "
+                                           f"distributions: --loss one of {OBJECTIVES}, "
+                                           f"not {self.loss!r}")
             self.loss_config()
             if self.draft_vocab < 1:
                 raise InvalidArgumentError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
@@ -170,7 +174,7 @@ class TrainConfig:
     def loss_config(self):
         """The :class:`~specjax.training.eagle3.Eagle3LossConfig` of an EAGLE-3 run."""
         return Eagle3LossConfig(unroll=self.unroll, decay=self.unroll_decay,
-                                acceptance_weight=self.acceptance_weight)
+                                acceptance_weight=self.acceptance_weight, objective=self.loss)
 
 
 FEATURE_FIELDS = ("feature_draft", "feature_noise", "feature_unroll", "feature_weight")

@@ -33,9 +33,11 @@ pass 0's keys up to position ``t - i`` (the draft's cache), then the keys of pas
 at positions ``t - i + 1`` to ``t`` (the node's drafted ancestors and itself). Loss per
 pass: KL from the target's probabilities over the draft's vocabulary (soft labels,
 renormalised; the cross-entropy against them less their entropy, so the same gradient;
-positions whose target argmax lies outside the vocabulary are left out, as in EAGLE-3), plus
-optionally ``acceptance_weight`` x (1 - sum_k min(p_k, q_k)) (p over the full vocabulary:
-the acceptance rate at temperature 1), weighted ``decay ** i``.
+positions whose target argmax lies outside the vocabulary are left out, as in EAGLE-3), or
+instead (``--loss tvd`` / ``--loss lk``) the acceptance rate at temperature 1 itself,
+alpha = sum_k min(p_k, q_k) with p over the full vocabulary, as 1 - alpha or -log alpha
+(LK-style: the objective decoding pays for, which a small draft's KL optimum need not
+maximise); plus optionally ``acceptance_weight`` x (1 - alpha); weighted ``decay ** i``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ from specjax.models import cast_floats, llama
 from specjax.training.feature_draft import feature_draft_from_target, jitted_train_step
 
 
+OBJECTIVES = ("kl", "tvd", "lk")
+# alpha's floor inside -log alpha (a position where the draft gives the target's tokens no
+# mass would otherwise have an infinite loss).
+_MIN_ACCEPTANCE = 1e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle3LossConfig:
     """Loss settings of EAGLE-3 draft training (see the module docstring).
@@ -59,12 +67,19 @@ class Eagle3LossConfig:
     Attributes:
       unroll: training-time-test passes (depths trained), at least 1.
       decay: the weight of pass ``i`` is ``decay ** i``.
-      acceptance_weight: weight of the acceptance objective 1 - sum min(p, q).
+      acceptance_weight: weight of the acceptance objective 1 - sum min(p, q) added to
+        the objective.
+      objective: what each pass minimises (:data:`OBJECTIVES`): ``kl`` (KL from the
+        target's soft labels, EAGLE-3's), ``tvd`` (1 - alpha, alpha = sum_k min(p_k, q_k)
+        the acceptance rate at temperature 1: the total variation distance) or ``lk``
+        (-log alpha, LK-style: the acceptance rate itself, a position's gradient scaled
+        by 1 / alpha where the draft is far off).
     """
 
     unroll: int = 4
     decay: float = 0.8
     acceptance_weight: float = 0.0
+    objective: str = "kl"
 
     def __post_init__(self):
         if not isinstance(self.unroll, int) or self.unroll < 1:
@@ -74,6 +89,9 @@ class Eagle3LossConfig:
         if not self.acceptance_weight >= 0:
             raise InvalidArgumentError(
                 f"acceptance_weight must be >= 0, got {self.acceptance_weight}")
+        if self.objective not in OBJECTIVES:
+            raise InvalidArgumentError(f"unknown EAGLE-3 objective {self.objective!r}; "
+                                       f"expected one of {OBJECTIVES}")
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -248,7 +266,10 @@ def eagle3_loss(params: dict, config, windows, target_logits, target_features,
     (KL(p || q) over the draft's vocabulary, p renormalised there, the loss term),
     ``agreement{i+1}`` (the draft's argmax, mapped to target ids, equals the target's
     argmax over the full vocabulary; a target argmax outside the draft's vocabulary counts
-    as a miss) and ``acceptance{i+1}`` (sum min(p, q) at temperature 1).
+    as a miss), ``acceptance{i+1}`` (sum min(p, q) at temperature 1) and
+    ``log_acceptance{i+1}`` (the mean of its log). The loss is each pass's objective
+    (``loss_cfg.objective``: the KL, 1 - acceptance, or -log_acceptance) plus
+    ``acceptance_weight`` x (1 - acceptance), weighted ``decay ** i``.
     """
     import jax
     import jax.numpy as jnp
@@ -280,12 +301,17 @@ def eagle3_loss(params: dict, config, windows, target_logits, target_features,
         loss = jnp.sum(jnp.where(counted, kl, 0.0)) / jnp.maximum(jnp.sum(counted), 1)
         accept = jnp.sum(jnp.minimum(p_in, jnp.exp(logq)), axis=-1)
         acceptance = jnp.sum(jnp.where(valid, accept, 0.0)) / jnp.sum(valid)
+        log_acceptance = jnp.sum(jnp.where(
+            valid, jnp.log(jnp.maximum(accept, _MIN_ACCEPTANCE)), 0.0)) / jnp.sum(valid)
         proposal = vocab[jnp.argmax(logq, axis=-1)]
         agree = jnp.sum(valid & (proposal == target_best)) / jnp.sum(valid)
+        objective = {"kl": loss, "tvd": 1.0 - acceptance,
+                     "lk": -log_acceptance}[loss_cfg.objective]
         weight = loss_cfg.decay ** i
-        total = total + weight * (loss + loss_cfg.acceptance_weight * (1.0 - acceptance))
+        total = total + weight * (objective + loss_cfg.acceptance_weight * (1.0 - acceptance))
         metrics.update({f"kl{i + 1}": loss, f"agreement{i + 1}": agree,
-                        f"acceptance{i + 1}": acceptance})
+                        f"acceptance{i + 1}": acceptance,
+                        f"log_acceptance{i + 1}": log_acceptance})
     return total, metrics
 
 

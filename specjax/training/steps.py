@@ -46,6 +46,9 @@ def make_steps(target_config, draft_config, cfg: TrainConfig, optimizer):
             p = jnp.exp(log_p)
             if cfg.loss == "tvd":
                 terms["tvd"] = 0.5 * jnp.mean(jnp.sum(jnp.abs(p - jnp.exp(log_q)), axis=-1))
+            elif cfg.loss == "lk":  # -log of the acceptance rate at temperature 1
+                accept = jnp.sum(jnp.minimum(p, jnp.exp(log_q)), axis=-1)
+                terms["lk"] = -jnp.mean(jnp.log(jnp.maximum(accept, 1e-6)))
             else:
                 terms["kl"] = jnp.mean(jnp.sum(p * (log_p - log_q), axis=-1))
             agree = jnp.mean(jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1))
