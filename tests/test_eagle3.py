@@ -610,3 +610,49 @@ def test_train_draft_stops_at_its_time_budget_resumes_and_exports(tokenizer_targ
     assert abs(start_kl - last_kl) < 0.1 * abs(first_kl - last_kl), (first_kl, last_kl, start_kl)
     with pytest.raises(InvalidArgumentError, match="--feature-draft and --add-layers do not"):
         train_draft.TrainConfig(eagle3=True, feature_draft=True)
+
+
+@pytest.mark.slow  # a target corpus, six steps and an export per family: ~1 min each
+@pytest.mark.parametrize("variant", ["qwen3-tied", "gemma3"])
+def test_train_draft_eagle3_for_a_users_own_target(variant, tmp_path, monkeypatch):
+    """``train-draft --eagle3`` on a target of another family (a tiny random Qwen3, whose
+    blocks norm q and k, and Gemma 3, whose norms scale by 1 + w, embeddings by sqrt(d)
+    and layers alternate sliding and global attention) over a real tokenizer: the run
+    trains, exports, and the asset decodes exactly like ``ar`` with spec and tree."""
+    from specjax.checkpoints_tools import sources
+    from specjax.checkpoints_tools.keymap import params_from_hf_tensors
+    from specjax.commands import train_draft
+    from specjax.config import from_hf_config
+    from specjax.training import ngram_build, sample_corpus
+
+    from conftest import write_corpus
+    from helpers_families import tiny_family_model
+
+    monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
+    tokenizer = ngram_build.load_tokenizer("smollm2-135m")[0]
+    hf = tiny_family_model(variant, vocab_size=49152, max_position_embeddings=512,
+                           eos_token_id=2, bos_token_id=1)
+    config = from_hf_config(hf.config)
+    params = params_from_hf_tensors(
+        config, {k: v.detach().numpy() for k, v in hf.state_dict().items()}, source=variant)
+    target = specjax.Model.from_params(config, params, tokenizer, name=f"tiny-{variant}")
+    files = write_corpus(tmp_path, [MODULE.format(i=i) for i in range(24)])
+    cfg = train_draft.TrainConfig(
+        init_layers=(0,), eagle3=True, feature_layers=(0, 1, 2), draft_vocab=256, unroll=2,
+        steps=4, batch_size=2, seq_len=16, learning_rate=3e-3, warmup_steps=1, eval_every=2,
+        eval_windows=4, checkpoint_every=4, heldout_fraction=0.2, target_corpus_tokens=96,
+        target_gen_len=24, target_batch_size=3, target_corpus_fraction=1.0)
+    result = train_draft.train_draft(target, tmp_path / "run", cfg, corpus_files=files,
+                                     log=lambda message: None)
+    assert result["steps"] == 4
+    log = [json.loads(line)
+           for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(e["heldout_target_kl_depth"]).all() for e in log)
+    train_draft.export_latest(target, tmp_path / "run", tmp_path / "asset")
+    draft = sources.load_bundled_draft(target, directory=tmp_path / "asset")
+    assert draft.config.feature_layers == (0, 1, 2) and draft.config.draft_vocab_size == 256
+    ids = [5, 17, 300, 42, 7]
+    expected = specjax.generate(target, ids, max_new_tokens=8).tokens
+    for method in ("spec", "tree"):
+        assert specjax.generate(target, ids, max_new_tokens=8, method=method,
+                                draft=draft).tokens == expected, method
