@@ -268,6 +268,19 @@ def test_the_state_keeps_the_targets_block_outputs(target):
                       **forward_sums(target.config, length))
 
 
+def _eagle3_training(target, loss_cfg, compute_dtype: str = "float32"):
+    """An untrained EAGLE-3 draft of ``target`` (its whole vocabulary, blocks LAYERS) and
+    AdamW: (trainable, frozen, opt_state, train_step, eval_step)."""
+    vocab = np.arange(target.config.vocab_size)
+    config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
+                                                     LAYERS)
+    trainable, frozen = eagle3.split_eagle3_trainable(jax.tree.map(jnp.asarray, params))
+    optimizer = optax.adamw(1e-3)
+    train_step, eval_step = eagle3.make_eagle3_steps(target.config, config, loss_cfg,
+                                                     optimizer, compute_dtype)
+    return trainable, frozen, optimizer.init(trainable), train_step, eval_step
+
+
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_training_lowers_the_loss(target, compute_dtype):
     """AdamW steps on the target's own text lower the EAGLE-3 loss (the depth-weighted KL
@@ -276,15 +289,8 @@ def test_training_lowers_the_loss(target, compute_dtype):
     products (float32 master weights, as ``--compute-dtype bfloat16`` trains)."""
     from specjax.models import cast_floats
 
-    vocab = np.arange(target.config.vocab_size)
-    config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
-                                                     LAYERS)
-    trainable, frozen = eagle3.split_eagle3_trainable(jax.tree.map(jnp.asarray, params))
-    optimizer = optax.adamw(1e-3)
-    opt_state = optimizer.init(trainable)
-    loss_cfg = eagle3.Eagle3LossConfig(unroll=3)
-    train_step, eval_step = eagle3.make_eagle3_steps(target.config, config, loss_cfg,
-                                                     optimizer, compute_dtype)
+    trainable, frozen, opt_state, train_step, eval_step = _eagle3_training(
+        target, eagle3.Eagle3LossConfig(unroll=3), compute_dtype)
     target_params = cast_floats(target.params, compute_dtype)
     texts = []
     for seed in range(8):
@@ -309,15 +315,8 @@ def test_each_acceptance_objective_lowers_itself(target, objective):
     the acceptance rate at T=1: the loss a step returns is that objective, depth-weighted
     (not the KL: the check a step that trained the KL instead would fail), and AdamW steps
     raise alpha at depth 1."""
-    vocab = np.arange(target.config.vocab_size)
-    config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
-                                                     LAYERS)
-    trainable, frozen = eagle3.split_eagle3_trainable(jax.tree.map(jnp.asarray, params))
-    optimizer = optax.adamw(1e-3)
-    opt_state = optimizer.init(trainable)
     loss_cfg = eagle3.Eagle3LossConfig(unroll=2, objective=objective)
-    train_step, eval_step = eagle3.make_eagle3_steps(target.config, config, loss_cfg,
-                                                     optimizer)
+    trainable, frozen, opt_state, train_step, eval_step = _eagle3_training(target, loss_cfg)
     batch = jnp.asarray([random_prompt(seed, 5) + specjax.generate(
         target, random_prompt(seed, 5), max_new_tokens=20).tokens for seed in range(6)],
         jnp.int32)
@@ -537,6 +536,14 @@ def scale_{i}(shape, factor):
 '''
 
 
+# A train-draft --eagle3 run in seconds: a 256-id head, windows of 16, a target corpus of
+# 96 tokens the target writes itself.
+TINY_RUN = dict(init_layers=(0,), eagle3=True, feature_layers=(0, 1, 2), draft_vocab=256,
+                batch_size=2, seq_len=16, learning_rate=3e-3, warmup_steps=1, eval_every=2,
+                eval_windows=4, heldout_fraction=0.2, target_corpus_tokens=96,
+                target_gen_len=24, target_batch_size=3, target_corpus_fraction=1.0)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_target():
     from specjax.training import ngram_build
@@ -564,11 +571,7 @@ def test_train_draft_stops_at_its_time_budget_resumes_and_exports(tokenizer_targ
     monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
     target = tokenizer_target
     files = write_corpus(tmp_path, [MODULE.format(i=i) for i in range(40)])
-    cfg = train_draft.TrainConfig(
-        init_layers=(0,), eagle3=True, feature_layers=(0, 1, 2), draft_vocab=256, unroll=3,
-        steps=6, batch_size=2, seq_len=16, learning_rate=3e-3, warmup_steps=1, eval_every=2,
-        eval_windows=4, checkpoint_every=2, heldout_fraction=0.2, target_corpus_tokens=96,
-        target_gen_len=24, target_batch_size=3, target_corpus_fraction=1.0)
+    cfg = train_draft.TrainConfig(**TINY_RUN, unroll=3, steps=6, checkpoint_every=2)
     out = tmp_path / "run"
     messages = []
     first = train_draft.train_draft(target, out, cfg, corpus_files=files,
@@ -637,11 +640,7 @@ def test_train_draft_eagle3_for_a_users_own_target(variant, tmp_path, monkeypatc
         config, {k: v.detach().numpy() for k, v in hf.state_dict().items()}, source=variant)
     target = specjax.Model.from_params(config, params, tokenizer, name=f"tiny-{variant}")
     files = write_corpus(tmp_path, [MODULE.format(i=i) for i in range(24)])
-    cfg = train_draft.TrainConfig(
-        init_layers=(0,), eagle3=True, feature_layers=(0, 1, 2), draft_vocab=256, unroll=2,
-        steps=4, batch_size=2, seq_len=16, learning_rate=3e-3, warmup_steps=1, eval_every=2,
-        eval_windows=4, checkpoint_every=4, heldout_fraction=0.2, target_corpus_tokens=96,
-        target_gen_len=24, target_batch_size=3, target_corpus_fraction=1.0)
+    cfg = train_draft.TrainConfig(**TINY_RUN, unroll=2, steps=4, checkpoint_every=4)
     result = train_draft.train_draft(target, tmp_path / "run", cfg, corpus_files=files,
                                      log=lambda message: None)
     assert result["steps"] == 4
