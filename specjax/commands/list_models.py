@@ -34,4 +34,7 @@ def run(args) -> int:
             timed = ("" if (backend, "greedy") in choice.MEASURED
                      else " (not timed with this code)")
             print(f"  default method on {backend}: {greedy} at T=0, {sampled} at T>0{timed}")
+        if draft or tables:
+            print("  on a CPU: the table scaled by this machine's step costs, timed the first "
+                  "time the model decodes with its default (SPECJAX_CALIBRATION=off: as is)")
     return 0
