@@ -171,6 +171,8 @@ def _row_seeds(seed, rows: int) -> list[int]:
 def _prepare_batch(model: Model, prompts, req: Request) -> list[_Batch]:
     if len(prompts) == 0:
         raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
+    if isinstance(req.constraint, tuple):
+        return _prepare_by_constraint(model, prompts, req)
     batch = req.batch or BatchOptions()
     limit = MAX_BATCH_SIZE
     batch_size = batch.size
@@ -206,6 +208,28 @@ def _prepare_batch(model: Model, prompts, req: Request) -> list[_Batch]:
                 stop, settings.resources)
         batches.append(_Batch(loop, args, rows, lengths, req.options, batch.compact_rows,
                               req.choice, settings.constraint_stats))
+    return batches
+
+
+def _prepare_by_constraint(model: Model, prompts, req: Request) -> list[_Batch]:
+    """A batch with one constraint per prompt: the rows grouped by constraint, each group
+    in its own programs (one automaton's tables per program), every row decoding as its
+    own call would."""
+    if len(req.constraint) != len(prompts):
+        raise InvalidArgumentError(
+            f"constraint: got {len(req.constraint)} constraints for {len(prompts)} prompts; "
+            f"give one per prompt (None: unconstrained), or one for every prompt")
+    seeds = _row_seeds(req.seed, len(prompts))
+    groups: dict[str, tuple] = {}
+    for row, constraint in enumerate(req.constraint):
+        groups.setdefault(repr(constraint), (constraint, []))[1].append(row)
+    batches = []
+    for constraint, rows in groups.values():
+        group = dataclasses.replace(req, constraint=constraint,
+                                    seed=tuple(seeds[row] for row in rows))
+        for batch in _prepare_batch(model, [prompts[row] for row in rows], group):
+            batch.rows = [rows[slot] for slot in batch.rows]
+            batches.append(batch)
     return batches
 
 
@@ -512,7 +536,8 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         ``constraint``: a :class:`~specjax.constraints.Regex` or
         :class:`~specjax.constraints.JsonSchema` the output must match (an automaton on
         the device, every method; ``ar`` is the default under one;
-        ``stats["constraint"]``).
+        ``stats["constraint"]``); for a batch, also a list of one per prompt (``None``:
+        that row unconstrained), the rows grouped by constraint into programs.
       request: a :class:`Request` (:func:`request`) holding every setting above, checked
         before the model loaded (the ``specjax generate`` command's way); no other keyword
         may then be given.
@@ -550,6 +575,9 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
 
 
 def _check_one_prompt(req: Request) -> None:
+    if isinstance(req.constraint, tuple):
+        raise InvalidArgumentError("constraint: a list of constraints (one per prompt) goes "
+                                   "with a list of prompts, not one prompt")
     if req.batch is not None and req.batch.size is not None:
         # (compact_rows alone is harmless on one prompt, as it always was)
         raise InvalidArgumentError("a batch size (BatchOptions.size) applies to a list of "

@@ -101,7 +101,8 @@ class Request:
         (``stats["method_choice"]``).
       kernels: the :class:`KernelOptions`, concrete for ``backend``.
       stop_strings, stop_tokens: ``stop=`` split (:func:`split_stop`).
-      draft, ngram, constraint: the resources as given (names, paths or objects).
+      draft, ngram, constraint: the resources as given (names, paths or objects); a
+        batch's ``constraint`` may be a tuple, one per prompt (``None``: unconstrained).
       calibrate: the method is the default, chosen by the table alone (no method, method
         option, draft, tables or constraint given): :mod:`specjax.calibration` may choose
         again from this machine's step costs once the model is known.
@@ -205,6 +206,8 @@ def request(*, backend: str | None = None, assets: str | None = None,
     constraint = options.pop("constraint", None)
     make_sampling_params(temperature, top_k, top_p, _first_seed(seed))  # a bad temperature first
     constrained_choice = None
+    if isinstance(constraint, (list, tuple)):  # one per prompt of a batch
+        constraint = row_constraints(constraint)
     if constraint is not None:
         method, constrained_choice = constrained_method(method, constraint)
     calibrate = (method is None and draft is None and ngram is None and constraint is None
@@ -310,11 +313,25 @@ def bind(model: Model, req: Request, prompts: list, *, listed: bool,
 CONSTRAINED_CHOICE = "ar: under a constraint no method is timed against ar yet"
 
 
+def row_constraints(items) -> tuple | None:
+    """``constraint=`` given as a list, one per prompt of a batch (``None``: that row is
+    unconstrained), checked; ``None`` if every row is unconstrained."""
+    if not items:
+        raise InvalidArgumentError("constraint: the list is empty; give one constraint (or "
+                                   "None) per prompt")
+    for item in items:
+        if item is not None:
+            check_constraint_type(item)
+    return None if all(item is None for item in items) else tuple(items)
+
+
 def constrained_method(method, constraint) -> tuple[Any, str | None]:
-    """(the method, its choice) for a request under ``constraint``: ``ar`` when none is
-    named, else the method named. Checks the constraint's type
-    (:func:`specjax.constraints.check_constraint_type`)."""
-    check_constraint_type(constraint)
+    """(the method, its choice) for a request under ``constraint`` (one, or a tuple of one
+    per row: :func:`row_constraints`): ``ar`` when none is named, else the method named.
+    Checks the constraint's type (:func:`specjax.constraints.check_constraint_type`)."""
+    for item in constraint if isinstance(constraint, tuple) else (constraint,):
+        if item is not None:
+            check_constraint_type(item)
     if method is None:
         return "ar", CONSTRAINED_CHOICE
     return method, None

@@ -507,6 +507,40 @@ def test_generate_under_a_constraint_runs_the_constrained_ar_step(spelling_model
     assert text in ("yes", "no")
 
 
+def test_a_batch_with_one_constraint_per_row_equals_its_single_runs(spelling_model):
+    """``constraint=[...]``, one per prompt (None: unconstrained): each row's tokens are
+    those of its own call (greedy and coupled at T=1, its own seed), the rows grouped by
+    constraint in the prompts' order, each row's stats naming its own constraint."""
+    import specjax
+
+    digits, words = Regex(BOUNDED[3]), Regex("(yes|no)")
+    prompts = [np.random.default_rng(seed).integers(0, 100, 4 + seed).tolist()
+               for seed in range(4)]
+    constraints = [digits, None, words, digits]
+    for temperature in (0.0, 1.0):
+        settings = dict(max_new_tokens=6, temperature=temperature, stop=[eos_id()],
+                        method="ar")
+        rows = specjax.generate(spelling_model, prompts, constraint=constraints,
+                                seed=[5, 6, 7, 8], **settings)
+        for row, (prompt, constraint) in enumerate(zip(prompts, constraints)):
+            alone = specjax.generate(spelling_model, prompt, constraint=constraint,
+                                     seed=5 + row, **settings)
+            assert rows[row].tokens == alone.tokens, (temperature, row)
+            described = [(out.stats.get("constraint") or {}).get("constraint")
+                         for out in (rows[row], alone)]
+            assert described[0] == described[1], (row, described)
+    assert rows[1].stats.get("constraint") is None
+    assert rows[2].stats["constraint"]["constraint"] == words.describe()
+    cases = [(dict(constraint=[digits]), "got 1 constraints for 4 prompts"),
+             (dict(constraint=[digits, "x", None, None]), "constraint must be specjax.Regex"),
+             (dict(constraint=[]), "the list is empty")]
+    for kwargs, message in cases:
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            specjax.generate(spelling_model, prompts, max_new_tokens=4, **kwargs)
+    with pytest.raises(InvalidArgumentError, match="goes with a list of prompts"):
+        specjax.generate(spelling_model, prompts[0], constraint=[digits], max_new_tokens=4)
+
+
 def test_a_constraint_is_refused_in_one_line_where_it_cannot_run(spelling_model, tiny_model):
     import specjax
 
