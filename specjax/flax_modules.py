@@ -4,7 +4,7 @@ specjax's models are pure functions of a nested dict of arrays
 (:func:`specjax.models.forward`). This module wraps that same function in a Flax NNX
 module (:class:`NNXCausalLM`) and a Flax linen module (:class:`LinenCausalLM`) whose
 parameter trees *are* specjax's, one leaf for one leaf, with the same names and shapes
-(see :mod:`specjax.models.gpt2` and :mod:`specjax.models.llama` for the layout)::
+(see :mod:`specjax.models.gpt2` and :mod:`specjax.models.decoder` for the layout)::
 
     nnx.to_pure_dict(nnx.state(module, nnx.Param))  == specjax params   (NNX)
     variables["params"]                             == specjax params   (linen)

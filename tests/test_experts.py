@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE;
-``specjax.models.llama``):
+``specjax.models.decoder``):
 both ways of reading the experts (the picked experts' weights gathered per row for a few
 rows, every expert on every row for many) equal a float64 loop over tokens, a wrong
 routing rule is told apart by the same comparison, and the checkpoint key map names a
@@ -19,7 +19,7 @@ from specjax import models
 from specjax.checkpoints_tools.keymap import hf_tensors_from_params, params_from_hf_tensors
 from specjax.config import ModelConfig
 from specjax.errors import CheckpointError
-from specjax.models import llama
+from specjax.models import decoder
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=61, hidden_size=32, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,
@@ -72,9 +72,9 @@ def test_both_ways_of_reading_the_experts_equal_a_loop_over_tokens(normalize, sh
     h = np.random.default_rng(1).standard_normal((7, config.hidden_size)).astype(np.float32)
     want = _loop(config, layer, h, normalize)
     # 7 rows x 2 experts > 5 experts: every expert runs on every row.
-    every = np.asarray(llama._experts(config, layer, jnp.asarray(h)))
+    every = np.asarray(decoder._experts(config, layer, jnp.asarray(h)))
     # 1 row x 2 experts <= 5: the two picked experts' weights are gathered.
-    picked = np.concatenate([np.asarray(llama._experts(config, layer, jnp.asarray(h[i:i + 1])))
+    picked = np.concatenate([np.asarray(decoder._experts(config, layer, jnp.asarray(h[i:i + 1])))
                              for i in range(len(h))])
     scale = np.abs(want).max()
     np.testing.assert_allclose(every, want, atol=1e-5 * scale)
@@ -90,9 +90,9 @@ def test_a_row_routed_past_the_others_keeps_its_result():
     h = np.random.default_rng(3).standard_normal((6, CONFIG.hidden_size)).astype(np.float32)
     probs = jax.nn.softmax(jnp.asarray(h) @ layer["router"], axis=-1)
     assert len({tuple(sorted(np.argsort(-np.asarray(p))[:2])) for p in probs}) > 1
-    together = np.asarray(llama._experts(CONFIG, layer, jnp.asarray(h)))
+    together = np.asarray(decoder._experts(CONFIG, layer, jnp.asarray(h)))
     for i in range(len(h)):
-        alone = np.asarray(llama._experts(CONFIG, layer, jnp.asarray(h[i:i + 1])))[0]
+        alone = np.asarray(decoder._experts(CONFIG, layer, jnp.asarray(h[i:i + 1])))[0]
         np.testing.assert_allclose(together[i], alone, rtol=1e-5, atol=1e-6)
 
 
@@ -125,7 +125,7 @@ def test_expert_tensors_round_trip_and_a_missing_stray_or_misshaped_one_is_named
 def _dot_operand_shapes(config: ModelConfig, layer: dict, rows: int) -> set:
     """The shapes of every operand of a matrix product in the expert MLP of ``rows`` rows."""
     h = jnp.zeros((rows, config.hidden_size), jnp.float32)
-    jaxpr = jax.make_jaxpr(lambda p, x: llama._experts(config, p, x))(layer, h)
+    jaxpr = jax.make_jaxpr(lambda p, x: decoder._experts(config, p, x))(layer, h)
     return {tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns
             if eqn.primitive.name == "dot_general" for var in eqn.invars}
 

@@ -16,7 +16,7 @@ and every draft pass all draft parameters once; ``weight_bytes_per_token`` is th
 over the generated tokens, ``weight_bytes_vs_ar`` the same relative to ``ar``. Stage-2
 tables (n-gram, lookup) are not counted: a proposal reads a few rows, not the tables. For
 a mixture of experts every expert is counted, which overstates a pass of few rows (a
-one-row pass reads the k experts it picked, not all E; see ``specjax.models.llama``).
+one-row pass reads the k experts it picked, not all E; see ``specjax.models.decoder``).
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, InvalidArgumentError
 from specjax.kernel_options import KernelOptions
 from specjax.kernels.layout import round_up
-from specjax.models import gpt2, llama
+from specjax.models import decoder, gpt2
 
-_FAMILIES = {"llama": llama, "gpt2": gpt2}
+_FAMILIES = {"llama": decoder, "gpt2": gpt2}
 
 
 def param_shapes(config: ModelConfig, fused: bool = False) -> dict:

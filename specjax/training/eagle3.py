@@ -5,7 +5,7 @@ outputs of several target blocks, with a head of its own over a reduced vocabula
 The draft is a Llama-family model whose config has ``feature_input``, ``feature_layers``
 (the target blocks it reads, default :func:`default_feature_layers`: SpecForge's rule
 ``(1, L/2 - 1, L - 4)``, ``(1, 14, 26)`` for a 30-block SmolLM2) and ``draft_vocab_size``
-(see :mod:`specjax.models.llama` for its parameters). At position ``t`` it reads:
+(see :mod:`specjax.models.decoder` for its parameters). At position ``t`` it reads:
 
 * the embedding of token ``x_t`` (the target's own table, shared and frozen: never stored
   in the draft's asset);
@@ -50,7 +50,7 @@ import numpy as np
 from specjax import models
 from specjax.attention import attention_reference
 from specjax.errors import InvalidArgumentError
-from specjax.models import cast_floats, llama
+from specjax.models import cast_floats, decoder
 from specjax.training.feature_draft import feature_draft_from_target, jitted_train_step
 
 
@@ -193,18 +193,18 @@ def unroll_draft(params: dict, config, tokens, target_features, unroll: int):
 
     num_tokens = tokens.shape[0]
     positions = jnp.arange(num_tokens, dtype=jnp.int32)
-    rope = llama.position_context(config, positions)
+    rope = decoder.position_context(config, positions)
     masks = [[step_mask(num_tokens, i, j) for j in range(i + 1)] for i in range(unroll)]
     feature = shift(models.fuse_features(params, config, target_features))
     keys: list = []  # per pass: [L, T, K, D] keys and values of every block
     values: list = []
     inputs, outputs = [], []
-    windows = llama.layer_windows(config)
+    windows = decoder.layer_windows(config)
     for i in range(unroll):
         mask = jnp.concatenate(masks[i], axis=1)  # [T, (i + 1) T]
         # Every pass's row s stands for position s: how far back each key is.
         behind = positions[:, None] - jnp.tile(positions, i + 1)[None, :]
-        x = llama.embed(params, config, tokens, positions, feature)
+        x = decoder.embed(params, config, tokens, positions, feature)
         earlier = (jnp.stack(keys, axis=1) if keys else None,
                    jnp.stack(values, axis=1) if values else None)
 
@@ -224,7 +224,7 @@ def unroll_draft(params: dict, config, tokens, target_features, unroll: int):
                                            softcap=config.attn_softcap)
 
             # the layer's own RoPE tables: local or global (Gemma 3), or none (NoPE)
-            x, k, v = llama.block(p, config, x, llama.layer_context(config, rope, index),
+            x, k, v = decoder.block(p, config, x, decoder.layer_context(config, rope, index),
                                   attend)
             return x, (k, v)
 
@@ -232,7 +232,7 @@ def unroll_draft(params: dict, config, tokens, target_features, unroll: int):
         x, (k, v) = jax.lax.scan(layer, x, (params["layers"], indices, *earlier))
         keys.append(k)
         values.append(v)
-        out = llama.final_norm(params, config, x)
+        out = decoder.final_norm(params, config, x)
         inputs.append(feature)
         outputs.append(out)
         feature = shift(out)

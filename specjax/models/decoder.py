@@ -1,7 +1,9 @@
-"""Llama family (Llama 2/3, SmolLM/SmolLM2, Qwen2, Mistral): RMSNorm, RoPE, SwiGLU, GQA.
+"""The shared decoder (``architecture="llama"``): every family but GPT-2 runs on it.
 
-The same block, switched by static fields of :class:`~specjax.config.ModelConfig`, runs the
-families that differ from Llama in a few places (``config.family``):
+Its plain form is Llama's (Llama 2/3, SmolLM/SmolLM2, Qwen2, Mistral): RMSNorm, RoPE,
+SwiGLU, GQA. The same block, switched by static fields (features) of
+:class:`~specjax.config.ModelConfig` that each family's config sets, runs the families that
+differ from Llama in a few places:
 
 * Qwen3: RMSNorm on each head of q and k before RoPE (``qk_norm``); no q/k/v bias.
 * Gemma 2: GeGLU (``hidden_act="gelu_tanh"``), RMSNorm by ``1 + w`` (``norm_plus_one``),
