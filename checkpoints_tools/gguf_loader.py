@@ -74,7 +74,9 @@ from specjax import progress as progress_lib
 from specjax.checkpoints_tools import keymap
 from specjax.checkpoints_tools.hf import (as_numpy_dtype, check_chat_template, one_line,
                                          quiet_transformers_import)
-from specjax.config import ModelConfig, RopeScaling, from_hf_config
+from specjax.config import ModelConfig
+from specjax.families import from_hf_config
+from specjax.rope_scaling import RopeScaling
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 
 # GGUF architectures that run as specjax "llama", and whether their Q/K rows are permuted.
@@ -733,7 +735,7 @@ def _layer_norm_config(reader: GGUFFile, arch: str, meta, names: set, source: st
     """The config of a file of the LayerNorm families (RoPE partial or whole, never scaled)
     (``gptneox``, ``phi2``, ``starcoder2``, ``starcoder``, ``command-r``, ``cohere2``): the
     keys they share, then ``family``'s, as the Hugging Face config
-    :func:`specjax.config.from_hf_config` reads."""
+    :func:`specjax.families.from_hf_config` reads."""
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     if heads == 0 or hidden % heads:
         raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' "
@@ -763,7 +765,7 @@ def _layer_norm_config(reader: GGUFFile, arch: str, meta, names: set, source: st
 
 def _family_config(reader: GGUFFile, arch: str, meta, names: set, source: str) -> ModelConfig:
     """The config of a :data:`FAMILY_ARCHITECTURES` file: its metadata as the Hugging Face
-    config keys :func:`specjax.config.from_hf_config` reads, so both formats share one
+    config keys :func:`specjax.families.from_hf_config` reads, so both formats share one
     reading of each family's features."""
     hidden, heads, layers = (meta("embedding_length"), meta("attention.head_count"),
                              meta("block_count"))

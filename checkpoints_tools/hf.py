@@ -40,7 +40,8 @@ import numpy as np
 
 from specjax import progress as progress_lib
 from specjax.checkpoints_tools import keymap
-from specjax.config import ModelConfig, from_hf_config
+from specjax.config import ModelConfig
+from specjax.families import from_hf_config, to_hf_config
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 from specjax.models import HEAD_SUBSET, check_params
 
@@ -652,7 +653,7 @@ def save_hf_directory(config: ModelConfig, params: dict, path: str | os.PathLike
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = keymap.hf_tensors_from_params(config, params)
-    hf_config = config.to_hf_config()
+    hf_config = to_hf_config(config)
     hf_config["dtype"] = _dtype_name(params)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     # transformers refuses safetensors files without a "format" entry in their metadata.

@@ -89,7 +89,7 @@ def _t_split(leaves: tuple[str, ...], hf_name: str, widths: tuple[int, ...]) -> 
 
 
 def family_rules(config: ModelConfig) -> list[Rule]:
-    """Rules for the :data:`specjax.config.EXTENDED_FAMILIES` checkpoints: Llama's names
+    """Rules for the :data:`specjax.families.extended.FAMILIES` checkpoints: Llama's names
     with the differences of each family."""
     p = "model.layers.{i}."
     rules = [rule for rule in llama_rules(config) if config.family != "phi3" or not (

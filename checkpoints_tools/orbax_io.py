@@ -34,7 +34,8 @@ import numpy as np
 
 from specjax.checkpoints_tools.hf import (as_numpy_dtype, has_tokenizer, load_hf_tokenizer, one_line,
                                           read_json_object)
-from specjax.config import ModelConfig, RopeScaling
+from specjax.config import ModelConfig
+from specjax.rope_scaling import RopeScaling
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 from specjax.models import check_params
 

@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GenerationResult": "specjax.api", "generate": "specjax.api",
     "stream_generate": "specjax.api",
-    "ModelConfig": "specjax.config", "from_hf_config": "specjax.config",
+    "ModelConfig": "specjax.config", "from_hf_config": "specjax.families",
     "CheckpointError": "specjax.errors", "InvalidArgumentError": "specjax.errors",
     "ModelNotFoundError": "specjax.errors", "NumericalError": "specjax.errors",
     "SpecjaxError": "specjax.errors", "PerformanceWarning": "specjax.errors",
@@ -42,10 +42,11 @@ if TYPE_CHECKING:
     from specjax.api import GenerationResult, generate, stream_generate
     from specjax.api import load
     from specjax.batch_options import BatchOptions
-    from specjax.config import ModelConfig, from_hf_config
+    from specjax.config import ModelConfig
     from specjax.constraints import JsonSchema, Regex
     from specjax.errors import (CheckpointError, InvalidArgumentError, ModelNotFoundError,
                                 NumericalError, PerformanceWarning, SpecjaxError)
+    from specjax.families import from_hf_config
     from specjax.kernel_options import KernelOptions
     from specjax.loaded_model import Model
     from specjax.methods import (ArOptions, MethodOptions, NgramOptions, SpecOptions,

@@ -38,7 +38,7 @@ if (threading.current_thread() is threading.main_thread()
 
 import specjax
 from specjax.checkpoints_tools.keymap import params_from_hf_tensors
-from specjax.config import from_hf_config
+from specjax.families import from_hf_config
 
 # fp32 everywhere; exact matmuls so that parity tolerances mean what they say.
 jax.config.update("jax_default_matmul_precision", "highest")

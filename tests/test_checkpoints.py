@@ -209,7 +209,8 @@ def test_orbax_round_trip_is_exact(tiny_dirs, tmp_path):
 
 
 def test_orbax_config_keeps_rope_scaling(tmp_path):
-    from specjax.config import RopeScaling, smollm2_135m
+    from specjax.config import smollm2_135m
+    from specjax.rope_scaling import RopeScaling
     import dataclasses
 
     config = dataclasses.replace(smollm2_135m(), num_layers=1, vocab_size=32,

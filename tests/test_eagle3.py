@@ -102,7 +102,7 @@ def _family_target(variant: str):
     """A tiny transformers model of ``variant`` (tests/helpers_families.py) as a target."""
     from helpers_families import tiny_family_model
     from specjax.checkpoints_tools.keymap import params_from_hf_tensors
-    from specjax.config import from_hf_config
+    from specjax.families import from_hf_config
 
     hf_model = tiny_family_model(variant, seed=3)
     config = from_hf_config(hf_model.config.to_dict())
@@ -625,7 +625,7 @@ def test_train_draft_eagle3_for_a_users_own_target(variant, tmp_path, monkeypatc
     from specjax.checkpoints_tools import sources
     from specjax.checkpoints_tools.keymap import params_from_hf_tensors
     from specjax.commands import train_draft
-    from specjax.config import from_hf_config
+    from specjax.families import from_hf_config
     from specjax.training import ngram_build, sample_corpus
 
     from conftest import write_corpus

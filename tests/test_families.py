@@ -17,7 +17,7 @@ import torch
 
 import specjax
 from specjax import models
-from specjax.config import from_hf_config
+from specjax.families import from_hf_config, to_hf_config
 from specjax.errors import CheckpointError, InvalidArgumentError
 
 from conftest import drop_compiled_programs, hf_greedy, random_prompt
@@ -415,7 +415,7 @@ def test_hub_config_files_read_as_transformers_reads_them(model_type):
 def test_configs_round_trip_through_transformers(pairs, variant):
     config = pairs[variant][1].config
     config_class, _ = VARIANTS[variant]
-    assert from_hf_config(config_class(**config.to_hf_config()).to_dict()) == config
+    assert from_hf_config(config_class(**to_hf_config(config)).to_dict()) == config
 
 
 def test_the_multimodal_gemma3_config_reads_its_text_tower():

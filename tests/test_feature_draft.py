@@ -12,6 +12,7 @@ import specjax
 from specjax import api, decode, models
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
+from specjax.families import to_hf_config
 from specjax.training import feature_draft as fd
 
 from conftest import random_prompt, tiny_pair
@@ -202,7 +203,7 @@ def test_errors_are_one_line(target):
                     num_heads=2, num_kv_heads=2, head_dim=4, intermediate_size=8,
                     max_position_embeddings=16, feature_input=True)
     with pytest.raises(InvalidArgumentError, match="no Hugging Face equivalent"):
-        draft.config.to_hf_config()
+        to_hf_config(draft.config)
     with pytest.raises(InvalidArgumentError, match="unroll must be 1 or 2"):
         fd.FeatureLossConfig(unroll=3)
 

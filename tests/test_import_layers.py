@@ -265,7 +265,8 @@ def test_every_module_is_in_a_layer_and_each_front_module_exists():
     assert not set(FRONT) - set(modules), f"FRONT names no module: {set(FRONT) - set(modules)}"
     # The core is most of the library, named by nothing but the absence of a layer.
     assert {"specjax.config", "specjax.state", "specjax.loaded_model", "specjax.kernel_options",
-            "specjax.flax_modules", "specjax.verify", "specjax.methods.staged"} <= {
+            "specjax.flax_modules", "specjax.verify", "specjax.methods.staged",
+            "specjax.families", "specjax.families.cohere"} <= {
         name for name in modules if layer_of(name) == "core"}
 
 

@@ -101,9 +101,9 @@ def test_presets_have_the_published_sizes():
 
 
 def test_config_round_trips_through_hf_dict():
-    from specjax.config import from_hf_config
+    from specjax.families import from_hf_config, to_hf_config
     for config in (gpt2("355m"), smollm2_135m()):
-        assert from_hf_config(config.to_hf_config()) == config
+        assert from_hf_config(to_hf_config(config)) == config
 
 
 def test_check_params_names_the_bad_leaf():

@@ -11,7 +11,7 @@ import specjax
 from specjax import cli
 from specjax.checkpoints_tools.keymap import params_from_hf_tensors
 from specjax.checkpoints_tools.orbax_io import save_orbax
-from specjax.config import from_hf_config
+from specjax.families import from_hf_config
 from specjax.drafters.ngram import load_ngram, read_ngram_metadata
 from specjax.errors import InvalidArgumentError
 from specjax.training import ngram_build, ngram_from_draft, sample_corpus

@@ -17,7 +17,9 @@ import torch
 
 import specjax
 from specjax import models
-from specjax.config import ModelConfig, RopeScaling, from_hf_config
+from specjax.config import ModelConfig
+from specjax.families import from_hf_config, to_hf_config
+from specjax.rope_scaling import RopeScaling
 from specjax.errors import CheckpointError, InvalidArgumentError
 
 from conftest import random_prompt, tiny_pair
@@ -259,7 +261,7 @@ def test_longrope_configs_round_trip_through_transformers(request, fixture):
     import transformers
 
     config = request.getfixturevalue(fixture)[1].config
-    hf = transformers.Phi3Config(**config.to_hf_config())
+    hf = transformers.Phi3Config(**to_hf_config(config))
     assert from_hf_config(hf.to_dict()) == config
 
 
@@ -269,7 +271,7 @@ def test_yarn_configs_round_trip_through_transformers(kind):
 
     config = tiny_pair(kind, rope_parameters=YARN_VARIANTS["yarn-mscale"])[1].config
     hf_class = transformers.Qwen2Config if kind == "qwen2" else transformers.LlamaConfig
-    assert from_hf_config(hf_class(**config.to_hf_config()).to_dict()) == config
+    assert from_hf_config(hf_class(**to_hf_config(config)).to_dict()) == config
 
 
 def test_orbax_keeps_the_scaling(phi3_partial, tmp_path):

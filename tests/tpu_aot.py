@@ -299,10 +299,11 @@ def program_configs(method: str, *, family: str | None = None, draft: str | None
     """
     from specjax import config as config_lib
     from specjax.checkpoints_tools import assets, sources
+    from specjax.families import from_hf_config
 
     config = config_lib.smollm2_135m()
     if family is not None:
-        config = config_lib.from_hf_config(FAMILY_HF_CONFIGS[family])
+        config = from_hf_config(FAMILY_HF_CONFIGS[family])
     if method not in ("spec", "tree", "staged"):
         return config, None
     draft = draft or ("token" if family else "feature")
