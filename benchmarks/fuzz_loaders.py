@@ -46,7 +46,8 @@ def main(argv=None) -> int:
 
     import test_fuzz_loaders as fuzz
     from specjax.checkpoints_tools.assets import check_draft_asset
-    from specjax.checkpoints_tools.gguf_loader import load_gguf, read_gguf
+    from specjax.checkpoints_tools.gguf_loader import load_gguf
+    from specjax.checkpoints_tools.gguf_reader import read_gguf
     from specjax.checkpoints_tools.hf import load_hf_directory
     from specjax.checkpoints_tools.orbax_io import load_orbax
     from specjax.drafters.ngram import load_ngram

@@ -35,7 +35,7 @@ class RopeScaling:
       every method and every pass of a generation rotates a position alike.
 
     ``attention_factor`` is stored resolved (Hugging Face derives a default from
-    ``factor``, ``mscale`` and ``mscale_all_dim``; :func:`from_hf_config` does so).
+    ``factor``, ``mscale`` and ``mscale_all_dim``; :func:`rope_from_hf` does so).
     """
 
     kind: str

@@ -303,7 +303,8 @@ def test_a_function_schema_on_smollm2s_vocabulary(tmp_path):
     """The real 49,152-token byte-level vocabulary: the tables are a few hundred classes wide,
     and a walk that takes the closing quote where allowed, else the lowest allowed id, spells
     a valid document."""
-    from specjax.checkpoints_tools.gguf_loader import read_gguf, tokenizer_from_gguf
+    from specjax.checkpoints_tools.gguf_reader import read_gguf
+    from specjax.checkpoints_tools.gguf_tokenizer import tokenizer_from_gguf
     from specjax.checkpoints_tools.sources import known_model_path
 
     tokenizer = tokenizer_from_gguf(read_gguf(known_model_path("smollm2-135m")))

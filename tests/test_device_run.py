@@ -102,7 +102,9 @@ def test_without_gguf_everything_imports_and_a_gguf_file_names_the_package(monke
     # import gguf (or gguf.constants, if another test imported it) -> ModuleNotFoundError
     for name in ["gguf", *(n for n in sys.modules if n.startswith("gguf."))]:
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "specjax.checkpoints_tools.gguf_loader", raising=False)
+    for module in ("specjax.checkpoints_tools.gguf_loader", "specjax.checkpoints_tools.gguf_reader",
+                   "specjax.checkpoints_tools.gguf_tokenizer"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF")
     with pytest.raises(CheckpointError, match=r"model\.gguf: reading a GGUF file needs the "

@@ -884,7 +884,7 @@ def test_a_gpt_neox_gguf_gives_transformers_logits(variant, tmp_path):
 def test_cohere_q_and_k_read_without_reordering_their_pairs_fail_parity(pairs):
     """Cohere's RoPE rotates adjacent pairs of each head; the key map moves them to the
     halves this forward rotates. Rows left in the checkpoint's order give other logits."""
-    from specjax.checkpoints_tools.keymap import halves_to_pairs
+    from specjax.families.rules import halves_to_pairs
 
     hf_model, model = pairs["cohere"]
     config, layers = model.config, dict(model.params["layers"])

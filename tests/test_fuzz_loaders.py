@@ -43,7 +43,9 @@ from hypothesis import strategies as st
 
 from specjax.checkpoints_tools import orbax_io
 from specjax.checkpoints_tools.assets import check_draft_asset
-from specjax.checkpoints_tools.gguf_loader import load_gguf, read_gguf, tokenizer_from_gguf
+from specjax.checkpoints_tools.gguf_loader import load_gguf
+from specjax.checkpoints_tools.gguf_reader import read_gguf
+from specjax.checkpoints_tools.gguf_tokenizer import tokenizer_from_gguf
 from specjax.checkpoints_tools.hf import load_hf_directory
 from specjax.checkpoints_tools.orbax_io import load_orbax, save_orbax
 from specjax.checkpoints_tools.sources import save_draft_asset

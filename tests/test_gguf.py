@@ -27,7 +27,7 @@ import torch
 import transformers
 
 from helpers_checkpoints import PROMPT, gguf_llama, hf_logits, write_tiny_gguf
-from specjax.checkpoints_tools import gguf_loader
+from specjax.checkpoints_tools import gguf_loader, gguf_reader, gguf_tokenizer
 from specjax.checkpoints_tools.convert import convert
 from specjax.checkpoints_tools.gguf_loader import load_gguf, unpermute_rope_rows
 from specjax.checkpoints_tools.sources import resolve_and_load
@@ -236,6 +236,6 @@ def test_smollm2_chat_template_matches_transformers(
 
 
 def test_smollm2_split_digits_follows_llama_cpp():
-    reader = gguf_loader.open_gguf(_smollm2_path())
-    llama_cpp = gguf_loader.tokenizer_from_gguf(reader, split_digits=True)
+    reader = gguf_reader.open_gguf(_smollm2_path())
+    llama_cpp = gguf_tokenizer.tokenizer_from_gguf(reader, split_digits=True)
     assert llama_cpp.convert_ids_to_tokens(llama_cpp("\n    0").input_ids) == ["ĊĠĠĠĠ", "0"]

@@ -14,8 +14,9 @@ import pytest
 
 from helpers_checkpoints import (add_sentencepiece_vocabulary, sentencepiece_reference,
                                  tiny_sentencepiece_vocabulary)
-from specjax.checkpoints_tools import gguf_loader
-from specjax.checkpoints_tools.gguf_loader import read_gguf, tokenizer_from_gguf
+from specjax.checkpoints_tools import gguf_tokenizer
+from specjax.checkpoints_tools.gguf_reader import read_gguf
+from specjax.checkpoints_tools.gguf_tokenizer import tokenizer_from_gguf
 from specjax.errors import CheckpointError
 
 # No added token in these: they decode back to themselves.
@@ -116,8 +117,8 @@ def test_scores_not_file_order_rank_the_merges(tmp_path):
 
 def test_a_wrong_merge_order_is_caught(tmp_path, monkeypatch):
     """The comparison above can fail: merges in reverse order change the ids."""
-    real = gguf_loader.sentencepiece_merges
-    monkeypatch.setattr(gguf_loader, "sentencepiece_merges",
+    real = gguf_tokenizer.sentencepiece_merges
+    monkeypatch.setattr(gguf_tokenizer, "sentencepiece_merges",
                         lambda *args: real(*args)[::-1])
     tokenizer = load_tokenizer(write_vocabulary_gguf(tmp_path / "v.gguf"))
     wrong = [text for text in ROUND_TRIP if tokenizer(text).input_ids != reference(text, True)]

@@ -79,6 +79,12 @@ FUNCTION_IMPORT_ALLOWLIST = {
     ("specjax.training.ngram_build", "load_tokenizer",
      "specjax.checkpoints_tools.gguf_loader"):
         "optional gguf package",
+    ("specjax.training.ngram_build", "load_tokenizer",
+     "specjax.checkpoints_tools.gguf_reader"):
+        "optional gguf package",
+    ("specjax.training.ngram_build", "load_tokenizer",
+     "specjax.checkpoints_tools.gguf_tokenizer"):
+        "optional gguf package",
 }
 
 

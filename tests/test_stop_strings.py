@@ -275,7 +275,8 @@ def _sentencepiece_tokenizer(folder, add_space_prefix: bool):
     import gguf
 
     from helpers_checkpoints import add_sentencepiece_vocabulary
-    from specjax.checkpoints_tools.gguf_loader import read_gguf, tokenizer_from_gguf
+    from specjax.checkpoints_tools.gguf_reader import read_gguf
+    from specjax.checkpoints_tools.gguf_tokenizer import tokenizer_from_gguf
 
     path = folder / f"vocab-{add_space_prefix}.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -26,7 +26,8 @@ import pytest
 
 import specjax
 
-from specjax.checkpoints_tools.gguf_loader import load_gguf, read_gguf
+from specjax.checkpoints_tools.gguf_loader import load_gguf
+from specjax.checkpoints_tools.gguf_reader import read_gguf
 from specjax.checkpoints_tools.hf import (HUB_PATTERNS, check_chat_template, load_hf_directory,
                                           load_hf_tokenizer)
 from specjax.errors import CheckpointError, InvalidArgumentError

@@ -2,12 +2,16 @@
 
 A family module holds everything that names its family: the Hugging Face ``model_type``
 values it reads, its Hugging Face config in (:func:`from_hf_config`) and out
-(:func:`to_hf_config`), and the features of :class:`~specjax.config.ModelConfig` it
-switches on for the shared decoder (:mod:`specjax.models.decoder`). Its module-level
-``FAMILY`` (a :class:`~specjax.families.common.Family`) is what the registry reads; code
-outside the family modules dispatches through the registry and never on a family's name.
+(:func:`to_hf_config`), its checkpoints' key rules (:mod:`specjax.families.rules`, applied
+by :mod:`specjax.checkpoints_tools.keymap`), its GGUF architectures with their tensor names
+and metadata (read by :mod:`specjax.checkpoints_tools.gguf_loader`), and the features of
+:class:`~specjax.config.ModelConfig` it switches on for the shared decoder
+(:mod:`specjax.models.decoder`). Its module-level ``FAMILY`` (a
+:class:`~specjax.families.common.Family`) is what the registry reads; code outside the
+family modules dispatches through the registry and never on a family's name.
 
-Adding a family is one new module here, one entry in :data:`FAMILIES`, and its tests.
+Adding a family whose features the decoder has is one new module here, its import and its
+entry in :data:`FAMILIES` below, and its tests.
 """
 
 from __future__ import annotations

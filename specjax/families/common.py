@@ -6,9 +6,36 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from specjax.config import ModelConfig
-from specjax.errors import InvalidArgumentError
+from specjax.errors import CheckpointError, InvalidArgumentError
 from specjax.rope_scaling import rope_scaling_to_hf
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFArchitecture:
+    """How llama.cpp writes a family's models: one ``general.architecture`` of GGUF files.
+
+    Attributes:
+      name: the architecture's name (the ``{arch}.`` of its metadata keys).
+      tensor_names: GGUF tensor name -> Hugging Face name (``{i}``: the block), so that the
+        family's key rules read the file as they read its HF checkpoints.
+      config: ``metadata -> ModelConfig``, where ``metadata`` is the loader's view of the
+        file (:class:`specjax.checkpoints_tools.gguf_loader.GGUFMetadata`: ``arch``,
+        ``source``, ``names``, ``meta``, ``field``, ``special_token_ids``,
+        ``rope_factors``).
+      permuted: llama.cpp's converter permuted the rows of Q and K for its RoPE (undone on
+        load).
+      transform: ``(GGUF name, array, config) -> array`` for tensors stored otherwise than
+        the HF checkpoint holds them; ``None``: every tensor as stored.
+    """
+
+    name: str
+    tensor_names: Mapping[str, str]
+    config: Callable[[Any], ModelConfig]
+    permuted: bool = False
+    transform: Callable[[str, np.ndarray, ModelConfig], np.ndarray] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +50,17 @@ class Family:
       from_hf: ``(model_type, hf_config) -> ModelConfig``, or the Hugging Face config of
         the model it wraps (a multimodal checkpoint's text tower), read in turn.
       to_hf: ``ModelConfig -> hf_config`` (what :attr:`from_hf` reads).
+      key_rules: ``ModelConfig -> [Rule]``, its checkpoints' tensor names and how each
+        fills the parameters (:mod:`specjax.families.rules`).
+      checkpoint_name: ``(stored name, config) -> the name its key rules give`` where a
+        checkpoint may store a tensor under another name; ``None``: every name as stored.
+      ignores: ``(name, config) -> bool``, the tensors of its checkpoints that hold no
+        parameter (buffers, another model's tower); ``None``: none of its own.
+      export_prefix: put before every tensor name when a model is written back.
+      gguf: the GGUF architectures (llama.cpp's names) its models are written as.
+      gguf_tensors: ``(GGUF name, array, config) -> {HF name: array}`` for the GGUF tensors
+        that are not one HF tensor each (stacked experts), else ``None``; ``None``: every
+        tensor by its architecture's name table.
     """
 
     name: str
@@ -30,6 +68,12 @@ class Family:
     configs: tuple[str, ...]
     from_hf: Callable[[str, Mapping[str, Any]], "ModelConfig | Mapping[str, Any]"]
     to_hf: Callable[[ModelConfig], dict[str, Any]]
+    key_rules: Callable[[ModelConfig], list]
+    checkpoint_name: Callable[[str, ModelConfig], str] | None = None
+    ignores: Callable[[str, ModelConfig], bool] | None = None
+    export_prefix: str = ""
+    gguf: tuple[GGUFArchitecture, ...] = ()
+    gguf_tensors: Callable[[str, np.ndarray, ModelConfig], dict | None] | None = None
 
 
 def get(cfg: Mapping[str, Any], *names, default=None):
@@ -120,3 +164,52 @@ def windows_of(window: int, sliding) -> tuple:
     slides."""
     windows = tuple(window if s else 0 for s in sliding)
     return windows if any(windows) else ()
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def float32_value(value) -> float:
+    """A GGUF float as the value the model was converted with: GGUF stores floats as float32
+    (1e-5 comes back as 9.99999974e-06), and the shortest decimal that round-trips through
+    float32 recovers it."""
+    return float(str(np.float32(value)))
+
+
+def config_from_gguf_keys(gguf, from_hf: Callable, cfg: Mapping[str, Any]) -> ModelConfig:
+    """``from_hf`` (a family's) of ``cfg``, the Hugging Face config keys a GGUF file's
+    metadata gives; an invalid model is a :class:`CheckpointError` naming the file."""
+    try:
+        return from_hf(cfg["model_type"], cfg)
+    except InvalidArgumentError as error:
+        raise CheckpointError(f"{gguf.source}: GGUF metadata describes an invalid model "
+                              f"({error})") from None
+
+
+def layer_norm_gguf_config(gguf, family: dict, from_hf: Callable) -> ModelConfig:
+    """The config of a file of the LayerNorm families (RoPE partial or whole, never scaled)
+    (``gptneox``, ``phi2``, ``starcoder2``, ``starcoder``, ``command-r``, ``cohere2``): the
+    keys they share, then ``family``'s, as the Hugging Face config ``from_hf`` reads."""
+    arch, meta, source = gguf.arch, gguf.meta, gguf.source
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    if heads == 0 or hidden % heads:
+        raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' "
+                              f"({heads}) does not divide the width ({hidden})")
+    if (meta("rope.scaling.type", "none", kind=str) != "none"
+            or "rope_freqs.weight" in gguf.names):
+        raise CheckpointError(f"{source}: RoPE scaling in a {arch} file is not supported")
+    tokens = gguf.field("tokenizer.ggml.tokens", kind=list)
+    eos, bos = gguf.special_token_ids()
+    head_dim = hidden // heads
+    cfg = {
+        "vocab_size": len(tokens) if tokens is not None else meta("vocab_size"),
+        "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads, "intermediate_size": meta("feed_forward_length"),
+        "max_position_embeddings": meta("context_length"),
+        "layer_norm_eps": float32_value(meta("attention.layer_norm_epsilon", kind=float)),
+        "rope_theta": float32_value(meta("rope.freq_base", 10000.0, kind=float)),
+        "partial_rotary_factor": meta("rope.dimension_count", head_dim) / head_dim,
+        "tie_word_embeddings": "output.weight" not in gguf.names,
+        "eos_token_id": eos or None, "bos_token_id": bos, **family,
+    }
+    return config_from_gguf_keys(gguf, from_hf, cfg)

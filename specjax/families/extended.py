@@ -1,16 +1,44 @@
 """The families on the shared decoder that switch on its optional features: Qwen3, Gemma
 (1, 2, 3), Phi-3, SmolLM3, Granite, OLMo 2/3, StableLM and the mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE). One reading of their Hugging Face configs, since they share
-most keys and differ in a few (see :class:`~specjax.config.ModelConfig` for each feature)."""
+most keys and differ in a few (see :class:`~specjax.config.ModelConfig` for each feature).
+
+Their checkpoints use Llama's tensor names with each family's differences
+(:func:`family_rules`). Their GGUF files (:data:`GGUF_ARCHITECTURES`, as llama.cpp's
+converter writes them) are read as the same Hugging Face config keys, so both formats share
+one reading of each feature. None is Q/K-permuted but ``smollm3`` and ``granite`` (llama.cpp
+converts them as Llama); Gemma's norm weights are stored plus one; Phi-3's fused
+``attn_qkv`` and ``ffn_up`` (gate and up) are split by the key rules as for its HF
+checkpoint; llama.cpp writes OLMo 3 as ``olmo2`` with a sliding window, a per-layer pattern
+and YaRN, read as Hugging Face's ``olmo3`` (the scaling on the global layers only).
+
+Mixtures of experts: Qwen2-MoE is ``qwen2moe`` (its shared expert as ``ffn_*_shexp`` of
+``expert_shared_feed_forward_length``, its gate ``ffn_gate_inp_shexp``), Qwen3-MoE
+``qwen3moe`` (experts of ``expert_feed_forward_length``) and OLMoE ``olmoe`` (Mixtral is
+``llama`` with experts, :mod:`specjax.families.llama`). The router is ``blk.N.ffn_gate_inp``
+and each layer's experts are stacked in one tensor per projection (``ffn_gate_exps``,
+``ffn_up_exps``, ``ffn_down_exps``, [E, out, in]), split into the checkpoints' one tensor
+per expert. Whether the picked experts' probabilities are rescaled to sum 1 is fixed per
+architecture in llama.cpp's graphs (Qwen3-MoE yes, Qwen2-MoE and OLMoE no) unless the file
+says ``expert_weights_norm``; Phi-3's LongRoPE factors travel as ``rope_factors_long`` and
+``rope_factors_short`` with ``rope.scaling.original_context_length`` and
+``rope.scaling.attn_factor``.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
+import numpy as np
+
 from specjax.config import ModelConfig
-from specjax.errors import InvalidArgumentError
-from specjax.families.common import (GELU_TANH, Family, eos_to_hf, eos_tuple, every_nth_global,
-                                     get, sliding_layers, windows_of)
+from specjax.errors import CheckpointError, InvalidArgumentError
+from specjax.families.common import (GELU_TANH, Family, GGUFArchitecture, config_from_gguf_keys,
+                                     eos_to_hf, eos_tuple, every_nth_global, float32_value, get,
+                                     sliding_layers, windows_of)
+from specjax.families.llama import GGUF_TENSOR_NAMES, llama_rules
+from specjax.families.rules import Rule, layer_norm_rules, linear, linear_split, same
 from specjax.rope_scaling import RopeScaling, rope_from_hf, rope_scaling_to_hf
 
 # The families of this module, by Hugging Face model_type ("gemma3" is read as its text tower).
@@ -86,7 +114,7 @@ def from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig | Mapping[st
     layers = int(cfg["num_hidden_layers"])
     gemma = model_type in _GEMMA
     act = get(cfg, "hidden_activation", "hidden_act",
-               default="gelu_pytorch_tanh" if gemma else "silu")
+              default="gelu_pytorch_tanh" if gemma else "silu")
     olmo = model_type in _OLMO
     if model_type == "gemma" and act == "gelu":
         act = "gelu_tanh"  # the released Gemma configs' legacy name for it (transformers reads so)
@@ -322,4 +350,304 @@ def to_hf(config: ModelConfig) -> dict[str, Any]:
     return out
 
 
-FAMILY = Family("extended", FAMILIES + ("gemma3",), FAMILIES, from_hf, to_hf)
+def family_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for the :data:`FAMILIES` checkpoints: Llama's names
+    with the differences of each family."""
+    p = "model.layers.{i}."
+    rules = [rule for rule in llama_rules(config) if config.family != "phi3" or not (
+        rule.leaves[0] in ("layers/wq", "layers/wk", "layers/wv", "layers/w_gate", "layers/w_up"))]
+    if config.family == "phi3":  # fused q|k|v and gate|up in the checkpoint
+        q_width = config.num_heads * config.head_dim
+        kv_width = config.num_kv_heads * config.head_dim
+        f = config.intermediate_size
+        rules += [linear_split(("layers/wq", "layers/wk", "layers/wv"),
+                           p + "self_attn.qkv_proj.weight", (q_width, kv_width, kv_width)),
+                  linear_split(("layers/w_gate", "layers/w_up"), p + "mlp.gate_up_proj.weight",
+                           (f, f))]
+    if config.norm_kind == "layer":  # StableLM: LayerNorms with biases
+        rules += [rule for rule in layer_norm_rules(
+            ("final_norm", "model.norm"), ("layers/attn_norm", p + "input_layernorm"),
+            ("layers/mlp_norm", p + "post_attention_layernorm")) if rule.hf_name.endswith("bias")]
+    if config.qk_norm:
+        rules += [same("layers/q_norm", p + "self_attn.q_norm.weight"),
+                  same("layers/k_norm", p + "self_attn.k_norm.weight")]
+    if config.num_experts:  # Mixtral, Qwen3-MoE, OLMoE: a router and E experts per layer
+        rules = [rule for rule in rules
+                 if rule.leaves[0] not in ("layers/w_gate", "layers/w_up", "layers/w_down")]
+        rules += _expert_rules(config)
+    if config.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's
+        rules = [rule for rule in rules
+                 if rule.leaves not in (("layers/mlp_norm",), ("layers/attn_norm",))]
+        rules += [same("layers/post_attn_norm", p + "post_attention_layernorm.weight"),
+                  same("layers/post_mlp_norm", p + "post_feedforward_layernorm.weight")]
+        if config.pre_norms:  # OLMo 2/3 have none: their only norms are the two above
+            rules += [same("layers/attn_norm", p + "input_layernorm.weight"),
+                      same("layers/mlp_norm", p + "pre_feedforward_layernorm.weight")]
+    return rules
+
+
+def _expert_rules(config: ModelConfig) -> list[Rule]:
+    """The router and experts of a mixture-of-experts layer, as the released checkpoints
+    name them (one tensor per expert; transformers 5 stacks them in memory but writes them
+    back this way)."""
+    if config.family == "mixtral":
+        p = "model.layers.{i}.block_sparse_moe."
+        names = ("w1", "w3", "w2")
+    else:
+        p = "model.layers.{i}.mlp."
+        names = ("gate_proj", "up_proj", "down_proj")
+    rules = [linear("layers/router", p + "gate.weight")] + [
+        linear(leaf, p + "experts.{e}." + name + ".weight")
+        for leaf, name in zip(("layers/we_gate", "layers/we_up", "layers/we_down"), names)]
+    if config.shared_expert_size:  # Qwen2-MoE
+        rules += [linear("layers/ws_gate", p + "shared_expert.gate_proj.weight"),
+                  linear("layers/ws_up", p + "shared_expert.up_proj.weight"),
+                  linear("layers/ws_down", p + "shared_expert.down_proj.weight"),
+                  linear("layers/shared_gate", p + "shared_expert_gate.weight")]
+    return rules
+
+
+# Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration): the text tower under
+# these prefixes (transformers >= 4.52, then older), read as a Gemma3ForCausalLM's names.
+_GEMMA3_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                         "language_model.lm_head.": "lm_head."}
+# ... and the image side, which a text model does not read.
+_GEMMA3_IMAGE_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.",
+                          "vision_tower.", "multi_modal_projector.")
+
+
+def _ignores(name: str, config: ModelConfig) -> bool:
+    return config.family == "gemma3_text" and name.startswith(_GEMMA3_IMAGE_PREFIXES)
+
+
+def _checkpoint_name(name: str, config: ModelConfig) -> str:
+    if config.family == "gemma3_text":
+        for prefix, ours in _GEMMA3_TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                return ours + name[len(prefix):]
+    return name
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+# GGUF architecture -> the Hugging Face model_type of the families with optional features.
+# (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
+# Hugging Face config's default no_rope_layer_interval gives.)
+GGUF_ARCHITECTURES = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+                      "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
+                      "olmo2": "olmo2", "stablelm": "stablelm", "qwen2moe": "qwen2_moe",
+                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# Mixtures of experts: whether llama.cpp's graph rescales the picked experts'
+# probabilities to sum 1 when the file does not say (``{arch}.expert_weights_norm``).
+_EXPERT_WEIGHTS_NORM = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
+# A stacked experts tensor -> the projection of each expert in the HF checkpoints
+# (Mixtral's names, the others').
+_EXPERT_TENSORS = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
+                   "ffn_down_exps": ("w2", "down_proj")}
+# Qwen2-MoE's shared expert and its gate (one tensor each) -> their checkpoint names.
+_SHARED_EXPERT_TENSORS = {"ffn_gate_shexp": "shared_expert.gate_proj",
+                          "ffn_up_shexp": "shared_expert.up_proj",
+                          "ffn_down_shexp": "shared_expert.down_proj",
+                          "ffn_gate_inp_shexp": "shared_expert_gate"}
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+_QK_NORMS = {"blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+             "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"}
+# Gemma's four norms per block: llama.cpp's ffn_norm is the MLP's input norm.
+_GEMMA_NORMS = {
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+# Per architecture: names added to (or replacing) Llama's (llama.GGUF_TENSOR_NAMES).
+_GGUF_TENSOR_NAMES = {
+    "qwen3": _QK_NORMS,
+    "qwen3moe": _QK_NORMS,
+    "olmoe": _QK_NORMS,
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": {**_GEMMA_NORMS, **_QK_NORMS},
+    "phi3": {"blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+             "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight"},
+    # OLMo 2: only the attention's and MLP's output norms (no attn_norm, no ffn_norm).
+    "olmo2": {**_QK_NORMS, **{k: v for k, v in _GEMMA_NORMS.items() if "ffn_norm" not in k}},
+    # StableLM: Llama's names, and the LayerNorms' biases.
+    "stablelm": {"output_norm.bias": "model.norm.bias",
+                 "blk.{i}.attn_norm.bias": "model.layers.{i}.input_layernorm.bias",
+                 "blk.{i}.ffn_norm.bias": "model.layers.{i}.post_attention_layernorm.bias"},
+}
+
+
+def gguf_config(gguf) -> ModelConfig:
+    """The config of a :data:`GGUF_ARCHITECTURES` file: its metadata as the Hugging Face
+    config keys :func:`from_hf` reads, so both formats share one reading of each family's
+    features."""
+    arch, meta, names, source = gguf.arch, gguf.meta, gguf.names, gguf.source
+    hidden, heads, layers = (meta("embedding_length"), meta("attention.head_count"),
+                             meta("block_count"))
+    if heads == 0:
+        raise CheckpointError(f"{source}: GGUF metadata '{arch}.attention.head_count' is 0")
+    head_dim = meta("attention.key_length", hidden // heads)
+    rope_dims = meta("rope.dimension_count", head_dim)
+    if rope_dims != head_dim and arch not in ("phi3", "stablelm"):
+        raise CheckpointError(f"{source}: partial RoPE ({arch}.rope.dimension_count) is not "
+                              f"supported")
+    if "rope_freqs.weight" in names:
+        raise CheckpointError(f"{source}: tensor 'rope_freqs.weight' in a {arch} file is not "
+                              f"supported")
+    tokens = gguf.field("tokenizer.ggml.tokens", kind=list)
+    eos, bos = gguf.special_token_ids()
+    cfg = {
+        "model_type": GGUF_ARCHITECTURES[arch],
+        "vocab_size": len(tokens) if tokens is not None else meta("vocab_size"),
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads), "head_dim": head_dim,
+        "intermediate_size": meta("feed_forward_length"),
+        "max_position_embeddings": meta("context_length"),
+        "rms_norm_eps": float32_value(meta("attention.layer_norm_rms_epsilon", kind=float))
+        if arch != "stablelm" else None,
+        "rope_theta": float32_value(meta("rope.freq_base", 10000.0, kind=float)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": eos or None, "bos_token_id": bos,
+    }
+    # Phi-4-mini, StableLM: RoPE on the first rope_dims of each head
+    cfg["partial_rotary_factor"] = rope_dims / head_dim
+    if arch in _EXPERT_WEIGHTS_NORM:
+        cfg.update(num_experts=meta("expert_count"), num_experts_per_tok=meta("expert_used_count"),
+                   norm_topk_prob=gguf.field(f"{arch}.expert_weights_norm",
+                                             _EXPERT_WEIGHTS_NORM[arch], kind=bool))
+        if arch in ("qwen2moe", "qwen3moe"):
+            cfg["moe_intermediate_size"] = meta("expert_feed_forward_length")
+        if arch == "qwen2moe":
+            cfg["shared_expert_intermediate_size"] = meta("expert_shared_feed_forward_length", 0)
+            cfg["qkv_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "stablelm":
+        cfg["layer_norm_eps"] = float32_value(meta("attention.layer_norm_epsilon", kind=float))
+        cfg["use_qkv_bias"] = "blk.0.attn_q.bias" in names
+        # llama.cpp runs a file without MLP norms as parallel attention and MLP (whatever
+        # use_parallel_residual says), which specjax's StableLM does not take.
+        cfg["use_parallel_residual"] = "blk.0.ffn_norm.weight" not in names
+    scaling = meta("rope.scaling.type", "none", kind=str)
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear",
+                               "factor": float32_value(meta("rope.scaling.factor", kind=float))}
+    elif scaling == "yarn" and arch == "olmo2":  # Olmo 3's, as llama.cpp's converter writes it
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": float32_value(meta("rope.scaling.factor", kind=float)),
+            "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+        attention = meta("rope.scaling.attn_factor", 0.0, kind=float)
+        if attention:
+            cfg["rope_scaling"]["attention_factor"] = float32_value(attention)
+    elif scaling != "none":
+        raise CheckpointError(f"{source}: RoPE scaling {scaling!r} is not supported")
+    long, short = (gguf.rope_factors(f"rope_factors_{kind}.weight")
+                   for kind in ("long", "short"))
+    if (long is None) != (short is None):
+        raise CheckpointError(f"{source}: 'rope_factors_long.weight' and "
+                              f"'rope_factors_short.weight' come together; one is missing")
+    if long is not None:
+        if arch != "phi3" or "rope_scaling" in cfg:
+            raise CheckpointError(f"{source}: LongRoPE factors in a {arch} file"
+                                  f"{' with other RoPE scaling' if arch == 'phi3' else ''} are "
+                                  f"not supported")
+        # llama.cpp's Phi-3 (convert_hf_to_gguf.py): the factor sets as tensors, the
+        # pretraining length and the attention factor as metadata.
+        cfg["original_max_position_embeddings"] = meta("rope.scaling.original_context_length")
+        cfg["rope_scaling"] = {"rope_type": "longrope", "short_factor": short,
+                               "long_factor": long}
+        attention = meta("rope.scaling.attn_factor", 0.0, kind=float)
+        if attention:
+            cfg["rope_scaling"]["attention_factor"] = float32_value(attention)
+    _gguf_layout(gguf, layers, cfg)
+    return config_from_gguf_keys(gguf, from_hf, cfg)
+
+
+def _gguf_layout(gguf, layers: int, cfg: dict) -> None:
+    """Adds to ``cfg`` (Hugging Face keys) what :func:`gguf_config` reads per family:
+    sliding windows and their layer pattern, Gemma's query scale and soft-caps, Granite's
+    scalars, Gemma 3's local RoPE base."""
+    arch, meta, source = gguf.arch, gguf.meta, gguf.source
+    window = meta("attention.sliding_window", 0)
+    if window and arch in ("qwen3", "qwen2moe", "qwen3moe"):  # none slides in llama.cpp
+        raise CheckpointError(f"{source}: a {arch} GGUF with a sliding window ({window}) is "
+                              f"not supported; load the model from its HF directory")
+    if window:
+        cfg["sliding_window"] = window
+        if arch == "olmo2":
+            # llama.cpp writes Olmo 3 as olmo2 with its window and one flag per layer (its
+            # converter's default: three sliding layers, then a global one).
+            cfg["model_type"] = "olmo3"
+            pattern = gguf.field(f"{arch}.attention.sliding_window_pattern")
+            sliding = (list(pattern) if isinstance(pattern, list) else
+                       [(i + 1) % 4 != 0 for i in range(layers)])
+            cfg["layer_types"] = ["sliding_attention" if s else "full_attention"
+                                  for s in sliding]
+        if arch in _GEMMA_ARCHITECTURES:
+            # llama.cpp's pattern: a period n (layer i slides iff i % n < n - 1; Gemma 2
+            # alternates, Gemma 3 slides five in six) or one flag per layer.
+            pattern = gguf.field(f"{arch}.attention.sliding_window_pattern",
+                                 2 if arch == "gemma2" else 6)
+            sliding = (list(pattern) if isinstance(pattern, list) else
+                       [i % int(pattern) < int(pattern) - 1 for i in range(layers)])
+            cfg["layer_types"] = ["sliding_attention" if s else "full_attention"
+                                  for s in sliding]
+    if arch in _GEMMA_ARCHITECTURES:
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        # llama.cpp's query scale: attention.scale when written, else head_dim ** -0.5,
+        # except the 27B models (46 / 62 blocks) whose scale is (hidden / heads) ** -0.5.
+        scale = meta("attention.scale", 0.0, kind=float)
+        big = layers == {"gemma2": 46, "gemma3": 62}.get(arch)
+        cfg["query_pre_attn_scalar"] = (
+            scale ** -2 if scale else
+            cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = meta(key, 0.0, kind=float)
+            cfg[key] = float32_value(value) if value else None
+    if arch == "granite":  # llama.cpp's names for Granite's four scalars
+        for key, hf_key in (("embedding_scale", "embedding_multiplier"),
+                            ("residual_scale", "residual_multiplier"),
+                            ("logit_scale", "logits_scaling"),
+                            ("attention.scale", "attention_multiplier")):
+            value = meta(key, 0.0, kind=float)
+            if value:
+                cfg[hf_key] = float32_value(value)
+    if arch == "gemma3":
+        cfg["rope_local_base_freq"] = float32_value(meta("rope.freq_base_swa", 10000.0,
+                                                          kind=float))
+
+
+def _gguf_tensors(name: str, array: np.ndarray, config: ModelConfig) -> dict | None:
+    """A mixture of experts' router or stacked experts tensor under its checkpoint names
+    (one tensor per expert: ``array[e]``); ``None`` for any other tensor."""
+    match = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+)\.weight", name)
+    kinds = ("ffn_gate_inp", *_EXPERT_TENSORS, *_SHARED_EXPERT_TENSORS)
+    if match is None or match.group(2) not in kinds or not config.num_experts:
+        return None
+    layer, kind = match.groups()
+    prefix = (f"model.layers.{layer}.block_sparse_moe." if config.family == "mixtral"
+              else f"model.layers.{layer}.mlp.")
+    if kind == "ffn_gate_inp":
+        return {prefix + "gate.weight": array}
+    if kind in _SHARED_EXPERT_TENSORS:  # the gate may be stored 1-D ([d]); HF's is [1, d]
+        shaped = array.reshape(1, -1) if kind == "ffn_gate_inp_shexp" else array
+        return {f"{prefix}{_SHARED_EXPERT_TENSORS[kind]}.weight": shaped}
+    projection = _EXPERT_TENSORS[kind][config.family != "mixtral"]
+    return {f"{prefix}experts.{e}.{projection}.weight": array[e] for e in range(len(array))}
+
+
+def _gguf_transform(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Gemma's norm weights are stored plus one (llama.cpp scales by ``w``, HF by ``1 + w``):
+    subtracted, exactly (the stored value is the float32 ``1 + w`` that HF computes)."""
+    return array - np.float32(1.0) if name.endswith("norm.weight") else array
+
+
+# llama.cpp's converter permutes Q and K of smollm3 and granite files (it converts them as
+# Llama); the others are as stored.
+FAMILY = Family("extended", FAMILIES + ("gemma3",), FAMILIES, from_hf, to_hf,
+                key_rules=family_rules, checkpoint_name=_checkpoint_name, ignores=_ignores,
+                gguf=tuple(GGUFArchitecture(
+                    arch, {**GGUF_TENSOR_NAMES, **_GGUF_TENSOR_NAMES.get(arch, {})}, gguf_config,
+                    permuted=arch in ("smollm3", "granite"),
+                    transform=_gguf_transform if arch in _GEMMA_ARCHITECTURES else None)
+                    for arch in GGUF_ARCHITECTURES),
+                gguf_tensors=_gguf_tensors)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
 from specjax.families.common import Family, eos_tuple
+from specjax.families.rules import Rule, same
 
 
 def from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
@@ -47,4 +50,40 @@ def to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-FAMILY = Family("gpt2", ("gpt2",), ("gpt2",), from_hf, to_hf)
+def gpt2_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for GPT2LMHeadModel checkpoints (HF ``Conv1D`` weights are already [in, out])."""
+    p = "h.{i}."
+
+    def split3(a):
+        return tuple(np.split(a, 3, axis=-1))
+
+    def join3(q, k, v):
+        return np.concatenate([q, k, v], axis=-1)
+
+    return [
+        same("embed", "wte.weight"),
+        same("pos_embed", "wpe.weight"),
+        same("final_norm_scale", "ln_f.weight"),
+        same("final_norm_bias", "ln_f.bias"),
+        same("layers/ln1_scale", p + "ln_1.weight"),
+        same("layers/ln1_bias", p + "ln_1.bias"),
+        same("layers/ln2_scale", p + "ln_2.weight"),
+        same("layers/ln2_bias", p + "ln_2.bias"),
+        Rule(p + "attn.c_attn.weight", ("layers/wq", "layers/wk", "layers/wv"), split3, join3),
+        Rule(p + "attn.c_attn.bias", ("layers/bq", "layers/bk", "layers/bv"), split3, join3),
+        same("layers/wo", p + "attn.c_proj.weight"),
+        same("layers/bo", p + "attn.c_proj.bias"),
+        same("layers/w_fc", p + "mlp.c_fc.weight"),
+        same("layers/b_fc", p + "mlp.c_fc.bias"),
+        same("layers/w_proj", p + "mlp.c_proj.weight"),
+        same("layers/b_proj", p + "mlp.c_proj.bias"),
+    ]
+
+
+def _checkpoint_name(name: str, config: ModelConfig) -> str:
+    """GPT-2 checkpoints appear both with and without the "transformer." prefix."""
+    return name[len("transformer."):] if name.startswith("transformer.") else name
+
+
+FAMILY = Family("gpt2", ("gpt2",), ("gpt2",), from_hf, to_hf, key_rules=gpt2_rules,
+                checkpoint_name=_checkpoint_name, export_prefix="transformer.")

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
-from specjax.families.common import NEOX_ACTS, Family, eos_to_hf, eos_tuple, get
+from specjax.families.common import (NEOX_ACTS, Family, GGUFArchitecture, eos_to_hf, eos_tuple,
+                                     get, layer_norm_gguf_config)
+from specjax.families.rules import Rule, layer_norm_rules, linear, per_head_qkv_rules, same
 from specjax.rope_scaling import rope_from_hf, rope_scaling_to_hf
+
 
 def from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
     """GPT-NeoX (Pythia, GPT-NeoX-20B) on the llama forward: LayerNorm with biases, q|k|v
@@ -22,7 +27,7 @@ def from_hf(model_type: str, cfg: Mapping[str, Any]) -> ModelConfig:
                                    f"{sorted(NEOX_ACTS)}")
     rope = dict(cfg.get("rope_parameters") or {})
     partial = float(get(cfg, "partial_rotary_factor", "rotary_pct",
-                         default=rope.get("partial_rotary_factor", 1.0)))
+                        default=rope.get("partial_rotary_factor", 1.0)))
     if "rope_theta" not in cfg and "rope_theta" not in rope:
         cfg = {**cfg, "rope_theta": float(cfg.get("rotary_emb_base", 10000.0))}
     theta, scaling = rope_from_hf(cfg)
@@ -64,4 +69,86 @@ def to_hf(config: ModelConfig) -> dict[str, Any]:
     return out
 
 
-FAMILY = Family('neox', ("gpt_neox",), ("gpt_neox",), from_hf, to_hf)
+def neox_rules(config: ModelConfig) -> list[Rule]:
+    """Rules for GPTNeoXForCausalLM checkpoints (Pythia). Their ``query_key_value`` rows
+    interleave the heads, [H, 3 (q, k, v), D], rather than stacking q, k and v."""
+    p = "gpt_neox.layers.{i}."
+    qkv_weight, qkv_bias = per_head_qkv_rules(config, p + "attention.query_key_value")
+    rules = [
+        same("embed", "gpt_neox.embed_in.weight"),
+        *layer_norm_rules(("final_norm", "gpt_neox.final_layer_norm"),
+                          ("layers/attn_norm", p + "input_layernorm"),
+                          ("layers/mlp_norm", p + "post_attention_layernorm")),
+        qkv_weight,
+        linear("layers/wo", p + "attention.dense.weight"),
+        linear("layers/w_up", p + "mlp.dense_h_to_4h.weight"),
+        same("layers/b_up", p + "mlp.dense_h_to_4h.bias"),
+        linear("layers/w_down", p + "mlp.dense_4h_to_h.weight"),
+        same("layers/b_down", p + "mlp.dense_4h_to_h.bias"),
+    ]
+    if config.qkv_bias:
+        rules += [qkv_bias, same("layers/bo", p + "attention.dense.bias")]
+    if not config.tie_word_embeddings:
+        rules.append(linear("lm_head", "embed_out.weight"))
+    return rules
+
+
+def _ignores(name: str, config: ModelConfig) -> bool:
+    """Older GPT-NeoX checkpoints (Pythia's) keep the causal mask buffers."""
+    return name.endswith((".attention.bias", ".attention.masked_bias"))
+
+
+def _checkpoint_name(name: str, config: ModelConfig) -> str:
+    """The head's module name; files keep the original one."""
+    return "embed_out.weight" if name == "lm_head.weight" else name
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+# llama.cpp's names (``gptneox``) and the HF checkpoint's, both its own (llama.cpp's converter
+# stores q|k|v stacked, [3 * H * D, d]; the HF checkpoint interleaves them per head, see
+# _qkv_to_hf).
+GGUF_TENSOR_NAMES = {
+    "token_embd.weight": "gpt_neox.embed_in.weight",
+    "output_norm.weight": "gpt_neox.final_layer_norm.weight",
+    "output_norm.bias": "gpt_neox.final_layer_norm.bias",
+    "output.weight": "embed_out.weight",
+    **{f"blk.{{i}}.{gguf}.{kind}": f"gpt_neox.layers.{{i}}.{hf}.{kind}"
+       for gguf, hf in (("attn_norm", "input_layernorm"),
+                        ("attn_qkv", "attention.query_key_value"),
+                        ("attn_output", "attention.dense"),
+                        ("ffn_norm", "post_attention_layernorm"),
+                        ("ffn_up", "mlp.dense_h_to_4h"), ("ffn_down", "mlp.dense_4h_to_h"))
+       for kind in ("weight", "bias")},
+}
+
+
+def _qkv_to_hf(array: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's stacked GPT-NeoX q|k|v rows [3, H, D, ...] as the HF checkpoint's
+    per-head interleaving [H, 3, D, ...] (weights [3*H*D, d] and biases [3*H*D])."""
+    if array.shape[0] % (3 * num_heads):
+        return array  # the key map names the wrong shape
+    stacked = array.reshape(3, num_heads, array.shape[0] // (3 * num_heads), *array.shape[1:])
+    return np.swapaxes(stacked, 0, 1).reshape(array.shape)
+
+
+def _gguf_transform(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    return _qkv_to_hf(array, config.num_heads) if ".attn_qkv." in name else array
+
+
+def gguf_config(gguf) -> ModelConfig:
+    """The config of a ``gptneox`` file (Pythia, GPT-NeoX-20B) as llama.cpp's converter
+    writes it: RoPE on ``rope.dimension_count`` dims of each head, ``use_parallel_residual``,
+    LayerNorm's epsilon, no RoPE base (llama.cpp's default, 10000, unless written). Such
+    files name no activation: read with Pythia's exact GELU (HF's ``gelu``; llama.cpp's graph
+    computes the tanh form)."""
+    return layer_norm_gguf_config(gguf, {
+        "model_type": "gpt_neox",
+        "use_parallel_residual": gguf.field("gptneox.use_parallel_residual", True, kind=bool),
+        "attention_bias": "blk.0.attn_qkv.bias" in gguf.names}, from_hf)
+
+
+FAMILY = Family("neox", ("gpt_neox",), ("gpt_neox",), from_hf, to_hf, key_rules=neox_rules,
+                checkpoint_name=_checkpoint_name, ignores=_ignores,
+                gguf=(GGUFArchitecture("gptneox", GGUF_TENSOR_NAMES, gguf_config,
+                                       transform=_gguf_transform),))

@@ -464,8 +464,9 @@ def load_tokenizer(name_or_path: str, required: bool = True) -> tuple[Any, int]:
             vocab_size = read_hf_config(path).vocab_size
         tokenizer = load_hf_tokenizer(path)
     elif path.suffix.lower() == ".gguf":
-        from specjax.checkpoints_tools.gguf_loader import (config_from_gguf, open_gguf,
-                                                           tokenizer_from_gguf)
+        from specjax.checkpoints_tools.gguf_loader import config_from_gguf
+        from specjax.checkpoints_tools.gguf_reader import open_gguf
+        from specjax.checkpoints_tools.gguf_tokenizer import tokenizer_from_gguf
         reader = open_gguf(path)
         config = config_from_gguf(reader, str(path))
         vocab_size = config.vocab_size
