@@ -41,7 +41,7 @@ import numpy as np
 from specjax import progress as progress_lib
 from specjax.checkpoints_tools import keymap
 from specjax.config import ModelConfig
-from specjax.families import from_hf_config, to_hf_config
+from specjax.families import NATIVE_DESPITE_AUTO_MAP, from_hf_config, to_hf_config
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 from specjax.models import HEAD_SUBSET, check_params
 
@@ -118,17 +118,13 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{file}: invalid model config ({one_line(error)})") from error
 
 
-# Model types whose published checkpoints still name their own code (written before
-# transformers had the class) for an architecture transformers and specjax implement:
-# Microsoft's Phi-3 repositories. Their auto_map is ignored (no code is run either way).
-NATIVE_DESPITE_AUTO_MAP = ("phi3",)
-
-
 def refuse_custom_code(raw: dict, file: Path) -> None:
     """Raises when a ``config.json`` asks for the model's own Python code (``auto_map``).
 
     Such a model's architecture is defined by code shipped with the checkpoint, which
-    specjax never runs (and would not match the architectures it implements anyway).
+    specjax never runs (and would not match the architectures it implements anyway); a
+    family's model types that name it only for history are let through
+    (:data:`specjax.families.NATIVE_DESPITE_AUTO_MAP`).
     """
     auto_map = raw.get("auto_map")
     if not isinstance(auto_map, dict) or raw.get("model_type") in NATIVE_DESPITE_AUTO_MAP:

@@ -1,6 +1,7 @@
-"""The library's shape (issue 42): no function in specjax/, kernels/ or checkpoints_tools/
-runs over 120 lines, and ``decode.py`` (the drivers and the compile cache) stays under 400
-lines. A failure names each offender."""
+"""The library's shape (issues 42 and 58): no function in specjax/, kernels/ or
+checkpoints_tools/ runs over 120 lines, ``decode.py`` (the drivers and the compile cache)
+stays under 400 lines and ``config.py`` within 400, and the code every family shares never
+branches on a family's name. A failure names each offender."""
 
 import ast
 from pathlib import Path
@@ -41,6 +42,64 @@ def test_no_library_function_is_over_120_lines(package):
 def test_decode_keeps_only_the_drivers():
     lines = len((ROOT / "specjax" / "decode.py").read_text().splitlines())
     assert lines < MAX_DECODE_LINES, f"specjax/decode.py has {lines} lines"
+
+
+MAX_CONFIG_LINES = 400  # ModelConfig and its checks: each family's config is its module's
+
+
+def test_config_keeps_only_what_every_family_shares():
+    lines = len((ROOT / "specjax" / "config.py").read_text().splitlines())
+    assert lines <= MAX_CONFIG_LINES, f"specjax/config.py has {lines} lines"
+
+
+# Modules that every family shares: they dispatch through specjax.families (STYLE.md habit
+# 20) and branch on features, never on a family's name.
+FAMILY_FREE = ("specjax/config.py", "specjax/models", "checkpoints_tools/keymap.py",
+               "checkpoints_tools/gguf_loader.py", "checkpoints_tools/gguf_reader.py",
+               "checkpoints_tools/gguf_tokenizer.py", "checkpoints_tools/hf.py",
+               "checkpoints_tools/orbax_io.py")
+
+
+def _names_a_family(node: ast.AST) -> bool:
+    """``x.family``, ``model_type``, ``arch`` or ``cfg.get("model_type")``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "family"
+    if isinstance(node, ast.Name):
+        return node.id in ("model_type", "arch")
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get" and bool(node.args)
+            and isinstance(node.args[0], ast.Constant) and node.args[0].value == "model_type")
+
+
+def _is_a_name(node: ast.AST) -> bool:
+    """A string literal, or a tuple, list or set of them."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_is_a_name(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def family_branches(source: str) -> list[int]:
+    """Lines of ``source`` that compare a family's name with a literal name."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare)
+            and any(_names_a_family(side) for side in [node.left, *node.comparators])
+            and any(_is_a_name(side) for side in [node.left, *node.comparators])]
+
+
+def test_the_check_catches_a_branch_on_a_family_name():
+    assert family_branches('if config.family == "gemma2":\n    pass\n') == [1]
+    assert family_branches('x = model_type in ("qwen3", "olmo2")\n') == [1]
+    assert family_branches('x = cfg.get("model_type") != "phi3"\n') == [1]
+    assert family_branches("x = config.family is None or arch in TABLE\n") == []
+
+
+def test_shared_code_never_branches_on_a_family_name():
+    paths = [path for name in FAMILY_FREE for path in (
+        sorted((ROOT / name).rglob("*.py")) if (ROOT / name).is_dir() else [ROOT / name])]
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for path in paths
+                 for line in family_branches(path.read_text())]
+    assert not offenders, ("a family's name in shared code (move it to its module of "
+                           "specjax/families/):\n" + "\n".join(offenders))
 
 
 MAX_TRACKED_OUTSIDE_ASSETS = 40 * 2**20  # bytes: the checkout travels with every GPU call

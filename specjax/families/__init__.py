@@ -29,6 +29,9 @@ FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (
 
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 _BY_CONFIG = {name: family for family in FAMILIES for name in family.configs}
+# Model types whose checkpoints' auto_map is ignored (see Family.native_despite_auto_map).
+NATIVE_DESPITE_AUTO_MAP = frozenset(
+    model_type for family in FAMILIES for model_type in family.native_despite_auto_map)
 
 
 def family_of(config: ModelConfig) -> Family:

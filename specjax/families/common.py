@@ -61,6 +61,10 @@ class Family:
       gguf_tensors: ``(GGUF name, array, config) -> {HF name: array}`` for the GGUF tensors
         that are not one HF tensor each (stacked experts), else ``None``; ``None``: every
         tensor by its architecture's name table.
+      native_despite_auto_map: model types whose published checkpoints still name their own
+        code (``auto_map``, written before transformers had the class) for an architecture
+        transformers and specjax implement: their ``auto_map`` is ignored (no code is run
+        either way).
     """
 
     name: str
@@ -74,6 +78,7 @@ class Family:
     export_prefix: str = ""
     gguf: tuple[GGUFArchitecture, ...] = ()
     gguf_tensors: Callable[[str, np.ndarray, ModelConfig], dict | None] | None = None
+    native_despite_auto_map: tuple[str, ...] = ()
 
 
 def get(cfg: Mapping[str, Any], *names, default=None):

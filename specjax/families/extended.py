@@ -434,9 +434,9 @@ def _checkpoint_name(name: str, config: ModelConfig) -> str:
 # (llama.cpp's smollm3 has no key for its NoPE layers: every fourth, hard-coded, as the
 # Hugging Face config's default no_rope_layer_interval gives.)
 GGUF_ARCHITECTURES = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
-                      "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite",
-                      "olmo2": "olmo2", "stablelm": "stablelm", "qwen2moe": "qwen2_moe",
-                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+                      "gemma3": "gemma3_text", "phi3": "phi3", "smollm3": "smollm3",
+                      "granite": "granite", "olmo2": "olmo2", "stablelm": "stablelm",
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 # Mixtures of experts: whether llama.cpp's graph rescales the picked experts'
 # probabilities to sum 1 when the file does not say (``{arch}.expert_weights_norm``).
 _EXPERT_WEIGHTS_NORM = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
@@ -650,4 +650,5 @@ FAMILY = Family("extended", FAMILIES + ("gemma3",), FAMILIES, from_hf, to_hf,
                     permuted=arch in ("smollm3", "granite"),
                     transform=_gguf_transform if arch in _GEMMA_ARCHITECTURES else None)
                     for arch in GGUF_ARCHITECTURES),
-                gguf_tensors=_gguf_tensors)
+                gguf_tensors=_gguf_tensors,
+                native_despite_auto_map=("phi3",))  # Microsoft's Phi-3 repositories
