@@ -652,6 +652,32 @@ def test_the_draft_proposes_only_what_the_constraint_allows(spelling_model, monk
     assert out.tokens == ar.tokens and out.stats["mean_accepted"] < 1.5
 
 
+def test_the_ngram_proposal_keeps_what_the_constraint_allows_forced_first(
+        spelling_model, ngram_tables, monkeypatch, request):
+    """``ngram`` under a constraint: each proposal level keeps the tokens the automaton
+    allows after the spine above it, a forced token (a state allowing one token only)
+    first, so a forced run is committed a whole proposal depth per target pass
+    (jump-forward), with ar's tokens. Tables fitted to other text, left unfiltered, propose
+    forbidden tokens: one token per pass."""
+    import specjax
+    from specjax import decode
+    from specjax.methods import staged
+
+    kwargs = dict(constraint=Regex("(xyz){3}[0-9]"), max_new_tokens=12, stop=[eos_id()])
+    ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", **kwargs)
+    ngram = dict(method="ngram", ngram=ngram_tables, use_lookup=False)  # tables alone
+    out = specjax.generate(spelling_model, DIST_PROMPT, **ngram, **kwargs)
+    assert out.tokens == ar.tokens and len(out.tokens) == 11
+    assert out.stats["mean_accepted"] >= 3.0, out.stats["mean_accepted"]
+    decode.clear_compiled()  # WRONG on purpose below: the proposal not filtered
+    original = staged.propose
+    monkeypatch.setattr(staged, "propose", lambda *args, automaton=None, **kw: original(
+        *args, **kw))
+    request.addfinalizer(decode.clear_compiled)
+    out = specjax.generate(spelling_model, DIST_PROMPT, **ngram, **kwargs)
+    assert out.tokens == ar.tokens and out.stats["mean_accepted"] < 1.5
+
+
 def test_the_same_test_catches_an_unmasked_verify_pass(spelling_model, drafts, monkeypatch,
                                                       request):
     """WRONG on purpose: the verify pass decides on the target's unmasked logits. The

@@ -74,6 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.constraints import DEAD_STATE, advance, forced_token
 from specjax.drafters.lookup import lookup_continuation
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
 from specjax.origins import ORIGIN_LOOKUP, ORIGIN_NGRAM
@@ -280,7 +281,8 @@ def _ngram_first(tables: NgramTables, prev2, prev1):
 
 
 def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
-            use_lookup: bool = True, min_n: int = 1, max_n: int = 3) -> Proposal:
+            use_lookup: bool = True, min_n: int = 1, max_n: int = 3,
+            automaton: tuple | None = None) -> Proposal:
     """The stage-2 proposal tree continuing ``history[:length]``.
 
     Level 1 holds the ranked top ``shape[0]`` next tokens; level ``l + 1`` holds
@@ -295,8 +297,13 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
     :func:`ngram_topk` list conditioned on the last two tokens of the path, without
     repeats.
 
-    Jittable with ``tables``, ``history`` and ``length`` traced; ``shape``, ``use_lookup``,
-    ``min_n`` and ``max_n`` are static. Only the spine is computed level after level (scalar
+    Under a constraint (``automaton``: its tables and the state after ``history[:length]``)
+    every level keeps only the tokens the automaton allows after the spine above it, and a
+    state that allows one token only (:func:`~specjax.constraints.forced_token`) ranks it
+    first: a forced run of tokens becomes the spine (jump-forward; it is always accepted).
+
+    Jittable with ``tables``, ``history``, ``length`` and the automaton's state traced;
+    ``shape``, ``use_lookup``, ``min_n`` and ``max_n`` are static. Only the spine is computed level after level (scalar
     selects and gathers, which fuse into about two launches per level on a GPU); all
     levels' lists are then ranked and deduplicated in one batched computation.
 
@@ -335,12 +342,23 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
 
     # 1. The spine, level by level: each level's context is the previous two spine tokens,
     # and its spine token is the lookup continuation's while it lasts, else the n-gram
-    # lists' first entry. Only this chain is sequential, and it is selects and gathers.
+    # lists' first entry (under a constraint: the first the automaton allows, a forced
+    # token first). Only this chain is sequential, and it is selects and gathers.
     prev2, prev1 = token_at(length - 2), token_at(length - 1)
     context2, context1 = [prev2], [prev1]
+    states = [] if automaton is None else [jnp.asarray(automaton[1], jnp.int32)]
     for level in range(depth - 1):
-        token, _ = _ngram_first(tables, prev2, prev1)  # 0 when the lists are empty
-        prev2, prev1 = prev1, jnp.where(lookup_valid[level], lookup_tokens[level], token)
+        if automaton is None:
+            token, _ = _ngram_first(tables, prev2, prev1)  # 0 when the lists are empty
+            token = jnp.where(lookup_valid[level], lookup_tokens[level], token)
+        else:
+            ngram_tokens, _, ngram_valid = ngram_topk(tables, prev2, prev1)
+            tokens, valid = _allowed_candidates(
+                automaton[0], states[-1], lookup_tokens[level][None], lookup_valid[level][None],
+                ngram_tokens, ngram_valid)
+            token = jnp.where(jnp.any(valid), tokens[jnp.argmax(valid)], 0)
+            states.append(advance(automaton[0], states[-1], token))
+        prev2, prev1 = prev1, token
         context2.append(prev2)
         context1.append(prev1)
 
@@ -350,16 +368,22 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
     width = max(shape)
     ngram_tokens, _, ngram_valid = jax.vmap(ngram_topk, in_axes=(None, 0, 0))(
         tables, jnp.stack(context2), jnp.stack(context1))  # [depth, K]
-    cand_tokens = jnp.concatenate([lookup_tokens[:, None], ngram_tokens], axis=1)
-    cand_valid = jnp.concatenate([lookup_valid[:, None], ngram_valid], axis=1)
+    if automaton is None:
+        cand_tokens = jnp.concatenate([lookup_tokens[:, None], ngram_tokens], axis=1)
+        cand_valid = jnp.concatenate([lookup_valid[:, None], ngram_valid], axis=1)
+    else:
+        cand_tokens, cand_valid = jax.vmap(_allowed_candidates, in_axes=(None, 0, 0, 0, 0, 0))(
+            automaton[0], jnp.stack(states), lookup_tokens[:, None], lookup_valid[:, None],
+            ngram_tokens, ngram_valid)
     level_tokens, _, level_valid, order = jax.vmap(
         lambda t, v: _first_unique(t, jnp.zeros(t.shape, jnp.float32), v, width))(
         cand_tokens, cand_valid)  # [depth, width]
     found = level_valid[:, 0]
     alive = jnp.concatenate([jnp.ones(1, bool), jnp.cumprod(found[:-1]).astype(bool)])
     level_valid = level_valid & alive[:, None]
-    level_origin = jnp.where(level_valid & (order == 0), ORIGIN_LOOKUP,
-                             ORIGIN_NGRAM).astype(jnp.int8)  # candidate 0 is the lookup's
+    first = 0 if automaton is None else 1  # under a constraint, candidate 0 is forced
+    level_origin = jnp.where(level_valid & (order == first), ORIGIN_LOOKUP,
+                             ORIGIN_NGRAM).astype(jnp.int8)  # the lookup's candidate
     level_tokens = jnp.where(level_valid, level_tokens, 0)
 
     parents, parent_index = [], -1
@@ -373,6 +397,16 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
                     parents=jnp.asarray(np.concatenate(parents)),
                     valid=levels(level_valid),
                     origin=levels(level_origin))
+
+
+def _allowed_candidates(constraint, state, lookup_tokens, lookup_valid, ngram_tokens,
+                        ngram_valid):
+    """One level's candidates under a constraint in ``state``: the token the state forces
+    (if it allows one only), the lookup's, the n-gram list's; those it forbids invalid."""
+    forced = forced_token(constraint, state)
+    tokens = jnp.concatenate([jnp.maximum(forced, 0)[None], lookup_tokens, ngram_tokens])
+    valid = jnp.concatenate([(forced >= 0)[None], lookup_valid, ngram_valid])
+    return tokens, valid & (advance(constraint, state, tokens) != DEAD_STATE)
 
 
 # --------------------------------------------------------------------------------------

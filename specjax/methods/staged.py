@@ -228,8 +228,11 @@ class NgramOnly:
 
     def step(self, params, loop: DecodeLoop, state: DecodeState, resources) -> DecodeState:
         key = step_key(state.sampling, state.length, _KEY_TAG)
+        automaton = None
+        if self.constrained:  # the proposal keeps the tokens the automaton allows
+            automaton = (resources.constraint, state.method_state.automaton)
         prop = propose(self._tables(resources), state.tokens, state.length, self.proposal,
-                       use_lookup=self.options.use_lookup)
+                       use_lookup=self.options.use_lookup, automaton=automaton)
         root = state.tokens[state.length - 1]
         tree = Tree(tokens=jnp.concatenate([root[None], prop.tokens]),
                     parents=jnp.concatenate([jnp.array([-1], jnp.int32),
