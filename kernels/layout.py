@@ -13,7 +13,7 @@ sees into two parts:
   128) followed by the T new tokens. It is small (M + T <= 256 keys) and is handled in the
   combine step under an explicit mask.
 
-Layout (axis letters as in STYLE.md; G = H // K query heads per KV head):
+Layout (axis letters: G = H // K query heads per KV head):
 
 * queries: ``[K, R, D]`` with row ``r = t * G + g`` (tree node t, head ``k * G + g``), so one
   tile holds a KV head's whole group across all tree nodes and each K/V block read from

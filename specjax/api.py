@@ -37,12 +37,11 @@ from specjax.methods import MethodOptions
 from specjax.methods.common import tally_of
 from specjax.methods.exactness import run_exactness
 from specjax.origins import ORIGIN_NAMES, origin_name
-from specjax.requests import (CONSTRAINED_CHOICE, Request, bind, constrained_method,
-                              kernel_options, model_backend, plan, platform_of, program,
-                              request, resolve_method, split_stop, stop_strings)
-from specjax.sampling import make_sampling_params
-from specjax.state import (MAX_BATCH_SIZE, MAX_STOP_LENGTH, MAX_STOP_SEQUENCES,
-                           StopCondition, batch_bucket, batch_sampling, without_buffers)
+from specjax.requests import (CONSTRAINED_CHOICE, Batch, Request, bind, constrained_method,
+                              is_batch, kernel_options, model_backend, plan, platform_of,
+                              prepare_batch, program, request, resolve_method, split_stop,
+                              stop_strings)
+from specjax.state import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, StopCondition, without_buffers
 
 __all__ = ["CONSTRAINED_CHOICE", "BatchOptions", "GenerationResult", "KernelOptions", "Model",
            "Request", "check_draft_compatible", "choose_default_method", "constrained_method",
@@ -132,120 +131,6 @@ def _prepare(model: Model, prompt, req: Request) -> _Request:
 # ----------------------------------------------------------------------------- batches
 
 
-@dataclasses.dataclass
-class _Batch:
-    """One compiled batch program's rows: ``rows`` are indices into the prompt list."""
-
-    loop: decode.DecodeLoop
-    args: tuple  # as decode.run_batch's, with [B] / [B, ...] per-row arrays
-    rows: list[int]
-    prompt_lengths: list[int]
-    options: MethodOptions
-    compact: bool = True  # live rows move to smaller programs as rows finish
-    choice: str = "given"  # why this method (see _Request)
-    constraint: dict | None = None  # see _Request
-
-
-def is_batch(prompt) -> bool:
-    """Whether ``prompt`` is a list of prompts (strings or token-id lists) rather than one
-    prompt (a string or a list of token ids)."""
-    if isinstance(prompt, str) or not isinstance(prompt, (list, tuple)):
-        return False
-    return len(prompt) == 0 or all(isinstance(p, (str, list, tuple, np.ndarray))
-                                   for p in prompt)
-
-
-def _row_seeds(seed, rows: int) -> list[int]:
-    if isinstance(seed, (list, tuple, np.ndarray)):
-        seeds = list(seed)
-        if len(seeds) != rows:
-            raise InvalidArgumentError(f"seed: got {len(seeds)} seeds for {rows} prompts; give "
-                                       f"one seed per prompt, or one int for every prompt")
-    else:
-        seeds = [seed] * rows
-    for value in seeds:
-        make_sampling_params(seed=value)  # the one-line error for a bad seed
-    return [int(value) for value in seeds]
-
-
-def _prepare_batch(model: Model, prompts, req: Request) -> list[_Batch]:
-    if len(prompts) == 0:
-        raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
-    if isinstance(req.constraint, tuple):
-        return _prepare_by_constraint(model, prompts, req)
-    batch = req.batch or BatchOptions()
-    limit = MAX_BATCH_SIZE
-    batch_size = batch.size
-    if batch_size is None:
-        if len(prompts) > limit:
-            raise InvalidArgumentError(
-                f"{len(prompts)} prompts exceed the maximum batch size {limit}: pass "
-                f"batch=specjax.BatchOptions(size=B) (B at most {limit}) to run them in "
-                f"batches of B")
-        batch_size = len(prompts)
-    seeds = _row_seeds(req.seed, len(prompts))
-    settings, encoded = bind(model, req, list(prompts), listed=True, seed=seeds[0])
-    batches = []
-    for rows in _batch_rows(model, encoded, req.max_new_tokens, int(batch_size)):
-        lengths = [len(encoded[row]) for row in rows]
-        prompt_bucket, capacity = plan(model, settings, max(lengths))
-        loop = program(model, settings, max(lengths), capacity, prompt_bucket)
-        size = batch_bucket(len(rows))
-        # Padding rows: one token, one new token: done at prefill, then held.
-        padded = np.zeros((size, prompt_bucket), np.int32)
-        prompt_lengths = np.ones(size, np.int32)
-        budgets = np.ones(size, np.int32)
-        row_seeds = np.zeros(size, np.uint32)
-        for slot, row in enumerate(rows):
-            padded[slot, : lengths[slot]] = encoded[row]
-            prompt_lengths[slot] = lengths[slot]
-            budgets[slot] = req.max_new_tokens
-            row_seeds[slot] = seeds[row]
-        stop = jax.tree.map(lambda x, size=size: jnp.broadcast_to(x, (size, *x.shape)),
-                            settings.stop)
-        args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
-                jnp.asarray(budgets), batch_sampling(settings.sampling, row_seeds),
-                stop, settings.resources)
-        batches.append(_Batch(loop, args, rows, lengths, req.options, batch.compact_rows,
-                              req.choice, settings.constraint_stats))
-    return batches
-
-
-def _prepare_by_constraint(model: Model, prompts, req: Request) -> list[_Batch]:
-    """A batch with one constraint per prompt: the rows grouped by constraint, each group
-    in its own programs (one automaton's tables per program), every row decoding as its
-    own call would."""
-    if len(req.constraint) != len(prompts):
-        raise InvalidArgumentError(
-            f"constraint: got {len(req.constraint)} constraints for {len(prompts)} prompts; "
-            f"give one per prompt (None: unconstrained), or one for every prompt")
-    seeds = _row_seeds(req.seed, len(prompts))
-    groups: dict[str, tuple] = {}
-    for row, constraint in enumerate(req.constraint):
-        groups.setdefault(repr(constraint), (constraint, []))[1].append(row)
-    batches = []
-    for constraint, rows in groups.values():
-        group = dataclasses.replace(req, constraint=constraint,
-                                    seed=tuple(seeds[row] for row in rows))
-        for batch in _prepare_batch(model, [prompts[row] for row in rows], group):
-            batch.rows = [rows[slot] for slot in batch.rows]
-            batches.append(batch)
-    return batches
-
-
-def _batch_rows(model: Model, encoded: list, max_new_tokens: int,
-                batch_size: int) -> list[list[int]]:
-    """The prompts' row indices in batches of at most ``batch_size``, in order, except that
-    rows whose configs differ by length (a LongRoPE model's rows within its pretraining
-    length and those past it: :meth:`~specjax.config.ModelConfig.for_length`) never share a
-    batch, so each row decodes as its own call would."""
-    groups: dict = {}
-    for row, ids in enumerate(encoded):
-        groups.setdefault(model.config.for_length(len(ids) + max_new_tokens), []).append(row)
-    return [rows[first:first + batch_size] for rows in groups.values()
-            for first in range(0, len(rows), batch_size)]
-
-
 def _host_rows(state: decode.DecodeState, count: int) -> list[decode.DecodeState]:
     """The first ``count`` rows of a batched state, on the host (caches left out)."""
     host = jax.device_get(without_buffers(state))
@@ -253,12 +138,12 @@ def _host_rows(state: decode.DecodeState, count: int) -> list[decode.DecodeState
             for i in range(count)]
 
 
-def _row_request(batch: _Batch, slot: int) -> _Request:
+def _row_request(batch: Batch, slot: int) -> _Request:
     return _Request(batch.loop, (), batch.prompt_lengths[slot], batch.options, batch.choice,
                     batch.constraint)
 
 
-def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
+def _batch_stats(rows_state, batch: Batch, counts: list[int], seconds: float,
                  compile_seconds: float, reasons=()) -> list[dict[str, Any]]:
     total = sum(counts)
     all_stats = []
@@ -278,10 +163,10 @@ def _batch_stats(rows_state, batch: _Batch, counts: list[int], seconds: float,
     return all_stats
 
 
-def _generate_batch(model: Model, batches: list[_Batch],
+def _generate_batch(model: Model, batches: list[Batch],
                     stop: Sequence[str] = ()) -> list[GenerationResult]:
     """Each prompt's result, in the prompts' order (a batch's rows need not be
-    consecutive prompts: :func:`_batch_rows`), each ended at its first ``stop`` string
+    consecutive prompts: :func:`batch_rows`), each ended at its first ``stop`` string
     (:func:`_stop_cut`)."""
     results: list = [None] * sum(len(batch.rows) for batch in batches)
     for batch in batches:
@@ -296,7 +181,7 @@ def _generate_batch(model: Model, batches: list[_Batch],
     return results
 
 
-def _run_batch(model: Model, batch: _Batch, stop: Sequence[str]):
+def _run_batch(model: Model, batch: Batch, stop: Sequence[str]):
     """Runs ``batch``; returns (its rows' host states, their new tokens, compile seconds,
     run seconds). Runs it again without stop sequences where one row's ended it falsely
     (:func:`_false_stop`)."""
@@ -314,7 +199,7 @@ def _run_batch(model: Model, batch: _Batch, stop: Sequence[str]):
     return rows_state, tokens, compile_seconds, seconds
 
 
-def _stream_batch(model: Model, batches: list[_Batch], total_rows: int, origins: bool):
+def _stream_batch(model: Model, batches: list[Batch], total_rows: int, origins: bool):
     del model
     all_stats: list = [None] * total_rows
     for batch in batches:
@@ -554,7 +439,7 @@ def generate(model: Model, prompt: str | Sequence[int] | Sequence[str | Sequence
         progress=progress, **options))
     stop_strings = req.stop_strings
     if is_batch(prompt):
-        batches = _prepare_batch(model, prompt, req)
+        batches = prepare_batch(model, prompt, req)
         with _reporting(_progress_of(model, req)):
             return _generate_batch(model, batches, stop_strings)
     _check_one_prompt(req)
@@ -684,7 +569,7 @@ def stream_generate(model: Model, prompt: str | Sequence[int], *, origins: bool 
         if stop:
             raise InvalidArgumentError("stop strings apply to one streamed prompt; for a "
                                        "batch use generate")
-        batches = _prepare_batch(model, prompt, req)
+        batches = prepare_batch(model, prompt, req)
         with _reporting(progress):
             yield from _stream_batch(model, batches, len(prompt), origins)
         return

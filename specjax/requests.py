@@ -26,7 +26,8 @@ from specjax.loading import (check_resources, choose_default_method, resolve_dra
                              resolve_ngram)
 from specjax.methods import MethodOptions
 from specjax.sampling import make_sampling_params, static_rules
-from specjax.state import Method, StopCondition, plan_capacity, stop_condition
+from specjax.state import (MAX_BATCH_SIZE, Method, StopCondition, batch_bucket, batch_sampling,
+                           plan_capacity, stop_condition)
 from specjax.stop_strings import stop_sequences
 
 
@@ -416,3 +417,124 @@ def split_stop(stop) -> tuple[tuple[str, ...], list[int] | None]:
         raise InvalidArgumentError(f"stop: a token id must be an integer, got {stop!r}")
     strings = stop_strings([item for item in items if not isinstance(item, (int, np.integer))])
     return strings, ([int(item) for item in ids] or None)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclasses.dataclass
+class Batch:
+    """One compiled batch program of a request over a list of prompts
+    (:func:`prepare_batch`): ``rows`` are indices into the prompt list."""
+
+    loop: decode.DecodeLoop
+    args: tuple  # as decode.run_batch's, with [B] / [B, ...] per-row arrays
+    rows: list[int]
+    prompt_lengths: list[int]
+    options: MethodOptions
+    compact: bool = True  # live rows move to smaller programs as rows finish
+    choice: str = "given"  # why this method: "given", or the default's reason
+    constraint: dict | None = None  # the constraint's stats (None: unconstrained)
+
+
+def is_batch(prompt) -> bool:
+    """Whether ``prompt`` is a list of prompts (strings or token-id lists) rather than one
+    prompt (a string or a list of token ids)."""
+    if isinstance(prompt, str) or not isinstance(prompt, (list, tuple)):
+        return False
+    return len(prompt) == 0 or all(isinstance(p, (str, list, tuple, np.ndarray))
+                                   for p in prompt)
+
+
+def per_row_seeds(seed, rows: int) -> list[int]:
+    if isinstance(seed, (list, tuple, np.ndarray)):
+        seeds = list(seed)
+        if len(seeds) != rows:
+            raise InvalidArgumentError(f"seed: got {len(seeds)} seeds for {rows} prompts; give "
+                                       f"one seed per prompt, or one int for every prompt")
+    else:
+        seeds = [seed] * rows
+    for value in seeds:
+        make_sampling_params(seed=value)  # the one-line error for a bad seed
+    return [int(value) for value in seeds]
+
+
+def prepare_batch(model: Model, prompts, req: Request) -> list[Batch]:
+    """``req`` bound to ``model`` for a list of ``prompts``: their programs and arguments,
+    at most ``req.batch.size`` rows each (default: every prompt in one; at most
+    :data:`~specjax.state.MAX_BATCH_SIZE`)."""
+    if len(prompts) == 0:
+        raise InvalidArgumentError("the list of prompts is empty: give at least one prompt")
+    if isinstance(req.constraint, tuple):
+        return _prepare_by_constraint(model, prompts, req)
+    batch = req.batch or BatchOptions()
+    limit = MAX_BATCH_SIZE
+    batch_size = batch.size
+    if batch_size is None:
+        if len(prompts) > limit:
+            raise InvalidArgumentError(
+                f"{len(prompts)} prompts exceed the maximum batch size {limit}: pass "
+                f"batch=specjax.BatchOptions(size=B) (B at most {limit}) to run them in "
+                f"batches of B")
+        batch_size = len(prompts)
+    seeds = per_row_seeds(req.seed, len(prompts))
+    settings, encoded = bind(model, req, list(prompts), listed=True, seed=seeds[0])
+    batches = []
+    for rows in batch_rows(model, encoded, req.max_new_tokens, int(batch_size)):
+        lengths = [len(encoded[row]) for row in rows]
+        prompt_bucket, capacity = plan(model, settings, max(lengths))
+        loop = program(model, settings, max(lengths), capacity, prompt_bucket)
+        size = batch_bucket(len(rows))
+        # Padding rows: one token, one new token: done at prefill, then held.
+        padded = np.zeros((size, prompt_bucket), np.int32)
+        prompt_lengths = np.ones(size, np.int32)
+        budgets = np.ones(size, np.int32)
+        row_seeds = np.zeros(size, np.uint32)
+        for slot, row in enumerate(rows):
+            padded[slot, : lengths[slot]] = encoded[row]
+            prompt_lengths[slot] = lengths[slot]
+            budgets[slot] = req.max_new_tokens
+            row_seeds[slot] = seeds[row]
+        stop = jax.tree.map(lambda x, size=size: jnp.broadcast_to(x, (size, *x.shape)),
+                            settings.stop)
+        args = (model.params, jnp.asarray(padded), jnp.asarray(prompt_lengths),
+                jnp.asarray(budgets), batch_sampling(settings.sampling, row_seeds),
+                stop, settings.resources)
+        batches.append(Batch(loop, args, rows, lengths, req.options, batch.compact_rows,
+                              req.choice, settings.constraint_stats))
+    return batches
+
+
+def _prepare_by_constraint(model: Model, prompts, req: Request) -> list[Batch]:
+    """A batch with one constraint per prompt: the rows grouped by constraint, each group
+    in its own programs (one automaton's tables per program), every row decoding as its
+    own call would."""
+    if len(req.constraint) != len(prompts):
+        raise InvalidArgumentError(
+            f"constraint: got {len(req.constraint)} constraints for {len(prompts)} prompts; "
+            f"give one per prompt (None: unconstrained), or one for every prompt")
+    seeds = per_row_seeds(req.seed, len(prompts))
+    groups: dict[str, tuple] = {}
+    for row, constraint in enumerate(req.constraint):
+        groups.setdefault(repr(constraint), (constraint, []))[1].append(row)
+    batches = []
+    for constraint, rows in groups.values():
+        group = dataclasses.replace(req, constraint=constraint,
+                                    seed=tuple(seeds[row] for row in rows))
+        for batch in prepare_batch(model, [prompts[row] for row in rows], group):
+            batch.rows = [rows[slot] for slot in batch.rows]
+            batches.append(batch)
+    return batches
+
+
+def batch_rows(model: Model, encoded: list, max_new_tokens: int,
+                batch_size: int) -> list[list[int]]:
+    """The prompts' row indices in batches of at most ``batch_size``, in order, except that
+    rows whose configs differ by length (a LongRoPE model's rows within its pretraining
+    length and those past it: :meth:`~specjax.config.ModelConfig.for_length`) never share a
+    batch, so each row decodes as its own call would."""
+    groups: dict = {}
+    for row, ids in enumerate(encoded):
+        groups.setdefault(model.config.for_length(len(ids) + max_new_tokens), []).append(row)
+    return [rows[first:first + batch_size] for rows in groups.values()
+            for first in range(0, len(rows), batch_size)]

@@ -4,6 +4,7 @@ stays under 400 lines and ``config.py`` within 400, and the code every family sh
 branches on a family's name. A failure names each offender."""
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,40 @@ def test_decode_keeps_only_the_drivers():
 
 
 MAX_CONFIG_LINES = 400  # ModelConfig and its checks: each family's config is its module's
+MAX_FILE_LINES = 700
+
+
+@pytest.mark.parametrize("package", LIBRARY)
+def test_no_library_file_is_over_700_lines(package):
+    offenders = [f"{path.relative_to(ROOT)}: {lines} lines"
+                 for path in sorted((ROOT / package).rglob("*.py"))
+                 if (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not offenders, "split these files:\n" + "\n".join(offenders)
+
+
+# Documents of the team's that are not in the repository: nothing tracked may cite them.
+OUTSIDE = ("STYLE" + ".md", "DESIGN" + ".md", "../" + "shared/")
+
+
+def citations(text: str) -> list[str]:
+    return [cited for cited in OUTSIDE if cited in text]
+
+
+def test_the_check_catches_a_citation():
+    assert citations("see " + OUTSIDE[0] + ", habit 3") == [OUTSIDE[0]]
+    assert citations("see docs/guide.md") == []
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    offenders = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix in (".py", ".md", ".sh", ".toml", ".txt", ".cfg", "") and path.is_file():
+            text = path.read_text(errors="replace")
+            offenders += [f"{name}: {cited}" for cited in citations(text)]
+    assert not offenders, "cites a file outside the repository:\n" + "\n".join(offenders)
 
 
 def test_config_keeps_only_what_every_family_shares():
@@ -52,8 +87,8 @@ def test_config_keeps_only_what_every_family_shares():
     assert lines <= MAX_CONFIG_LINES, f"specjax/config.py has {lines} lines"
 
 
-# Modules that every family shares: they dispatch through specjax.families (STYLE.md habit
-# 20) and branch on features, never on a family's name.
+# Modules that every family shares: they dispatch through specjax.families and branch on
+# features, never on a family's name.
 FAMILY_FREE = ("specjax/config.py", "specjax/models", "checkpoints_tools/keymap.py",
                "checkpoints_tools/gguf_loader.py", "checkpoints_tools/gguf_reader.py",
                "checkpoints_tools/gguf_tokenizer.py", "checkpoints_tools/hf.py",

@@ -447,7 +447,7 @@ def test_a_batch_under_one_constraint_equals_its_single_runs(tiny_model):
     prompts = [np.random.default_rng(seed).integers(0, 100, 4 + 3 * seed).tolist()
                for seed in range(3)]
     constraint = Regex(BOUNDED[3])
-    (batch,) = api._prepare_batch(tiny_model, prompts, api.request(
+    (batch,) = api.prepare_batch(tiny_model, prompts, api.request(
         method="ar", max_new_tokens=12, stop=[eos_id()], batch=BatchOptions()))
     loop = dataclasses.replace(batch.loop, method=Autoregressive(constrained=True))
     args = batch.args[:-1] + (tables_of(constraint),)

@@ -1,4 +1,4 @@
-"""Never a silent fallback (STYLE.md habit 18, issue 42): every place a run runs something
+"""Never a silent fallback (issue 42): every place a run runs something
 other than what was asked for is recorded while its program is traced
 (:mod:`specjax.kernels.fallbacks`) and listed in ``stats["fallbacks"]``.
 

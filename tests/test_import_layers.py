@@ -1,4 +1,4 @@
-"""Imports run one way (STYLE.md habit 15), checked on the source without importing it.
+"""Imports run one way, checked on the source without importing it.
 
 The check parses every module of ``specjax/`` (``specjax/training/`` included),
 ``kernels/`` and ``checkpoints_tools/`` under the names they are installed as

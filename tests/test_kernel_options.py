@@ -1,4 +1,4 @@
-"""One configuration surface (STYLE.md habit 17): :class:`specjax.KernelOptions` and
+"""One configuration surface: :class:`specjax.KernelOptions` and
 :class:`specjax.BatchOptions` are what the API, ``specjax generate`` and ``specjax bench``
 build the same way; bad values are one-line errors naming the field; the defaults come
 from one place per backend; the options key the compiled programs; and the names they

@@ -4,7 +4,7 @@ program. Reports per configuration the median and total tokens/s, the median
 ``mean_accepted``, the summed ``tokens_by_origin`` and whether every output equals ``ar``.
 
     python benchmarks/experiments/compare_ngram_tables.py --skip 150 --limit 158 \\
-        --draft-asset ../shared/assets/smollm2-135m-draft-h100 \\
+        --draft-asset DRAFT_ASSET_DIR \\
         --tables shipped=specjax/assets/smollm2-135m/ngram.npz drafted=ngram_draft.npz \\
         --json benchmarks/results/cpu/ngram_from_draft.json
 """
