@@ -37,8 +37,12 @@ if (threading.current_thread() is threading.main_thread()
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import specjax
+from specjax import requests as _requests
 from specjax.checkpoints_tools.keymap import params_from_hf_tensors
 from specjax.families import from_hf_config
+
+# A request's kernel options as users get them (fast_compiles patches the function).
+_USERS_KERNEL_OPTIONS = _requests.kernel_options
 
 # fp32 everywhere; exact matmuls so that parity tolerances mean what they say.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -253,10 +257,12 @@ def _optimise_compiles(as_users: bool) -> None:
 
 @contextlib.contextmanager
 def users_compiles():
-    """Programs compiled inside compile as users compile them."""
+    """Programs compiled inside compile as users compile them (without the options that
+    :func:`fast_compiles` adds around the whole session)."""
     _optimise_compiles(as_users=True)
     try:
-        yield
+        with mock.patch.object(_requests, "kernel_options", _USERS_KERNEL_OPTIONS):
+            yield
     finally:
         _optimise_compiles(as_users=False)
 
@@ -285,6 +291,17 @@ def fast_compiles():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _fast_compiles_everywhere():
+    """The whole session compiles with :func:`fast_compiles`: the module and session
+    fixtures that generate (n-gram tables fitted to a model's text, a benchmark run) too,
+    which are set up before a test's own fixtures. Compiled as users compile, their `ar`
+    programs took two to three times as long and were not the tests' programs (another
+    key): the tests compiled the same program again."""
+    with fast_compiles():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fast_compiles(request):
     if (request.node.get_closest_marker("users_compile")
@@ -292,8 +309,7 @@ def _fast_compiles(request):
         with users_compiles():
             yield
         return
-    with fast_compiles():
-        yield
+    yield
 
 
 @pytest.fixture(scope="session")
