@@ -295,9 +295,20 @@ def test_every_method_equals_ar_in_bfloat16(bfloat16_target, method):
             assert min(accepted) > 1.5, accepted
 
 
+@pytest.fixture(scope="module")
+def coupled_ar_tokens(bfloat16_target):
+    """seed -> ``ar``'s tokens at temperature 1 for its prompt: once for the module (each
+    case below drops the compiled programs, ``ar``'s with them)."""
+    target, _ = bfloat16_target
+    return {seed: specjax.generate(target, random_prompt(seed, 6), max_new_tokens=48,
+                                   seed=seed, temperature=1.0).tokens
+            for seed in BFLOAT16_PROMPTS}
+
+
 @pytest.mark.filterwarnings("ignore::specjax.errors.PerformanceWarning")  # bf16 on a CPU
 @pytest.mark.parametrize("method", [name for name in METHODS if name != "ar"])
-def test_a_wrong_coupling_is_caught_by_every_method(bfloat16_target, method, monkeypatch):
+def test_a_wrong_coupling_is_caught_by_every_method(bfloat16_target, coupled_ar_tokens,
+                                                    method, monkeypatch):
     """The negative of the test above: the coupling made wrong in the way a real bug would
     be, the noise of a call over several tree nodes drawn for the next position (an
     off-by-one in the verify pass's positions; ``ar``'s one-position calls keep theirs).
@@ -315,9 +326,7 @@ def test_a_wrong_coupling_is_caught_by_every_method(bfloat16_target, method, mon
         shift = 1 if positions.shape[0] > 1 else 0
         return right_noise(seed, positions + shift, vocab_size)
 
-    expected = {seed: specjax.generate(target, random_prompt(seed, 6), max_new_tokens=48,
-                                       seed=seed, temperature=1.0).tokens
-                for seed in BFLOAT16_PROMPTS}
+    expected = coupled_ar_tokens
     drop_compiled_programs()  # the methods' programs compile again with the wrong noise
     monkeypatch.setattr(sampling, "gumbel_noise", off_by_one_in_a_pass)
     try:
