@@ -9,16 +9,17 @@ table's fastest CPU method ran at 1.00x ``ar``. So on the CPU, the first time a 
 shipped assets decodes with its default method, :func:`calibrated` times a step of
 ``ar`` and of each method the table holds, here, scales the table by those costs
 (:func:`specjax.methods.choice.predicted_speedups`) and keeps the method predicted
-fastest, or ``ar`` where none is predicted to beat it. ``stats["method_choice"]`` says so,
-and ``stats["calibration"]`` holds what was timed.
+fastest, or ``ar`` unless one is predicted above
+:data:`~specjax.methods.choice.PREDICTION_MARGIN` (1.1x). ``stats["method_choice"]`` says
+so, and ``stats["calibration"]`` holds what was timed.
 
 A step is timed whole, inside the compiled program: two greedy generations of one
 program (the same prompt, two lengths, no stop token), the difference of their seconds over
 the difference of their target passes, the fastest of :data:`REPEATS` interleaved rounds
-after one that compiles (the first version, with longer runs, took 470 s for
-smollm2-135m's four methods on a 2-core CPU busy with two other jobs). Once: the result is
-kept, per machine, model and dtype, for every temperature (the CPU's programs trace the
-sampling rule: one program runs at each), in
+after one that compiles (149 s for smollm2-135m's four methods on a 2-core CPU busy with a
+test run; 470 s with longer runs under a heavier load). Once: the result is kept, per
+machine, model and dtype, for every temperature (the CPU's programs trace the sampling
+rule: one program runs at each), in
 ``$XDG_CACHE_HOME/specjax/calibration.json`` (``~/.cache/specjax``, beside the
 compilation cache); ``SPECJAX_CALIBRATION`` names another file, or ``off``: the table as
 it is.
@@ -203,5 +204,6 @@ def calibrated(model: Model, req: Request, generate: Callable,
                                           here=entry.get("machine", "this machine"))
     record = dict(entry, store=str(path), reference_step_cost=dict(measured.step_cost),
                   predicted_speedup=choice.predicted_speedups(measured, step_cost))
-    return dataclasses.replace(req, options=methods.method_options(method, backend=req.backend),
-                               choice=reason, calibrate=False, calibration=record)
+    options = methods.method_options(method, backend=req.backend)
+    return dataclasses.replace(req, options=options, choice=reason, calibrate=False,
+                               calibration=record)

@@ -28,13 +28,17 @@ def test_slower_steps_here_make_ar_the_default():
     slower = {name: cost * 1.5 for name, cost in MEASURED.step_cost.items()}
     method, reason = choice.choose_method("cpu", 0.0, SHIPPED, slower, here="a Zen 3")
     assert method == "ar", reason
-    assert reason.startswith("ar: no method beat it for cpu, T=0")
+    assert reason.startswith("ar: no method predicted above 1.10x it for cpu, T=0")
     assert "predicted for a Zen 3" in reason and "x ar step" in reason
     # Cheaper tree steps here: tree, the method that commits the most tokens per pass.
     cheap_tree = dict(MEASURED.step_cost, tree=MEASURED.step_cost["tree"] / 2)
     assert choice.choose_method("cpu", 0.0, SHIPPED, cheap_tree)[0] == "tree"
     # A method not timed here is not chosen, whatever the table says of it.
     assert choice.choose_method("cpu", 0.0, SHIPPED, {"tree": 2.0})[0] == "tree"
+    # A prediction must clear the margin: spec predicted 1.05x here is not enough.
+    just_above = {"spec": MEASURED.speedup["spec"] * MEASURED.step_cost["spec"] / 1.05}
+    assert choice.predicted_speedups(MEASURED, just_above) == {"spec": 1.05}
+    assert choice.choose_method("cpu", 0.0, SHIPPED, just_above)[0] == "ar"
 
 
 def _fake_generate(costs: dict, calls: list):
