@@ -346,18 +346,23 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
     # token first). Only this chain is sequential, and it is selects and gathers.
     prev2, prev1 = token_at(length - 2), token_at(length - 1)
     context2, context1 = [prev2], [prev1]
-    states = [] if automaton is None else [jnp.asarray(automaton[1], jnp.int32)]
+    state = None if automaton is None else jnp.asarray(automaton[1], jnp.int32)
+    allowed = []  # under a constraint: each level's (candidates, valid), kept for step 2
+
+    def allowed_at(level, prev2, prev1, state):
+        ngram_tokens, _, ngram_valid = ngram_topk(tables, prev2, prev1)
+        return _allowed_candidates(automaton[0], state, lookup_tokens[level][None],
+                                   lookup_valid[level][None], ngram_tokens, ngram_valid)
+
     for level in range(depth - 1):
         if automaton is None:
             token, _ = _ngram_first(tables, prev2, prev1)  # 0 when the lists are empty
             token = jnp.where(lookup_valid[level], lookup_tokens[level], token)
         else:
-            ngram_tokens, _, ngram_valid = ngram_topk(tables, prev2, prev1)
-            tokens, valid = _allowed_candidates(
-                automaton[0], states[-1], lookup_tokens[level][None], lookup_valid[level][None],
-                ngram_tokens, ngram_valid)
+            allowed.append(allowed_at(level, prev2, prev1, state))
+            tokens, valid = allowed[-1]
             token = jnp.where(jnp.any(valid), tokens[jnp.argmax(valid)], 0)
-            states.append(advance(automaton[0], states[-1], token))
+            state = advance(automaton[0], state, token)
         prev2, prev1 = prev1, token
         context2.append(prev2)
         context1.append(prev1)
@@ -366,15 +371,15 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
     # list of the level's context, deduplicated; level l keeps its first shape[l]. A level
     # is there while every level above it has a candidate (its spine node is its parent).
     width = max(shape)
-    ngram_tokens, _, ngram_valid = jax.vmap(ngram_topk, in_axes=(None, 0, 0))(
-        tables, jnp.stack(context2), jnp.stack(context1))  # [depth, K]
     if automaton is None:
+        ngram_tokens, _, ngram_valid = jax.vmap(ngram_topk, in_axes=(None, 0, 0))(
+            tables, jnp.stack(context2), jnp.stack(context1))  # [depth, K]
         cand_tokens = jnp.concatenate([lookup_tokens[:, None], ngram_tokens], axis=1)
         cand_valid = jnp.concatenate([lookup_valid[:, None], ngram_valid], axis=1)
-    else:
-        cand_tokens, cand_valid = jax.vmap(_allowed_candidates, in_axes=(None, 0, 0, 0, 0, 0))(
-            automaton[0], jnp.stack(states), lookup_tokens[:, None], lookup_valid[:, None],
-            ngram_tokens, ngram_valid)
+    else:  # the spine's levels were ranked in step 1; the last level here
+        allowed.append(allowed_at(depth - 1, prev2, prev1, state))
+        cand_tokens = jnp.stack([tokens for tokens, _ in allowed])
+        cand_valid = jnp.stack([valid for _, valid in allowed])
     level_tokens, _, level_valid, order = jax.vmap(
         lambda t, v: _first_unique(t, jnp.zeros(t.shape, jnp.float32), v, width))(
         cand_tokens, cand_valid)  # [depth, width]
