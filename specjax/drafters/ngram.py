@@ -303,9 +303,9 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
     first: a forced run of tokens becomes the spine (jump-forward; it is always accepted).
 
     Jittable with ``tables``, ``history``, ``length`` and the automaton's state traced;
-    ``shape``, ``use_lookup``, ``min_n`` and ``max_n`` are static. Only the spine is computed level after level (scalar
-    selects and gathers, which fuse into about two launches per level on a GPU); all
-    levels' lists are then ranked and deduplicated in one batched computation.
+    ``shape``, ``use_lookup``, ``min_n`` and ``max_n`` are static. Only the spine is
+    computed level after level (scalar selects and gathers, which fuse into about two
+    launches per level on a GPU); all levels' lists are then ranked and deduplicated in one batched computation.
 
     Args:
       tables: the n-gram tables.
@@ -391,6 +391,11 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
                              ORIGIN_NGRAM).astype(jnp.int8)  # the lookup's candidate
     level_tokens = jnp.where(level_valid, level_tokens, 0)
 
+    return _pack_levels(shape, level_tokens, level_valid, level_origin)
+
+
+def _pack_levels(shape, level_tokens, level_valid, level_origin) -> Proposal:
+    """The per-level ``[depth, width]`` arrays laid out level by level as a :class:`Proposal`."""
     parents, parent_index = [], -1
     for level, count in enumerate(shape):
         parents.append(np.full(count, parent_index, np.int32))
