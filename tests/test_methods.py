@@ -42,6 +42,8 @@ def test_every_method_has_an_options_class_with_validated_defaults():
     ("ngram", dict(use_lookup="yes"), "use_lookup"),
     ("tree", dict(topology="binary"), "topology"),
     ("tree", dict(topology=(0, 1)), "parent"),
+    ("spec", dict(draft_ranking="top"), "unknown draft_ranking 'top'"),
+    ("tree", dict(verify="rejection", draft_ranking="sampled"), "needs a fixed topology"),
     ("spec", dict(tree_budget=4), "'tree_budget' does not apply to method 'spec'"),
     ("ar", dict(verify="coupled"), "'verify' does not apply to method 'ar'"),
     ("ngram", dict(draft_rounds=2), "does not apply to method 'ngram'"),

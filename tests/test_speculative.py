@@ -71,6 +71,26 @@ def test_coupled_sampling_equals_ar_sampling(target, drafts, shape, sampling):
             assert out.tokens == expected, (shape, name, seed)
 
 
+def test_an_argmax_drafting_draft_keeps_the_coupled_tokens(target, drafts):
+    """``draft_ranking="argmax"`` (the draft proposes its most likely children, not its
+    guess of the target's coupled token) changes what is drafted, never the tokens."""
+    totals = {}
+    for ranking in ("auto", "argmax"):
+        totals[ranking] = []
+        for seed in (3, 4):
+            prompt = random_prompt(seed, 9)
+            expected = specjax.generate(target, prompt, max_new_tokens=NEW, seed=seed,
+                                        temperature=1.0).tokens
+            out = specjax.generate(target, prompt, max_new_tokens=NEW, seed=seed,
+                                   draft=drafts["self"], verify="coupled", temperature=1.0,
+                                   draft_ranking=ranking, **SHAPES["chain"])
+            assert out.tokens == expected, (ranking, seed)
+            totals[ranking].append(out.stats["target_calls"])
+    # The self-draft's guess of a coupled token is the token itself: it drafts better with
+    # the target's noise than by its argmax (so the option reached the draft).
+    assert sum(totals["auto"]) < sum(totals["argmax"]), totals
+
+
 def test_a_wrong_coupling_is_caught(target, drafts):
     """Sanity of the test above: a different seed gives different tokens."""
     prompt = random_prompt(3, 9)

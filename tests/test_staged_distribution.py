@@ -133,3 +133,31 @@ def test_a_reduced_vocabulary_feature_draft_keeps_the_distribution(setup, method
     statistic, dof = _pooled_chi2(counts, marginal)
     assert statistic < chi2_threshold(dof), (method, statistic, dof)
     assert counts[np.setdiff1d(np.arange(TINY_VOCAB), vocab)].sum() > 0  # ids it never drafts
+
+
+# A fixed tree drafted by the draft's argmax (draft_ranking="argmax"): its children are no
+# sample of the draft, and the rejection rule treats them as deterministic.
+KARY_ARGMAX = dict(method="tree", topology="kary", tree_budget=6, draft_depth=2,
+                   draft_width=2, draft_ranking="argmax")
+
+
+@pytest.mark.slow  # ~15-45 s (2,560 sampled steps); the rule's own tests are quick
+def test_an_argmax_drafted_fixed_tree_samples_the_target_distribution(setup):
+    target, _, marginal = setup
+    counts = _second_tokens(target, None, draft=target, verify="rejection", **KARY_ARGMAX)
+    statistic, dof = _pooled_chi2(counts, marginal)
+    assert statistic < chi2_threshold(dof), (statistic, dof)
+
+
+@pytest.mark.slow  # ~15 s: the control of the test above
+def test_argmax_children_taken_for_a_sample_are_caught(setup, monkeypatch):
+    """WRONG on purpose: the argmax-drafted children verified as a sample without
+    replacement (the draft is the target, so its best child is always accepted)."""
+    from specjax.methods.speculative import Speculative
+
+    target, _, marginal = setup
+    monkeypatch.setattr(Speculative, "children_mode",
+                        property(lambda self: "without_replacement"))
+    counts = _second_tokens(target, None, draft=target, verify="rejection", **KARY_ARGMAX)
+    statistic, dof = _pooled_chi2(counts, marginal)
+    assert statistic > chi2_threshold(dof), (statistic, dof)

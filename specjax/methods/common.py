@@ -99,14 +99,16 @@ def step_key(sampling: SamplingParams, length: jax.Array, tag: int) -> jax.Array
 
 
 def rank_children(logits: jax.Array, sampling: SamplingParams, child_positions: jax.Array,
-                  verify: str, sample_key: jax.Array | None = None):
+                  verify: str, sample_key: jax.Array | None = None, argmax: bool = False):
     """How a draft ranks the children of E evaluated nodes; exactness never depends on it.
 
     ``greedy``/``coupled`` rank by ``log q~ + g_position`` (the Gumbel noise the target
     uses at that position, so at T > 0 the draft's best child is its guess of the target's
     coupled token), ``match`` and ``rejection`` by ``log q~``; with ``sample_key`` (the
-    ``rejection`` rule over a fixed topology) by a fresh Gumbel perturbation, which makes
-    the top children a sample without replacement. At temperature 0 by the logits.
+    ``rejection`` rule over a fixed topology, or ``match`` drafting ``sampled``) by a fresh
+    Gumbel perturbation, which makes the top children a sample without replacement. With
+    ``argmax`` (``draft_ranking="argmax"``) every rule ranks by ``log q~``. At temperature
+    0 by the logits.
 
     Args:
       logits: [E, V] draft logits.
@@ -114,13 +116,16 @@ def rank_children(logits: jax.Array, sampling: SamplingParams, child_positions: 
       child_positions: int32 [E], absolute positions of the children.
       verify: the verify rule.
       sample_key: key of a fresh perturbation (see above), or ``None``.
+      argmax: rank by the draft's own probabilities, without noise (static).
     Returns:
       log-scores [E, V] (normalised per row).
     """
 
     def sampled(_):
         log_q = target_log_probs(logits, sampling)
-        if verify in ("greedy", "coupled"):
+        if argmax:
+            scores = log_q
+        elif verify in ("greedy", "coupled"):
             scores = perturbed_scores(log_q, sampling, child_positions)
         elif sample_key is not None:
             scores = log_q + jax.random.gumbel(sample_key, log_q.shape)

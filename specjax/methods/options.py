@@ -30,6 +30,9 @@ from specjax.errors import InvalidArgumentError
 from specjax.tree import kary_parents, measure_topology, validate_parents
 
 VERIFY_RULES = ("coupled", "greedy", "match", "rejection")
+# How a draft picks the children it proposes at T > 0 (rank_children); exactness never
+# depends on it, only the tokens per pass do.
+DRAFT_RANKINGS = ("auto", "sampled", "argmax")
 TOPOLOGIES = ("dynamic", "kary")
 
 
@@ -159,7 +162,23 @@ class _Verified(MethodOptions):
 
 
 @dataclasses.dataclass(frozen=True)
-class SpecOptions(_Verified):
+class _Drafted(_Verified):
+    draft_ranking: str = _option(
+        "auto", "how the draft picks its children at temperature > 0: sampled (from its "
+        "probabilities: with the target's noise under coupled, a fresh sample under match "
+        "and rejection), argmax (its most likely children), or auto (sampled under coupled "
+        "and, for a fixed topology, rejection; argmax under match)", choices=DRAFT_RANKINGS)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.draft_ranking not in DRAFT_RANKINGS:
+            raise InvalidArgumentError(
+                f"{self.name}: unknown draft_ranking {self.draft_ranking!r}; expected one of "
+                f"{', '.join(DRAFT_RANKINGS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions(_Drafted):
     """``spec``: the draft proposes a chain, the target verifies it in one pass
     (Leviathan et al. / Chen et al.)."""
 
@@ -174,7 +193,7 @@ class SpecOptions(_Verified):
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeOptions(_Verified):
+class TreeOptions(_Drafted):
     """``tree``: the draft proposes a token tree, verified in one target pass."""
 
     name: ClassVar[str] = "tree"
@@ -215,7 +234,12 @@ class TreeOptions(_Verified):
         self._set("topology", topology)
         if topology == "kary":
             self.fixed_parents  # a budget beyond the complete tree fails here, not at build
-        elif topology == "dynamic" and self.tree_budget > self.num_candidates:
+        if (topology == "dynamic" and self.verify == "rejection"
+                and self.draft_ranking == "sampled"):
+            raise InvalidArgumentError(
+                "tree: draft_ranking 'sampled' under verify 'rejection' needs a fixed "
+                "topology (a dynamic tree's best nodes are no sample of the draft)")
+        if topology == "dynamic" and self.tree_budget > self.num_candidates:
             raise InvalidArgumentError(
                 f"tree: tree_budget {self.tree_budget} exceeds the {self.num_candidates} "
                 f"candidates that draft_depth {self.draft_depth} x draft_width "

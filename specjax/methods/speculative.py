@@ -211,17 +211,27 @@ class Speculative(DraftFeatures):
         return _fixed_tables(np.asarray(self.shape.topology, np.int32))
 
     @property
+    def _sampled_children(self) -> bool:
+        """Whether the draft samples its children with a fresh perturbation (without
+        replacement): a fixed topology under ``rejection`` (unless ``draft_ranking`` is
+        ``argmax``), or ``match`` with ``draft_ranking="sampled"``."""
+        ranking = self.options.draft_ranking
+        if self.verify == "rejection":
+            return self.shape.topology is not None and ranking != "argmax"
+        return self.verify == "match" and ranking == "sampled"
+
+    @property
     def children_mode(self) -> str:
         """How the drafted children relate to ``q~`` (for the rejection rule)."""
-        return "without_replacement" if self.shape.topology is not None else "deterministic"
+        return "without_replacement" if self._sampled_children else "deterministic"
 
     def _rank(self, logits: jax.Array, sampling, child_positions: jax.Array,
               key: jax.Array) -> jax.Array:
-        """Ranking log-scores [E, V] for drafting children of E nodes: a fixed topology
-        under ``rejection`` samples children without replacement (a fresh perturbation)."""
-        fresh = self.verify == "rejection" and self.shape.topology is not None
+        """Ranking log-scores [E, V] for drafting children of E nodes
+        (:func:`~specjax.methods.common.rank_children`, as ``draft_ranking`` says)."""
         return rank_children(logits, sampling, child_positions, self.verify,
-                             key if fresh else None)
+                             key if self._sampled_children else None,
+                             argmax=self.options.draft_ranking == "argmax")
 
     def _draft_pass(self, draft_params, loop: DecodeLoop, cache, tokens, positions,
                     scratch_mask, features):
