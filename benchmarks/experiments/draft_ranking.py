@@ -41,13 +41,16 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--rules", default="coupled,match,rejection",
+                        help="the acceptance rules compared (comma-separated)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    rules = args.rules.split(",")
     host = machine()
     model = specjax.load("smollm2-135m")
     prompts = humaneval_prompts(args.prompts)
     records = []
-    for method, rule, ranking, extra in CONFIGS:
+    for method, rule, ranking, extra in [c for c in CONFIGS if c[1] in rules]:
         started, per_row, tokens, passes = time.perf_counter(), [], 0, 0
         for first in range(0, len(prompts), args.batch_size):
             rows = prompts[first:first + args.batch_size]
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
               f"(median {record['median_tokens_per_pass']:.3f}), {record['seconds']} s",
               flush=True)
     result = {"benchmark": "draft_ranking", "temperature": args.temperature,
-              "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "rules": rules,
               "command": "python benchmarks/experiments/draft_ranking.py "
                          + " ".join(argv if argv is not None else sys.argv[1:]),
               **host, "records": records}
