@@ -333,7 +333,7 @@ def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
      "needs temperature 0"),
     ([PROMPT, "--tree-budget", "8", "--temperature", "1"],
      "--tree-budget does not apply to method 'spec' (it applies to tree, staged; spec's "
-     "options: verify, --draft-depth); without --method the default here is spec: the "
+     "options: verify, --draft-ranking, --draft-depth); without --method the default here is spec: the "
      "fastest for cpu, T>0"),
     ([PROMPT, "--draft-rounds", "2"], "--draft-rounds does not apply to method 'spec'"),
     ([PROMPT, "--draft-depth", "-1"], "--draft-depth must be"),
