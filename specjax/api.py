@@ -271,6 +271,9 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
     tally = tally_of(state)
     if tally is None:  # ar: every token is the target's
         counts["target"] = new_tokens
+        forced = getattr(state.method_state, "forced", None)
+        if forced is not None:  # under a constraint: committed without a pass of their own
+            stats["forced_tokens"] = int(forced)
     else:
         steps = np.asarray(tally.accepted)  # steps[c]: steps that accepted c drafts
         total = max(int(steps.sum()), 1)
@@ -294,6 +297,8 @@ def _exactness(state: decode.DecodeState, request: _Request) -> tuple[str, str]:
     """``stats["exact"]`` and why (:func:`specjax.methods.exactness.run_exactness`)."""
     options = request.options.to_dict()
     rows = options.get("tree_budget", options.get("draft_depth", 0) + 1)
+    if request.constraint is not None:  # ar's pass over a forced run (jump-forward)
+        rows = max(rows, options.get("jump_forward", 0) + 1)
     sampled = bool(np.any(np.asarray(state.sampling.temperature) > 0))
     return run_exactness(request.options.name, options.get("verify"), sampled,
                          platform_of(state.length), request.loop.kernels, rows)

@@ -440,6 +440,8 @@ def test_constraints_in_one_size_bucket_share_the_compiled_program(tiny_model):
 
 
 def test_a_batch_under_one_constraint_equals_its_single_runs(tiny_model):
+    """A batch of constrained ar rows (jumping forward) equals each row's single run
+    (one pass per token)."""
     from specjax import api, decode
     from specjax.batch_options import BatchOptions
     from specjax.methods import Autoregressive
@@ -449,7 +451,11 @@ def test_a_batch_under_one_constraint_equals_its_single_runs(tiny_model):
     constraint = Regex(BOUNDED[3])
     (batch,) = api.prepare_batch(tiny_model, prompts, api.request(
         method="ar", max_new_tokens=12, stop=[eos_id()], batch=BatchOptions()))
-    loop = dataclasses.replace(batch.loop, method=Autoregressive(constrained=True))
+    # The batch jumps forward (the regex forces some tokens), the single runs do not: its
+    # vmapped lax.cond runs both passes and selects. The capacity (128) holds its scratch.
+    loop = dataclasses.replace(batch.loop,
+                               method=Autoregressive(constrained=True, jump_forward=8))
+    assert loop.capacity >= 10 + 12 + loop.method.scratch
     args = batch.args[:-1] + (tables_of(constraint),)
     state = decode.run_batch(args[0], loop, *args[1:])[0]
     for row, prompt in zip(batch.rows, prompts):
@@ -540,6 +546,84 @@ def test_a_batch_with_one_constraint_per_row_equals_its_single_runs(spelling_mod
             specjax.generate(spelling_model, prompts, max_new_tokens=4, **kwargs)
     with pytest.raises(InvalidArgumentError, match="goes with a list of prompts"):
         specjax.generate(spelling_model, prompts[0], constraint=[digits], max_new_tokens=4)
+
+
+# Runs of six forced letters between free digits, then a forced EOS: 16 tokens.
+JUMP_PATTERN = "([0-9]xyzxyz){2}[0-9]"
+# (temperature, seed, max_new_tokens, stop strings): greedy, coupled, a budget and a stop
+# string that end the output inside a forced run.
+JUMP_CASES = [(0.0, 0, 20, []), (1.0, 3, 20, []), (1.0, 4, 5, []), (0.0, 0, 20, ["zxy"])]
+
+
+def jump_forward_runs(model, **options) -> list:
+    """``ar`` under JUMP_PATTERN for each of JUMP_CASES (one program for all of them)."""
+    import specjax
+
+    return [specjax.generate(model, DIST_PROMPT, method="ar", constraint=Regex(JUMP_PATTERN),
+                             temperature=temperature, seed=seed, max_new_tokens=budget,
+                             stop=[eos_id(), *strings], **options)
+            for temperature, seed, budget, strings in JUMP_CASES]
+
+
+@pytest.fixture(scope="module")
+def one_pass_per_token(spelling_model):
+    """The reference: constrained ar with one target pass per token."""
+    return jump_forward_runs(spelling_model, jump_forward=0)
+
+
+def test_ar_commits_a_forced_run_without_a_pass_per_token(spelling_model, one_pass_per_token):
+    """Jump-forward (the default under a constraint): the tokens of one pass per token,
+    greedy and coupled, cut by a budget or a stop string inside a forced run, with a
+    target pass per free token only; stats count the forced tokens and say the run is
+    exact up to rounding on this CPU (the forced run's pass has several rows)."""
+    from specjax.methods.exactness import BITWISE, UP_TO_ROUNDING
+
+    runs = jump_forward_runs(spelling_model)
+    for case, got, expected in zip(JUMP_CASES, runs, one_pass_per_token):
+        assert got.tokens == expected.tokens, case
+    full, reference = runs[0], one_pass_per_token[0]
+    assert re.fullmatch(JUMP_PATTERN, spelled(full.tokens[:-1]).decode())
+    assert len(full.tokens) == 16 and full.tokens[-1] == eos_id()
+    # prefill (a digit), then per step a forced run and a pass: 6 letters + a digit twice,
+    # then the forced EOS (whose pass picks nothing: the EOS ends the output)
+    assert (full.stats["target_calls"], full.stats["forced_tokens"]) == (4, 13)
+    assert (reference.stats["target_calls"], reference.stats["forced_tokens"]) == (16, 0)
+    assert full.stats["mean_accepted"] == 4.0 and reference.stats["mean_accepted"] == 1.0
+    assert len(runs[2].tokens) == 5 and runs[2].stats["forced_tokens"] == 4
+    assert spelled(runs[3].tokens).decode().endswith("zxy")
+    assert (full.stats["exact"], reference.stats["exact"]) == (UP_TO_ROUNDING, BITWISE)
+
+
+def wrong_forced_token(tables, state):
+    """WRONG on purpose: a state with a choice forces its smallest allowed token."""
+    allowed = constraints.allowed_tokens(tables, state)
+    return jnp.where(jnp.any(allowed), jnp.argmax(allowed), -1).astype(jnp.int32)
+
+
+def dropping_run(original):
+    """WRONG on purpose: the run's first forced token is skipped (the automaton still
+    advances over it)."""
+    def run(tables, automaton, room, width):
+        tokens, count, after = original(tables, automaton, room, width)
+        return jnp.roll(tokens, -1), jnp.maximum(count - 1, 0), after
+    return run
+
+
+@pytest.mark.parametrize("wrong", ["unforced", pytest.param("dropped", marks=pytest.mark.slow)])
+def test_the_jump_forward_test_catches_a_wrong_run(spelling_model, one_pass_per_token,
+                                                   monkeypatch, request, wrong):
+    from specjax import decode
+    from specjax.methods import ar
+
+    decode.clear_compiled()
+    request.addfinalizer(decode.clear_compiled)
+    if wrong == "unforced":
+        monkeypatch.setattr(ar, "forced_token", wrong_forced_token)
+    else:
+        monkeypatch.setattr(ar, "forced_run", dropping_run(ar.forced_run))
+    runs = jump_forward_runs(spelling_model)
+    assert sum(got.tokens != expected.tokens
+               for got, expected in zip(runs, one_pass_per_token)) >= 2
 
 
 def test_a_constraint_is_refused_in_one_line_where_it_cannot_run(spelling_model, tiny_model):
@@ -676,6 +760,29 @@ def test_the_ngram_proposal_keeps_what_the_constraint_allows_forced_first(
     request.addfinalizer(decode.clear_compiled)
     out = specjax.generate(spelling_model, DIST_PROMPT, **ngram, **kwargs)
     assert out.tokens == ar.tokens and out.stats["mean_accepted"] < 1.5
+
+
+def test_a_masked_draft_proposes_the_forced_token_first():
+    """Jump-forward in ``spec`` and ``tree`` needs no code of its own: the draft's logits
+    are masked by its node's state, so in a forced state its best child, by every rule's
+    ranking and at every temperature, is the forced token, and no other child is finite
+    (a dynamic tree drops them). Unmasked, the draft's own favourite comes first."""
+    from specjax.methods.common import rank_children
+    from specjax.sampling import make_sampling_params
+
+    tables = tables_of(Regex(JUMP_PATTERN))
+    forced = np.asarray(tables.forced_token)
+    states = np.flatnonzero(forced >= 0)
+    logits = 4.0 * jax.random.normal(jax.random.PRNGKey(0), (len(states), V))
+    positions = jnp.arange(len(states), dtype=jnp.int32) + 9
+    for temperature, rule in ((0.0, "greedy"), (1.0, "coupled"), (1.0, "match")):
+        sampling = make_sampling_params(temperature, seed=3, static_rule=True)
+        ranked = np.asarray(rank_children(mask_logits(tables, jnp.asarray(states), logits),
+                                          sampling, positions, rule))
+        assert (ranked.argmax(-1) == forced[states]).all(), rule
+        assert (np.isfinite(ranked).sum(-1) == 1).all(), rule
+        unmasked = np.asarray(rank_children(logits, sampling, positions, rule))
+        assert (unmasked.argmax(-1) != forced[states]).sum() >= len(states) - 2, rule
 
 
 def test_the_same_test_catches_an_unmasked_verify_pass(spelling_model, drafts, monkeypatch,

@@ -23,6 +23,9 @@ def test_the_fused_pass_limit_is_the_models():
 
 @pytest.mark.parametrize("method,verify,sampled,platform,kernels,rows,level,fragment", [
     ("ar", None, True, "gpu", AUTO, 1, BITWISE, "reference"),
+    # ar's jump-forward under a constraint: one pass over a forced run of up to 8 tokens
+    ("ar", None, False, "cpu", AUTO, 9, UP_TO_ROUNDING, "forced run"),
+    ("ar", None, True, "gpu", FUSED, 9, BITWISE, "row-independent"),
     ("tree", "coupled", True, "gpu", FUSED, 32, BITWISE, "row-independent"),
     ("staged", "greedy", False, "tpu", FUSED, 64, BITWISE, "bit for bit"),
     ("tree", "coupled", False, "gpu", FUSED, 256, UP_TO_ROUNDING, "at most 128"),

@@ -5,7 +5,9 @@ logits as the one-token step of ``ar`` would at the same position. Whether that 
 for bit depends on the path the program ran, not on the method:
 
 * ``"bitwise"``: the tokens are ``ar``'s token for token, whatever near-ties the logits
-  hold. ``ar`` itself; and the row-independent path (attention ``"fused"`` on a GPU or TPU:
+  hold. ``ar`` itself (one pass per token: ``jump_forward=0``, or unconstrained; its
+  jump-forward passes over a forced run count as verify passes here); and the
+  row-independent path (attention ``"fused"`` on a GPU or TPU:
   the position-ordered attention kernel and the row-tiled projections, whose arithmetic per
   row does not depend on how many rows the pass has; ``tests/test_fused_kernels.py``).
 * ``"up to rounding"``: a verify pass and a one-token step may round differently in the
@@ -43,11 +45,13 @@ def run_exactness(method: str, verify: str | None, sampled: bool, platform: str,
         batch of mixed rows, count as sampled).
       platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``: where the program ran.
       kernels: the run's :class:`~specjax.kernel_options.KernelOptions`.
-      verify_rows: the most tree nodes one verify pass holds (the method's budget).
+      verify_rows: the most tree nodes one verify pass holds (the method's budget; for
+        ``ar`` the most tokens one pass holds: 1, or 1 + ``jump_forward`` under a
+        constraint).
     Returns:
       (level, reason): ``level`` one of :data:`LEVELS`.
     """
-    if method == "ar":
+    if method == "ar" and verify_rows <= 1:
         return BITWISE, "ar is the reference: one target pass per token"
     if sampled and verify in ("match", "rejection"):
         return IN_DISTRIBUTION, (f"verify rule {verify!r} samples the target distribution "
@@ -63,8 +67,9 @@ def run_exactness(method: str, verify: str | None, sampled: bool, platform: str,
         why = ("attention 'fused' on the CPU runs its kernels in Pallas' interpreter, as XLA "
                "CPU programs whose optimiser may reorder their sums")
     elif platform == "cpu":
-        why = ("on the CPU a verify pass runs as a matrix product and ar's step as a "
-               "matrix-vector product, which may round differently")
+        why = ("on the CPU a pass of several tokens (a verify pass, or ar's over a forced "
+               "run) runs as a matrix product and ar's one-token step as a matrix-vector "
+               "product, which may round differently")
     else:
         why = (f"attention {kernels.attention!r} on {platform}: the dots choose their tiling "
                f"by row count, so a verify pass and ar's step may round differently "

@@ -33,6 +33,10 @@ VERIFY_RULES = ("coupled", "greedy", "match", "rejection")
 # How a draft picks the children it proposes at T > 0 (rank_children); exactness never
 # depends on it, only the tokens per pass do.
 DRAFT_RANKINGS = ("auto", "sampled", "argmax")
+# ar under a constraint: the most forced tokens one target pass commits beside its sampled
+# one (the pass then holds up to JUMP_FORWARD + 1 tokens), and the largest value accepted.
+JUMP_FORWARD = 8
+MAX_JUMP_FORWARD = 64
 TOPOLOGIES = ("dynamic", "kary")
 
 
@@ -141,10 +145,23 @@ class MethodOptions:
 
 @dataclasses.dataclass(frozen=True)
 class ArOptions(MethodOptions):
-    """``ar``: autoregressive decoding, one target pass per token (the reference)."""
+    """``ar``: autoregressive decoding, one target pass per token (the reference); under a
+    constraint, a run of forced tokens (states allowing one token each) is committed
+    without a pass per token (jump-forward, :mod:`specjax.methods.ar`)."""
 
     name: ClassVar[str] = "ar"
     summary: ClassVar[str] = "autoregressive, one target pass per token"
+    jump_forward: int = _option(
+        JUMP_FORWARD, "under a constraint, the most forced tokens (a state allowing one "
+        "token) committed per target pass beside the sampled one; 0: one pass per token")
+
+    def __post_init__(self):
+        value = self.jump_forward
+        if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                or not 0 <= value <= MAX_JUMP_FORWARD):
+            raise InvalidArgumentError(f"ar: jump_forward must be an integer in [0, "
+                                       f"{MAX_JUMP_FORWARD}], got {value!r}")
+        self._set("jump_forward", int(value))
 
 
 @dataclasses.dataclass(frozen=True)
