@@ -25,8 +25,10 @@ from the logits after the run's last token, with the noise of its own position. 
 tokens are those of one pass per token, computed by a pass of several rows instead of
 several passes of one: on the CPU that may round differently in the last bits, as a
 speculative verify pass may (:mod:`specjax.methods.exactness`). A forced token is
-appended only if the logits before it were finite, as one pass per token would check.
-``ArState.forced`` counts the forced tokens committed (``stats["forced_tokens"]``).
+appended only if the logits before it were finite, as one pass per token would check (a
+non-finite row may also spoil the rows before it in the same pass, through attention
+weights of zero: generation then stops a few tokens earlier than one pass per token would;
+it stops, and reports it, either way). ``ArState.forced`` counts the forced tokens committed (``stats["forced_tokens"]``).
 """
 
 from __future__ import annotations
