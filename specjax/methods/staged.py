@@ -41,6 +41,13 @@ proposal node reads the feature its pass's node 0 reads (one or more positions s
 This changes only how well the draft ranks proposals below their first level; the
 verification is the same, so the output is too.
 
+**Under a constraint** every stage-2 proposal keeps the tokens the automaton allows after
+the spine above it, a forced token first (:func:`~specjax.drafters.ngram.propose`, as in
+``ngram``), and the draft's ranking of each pass node's children is masked by the node's
+state (as ``spec``'s draft), so the spine, the draft's own tokens and the candidates are
+all allowed; a forced run becomes the spine. The verify pass masks the target's logits per
+node, which alone keeps the output ``ar``'s.
+
 A step costs ``rounds`` draft passes and one target pass. The draft may score only a
 subset of the vocabulary (:meth:`specjax.Model.with_head_subset`; the shipped draft does),
 which makes its passes cheaper without touching exactness.
@@ -69,7 +76,8 @@ from flax import struct
 from specjax import models
 from specjax.cache import advance
 from specjax.config import ModelConfig
-from specjax.constraints import start_automaton
+from specjax.constraints import advance as advance_automaton
+from specjax.constraints import mask_logits, start_automaton, tree_states
 from specjax.drafters.model import commit_features, previous_features, start_draft
 from specjax.drafters.ngram import NgramTables, propose
 from specjax.methods.common import (DraftFeatures, PassPlan, Tally, commit_step, init_tally,
@@ -318,9 +326,40 @@ class Staged(DraftFeatures):
 
     # ------------------------------------------------------------------ method protocol
 
-    def _rank(self, logits, sampling, child_positions):
-        """Ranking log-scores [E, V] for the children of E evaluated nodes."""
+    def _rank(self, logits, sampling, child_positions, states=None):
+        """Ranking log-scores [E, V] for the children of E evaluated nodes; under a
+        constraint (``states``: its tables and each node's state) the tokens it forbids
+        score ``-inf``."""
+        if states is not None:
+            logits = mask_logits(*states, logits)
         return rank_children(logits, sampling, child_positions, self.verify)
+
+    def _start(self, resources: StagedResources, state: DecodeState):
+        """Under a constraint, ``(tables, the automaton's state after the root)``; else
+        ``None``."""
+        if not self.constrained:
+            return None
+        return resources.constraint, state.method_state.automaton
+
+    @staticmethod
+    def _continued(states, node, token):
+        """``(tables, state)``: the automaton's state after pass node ``node``, then
+        ``token``, from a pass's :meth:`_pass_states` (``None`` without a constraint)."""
+        if states is None:
+            return None
+        tables, node_states = states
+        return tables, advance_automaton(tables, node_states[node], token)
+
+    def _pass_states(self, start, pass_tokens):
+        """Under a constraint (``start``: its tables and the state after pass node 0, the
+        root or the draft's own token), ``(tables, the state after each pass node)``;
+        ``None`` without one."""
+        if start is None:
+            return None
+        tables, first_state = start
+        return tables, tree_states(tables, first_state, pass_tokens,
+                                   jnp.asarray(_pass_parents(self.proposal)),
+                                   len(self.proposal))
 
     def build_resources(self, draft_params=None, tables=None,
                         constraint=None) -> StagedResources:
@@ -414,8 +453,11 @@ class Staged(DraftFeatures):
         # 1. First pass: catch the draft up to the root and score the root's stage-2
         # proposal, in one pass. Rows: `chunk` catch-up tokens (the first `fresh` real),
         # then the proposal; the head runs on the root's row and the proposal's rows.
+        # Under a constraint the proposals and the draft's ranking keep what it allows.
+        start = self._start(resources, state)
         prop = propose(tables, state.tokens, state.length, self.proposal,
-                       use_lookup=self.use_lookup)
+                       use_lookup=self.use_lookup, automaton=start)
+        pass_tokens = jnp.concatenate([state.tokens[root_position][None], prop.tokens])
         pending = jax.lax.dynamic_slice(state.tokens, (cache.length,), (chunk,))
         seen = jnp.arange(chunk) < fresh
         mask = jnp.concatenate([
@@ -439,8 +481,9 @@ class Staged(DraftFeatures):
                                 hidden[chunk:]])
         pass_hidden = rows  # [S, d]: each pass node's output (a feature draft's prediction)
         logits = models.lm_head(draft_params, config, rows)  # [1 + P, V]
-        rank = self._rank(logits, sampling, root_position + jnp.asarray(local_depth) + 1)
-        pass_tokens = jnp.concatenate([state.tokens[root_position][None], prop.tokens])
+        states = self._pass_states(start, pass_tokens)
+        rank = self._rank(logits, sampling, root_position + jnp.asarray(local_depth) + 1,
+                          states)
         pass_valid = jnp.concatenate([jnp.array([True]), prop.valid])
         pass_origin = jnp.concatenate([jnp.array([ORIGIN_TARGET], jnp.int8), prop.origin])
         cands, nodes = self._pass_candidates(pass_tokens, pass_valid, pass_origin, rank,
@@ -462,8 +505,9 @@ class Staged(DraftFeatures):
             own, own_score = nodes["child_tokens"][node, 0], nodes["child_scores"][node, 0]
             kill = kill.at[nodes["child_cand"][node, 0]].set(True)  # `own` is pass node 0
             history = history.at[state.length - 1 + count].set(own, mode="drop")
+            start = self._continued(states, node, own)  # after the spine's end and `own`
             prop = propose(tables, history, state.length + count, self.proposal,
-                           use_lookup=self.use_lookup)
+                           use_lookup=self.use_lookup, automaton=start)
             pass_tokens = jnp.concatenate([own[None], prop.tokens])
             pass_valid = jnp.concatenate([jnp.array([True]), prop.valid])
             offset = chunk + n_prop + (r - 1) * size
@@ -479,7 +523,8 @@ class Staged(DraftFeatures):
             logits, cache = out[0], out[-1]
             if self.uses_features:
                 pass_hidden = out[1]
-            rank = self._rank(logits, sampling, positions + 1)
+            states = self._pass_states(start, pass_tokens)
+            rank = self._rank(logits, sampling, positions + 1, states)
             round_cands, nodes = self._pass_candidates(
                 pass_tokens, pass_valid,
                 jnp.concatenate([jnp.array([ORIGIN_DRAFT], jnp.int8), prop.origin]), rank,
