@@ -777,14 +777,17 @@ def test_a_masked_draft_proposes_the_forced_token_first():
     states = np.flatnonzero(forced >= 0)
     logits = 4.0 * jax.random.normal(jax.random.PRNGKey(0), (len(states), V))
     positions = jnp.arange(len(states), dtype=jnp.int32) + 9
-    for temperature, rule in ((0.0, "greedy"), (1.0, "coupled"), (1.0, "match")):
+    fresh = dict(sample_key=jax.random.PRNGKey(1))  # a sample without replacement
+    for temperature, rule, how in ((0.0, "greedy", {}), (1.0, "coupled", {}),
+                                   (1.0, "match", {}), (1.0, "rejection", fresh),
+                                   (1.0, "coupled", dict(argmax=True))):
         sampling = make_sampling_params(temperature, seed=3, static_rule=True)
         ranked = np.asarray(rank_children(mask_logits(tables, jnp.asarray(states), logits),
-                                          sampling, positions, rule))
-        assert (ranked.argmax(-1) == forced[states]).all(), rule
-        assert (np.isfinite(ranked).sum(-1) == 1).all(), rule
-        unmasked = np.asarray(rank_children(logits, sampling, positions, rule))
-        assert (unmasked.argmax(-1) != forced[states]).sum() >= len(states) - 2, rule
+                                          sampling, positions, rule, **how))
+        assert (ranked.argmax(-1) == forced[states]).all(), (rule, how)
+        assert (np.isfinite(ranked).sum(-1) == 1).all(), (rule, how)
+        unmasked = np.asarray(rank_children(logits, sampling, positions, rule, **how))
+        assert (unmasked.argmax(-1) != forced[states]).sum() >= len(states) - 2, (rule, how)
 
 
 @pytest.mark.parametrize("wrong", [None, pytest.param("unfiltered", marks=pytest.mark.slow)])
