@@ -25,7 +25,8 @@ from specjax.checkpoints_tools import sources
 from specjax.checkpoints_tools.hf import one_line
 from specjax.commands import build_ngram, convert, list_models, train_draft
 from specjax.compilation_cache import use_compilation_cache
-from specjax.constraints import add_constraint_arguments, constraint_from_args
+from specjax.constraints import (JsonSchema, Regex, add_constraint_arguments, check_constraint,
+                                 constraint_from_args)
 from specjax.drafters import ngram as ngram_lib
 from specjax.errors import InvalidArgumentError, PerformanceWarning, SpecjaxError
 from specjax.harness import cli as bench_cli
@@ -64,8 +65,10 @@ def _add_generate(sub) -> None:
                         "in batches, writing one "
                         "JSON object per prompt (id, index, prompt, text, tokens, stats) to "
                         "--output or stdout. Each line is a JSON object with a \"prompt\" "
-                        "(a string, or a list of token ids) and optionally an \"id\" and a "
-                        "\"seed\" (default: --seed), or just a JSON string")
+                        "(a string, or a list of token ids) and optionally an \"id\", a "
+                        "\"seed\" (default: --seed) and its own constraint, a \"regex\" or "
+                        "a \"json_schema\" (instead of --regex/--json-schema), or just a "
+                        "JSON string")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help=f"with --prompts-file: prompts decoded together per compiled program, "
                         f"1 to {MAX_BATCH_SIZE} (default: {DEFAULT_BATCH_SIZE})")
@@ -161,10 +164,12 @@ def _summary(stats: dict) -> str:
 
 
 
-def check_generate_args(args) -> tuple[api.Request, str]:
+def check_generate_args(args, constraints: list | None = None) -> tuple[api.Request, str]:
     """Every setting of ``specjax generate``, checked before anything loads: the prompt
     flags here, the rest by :func:`specjax.api.request` (the API's own checks and
-    default-method choice), whose errors are told in flags.
+    default-method choice), whose errors are told in flags. ``constraints``: one per line
+    of a prompts file that gives its own (``None``: that line unconstrained), in place of
+    ``--regex``/``--json-schema``.
 
     Returns:
       (the request, the parameter dtype).
@@ -200,6 +205,11 @@ def check_generate_args(args) -> tuple[api.Request, str]:
     flags = {name: getattr(args, name) for name in all_option_fields()
              if getattr(args, name, None) is not None}
     constraint = constraint_from_args(args)
+    if constraint is not None and constraints is not None:
+        raise InvalidArgumentError("--prompts-file gives constraints per line: drop "
+                                   "--regex/--json-schema (or the lines' own)")
+    if constraints is not None:
+        constraint = list(constraints)
     if constraint is not None:
         flags["constraint"] = constraint
     assets = sources.known_origin(args.model)
@@ -375,10 +385,28 @@ def read_prompts_file(path: str) -> list[dict]:
         seed = item.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InvalidArgumentError(f"{where}: \"seed\" must be an integer")
-        rows.append({"id": item.get("id", len(rows)), "prompt": prompt, "seed": seed})
+        rows.append({"id": item.get("id", len(rows)), "prompt": prompt, "seed": seed,
+                     "constraint": _line_constraint(item, where)})
     if not rows:
         raise InvalidArgumentError(f"--prompts-file {path}: no prompts in it")
     return rows
+
+
+def _line_constraint(item: dict, where: str):
+    """A prompts-file line's own constraint (its ``"regex"`` or ``"json_schema"``),
+    checked as ``--regex``/``--json-schema`` are; ``None`` without one."""
+    given = [key for key in ("regex", "json_schema") if item.get(key) is not None]
+    if len(given) > 1:
+        raise InvalidArgumentError(f"{where}: give \"regex\" or \"json_schema\", not both")
+    if not given:
+        return None
+    key = given[0]
+    try:
+        constraint = Regex(item[key]) if key == "regex" else JsonSchema(item[key])
+        check_constraint(constraint)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{where}: \"{key}\": {error}") from None
+    return constraint
 
 
 def _generate_file(args, model, rows: list[dict], request: api.Request) -> int:
@@ -393,10 +421,12 @@ def _generate_file(args, model, rows: list[dict], request: api.Request) -> int:
     try:
         for first in range(0, len(rows), size):
             chunk = rows[first: first + size]
+            changes = dict(seed=tuple(row["seed"] for row in chunk))
+            if any(row["constraint"] is not None for row in rows):  # each line's own
+                changes["constraint"] = [row["constraint"] for row in chunk]
             try:
                 results = api.generate(model, [row["prompt"] for row in chunk],
-                                       request=request.replace(
-                                           seed=tuple(row["seed"] for row in chunk)))
+                                       request=request.replace(**changes))
             except InvalidArgumentError as error:  # name the line, not the batch's row
                 message = str(error)
                 if message.startswith("prompts["):
@@ -428,6 +458,8 @@ def _generate_file(args, model, rows: list[dict], request: api.Request) -> int:
 def _generate(args) -> int:
     request, dtype = check_generate_args(args)
     rows = None if args.prompts_file is None else read_prompts_file(args.prompts_file)
+    if rows is not None and any(row["constraint"] is not None for row in rows):
+        request, dtype = check_generate_args(args, [row["constraint"] for row in rows])
     # Nothing here needs finishing or removing on Ctrl-C: it ends the process at once, at
     # any moment (loading, compiling, prefill, generation), with one line.
     with interrupts.exit_on_interrupt("specjax: interrupted") as watch:

@@ -133,13 +133,26 @@ class Request:
 
     def replace(self, **changes) -> "Request":
         """This request with other seeds (one per prompt: checked per row when the prompts
-        are known) or its resources loaded (``draft=`` a :class:`Model`, ``ngram=``
-        tables: checked when the request meets the model); every other setting is fixed
-        once checked: make a new request for it."""
-        fixed = sorted(set(changes) - {"seed", "draft", "ngram"})
+        are known), its resources loaded (``draft=`` a :class:`Model`, ``ngram=``
+        tables: checked when the request meets the model), or, for a request made under a
+        constraint (whose method was chosen for one), another constraint or one per
+        prompt (e.g. a slice of a longer list for a batch of some of its prompts); every
+        other setting is fixed once checked: make a new request for it."""
+        fixed = sorted(set(changes) - {"seed", "draft", "ngram", "constraint"})
         if fixed:
-            raise InvalidArgumentError(f"Request.replace changes the seed, draft or ngram "
-                                       f"only, not {', '.join(fixed)}: make a new request")
+            raise InvalidArgumentError(f"Request.replace changes the seed, draft, ngram or "
+                                       f"constraint only, not {', '.join(fixed)}: make a new "
+                                       f"request")
+        if "constraint" in changes:
+            if self.constraint is None:
+                raise InvalidArgumentError("Request.replace changes the constraint of a "
+                                           "request made under one only: make a new request")
+            new = changes["constraint"]
+            if isinstance(new, (list, tuple)):
+                new = row_constraints(new)
+            elif new is not None:
+                check_constraint_type(new)
+            changes["constraint"] = new
         return dataclasses.replace(self, **changes)
 
 

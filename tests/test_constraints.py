@@ -657,6 +657,56 @@ def test_the_cli_refuses_a_bad_constraint_before_the_model_loads(tmp_path, capsy
         assert "no-such-model" not in err
 
 
+def test_a_prompts_file_gives_each_line_its_own_constraint(spelling_model, tmp_path, capsys,
+                                                           monkeypatch):
+    """``specjax generate --prompts-file``: a line's ``"regex"`` or ``"json_schema"`` is its
+    own constraint (none: unconstrained); the records equal each prompt's own call (the
+    batches of the per-row API test: its programs). Both on a line, a bad one, or lines'
+    own beside ``--regex`` are refused in one line before the model loads."""
+    import specjax
+    from specjax import cli
+
+    from conftest import serve_models
+
+    prompts = [np.random.default_rng(seed).integers(0, 100, 4 + seed).tolist()
+               for seed in range(4)]
+    constraints = [Regex(BOUNDED[3]), None, Regex("(yes|no)"), Regex(BOUNDED[3])]
+    lines = [dict(prompt=prompt, **({} if c is None else {"regex": c.pattern}))
+             for prompt, c in zip(prompts, constraints)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    served = serve_models(monkeypatch, {"tiny": spelling_model}, [])
+    settings = ["--method", "ar", "--max-new-tokens", "6", "--batch-size", "4"]
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["generate", "-m", "tiny", "--prompts-file", str(path), "--output",
+                     str(out), *settings]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for record, prompt, constraint in zip(records, prompts, constraints):
+        alone = specjax.generate(served["tiny"], prompt, constraint=constraint, method="ar",
+                                 max_new_tokens=6)
+        assert record["tokens"] == alone.tokens
+        assert (record["stats"].get("constraint") or {}).get("constraint") == (
+            None if constraint is None else constraint.describe())
+    cases = [({"prompt": "x", "regex": "a", "json_schema": {}}, [], "line 1: give \"regex\""),
+             ({"prompt": "x", "regex": "(ab"}, [], "\"regex\": regex '(ab': invalid regular"),
+             ({"prompt": "x", "json_schema": 3}, [], "\"json_schema\": JsonSchema: the schema"),
+             ({"prompt": "x", "regex": "a"}, ["--regex", "b"], "drop --regex/--json-schema")]
+    for line, flags, message in cases:
+        path.write_text(json.dumps(line) + "\n")
+        capsys.readouterr()
+        code = cli.main(["generate", "-m", str(tmp_path / "no-such-model"), "--prompts-file",
+                         str(path), *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, err
+    from specjax import api  # the request a batch of lines takes its slice of constraints by
+
+    request = api.request(method="ar", constraint=constraints)
+    assert request.replace(constraint=constraints[1:3]).constraint == tuple(constraints[1:3])
+    assert request.replace(constraint=[None, None]).constraint is None
+    with pytest.raises(InvalidArgumentError, match="made under one only"):
+        api.request(method="ar").replace(constraint=constraints[0])
+
+
 # ----------------------------------------------------------------------------- speculative
 
 
@@ -711,6 +761,34 @@ def test_every_method_under_a_constraint_equals_ar_greedy_and_coupled(
             assert got.tokens == expected.tokens, (which, temperature)
             assert re.fullmatch(BOUNDED[4], spelled(got.tokens[:-1]).decode())
             assert got.stats["constraint"]["states"] == expected.stats["constraint"]["states"]
+
+
+@pytest.mark.parametrize("wrong", [None, pytest.param("unfiltered", marks=pytest.mark.slow)])
+def test_staged_proposals_keep_what_the_constraint_allows(spelling_model, ngram_tables,
+                                                          monkeypatch, request, wrong):
+    """``staged`` under a constraint: its stage-2 proposals keep what the automaton allows,
+    forced tokens first (the draft's ranking is masked too), so a forced run is the spine:
+    3.7 tokens per target pass on a mostly forced pattern (the default CPU options and the
+    program of the SPECULATIVE case), with ar's tokens. WRONG on purpose (slow tier: its own
+    compile, ~10 s here): the proposals left unfiltered, 1.8 (the masked draft's children
+    still propose forced tokens, one level deep)."""
+    import specjax
+    from specjax import decode
+    from specjax.methods import staged
+
+    kwargs = dict(constraint=Regex("(xyz){3}[0-9]"), max_new_tokens=12, stop=[eos_id()])
+    ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", **kwargs)
+    if wrong:
+        decode.clear_compiled()
+        original = staged.propose
+        monkeypatch.setattr(staged, "propose", lambda *args, automaton=None, **kw: original(
+            *args, **kw))
+        request.addfinalizer(decode.clear_compiled)
+    out = specjax.generate(spelling_model, DIST_PROMPT, method="staged", draft=spelling_model,
+                           ngram=ngram_tables, use_lookup=False, **kwargs)
+    assert out.tokens == ar.tokens and len(out.tokens) == 11
+    accepted = out.stats["mean_accepted"]
+    assert (accepted < 2.0) if wrong else (accepted >= 3.5), accepted
 
 
 def test_the_draft_proposes_only_what_the_constraint_allows(spelling_model, monkeypatch,
@@ -788,34 +866,6 @@ def test_a_masked_draft_proposes_the_forced_token_first():
         assert (np.isfinite(ranked).sum(-1) == 1).all(), (rule, how)
         unmasked = np.asarray(rank_children(logits, sampling, positions, rule, **how))
         assert (unmasked.argmax(-1) != forced[states]).sum() >= len(states) - 2, (rule, how)
-
-
-@pytest.mark.parametrize("wrong", [None, pytest.param("unfiltered", marks=pytest.mark.slow)])
-def test_staged_proposals_keep_what_the_constraint_allows(spelling_model, ngram_tables,
-                                                          monkeypatch, request, wrong):
-    """``staged`` under a constraint: its stage-2 proposals keep what the automaton allows,
-    forced tokens first (the draft's ranking is masked too), so a forced run is the spine:
-    3.7 tokens per target pass on a mostly forced pattern (the default CPU options and the
-    program of the SPECULATIVE case), with ar's tokens. WRONG on purpose (slow tier: its own
-    compile, ~10 s here): the proposals left unfiltered, 1.8 (the masked draft's children
-    still propose forced tokens, one level deep)."""
-    import specjax
-    from specjax import decode
-    from specjax.methods import staged
-
-    kwargs = dict(constraint=Regex("(xyz){3}[0-9]"), max_new_tokens=12, stop=[eos_id()])
-    ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", **kwargs)
-    if wrong:
-        decode.clear_compiled()
-        original = staged.propose
-        monkeypatch.setattr(staged, "propose", lambda *args, automaton=None, **kw: original(
-            *args, **kw))
-        request.addfinalizer(decode.clear_compiled)
-    out = specjax.generate(spelling_model, DIST_PROMPT, method="staged", draft=spelling_model,
-                           ngram=ngram_tables, use_lookup=False, **kwargs)
-    assert out.tokens == ar.tokens and len(out.tokens) == 11
-    accepted = out.stats["mean_accepted"]
-    assert (accepted < 2.0) if wrong else (accepted >= 3.5), accepted
 
 
 def test_the_same_test_catches_an_unmasked_verify_pass(spelling_model, drafts, monkeypatch,

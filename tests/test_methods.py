@@ -141,10 +141,13 @@ def test_one_request_path_for_keywords_and_a_request(spec_target, spec_drafts):
     (lambda: api.request(temperature=-1.0), "temperature"),
     (lambda: api.request(method="ar", draft="x"), "takes no draft"),
     (lambda: api.request(method="spec", tree_budget=4), "'tree_budget' does not apply"),
+    (lambda: api.request(method="ar", jump_forward=-1), "jump_forward must be an integer in "
+                                                        "[0, 64], got -1"),
+    (lambda: api.request(method="spec", jump_forward=2), "'jump_forward' does not apply"),
     (lambda: api.request(backend="gpuu"), "backend must be 'cpu', 'gpu' or 'tpu'"),
     (lambda: api.request(batch=3), "batch must be a specjax.BatchOptions"),
-    (lambda: api.request().replace(max_new_tokens=4), "changes the seed, draft or ngram "
-                                                      "only, not max_new_tokens"),
+    (lambda: api.request().replace(max_new_tokens=4), "changes the seed, draft, ngram or "
+                                                      "constraint only, not max_new_tokens"),
 ])
 def test_a_request_refuses_a_bad_setting_in_one_line(make, message):
     with pytest.raises(InvalidArgumentError, match=re.escape(message)):
