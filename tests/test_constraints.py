@@ -548,6 +548,56 @@ def test_a_batch_with_one_constraint_per_row_equals_its_single_runs(spelling_mod
         specjax.generate(spelling_model, prompts[0], constraint=[digits], max_new_tokens=4)
 
 
+def test_a_prompts_file_gives_each_line_its_own_constraint(spelling_model, tmp_path, capsys,
+                                                           monkeypatch):
+    """``specjax generate --prompts-file``: a line's ``"regex"`` or ``"json_schema"`` is its
+    own constraint (none: unconstrained); the records equal each prompt's own call (the
+    batches of the per-row API test: its programs). Both on a line, a bad one, or lines'
+    own beside ``--regex`` are refused in one line before the model loads."""
+    import specjax
+    from specjax import cli
+
+    from conftest import serve_models
+
+    prompts = [np.random.default_rng(seed).integers(0, 100, 4 + seed).tolist()
+               for seed in range(4)]
+    constraints = [Regex(BOUNDED[3]), None, Regex("(yes|no)"), Regex(BOUNDED[3])]
+    lines = [dict(prompt=prompt, **({} if c is None else {"regex": c.pattern}))
+             for prompt, c in zip(prompts, constraints)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    served = serve_models(monkeypatch, {"tiny": spelling_model}, [])
+    settings = ["--method", "ar", "--max-new-tokens", "6", "--batch-size", "4"]
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["generate", "-m", "tiny", "--prompts-file", str(path), "--output",
+                     str(out), *settings]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for record, prompt, constraint in zip(records, prompts, constraints):
+        alone = specjax.generate(served["tiny"], prompt, constraint=constraint, method="ar",
+                                 max_new_tokens=6)
+        assert record["tokens"] == alone.tokens
+        assert (record["stats"].get("constraint") or {}).get("constraint") == (
+            None if constraint is None else constraint.describe())
+    cases = [({"prompt": "x", "regex": "a", "json_schema": {}}, [], "line 1: give \"regex\""),
+             ({"prompt": "x", "regex": "(ab"}, [], "\"regex\": regex '(ab': invalid regular"),
+             ({"prompt": "x", "json_schema": 3}, [], "\"json_schema\": JsonSchema: the schema"),
+             ({"prompt": "x", "regex": "a"}, ["--regex", "b"], "drop --regex/--json-schema")]
+    for line, flags, message in cases:
+        path.write_text(json.dumps(line) + "\n")
+        capsys.readouterr()
+        code = cli.main(["generate", "-m", str(tmp_path / "no-such-model"), "--prompts-file",
+                         str(path), *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, err
+    from specjax import api  # the request a batch of lines takes its slice of constraints by
+
+    request = api.request(method="ar", constraint=constraints)
+    assert request.replace(constraint=constraints[1:3]).constraint == tuple(constraints[1:3])
+    assert request.replace(constraint=[None, None]).constraint is None
+    with pytest.raises(InvalidArgumentError, match="made under one only"):
+        api.request(method="ar").replace(constraint=constraints[0])
+
+
 # Runs of six forced letters between free digits, then a forced EOS: 16 tokens.
 JUMP_PATTERN = "([0-9]xyzxyz){2}[0-9]"
 # (temperature, seed, max_new_tokens, stop strings): greedy, coupled, a budget and a stop
@@ -655,56 +705,6 @@ def test_the_cli_refuses_a_bad_constraint_before_the_model_loads(tmp_path, capsy
         err = capsys.readouterr().err
         assert code == 2 and message in err and err.count("\n") == 1, err
         assert "no-such-model" not in err
-
-
-def test_a_prompts_file_gives_each_line_its_own_constraint(spelling_model, tmp_path, capsys,
-                                                           monkeypatch):
-    """``specjax generate --prompts-file``: a line's ``"regex"`` or ``"json_schema"`` is its
-    own constraint (none: unconstrained); the records equal each prompt's own call (the
-    batches of the per-row API test: its programs). Both on a line, a bad one, or lines'
-    own beside ``--regex`` are refused in one line before the model loads."""
-    import specjax
-    from specjax import cli
-
-    from conftest import serve_models
-
-    prompts = [np.random.default_rng(seed).integers(0, 100, 4 + seed).tolist()
-               for seed in range(4)]
-    constraints = [Regex(BOUNDED[3]), None, Regex("(yes|no)"), Regex(BOUNDED[3])]
-    lines = [dict(prompt=prompt, **({} if c is None else {"regex": c.pattern}))
-             for prompt, c in zip(prompts, constraints)]
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    served = serve_models(monkeypatch, {"tiny": spelling_model}, [])
-    settings = ["--method", "ar", "--max-new-tokens", "6", "--batch-size", "4"]
-    out = tmp_path / "out.jsonl"
-    assert cli.main(["generate", "-m", "tiny", "--prompts-file", str(path), "--output",
-                     str(out), *settings]) == 0
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    for record, prompt, constraint in zip(records, prompts, constraints):
-        alone = specjax.generate(served["tiny"], prompt, constraint=constraint, method="ar",
-                                 max_new_tokens=6)
-        assert record["tokens"] == alone.tokens
-        assert (record["stats"].get("constraint") or {}).get("constraint") == (
-            None if constraint is None else constraint.describe())
-    cases = [({"prompt": "x", "regex": "a", "json_schema": {}}, [], "line 1: give \"regex\""),
-             ({"prompt": "x", "regex": "(ab"}, [], "\"regex\": regex '(ab': invalid regular"),
-             ({"prompt": "x", "json_schema": 3}, [], "\"json_schema\": JsonSchema: the schema"),
-             ({"prompt": "x", "regex": "a"}, ["--regex", "b"], "drop --regex/--json-schema")]
-    for line, flags, message in cases:
-        path.write_text(json.dumps(line) + "\n")
-        capsys.readouterr()
-        code = cli.main(["generate", "-m", str(tmp_path / "no-such-model"), "--prompts-file",
-                         str(path), *flags])
-        err = capsys.readouterr().err
-        assert code == 2 and message in err and err.count("\n") == 1, err
-    from specjax import api  # the request a batch of lines takes its slice of constraints by
-
-    request = api.request(method="ar", constraint=constraints)
-    assert request.replace(constraint=constraints[1:3]).constraint == tuple(constraints[1:3])
-    assert request.replace(constraint=[None, None]).constraint is None
-    with pytest.raises(InvalidArgumentError, match="made under one only"):
-        api.request(method="ar").replace(constraint=constraints[0])
 
 
 # ----------------------------------------------------------------------------- speculative

@@ -19,16 +19,17 @@ allows one token only (:func:`specjax.constraints.forced_token`) needs no target
 choose it, since masked logits with one finite entry sample that token at any temperature
 and with any noise. A step first follows the forced run after the pending token (at most F
 tokens, and no further than the budget), then runs one target pass over the pending token
-and the run (F + 1 rows, causal; a one-row pass when nothing is forced, a ``lax.cond``,
-which a batch's ``vmap`` turns into both passes and a select) and samples the next token
-from the logits after the run's last token, with the noise of its own position. The
-tokens are those of one pass per token, computed by a pass of several rows instead of
-several passes of one: on the CPU that may round differently in the last bits, as a
-speculative verify pass may (:mod:`specjax.methods.exactness`). A forced token is
+and the run (causal; of 1, 2 or F + 1 rows, the fewest that hold them: a
+``lax.switch``, which a batch's ``vmap`` turns into every pass and a select) and samples
+the next token from the logits after the run's last token, with the noise of its own
+position. The tokens are those of one pass per token, computed by a pass of several rows
+instead of several passes of one: on the CPU that may round differently in the last bits,
+as a speculative verify pass may (:mod:`specjax.methods.exactness`). A forced token is
 appended only if the logits before it were finite, as one pass per token would check (a
 non-finite row may also spoil the rows before it in the same pass, through attention
 weights of zero: generation then stops a few tokens earlier than one pass per token would;
-it stops, and reports it, either way). ``ArState.forced`` counts the forced tokens committed (``stats["forced_tokens"]``).
+it stops, and reports it, either way). ``ArState.forced`` counts the forced tokens
+committed (``stats["forced_tokens"]``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def forced_run(tables: ConstraintTables, automaton: jax.Array, room: jax.Array,
     return jnp.stack(tokens), count, state
 
 
+def pass_sizes(width: int) -> tuple[int, ...]:
+    """The row counts of the target passes a jump-forward step picks from (static): one
+    (nothing forced), two (one forced token: on a BPE vocabulary the common case, a
+    separator; the text of a longer forced string has several tokenizations, so few states
+    force a token) and ``1 + width``. Each is a forward pass compiled into the program, so
+    no more: on the CPU a pass's cost grows with its rows."""
+    return tuple(sorted({1, 2, 1 + width}))
+
+
 def jump_forward_step(params, loop: DecodeLoop, state: DecodeState, tables: ConstraintTables,
                       width: int) -> DecodeState:
     """One constrained step that commits the forced run after the pending token (at most
@@ -119,7 +129,9 @@ def jump_forward_step(params, loop: DecodeLoop, state: DecodeState, tables: Cons
             return jax.lax.dynamic_index_in_dim(logits, count, keepdims=True), finite, cache
         return run_pass
 
-    last, finite, cache = jax.lax.cond(count > 0, target_pass(width + 1), target_pass(1), None)
+    sizes = pass_sizes(width)  # the smallest that holds the pending token and the run
+    which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), count + 1)
+    last, finite, cache = jax.lax.switch(which, [target_pass(size) for size in sizes], None)
     bad = ~finite & (rows <= count)  # a row's logits choose the token after it
     lead = jnp.where(jnp.any(bad), jnp.argmax(bad), count + 1)  # rows finite from the first
     new = sample_tokens(mask_logits(tables, after, last), state.sampling,
