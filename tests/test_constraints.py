@@ -526,7 +526,7 @@ def test_a_batch_with_one_constraint_per_row_equals_its_single_runs(spelling_mod
     constraints = [digits, None, words, digits]
     for temperature in (0.0, 1.0):
         settings = dict(max_new_tokens=6, temperature=temperature, stop=[eos_id()],
-                        method="ar")
+                        method="ar", jump_forward=0)  # the batch_under test jumps forward
         rows = specjax.generate(spelling_model, prompts, constraint=constraints,
                                 seed=[5, 6, 7, 8], **settings)
         for row, (prompt, constraint) in enumerate(zip(prompts, constraints)):
@@ -567,14 +567,15 @@ def test_a_prompts_file_gives_each_line_its_own_constraint(spelling_model, tmp_p
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     served = serve_models(monkeypatch, {"tiny": spelling_model}, [])
-    settings = ["--method", "ar", "--max-new-tokens", "6", "--batch-size", "4"]
+    settings = ["--method", "ar", "--jump-forward", "0", "--max-new-tokens", "6",
+                "--batch-size", "4"]
     out = tmp_path / "out.jsonl"
     assert cli.main(["generate", "-m", "tiny", "--prompts-file", str(path), "--output",
                      str(out), *settings]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     for record, prompt, constraint in zip(records, prompts, constraints):
         alone = specjax.generate(served["tiny"], prompt, constraint=constraint, method="ar",
-                                 max_new_tokens=6)
+                                 jump_forward=0, max_new_tokens=6)
         assert record["tokens"] == alone.tokens
         assert (record["stats"].get("constraint") or {}).get("constraint") == (
             None if constraint is None else constraint.describe())
@@ -712,7 +713,8 @@ def test_the_cli_refuses_a_bad_constraint_before_the_model_loads(tmp_path, capsy
 
 # spec drafts through the fixed-topology builder (a chain), tree through the dynamic one.
 # staged without context lookup: its program is the one the staged forcing test reuses
-# (ngram keeps lookup on).
+# (ngram keeps lookup on). The reference of these tests is ar with one target pass per
+# token (jump_forward=0; jump-forward's own test proves its tokens equal).
 SPECULATIVE = [("spec", {}), ("tree", {}), ("staged", {"use_lookup": False}), ("ngram", {})]
 
 
@@ -757,7 +759,8 @@ def test_every_method_under_a_constraint_equals_ar_greedy_and_coupled(
             kwargs = dict(constraint=constraint, max_new_tokens=12, temperature=temperature,
                           seed=seed, stop=[eos_id()])
             got = specjax.generate(spelling_model, prompt, method=method, **options, **kwargs)
-            expected = specjax.generate(spelling_model, prompt, method="ar", **kwargs)
+            expected = specjax.generate(spelling_model, prompt, method="ar", jump_forward=0,
+                                        **kwargs)
             assert got.tokens == expected.tokens, (which, temperature)
             assert re.fullmatch(BOUNDED[4], spelled(got.tokens[:-1]).decode())
             assert got.stats["constraint"]["states"] == expected.stats["constraint"]["states"]
@@ -777,7 +780,8 @@ def test_staged_proposals_keep_what_the_constraint_allows(spelling_model, ngram_
     from specjax.methods import staged
 
     kwargs = dict(constraint=Regex("(xyz){3}[0-9]"), max_new_tokens=12, stop=[eos_id()])
-    ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", **kwargs)
+    ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", jump_forward=0,
+                          **kwargs)
     if wrong:
         decode.clear_compiled()
         original = staged.propose
@@ -803,7 +807,8 @@ def test_the_draft_proposes_only_what_the_constraint_allows(spelling_model, monk
     from specjax.methods import speculative
 
     kwargs = dict(constraint=Regex("[0-9]{10}"), max_new_tokens=12, stop=[eos_id()])
-    ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", **kwargs)
+    ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", jump_forward=0,
+                          **kwargs)
     out = specjax.generate(spelling_model, DIST_PROMPT, method="spec", draft=spelling_model,
                            **kwargs)
     assert out.tokens == ar.tokens and len(out.tokens) == 11
@@ -828,7 +833,8 @@ def test_the_ngram_proposal_keeps_what_the_constraint_allows_forced_first(
     from specjax.methods import staged
 
     kwargs = dict(constraint=Regex("(xyz){3}[0-9]"), max_new_tokens=12, stop=[eos_id()])
-    ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", **kwargs)
+    ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", jump_forward=0,
+                          **kwargs)
     ngram = dict(method="ngram", ngram=ngram_tables, use_lookup=False)  # tables alone
     out = specjax.generate(spelling_model, DIST_PROMPT, **ngram, **kwargs)
     assert out.tokens == ar.tokens and len(out.tokens) == 11
@@ -888,7 +894,7 @@ def test_the_same_test_catches_an_unmasked_verify_pass(spelling_model, drafts, m
         got = specjax.generate(spelling_model, prompt, method="spec",
                                draft=drafts["itself"], **kwargs)
         differ += got.tokens != specjax.generate(spelling_model, prompt, method="ar",
-                                                 **kwargs).tokens
+                                                 jump_forward=0, **kwargs).tokens
     assert differ >= 2
 
 

@@ -151,7 +151,8 @@ def jump_forward_step(params, loop: DecodeLoop, state: DecodeState, tables: Cons
 
 @dataclasses.dataclass(frozen=True)
 class Autoregressive:
-    """The ``ar`` method: one target pass per token.
+    """The ``ar`` method: one target pass per token (under a constraint with
+    ``jump_forward``, one per sampled token: forced runs ride along).
 
     Attributes:
       constrained: sample under a constraint, whose tables are the resources (static: the
