@@ -46,7 +46,11 @@ elsewhere; ``interpret_variant="tpu"`` picks the TPU ones):
   q|k|v projection with RoPE and the in-place write in its epilogue, one launch more
   spared);
 * :func:`fused_linear_gpu` in :mod:`.linear_gpu` (Triton; :class:`GpuLinearBlockSizes`),
-  :func:`fused_linear_tpu` in :mod:`.linear_tpu` (Mosaic; :class:`TpuLinearBlockSizes`).
+  :func:`fused_linear_tpu` in :mod:`.linear_tpu` (Mosaic; :class:`TpuLinearBlockSizes`);
+* :func:`rms_norm_groups` (the fused layers' q/k norms, per head or over all heads, in
+  place on the q|k|v rows): :func:`rms_norm_groups_gpu` in :mod:`.norm_gpu` (Triton;
+  :class:`GpuNormBlockSizes`), a Triton kernel only, which Pallas' interpreter runs off a
+  GPU (on a TPU too, recorded below).
 
 The GPU linear kernel has a second backend, :func:`fused_linear_mosaic_gpu` in
 :mod:`.linear_mosaic_gpu` (Mosaic GPU: TMA copies and Hopper ``wgmma``, bfloat16/float16
@@ -79,7 +83,9 @@ one-line reason while the program is traced, and a run lists them in
   position-ordered (drafting calls with a scratch window take that kernel by design, and
   are not recorded: a draft's numbers never decide a token);
 * :func:`packed_attention_takes`: the packed GPU kernel refuses the shapes: the fused
-  layers run :func:`ordered_attention` unpacked.
+  layers run :func:`ordered_attention` unpacked;
+* :func:`rms_norm_groups`: the kernel refuses the shapes (a group width that is not a
+  multiple of 16): its jnp reference runs; on a TPU, Pallas' interpreter runs the kernel.
 
 The models layer records its own: ``attn_impl="fused"`` over a pass of more than
 :data:`specjax.models.FUSED_MAX_TOKENS` tokens, or for a family without fused layers.
@@ -95,12 +101,14 @@ from specjax.errors import InvalidArgumentError
 from . import fallbacks
 from .numerics import write_rope_rows
 
-__all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuOrderedBlockSizes",
+__all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuNormBlockSizes",
+           "GpuOrderedBlockSizes",
            "MosaicGpuLinearBlockSizes", "TpuBlockSizes", "TpuLinearBlockSizes",
            "TpuOrderedBlockSizes", "fused_linear", "fused_linear_gpu",
            "fused_linear_mosaic_gpu", "fused_linear_tpu", "ordered_attention",
            "ordered_attention_gpu", "ordered_attention_packed", "ordered_attention_tpu",
-           "packed_attention_takes", "qkv_rope_into", "qkv_rope_into_gpu", "takes_windows",
+           "packed_attention_takes", "qkv_rope_into", "qkv_rope_into_gpu", "rms_norm_groups",
+           "rms_norm_groups_gpu", "takes_windows",
            "verify_attention",
            "verify_attention_gpu", "verify_attention_tpu", "gpu_kernel_backend",
            "linear_row_tile", "select_variant"]
@@ -124,6 +132,7 @@ _LAZY = {"GpuBlockSizes": "attention_gpu", "verify_attention_gpu": "attention_gp
          "TpuLinearBlockSizes": "linear_tpu", "fused_linear_tpu": "linear_tpu",
          "TpuOrderedBlockSizes": "attention_ordered_tpu",
          "ordered_attention_tpu": "attention_ordered_tpu",
+         "GpuNormBlockSizes": "norm_gpu", "rms_norm_groups_gpu": "norm_gpu",
          "MosaicGpuLinearBlockSizes": "linear_mosaic_gpu",
          "fused_linear_mosaic_gpu": "linear_mosaic_gpu"}
 
@@ -355,27 +364,39 @@ def qkv_rope_into(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
 
 
 def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
-                      variant: str | None = None, layer=None, interpret_variant: str = "gpu"):
+                      variant: str | None = None, layer=None, interpret_variant: str = "gpu",
+                      scale: float | None = None):
     """Position-ordered attention (:mod:`.attention_ordered_gpu`,
     :mod:`.attention_ordered_tpu`, chosen like :func:`verify_attention`'s kernel); a call it
     does not take (a drafting call with a scratch window, a capacity that is not a multiple
     of its block) runs :func:`verify_attention` with that variant's kernel forced. Same
-    arguments as that function.
+    arguments as that function, and ``scale``: the static score scale (``None``:
+    ``D ** -0.5``), which the ordered kernels apply to each score; for
+    :func:`verify_attention`'s kernel the queries are scaled by ``scale * D ** 0.5`` first.
     """
     variant, interpret = select_variant(variant, interpret_variant)
     module = _kernel_module(variant, _ORDERED_MODULES)
     args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
+
+    def unordered():
+        if scale is None:
+            return verify_attention(*args, variant=variant, layer=layer)
+        import jax.numpy as jnp
+
+        scaled = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
+        return verify_attention(scaled, *args[1:], variant=variant, layer=layer)
+
     if scratch_mask is not None and scratch_mask.shape[1] > 0:
-        return verify_attention(*args, variant=variant, layer=layer)  # a drafting call
+        return unordered()  # a drafting call
     try:
         module.check_supported(*args[:5], mask, scratch_mask)
     except InvalidArgumentError as error:
         fallbacks.record("ordered_attention", f"{error}; verify_attention's kernel ran (not "
                          f"position-ordered: a verify pass may differ from the one-token "
                          f"step in the last bits)")
-        return verify_attention(*args, variant=variant, layer=layer)
+        return unordered()
     return getattr(module, f"ordered_attention_{variant}")(*args, layer=layer,
-                                                           interpret=interpret)
+                                                           interpret=interpret, scale=scale)
 
 
 def packed_attention_takes(packed_shape, dtype, k_cache, v_cache, *, num_heads: int,
@@ -400,9 +421,10 @@ def packed_attention_takes(packed_shape, dtype, k_cache, v_cache, *, num_heads: 
 
 def ordered_attention_packed(packed, layer, k_cache, v_cache, length, links, depth, *,
                              num_heads: int, variant: str | None = None,
-                             interpret_variant: str = "gpu"):
+                             interpret_variant: str = "gpu", scale: float | None = None):
     """:func:`ordered_attention_packed_gpu` (see there), natively on a GPU and interpreted
-    elsewhere; only where :func:`packed_attention_takes` says so."""
+    elsewhere; only where :func:`packed_attention_takes` says so. ``scale``: the static
+    score scale (``None``: ``D ** -0.5``)."""
     variant, interpret = select_variant(variant, interpret_variant)
     if variant != "gpu":
         raise InvalidArgumentError(
@@ -411,4 +433,33 @@ def ordered_attention_packed(packed, layer, k_cache, v_cache, length, links, dep
     module = _kernel_module(variant, _ORDERED_MODULES)
     return module.ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links,
                                                depth, num_heads=num_heads,
-                                               interpret=interpret)
+                                               interpret=interpret, scale=scale)
+
+
+def rms_norm_groups(x, weight, layer, *, start: int, groups: int, eps: float,
+                    variant: str | None = None, interpret_variant: str = "gpu"):
+    """``x`` [R, N] with ``groups`` column groups of width W (``weight`` [L, W]) from column
+    ``start`` RMSNorm'd by ``weight[layer]`` in place (the fused layers' q/k norms): the
+    row-tiled kernel :func:`.norm_gpu.rms_norm_groups_gpu`, whose sums do not depend on
+    the number of rows.
+
+    It is a Triton kernel: natively on a GPU, in Pallas' generic interpreter elsewhere.
+    On the TPU variant that interpreter runs it on the TPU too (recorded; slow, its sums
+    still over one fixed block shape per program; not yet checked on a TPU). A call the
+    kernel refuses (a group width that is not a multiple of 16) runs its jnp reference,
+    recorded (not row-independent on a GPU).
+    """
+    variant, interpret = select_variant(variant, interpret_variant)
+    module = importlib.import_module(f"{__name__}.norm_gpu")
+    try:
+        module.check_supported(x, weight, start=start, groups=groups)
+    except InvalidArgumentError as error:
+        fallbacks.record("rms_norm_groups", f"{error}; its jnp reference ran (its sums may "
+                         f"be tiled by the row count)")
+        return module.rms_norm_groups_reference(x, weight, layer, start=start, groups=groups,
+                                                eps=eps)
+    if variant != "gpu" and not interpret:
+        fallbacks.record("rms_norm_groups", f"the group RMSNorm kernel has no {variant} "
+                         f"lowering; Pallas' interpreter ran it")
+    return module.rms_norm_groups_gpu(x, weight, layer, start=start, groups=groups, eps=eps,
+                                      interpret=interpret or variant != "gpu")

@@ -262,11 +262,16 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
             f"block_kv={block_sizes.block_kv}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _score_scale(scale: float | None, head_dim: int) -> float:
+    """The kernels' score scale: ``scale``, else ``head_dim ** -0.5``."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale"))
 def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None,
                           *, layer=None,
                           block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes(),
-                          interpret: bool = False):
+                          interpret: bool = False, scale: float | None = None):
     """Attention with a position-ordered reduction; same semantics as
     :func:`specjax.attention.attention_reference` for calls whose rows see chains of new
     tokens (prefill, decode, tree verification); see the module docstring.
@@ -278,6 +283,8 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
       layer: int32 [] layer of stacked caches.
       block_sizes: static :class:`GpuOrderedBlockSizes`.
       interpret: Pallas' interpreter instead of a GPU compile.
+      scale: static score scale (``None``: ``D ** -0.5``), applied to each score in the
+        kernel (Granite's and Gemma's query scale).
     Returns:
       [T, H, D] in q's dtype.
     """
@@ -314,7 +321,7 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
         functools.partial(_ordered_kernel, group=num_heads // num_kv_heads,
                           num_kv_heads=num_kv_heads,
                           block_rows=block_sizes.block_rows, block_kv=block_sizes.block_kv,
-                          scale=1.0 / math.sqrt(head_dim)),
+                          scale=_score_scale(scale, head_dim)),
         grid=(num_heads, rows // block_sizes.block_rows),
         in_specs=[pl.no_block_spec, pl.no_block_spec, query_spec,
                   pl.BlockSpec((block_sizes.block_rows,), lambda h, i: (i,)),
@@ -391,11 +398,12 @@ def check_packed(packed, k_cache, v_cache, *, num_heads: int,
             f"block_kv={block_sizes.block_kv}")
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "block_sizes", "interpret",
+                                             "scale"))
 def ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links, depth, *,
                                  num_heads: int,
                                  block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes(),
-                                 interpret: bool = False):
+                                 interpret: bool = False, scale: float | None = None):
     """:func:`ordered_attention_gpu` on a layer loop's packed rows: same arithmetic, same
     result bit for bit, but reading and writing the layouts around it.
 
@@ -410,6 +418,7 @@ def ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links,
       num_heads: H (static).
       block_sizes: static :class:`GpuOrderedBlockSizes`.
       interpret: Pallas' interpreter instead of a GPU compile.
+      scale: as :func:`ordered_attention_gpu`.
     Returns:
       [R, H*D] in ``packed``'s dtype, row-major as an output projection reads it; padding
       rows are finite (they attend to the cache; zero in a tile of padding rows only).
@@ -427,7 +436,7 @@ def ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links,
         functools.partial(_packed_kernel, num_heads=num_heads,
                           group=num_heads // num_kv_heads, num_kv_heads=num_kv_heads,
                           block_rows=block_sizes.block_rows, block_kv=block_sizes.block_kv,
-                          scale=1.0 / math.sqrt(head_dim)),
+                          scale=_score_scale(scale, head_dim)),
         grid=(num_heads, rows // block_sizes.block_rows),
         in_specs=[pl.no_block_spec, pl.no_block_spec,
                   pl.BlockSpec((block_sizes.block_rows,), lambda h, i: (i,)),

@@ -241,15 +241,15 @@ def _boundary_region(k_new, v_new, k_cache, v_cache, layer, length, chain, depth
     return region(k_new, k_cache), region(v_new, v_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale"))
 def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None,
                           *, layer=None,
                           block_sizes: TpuOrderedBlockSizes = TpuOrderedBlockSizes(),
-                          interpret: bool = False):
+                          interpret: bool = False, scale: float | None = None):
     """Attention with a position-ordered reduction on a TPU; the arguments and result are
     those of :func:`specjax.kernels.attention_ordered_gpu.ordered_attention_gpu`, with
     ``block_sizes`` a static :class:`TpuOrderedBlockSizes` and ``interpret`` running the
-    TPU interpreter.
+    TPU interpreter (``scale``: the static score scale, ``None`` for ``D ** -0.5``).
 
     Returns:
       [T, H, D] in q's dtype.
@@ -304,7 +304,7 @@ def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
     state = lambda width: pltpu.VMEM((num_kv_heads, block_rows, 1, width), jnp.float32)  # noqa: E731
     out = pl.pallas_call(
         functools.partial(_ordered_kernel, block_kv=block_kv, num_steps=num_steps,
-                          scale=1.0 / math.sqrt(head_dim)),
+                          scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(rows // block_rows, num_steps),

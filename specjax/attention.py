@@ -250,12 +250,12 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
         raise InvalidArgumentError(
             "attention 'fused': the position-ordered kernels take no soft-capping or sliding "
             "windows; use attention 'auto' or 'kernel'")
-    if scale is not None:  # the kernels scale by D ** -0.5
+    if scale is not None and impl != "fused":  # the kernels scale by D ** -0.5
         q = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
 
     def kernel(*args, layer, first_visible):
-        if impl == "fused":
-            return kernels.ordered_attention(*args, layer=layer,
+        if impl == "fused":  # the ordered kernels scale each score by `scale`
+            return kernels.ordered_attention(*args, layer=layer, scale=scale,
                                              interpret_variant=interpret_variant)
         return kernels.verify_attention(*args, layer=layer, interpret_variant=interpret_variant,
                                         fallback=attention_reference if impl == "auto" else None,

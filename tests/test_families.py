@@ -640,15 +640,15 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("variant,feature", [("gemma2", "soft-capping"),
-                                              ("qwen3-tied", "q/k norms"),
-                                              ("smollm3", "NoPE layers"),
-                                              ("granite", "Granite's multipliers"),
+@pytest.mark.parametrize("variant,feature", [("gemma2", "attention soft-capping"),
+                                              ("qwen3-untied-sliding", "sliding windows"),
+                                              ("gemma", "GELU"),
+                                              ("gemma3", "local RoPE"),
                                               ("olmo2", "no input norms"),
                                               ("gpt-neox", "LayerNorm"),
                                               ("mixtral", "mixture-of-experts"),
-                                              ("gpt-bigcode", "learned positions"),
-                                              ("cohere", "a logit scale")])
+                                              ("gpt-bigcode", "a two-matrix MLP"),
+                                              ("cohere", "parallel attention and MLP")])
 def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
     with pytest.raises(InvalidArgumentError, match=f"attention 'fused'.*{feature}") as info:
         specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
@@ -656,10 +656,15 @@ def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
     assert "\n" not in str(info.value)
 
 
-def test_phi3_runs_the_fused_layers_exactly(pairs):
-    """Phi-3 without a window is Llama once its fused tensors are split: the fused
-    (kernel, interpreted here) layers give ``ar``'s greedy tokens."""
-    model = pairs["phi3-global"][1]
+# Families whose layers the fused kernels take: Phi-3 (Llama once its fused tensors are
+# split), Qwen3 (per-head q/k norms in the row-tiled norm kernel), SmolLM3 (NoPE layers),
+# Granite (its four multipliers: elementwise, and the query scale in the attention kernel).
+@pytest.mark.parametrize("variant", [
+    "phi3-global", "qwen3-tied", pytest.param("smollm3", marks=pytest.mark.slow),
+    pytest.param("granite", marks=pytest.mark.slow)])
+def test_the_fused_layers_give_ar_tokens(pairs, variant):
+    """The fused (kernel, interpreted here) layers give ``ar``'s greedy tokens."""
+    model = pairs[variant][1]
     assert models.has_fused_layers(model.config)
     prompt = random_prompt(0, 6)
     expected = specjax.generate(model, prompt, max_new_tokens=8).tokens

@@ -39,6 +39,8 @@ a kernel never writes with NaN). Checked here:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -55,9 +57,12 @@ from specjax.kernels.attention_ordered_gpu import (GpuOrderedBlockSizes, check_p
                                                    ordered_attention_gpu,
                                                    ordered_attention_packed_gpu, packed_links)
 from specjax.kernels.layout import round_up as layout_round_up
+from specjax.kernels.norm_gpu import (GpuNormBlockSizes, rms_norm_groups_gpu,
+                                      rms_norm_groups_reference)
 from specjax.kernels.linear_gpu import (GpuLinearBlockSizes, check_rope_into, check_supported,
                                         fused_linear_gpu, fused_linear_reference,
                                         qkv_rope_into_gpu, qkv_rope_into_reference)
+from specjax.models import decoder
 from specjax.models.layers import rope_tables, write_rope_rows
 from specjax.tree import ancestor_mask
 
@@ -475,6 +480,86 @@ def test_qkv_rope_kernel_lowers_for_triton():
         assert "triton" in lowered.as_text()
 
 
+# --- q/k norms: groups of columns RMSNorm'd in place ---------------------------------------
+
+def _norm_arrays(dtype, rows=16, width=32, groups=4, seed=0):
+    """Rows [rows, 32 + groups * width + 32] (terms of very different sizes: the order of
+    the sums matters) and weights [L, width]."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 2)
+    columns = 64 + groups * width
+    x = jax.random.normal(ks[0], (rows, columns)) * jnp.logspace(-2, 2, columns)
+    w = 1 + 0.2 * jax.random.normal(ks[1], (L, width))
+    return x.astype(dtype), w.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width,groups", [(32, 4), (128, 1)], ids=["per-head", "whole"])
+def test_group_norm_kernel_matches_reference_and_keeps_other_columns(dtype, width, groups):
+    x, w = _norm_arrays(dtype, width=width, groups=groups)
+    got = rms_norm_groups_gpu(x, w, jnp.int32(1), start=32, groups=groups, interpret=True)
+    want = rms_norm_groups_reference(x, w, jnp.int32(1), start=32, groups=groups)
+    end = 32 + groups * width
+    for part in (slice(0, 32), slice(end, None)):  # value heads and the like: untouched
+        np.testing.assert_array_equal(got[:, part], x[:, part])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_group_norm_rows_are_bitwise_independent_and_a_row_dependent_chunk_is_caught():
+    """Each row of a 48-row call is bitwise the row normed in a 16-row call of its own; the
+    same comparison fails with the sums chunked by the row count (128 columns at once for
+    one tile, 16 at a time for more)."""
+    x, w = _norm_arrays(jnp.float32, rows=48, width=128, groups=1, seed=3)
+
+    def norm(rows, **kwargs):  # compiled as the path tests compile (see PINNED_ORDER)
+        call = functools.partial(rms_norm_groups_gpu, start=32, groups=1, interpret=True,
+                                 **kwargs)
+        return _pinned(call, rows, w, jnp.int32(0))(rows, w, jnp.int32(0))
+
+    together = norm(x)
+    wrong = norm(x, block_sizes=GpuNormBlockSizes(chunk=16))
+    differs = 0
+    for row in range(0, 48, 5):
+        alone = norm(jnp.pad(x[row:row + 1], ((0, 15), (0, 0))))
+        np.testing.assert_array_equal(together[row], alone[0])
+        differs += int(np.any(np.asarray(wrong[row]) != np.asarray(alone[0])))
+    assert differs > 0
+
+
+@pytest.mark.parametrize("shape,weight,kwargs,message", [
+    ((16, 96), (2, 24), dict(start=0, groups=2), "multiple of 16"),
+    ((8, 96), (2, 32), dict(start=0, groups=2), "not a multiple of block_rows"),
+    ((16, 96), (2, 32), dict(start=64, groups=2), "outside x"),
+    ((16, 96), (32,), dict(start=0, groups=2), "weight \\[L, W\\]"),
+])
+def test_group_norm_bad_input_is_one_line(shape, weight, kwargs, message):
+    with pytest.raises(InvalidArgumentError, match=message) as info:
+        rms_norm_groups_gpu(jnp.zeros(shape), jnp.ones(weight), jnp.int32(0), interpret=True,
+                            **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_group_norm_and_scaled_attention_lower_for_triton():
+    """The q/k norms' kernel at Qwen3-0.6B's q|k|v rows (16 + 8 + 8 heads of 128; per head)
+    and OLMo-2-13B's (40 query heads normed at once: a 5120-wide group), and the packed
+    attention with a query scale of its own (Granite's), lower for Triton."""
+    sds = jax.ShapeDtypeStruct
+    for rows, heads, kv_heads, d, whole, dtype in [(16, 16, 8, 128, False, jnp.bfloat16),
+                                                   (64, 16, 8, 128, False, jnp.float32),
+                                                   (64, 40, 40, 128, True, jnp.bfloat16)]:
+        width, groups = (heads * d, 1) if whole else (d, heads)
+        lowered = rms_norm_groups_gpu.trace(
+            sds((rows, (heads + 2 * kv_heads) * d), dtype), sds((28, width), dtype),
+            sds((), jnp.int32), start=0, groups=groups).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
+    lowered = ordered_attention_packed_gpu.trace(
+        sds((40, 64, 32 + 2 * 8, 128), jnp.bfloat16), sds((), jnp.int32),
+        sds((40, 4096, 8, 128), jnp.bfloat16), sds((40, 4096, 8, 128), jnp.bfloat16),
+        sds((), jnp.int32), sds((64, 96), jnp.int32), sds((64,), jnp.int32), num_heads=32,
+        scale=0.0078125).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
+
+
 # --- whole models ---------------------------------------------------------------------
 
 def _tiny_config(**overrides) -> ModelConfig:
@@ -629,18 +714,56 @@ def _unpacked(monkeypatch):
     monkeypatch.setattr(kernels, "packed_attention_takes", lambda *args, **kwargs: False)
 
 
+# Every feature the fused layers take beyond Llama's (decoder.plain_layers_only), in one
+# config: scaled embeddings, Granite's multipliers (embeddings, residual adds, logits), a
+# query scale, a head bias, a logit scale and final soft-capping (elementwise between the
+# kernels, or the score scale in the attention kernel); partial RoPE (16 of 32 dims) and a
+# NoPE layer (the rotation tables); per-head q/k norms (the row-tiled norm kernel, whose
+# 32-wide heads let a wrong variant sum them in two chunks).
+FEATURES = dict(embed_scale=True, embed_multiplier=1.5, residual_multiplier=0.3,
+                logits_divisor=3.0, logit_scale=1.3, final_softcap=20.0, query_scale=0.2,
+                head_bias=True, tie_word_embeddings=False, head_dim=32, rotary_dim=16,
+                no_rope_layers=(1, 0), qk_norm=True)
+
+
+def _feature_params(config, dtype=jnp.float32):
+    """:func:`_params` with the norm weights and the head bias away from their 1 and 0."""
+    params = _params(config)
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    layers = dict(params["layers"])
+    for key, name in zip(keys, ("q_norm", "k_norm")):
+        if name in layers:
+            layers[name] = 1 + 0.2 * jax.random.normal(key, layers[name].shape)
+    params = {**params, "layers": layers}
+    if config.head_bias:
+        params["lm_head_bias"] = 0.5 * jax.random.normal(keys[2], (config.vocab_size,))
+    return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+CONFIGS = {"llama": {}, "features": FEATURES,
+           # OLMo's layout: q and k each normed over all their heads (one 128-wide group)
+           "whole-qk-norms": dict(FEATURES, qk_norm_whole=True)}
+
+
 # The tree starting mid-block, and on a block edge; fp32 and bf16; the packed kernel (what
-# a GPU runs) and the unpacked one.
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
-@pytest.mark.parametrize("prompt_length,dtype", [
-    (12, jnp.float32), (12, jnp.bfloat16),
-    pytest.param(16, jnp.float32, marks=pytest.mark.slow)])
-def test_every_node_on_a_path_is_bitwise_the_ar_step(prompt_length, dtype, packed,
+# a GPU runs) and the unpacked one; Llama's layers, and with every feature (FEATURES).
+@pytest.mark.parametrize("name,prompt_length,dtype,packed", [
+    ("llama", 12, jnp.float32, True), ("llama", 12, jnp.bfloat16, True),
+    ("llama", 12, jnp.float32, False), ("llama", 12, jnp.bfloat16, False),
+    pytest.param("llama", 16, jnp.float32, True, marks=pytest.mark.slow),
+    pytest.param("llama", 16, jnp.float32, False, marks=pytest.mark.slow),
+    ("features", 12, jnp.float32, True), ("features", 12, jnp.bfloat16, False),
+    pytest.param("features", 12, jnp.bfloat16, True, marks=pytest.mark.slow),
+    pytest.param("features", 12, jnp.float32, False, marks=pytest.mark.slow),
+    pytest.param("whole-qk-norms", 12, jnp.float32, True, marks=pytest.mark.slow)],
+    ids=lambda v: {jnp.float32: "fp32", jnp.bfloat16: "bf16", True: "packed",
+                   False: "unpacked"}.get(v, str(v)))
+def test_every_node_on_a_path_is_bitwise_the_ar_step(name, prompt_length, dtype, packed,
                                                      monkeypatch):
     if not packed:
         _unpacked(monkeypatch)
-    config = _tiny_config()
-    params = jax.tree.map(lambda a: a.astype(dtype), _params(config))
+    config = _tiny_config(**CONFIGS[name])
+    params = _feature_params(config, dtype)
     assert all(_path_versus_tree(config, params, prompt_length))
 
 
@@ -664,17 +787,18 @@ def test_a_row_count_dependent_blocking_is_caught(monkeypatch, packed):
     fixed blocking rules out. The tree starts at position 20, so the one-token step's
     16-slot blocks split the keys that the verify pass's 32-slot block reads in one update:
     a later block's larger score rescales the sums, which the one-block pass never does."""
-    def blocked_by_row_count(q, *args, layer, interpret_variant):
+    def blocked_by_row_count(q, *args, layer, interpret_variant, scale):
         sizes = GpuOrderedBlockSizes(block_kv=16 if q.shape[0] == 1 else 32)
-        return ordered_attention_gpu(q, *args, layer=layer, block_sizes=sizes, interpret=True)
+        return ordered_attention_gpu(q, *args, layer=layer, block_sizes=sizes, interpret=True,
+                                     scale=scale)
 
     def sizes_for(rows):  # 16 packed rows: a one-token step (and short verify passes)
         return GpuOrderedBlockSizes(block_kv=16 if rows == 16 else 32)
 
-    def packed_blocked_by_row_count(packed, *args, num_heads, interpret_variant):
+    def packed_blocked_by_row_count(packed, *args, num_heads, interpret_variant, scale):
         return ordered_attention_packed_gpu(packed, *args, num_heads=num_heads,
                                             block_sizes=sizes_for(packed.shape[1]),
-                                            interpret=True)
+                                            interpret=True, scale=scale)
 
     if packed:
         monkeypatch.setattr(kernels, "ordered_attention_packed", packed_blocked_by_row_count)
@@ -687,12 +811,117 @@ def test_a_row_count_dependent_blocking_is_caught(monkeypatch, packed):
     assert not all(_path_versus_tree(config, _params(config), 20))
 
 
-@pytest.mark.parametrize("method", ["tree", pytest.param("ar-batch", marks=pytest.mark.slow)])
+def _norm_chunked_by_row_count(monkeypatch):
+    """The q/k norms' sums in one 32-column chunk for a one-token step's 16 rows and in two
+    16-column chunks for more: the sum of squares associates differently."""
+    def norm(x, weight, layer, *, start, groups, eps, interpret_variant):
+        sizes = GpuNormBlockSizes(chunk=32 if x.shape[0] == 16 else 16)
+        return rms_norm_groups_gpu(x, weight, layer, start=start, groups=groups, eps=eps,
+                                   block_sizes=sizes, interpret=True)
+
+    monkeypatch.setattr(kernels, "rms_norm_groups", norm)
+
+
+def _scale_folded_into_queries(monkeypatch):
+    """On the multi-row path the query scale multiplies q (as the verify kernel takes it)
+    instead of each score."""
+    _unpacked(monkeypatch)
+    ordered = kernels.ordered_attention
+
+    def attention(q, *args, scale=None, **kwargs):
+        if q.shape[0] > 1 and scale is not None:
+            q = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
+            scale = None
+        return ordered(q, *args, scale=scale, **kwargs)
+
+    monkeypatch.setattr(kernels, "ordered_attention", attention)
+
+
+def _logits_capped_first(monkeypatch):
+    """On the multi-row path the logits are soft-capped before the divisor and scale. (A
+    product and a division by constants reordered is no variant: XLA folds both into one
+    product either way.)"""
+    finish = models.finish_logits
+
+    def finish_logits(config, logits):
+        if logits.shape[0] == 1:
+            return finish(config, logits)
+        logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
+        return logits / config.logits_divisor * config.logit_scale
+
+    monkeypatch.setattr(models, "finish_logits", finish_logits)
+
+
+def _residual_multiplier_on_the_input(monkeypatch):
+    """On the multi-row path Granite's residual multiplier scales the o and down
+    projections' inputs instead of their outputs."""
+    add_output = decoder._add_output
+
+    def scaled_input(config, linear, x, h, weight, bias, index):
+        if h.shape[0] == 16:
+            return add_output(config, linear, x, h, weight, bias, index)
+        m = jnp.asarray(config.residual_multiplier, h.dtype)
+        return x + linear(h * m, (weight,), biases=(bias,), layer=index, eps=config.norm_eps)
+
+    monkeypatch.setattr(decoder, "_add_output", scaled_input)
+
+
+def _partial_rope_over_the_whole_head(monkeypatch):
+    """On the multi-row path partial RoPE's tables are widened to the whole head (cos 1,
+    sin 0 past them), which pairs dim i with i + D/2 instead of i + R/2."""
+    context = decoder.layer_context
+
+    def widened(config, tables, index):
+        cos, sin = context(config, tables, index)
+        if cos.shape[0] == 16:
+            return cos, sin
+        pad = config.head_dim - cos.shape[1]
+        return (jnp.pad(cos, ((0, 0), (0, pad)), constant_values=1.0),
+                jnp.pad(sin, ((0, 0), (0, pad))))
+
+    monkeypatch.setattr(decoder, "layer_context", widened)
+
+
+def _nope_layer_rotated(monkeypatch):
+    """On the multi-row path the NoPE layer is rotated like the others."""
+    context = decoder.layer_context
+    monkeypatch.setattr(decoder, "layer_context", lambda config, tables, index: (
+        context(config, tables, index) if tables[0].shape[0] == 16 else tables))
+
+
+WRONG_FEATURES = {"qk-norm-chunks": _norm_chunked_by_row_count,
+                  "query-scale": _scale_folded_into_queries,
+                  "logits": _logits_capped_first,
+                  "residual-multiplier": _residual_multiplier_on_the_input,
+                  "partial-rope": _partial_rope_over_the_whole_head,
+                  "nope-layer": _nope_layer_rotated}
+
+
+@pytest.mark.parametrize("variant", [
+    name if name == "qk-norm-chunks" else pytest.param(name, marks=pytest.mark.slow)
+    for name in WRONG_FEATURES])
+def test_a_feature_computed_differently_by_row_count_is_caught(monkeypatch, variant):
+    """The comparison of :func:`test_every_node_on_a_path_is_bitwise_the_ar_step` with
+    :data:`FEATURES` fails when one feature is computed one way for a one-token step and
+    another for a verify pass: the q/k norms' sums chunked by the row count (the bug the
+    norm kernel's fixed chunks rule out), the query scale folded into q (as the verify
+    kernel takes it), the logits soft-capped first, the residual multiplier on the
+    projections' inputs, partial RoPE's pairs taken over the whole head, a NoPE layer
+    rotated."""
+    WRONG_FEATURES[variant](monkeypatch)
+    config = _tiny_config(**FEATURES)
+    assert not all(_path_versus_tree(config, _feature_params(config), 12))
+
+
+@pytest.mark.parametrize("method", ["tree", pytest.param("ar-batch", marks=pytest.mark.slow),
+                                    pytest.param("tree-features", marks=pytest.mark.slow)])
 def test_fused_generation_equals_reference(method):
     """Greedy ``tree`` and ``ar`` over a batch of two under ``attn_impl="fused"`` give the
-    reference ``ar`` tokens."""
-    config = _tiny_config(num_layers=2)
-    target = specjax.Model.from_params(config, _params(config, seed=5), name="fused-target")
+    reference ``ar`` tokens; ``tree-features``: a target with every feature of
+    :data:`FEATURES`."""
+    config = _tiny_config(num_layers=2, **(FEATURES if method == "tree-features" else {}))
+    target = specjax.Model.from_params(config, _feature_params(config) if config.qk_norm
+                                       else _params(config, seed=5), name="fused-target")
     prompts = [random_prompt(7, 9, vocab=config.vocab_size),
                random_prompt(8, 5, vocab=config.vocab_size)]
     expected = [specjax.generate(target, p, max_new_tokens=5,

@@ -239,16 +239,18 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
     """
     rows = x.shape[0]
     links, depth = kernels.packed_links(mask, rows)
-    cos, sin = context
-    rope = tuple(jnp.pad(table, ((0, rows - table.shape[0]), (0, 0))) for table in (cos, sin))
+    context = jax.tree.map(lambda table: jnp.pad(table, ((0, rows - table.shape[0]), (0, 0))),
+                           context)
 
     def attend(packed, index):
         return kernels.ordered_attention_packed(packed, index, k_all, v_all, length, links,
                                                 depth, num_heads=config.num_heads,
-                                                interpret_variant=options.interpret_variant)
+                                                interpret_variant=options.interpret_variant,
+                                                scale=config.query_scale)
 
     def packed_layer(carry, _):
         x, index, packed, taps = carry
+        rope = family.layer_context(config, context, index)  # NoPE layers: the identity
         x, packed = family.block_fused_packed(layers, index, config, x, rope, packed, attend,
                                               linear, interpret_variant=options.interpret_variant,
                                               gpu_linear=options.gpu_linear)
@@ -384,8 +386,9 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         else:
             def fused_layer(carry, _):
                 x, index, taps = carry
-                x, k, v = family.block_fused(layers, index, config, x, context,
-                                             attend_at(index), linear)
+                x, k, v = family.block_fused(layers, index, config, x, context_at(index),
+                                             attend_at(index), linear,
+                                             interpret_variant=options.interpret_variant)
                 if num_taps:
                     taps = _tap(taps, x, index, feature_layers)
                 return (x, index + 1, taps), jnp.stack([k, v])
@@ -585,6 +588,10 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
                                       eps=config.norm_eps, float32_out=True, fallback=True,
                                       interpret_variant=options.interpret_variant,
                                       gpu_linear=options.gpu_linear)
+        if config.head_bias:  # Phi's, added to the float32 products as _head adds it
+            logits = logits + params["lm_head_bias"].astype(jnp.float32)
+        # Elementwise after the kernel (divisor, scale, soft-cap): the same per row.
+        logits = finish_logits(config, logits)
         if taps_wanted:
             return logits, taps, cache
         if return_features:

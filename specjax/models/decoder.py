@@ -287,25 +287,26 @@ def layer_attention(config: ModelConfig, positions: jax.Array, mask: jax.Array, 
 
 def plain_layers_only(config: ModelConfig) -> str | None:
     """Why ``config`` has no fused-kernel layers (a feature the row-tiled kernels do not
-    fold in), or ``None``: the fused layers are Llama's exactly."""
+    fold in yet), or ``None``.
+
+    The fused layers take Llama's layers and, on top, each feature whose arithmetic per row
+    does not depend on the number of rows in the call: the elementwise ones between the
+    kernels (scaled embeddings and Granite's multipliers, learned positions, a head bias,
+    a logit scale or divisor, final logit soft-capping; partial RoPE and NoPE layers, which
+    change the rotation tables), the query scale inside the ordered attention kernels, and
+    q/k norms (per head or over all heads) in the row-tiled norm kernel
+    (:func:`specjax.kernels.rms_norm_groups`). The features listed here are refused."""
     features = [name for name, on in (
-        ("q/k norms", config.qk_norm), ("(1 + w) norms", config.norm_plus_one),
-        ("GELU", config.hidden_act != "silu"), ("scaled embeddings", config.embed_scale),
+        ("(1 + w) norms", config.norm_plus_one),
+        ("GELU", config.hidden_act != "silu"),
         ("LayerNorm", config.norm_kind != "rms"), ("a two-matrix MLP", not config.gated_mlp),
         ("parallel attention and MLP", config.parallel_residual),
         ("post-attention/MLP norms", config.sandwich_norms),
         ("no input norms", not config.pre_norms),
-        ("a query scale", config.query_scale is not None),
-        ("soft-capping", config.attn_softcap is not None or config.final_softcap is not None),
+        ("attention soft-capping", config.attn_softcap is not None),
         ("sliding windows", bool(config.layer_windows)),
         ("local RoPE", config.local_rope_theta is not None),
-        ("partial RoPE", config.rope_dim != config.head_dim),
-        ("NoPE layers", bool(config.no_rope_layers)),
-        ("learned positions", config.learned_positions),
-        ("mixture-of-experts MLPs", config.num_experts > 0), ("a head bias", config.head_bias),
-        ("Granite's multipliers", any(m is not None for m in (
-            config.embed_multiplier, config.residual_multiplier, config.logits_divisor))),
-        ("a logit scale", config.logit_scale is not None))
+        ("mixture-of-experts MLPs", config.num_experts > 0))
         if on]
     return ", ".join(features) or None
 
@@ -456,13 +457,43 @@ def _project_qkv(layers: dict, index, config: ModelConfig, x: jax.Array, linear)
                             ("wv", "bv", kv_width))], axis=-1)
 
 
+def _qk_norms(layers: dict, index, config: ModelConfig, qkv: jax.Array,
+              interpret_variant: str) -> jax.Array:
+    """The q|k|v rows [rows, (H + 2K) * D] with q and k RMSNorm'd (``config.qk_norm``: per
+    head, or over all heads at once with ``qk_norm_whole``) by the row-tiled kernel
+    :func:`specjax.kernels.rms_norm_groups`, in place: a reduction, so not written in jnp
+    between the kernels (XLA may tile it by the row count)."""
+    if not config.qk_norm:
+        return qkv
+    heads, kv_heads = (1, 1) if config.qk_norm_whole else (config.num_heads,
+                                                           config.num_kv_heads)
+    for weight, start, groups in ((layers["q_norm"], 0, heads),
+                                  (layers["k_norm"], config.num_heads * config.head_dim,
+                                   kv_heads)):
+        qkv = kernels.rms_norm_groups(qkv, weight, index, start=start, groups=groups,
+                                      eps=config.norm_eps, interpret_variant=interpret_variant)
+    return qkv
+
+
+def _add_output(config: ModelConfig, linear, x: jax.Array, h: jax.Array, weight, bias,
+                index) -> jax.Array:
+    """``x + h @ weight + bias``, the residual add folded into the kernel; with Granite's
+    ``residual_multiplier``, ``x + (h @ weight + bias) * m`` elementwise after it (as
+    :func:`block` rounds it; elementwise, so the same arithmetic per row at any row
+    count)."""
+    if config.residual_multiplier is None:
+        return linear(h, (weight,), biases=(bias,), residual=x, layer=index,
+                      eps=config.norm_eps)
+    return x + _residual(config, linear(h, (weight,), biases=(bias,), layer=index,
+                                        eps=config.norm_eps))
+
+
 def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Array,
                            a: jax.Array, linear):
     """The rest of a fused layer after attention's output ``a`` [rows, H*D]: o with the
     residual, then RMSNorm + gate|up + SwiGLU, then down with the residual."""
     eps, f = config.norm_eps, config.intermediate_size
-    x = linear(a, (layers["wo"],), biases=(layers.get("bo"),), residual=x, layer=index,
-               eps=eps)
+    x = _add_output(config, linear, x, a, layers["wo"], layers.get("bo"), index)
     if "w_gate_up" in layers:
         pair, biases, offsets = ((layers["w_gate_up"],) * 2, (layers.get("b_gate_up"),) * 2,
                                  (0, f))
@@ -471,12 +502,11 @@ def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Arra
                                  (layers.get("b_gate"), layers.get("b_up")), (0, 0))
     h = linear(x, pair, norm=layers["mlp_norm"], biases=biases, layer=index, offsets=offsets,
                width=f, eps=eps)
-    return linear(h, (layers["w_down"],), biases=(layers.get("b_down"),), residual=x,
-                  layer=index, eps=eps)
+    return _add_output(config, linear, x, h, layers["w_down"], layers.get("b_down"), index)
 
 
 def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, attend,
-                linear):
+                linear, *, interpret_variant: str = "gpu"):
     """:func:`block` with each projection one call of ``linear`` (the row-tiled kernels of
     :mod:`specjax.kernels.linear_gpu` / :mod:`~specjax.kernels.linear_tpu`, or their
     reference): RMSNorm folded into the q|k|v and gate|up calls, SwiGLU into gate|up, the
@@ -485,7 +515,10 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     ``layers`` are the stacked [L, ...] parameters (separate or fused projections), read at
     the traced ``index`` inside the kernels, so no layer's matrices are copied out.
     ``linear(x, weights, norm=, biases=, residual=, layer=, offsets=, width=, eps=)`` has
-    the signature of :func:`specjax.kernels.fused_linear`. Returns (x, k, v).
+    the signature of :func:`specjax.kernels.fused_linear`. ``rope``: layer ``index``'s
+    tables (:func:`layer_context`: NoPE layers' are the identity; partial RoPE's cover the
+    first ``rope_dim`` dims). q/k norms run in :func:`_qk_norms`' kernel;
+    ``interpret_variant`` picks its variant. Returns (x, k, v).
 
     ``x`` may carry rows past the T tokens (T = the RoPE tables' rows): the residual stream
     padded once per pass to the kernels' row tile (:func:`specjax.kernels.linear_row_tile`),
@@ -497,7 +530,8 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     t, rows = cos.shape[0], x.shape[0]
     q_width = config.num_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
-    qkv = _project_qkv(layers, index, config, x, linear)[:t]
+    qkv = _qk_norms(layers, index, config, _project_qkv(layers, index, config, x, linear),
+                    interpret_variant)[:t]
     q, k, v = jnp.split(qkv, (q_width, q_width + kv_width), axis=-1)
     q = q.reshape(t, config.num_heads, config.head_dim)
     k = k.reshape(t, config.num_kv_heads, config.head_dim)
@@ -516,15 +550,15 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
     The q|k|v rows, RoPE applied to q and k (``rope``: tables with x's rows), are written
     as layer ``index`` of ``packed`` [L, rows, H + 2K, D], a buffer the layer loop carries:
     one in-place write, which is also how each layer's K/V leave the loop. With fused
-    q|k|v weights the projection, RoPE and the write are one call,
-    :func:`specjax.kernels.qkv_rope_into` (one kernel on a GPU).
+    q|k|v weights (and no q/k norms or partial RoPE) the projection, RoPE and the write
+    are one call, :func:`specjax.kernels.qkv_rope_into` (one kernel on a GPU).
     ``attend(packed, index)`` returns the [rows, H*D] input of the output projection;
     ``interpret_variant`` and ``gpu_linear`` pick that kernel's variant and backend
     (:class:`~specjax.kernel_options.KernelOptions`). Returns (x, packed).
     """
     cos, sin = rope
     heads = config.num_heads + config.num_kv_heads  # those RoPE rotates
-    if "w_qkv" in layers:
+    if "w_qkv" in layers and not config.qk_norm and config.rope_dim == config.head_dim:
         # One launch on a GPU: the projection, RoPE and the write in one kernel.
         packed = kernels.qkv_rope_into(packed, x, layers["w_qkv"], cos, sin, index,
                                        norm=layers["attn_norm"], bias=layers.get("b_qkv"),
@@ -532,8 +566,11 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
                                        interpret_variant=interpret_variant,
                                        gpu_linear=gpu_linear)
     else:
-        packed = write_rope_rows(packed, _project_qkv(layers, index, config, x, linear),
-                                 index, cos, sin, heads)
+        # q/k norms come between the projection and RoPE; partial RoPE pairs dims the
+        # kernel's epilogue does not: the projection, then the jnp rotation and write.
+        qkv = _qk_norms(layers, index, config, _project_qkv(layers, index, config, x, linear),
+                        interpret_variant)
+        packed = write_rope_rows(packed, qkv, index, cos, sin, heads)
     x = _attention_out_and_mlp(layers, index, config, x, attend(packed, index), linear)
     return x, packed
 
