@@ -29,11 +29,19 @@ a kernel never writes with NaN). Checked here:
   kernel's, other layers untouched, the value heads not rotated (a rotated value head is
   caught), rows bitwise independent of the row count; whole models run it (head_dim 32:
   half a head is one 16-column tile) in the path tests;
+* the features the fused layers take beyond Llama's (``FEATURES``: elementwise ones, the
+  query scale, partial RoPE, a NoPE layer, q/k and output norms; OLMo 2's norms, slow):
+  every node on a path is bitwise the ``ar`` step, and each feature computed one way for a
+  one-token step and another for a verify pass is caught (the norms' sums chunked by the
+  row count, the query scale folded into q, ...); the row-tiled norm kernel
+  (``rms_norm_groups_gpu``) against its reference, its rows bitwise independent of the row
+  count, a row-dependent chunk caught;
 * the launches: a fused pass is 5 Pallas calls per layer with fused q|k|v and gate|up
   weights (7 with separate q, k, v) plus the head, counted in its jaxpr;
 * generation: ``ar`` (batch of two) and ``tree`` under ``"fused"`` give the reference's
   greedy tokens;
-* the Triton lowering accepts both kernels at the model shapes (SmolLM2, Llama-7B);
+* the Triton lowering accepts the kernels at the model shapes (SmolLM2, Llama-7B; the norm
+  kernel at Qwen3-0.6B's and OLMo-2-13B's);
 * bad input: one-line errors.
 """
 
@@ -587,15 +595,20 @@ MODEL_CASES = {
     "gqa-tied": (dict(), False),
     "mha-untied-bias-fused-projections": (dict(num_kv_heads=4, tie_word_embeddings=False,
                                                qkv_bias=True), True),
+    "features": ("features", True),  # CONFIGS below
+    "olmo-norms": ("olmo-norms", False),
 }
 
 
 @pytest.mark.parametrize("case", [
-    "gqa-tied", pytest.param("mha-untied-bias-fused-projections", marks=pytest.mark.slow)])
+    "gqa-tied", pytest.param("mha-untied-bias-fused-projections", marks=pytest.mark.slow),
+    pytest.param("features", marks=pytest.mark.slow),
+    pytest.param("olmo-norms", marks=pytest.mark.slow)])
 def test_fused_model_matches_reference_and_root_is_bitwise(case):
     overrides, fused = MODEL_CASES[case]
-    config = _tiny_config(**overrides)
-    params = _params(config, fused=fused)
+    config = _tiny_config(**(CONFIGS[overrides] if isinstance(overrides, str) else overrides))
+    params = _feature_params(config)
+    params = models.fuse_projections(config, params) if fused else params
     cache = _prefilled(config, params)
     parents = [-1, 0, 0, 1, 3, 2, 0, 6, 7, 7, 1, 4, 11, 12, 5, 2, 15]  # 17 nodes
     depth = [0] * len(parents)
@@ -718,31 +731,34 @@ def _unpacked(monkeypatch):
 # config: scaled embeddings, Granite's multipliers (embeddings, residual adds, logits), a
 # query scale, a head bias, a logit scale and final soft-capping (elementwise between the
 # kernels, or the score scale in the attention kernel); partial RoPE (16 of 32 dims) and a
-# NoPE layer (the rotation tables); per-head q/k norms (the row-tiled norm kernel, whose
-# 32-wide heads let a wrong variant sum them in two chunks).
+# NoPE layer (the rotation tables); per-head q/k norms and norms on the attention and MLP
+# outputs (the row-tiled norm kernel; the 32-wide heads and 64-wide rows let a wrong
+# variant sum them in two or four chunks).
 FEATURES = dict(embed_scale=True, embed_multiplier=1.5, residual_multiplier=0.3,
                 logits_divisor=3.0, logit_scale=1.3, final_softcap=20.0, query_scale=0.2,
                 head_bias=True, tie_word_embeddings=False, head_dim=32, rotary_dim=16,
-                no_rope_layers=(1, 0), qk_norm=True)
+                no_rope_layers=(1, 0), qk_norm=True, sandwich_norms=True)
 
 
 def _feature_params(config, dtype=jnp.float32):
-    """:func:`_params` with the norm weights and the head bias away from their 1 and 0."""
+    """:func:`_params` with the q/k and output norms' weights and the head bias away from
+    their 1 and 0."""
     params = _params(config)
-    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    keys = jax.random.split(jax.random.PRNGKey(3), 5)
     layers = dict(params["layers"])
-    for key, name in zip(keys, ("q_norm", "k_norm")):
+    for key, name in zip(keys, ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")):
         if name in layers:
             layers[name] = 1 + 0.2 * jax.random.normal(key, layers[name].shape)
     params = {**params, "layers": layers}
     if config.head_bias:
-        params["lm_head_bias"] = 0.5 * jax.random.normal(keys[2], (config.vocab_size,))
+        params["lm_head_bias"] = 0.5 * jax.random.normal(keys[4], (config.vocab_size,))
     return jax.tree.map(lambda a: a.astype(dtype), params)
 
 
 CONFIGS = {"llama": {}, "features": FEATURES,
-           # OLMo's layout: q and k each normed over all their heads (one 128-wide group)
-           "whole-qk-norms": dict(FEATURES, qk_norm_whole=True)}
+           # OLMo 2's layout: q and k each normed over all their heads (one 128-wide group),
+           # no norms on the blocks' inputs
+           "olmo-norms": dict(FEATURES, qk_norm_whole=True, pre_norms=False)}
 
 
 # The tree starting mid-block, and on a block edge; fp32 and bf16; the packed kernel (what
@@ -755,7 +771,7 @@ CONFIGS = {"llama": {}, "features": FEATURES,
     ("features", 12, jnp.float32, True), ("features", 12, jnp.bfloat16, False),
     pytest.param("features", 12, jnp.bfloat16, True, marks=pytest.mark.slow),
     pytest.param("features", 12, jnp.float32, False, marks=pytest.mark.slow),
-    pytest.param("whole-qk-norms", 12, jnp.float32, True, marks=pytest.mark.slow)],
+    pytest.param("olmo-norms", 12, jnp.float32, True, marks=pytest.mark.slow)],
     ids=lambda v: {jnp.float32: "fp32", jnp.bfloat16: "bf16", True: "packed",
                    False: "unpacked"}.get(v, str(v)))
 def test_every_node_on_a_path_is_bitwise_the_ar_step(name, prompt_length, dtype, packed,
@@ -811,11 +827,17 @@ def test_a_row_count_dependent_blocking_is_caught(monkeypatch, packed):
     assert not all(_path_versus_tree(config, _params(config), 20))
 
 
-def _norm_chunked_by_row_count(monkeypatch):
-    """The q/k norms' sums in one 32-column chunk for a one-token step's 16 rows and in two
-    16-column chunks for more: the sum of squares associates differently."""
+def _norms_chunked_by_row_count(monkeypatch, width: int):
+    """The norms of ``width`` columns (the q/k norms' 32, the output norms' 64) summed in
+    one chunk for a one-token step's 16 rows and in 16-column chunks for more: the sum of
+    squares associates differently."""
+    right = kernels.rms_norm_groups
+
     def norm(x, weight, layer, *, start, groups, eps, interpret_variant):
-        sizes = GpuNormBlockSizes(chunk=32 if x.shape[0] == 16 else 16)
+        if weight.shape[1] != width:
+            return right(x, weight, layer, start=start, groups=groups, eps=eps,
+                         interpret_variant=interpret_variant)
+        sizes = GpuNormBlockSizes(chunk=width if x.shape[0] == 16 else 16)
         return rms_norm_groups_gpu(x, weight, layer, start=start, groups=groups, eps=eps,
                                    block_sizes=sizes, interpret=True)
 
@@ -889,7 +911,8 @@ def _nope_layer_rotated(monkeypatch):
         context(config, tables, index) if tables[0].shape[0] == 16 else tables))
 
 
-WRONG_FEATURES = {"qk-norm-chunks": _norm_chunked_by_row_count,
+WRONG_FEATURES = {"qk-norm-chunks": lambda patch: _norms_chunked_by_row_count(patch, 32),
+                  "output-norm-chunks": lambda patch: _norms_chunked_by_row_count(patch, 64),
                   "query-scale": _scale_folded_into_queries,
                   "logits": _logits_capped_first,
                   "residual-multiplier": _residual_multiplier_on_the_input,
@@ -903,8 +926,8 @@ WRONG_FEATURES = {"qk-norm-chunks": _norm_chunked_by_row_count,
 def test_a_feature_computed_differently_by_row_count_is_caught(monkeypatch, variant):
     """The comparison of :func:`test_every_node_on_a_path_is_bitwise_the_ar_step` with
     :data:`FEATURES` fails when one feature is computed one way for a one-token step and
-    another for a verify pass: the q/k norms' sums chunked by the row count (the bug the
-    norm kernel's fixed chunks rule out), the query scale folded into q (as the verify
+    another for a verify pass: the q/k norms' or the output norms' sums chunked by the row
+    count (the bug the norm kernel's fixed chunks rule out), the query scale folded into q (as the verify
     kernel takes it), the logits soft-capped first, the residual multiplier on the
     projections' inputs, partial RoPE's pairs taken over the whole head, a NoPE layer
     rotated."""

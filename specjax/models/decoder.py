@@ -293,16 +293,15 @@ def plain_layers_only(config: ModelConfig) -> str | None:
     does not depend on the number of rows in the call: the elementwise ones between the
     kernels (scaled embeddings and Granite's multipliers, learned positions, a head bias,
     a logit scale or divisor, final logit soft-capping; partial RoPE and NoPE layers, which
-    change the rotation tables), the query scale inside the ordered attention kernels, and
-    q/k norms (per head or over all heads) in the row-tiled norm kernel
+    change the rotation tables), the query scale inside the ordered attention kernels,
+    blocks without input norms (the kernels' norm left out), and q/k norms (per head or
+    over all heads) and output norms (``sandwich_norms``) in the row-tiled norm kernel
     (:func:`specjax.kernels.rms_norm_groups`). The features listed here are refused."""
     features = [name for name, on in (
         ("(1 + w) norms", config.norm_plus_one),
         ("GELU", config.hidden_act != "silu"),
         ("LayerNorm", config.norm_kind != "rms"), ("a two-matrix MLP", not config.gated_mlp),
         ("parallel attention and MLP", config.parallel_residual),
-        ("post-attention/MLP norms", config.sandwich_norms),
-        ("no input norms", not config.pre_norms),
         ("attention soft-capping", config.attn_softcap is not None),
         ("sliding windows", bool(config.layer_windows)),
         ("local RoPE", config.local_rope_theta is not None),
@@ -444,10 +443,11 @@ def _residual(config: ModelConfig, out: jax.Array) -> jax.Array:
 
 def _project_qkv(layers: dict, index, config: ModelConfig, x: jax.Array, linear):
     """The fused layers' q|k|v rows [rows, (H + 2K) * D] of the (padded) residual stream:
-    RMSNorm folded in, one call over a fused matrix, else three calls joined."""
+    RMSNorm folded in (none without ``config.pre_norms``), one call over a fused matrix,
+    else three calls joined."""
     q_width = config.num_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
-    kwargs = dict(norm=layers["attn_norm"], layer=index, eps=config.norm_eps)
+    kwargs = dict(norm=layers.get("attn_norm"), layer=index, eps=config.norm_eps)
     if "w_qkv" in layers:
         return linear(x, (layers["w_qkv"],), biases=(layers.get("b_qkv"),), offsets=(0,),
                       width=q_width + 2 * kv_width, **kwargs)
@@ -476,33 +476,40 @@ def _qk_norms(layers: dict, index, config: ModelConfig, qkv: jax.Array,
 
 
 def _add_output(config: ModelConfig, linear, x: jax.Array, h: jax.Array, weight, bias,
-                index) -> jax.Array:
+                index, post_norm=None, interpret_variant: str = "gpu") -> jax.Array:
     """``x + h @ weight + bias``, the residual add folded into the kernel; with Granite's
     ``residual_multiplier``, ``x + (h @ weight + bias) * m`` elementwise after it (as
     :func:`block` rounds it; elementwise, so the same arithmetic per row at any row
-    count)."""
-    if config.residual_multiplier is None:
+    count). ``post_norm`` [L, d] (``config.sandwich_norms``): the product RMSNorm'd by the
+    row-tiled norm kernel (one group of width d) before the residual add."""
+    if config.residual_multiplier is None and post_norm is None:
         return linear(h, (weight,), biases=(bias,), residual=x, layer=index,
                       eps=config.norm_eps)
-    return x + _residual(config, linear(h, (weight,), biases=(bias,), layer=index,
-                                        eps=config.norm_eps))
+    out = linear(h, (weight,), biases=(bias,), layer=index, eps=config.norm_eps)
+    if post_norm is not None:
+        out = kernels.rms_norm_groups(out, post_norm, index, start=0, groups=1,
+                                      eps=config.norm_eps, interpret_variant=interpret_variant)
+    return x + _residual(config, out)
 
 
 def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Array,
-                           a: jax.Array, linear):
+                           a: jax.Array, linear, interpret_variant: str):
     """The rest of a fused layer after attention's output ``a`` [rows, H*D]: o with the
-    residual, then RMSNorm + gate|up + SwiGLU, then down with the residual."""
+    residual, then RMSNorm + gate|up + SwiGLU, then down with the residual (no input norm
+    without ``config.pre_norms``; output norms with ``config.sandwich_norms``)."""
     eps, f = config.norm_eps, config.intermediate_size
-    x = _add_output(config, linear, x, a, layers["wo"], layers.get("bo"), index)
+    x = _add_output(config, linear, x, a, layers["wo"], layers.get("bo"), index,
+                    layers.get("post_attn_norm"), interpret_variant)
     if "w_gate_up" in layers:
         pair, biases, offsets = ((layers["w_gate_up"],) * 2, (layers.get("b_gate_up"),) * 2,
                                  (0, f))
     else:
         pair, biases, offsets = ((layers["w_gate"], layers["w_up"]),
                                  (layers.get("b_gate"), layers.get("b_up")), (0, 0))
-    h = linear(x, pair, norm=layers["mlp_norm"], biases=biases, layer=index, offsets=offsets,
-               width=f, eps=eps)
-    return _add_output(config, linear, x, h, layers["w_down"], layers.get("b_down"), index)
+    h = linear(x, pair, norm=layers.get("mlp_norm"), biases=biases, layer=index,
+               offsets=offsets, width=f, eps=eps)
+    return _add_output(config, linear, x, h, layers["w_down"], layers.get("b_down"), index,
+                       layers.get("post_mlp_norm"), interpret_variant)
 
 
 def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, attend,
@@ -538,7 +545,7 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     v = v.reshape(t, config.num_kv_heads, config.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = jnp.pad(attend(q, k, v).reshape(t, q_width), ((0, rows - t), (0, 0)))
-    return _attention_out_and_mlp(layers, index, config, x, a, linear), k, v
+    return _attention_out_and_mlp(layers, index, config, x, a, linear, interpret_variant), k, v
 
 
 def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, rope,
@@ -561,7 +568,7 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
     if "w_qkv" in layers and not config.qk_norm and config.rope_dim == config.head_dim:
         # One launch on a GPU: the projection, RoPE and the write in one kernel.
         packed = kernels.qkv_rope_into(packed, x, layers["w_qkv"], cos, sin, index,
-                                       norm=layers["attn_norm"], bias=layers.get("b_qkv"),
+                                       norm=layers.get("attn_norm"), bias=layers.get("b_qkv"),
                                        rope_heads=heads, eps=config.norm_eps,
                                        interpret_variant=interpret_variant,
                                        gpu_linear=gpu_linear)
@@ -571,7 +578,8 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
         qkv = _qk_norms(layers, index, config, _project_qkv(layers, index, config, x, linear),
                         interpret_variant)
         packed = write_rope_rows(packed, qkv, index, cos, sin, heads)
-    x = _attention_out_and_mlp(layers, index, config, x, attend(packed, index), linear)
+    x = _attention_out_and_mlp(layers, index, config, x, attend(packed, index), linear,
+                               interpret_variant)
     return x, packed
 
 
