@@ -47,8 +47,9 @@ elsewhere; ``interpret_variant="tpu"`` picks the TPU ones):
   spared);
 * :func:`fused_linear_gpu` in :mod:`.linear_gpu` (Triton; :class:`GpuLinearBlockSizes`),
   :func:`fused_linear_tpu` in :mod:`.linear_tpu` (Mosaic; :class:`TpuLinearBlockSizes`);
-* :func:`rms_norm_groups` (the fused layers' q/k norms, per head or over all heads, in
-  place on the q|k|v rows): :func:`rms_norm_groups_gpu` in :mod:`.norm_gpu` (Triton;
+* :func:`norm_groups` (the fused layers' q/k norms, per head or over all heads, in
+  place on the q|k|v rows; output norms; LayerNorm and Gemma's ``1 + w`` RMSNorm):
+  :func:`norm_groups_gpu` in :mod:`.norm_gpu` (Triton;
   :class:`GpuNormBlockSizes`), a Triton kernel only, which Pallas' interpreter runs off a
   GPU (on a TPU too, recorded below).
 
@@ -84,7 +85,7 @@ one-line reason while the program is traced, and a run lists them in
   are not recorded: a draft's numbers never decide a token);
 * :func:`packed_attention_takes`: the packed GPU kernel refuses the shapes: the fused
   layers run :func:`ordered_attention` unpacked;
-* :func:`rms_norm_groups`: the kernel refuses the shapes (a group width that is not a
+* :func:`norm_groups`: the kernel refuses the shapes (a group width that is not a
   multiple of 16): its jnp reference runs; on a TPU, Pallas' interpreter runs the kernel.
 
 The models layer records its own: ``attn_impl="fused"`` over a pass of more than
@@ -107,8 +108,8 @@ __all__ = ["GpuBlockSizes", "GpuLinearBlockSizes", "GpuNormBlockSizes",
            "TpuOrderedBlockSizes", "fused_linear", "fused_linear_gpu",
            "fused_linear_mosaic_gpu", "fused_linear_tpu", "ordered_attention",
            "ordered_attention_gpu", "ordered_attention_packed", "ordered_attention_tpu",
-           "packed_attention_takes", "qkv_rope_into", "qkv_rope_into_gpu", "rms_norm_groups",
-           "rms_norm_groups_gpu", "takes_windows",
+           "packed_attention_takes", "qkv_rope_into", "qkv_rope_into_gpu", "norm_groups",
+           "norm_groups_gpu", "takes_windows",
            "verify_attention",
            "verify_attention_gpu", "verify_attention_tpu", "gpu_kernel_backend",
            "linear_row_tile", "select_variant"]
@@ -132,7 +133,7 @@ _LAZY = {"GpuBlockSizes": "attention_gpu", "verify_attention_gpu": "attention_gp
          "TpuLinearBlockSizes": "linear_tpu", "fused_linear_tpu": "linear_tpu",
          "TpuOrderedBlockSizes": "attention_ordered_tpu",
          "ordered_attention_tpu": "attention_ordered_tpu",
-         "GpuNormBlockSizes": "norm_gpu", "rms_norm_groups_gpu": "norm_gpu",
+         "GpuNormBlockSizes": "norm_gpu", "norm_groups_gpu": "norm_gpu",
          "MosaicGpuLinearBlockSizes": "linear_mosaic_gpu",
          "fused_linear_mosaic_gpu": "linear_mosaic_gpu"}
 
@@ -436,12 +437,14 @@ def ordered_attention_packed(packed, layer, k_cache, v_cache, length, links, dep
                                                interpret=interpret, scale=scale)
 
 
-def rms_norm_groups(x, weight, layer, *, start: int, groups: int, eps: float,
-                    variant: str | None = None, interpret_variant: str = "gpu"):
+def norm_groups(x, weight, layer, *, start: int, groups: int, eps: float, kind: str = "rms",
+                bias=None, variant: str | None = None, interpret_variant: str = "gpu"):
     """``x`` [R, N] with ``groups`` column groups of width W (``weight`` [L, W]) from column
-    ``start`` RMSNorm'd by ``weight[layer]`` in place (the fused layers' q/k norms): the
-    row-tiled kernel :func:`.norm_gpu.rms_norm_groups_gpu`, whose sums do not depend on
-    the number of rows.
+    ``start`` normed by ``weight[layer]`` in place (``kind``: ``"rms"``,
+    ``"rms_plus_one"`` or ``"layer"``, with LayerNorm's optional ``bias`` [L, W]): the fused
+    layers' q/k norms, output norms and input norms other than Llama's, by the row-tiled
+    kernel :func:`.norm_gpu.norm_groups_gpu`, whose sums do not depend on the number of
+    rows. Rows are padded to its 16-row tile here when they are not already.
 
     It is a Triton kernel: natively on a GPU, in Pallas' generic interpreter elsewhere.
     On the TPU variant that interpreter runs it on the TPU too (recorded; slow, its sums
@@ -451,15 +454,19 @@ def rms_norm_groups(x, weight, layer, *, start: int, groups: int, eps: float,
     """
     variant, interpret = select_variant(variant, interpret_variant)
     module = importlib.import_module(f"{__name__}.norm_gpu")
+    num_rows = x.shape[0]
+    tile = module.GpuNormBlockSizes().block_rows
+    if num_rows % tile:
+        x = jax.numpy.pad(x, ((0, -num_rows % tile), (0, 0)))
+    options = dict(start=start, groups=groups, eps=eps, kind=kind, bias=bias)
     try:
-        module.check_supported(x, weight, start=start, groups=groups)
+        module.check_supported(x, weight, start=start, groups=groups, kind=kind, bias=bias)
     except InvalidArgumentError as error:
-        fallbacks.record("rms_norm_groups", f"{error}; its jnp reference ran (its sums may "
+        fallbacks.record("norm_groups", f"{error}; its jnp reference ran (its sums may "
                          f"be tiled by the row count)")
-        return module.rms_norm_groups_reference(x, weight, layer, start=start, groups=groups,
-                                                eps=eps)
+        return module.norm_groups_reference(x, weight, layer, **options)[:num_rows]
     if variant != "gpu" and not interpret:
-        fallbacks.record("rms_norm_groups", f"the group RMSNorm kernel has no {variant} "
+        fallbacks.record("norm_groups", f"the group norm kernel has no {variant} "
                          f"lowering; Pallas' interpreter ran it")
-    return module.rms_norm_groups_gpu(x, weight, layer, start=start, groups=groups, eps=eps,
-                                      interpret=interpret or variant != "gpu")
+    return module.norm_groups_gpu(x, weight, layer, interpret=interpret or variant != "gpu",
+                                  **options)[:num_rows]

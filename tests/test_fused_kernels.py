@@ -29,12 +29,13 @@ a kernel never writes with NaN). Checked here:
   kernel's, other layers untouched, the value heads not rotated (a rotated value head is
   caught), rows bitwise independent of the row count; whole models run it (head_dim 32:
   half a head is one 16-column tile) in the path tests;
-* the features the fused layers take beyond Llama's (``FEATURES``: elementwise ones, the
-  query scale, partial RoPE, a NoPE layer, q/k and output norms; OLMo 2's norms, slow):
+* the features the fused layers take beyond Llama's (``CONFIGS``: elementwise ones, the
+  query scale, partial RoPE, a NoPE layer, q/k and output norms; LayerNorms and parallel
+  blocks; OLMo 2's, Command R's and Gemma's norms, slow):
   every node on a path is bitwise the ``ar`` step, and each feature computed one way for a
   one-token step and another for a verify pass is caught (the norms' sums chunked by the
   row count, the query scale folded into q, ...); the row-tiled norm kernel
-  (``rms_norm_groups_gpu``) against its reference, its rows bitwise independent of the row
+  (``norm_groups_gpu``) against its reference, its rows bitwise independent of the row
   count, a row-dependent chunk caught;
 * the launches: a fused pass is 5 Pallas calls per layer with fused q|k|v and gate|up
   weights (7 with separate q, k, v) plus the head, counted in its jaxpr;
@@ -46,8 +47,6 @@ a kernel never writes with NaN). Checked here:
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.extend.core
@@ -65,8 +64,8 @@ from specjax.kernels.attention_ordered_gpu import (GpuOrderedBlockSizes, check_p
                                                    ordered_attention_gpu,
                                                    ordered_attention_packed_gpu, packed_links)
 from specjax.kernels.layout import round_up as layout_round_up
-from specjax.kernels.norm_gpu import (GpuNormBlockSizes, rms_norm_groups_gpu,
-                                      rms_norm_groups_reference)
+from specjax.kernels.norm_gpu import (GpuNormBlockSizes, norm_groups_gpu,
+                                      norm_groups_reference)
 from specjax.kernels.linear_gpu import (GpuLinearBlockSizes, check_rope_into, check_supported,
                                         fused_linear_gpu, fused_linear_reference,
                                         qkv_rope_into_gpu, qkv_rope_into_reference)
@@ -488,24 +487,30 @@ def test_qkv_rope_kernel_lowers_for_triton():
         assert "triton" in lowered.as_text()
 
 
-# --- q/k norms: groups of columns RMSNorm'd in place ---------------------------------------
+# --- norms of column groups in place (q/k, output, LayerNorm and 1 + w input norms) ------
 
 def _norm_arrays(dtype, rows=16, width=32, groups=4, seed=0):
-    """Rows [rows, 32 + groups * width + 32] (terms of very different sizes: the order of
-    the sums matters) and weights [L, width]."""
-    ks = jax.random.split(jax.random.PRNGKey(seed), 2)
+    """Rows [rows, 32 + groups * width + 32] (terms of very different sizes, and an offset:
+    the order of the sums matters), weights and biases [L, width]."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
     columns = 64 + groups * width
-    x = jax.random.normal(ks[0], (rows, columns)) * jnp.logspace(-2, 2, columns)
+    x = 0.5 + jax.random.normal(ks[0], (rows, columns)) * jnp.logspace(-2, 2, columns)
     w = 1 + 0.2 * jax.random.normal(ks[1], (L, width))
-    return x.astype(dtype), w.astype(dtype)
+    b = 0.2 * jax.random.normal(ks[2], (L, width))
+    return x.astype(dtype), w.astype(dtype), b.astype(dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("width,groups", [(32, 4), (128, 1)], ids=["per-head", "whole"])
-def test_group_norm_kernel_matches_reference_and_keeps_other_columns(dtype, width, groups):
-    x, w = _norm_arrays(dtype, width=width, groups=groups)
-    got = rms_norm_groups_gpu(x, w, jnp.int32(1), start=32, groups=groups, interpret=True)
-    want = rms_norm_groups_reference(x, w, jnp.int32(1), start=32, groups=groups)
+@pytest.mark.parametrize("width,groups,kind,bias,dtype", [
+    (32, 4, "rms", False, jnp.float32), (32, 4, "rms", False, jnp.bfloat16),
+    (128, 1, "layer", True, jnp.float32), (128, 1, "rms_plus_one", False, jnp.bfloat16)],
+    ids=["per-head-rms-fp32", "per-head-rms-bf16", "whole-layer-bias-fp32",
+         "whole-plus-one-bf16"])
+def test_group_norm_kernel_matches_reference_and_keeps_other_columns(width, groups, kind,
+                                                                     bias, dtype):
+    x, w, b = _norm_arrays(dtype, width=width, groups=groups)
+    kwargs = dict(start=32, groups=groups, kind=kind, bias=b if bias else None)
+    got = norm_groups_gpu(x, w, jnp.int32(1), interpret=True, **kwargs)
+    want = norm_groups_reference(x, w, jnp.int32(1), **kwargs)
     end = 32 + groups * width
     for part in (slice(0, 32), slice(end, None)):  # value heads and the like: untouched
         np.testing.assert_array_equal(got[:, part], x[:, part])
@@ -513,16 +518,19 @@ def test_group_norm_kernel_matches_reference_and_keeps_other_columns(dtype, widt
                                rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-def test_group_norm_rows_are_bitwise_independent_and_a_row_dependent_chunk_is_caught():
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_group_norm_rows_are_bitwise_independent_and_a_row_dependent_chunk_is_caught(kind):
     """Each row of a 48-row call is bitwise the row normed in a 16-row call of its own; the
     same comparison fails with the sums chunked by the row count (128 columns at once for
     one tile, 16 at a time for more)."""
-    x, w = _norm_arrays(jnp.float32, rows=48, width=128, groups=1, seed=3)
+    x, w, b = _norm_arrays(jnp.float32, rows=48, width=128, groups=1, seed=3)
 
     def norm(rows, **kwargs):  # compiled as the path tests compile (see PINNED_ORDER)
-        call = functools.partial(rms_norm_groups_gpu, start=32, groups=1, interpret=True,
-                                 **kwargs)
-        return _pinned(call, rows, w, jnp.int32(0))(rows, w, jnp.int32(0))
+        def call(rows, w, b):
+            return norm_groups_gpu(rows, w, jnp.int32(0), start=32, groups=1, kind=kind,
+                                   bias=b if kind == "layer" else None, interpret=True,
+                                   **kwargs)
+        return _pinned(call, rows, w, b)(rows, w, b)
 
     together = norm(x)
     wrong = norm(x, block_sizes=GpuNormBlockSizes(chunk=16))
@@ -539,26 +547,36 @@ def test_group_norm_rows_are_bitwise_independent_and_a_row_dependent_chunk_is_ca
     ((8, 96), (2, 32), dict(start=0, groups=2), "not a multiple of block_rows"),
     ((16, 96), (2, 32), dict(start=64, groups=2), "outside x"),
     ((16, 96), (32,), dict(start=0, groups=2), "weight \\[L, W\\]"),
+    ((16, 96), (2, 32), dict(start=0, groups=2, kind="layernorm"), "kind 'layernorm'"),
+    ((16, 96), (2, 32), dict(start=0, groups=2, bias=jnp.zeros((2, 32))), "LayerNorm's"),
 ])
 def test_group_norm_bad_input_is_one_line(shape, weight, kwargs, message):
     with pytest.raises(InvalidArgumentError, match=message) as info:
-        rms_norm_groups_gpu(jnp.zeros(shape), jnp.ones(weight), jnp.int32(0), interpret=True,
+        norm_groups_gpu(jnp.zeros(shape), jnp.ones(weight), jnp.int32(0), interpret=True,
                             **kwargs)
     assert "\n" not in str(info.value)
 
 
 def test_group_norm_and_scaled_attention_lower_for_triton():
-    """The q/k norms' kernel at Qwen3-0.6B's q|k|v rows (16 + 8 + 8 heads of 128; per head)
-    and OLMo-2-13B's (40 query heads normed at once: a 5120-wide group), and the packed
-    attention with a query scale of its own (Granite's), lower for Triton."""
+    """The norm kernel at Qwen3-0.6B's q|k|v rows (16 + 8 + 8 heads of 128; per head),
+    OLMo-2-13B's (40 query heads normed at once: a 5120-wide group), as a LayerNorm with
+    biases and a 1 + w RMSNorm, and the packed attention with a query scale of its own
+    (Granite's), lower for Triton."""
     sds = jax.ShapeDtypeStruct
     for rows, heads, kv_heads, d, whole, dtype in [(16, 16, 8, 128, False, jnp.bfloat16),
                                                    (64, 16, 8, 128, False, jnp.float32),
                                                    (64, 40, 40, 128, True, jnp.bfloat16)]:
         width, groups = (heads * d, 1) if whole else (d, heads)
-        lowered = rms_norm_groups_gpu.trace(
+        lowered = norm_groups_gpu.trace(
             sds((rows, (heads + 2 * kv_heads) * d), dtype), sds((28, width), dtype),
             sds((), jnp.int32), start=0, groups=groups).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
+    # StableLM-2-1.6B's LayerNorm with biases (2048 wide) and Gemma-2B's 1 + w (2048).
+    for kind, bias in (("layer", True), ("rms_plus_one", False)):
+        lowered = norm_groups_gpu.trace(
+            sds((16, 2048), jnp.bfloat16), sds((24, 2048), jnp.bfloat16), sds((), jnp.int32),
+            start=0, groups=1, kind=kind, bias=sds((24, 2048), jnp.bfloat16) if bias else None,
+        ).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
     lowered = ordered_attention_packed_gpu.trace(
         sds((40, 64, 32 + 2 * 8, 128), jnp.bfloat16), sds((), jnp.int32),
@@ -742,36 +760,58 @@ FEATURES = dict(embed_scale=True, embed_multiplier=1.5, residual_multiplier=0.3,
 
 def _feature_params(config, dtype=jnp.float32):
     """:func:`_params` with the q/k and output norms' weights and the head bias away from
-    their 1 and 0."""
+    their 1 and 0, and with a LayerNorm or ``1 + w`` RMSNorm every norm's weight and every
+    bias."""
     params = _params(config)
-    keys = jax.random.split(jax.random.PRNGKey(3), 5)
+    names = ["q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"]
+    if config.norm_kind != "rms" or config.norm_plus_one:
+        names += [name for name in params["layers"] if name.endswith(("norm", "bias"))
+                  or name.startswith("b")]
+    keys = jax.random.split(jax.random.PRNGKey(3), len(names) + 2)
     layers = dict(params["layers"])
-    for key, name in zip(keys, ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")):
+    for key, name in zip(keys, names):
         if name in layers:
-            layers[name] = 1 + 0.2 * jax.random.normal(key, layers[name].shape)
+            layers[name] = layers[name] + 0.2 * jax.random.normal(key, layers[name].shape)
     params = {**params, "layers": layers}
     if config.head_bias:
-        params["lm_head_bias"] = 0.5 * jax.random.normal(keys[4], (config.vocab_size,))
+        params["lm_head_bias"] = 0.5 * jax.random.normal(keys[-1], (config.vocab_size,))
+    if "final_norm_bias" in params:
+        params["final_norm_bias"] = 0.2 * jax.random.normal(keys[-2], (config.hidden_size,))
     return jax.tree.map(lambda a: a.astype(dtype), params)
 
 
 CONFIGS = {"llama": {}, "features": FEATURES,
            # OLMo 2's layout: q and k each normed over all their heads (one 128-wide group),
            # no norms on the blocks' inputs
-           "olmo-norms": dict(FEATURES, qk_norm_whole=True, pre_norms=False)}
+           "olmo-norms": dict(FEATURES, qk_norm_whole=True, pre_norms=False),
+           # GPT-NeoX's layout with SwiGLU: LayerNorms with biases (the norm kernel), the
+           # MLP beside attention, q|k|v and o biases, RoPE on half of each head, a head bias
+           "layer-norms": dict(norm_kind="layer", parallel_residual=True, qkv_bias=True,
+                               out_bias=True, rotary_dim=8, tie_word_embeddings=False,
+                               head_bias=True),
+           # Command R's: one LayerNorm without a bias that attention and MLP share
+           "shared-layer-norm": dict(norm_kind="layer_nobias", parallel_residual=True,
+                                     shared_input_norm=True, logit_scale=0.25),
+           # Gemma's RMSNorm by 1 + w, on the inputs, q and k, and the outputs
+           "plus-one": dict(FEATURES, norm_plus_one=True)}
 
 
 # The tree starting mid-block, and on a block edge; fp32 and bf16; the packed kernel (what
-# a GPU runs) and the unpacked one; Llama's layers, and with every feature (FEATURES).
+# a GPU runs) and the unpacked one; Llama's layers, and with the features the fused layers
+# take beyond them (CONFIGS).
 @pytest.mark.parametrize("name,prompt_length,dtype,packed", [
     ("llama", 12, jnp.float32, True), ("llama", 12, jnp.bfloat16, True),
     ("llama", 12, jnp.float32, False), ("llama", 12, jnp.bfloat16, False),
     pytest.param("llama", 16, jnp.float32, True, marks=pytest.mark.slow),
     pytest.param("llama", 16, jnp.float32, False, marks=pytest.mark.slow),
-    ("features", 12, jnp.float32, True), ("features", 12, jnp.bfloat16, False),
+    ("features", 12, jnp.float32, True), ("layer-norms", 12, jnp.bfloat16, False),
+    pytest.param("features", 12, jnp.bfloat16, False, marks=pytest.mark.slow),
     pytest.param("features", 12, jnp.bfloat16, True, marks=pytest.mark.slow),
     pytest.param("features", 12, jnp.float32, False, marks=pytest.mark.slow),
-    pytest.param("olmo-norms", 12, jnp.float32, True, marks=pytest.mark.slow)],
+    pytest.param("olmo-norms", 12, jnp.float32, True, marks=pytest.mark.slow),
+    pytest.param("layer-norms", 12, jnp.float32, True, marks=pytest.mark.slow),
+    pytest.param("shared-layer-norm", 12, jnp.bfloat16, True, marks=pytest.mark.slow),
+    pytest.param("plus-one", 12, jnp.float32, True, marks=pytest.mark.slow)],
     ids=lambda v: {jnp.float32: "fp32", jnp.bfloat16: "bf16", True: "packed",
                    False: "unpacked"}.get(v, str(v)))
 def test_every_node_on_a_path_is_bitwise_the_ar_step(name, prompt_length, dtype, packed,
@@ -831,17 +871,17 @@ def _norms_chunked_by_row_count(monkeypatch, width: int):
     """The norms of ``width`` columns (the q/k norms' 32, the output norms' 64) summed in
     one chunk for a one-token step's 16 rows and in 16-column chunks for more: the sum of
     squares associates differently."""
-    right = kernels.rms_norm_groups
+    right = kernels.norm_groups
 
-    def norm(x, weight, layer, *, start, groups, eps, interpret_variant):
+    def norm(x, weight, layer, *, interpret_variant, **kwargs):
         if weight.shape[1] != width:
-            return right(x, weight, layer, start=start, groups=groups, eps=eps,
-                         interpret_variant=interpret_variant)
-        sizes = GpuNormBlockSizes(chunk=width if x.shape[0] == 16 else 16)
-        return rms_norm_groups_gpu(x, weight, layer, start=start, groups=groups, eps=eps,
-                                   block_sizes=sizes, interpret=True)
+            return right(x, weight, layer, interpret_variant=interpret_variant, **kwargs)
+        sizes = GpuNormBlockSizes(chunk=width if x.shape[0] <= 16 else 16)
+        rows = jnp.pad(x, ((0, -x.shape[0] % 16), (0, 0)))  # the head's rows are not padded
+        return norm_groups_gpu(rows, weight, layer, block_sizes=sizes, interpret=True,
+                               **kwargs)[:x.shape[0]]
 
-    monkeypatch.setattr(kernels, "rms_norm_groups", norm)
+    monkeypatch.setattr(kernels, "norm_groups", norm)
 
 
 def _scale_folded_into_queries(monkeypatch):
@@ -911,8 +951,29 @@ def _nope_layer_rotated(monkeypatch):
         context(config, tables, index) if tables[0].shape[0] == 16 else tables))
 
 
+def _layer_norm_chunked_by_row_count(monkeypatch):
+    """LayerNorm's sums (the inputs' and the final norm's, 64 wide) in one chunk for a
+    one-token step and in 16-column chunks for more."""
+    _norms_chunked_by_row_count(monkeypatch, 64)
+
+
+def _plus_one_folded_into_the_weight(monkeypatch):
+    """On the multi-row path Gemma's ``1 + w`` norms are plain RMSNorms by the weight
+    ``1 + w`` rounded to the model dtype (normed row cast first, then scaled)."""
+    right = kernels.norm_groups
+
+    def norm(x, weight, layer, *, kind, **kwargs):
+        if kind == "rms_plus_one" and x.shape[0] > 16:
+            return right(x, 1 + weight, layer, kind="rms", **kwargs)
+        return right(x, weight, layer, kind=kind, **kwargs)
+
+    monkeypatch.setattr(kernels, "norm_groups", norm)
+
+
 WRONG_FEATURES = {"qk-norm-chunks": lambda patch: _norms_chunked_by_row_count(patch, 32),
                   "output-norm-chunks": lambda patch: _norms_chunked_by_row_count(patch, 64),
+                  "layer-norm-chunks": _layer_norm_chunked_by_row_count,
+                  "plus-one-folded": _plus_one_folded_into_the_weight,
                   "query-scale": _scale_folded_into_queries,
                   "logits": _logits_capped_first,
                   "residual-multiplier": _residual_multiplier_on_the_input,
@@ -920,20 +981,28 @@ WRONG_FEATURES = {"qk-norm-chunks": lambda patch: _norms_chunked_by_row_count(pa
                   "nope-layer": _nope_layer_rotated}
 
 
+# (config, dtype) of a wrong variant, where not FEATURES in float32 (1 + w folded into the
+# weight is a different rounding in bfloat16 only).
+WRONG_CONFIGS = {"layer-norm-chunks": ("layer-norms", jnp.float32),
+                 "plus-one-folded": ("plus-one", jnp.bfloat16)}
+
+
 @pytest.mark.parametrize("variant", [
     name if name == "qk-norm-chunks" else pytest.param(name, marks=pytest.mark.slow)
     for name in WRONG_FEATURES])
 def test_a_feature_computed_differently_by_row_count_is_caught(monkeypatch, variant):
-    """The comparison of :func:`test_every_node_on_a_path_is_bitwise_the_ar_step` with
-    :data:`FEATURES` fails when one feature is computed one way for a one-token step and
-    another for a verify pass: the q/k norms' or the output norms' sums chunked by the row
-    count (the bug the norm kernel's fixed chunks rule out), the query scale folded into q (as the verify
-    kernel takes it), the logits soft-capped first, the residual multiplier on the
-    projections' inputs, partial RoPE's pairs taken over the whole head, a NoPE layer
-    rotated."""
+    """The comparison of :func:`test_every_node_on_a_path_is_bitwise_the_ar_step` fails
+    when one feature is computed one way for a one-token step and another for a verify
+    pass (with :data:`FEATURES`, or the config of :data:`CONFIGS` that has the feature):
+    the q/k norms', the output norms' or LayerNorm's sums chunked by the row count (the
+    bug the norm kernel's fixed chunks rule out), Gemma's ``1 + w`` folded into the
+    weight, the query scale folded into q (as the verify kernel takes it), the logits
+    soft-capped first, the residual multiplier on the projections' inputs, partial RoPE's
+    pairs taken over the whole head, a NoPE layer rotated."""
     WRONG_FEATURES[variant](monkeypatch)
-    config = _tiny_config(**FEATURES)
-    assert not all(_path_versus_tree(config, _feature_params(config), 12))
+    name, dtype = WRONG_CONFIGS.get(variant, ("features", jnp.float32))
+    config = _tiny_config(**CONFIGS[name])
+    assert not all(_path_versus_tree(config, _feature_params(config, dtype), 12))
 
 
 @pytest.mark.parametrize("method", ["tree", pytest.param("ar-batch", marks=pytest.mark.slow),

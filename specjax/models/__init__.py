@@ -584,7 +584,9 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
         tied = config.tie_word_embeddings
         head = params["embed"] if tied else params["lm_head"]
         options = KernelOptions.of(attn_impl)
-        logits = kernels.fused_linear(x, (head,), norm=params["final_norm"], transposed=tied,
+        family = _FAMILIES[config.architecture]
+        h, norm = family.fused_final_input(params, config, x, options.interpret_variant)
+        logits = kernels.fused_linear(h, (head,), norm=norm, transposed=tied,
                                       eps=config.norm_eps, float32_out=True, fallback=True,
                                       interpret_variant=options.interpret_variant,
                                       gpu_linear=options.gpu_linear)

@@ -294,14 +294,13 @@ def plain_layers_only(config: ModelConfig) -> str | None:
     kernels (scaled embeddings and Granite's multipliers, learned positions, a head bias,
     a logit scale or divisor, final logit soft-capping; partial RoPE and NoPE layers, which
     change the rotation tables), the query scale inside the ordered attention kernels,
-    blocks without input norms (the kernels' norm left out), and q/k norms (per head or
-    over all heads) and output norms (``sandwich_norms``) in the row-tiled norm kernel
-    (:func:`specjax.kernels.rms_norm_groups`). The features listed here are refused."""
+    blocks without input norms (the kernels' norm left out), parallel attention and MLP
+    (their sum added elementwise), and in the row-tiled norm kernel
+    (:func:`specjax.kernels.norm_groups`): q/k norms (per head or over all heads), output
+    norms (``sandwich_norms``), LayerNorm (with or without biases) and Gemma's ``1 + w``
+    RMSNorm. The features listed here are refused."""
     features = [name for name, on in (
-        ("(1 + w) norms", config.norm_plus_one),
-        ("GELU", config.hidden_act != "silu"),
-        ("LayerNorm", config.norm_kind != "rms"), ("a two-matrix MLP", not config.gated_mlp),
-        ("parallel attention and MLP", config.parallel_residual),
+        ("GELU", config.hidden_act != "silu"), ("a two-matrix MLP", not config.gated_mlp),
         ("attention soft-capping", config.attn_softcap is not None),
         ("sliding windows", bool(config.layer_windows)),
         ("local RoPE", config.local_rope_theta is not None),
@@ -441,27 +440,60 @@ def _residual(config: ModelConfig, out: jax.Array) -> jax.Array:
     return out * jnp.asarray(config.residual_multiplier, out.dtype)
 
 
-def _project_qkv(layers: dict, index, config: ModelConfig, x: jax.Array, linear):
-    """The fused layers' q|k|v rows [rows, (H + 2K) * D] of the (padded) residual stream:
-    RMSNorm folded in (none without ``config.pre_norms``), one call over a fused matrix,
-    else three calls joined."""
+def _fused_input(config: ModelConfig, layers: dict, name: str, x: jax.Array, index,
+                 interpret_variant: str, stacked: bool = True):
+    """(rows, norm weight) for a fused projection that reads ``x`` normed by ``name``:
+    Llama's RMSNorm is folded into the projection kernel (x as it is, the weight); other
+    norms (LayerNorm, ``1 + w``) run in the row-tiled norm kernel
+    :func:`specjax.kernels.norm_groups` first (normed rows, ``None``); without
+    ``config.pre_norms``, (x, ``None``). ``stacked``: ``layers[name]`` is [L, d] (read at
+    ``index``), else [d] (the final norm)."""
+    if not config.pre_norms and name != "final_norm":
+        return x, None
+    if config.norm_kind == "rms" and not config.norm_plus_one:
+        return x, layers[name]
+    kind = "layer" if config.norm_kind != "rms" else "rms_plus_one"
+    weight, bias = layers[name], layers.get(name + "_bias")
+    if not stacked:
+        weight, bias, index = weight[None], None if bias is None else bias[None], 0
+    h = kernels.norm_groups(x, weight, index, start=0, groups=1, eps=config.norm_eps,
+                            kind=kind, bias=bias, interpret_variant=interpret_variant)
+    return h, None
+
+
+def fused_final_input(params: dict, config: ModelConfig, x: jax.Array,
+                      interpret_variant: str):
+    """(rows, norm weight) for the fused head's call: :func:`_fused_input` of the final
+    norm."""
+    return _fused_input(config, params, "final_norm", x, 0, interpret_variant, stacked=False)
+
+
+def _project_qkv(layers: dict, index, config: ModelConfig, h: jax.Array, linear, norm):
+    """The fused layers' q|k|v rows [rows, (H + 2K) * D] of the (padded) residual stream
+    ``h`` (with ``norm``, the RMSNorm weight folded in; :func:`_fused_input`), one call
+    over a fused matrix, else three calls joined."""
     q_width = config.num_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
-    kwargs = dict(norm=layers.get("attn_norm"), layer=index, eps=config.norm_eps)
+    kwargs = dict(norm=norm, layer=index, eps=config.norm_eps)
     if "w_qkv" in layers:
-        return linear(x, (layers["w_qkv"],), biases=(layers.get("b_qkv"),), offsets=(0,),
+        return linear(h, (layers["w_qkv"],), biases=(layers.get("b_qkv"),), offsets=(0,),
                       width=q_width + 2 * kv_width, **kwargs)
     return jnp.concatenate([
-        linear(x, (layers[w],), biases=(layers.get(b),), offsets=(0,), width=width, **kwargs)
+        linear(h, (layers[w],), biases=(layers.get(b),), offsets=(0,), width=width, **kwargs)
         for w, b, width in (("wq", "bq", q_width), ("wk", "bk", kv_width),
                             ("wv", "bv", kv_width))], axis=-1)
+
+
+def _kind(config: ModelConfig) -> str:
+    """The norm kernel's kind of ``config``'s RMSNorms (q/k and output norms)."""
+    return "rms_plus_one" if config.norm_plus_one else "rms"
 
 
 def _qk_norms(layers: dict, index, config: ModelConfig, qkv: jax.Array,
               interpret_variant: str) -> jax.Array:
     """The q|k|v rows [rows, (H + 2K) * D] with q and k RMSNorm'd (``config.qk_norm``: per
     head, or over all heads at once with ``qk_norm_whole``) by the row-tiled kernel
-    :func:`specjax.kernels.rms_norm_groups`, in place: a reduction, so not written in jnp
+    :func:`specjax.kernels.norm_groups`, in place: a reduction, so not written in jnp
     between the kernels (XLA may tile it by the row count)."""
     if not config.qk_norm:
         return qkv
@@ -470,8 +502,9 @@ def _qk_norms(layers: dict, index, config: ModelConfig, qkv: jax.Array,
     for weight, start, groups in ((layers["q_norm"], 0, heads),
                                   (layers["k_norm"], config.num_heads * config.head_dim,
                                    kv_heads)):
-        qkv = kernels.rms_norm_groups(qkv, weight, index, start=start, groups=groups,
-                                      eps=config.norm_eps, interpret_variant=interpret_variant)
+        qkv = kernels.norm_groups(qkv, weight, index, start=start, groups=groups,
+                                  eps=config.norm_eps, kind=_kind(config),
+                                  interpret_variant=interpret_variant)
     return qkv
 
 
@@ -487,28 +520,51 @@ def _add_output(config: ModelConfig, linear, x: jax.Array, h: jax.Array, weight,
                       eps=config.norm_eps)
     out = linear(h, (weight,), biases=(bias,), layer=index, eps=config.norm_eps)
     if post_norm is not None:
-        out = kernels.rms_norm_groups(out, post_norm, index, start=0, groups=1,
-                                      eps=config.norm_eps, interpret_variant=interpret_variant)
+        out = kernels.norm_groups(out, post_norm, index, start=0, groups=1,
+                                  eps=config.norm_eps, kind=_kind(config),
+                                  interpret_variant=interpret_variant)
     return x + _residual(config, out)
 
 
-def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Array,
-                           a: jax.Array, linear, interpret_variant: str):
-    """The rest of a fused layer after attention's output ``a`` [rows, H*D]: o with the
-    residual, then RMSNorm + gate|up + SwiGLU, then down with the residual (no input norm
-    without ``config.pre_norms``; output norms with ``config.sandwich_norms``)."""
-    eps, f = config.norm_eps, config.intermediate_size
-    x = _add_output(config, linear, x, a, layers["wo"], layers.get("bo"), index,
-                    layers.get("post_attn_norm"), interpret_variant)
+def _gate_up(layers: dict, index, config: ModelConfig, h: jax.Array, norm, linear):
+    """The down projection's input: gate|up of ``h`` (``norm`` folded in, as
+    :func:`_fused_input` gives it) with SwiGLU, one kernel call."""
+    f = config.intermediate_size
     if "w_gate_up" in layers:
         pair, biases, offsets = ((layers["w_gate_up"],) * 2, (layers.get("b_gate_up"),) * 2,
                                  (0, f))
     else:
         pair, biases, offsets = ((layers["w_gate"], layers["w_up"]),
                                  (layers.get("b_gate"), layers.get("b_up")), (0, 0))
-    h = linear(x, pair, norm=layers.get("mlp_norm"), biases=biases, layer=index,
-               offsets=offsets, width=f, eps=eps)
-    return _add_output(config, linear, x, h, layers["w_down"], layers.get("b_down"), index,
+    return linear(h, pair, norm=norm, biases=biases, layer=index, offsets=offsets, width=f,
+                  eps=config.norm_eps)
+
+
+def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Array,
+                           a: jax.Array, linear, interpret_variant: str, attn_input):
+    """The rest of a fused layer after attention's output ``a`` [rows, H*D]: o with the
+    residual, then the norm + gate|up + SwiGLU, then down with the residual (output norms
+    with ``config.sandwich_norms``). With ``config.parallel_residual`` (GPT-NeoX, Phi,
+    Cohere) the MLP reads the block's input (``attn_input``, the attention's (rows, norm)
+    with ``shared_input_norm``) and ``x + (o + mlp)`` is added elementwise, as
+    :func:`block` adds it."""
+    if config.parallel_residual:
+        out = linear(a, (layers["wo"],), biases=(layers.get("bo"),), layer=index,
+                     eps=config.norm_eps)
+        if config.sandwich_norms:
+            out = kernels.norm_groups(out, layers["post_attn_norm"], index, start=0, groups=1,
+                                      eps=config.norm_eps, kind=_kind(config),
+                                      interpret_variant=interpret_variant)
+        h, norm = attn_input if config.shared_input_norm else _fused_input(
+            config, layers, "mlp_norm", x, index, interpret_variant)
+        mlp = linear(_gate_up(layers, index, config, h, norm, linear), (layers["w_down"],),
+                     biases=(layers.get("b_down"),), layer=index, eps=config.norm_eps)
+        return x + (out + mlp)
+    x = _add_output(config, linear, x, a, layers["wo"], layers.get("bo"), index,
+                    layers.get("post_attn_norm"), interpret_variant)
+    h, norm = _fused_input(config, layers, "mlp_norm", x, index, interpret_variant)
+    return _add_output(config, linear, x, _gate_up(layers, index, config, h, norm, linear),
+                       layers["w_down"], layers.get("b_down"), index,
                        layers.get("post_mlp_norm"), interpret_variant)
 
 
@@ -537,15 +593,18 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     t, rows = cos.shape[0], x.shape[0]
     q_width = config.num_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
-    qkv = _qk_norms(layers, index, config, _project_qkv(layers, index, config, x, linear),
-                    interpret_variant)[:t]
+    attn_input = _fused_input(config, layers, "attn_norm", x, index, interpret_variant)
+    qkv = _project_qkv(layers, index, config, attn_input[0], linear, attn_input[1])
+    qkv = _qk_norms(layers, index, config, qkv, interpret_variant)[:t]
     q, k, v = jnp.split(qkv, (q_width, q_width + kv_width), axis=-1)
     q = q.reshape(t, config.num_heads, config.head_dim)
     k = k.reshape(t, config.num_kv_heads, config.head_dim)
     v = v.reshape(t, config.num_kv_heads, config.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = jnp.pad(attend(q, k, v).reshape(t, q_width), ((0, rows - t), (0, 0)))
-    return _attention_out_and_mlp(layers, index, config, x, a, linear, interpret_variant), k, v
+    x = _attention_out_and_mlp(layers, index, config, x, a, linear, interpret_variant,
+                               attn_input)
+    return x, k, v
 
 
 def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, rope,
@@ -565,21 +624,23 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
     """
     cos, sin = rope
     heads = config.num_heads + config.num_kv_heads  # those RoPE rotates
+    attn_input = _fused_input(config, layers, "attn_norm", x, index, interpret_variant)
+    h, norm = attn_input
     if "w_qkv" in layers and not config.qk_norm and config.rope_dim == config.head_dim:
         # One launch on a GPU: the projection, RoPE and the write in one kernel.
-        packed = kernels.qkv_rope_into(packed, x, layers["w_qkv"], cos, sin, index,
-                                       norm=layers.get("attn_norm"), bias=layers.get("b_qkv"),
+        packed = kernels.qkv_rope_into(packed, h, layers["w_qkv"], cos, sin, index,
+                                       norm=norm, bias=layers.get("b_qkv"),
                                        rope_heads=heads, eps=config.norm_eps,
                                        interpret_variant=interpret_variant,
                                        gpu_linear=gpu_linear)
     else:
         # q/k norms come between the projection and RoPE; partial RoPE pairs dims the
         # kernel's epilogue does not: the projection, then the jnp rotation and write.
-        qkv = _qk_norms(layers, index, config, _project_qkv(layers, index, config, x, linear),
-                        interpret_variant)
+        qkv = _qk_norms(layers, index, config,
+                        _project_qkv(layers, index, config, h, linear, norm), interpret_variant)
         packed = write_rope_rows(packed, qkv, index, cos, sin, heads)
     x = _attention_out_and_mlp(layers, index, config, x, attend(packed, index), linear,
-                               interpret_variant)
+                               interpret_variant, attn_input)
     return x, packed
 
 
