@@ -299,7 +299,13 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
       InvalidArgumentError: without ``fallback``, shapes the kernel does not take.
     """
     variant, interpret = select_variant(variant, interpret_variant)
-    if variant == "gpu" and gpu_kernel_backend(gpu_linear) == "mosaic":
+    if (variant == "gpu" and gpu_kernel_backend(gpu_linear) == "mosaic"
+            and kwargs.get("activation") is not None):
+        # its epilogue is SwiGLU's; the (shape-only) choice is the same at any row count
+        fallbacks.record("fused_linear", f"the Mosaic GPU kernel takes no "
+                         f"{kwargs['activation']} activation; the call goes to the Triton "
+                         f"kernel")
+    elif variant == "gpu" and gpu_kernel_backend(gpu_linear) == "mosaic":
         mosaic = importlib.import_module(f"{__name__}.linear_mosaic_gpu")
         mosaic_sizes = block_sizes if isinstance(block_sizes,
                                                  mosaic.MosaicGpuLinearBlockSizes) else None

@@ -8,7 +8,9 @@ One kernel computes, for a few query rows (a decode token, or the nodes of a ver
   recomputed per tile from the rows in registers, never written to memory;
 * ``W`` one matrix, or two column ranges whose outputs feed SwiGLU (``silu(gate) * up``),
   from one fused ``w_gate_up`` (the same array twice, at column offsets 0 and F) or from
-  separate ``w_gate``/``w_up``;
+  separate ``w_gate``/``w_up``; ``activation=`` picks the gate's GELU instead (GeGLU), or
+  activates one matrix's product (a two-matrix MLP's up projection), in float32 in the
+  epilogue (the erf GELU by a rational approximation: Triton's lowering has no erf);
 * ``residual=``: the skip connection, added in the epilogue;
 * weights stacked over layers ``[L, K, N]`` are read in place at a traced ``layer`` (the
   layer loop never copies a layer's matrices out); ``transposed=True`` reads ``[.., N, K]``
@@ -119,9 +121,51 @@ def _dot(a, b, *, transposed: bool):
                            preferred_element_type=jnp.float32)
 
 
-def _epilogue(parts, biases, residual, *, dtype, float32_out: bool):
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
+# erf(x) ~ x P(x^2) / Q(x^2) on [-4, 4] (+-1 in float32 beyond): the float32 rational
+# approximation of Eigen and XLA's CPU and GPU backends. Pallas' Triton lowering has no erf.
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+          -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+          -7.37332916720468e-03, -1.42647390514189e-02)
+
+
+def _erf(x):
+    """erf of float32 ``x`` in elementwise operations every lowering has."""
+    x = jnp.clip(x, -4.0, 4.0)
+    x2 = x * x
+    p, q = jnp.full_like(x, _ERF_P[0]), jnp.full_like(x, _ERF_Q[0])
+    for c in _ERF_P[1:]:
+        p = p * x2 + c
+    for c in _ERF_Q[1:]:
+        q = q * x2 + c
+    return x * p / q
+
+
+def _activate(activation: str, y):
+    """``activation`` of float32 ``y``: SiLU, the tanh GELU, or the exact (erf) GELU."""
+    if activation == "silu":
+        return y * (1.0 / (1.0 + jnp.exp(-y)))
+    if activation == "gelu_tanh":
+        return 0.5 * y * (1.0 + jnp.tanh(0.7978845608028654 * (y + 0.044715 * y * y * y)))
+    return 0.5 * y * (1.0 + _erf(y * 0.7071067811865476))
+
+
+def check_activation(kernel_name: str, activation: str | None) -> None:
+    if activation is not None and activation not in ACTIVATIONS:
+        raise InvalidArgumentError(
+            f"{kernel_name}: activation {activation!r} is not one of {ACTIVATIONS}")
+
+
+def _epilogue(parts, biases, residual, *, dtype, float32_out: bool,
+              activation: str | None = None):
     """From the float32 products of the 1-2 column ranges to the output, as the
-    reference rounds: product in ``dtype`` (+ bias), SwiGLU, + residual."""
+    reference rounds: product in ``dtype`` (+ bias), the gated activation of two ranges
+    (``activation``, SiLU by default: SwiGLU) or the activation of one (none by
+    default), + residual."""
     if float32_out:
         y = parts[0]
         for bias in biases[:1]:
@@ -136,7 +180,9 @@ def _epilogue(parts, biases, residual, *, dtype, float32_out: bool):
         outs.append(y)
     if len(outs) == 2:
         gate = outs[0].astype(jnp.float32)
-        y = (gate * (1.0 / (1.0 + jnp.exp(-gate)))).astype(dtype) * outs[1]
+        y = _activate(activation or "silu", gate).astype(dtype) * outs[1]
+    elif activation is not None:
+        y = _activate(activation, outs[0].astype(jnp.float32)).astype(dtype)
     else:
         y = outs[0]
     if residual is not None:
@@ -181,7 +227,8 @@ def _products(layer, x_ref, weight_refs, norm_ref, *, rows, cols: tuple, transpo
 
 def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, offsets: tuple, has_norm: bool,
                    has_bias: tuple, has_residual: bool, transposed: bool, block_rows: int,
-                   block_n: int, block_k: int, num_k: int, eps: float, float32_out: bool):
+                   block_n: int, block_k: int, num_k: int, eps: float, float32_out: bool,
+                   activation: str | None = None):
     """One (row tile, column block) program.
 
     Refs: layer_ref int32 [1]; x_ref the whole padded input [R, K]; then ``num_parts``
@@ -206,7 +253,8 @@ def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, offsets: tuple, has_
     biases = [None if ref is None else ref[layer, pl.ds(col0 + offset, block_n)]
               for ref, offset in zip(bias_refs, offsets)]
     residual = None if residual_ref is None else residual_ref[...]
-    y = _epilogue(parts, biases, residual, dtype=x_ref.dtype, float32_out=float32_out)
+    y = _epilogue(parts, biases, residual, dtype=x_ref.dtype, float32_out=float32_out,
+                  activation=activation)
     o_ref[...] = y.astype(o_ref.dtype)
 
 
@@ -285,10 +333,12 @@ def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "offsets", "width", "transposed", "eps", "float32_out", "block_sizes", "interpret"))
+    "offsets", "width", "transposed", "eps", "float32_out", "activation", "block_sizes",
+    "interpret"))
 def fused_linear_gpu(x, weights, *, norm=None, biases=None, residual=None, layer=None,
                      offsets=(0,), width: int | None = None, transposed: bool = False,
                      eps: float = 1e-6, float32_out: bool = False,
+                     activation: str | None = None,
                      block_sizes: GpuLinearBlockSizes = GpuLinearBlockSizes(),
                      interpret: bool = False):
     """``residual + act(rms_norm(x) @ W + b)`` for a few rows; see the module docstring.
@@ -308,6 +358,9 @@ def fused_linear_gpu(x, weights, *, norm=None, biases=None, residual=None, layer
       eps: the norm's epsilon.
       float32_out: return the float32 product (+ bias) without rounding to x's dtype (the
         logits head).
+      activation: static ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``: the gate's activation
+        with two weights (``None``: SiLU), or the activation of one weight's product
+        (``None``: none; a two-matrix MLP's up projection).
       block_sizes: static :class:`GpuLinearBlockSizes`.
       interpret: run in Pallas' interpreter (any backend) instead of compiling for a GPU.
     Returns:
@@ -315,6 +368,7 @@ def fused_linear_gpu(x, weights, *, norm=None, biases=None, residual=None, layer
     """
     weights = tuple(weights)
     stacked = layer is not None
+    check_activation(KERNEL_NAME, activation)
     config, width = check_supported(x, weights, offsets=tuple(offsets), width=width,
                                     transposed=transposed, stacked=stacked,
                                     block_sizes=block_sizes)
@@ -342,7 +396,8 @@ def fused_linear_gpu(x, weights, *, norm=None, biases=None, residual=None, layer
         has_norm=norm is not None, has_bias=tuple(b is not None for b in biases),
         has_residual=residual is not None, transposed=transposed,
         block_rows=config.block_rows, block_n=config.block_n, block_k=config.block_k,
-        num_k=in_features // config.block_k, eps=float(eps), float32_out=float32_out)
+        num_k=in_features // config.block_k, eps=float(eps), float32_out=float32_out,
+        activation=activation)
     out = pl.pallas_call(
         kernel,
         grid=(rows // config.block_rows, width // config.block_n),
@@ -359,7 +414,8 @@ def fused_linear_gpu(x, weights, *, norm=None, biases=None, residual=None, layer
 
 def fused_linear_reference(x, weights, *, norm=None, biases=None, residual=None, layer=None,
                            offsets=(0,), width: int | None = None, transposed: bool = False,
-                           eps: float = 1e-6, float32_out: bool = False):
+                           eps: float = 1e-6, float32_out: bool = False,
+                           activation: str | None = None):
     """The same computation as :func:`fused_linear_gpu` in ``jax.numpy`` (the models'
     reference layers: :func:`.numerics.rms_norm` and ``specjax.models.layers.dense``)."""
     weights = tuple(weights)
@@ -379,7 +435,8 @@ def fused_linear_reference(x, weights, *, norm=None, biases=None, residual=None,
         part_biases.append(None if b is None else
                            lax.slice_in_dim(pick(b), offset, offset + width, axis=0))
     res = None if residual is None else residual.astype(x.dtype)
-    return _epilogue(parts, part_biases, res, dtype=x.dtype, float32_out=float32_out)
+    return _epilogue(parts, part_biases, res, dtype=x.dtype, float32_out=float32_out,
+                     activation=activation)
 
 
 # ------------------------------------------------------- q|k|v rows, RoPE'd, written in place

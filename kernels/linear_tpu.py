@@ -67,8 +67,9 @@ from specjax.errors import InvalidArgumentError
 from . import layout
 from .attention_tpu import VMEM_BUDGET, VMEM_LIMIT
 # One epilogue and one dot for both kernels: they round exactly as the reference does.
-from .linear_gpu import (_dot, _epilogue, check_call,  # noqa: F401 (re-exports the reference)
-                         fused_linear_reference, stacked_operands)
+from .linear_gpu import (_dot, _epilogue, check_activation,  # noqa: F401 (re-exports
+                         check_call, fused_linear_reference,  # the reference)
+                         stacked_operands)
 
 KERNEL_NAME = "TPU fused linear kernel"
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -172,7 +173,7 @@ def vmem_bytes(tiling: ResolvedTiling, *, in_features: int, width: int, num_part
 
 def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, has_norm: bool,
                    has_bias: tuple, has_residual: bool, transposed: bool, slices: tuple,
-                   num_k: int, eps: float, float32_out: bool):
+                   num_k: int, eps: float, float32_out: bool, activation: str | None):
     """One (row tile, column block, K chunk) step.
 
     Refs: layer_ref int32 [1] (SMEM, used by the index maps only); x_ref the chunk
@@ -216,7 +217,8 @@ def _linear_kernel(layer_ref, x_ref, *refs, num_parts: int, has_norm: bool,
         biases = [None if ref is None else ref[...][:, start:stop]
                   for ref, (start, stop) in zip(bias_refs, slices)]
         residual = None if residual_ref is None else residual_ref[...]
-        y = _epilogue(parts, biases, residual, dtype=dtype, float32_out=float32_out)
+        y = _epilogue(parts, biases, residual, dtype=dtype, float32_out=float32_out,
+                      activation=activation)
         o_ref[...] = y.astype(o_ref.dtype)
 
 
@@ -252,10 +254,12 @@ def check_supported(x, weights, *, offsets=(0,), width: int | None = None,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "offsets", "width", "transposed", "eps", "float32_out", "block_sizes", "interpret"))
+    "offsets", "width", "transposed", "eps", "float32_out", "activation", "block_sizes",
+    "interpret"))
 def fused_linear_tpu(x, weights, *, norm=None, biases=None, residual=None, layer=None,
                      offsets=(0,), width: int | None = None, transposed: bool = False,
                      eps: float = 1e-6, float32_out: bool = False,
+                     activation: str | None = None,
                      block_sizes: TpuLinearBlockSizes = TpuLinearBlockSizes(),
                      interpret: bool = False):
     """``residual + act(rms_norm(x) @ W + b)`` for a few rows on a TPU; the arguments and
@@ -269,6 +273,7 @@ def fused_linear_tpu(x, weights, *, norm=None, biases=None, residual=None, layer
     weights = tuple(weights)
     offsets = tuple(offsets)
     stacked = layer is not None
+    check_activation(KERNEL_NAME, activation)
     tiling, width = check_supported(
         x, weights, offsets=offsets, width=width, transposed=transposed, stacked=stacked,
         block_sizes=block_sizes, has_norm=norm is not None, has_residual=residual is not None,
@@ -325,7 +330,7 @@ def fused_linear_tpu(x, weights, *, norm=None, biases=None, residual=None, layer
         _linear_kernel, num_parts=len(weights), has_norm=norm is not None,
         has_bias=tuple(b is not None for b in biases), has_residual=residual is not None,
         transposed=transposed, slices=slices, num_k=num_k, eps=float(eps),
-        float32_out=float32_out)
+        float32_out=float32_out, activation=activation)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

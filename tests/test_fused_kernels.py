@@ -127,6 +127,23 @@ def test_kernel_matches_reference(form, dtype):
                                rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("form,activation,dtype", [
+    ("swiglu-fused-matrix", "gelu_tanh", jnp.bfloat16), ("norm-bias-residual", "gelu",
+                                                        jnp.float32)],
+    ids=["geglu-bf16", "erf-gelu-one-matrix-fp32"])
+def test_activation_epilogue_matches_reference(form, activation, dtype):
+    """Gemma's GeGLU (two ranges, the tanh GELU of the gate) and GPT-NeoX's up projection
+    (one range, the erf GELU) in the epilogue."""
+    x, *rest = _arrays(dtype)
+    kwargs = dict(FORMS[form](x, *rest), activation=activation)
+    got = fused_linear_gpu(x, layer=jnp.int32(1), interpret=True, **kwargs)
+    want = fused_linear_reference(x, layer=jnp.int32(1), **kwargs)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    plain = fused_linear_reference(x, layer=jnp.int32(1), **FORMS[form](x, *rest))
+    assert not np.allclose(np.asarray(got, np.float32), np.asarray(plain, np.float32))
+
+
 def test_transposed_head_in_float32():
     """The tied-embedding head: weight [V, d] unstacked, norm folded in, float32 logits."""
     x, *_ = _arrays(jnp.bfloat16)
@@ -560,8 +577,9 @@ def test_group_norm_bad_input_is_one_line(shape, weight, kwargs, message):
 def test_group_norm_and_scaled_attention_lower_for_triton():
     """The norm kernel at Qwen3-0.6B's q|k|v rows (16 + 8 + 8 heads of 128; per head),
     OLMo-2-13B's (40 query heads normed at once: a 5120-wide group), as a LayerNorm with
-    biases and a 1 + w RMSNorm, and the packed attention with a query scale of its own
-    (Granite's), lower for Triton."""
+    biases and a 1 + w RMSNorm; the projection kernel with a GELU epilogue (tanh, gated;
+    erf, one matrix); and the packed attention with a query scale of its own (Granite's),
+    lower for Triton."""
     sds = jax.ShapeDtypeStruct
     for rows, heads, kv_heads, d, whole, dtype in [(16, 16, 8, 128, False, jnp.bfloat16),
                                                    (64, 16, 8, 128, False, jnp.float32),
@@ -570,6 +588,15 @@ def test_group_norm_and_scaled_attention_lower_for_triton():
         lowered = norm_groups_gpu.trace(
             sds((rows, (heads + 2 * kv_heads) * d), dtype), sds((28, width), dtype),
             sds((), jnp.int32), start=0, groups=groups).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
+    # Gemma-2B's GeGLU (2048 -> 2 x 16384) and Pythia-1B's erf-GELU up projection.
+    for weights, offsets, width, activation in (((32768,) * 2, (0, 16384), 16384, "gelu_tanh"),
+                                                ((8192,), (0,), 8192, "gelu")):
+        lowered = fused_linear_gpu.trace(
+            sds((16, 2048), jnp.bfloat16), tuple(sds((18, 2048, n), jnp.bfloat16)
+                                                 for n in weights),
+            layer=sds((), jnp.int32), offsets=offsets, width=width, activation=activation,
+        ).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
     # StableLM-2-1.6B's LayerNorm with biases (2048 wide) and Gemma-2B's 1 + w (2048).
     for kind, bias in (("layer", True), ("rms_plus_one", False)):
@@ -784,16 +811,18 @@ CONFIGS = {"llama": {}, "features": FEATURES,
            # OLMo 2's layout: q and k each normed over all their heads (one 128-wide group),
            # no norms on the blocks' inputs
            "olmo-norms": dict(FEATURES, qk_norm_whole=True, pre_norms=False),
-           # GPT-NeoX's layout with SwiGLU: LayerNorms with biases (the norm kernel), the
-           # MLP beside attention, q|k|v and o biases, RoPE on half of each head, a head bias
+           # GPT-NeoX's layout: LayerNorms with biases (the norm kernel), the MLP beside
+           # attention, two matrices with the erf GELU between them (the epilogue), biases
+           # on q|k|v, o and the MLP, RoPE on half of each head; and a head bias
            "layer-norms": dict(norm_kind="layer", parallel_residual=True, qkv_bias=True,
                                out_bias=True, rotary_dim=8, tie_word_embeddings=False,
-                               head_bias=True),
+                               head_bias=True, gated_mlp=False, hidden_act="gelu",
+                               mlp_bias=True),
            # Command R's: one LayerNorm without a bias that attention and MLP share
            "shared-layer-norm": dict(norm_kind="layer_nobias", parallel_residual=True,
                                      shared_input_norm=True, logit_scale=0.25),
-           # Gemma's RMSNorm by 1 + w, on the inputs, q and k, and the outputs
-           "plus-one": dict(FEATURES, norm_plus_one=True)}
+           # Gemma's RMSNorm by 1 + w (on the inputs, q and k, and the outputs) and GeGLU
+           "plus-one": dict(FEATURES, norm_plus_one=True, hidden_act="gelu_tanh")}
 
 
 # The tree starting mid-block, and on a block edge; fp32 and bf16; the packed kernel (what
@@ -914,18 +943,22 @@ def _logits_capped_first(monkeypatch):
     monkeypatch.setattr(models, "finish_logits", finish_logits)
 
 
-def _residual_multiplier_on_the_input(monkeypatch):
-    """On the multi-row path Granite's residual multiplier scales the o and down
-    projections' inputs instead of their outputs."""
+def _residual_multiplier_in_the_output_norm(monkeypatch):
+    """On the multi-row path Granite's residual multiplier is folded into the output
+    norms' weights (``w * m``) instead of multiplying the normed output."""
     add_output = decoder._add_output
 
-    def scaled_input(config, linear, x, h, weight, bias, index):
-        if h.shape[0] == 16:
-            return add_output(config, linear, x, h, weight, bias, index)
-        m = jnp.asarray(config.residual_multiplier, h.dtype)
-        return x + linear(h * m, (weight,), biases=(bias,), layer=index, eps=config.norm_eps)
+    def folded(config, linear, x, h, weight, bias, index, post_norm=None,
+               interpret_variant="gpu"):
+        if h.shape[0] == 16 or post_norm is None:
+            return add_output(config, linear, x, h, weight, bias, index, post_norm,
+                              interpret_variant)
+        out = linear(h, (weight,), biases=(bias,), layer=index, eps=config.norm_eps)
+        m = jnp.asarray(config.residual_multiplier, post_norm.dtype)
+        return x + kernels.norm_groups(out, post_norm * m, index, start=0, groups=1,
+                                       eps=config.norm_eps, interpret_variant=interpret_variant)
 
-    monkeypatch.setattr(decoder, "_add_output", scaled_input)
+    monkeypatch.setattr(decoder, "_add_output", folded)
 
 
 def _partial_rope_over_the_whole_head(monkeypatch):
@@ -970,21 +1003,37 @@ def _plus_one_folded_into_the_weight(monkeypatch):
     monkeypatch.setattr(kernels, "norm_groups", norm)
 
 
+def _gelu_outside_the_kernel(monkeypatch):
+    """On the multi-row path GPT-NeoX's up projection's GELU is applied in jnp to the
+    kernel's product rounded to the model dtype, instead of to the float32 product in the
+    epilogue."""
+    right = kernels.fused_linear
+
+    def linear(x, weights, *, activation=None, **kwargs):
+        if activation is None or x.shape[0] <= 16:
+            return right(x, weights, activation=activation, **kwargs)
+        return jax.nn.gelu(right(x, weights, **kwargs), approximate=False)
+
+    monkeypatch.setattr(kernels, "fused_linear", linear)
+
+
 WRONG_FEATURES = {"qk-norm-chunks": lambda patch: _norms_chunked_by_row_count(patch, 32),
                   "output-norm-chunks": lambda patch: _norms_chunked_by_row_count(patch, 64),
                   "layer-norm-chunks": _layer_norm_chunked_by_row_count,
                   "plus-one-folded": _plus_one_folded_into_the_weight,
+                  "gelu-outside-the-kernel": _gelu_outside_the_kernel,
                   "query-scale": _scale_folded_into_queries,
                   "logits": _logits_capped_first,
-                  "residual-multiplier": _residual_multiplier_on_the_input,
+                  "residual-multiplier": _residual_multiplier_in_the_output_norm,
                   "partial-rope": _partial_rope_over_the_whole_head,
                   "nope-layer": _nope_layer_rotated}
 
 
 # (config, dtype) of a wrong variant, where not FEATURES in float32 (1 + w folded into the
-# weight is a different rounding in bfloat16 only).
+# weight, and the GELU of a rounded product, are different roundings in bfloat16 only).
 WRONG_CONFIGS = {"layer-norm-chunks": ("layer-norms", jnp.float32),
-                 "plus-one-folded": ("plus-one", jnp.bfloat16)}
+                 "plus-one-folded": ("plus-one", jnp.bfloat16),
+                 "gelu-outside-the-kernel": ("layer-norms", jnp.bfloat16)}
 
 
 @pytest.mark.parametrize("variant", [
@@ -996,9 +1045,10 @@ def test_a_feature_computed_differently_by_row_count_is_caught(monkeypatch, vari
     pass (with :data:`FEATURES`, or the config of :data:`CONFIGS` that has the feature):
     the q/k norms', the output norms' or LayerNorm's sums chunked by the row count (the
     bug the norm kernel's fixed chunks rule out), Gemma's ``1 + w`` folded into the
-    weight, the query scale folded into q (as the verify kernel takes it), the logits
-    soft-capped first, the residual multiplier on the projections' inputs, partial RoPE's
-    pairs taken over the whole head, a NoPE layer rotated."""
+    weight, GPT-NeoX's GELU applied outside the kernel, the query scale folded into q (as
+    the verify kernel takes it), the logits soft-capped first, the residual multiplier
+    folded into the output norms' weights, partial RoPE's pairs taken over the whole head,
+    a NoPE layer rotated."""
     WRONG_FEATURES[variant](monkeypatch)
     name, dtype = WRONG_CONFIGS.get(variant, ("features", jnp.float32))
     config = _tiny_config(**CONFIGS[name])

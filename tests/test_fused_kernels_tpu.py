@@ -43,8 +43,8 @@ from specjax.kernels.attention_ordered_tpu import ordered_attention_tpu
 from specjax.kernels.linear_tpu import (TpuLinearBlockSizes, check_supported,
                                         fused_linear_reference, fused_linear_tpu)
 
-from test_fused_kernels import (FORMS, ORDERED_CASES, TOLERANCE, _arrays, _params,
-                                _path_versus_tree, _tiny_config,
+from test_fused_kernels import (CONFIGS, FORMS, ORDERED_CASES, TOLERANCE, _arrays,
+                                _feature_params, _params, _path_versus_tree, _tiny_config,
                                 check_ordered_against_reference)
 from tolerances import assert_sums_close
 
@@ -201,3 +201,14 @@ def test_every_node_on_a_path_is_bitwise_the_ar_step(dtype):
     params = jax.tree.map(lambda a: a.astype(dtype), _params(config))
     assert all(_path_versus_tree(config, params, 12, KernelOptions(attention="fused",
                                                                   interpret_variant="tpu")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["features", "layer-norms"])
+def test_every_node_on_a_path_is_bitwise_the_ar_step_with_the_features(name):
+    """The same with the features the fused layers take beyond Llama's
+    (``test_fused_kernels.CONFIGS``): the TPU kernels with the query scale, GELU epilogues;
+    the norms in the (Triton) norm kernel, interpreted."""
+    config = _tiny_config(**CONFIGS[name])
+    assert all(_path_versus_tree(config, _feature_params(config), 12,
+                                 KernelOptions(attention="fused", interpret_variant="tpu")))

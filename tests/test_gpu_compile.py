@@ -109,8 +109,8 @@ PROGRAMS = {
 # LayerNorm, parallel residual, partial RoPE, biases) and Qwen3-MoE (128 experts, eight
 # per token: one step gathers the picked ones, a verify pass runs them all) the same way; a
 # Phi-3 with Phi-2's head_dim 80, which no kernel takes, with the jnp fallback (recorded in
-# the stats). Qwen3, SmolLM3 and Phi-4-mini again with attn_impl="fused": the fused
-# layers' kernels with their features.
+# the stats). Qwen3, SmolLM3, Phi-4-mini and GPT-NeoX again with attn_impl="fused": the
+# fused layers' kernels with their features.
 FAMILY_PROGRAMS = {
     "ar-bf16-qwen3-kernel": dict(method="ar", family="qwen3", attn_impl="kernel"),
     "tree-bf16-qwen3-kernel": dict(method="tree", verify="greedy", family="qwen3",
@@ -129,11 +129,13 @@ FAMILY_PROGRAMS = {
     "tree-bf16-qwen3-moe-auto": dict(method="tree", verify="greedy", family="qwen3-moe",
                                      attn_impl="auto"),
     # The fused layers with a family's features: Qwen3's per-head q/k norms (the norm
-    # kernel), SmolLM3's NoPE layers, Phi-4-mini's partial rotary.
+    # kernel), SmolLM3's NoPE layers, Phi-4-mini's partial rotary, GPT-NeoX's LayerNorms
+    # (the norm kernel), parallel blocks and erf GELU (the projection kernel's epilogue).
     "tree-bf16-qwen3-fused": dict(method="tree", verify="greedy", family="qwen3", **FUSED),
     "ar-bf16-smollm3-fused": dict(method="ar", family="smollm3", **FUSED),
     "tree-bf16-phi4-mini-fused": dict(method="tree", verify="greedy", family="phi4-mini",
                                       **FUSED),
+    "ar-bf16-gpt-neox-fused": dict(method="ar", family="gpt-neox", **FUSED),
 }
 # The family programs whose attention is the jnp fallback (head_dim 80). Its
 # attention reads a layer of the stacked cache whole, which XLA's GPU compiler

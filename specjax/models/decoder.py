@@ -298,9 +298,9 @@ def plain_layers_only(config: ModelConfig) -> str | None:
     (their sum added elementwise), and in the row-tiled norm kernel
     (:func:`specjax.kernels.norm_groups`): q/k norms (per head or over all heads), output
     norms (``sandwich_norms``), LayerNorm (with or without biases) and Gemma's ``1 + w``
-    RMSNorm. The features listed here are refused."""
+    RMSNorm; GELU (tanh or erf; gated, or of a two-matrix MLP's up projection) in the
+    projection kernels' epilogue. The features listed here are refused."""
     features = [name for name, on in (
-        ("GELU", config.hidden_act != "silu"), ("a two-matrix MLP", not config.gated_mlp),
         ("attention soft-capping", config.attn_softcap is not None),
         ("sliding windows", bool(config.layer_windows)),
         ("local RoPE", config.local_rope_theta is not None),
@@ -527,9 +527,14 @@ def _add_output(config: ModelConfig, linear, x: jax.Array, h: jax.Array, weight,
 
 
 def _gate_up(layers: dict, index, config: ModelConfig, h: jax.Array, norm, linear):
-    """The down projection's input: gate|up of ``h`` (``norm`` folded in, as
-    :func:`_fused_input` gives it) with SwiGLU, one kernel call."""
+    """The down projection's input, one kernel call on ``h`` (``norm`` folded in, as
+    :func:`_fused_input` gives it): gate|up with the gated activation (SwiGLU, GeGLU), or
+    without ``config.gated_mlp`` the activation of up (the epilogue's ``activation``)."""
     f = config.intermediate_size
+    if not config.gated_mlp:
+        return linear(h, (layers["w_up"],), norm=norm, biases=(layers.get("b_up"),),
+                      layer=index, eps=config.norm_eps, activation=config.hidden_act)
+    activation = None if config.hidden_act == "silu" else config.hidden_act
     if "w_gate_up" in layers:
         pair, biases, offsets = ((layers["w_gate_up"],) * 2, (layers.get("b_gate_up"),) * 2,
                                  (0, f))
@@ -537,7 +542,8 @@ def _gate_up(layers: dict, index, config: ModelConfig, h: jax.Array, norm, linea
         pair, biases, offsets = ((layers["w_gate"], layers["w_up"]),
                                  (layers.get("b_gate"), layers.get("b_up")), (0, 0))
     return linear(h, pair, norm=norm, biases=biases, layer=index, offsets=offsets, width=f,
-                  eps=config.norm_eps)
+                  eps=config.norm_eps, **({} if activation is None else
+                                          {"activation": activation}))
 
 
 def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Array,
