@@ -372,26 +372,40 @@ def qkv_rope_into(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
 
 def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None, *,
                       variant: str | None = None, layer=None, interpret_variant: str = "gpu",
-                      scale: float | None = None):
+                      scale: float | None = None, softcap: float | None = None,
+                      first_visible=None):
     """Position-ordered attention (:mod:`.attention_ordered_gpu`,
     :mod:`.attention_ordered_tpu`, chosen like :func:`verify_attention`'s kernel); a call it
     does not take (a drafting call with a scratch window, a capacity that is not a multiple
     of its block) runs :func:`verify_attention` with that variant's kernel forced. Same
     arguments as that function, and ``scale``: the static score scale (``None``:
     ``D ** -0.5``), which the ordered kernels apply to each score; for
-    :func:`verify_attention`'s kernel the queries are scaled by ``scale * D ** 0.5`` first.
+    :func:`verify_attention`'s kernel the queries are scaled by ``scale * D ** 0.5`` first;
+    ``softcap`` and ``first_visible`` (a sliding window) as :func:`verify_attention` takes
+    them, with ``mask`` the chains' mask without the window (the GPU kernel masks by
+    position; the TPU kernel refuses them in one line).
     """
+    extras = {name: value for name, value in (("softcap", softcap),
+                                              ("first_visible", first_visible))
+              if value is not None}
     variant, interpret = select_variant(variant, interpret_variant)
     module = _kernel_module(variant, _ORDERED_MODULES)
     args = (q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask)
 
     def unordered():
+        nonlocal args
+        if first_visible is not None:  # the window among the new tokens, by position
+            import jax.numpy as jnp
+
+            depth = jnp.sum(mask, axis=1, dtype=jnp.int32) - 1
+            near = (length + depth)[None, :] >= jnp.asarray(first_visible)[:, None]
+            args = (*args[:6], mask & near, scratch_mask)
         if scale is None:
-            return verify_attention(*args, variant=variant, layer=layer)
+            return verify_attention(*args, variant=variant, layer=layer, **extras)
         import jax.numpy as jnp
 
         scaled = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
-        return verify_attention(scaled, *args[1:], variant=variant, layer=layer)
+        return verify_attention(scaled, *args[1:], variant=variant, layer=layer, **extras)
 
     if scratch_mask is not None and scratch_mask.shape[1] > 0:
         return unordered()  # a drafting call
@@ -403,7 +417,8 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
                          f"step in the last bits)")
         return unordered()
     return getattr(module, f"ordered_attention_{variant}")(*args, layer=layer,
-                                                           interpret=interpret, scale=scale)
+                                                           interpret=interpret, scale=scale,
+                                                           **extras)
 
 
 def packed_attention_takes(packed_shape, dtype, k_cache, v_cache, *, num_heads: int,
@@ -428,10 +443,12 @@ def packed_attention_takes(packed_shape, dtype, k_cache, v_cache, *, num_heads: 
 
 def ordered_attention_packed(packed, layer, k_cache, v_cache, length, links, depth, *,
                              num_heads: int, variant: str | None = None,
-                             interpret_variant: str = "gpu", scale: float | None = None):
+                             interpret_variant: str = "gpu", scale: float | None = None,
+                             softcap: float | None = None, first_visible=None):
     """:func:`ordered_attention_packed_gpu` (see there), natively on a GPU and interpreted
     elsewhere; only where :func:`packed_attention_takes` says so. ``scale``: the static
-    score scale (``None``: ``D ** -0.5``)."""
+    score scale (``None``: ``D ** -0.5``); ``softcap`` and ``first_visible`` [rows] (a
+    sliding window) as :func:`ordered_attention` takes them."""
     variant, interpret = select_variant(variant, interpret_variant)
     if variant != "gpu":
         raise InvalidArgumentError(
@@ -440,7 +457,8 @@ def ordered_attention_packed(packed, layer, k_cache, v_cache, length, links, dep
     module = _kernel_module(variant, _ORDERED_MODULES)
     return module.ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links,
                                                depth, num_heads=num_heads,
-                                               interpret=interpret, scale=scale)
+                                               interpret=interpret, scale=scale,
+                                               softcap=softcap, first_visible=first_visible)
 
 
 def norm_groups(x, weight, layer, *, start: int, groups: int, eps: float, kind: str = "rms",

@@ -21,7 +21,11 @@ bit. This kernel sums in an order fixed by *absolute position* alone:
   other rows or on the tile's row count;
 * blocks past a row's own position (other rows in its tile are deeper) are fully masked:
   the update is then an exact identity (max unchanged, correction ``exp(0) = 1``, zero
-  probabilities), so the trip count does not change the result.
+  probabilities), so the trip count does not change the result;
+* a sliding window (``first_visible``, per query) masks keys by absolute position, the
+  same in a step and in a pass (blocks wholly before it are identities too; the mask
+  among the new tokens stays the chains' mask, without the window); a soft-cap
+  (``softcap``) applies to each score.
 
 By induction over depth (a node's keys/values come from projections that are themselves
 row-independent, :mod:`.linear_gpu`), a verify pass then reproduces the one-token steps bit
@@ -82,11 +86,15 @@ def ancestor_chains(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.argmax(at_level, axis=2).astype(jnp.int32), depth
 
 
-def _block_update(carry, q, keys, values, valid, *, scale: float):
+def _block_update(carry, q, keys, values, valid, *, scale: float,
+                  softcap: float | None = None):
     """One online-softmax step over a [rows, block_kv] block (the only arithmetic on scores
-    and values; every block, cache or chain, goes through it)."""
+    and values; every block, cache or chain, goes through it). ``softcap``: scores become
+    ``softcap * tanh(s / softcap)`` (Gemma 2), per element."""
     m, l, acc = carry
     s = jnp.sum(q[:, None, :] * keys, axis=2) * scale  # [rows, block_kv]
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(valid, s, layout.MASK_VALUE)
     m_next = jnp.maximum(m, jnp.max(s, axis=1))
     correction = jnp.exp(m - m_next)
@@ -97,14 +105,17 @@ def _block_update(carry, q, keys, values, valid, *, scale: float):
 
 
 def _ordered_rows(q, depth, length, cache_block, chain_block, *, block_kv: int,
-                  scale: float):
+                  scale: float, softcap: float | None = None, first=None):
     """The position-ordered online softmax of one row tile (both kernels' arithmetic).
 
     q [rows, D] float32 (one query head, one node per row); depth int32 [rows] (-1 for
     padding rows); ``cache_block(start, valid_slots)`` the committed keys and values of
     the block at ``start`` ([block_kv, D] each, zero where not valid); ``chain_block(start,
     in_cache)`` each row's ancestor chain at those positions ([rows, block_kv, D] each,
-    zero in the cache's part and past the row's depth). Returns [rows, D] float32.
+    zero in the cache's part and past the row's depth); ``first`` int32 [rows] or ``None``:
+    each row's first visible position (a sliding window: keys before it are masked, by
+    position, so the same in a step and in a pass; blocks wholly before it are exact
+    identities like those past the row). Returns [rows, D] float32.
     """
     rows, head_dim = q.shape
     last = length + depth  # each row's own position; padding rows: length - 1
@@ -118,10 +129,14 @@ def _ordered_rows(q, depth, length, cache_block, chain_block, *, block_kv: int,
         start = pl.multiple_of(block * block_kv, block_kv)
         positions = start + offsets
         keys, values = cache_block(start, positions < length)
-        valid = positions[None, :] <= last[:, None]
         keys = jnp.broadcast_to(keys[None], (rows, block_kv, head_dim))
         values = jnp.broadcast_to(values[None], (rows, block_kv, head_dim))
-        return _block_update(carry, q, keys, values, valid, scale=scale)
+        return _block_update(carry, q, keys, values, visible(positions), scale=scale,
+                             softcap=softcap)
+
+    def visible(positions):  # [rows, block_kv]: at or before the row, inside its window
+        valid = positions[None, :] <= last[:, None]
+        return valid if first is None else valid & (positions[None, :] >= first[:, None])
 
     def boundary(block, carry):
         start = pl.multiple_of(block * block_kv, block_kv)
@@ -132,8 +147,8 @@ def _ordered_rows(q, depth, length, cache_block, chain_block, *, block_kv: int,
         keys = jnp.where(in_cache[None, :, None], keys[None], chain_keys.astype(jnp.float32))
         values = jnp.where(in_cache[None, :, None], values[None],
                            chain_values.astype(jnp.float32))
-        valid = positions[None, :] <= last[:, None]
-        return _block_update(carry, q, keys, values, valid, scale=scale)
+        return _block_update(carry, q, keys, values, visible(positions), scale=scale,
+                             softcap=softcap)
 
     init = (jnp.full((rows,), layout.MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
@@ -158,9 +173,9 @@ def _cache_loader(k_ref, v_ref, layer, kv_head, block_kv: int, head_dim: int):
     return cache_block
 
 
-def _ordered_kernel(length_ref, layer_ref, q_ref, depth_ref, k_ref, v_ref, chain_ref, o_ref,
-                    *, group: int, num_kv_heads: int, block_rows: int, block_kv: int,
-                    scale: float):
+def _ordered_kernel(length_ref, layer_ref, q_ref, depth_ref, first_ref, k_ref, v_ref,
+                    chain_ref, o_ref, *, group: int, num_kv_heads: int, block_rows: int,
+                    block_kv: int, scale: float, softcap: float | None):
     """One (query head, row tile) program.
 
     Refs: length_ref, layer_ref int32 [1]; q_ref [block_rows, D] (one head's rows,
@@ -189,13 +204,14 @@ def _ordered_kernel(length_ref, layer_ref, q_ref, depth_ref, k_ref, v_ref, chain
 
     out = _ordered_rows(q, depth_ref[...], length,
                         _cache_loader(k_ref, v_ref, layer, kv_head, block_kv, head_dim),
-                        chain_block, block_kv=block_kv, scale=scale)
+                        chain_block, block_kv=block_kv, scale=scale, softcap=softcap,
+                        first=first_ref[...])
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _packed_kernel(length_ref, layer_ref, depth_ref, links_ref, packed_ref, k_ref, v_ref,
-                   o_ref, *, num_heads: int, group: int, num_kv_heads: int, block_rows: int,
-                   block_kv: int, scale: float):
+def _packed_kernel(length_ref, layer_ref, depth_ref, first_ref, links_ref, packed_ref, k_ref,
+                   v_ref, o_ref, *, num_heads: int, group: int, num_kv_heads: int,
+                   block_rows: int, block_kv: int, scale: float, softcap: float | None):
     """One (query head, row tile) program of :func:`ordered_attention_packed_gpu`.
 
     Refs: length_ref, layer_ref int32 [1]; depth_ref int32 [block_rows]; links_ref the
@@ -232,7 +248,8 @@ def _packed_kernel(length_ref, layer_ref, depth_ref, links_ref, packed_ref, k_re
 
     out = _ordered_rows(q, depth, length,
                         _cache_loader(k_ref, v_ref, layer, kv_head, block_kv, head_dim),
-                        chain_block, block_kv=block_kv, scale=scale)
+                        chain_block, block_kv=block_kv, scale=scale, softcap=softcap,
+                        first=first_ref[...])
     o_ref[...] = out.astype(o_ref.dtype)
 
 
@@ -267,11 +284,12 @@ def _score_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale"))
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "softcap"))
 def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None,
                           *, layer=None,
                           block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes(),
-                          interpret: bool = False, scale: float | None = None):
+                          interpret: bool = False, scale: float | None = None,
+                          softcap: float | None = None, first_visible=None):
     """Attention with a position-ordered reduction; same semantics as
     :func:`specjax.attention.attention_reference` for calls whose rows see chains of new
     tokens (prefill, decode, tree verification); see the module docstring.
@@ -285,6 +303,10 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
       interpret: Pallas' interpreter instead of a GPU compile.
       scale: static score scale (``None``: ``D ** -0.5``), applied to each score in the
         kernel (Granite's and Gemma's query scale).
+      softcap: static soft-cap of the scores (Gemma 2), or ``None``.
+      first_visible: int32 [T], each query's first visible position (a sliding window,
+        as :func:`specjax.attention.attention` takes it), or ``None``. ``mask`` must then
+        be the chains' mask without the window (the window masks by position here).
     Returns:
       [T, H, D] in q's dtype.
     """
@@ -312,6 +334,7 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
     gathered = jnp.where(in_chain[..., None, None], jnp.take(new, index, axis=0), 0)
     chain = jnp.pad(gathered, ((0, 0), (block_sizes.block_kv,) * 2, (0, 0), (0, 0)))
     queries = jnp.pad(q.transpose(1, 0, 2), ((0, 0), (0, rows - num_tokens), (0, 0)))
+    first = _first_rows(first_visible, rows)
     # Two one-element arrays (a reshape each, no kernel), not one stacked pair: stacking
     # the loop's layer counter with the length is a kernel launch of its own per layer.
     length = jnp.asarray(length, jnp.int32).reshape(1)
@@ -321,9 +344,10 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
         functools.partial(_ordered_kernel, group=num_heads // num_kv_heads,
                           num_kv_heads=num_kv_heads,
                           block_rows=block_sizes.block_rows, block_kv=block_sizes.block_kv,
-                          scale=_score_scale(scale, head_dim)),
+                          scale=_score_scale(scale, head_dim), softcap=softcap),
         grid=(num_heads, rows // block_sizes.block_rows),
         in_specs=[pl.no_block_spec, pl.no_block_spec, query_spec,
+                  pl.BlockSpec((block_sizes.block_rows,), lambda h, i: (i,)),
                   pl.BlockSpec((block_sizes.block_rows,), lambda h, i: (i,)),
                   pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
         out_specs=query_spec,
@@ -332,8 +356,18 @@ def ordered_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
                                              num_stages=block_sizes.num_stages),
         interpret=interpret,
         name="ordered_attention_gpu",
-    )(length, layer, queries, depth, k_cache, v_cache, chain)
+    )(length, layer, queries, depth, first, k_cache, v_cache, chain)
     return out[:, :num_tokens].transpose(1, 0, 2)
+
+
+def _first_rows(first_visible, rows: int) -> jax.Array:
+    """int32 [rows]: ``first_visible`` [T] padded to ``rows`` (no window: the lowest int32,
+    every position visible)."""
+    lowest = jnp.iinfo(jnp.int32).min
+    if first_visible is None:
+        return jnp.full((rows,), lowest, jnp.int32)
+    first = jnp.asarray(first_visible, jnp.int32).reshape(-1)
+    return jnp.pad(first, (0, rows - first.shape[0]), constant_values=lowest)
 
 
 # ----------------------------------------------------------------------------- packed rows
@@ -399,11 +433,12 @@ def check_packed(packed, k_cache, v_cache, *, num_heads: int,
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "block_sizes", "interpret",
-                                             "scale"))
+                                             "scale", "softcap"))
 def ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links, depth, *,
                                  num_heads: int,
                                  block_sizes: GpuOrderedBlockSizes = GpuOrderedBlockSizes(),
-                                 interpret: bool = False, scale: float | None = None):
+                                 interpret: bool = False, scale: float | None = None,
+                                 softcap: float | None = None, first_visible=None):
     """:func:`ordered_attention_gpu` on a layer loop's packed rows: same arithmetic, same
     result bit for bit, but reading and writing the layouts around it.
 
@@ -418,7 +453,8 @@ def ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links,
       num_heads: H (static).
       block_sizes: static :class:`GpuOrderedBlockSizes`.
       interpret: Pallas' interpreter instead of a GPU compile.
-      scale: as :func:`ordered_attention_gpu`.
+      scale, softcap: as :func:`ordered_attention_gpu`.
+      first_visible: int32 [T] or [R] (padded here), as :func:`ordered_attention_gpu`.
     Returns:
       [R, H*D] in ``packed``'s dtype, row-major as an output projection reads it; padding
       rows are finite (they attend to the cache; zero in a tile of padding rows only).
@@ -436,9 +472,10 @@ def ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links,
         functools.partial(_packed_kernel, num_heads=num_heads,
                           group=num_heads // num_kv_heads, num_kv_heads=num_kv_heads,
                           block_rows=block_sizes.block_rows, block_kv=block_sizes.block_kv,
-                          scale=_score_scale(scale, head_dim)),
+                          scale=_score_scale(scale, head_dim), softcap=softcap),
         grid=(num_heads, rows // block_sizes.block_rows),
         in_specs=[pl.no_block_spec, pl.no_block_spec,
+                  pl.BlockSpec((block_sizes.block_rows,), lambda h, i: (i,)),
                   pl.BlockSpec((block_sizes.block_rows,), lambda h, i: (i,)),
                   pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
         out_specs=pl.BlockSpec((block_sizes.block_rows, head_dim), lambda h, i: (i, h)),
@@ -447,4 +484,4 @@ def ordered_attention_packed_gpu(packed, layer, k_cache, v_cache, length, links,
                                              num_stages=block_sizes.num_stages),
         interpret=interpret,
         name="ordered_attention_packed_gpu",
-    )(length, layer, depth, links, packed, k_cache, v_cache)
+    )(length, layer, depth, _first_rows(first_visible, rows), links, packed, k_cache, v_cache)

@@ -241,19 +241,25 @@ def _boundary_region(k_new, v_new, k_cache, v_cache, layer, length, chain, depth
     return region(k_new, k_cache), region(v_new, v_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale"))
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "softcap"))
 def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None,
                           *, layer=None,
                           block_sizes: TpuOrderedBlockSizes = TpuOrderedBlockSizes(),
-                          interpret: bool = False, scale: float | None = None):
+                          interpret: bool = False, scale: float | None = None,
+                          softcap: float | None = None, first_visible=None):
     """Attention with a position-ordered reduction on a TPU; the arguments and result are
     those of :func:`specjax.kernels.attention_ordered_gpu.ordered_attention_gpu`, with
     ``block_sizes`` a static :class:`TpuOrderedBlockSizes` and ``interpret`` running the
-    TPU interpreter (``scale``: the static score scale, ``None`` for ``D ** -0.5``).
+    TPU interpreter (``scale``: the static score scale, ``None`` for ``D ** -0.5``;
+    ``softcap`` and ``first_visible`` are refused in one line: not yet in this kernel).
 
     Returns:
       [T, H, D] in q's dtype.
     """
+    if softcap is not None or first_visible is not None:
+        raise InvalidArgumentError(
+            f"{KERNEL_NAME}: no soft-capping or sliding windows yet (the GPU kernel takes "
+            f"them); attention 'fused' on a TPU needs a family without them")
     block_kv = check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                                block_sizes=block_sizes)
     num_tokens, num_heads, head_dim = q.shape
@@ -304,7 +310,8 @@ def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
     state = lambda width: pltpu.VMEM((num_kv_heads, block_rows, 1, width), jnp.float32)  # noqa: E731
     out = pl.pallas_call(
         functools.partial(_ordered_kernel, block_kv=block_kv, num_steps=num_steps,
-                          scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale)),
+                          scale=(1.0 / math.sqrt(head_dim) if scale is None
+                                 else float(scale))),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(rows // block_rows, num_steps),

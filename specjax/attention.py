@@ -245,17 +245,14 @@ def attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask=None
         # No kernel runs natively here (a CPU): the blocked jnp attention.
         return attention_blocked(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_mask,
                                  layer=layer, **extras)
-    windowed = softcap is not None or first_visible is not None
-    if impl == "fused" and windowed:  # the models run such families' "auto" layers
-        raise InvalidArgumentError(
-            "attention 'fused': the position-ordered kernels take no soft-capping or sliding "
-            "windows; use attention 'auto' or 'kernel'")
     if scale is not None and impl != "fused":  # the kernels scale by D ** -0.5
         q = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
 
     def kernel(*args, layer, first_visible):
-        if impl == "fused":  # the ordered kernels scale each score by `scale`
+        if impl == "fused":  # the ordered kernels scale each score by `scale`; the
+            # window by position (`mask` is then the chains' mask without it)
             return kernels.ordered_attention(*args, layer=layer, scale=scale,
+                                             softcap=softcap, first_visible=first_visible,
                                              interpret_variant=interpret_variant)
         return kernels.verify_attention(*args, layer=layer, interpret_variant=interpret_variant,
                                         fallback=attention_reference if impl == "auto" else None,

@@ -30,8 +30,9 @@ a kernel never writes with NaN). Checked here:
   caught), rows bitwise independent of the row count; whole models run it (head_dim 32:
   half a head is one 16-column tile) in the path tests;
 * the features the fused layers take beyond Llama's (``CONFIGS``: elementwise ones, the
-  query scale, partial RoPE, a NoPE layer, q/k and output norms; LayerNorms and parallel
-  blocks; OLMo 2's, Command R's and Gemma's norms, slow):
+  query scale, partial RoPE, a NoPE layer, q/k and output norms; LayerNorms, parallel
+  blocks, GELU; soft-capped attention and sliding windows; OLMo 2's, Command R's and
+  Gemma's norms, slow):
   every node on a path is bitwise the ``ar`` step, and each feature computed one way for a
   one-token step and another for a verify pass is caught (the norms' sums chunked by the
   row count, the query scale folded into q, ...); the row-tiled norm kernel
@@ -56,6 +57,7 @@ import pytest
 
 import specjax
 from specjax import kernels, models
+from specjax.attention import attention_reference
 from specjax.cache import advance, init_cache
 from specjax.config import ModelConfig
 from specjax.errors import InvalidArgumentError
@@ -284,6 +286,29 @@ def check_ordered_against_reference(kernel, case):
     tol = TOLERANCE[case.dtype]
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
                                rtol=tol, atol=tol)
+
+
+def test_ordered_attention_with_softcap_and_windows_matches_reference():
+    """Soft-capped scores and a 6-position window per query (cutting the cache for every
+    node, and the deeper nodes' chains), by position in the kernel, against the jnp
+    attention given the window as the models give it (the mask among the new tokens cut,
+    ``first_visible`` for the cache); the packed kernel bit for bit the unpacked one."""
+    case = Case("tree-window-f32", 12, 4, 2, 32, 64, 20)
+    args, reference_args = make_inputs(case, seed=7)
+    q, k_new, v_new, k_cache, v_cache, length, mask, _ = args
+    depth = jnp.sum(mask, axis=1, dtype=jnp.int32) - 1
+    first = length + depth - 5
+    near = (length + depth)[None, :] >= first[:, None]
+    extras = dict(softcap=2.0, first_visible=first)
+    out = ordered_attention_gpu(*args, interpret=True, **extras)
+    expected = attention_reference(*reference_args[:6], mask & near, **extras)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=2e-5, atol=2e-5)
+    plain = ordered_attention_gpu(*args, interpret=True)
+    assert not np.allclose(np.asarray(out), np.asarray(plain), rtol=1e-3)
+    packed_args, _, t = _packed_case(case, seed=7)
+    got = ordered_attention_packed_gpu(*packed_args, num_heads=q.shape[1], interpret=True,
+                                       **extras)
+    assert bool(jnp.all(got[:t].reshape(out.shape) == out))
 
 
 @pytest.mark.parametrize("case", ORDERED_CASES, ids=lambda c: c.name)
@@ -518,8 +543,9 @@ def _norm_arrays(dtype, rows=16, width=32, groups=4, seed=0):
 
 
 @pytest.mark.parametrize("width,groups,kind,bias,dtype", [
-    (32, 4, "rms", False, jnp.float32), (32, 4, "rms", False, jnp.bfloat16),
-    (128, 1, "layer", True, jnp.float32), (128, 1, "rms_plus_one", False, jnp.bfloat16)],
+    pytest.param(32, 4, "rms", False, jnp.float32, marks=pytest.mark.slow),
+    (32, 4, "rms", False, jnp.bfloat16), (128, 1, "layer", True, jnp.float32),
+    pytest.param(128, 1, "rms_plus_one", False, jnp.bfloat16, marks=pytest.mark.slow)],
     ids=["per-head-rms-fp32", "per-head-rms-bf16", "whole-layer-bias-fp32",
          "whole-plus-one-bf16"])
 def test_group_norm_kernel_matches_reference_and_keeps_other_columns(width, groups, kind,
@@ -535,7 +561,7 @@ def test_group_norm_kernel_matches_reference_and_keeps_other_columns(width, grou
                                rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("kind", [pytest.param("rms", marks=pytest.mark.slow), "layer"])
 def test_group_norm_rows_are_bitwise_independent_and_a_row_dependent_chunk_is_caught(kind):
     """Each row of a 48-row call is bitwise the row normed in a 16-row call of its own; the
     same comparison fails with the sums chunked by the row count (128 columns at once for
@@ -611,6 +637,22 @@ def test_group_norm_and_scaled_attention_lower_for_triton():
         sds((), jnp.int32), sds((64, 96), jnp.int32), sds((64,), jnp.int32), num_heads=32,
         scale=0.0078125).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
+    # Soft-capped scores and a window per query, at Qwen3-8B's 32 / 8 heads of 128.
+    for kernel, args in (
+            (ordered_attention_packed_gpu, (
+                sds((36, 64, 48, 128), jnp.bfloat16), sds((), jnp.int32),
+                sds((36, 4096, 8, 128), jnp.bfloat16), sds((36, 4096, 8, 128), jnp.bfloat16),
+                sds((), jnp.int32), sds((64, 96), jnp.int32), sds((64,), jnp.int32))),
+            (ordered_attention_gpu, (
+                sds((64, 32, 128), jnp.bfloat16), sds((64, 8, 128), jnp.bfloat16),
+                sds((64, 8, 128), jnp.bfloat16), sds((36, 4096, 8, 128), jnp.bfloat16),
+                sds((36, 4096, 8, 128), jnp.bfloat16), sds((), jnp.int32),
+                sds((64, 64), jnp.bool_)))):
+        extra = dict(num_heads=32) if kernel is ordered_attention_packed_gpu else dict(
+            layer=sds((), jnp.int32))
+        lowered = kernel.trace(*args, softcap=50.0, first_visible=sds((64,), jnp.int32),
+                               scale=0.0625, **extra).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
 
 
 # --- whole models ---------------------------------------------------------------------
@@ -642,13 +684,15 @@ MODEL_CASES = {
                                                qkv_bias=True), True),
     "features": ("features", True),  # CONFIGS below
     "olmo-norms": ("olmo-norms", False),
+    "windows": ("windows", False),
 }
 
 
 @pytest.mark.parametrize("case", [
     "gqa-tied", pytest.param("mha-untied-bias-fused-projections", marks=pytest.mark.slow),
     pytest.param("features", marks=pytest.mark.slow),
-    pytest.param("olmo-norms", marks=pytest.mark.slow)])
+    pytest.param("olmo-norms", marks=pytest.mark.slow),
+    pytest.param("windows", marks=pytest.mark.slow)])
 def test_fused_model_matches_reference_and_root_is_bitwise(case):
     overrides, fused = MODEL_CASES[case]
     config = _tiny_config(**(CONFIGS[overrides] if isinstance(overrides, str) else overrides))
@@ -823,6 +867,11 @@ CONFIGS = {"llama": {}, "features": FEATURES,
                                      shared_input_norm=True, logit_scale=0.25),
            # Gemma's RMSNorm by 1 + w (on the inputs, q and k, and the outputs) and GeGLU
            "plus-one": dict(FEATURES, norm_plus_one=True, hidden_act="gelu_tanh")}
+# Gemma 2/3's attention: soft-capped scores, a 5-position window every other layer (the
+# 17-node tree's paths are 7 deep: the window cuts both the cache and the chains), and the
+# sliding layers' own RoPE base
+CONFIGS["windows"] = dict(CONFIGS["plus-one"], attn_softcap=3.0, layer_windows=(5, 0),
+                          local_rope_theta=100.0)
 
 
 # The tree starting mid-block, and on a block edge; fp32 and bf16; the packed kernel (what
@@ -833,7 +882,9 @@ CONFIGS = {"llama": {}, "features": FEATURES,
     ("llama", 12, jnp.float32, False), ("llama", 12, jnp.bfloat16, False),
     pytest.param("llama", 16, jnp.float32, True, marks=pytest.mark.slow),
     pytest.param("llama", 16, jnp.float32, False, marks=pytest.mark.slow),
-    ("features", 12, jnp.float32, True), ("layer-norms", 12, jnp.bfloat16, False),
+    ("features", 12, jnp.float32, True), ("windows", 12, jnp.bfloat16, True),
+    pytest.param("layer-norms", 12, jnp.bfloat16, False, marks=pytest.mark.slow),
+    pytest.param("windows", 12, jnp.float32, False, marks=pytest.mark.slow),
     pytest.param("features", 12, jnp.bfloat16, False, marks=pytest.mark.slow),
     pytest.param("features", 12, jnp.bfloat16, True, marks=pytest.mark.slow),
     pytest.param("features", 12, jnp.float32, False, marks=pytest.mark.slow),
@@ -872,18 +923,18 @@ def test_a_row_count_dependent_blocking_is_caught(monkeypatch, packed):
     fixed blocking rules out. The tree starts at position 20, so the one-token step's
     16-slot blocks split the keys that the verify pass's 32-slot block reads in one update:
     a later block's larger score rescales the sums, which the one-block pass never does."""
-    def blocked_by_row_count(q, *args, layer, interpret_variant, scale):
+    def blocked_by_row_count(q, *args, layer, interpret_variant, **extras):
         sizes = GpuOrderedBlockSizes(block_kv=16 if q.shape[0] == 1 else 32)
         return ordered_attention_gpu(q, *args, layer=layer, block_sizes=sizes, interpret=True,
-                                     scale=scale)
+                                     **extras)
 
     def sizes_for(rows):  # 16 packed rows: a one-token step (and short verify passes)
         return GpuOrderedBlockSizes(block_kv=16 if rows == 16 else 32)
 
-    def packed_blocked_by_row_count(packed, *args, num_heads, interpret_variant, scale):
+    def packed_blocked_by_row_count(packed, *args, num_heads, interpret_variant, **extras):
         return ordered_attention_packed_gpu(packed, *args, num_heads=num_heads,
                                             block_sizes=sizes_for(packed.shape[1]),
-                                            interpret=True, scale=scale)
+                                            interpret=True, **extras)
 
     if packed:
         monkeypatch.setattr(kernels, "ordered_attention_packed", packed_blocked_by_row_count)
@@ -1017,11 +1068,30 @@ def _gelu_outside_the_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "fused_linear", linear)
 
 
+def _window_in_the_chains_mask(monkeypatch):
+    """On the verify pass a sliding window is applied to the mask the ordered kernel reads
+    the chains from (as the jnp attention takes it) instead of by position in the kernel:
+    a deep node's chain then misses its distant ancestors, and its depth, its position."""
+    _unpacked(monkeypatch)
+    ordered = kernels.ordered_attention
+
+    def attention(q, k_new, v_new, k_cache, v_cache, length, mask, *rest, first_visible=None,
+                  **kwargs):
+        if q.shape[0] > 1 and first_visible is not None:
+            depth = jnp.sum(mask, axis=1) - 1
+            mask = mask & ((length + depth)[None, :] >= first_visible[:, None])
+        return ordered(q, k_new, v_new, k_cache, v_cache, length, mask, *rest,
+                       first_visible=first_visible, **kwargs)
+
+    monkeypatch.setattr(kernels, "ordered_attention", attention)
+
+
 WRONG_FEATURES = {"qk-norm-chunks": lambda patch: _norms_chunked_by_row_count(patch, 32),
                   "output-norm-chunks": lambda patch: _norms_chunked_by_row_count(patch, 64),
                   "layer-norm-chunks": _layer_norm_chunked_by_row_count,
                   "plus-one-folded": _plus_one_folded_into_the_weight,
                   "gelu-outside-the-kernel": _gelu_outside_the_kernel,
+                  "window-in-the-chains-mask": _window_in_the_chains_mask,
                   "query-scale": _scale_folded_into_queries,
                   "logits": _logits_capped_first,
                   "residual-multiplier": _residual_multiplier_in_the_output_norm,
@@ -1033,7 +1103,8 @@ WRONG_FEATURES = {"qk-norm-chunks": lambda patch: _norms_chunked_by_row_count(pa
 # weight, and the GELU of a rounded product, are different roundings in bfloat16 only).
 WRONG_CONFIGS = {"layer-norm-chunks": ("layer-norms", jnp.float32),
                  "plus-one-folded": ("plus-one", jnp.bfloat16),
-                 "gelu-outside-the-kernel": ("layer-norms", jnp.bfloat16)}
+                 "gelu-outside-the-kernel": ("layer-norms", jnp.bfloat16),
+                 "window-in-the-chains-mask": ("windows", jnp.float32)}
 
 
 @pytest.mark.parametrize("variant", [
@@ -1045,7 +1116,8 @@ def test_a_feature_computed_differently_by_row_count_is_caught(monkeypatch, vari
     pass (with :data:`FEATURES`, or the config of :data:`CONFIGS` that has the feature):
     the q/k norms', the output norms' or LayerNorm's sums chunked by the row count (the
     bug the norm kernel's fixed chunks rule out), Gemma's ``1 + w`` folded into the
-    weight, GPT-NeoX's GELU applied outside the kernel, the query scale folded into q (as
+    weight, GPT-NeoX's GELU applied outside the kernel, a sliding window applied to the
+    mask the chains are read from, the query scale folded into q (as
     the verify kernel takes it), the logits soft-capped first, the residual multiplier
     folded into the output norms' weights, partial RoPE's pairs taken over the whole head,
     a NoPE layer rotated."""

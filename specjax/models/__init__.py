@@ -226,7 +226,7 @@ def _packed_attention(family, scratch_mask) -> bool:
 
 def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape, k_all,
                    v_all, length, mask, linear, taps, feature_layers: tuple[int, ...],
-                   options: KernelOptions):
+                   options: KernelOptions, positions):
     """The fused layers with attention reading packed rows
     (:func:`specjax.kernels.ordered_attention_packed`): (x, kv_new [L, 2, rows, K, D],
     ``taps`` with the outputs of blocks ``feature_layers``, :func:`_tap`).
@@ -243,10 +243,14 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
                            context)
 
     def attend(packed, index):
+        # the layer's window by position (first_visible), its soft-cap
+        first = family.layer_attention(config, positions, mask, index)[1].get("first_visible")
         return kernels.ordered_attention_packed(packed, index, k_all, v_all, length, links,
                                                 depth, num_heads=config.num_heads,
                                                 interpret_variant=options.interpret_variant,
-                                                scale=config.query_scale)
+                                                scale=config.query_scale,
+                                                softcap=config.attn_softcap,
+                                                first_visible=first)
 
     def packed_layer(carry, _):
         x, index, packed, taps = carry
@@ -349,6 +353,8 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
         layer_mask, extras = mask, {}
         if hasattr(family, "layer_attention"):  # windows, soft-cap, scale: per layer
             layer_mask, extras = family.layer_attention(config, positions, mask, index)
+            if fused and (scratch_mask is None or scratch_mask.shape[1] == 0):
+                layer_mask = mask  # ordered kernels: chains, window by first_visible
 
         def attend(q, k, v):
             return attention(q, k, v, k_all, v_all, length, layer_mask, scratch_mask,
@@ -381,7 +387,7 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
                                                    num_heads=config.num_heads, **choice)):
             x, kv_new, taps = _packed_layers(family, layers, config, x, context,
                                              packed_shape, k_all, v_all, length, mask, linear,
-                                             taps, feature_layers, options)
+                                             taps, feature_layers, options, positions)
             x, kv_new = x[:num_tokens], kv_new[:, :, :num_tokens]
         else:
             def fused_layer(carry, _):

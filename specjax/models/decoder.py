@@ -299,13 +299,11 @@ def plain_layers_only(config: ModelConfig) -> str | None:
     (:func:`specjax.kernels.norm_groups`): q/k norms (per head or over all heads), output
     norms (``sandwich_norms``), LayerNorm (with or without biases) and Gemma's ``1 + w``
     RMSNorm; GELU (tanh or erf; gated, or of a two-matrix MLP's up projection) in the
-    projection kernels' epilogue. The features listed here are refused."""
-    features = [name for name, on in (
-        ("attention soft-capping", config.attn_softcap is not None),
-        ("sliding windows", bool(config.layer_windows)),
-        ("local RoPE", config.local_rope_theta is not None),
-        ("mixture-of-experts MLPs", config.num_experts > 0))
-        if on]
+    projection kernels' epilogue; attention soft-capping and sliding windows (and the
+    sliding layers' own RoPE) in the GPU ordered attention kernels (per score, and a mask
+    by absolute position; the TPU ordered kernel refuses them in one line). The features
+    listed here are refused."""
+    features = ["mixture-of-experts MLPs"] if config.num_experts > 0 else []
     return ", ".join(features) or None
 
 
