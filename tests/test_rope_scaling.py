@@ -300,11 +300,15 @@ def test_fused_layers_run_longrope_exactly(phi3):
                             kernels=specjax.KernelOptions(attention="fused")).tokens == expected
 
 
-def test_fused_layers_refuse_partial_rotary_naming_it(phi3_partial):
-    with pytest.raises(InvalidArgumentError, match="attention 'fused'.*partial RoPE") as info:
-        specjax.generate(phi3_partial[1], [1, 2, 3], max_new_tokens=2,
-                         kernels=specjax.KernelOptions(attention="fused"))
-    assert "\n" not in str(info.value)
+def test_fused_layers_run_partial_rotary_exactly(phi3_partial):
+    """The fused layers rotate the first half of each head with the scaled tables (the
+    rotation in jnp after the q|k|v kernel, elementwise): ``ar``'s greedy tokens."""
+    model = phi3_partial[1]
+    assert models.has_fused_layers(model.config)
+    prompt = random_prompt(0, 6)
+    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
+    assert specjax.generate(model, prompt, max_new_tokens=8,
+                            kernels=specjax.KernelOptions(attention="fused")).tokens == expected
 
 
 # ----------------------------------------------------------------------------- refusals
