@@ -561,7 +561,8 @@ def test_group_norm_kernel_matches_reference_and_keeps_other_columns(width, grou
                                rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("kind", [pytest.param("rms", marks=pytest.mark.slow), "layer"])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_group_norm_rows_are_bitwise_independent_and_a_row_dependent_chunk_is_caught(kind):
     """Each row of a 48-row call is bitwise the row normed in a 16-row call of its own; the
     same comparison fails with the sums chunked by the row count (128 columns at once for
