@@ -289,11 +289,12 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
         stats["attention_fallback"] = fallback
     # What the programs ran instead of what was asked for (specjax.kernels.fallbacks).
     stats["fallbacks"] = sorted(reasons)
-    stats["exact"], stats["exact_reason"] = _exactness(state, request)
+    stats["exact"], stats["exact_reason"] = _exactness(state, request, stats["fallbacks"])
     return stats
 
 
-def _exactness(state: decode.DecodeState, request: _Request) -> tuple[str, str]:
+def _exactness(state: decode.DecodeState, request: _Request,
+               fallbacks: list[str]) -> tuple[str, str]:
     """``stats["exact"]`` and why (:func:`specjax.methods.exactness.run_exactness`)."""
     options = request.options.to_dict()
     rows = options.get("tree_budget", options.get("draft_depth", 0) + 1)
@@ -301,7 +302,7 @@ def _exactness(state: decode.DecodeState, request: _Request) -> tuple[str, str]:
         rows = max(rows, options.get("jump_forward", 0) + 1)
     sampled = bool(np.any(np.asarray(state.sampling.temperature) > 0))
     return run_exactness(request.options.name, options.get("verify"), sampled,
-                         platform_of(state.length), request.loop.kernels, rows)
+                         platform_of(state.length), request.loop.kernels, rows, fallbacks)
 
 
 def token_origins(state: decode.DecodeState) -> list[str] | None:

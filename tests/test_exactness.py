@@ -44,6 +44,27 @@ def test_each_path_has_its_level_and_reason(method, verify, sampled, platform, k
     assert fragment in reason and "\n" not in reason
 
 
+# What kernels/__init__.py records when the fused path runs something else.
+HEAD_256 = ("ordered_attention_packed: head_dim 256 is not one of (16, 32, 64, 128); the "
+            "fused layers run the unpacked kernels")
+LINEAR_REFERENCE = "fused_linear: width 100 is not a multiple of 16; its jnp reference ran"
+PREFILL = "fused layers: a 300-token pass (the fused kernels take at most 128 tokens)"
+MOSAIC_TO_TRITON = "fused_linear: the Mosaic GPU kernel takes no GELU; the call goes to Triton"
+
+
+@pytest.mark.parametrize("fallbacks,level", [
+    ([HEAD_256], UP_TO_ROUNDING), ([LINEAR_REFERENCE, PREFILL], UP_TO_ROUNDING),
+    ([PREFILL, MOSAIC_TO_TRITON], BITWISE), ([], BITWISE)])
+def test_a_fused_run_that_fell_back_is_not_called_bitwise(fallbacks, level):
+    """A fused run whose attention was not position-ordered, or whose projection ran its
+    jnp reference, is up to rounding; a long prefill (shared by ar) or another row-tiled
+    kernel in place of the first keeps it bitwise."""
+    got, reason = run_exactness("tree", "coupled", False, "gpu", FUSED, 32, fallbacks)
+    assert got == level, reason
+    if level == UP_TO_ROUNDING:
+        assert fallbacks[0] in reason and "\n" not in reason
+
+
 def test_a_run_reports_its_exactness(spec_target, spec_drafts):
     prompt = random_prompt(7, 9)
     ar = specjax.generate(spec_target, prompt, max_new_tokens=6, method="ar")

@@ -34,8 +34,22 @@ LEVELS = (BITWISE, UP_TO_ROUNDING, IN_DISTRIBUTION)
 FUSED_MAX_TOKENS = 128
 
 
+# Fallbacks (``"site: reason"``, :mod:`specjax.kernels.fallbacks`) after which a fused
+# run's passes are no longer row-independent: attention that is not position-ordered, or
+# a jnp reference (or an interpreted kernel) in place of a row-tiled kernel.
+_UNORDERED_SITES = ("ordered_attention", "ordered_attention_packed", "norm_groups")
+
+
+def unordered_fallbacks(fallbacks) -> list[str]:
+    """The entries of a run's ``stats["fallbacks"]`` that cost a fused run its bitwise
+    guarantee (:data:`_UNORDERED_SITES`, or any kernel whose jnp reference ran)."""
+    return [reason for reason in fallbacks
+            if reason.split(":", 1)[0] in _UNORDERED_SITES or "reference ran" in reason]
+
+
 def run_exactness(method: str, verify: str | None, sampled: bool, platform: str,
-                  kernels: KernelOptions, verify_rows: int) -> tuple[str, str]:
+                  kernels: KernelOptions, verify_rows: int,
+                  fallbacks=()) -> tuple[str, str]:
     """The exactness level of one run and why, one line each.
 
     Args:
@@ -48,6 +62,9 @@ def run_exactness(method: str, verify: str | None, sampled: bool, platform: str,
       verify_rows: the most tree nodes one verify pass holds (the method's budget; for
         ``ar`` the most tokens one pass holds: 1, or 1 + ``jump_forward`` under a
         constraint).
+      fallbacks: the run's ``stats["fallbacks"]``: on the fused path, one that ran
+        something not row-independent (:func:`unordered_fallbacks`, e.g. a head size the
+        ordered attention kernel does not take) makes the run "up to rounding".
     Returns:
       (level, reason): ``level`` one of :data:`LEVELS`.
     """
@@ -57,6 +74,11 @@ def run_exactness(method: str, verify: str | None, sampled: bool, platform: str,
         return IN_DISTRIBUTION, (f"verify rule {verify!r} samples the target distribution "
                                  f"exactly, not ar's tokens")
     if kernels.attention == "fused" and platform in ("gpu", "tpu"):
+        unordered = unordered_fallbacks(fallbacks)
+        if unordered:
+            return UP_TO_ROUNDING, (f"attention 'fused' fell back where rows are not "
+                                    f"independent ({unordered[0]}); tokens equal ar's "
+                                    f"unless that flips a near-tie")
         if verify_rows <= FUSED_MAX_TOKENS:
             return BITWISE, ("attention 'fused': row-independent kernels, so a verify pass "
                              "reproduces ar's one-token steps bit for bit")
