@@ -97,6 +97,7 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
 
 from specjax.errors import InvalidArgumentError
 from . import fallbacks
@@ -185,8 +186,6 @@ def linear_row_tile(dtype, variant: str | None = None, *, interpret_variant: str
     ``wgmma`` M), else 16 (Triton's and the TPU kernel's default ``block_rows``). A caller
     that keeps its rows at a multiple of it is never padded per call.
     """
-    import jax.numpy as jnp
-
     variant, _ = select_variant(variant, interpret_variant)
     if variant == "gpu" and gpu_kernel_backend(gpu_linear) == "mosaic":
         mosaic = importlib.import_module(f"{__name__}.linear_mosaic_gpu")
@@ -395,15 +394,11 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
     def unordered():
         nonlocal args
         if first_visible is not None:  # the window among the new tokens, by position
-            import jax.numpy as jnp
-
             depth = jnp.sum(mask, axis=1, dtype=jnp.int32) - 1
             near = (length + depth)[None, :] >= jnp.asarray(first_visible)[:, None]
             args = (*args[:6], mask & near, scratch_mask)
         if scale is None:
             return verify_attention(*args, variant=variant, layer=layer, **extras)
-        import jax.numpy as jnp
-
         scaled = (q.astype(jnp.float32) * (scale * q.shape[-1] ** 0.5)).astype(q.dtype)
         return verify_attention(scaled, *args[1:], variant=variant, layer=layer, **extras)
 
