@@ -186,6 +186,40 @@ def drop_compiled_programs() -> None:
     jax.clear_caches()
 
 
+@contextlib.contextmanager
+def programs_set_aside(jax_caches: bool = False):
+    """Inside, specjax's compiled programs are set aside, so that what runs there compiles
+    afresh: a test that patches a rule WRONG on purpose needs that, as the patched program
+    has the right one's cache key and would otherwise reuse it. On leaving, what was
+    compiled inside is dropped, so no wrong program outlives the block, and the programs
+    set aside come back: the tests after it do not compile them again (wrong-rule tests had
+    dropped them all: 8 of test_constraints' programs compiled two or three times,
+    2026-11-30). ``jax_caches``: JAX's own caches are cleared too, on entering and on
+    leaving (a rule patched under a function JAX traced and cached)."""
+    from specjax import decode
+
+    executables, fallbacks = dict(decode._EXECUTABLES), dict(decode._FALLBACKS)
+    decode.clear_compiled()
+    if jax_caches:
+        jax.clear_caches()
+    try:
+        yield
+    finally:
+        decode.clear_compiled()
+        if jax_caches:
+            jax.clear_caches()
+        decode._FALLBACKS.update(fallbacks)  # first: a reader finds both (decode.compiled)
+        decode._EXECUTABLES.update(executables)
+
+
+@pytest.fixture
+def programs_aside():
+    """``programs_aside(jax_caches=False)`` enters :func:`programs_set_aside` until the test
+    ends (call it before patching a rule)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda jax_caches=False: stack.enter_context(programs_set_aside(jax_caches))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Each test module's compiled programs are dropped when it ends: the suite compiles

@@ -662,12 +662,10 @@ def dropping_run(original):
 
 @pytest.mark.parametrize("wrong", ["unforced", pytest.param("dropped", marks=pytest.mark.slow)])
 def test_the_jump_forward_test_catches_a_wrong_run(spelling_model, one_pass_per_token,
-                                                   monkeypatch, request, wrong):
-    from specjax import decode
+                                                   monkeypatch, programs_aside, wrong):
     from specjax.methods import ar
 
-    decode.clear_compiled()
-    request.addfinalizer(decode.clear_compiled)
+    programs_aside()
     if wrong == "unforced":
         monkeypatch.setattr(ar, "forced_token", wrong_forced_token)
     else:
@@ -768,7 +766,7 @@ def test_every_method_under_a_constraint_equals_ar_greedy_and_coupled(
 
 @pytest.mark.parametrize("wrong", [None, pytest.param("unfiltered", marks=pytest.mark.slow)])
 def test_staged_proposals_keep_what_the_constraint_allows(spelling_model, ngram_tables,
-                                                          monkeypatch, request, wrong):
+                                                          monkeypatch, programs_aside, wrong):
     """``staged`` under a constraint: its stage-2 proposals keep what the automaton allows,
     forced tokens first (the draft's ranking is masked too), so a forced run is the spine:
     3.7 tokens per target pass on a mostly forced pattern (the default CPU options and the
@@ -776,18 +774,16 @@ def test_staged_proposals_keep_what_the_constraint_allows(spelling_model, ngram_
     compile, ~10 s here): the proposals left unfiltered, 1.8 (the masked draft's children
     still propose forced tokens, one level deep)."""
     import specjax
-    from specjax import decode
     from specjax.methods import staged
 
     kwargs = dict(constraint=Regex("(xyz){3}[0-9]"), max_new_tokens=12, stop=[eos_id()])
     ar = specjax.generate(spelling_model, DIST_PROMPT, method="ar", jump_forward=0,
                           **kwargs)
     if wrong:
-        decode.clear_compiled()
+        programs_aside()
         original = staged.propose
         monkeypatch.setattr(staged, "propose", lambda *args, automaton=None, **kw: original(
             *args, **kw))
-        request.addfinalizer(decode.clear_compiled)
     out = specjax.generate(spelling_model, DIST_PROMPT, method="staged", draft=spelling_model,
                            ngram=ngram_tables, use_lookup=False, **kwargs)
     assert out.tokens == ar.tokens and len(out.tokens) == 11
@@ -796,14 +792,13 @@ def test_staged_proposals_keep_what_the_constraint_allows(spelling_model, ngram_
 
 
 def test_the_draft_proposes_only_what_the_constraint_allows(spelling_model, monkeypatch,
-                                                            request):
+                                                            programs_aside):
     """With the target as its own draft at temperature 0, the draft's masked choice is the
     target's: under a 10-digit regex nearly every drafted token is accepted (under a
     20-digit one, 4.2 tokens per target pass for spec and 3.5 for tree, measured). A draft
     left unfiltered proposes the target's unconstrained favourite, forbidden, at every
     position: one token per pass."""
     import specjax
-    from specjax import decode
     from specjax.methods import speculative
 
     kwargs = dict(constraint=Regex("[0-9]{10}"), max_new_tokens=12, stop=[eos_id()])
@@ -813,23 +808,21 @@ def test_the_draft_proposes_only_what_the_constraint_allows(spelling_model, monk
                            **kwargs)
     assert out.tokens == ar.tokens and len(out.tokens) == 11
     assert out.stats["mean_accepted"] >= 2.5, out.stats["mean_accepted"]
-    decode.clear_compiled()  # WRONG on purpose below: the draft not filtered
+    programs_aside()  # WRONG on purpose below: the draft not filtered
     monkeypatch.setattr(speculative.Speculative, "_filters_draft", property(lambda _: False))
-    request.addfinalizer(decode.clear_compiled)
     out = specjax.generate(spelling_model, DIST_PROMPT, method="spec", draft=spelling_model,
                            **kwargs)
     assert out.tokens == ar.tokens and out.stats["mean_accepted"] < 1.5
 
 
 def test_the_ngram_proposal_keeps_what_the_constraint_allows_forced_first(
-        spelling_model, ngram_tables, monkeypatch, request):
+        spelling_model, ngram_tables, monkeypatch, programs_aside):
     """``ngram`` under a constraint: each proposal level keeps the tokens the automaton
     allows after the spine above it, a forced token (a state allowing one token only)
     first, so a forced run is committed a whole proposal depth per target pass
     (jump-forward), with ar's tokens. Tables fitted to other text, left unfiltered, propose
     forbidden tokens: one token per pass."""
     import specjax
-    from specjax import decode
     from specjax.methods import staged
 
     kwargs = dict(constraint=Regex("(xyz){3}[0-9]"), max_new_tokens=12, stop=[eos_id()])
@@ -839,11 +832,10 @@ def test_the_ngram_proposal_keeps_what_the_constraint_allows_forced_first(
     out = specjax.generate(spelling_model, DIST_PROMPT, **ngram, **kwargs)
     assert out.tokens == ar.tokens and len(out.tokens) == 11
     assert out.stats["mean_accepted"] >= 3.0, out.stats["mean_accepted"]
-    decode.clear_compiled()  # WRONG on purpose below: the proposal not filtered
+    programs_aside()  # WRONG on purpose below: the proposal not filtered
     original = staged.propose
     monkeypatch.setattr(staged, "propose", lambda *args, automaton=None, **kw: original(
         *args, **kw))
-    request.addfinalizer(decode.clear_compiled)
     out = specjax.generate(spelling_model, DIST_PROMPT, **ngram, **kwargs)
     assert out.tokens == ar.tokens and out.stats["mean_accepted"] < 1.5
 
@@ -875,18 +867,15 @@ def test_a_masked_draft_proposes_the_forced_token_first():
 
 
 def test_the_same_test_catches_an_unmasked_verify_pass(spelling_model, drafts, monkeypatch,
-                                                      request):
+                                                      programs_aside):
     """WRONG on purpose: the verify pass decides on the target's unmasked logits. The
     drafted tokens the constraint forbids are then accepted where the target likes them."""
     import specjax
     from specjax.methods import common
 
-    from specjax import decode
-
     # The programs compiled with the right mask must not be reused, nor the wrong ones kept.
-    decode.clear_compiled()
+    programs_aside()
     monkeypatch.setattr(common, "mask_logits", lambda tables, states, logits: logits)
-    request.addfinalizer(decode.clear_compiled)
     differ = 0
     for seed in range(3):
         prompt = np.random.default_rng(seed + 20).integers(0, 100, 5).tolist()
@@ -975,14 +964,12 @@ def test_match_and_rejection_sample_the_masked_target_distribution(spelling_mode
 
 
 def test_the_same_test_catches_rejection_on_unmasked_logits(spelling_model, monkeypatch,
-                                                            request):
+                                                            programs_aside):
     """WRONG on purpose: rejection sampling decides on the target's unmasked logits."""
-    from specjax import decode
     from specjax.methods import common
 
-    decode.clear_compiled()
+    programs_aside()
     monkeypatch.setattr(common, "mask_logits", lambda tables, states, logits: logits)
-    request.addfinalizer(decode.clear_compiled)
     method, options = SAMPLED[0]
     counts = second_tokens(spelling_model, spelling_model, method=method, **options)
     statistic, threshold = pearson(counts, second_token_marginal(spelling_model))

@@ -17,7 +17,7 @@ from specjax.methods import (METHODS, NgramOptions, SpecOptions, StagedOptions, 
 from specjax.methods.flags import add_method_arguments, method_from_args
 from specjax.methods.options import all_option_fields, describe_defaults
 
-from conftest import drop_compiled_programs, fitted_tables, random_prompt
+from conftest import fitted_tables, programs_set_aside, random_prompt
 
 
 def test_every_method_has_an_options_class_with_validated_defaults():
@@ -302,8 +302,8 @@ def test_every_method_equals_ar_in_bfloat16(bfloat16_target, method):
 
 @pytest.fixture(scope="module")
 def coupled_ar_tokens(bfloat16_target):
-    """seed -> ``ar``'s tokens at temperature 1 for its prompt: once for the module (each
-    case below drops the compiled programs, ``ar``'s with them)."""
+    """seed -> ``ar``'s tokens at temperature 1 for its prompt: once for the module, computed
+    before any case below sets the compiled programs aside and patches the noise."""
     target, _ = bfloat16_target
     return {seed: specjax.generate(target, random_prompt(seed, 6), max_new_tokens=48,
                                    seed=seed, temperature=1.0).tokens
@@ -313,7 +313,7 @@ def coupled_ar_tokens(bfloat16_target):
 @pytest.mark.filterwarnings("ignore::specjax.errors.PerformanceWarning")  # bf16 on a CPU
 @pytest.mark.parametrize("method", [name for name in METHODS if name != "ar"])
 def test_a_wrong_coupling_is_caught_by_every_method(bfloat16_target, coupled_ar_tokens,
-                                                    method, monkeypatch):
+                                                    method, monkeypatch, programs_aside):
     """The negative of the test above: the coupling made wrong in the way a real bug would
     be, the noise of a call over several tree nodes drawn for the next position (an
     off-by-one in the verify pass's positions; ``ar``'s one-position calls keep theirs).
@@ -332,13 +332,28 @@ def test_a_wrong_coupling_is_caught_by_every_method(bfloat16_target, coupled_ar_
         return right_noise(seed, positions + shift, vocab_size)
 
     expected = coupled_ar_tokens
-    drop_compiled_programs()  # the methods' programs compile again with the wrong noise
+    programs_aside(jax_caches=True)  # the methods' programs compile again with the wrong noise
     monkeypatch.setattr(sampling, "gumbel_noise", off_by_one_in_a_pass)
-    try:
-        differ = [specjax.generate(target, random_prompt(seed, 6), max_new_tokens=48,
-                                   seed=seed, temperature=1.0, method=method,
-                                   **resources).tokens != expected[seed]
-                  for seed in BFLOAT16_PROMPTS]
-    finally:
-        drop_compiled_programs()  # no program with the wrong noise outlives the test
+    differ = [specjax.generate(target, random_prompt(seed, 6), max_new_tokens=48, seed=seed,
+                               temperature=1.0, method=method, **resources).tokens
+              != expected[seed] for seed in BFLOAT16_PROMPTS]
     assert any(differ), (method, differ)
+
+
+def test_programs_set_aside_come_back_without_the_wrong_ones():
+    """The wrong-rule tests' ``conftest.programs_set_aside``: inside, no program compiled
+    before is found (a patched rule compiles afresh); after, those programs are back and
+    none compiled inside is (sentinel entries: nothing compiles)."""
+    from specjax import decode
+
+    right, wrong = ("a right program",), ("a wrong program",)
+    decode._EXECUTABLES[right], decode._FALLBACKS[right] = "right", frozenset()
+    try:
+        with programs_set_aside():
+            assert right not in decode._EXECUTABLES
+            decode._EXECUTABLES[wrong], decode._FALLBACKS[wrong] = "wrong", frozenset()
+        assert decode._EXECUTABLES.get(right) == "right"
+        assert wrong not in decode._EXECUTABLES and wrong not in decode._FALLBACKS
+    finally:
+        decode._EXECUTABLES.pop(right, None)
+        decode._FALLBACKS.pop(right, None)
