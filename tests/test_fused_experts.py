@@ -102,6 +102,25 @@ def test_each_rows_experts_are_bitwise_its_one_row_call(dtype, overrides):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def test_routing_breaks_a_tie_by_the_lower_id_as_top_k_does():
+    """Equal router logits (common in bfloat16) at the k-th place: the lower expert id is
+    picked, as ``lax.top_k`` picks it for the jnp MLP; the weights come sorted by id.
+    (The sort on unique keys gives one answer whatever algorithm XLA picks for a shape; a
+    CPU runs one algorithm, so only the rule is checked here.)"""
+    config = _tiny_config(**{**EXPERTS, "num_experts": 6, "experts_per_token": 3,
+                             "normalize_expert_weights": False})
+    logits = jnp.asarray([[0.5, 2.0, 1.0, 2.0, 1.0, -1.0],   # 1 and 3 tie; 2 beats 4
+                          [3.0, 1.0, 1.0, 1.0, 1.0, 1.0]])   # four tie for places 2-3
+    weights, chosen = experts_fused.route(config, logits)
+    assert chosen.tolist() == [[1, 2, 3], [0, 1, 2]]
+    probs = jax.nn.softmax(logits, axis=-1)
+    want_weights, want = jax.lax.top_k(probs, 3)
+    order = jnp.argsort(want, axis=-1)
+    assert jnp.take_along_axis(want, order, axis=-1).tolist() == chosen.tolist()
+    np.testing.assert_allclose(weights, jnp.take_along_axis(want_weights, order, axis=-1),
+                               rtol=1e-6)
+
+
 def _all_experts_past_the_expert_count(monkeypatch):
     """The jnp MLP's switch: when the (row, slot) pairs outnumber the experts, every expert
     runs on every row in jnp (one product per expert over all rows) and each pair keeps

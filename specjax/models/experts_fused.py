@@ -9,7 +9,8 @@ how many rows the pass has, so that a verify pass reproduces the one-token step 
   column.
 * The float32 softmax, top-k, the renormalisation and the sort by expert id: per row;
   each sum over a row is a chain of additions in column order (:func:`sum_in_order`), not
-  a jnp reduction (XLA may tile those by the row count).
+  a jnp reduction (XLA may tile those by the row count), and top-k a sort on unique keys
+  (ties broken by id whatever algorithm XLA picks for the shape).
 * Each (row, slot) pair runs its expert as a one-row call: that row alone through the
   gate|up kernel (SwiGLU in its epilogue) and the down kernel, reading the expert's
   matrices in place (the stacked ``[L, E, ...]`` weights seen as ``[L*E, ...]``, read at
@@ -51,16 +52,21 @@ def route(config: ModelConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array]
     ``config.normalize_expert_weights``), sorted by expert id, as
     :func:`~specjax.models.decoder._experts` picks them; every sum is
     :func:`sum_in_order` over a row's columns."""
+    k = config.experts_per_token
     logits = logits.astype(jnp.float32)
     exp = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # a max is exact
     probs = exp / sum_in_order([exp[:, j] for j in range(exp.shape[1])])[:, None]
-    weights, chosen = jax.lax.top_k(probs, config.experts_per_token)
+    # lax.top_k's order (probability down, the lower id first on a tie) as a sort on the
+    # unique keys (-probability, id): one result whatever algorithm XLA picks for the
+    # shape (its GPU TopK kernel or a sort), so a tie (equal bfloat16 logits) is broken
+    # the same way in a one-row step and in a verify pass.
+    ids = jax.lax.broadcasted_iota(jnp.int32, probs.shape, 1)
+    negated, ids = jax.lax.sort((-probs, ids), dimension=1, num_keys=2)
+    weights, chosen = -negated[:, :k], ids[:, :k]
     if config.normalize_expert_weights:
-        weights = weights / sum_in_order([weights[:, j] for j in range(weights.shape[1])]
-                                         )[:, None]
-    order = jnp.argsort(chosen, axis=-1)
-    return (jnp.take_along_axis(weights, order, axis=-1),
-            jnp.take_along_axis(chosen, order, axis=-1))
+        weights = weights / sum_in_order([weights[:, j] for j in range(k)])[:, None]
+    chosen, weights = jax.lax.sort((chosen, weights), dimension=1, num_keys=1)  # by id
+    return weights, chosen
 
 
 def project_narrow(linear, h: jax.Array, weight: jax.Array, index, eps: float) -> jax.Array:
