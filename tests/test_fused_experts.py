@@ -127,9 +127,9 @@ def _all_experts_past_the_expert_count(monkeypatch):
     its expert's output; fewer pairs run the kernels."""
     right = experts_fused.expert_pairs
 
-    def pairs(layers, index, config, rows, experts, linear, gpu_linear="triton"):
+    def pairs(layers, index, config, rows, experts, linear):
         if rows.shape[0] <= config.num_experts:
-            return right(layers, index, config, rows, experts, linear, gpu_linear)
+            return right(layers, index, config, rows, experts, linear)
         p = {name: layers[name][index] for name in ("we_gate", "we_up", "we_down")}
         precision = matmul_precision(rows)
         gate = jnp.einsum("td,edf->tef", rows, p["we_gate"], precision=precision)
@@ -146,10 +146,10 @@ def _chunks_by_pair_count(monkeypatch):
     experts (their default: all 64 input features, or 32, in one chunk)."""
     right = experts_fused.expert_pairs
 
-    def pairs(layers, index, config, rows, experts, linear, gpu_linear="triton"):
+    def pairs(layers, index, config, rows, experts, linear):
         if rows.shape[0] > config.num_experts:
             linear = functools.partial(linear, block_sizes=GpuLinearBlockSizes(block_k=16))
-        return right(layers, index, config, rows, experts, linear, gpu_linear)
+        return right(layers, index, config, rows, experts, linear)
 
     monkeypatch.setattr(experts_fused, "expert_pairs", pairs)
 

@@ -145,10 +145,13 @@ FAMILY_PROGRAMS = {
     # The fused experts (specjax/models/experts_fused.py): the router in the projection
     # kernel (Mixtral's 8 columns padded to a tile), each (row, slot) pair's expert a
     # one-row call batched over the pairs (a grid axis more), 128 experts eight per token,
-    # and two of eight in Mixtral's one-token step
+    # and two of eight in Mixtral's one-token step; with gpu_linear="mosaic" the pairs'
+    # calls that kernel takes are batched on the Mosaic GPU kernel (a mesh axis more)
     "tree-bf16-qwen3-moe-fused": dict(method="tree", verify="greedy", family="qwen3-moe",
                                       **FUSED),
     "ar-bf16-mixtral-fused": dict(method="ar", family="mixtral", **FUSED),
+    "ar-bf16-qwen3-moe-fused-mosaic": dict(method="ar", family="qwen3-moe",
+                                           gpu_kernels="mosaic", **FUSED),
 }
 # The family programs whose attention is the jnp fallback (head_dim 80). Its
 # attention reads a layer of the stacked cache whole, which XLA's GPU compiler

@@ -391,8 +391,7 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
                 x, index, taps = carry
                 x, k, v = family.block_fused(layers, index, config, x, context_at(index),
                                              attend_at(index), linear,
-                                             interpret_variant=options.interpret_variant,
-                                             gpu_linear=options.gpu_linear)
+                                             interpret_variant=options.interpret_variant)
                 if num_taps:
                     taps = _tap(taps, x, index, feature_layers)
                 return (x, index + 1, taps), jnp.stack([k, v])

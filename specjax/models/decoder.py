@@ -532,7 +532,7 @@ def _gate_up(layers: dict, index, config: ModelConfig, h: jax.Array, norm, linea
 
 def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Array,
                            a: jax.Array, linear, interpret_variant: str, attn_input,
-                           num_tokens: int, gpu_linear: str):
+                           num_tokens: int):
     """The rest of a fused layer after attention's output ``a`` [rows, H*D]: o with the
     residual, then the norm + gate|up + SwiGLU, then down with the residual (output norms
     with ``config.sandwich_norms``; a mixture of experts, run on the first ``num_tokens``
@@ -542,7 +542,7 @@ def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Arra
     ``x + (o + mlp)`` is added elementwise, as :func:`block` adds it."""
     def experts(h, norm):
         return experts_fused(layers, index, config, h, norm, linear, num_tokens=num_tokens,
-                             interpret_variant=interpret_variant, gpu_linear=gpu_linear)
+                             interpret_variant=interpret_variant)
 
     if config.parallel_residual:
         out = linear(a, (layers["wo"],), biases=(layers.get("bo"),), layer=index,
@@ -568,7 +568,7 @@ def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Arra
 
 
 def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, attend,
-                linear, *, interpret_variant: str = "gpu", gpu_linear: str = "triton"):
+                linear, *, interpret_variant: str = "gpu"):
     """:func:`block` with each projection one call of ``linear`` (the row-tiled kernels of
     :mod:`specjax.kernels.linear_gpu` / :mod:`~specjax.kernels.linear_tpu`, or their
     reference): RMSNorm folded into the q|k|v and gate|up calls, SwiGLU into gate|up, the
@@ -597,9 +597,7 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     the signature of :func:`specjax.kernels.fused_linear`. ``rope``: layer ``index``'s
     tables (:func:`layer_context`: NoPE layers' are the identity; partial RoPE's cover the
     first ``rope_dim`` dims). q/k norms run in :func:`_qk_norms`' kernel;
-    ``interpret_variant`` picks its variant. A mixture of experts (``config.num_experts``)
-    runs :func:`.experts_fused.experts_fused`, whose pairs' calls ``gpu_linear`` (the
-    run's GPU backend) may send to the Triton kernel. Returns (x, k, v).
+    ``interpret_variant`` picks its variant. Returns (x, k, v).
 
     ``x`` may carry rows past the T tokens (T = the RoPE tables' rows): the residual stream
     padded once per pass to the kernels' row tile (:func:`specjax.kernels.linear_row_tile`),
@@ -621,7 +619,7 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = jnp.pad(attend(q, k, v).reshape(t, q_width), ((0, rows - t), (0, 0)))
     x = _attention_out_and_mlp(layers, index, config, x, a, linear, interpret_variant,
-                               attn_input, t, gpu_linear)
+                               attn_input, t)
     return x, k, v
 
 
@@ -660,7 +658,7 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
         packed = write_rope_rows(packed, qkv, index, cos, sin, heads)
     x = _attention_out_and_mlp(layers, index, config, x, attend(packed, index), linear,
                                interpret_variant, attn_input,
-                               x.shape[0] if num_tokens is None else num_tokens, gpu_linear)
+                               x.shape[0] if num_tokens is None else num_tokens)
     return x, packed
 
 

@@ -15,11 +15,10 @@ how many rows the pass has, so that a verify pass reproduces the one-token step 
   gate|up kernel (SwiGLU in its epilogue) and the down kernel, reading the expert's
   matrices in place (the stacked ``[L, E, ...]`` weights seen as ``[L*E, ...]``, read at
   ``layer * E + expert``). The pairs are a ``jax.vmap`` of that one-row function: Pallas
-  batches the kernel call (one more grid axis on a GPU; a loop of calls on a TPU, whose
-  kernel reads the layer as a prefetched scalar), so each pair's program is exactly the
-  one-row call's. No path is chosen by the number of rows (the jnp MLP runs every expert on
-  every row past ``T * k > E``). The Mosaic GPU kernel (``gpu_linear="mosaic"``) runs over
-  a mesh, which JAX does not batch: the pairs' calls then run the Triton kernel (recorded).
+  batches the kernel call (one more grid axis on a GPU, Triton's or Mosaic GPU's; a loop
+  of calls on a TPU, whose kernel reads the layer as a prefetched scalar), so each pair's
+  program is exactly the one-row call's. No path is chosen by the number of rows (the jnp
+  MLP runs every expert on every row past ``T * k > E``).
 * The k weighted outputs, each rounded to the model dtype, are added in expert order in the
   model dtype; Qwen2-MoE's shared expert runs through the same kernels on every row and is
   scaled by the sigmoid of its gate (a one-column projection, padded like the router).
@@ -82,31 +81,25 @@ def project_narrow(linear, h: jax.Array, weight: jax.Array, index, eps: float) -
 
 
 def expert_pairs(layers: dict, index, config: ModelConfig, rows: jax.Array,
-                 experts: jax.Array, linear, gpu_linear: str = "triton") -> jax.Array:
+                 experts: jax.Array, linear) -> jax.Array:
     """Expert ``experts[p]`` of layer ``index`` on row ``rows[p]`` ([P, d] -> [P, d]), each
     pair a one-row call of the projection kernels (see the module docstring)."""
     num = config.num_experts
     flat = {name: layers[name].reshape(-1, *layers[name].shape[2:])
             for name in ("we_gate", "we_up", "we_down")}  # [L*E, ...]: free reshapes
     activation = {} if config.hidden_act == "silu" else {"activation": config.hidden_act}
-    if gpu_linear == "mosaic":
-        kernels.fallbacks.record("fused_linear", "the Mosaic GPU kernel runs over a mesh, "
-                                 "which JAX does not batch; the experts' calls go to the "
-                                 "Triton kernel")
 
     def one_row(row, layer):
         gated = linear(row[None], (flat["we_gate"], flat["we_up"]), layer=layer,
                        offsets=(0, 0), width=config.intermediate_size, eps=config.norm_eps,
-                       gpu_linear="triton", **activation)
-        return linear(gated, (flat["we_down"],), layer=layer, eps=config.norm_eps,
-                      gpu_linear="triton")[0]
+                       **activation)
+        return linear(gated, (flat["we_down"],), layer=layer, eps=config.norm_eps)[0]
 
     return jax.vmap(one_row)(rows, index * num + experts)
 
 
 def experts_fused(layers: dict, index, config: ModelConfig, h: jax.Array, norm, linear, *,
-                  num_tokens: int, interpret_variant: str = "gpu",
-                  gpu_linear: str = "triton") -> jax.Array:
+                  num_tokens: int, interpret_variant: str = "gpu") -> jax.Array:
     """The mixture-of-experts MLP's output [rows, d] of the fused layers' rows ``h``
     [rows, d] (``norm``: the RMSNorm weight [L, d] to apply first, or ``None`` when ``h`` is
     normed already, as :func:`~specjax.models.decoder._fused_input` gives them).
@@ -124,7 +117,7 @@ def experts_fused(layers: dict, index, config: ModelConfig, h: jax.Array, norm, 
                                                    config.norm_eps))
     weights, chosen = weights[:num_tokens], chosen[:num_tokens]
     outs = expert_pairs(layers, index, config, jnp.repeat(h[:num_tokens], k, axis=0),
-                        chosen.reshape(-1), linear, gpu_linear).reshape(num_tokens, k, -1)
+                        chosen.reshape(-1), linear).reshape(num_tokens, k, -1)
     terms = (outs.astype(jnp.float32) * weights[:, :, None]).astype(dtype)
     out = sum_in_order([terms[:, j] for j in range(k)])
     out = jnp.pad(out, ((0, h.shape[0] - num_tokens), (0, 0)))
