@@ -131,13 +131,13 @@ VARIANTS = {
     # a shared expert of its own width behind a sigmoid gate.
     "qwen2-moe": (transformers.Qwen2MoeConfig, dict(
         {k: v for k, v in _BASE.items() if k != "head_dim"}, num_experts=6,
-        num_experts_per_tok=4, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+        num_experts_per_tok=4, moe_intermediate_size=48, shared_expert_intermediate_size=80,
         norm_topk_prob=False)),
     # Qwen3-MoE: Qwen3's per-head q/k norms, experts of their own width
     # (moe_intermediate_size), three of six per token, the top three's weights as the
     # softmax gave them (norm_topk_prob off), tied head.
     "qwen3-moe": (transformers.Qwen3MoeConfig, dict(
-        _BASE, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+        _BASE, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
         norm_topk_prob=False, tie_word_embeddings=True)),
     # OLMoE: OLMo's whole-width q/k norms with the usual input norms, 8 experts, 2 per
     # token, renormalized (norm_topk_prob on).

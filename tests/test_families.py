@@ -21,7 +21,7 @@ from specjax import models
 from specjax.families import from_hf_config, to_hf_config
 from specjax.errors import CheckpointError, InvalidArgumentError
 
-from conftest import drop_compiled_programs, hf_greedy, random_prompt
+from conftest import drop_compiled_programs, hf_greedy, random_prompt, tiny_pair
 from helpers_families import VARIANTS, hf_config, tiny_family_model
 from tolerances import assert_sums_close, forward_sums
 
@@ -234,13 +234,13 @@ def test_configs_read_the_features(pairs):
             from_hf_config(hf_config("stablelm", **{key: True}).to_dict())
     mixtral, qwen3_moe, olmoe = (pairs[v][1].config for v in ("mixtral", "qwen3-moe", "olmoe"))
     qwen2_moe = pairs["qwen2-moe"][1].config
-    assert (qwen2_moe.shared_expert_size, qwen2_moe.intermediate_size) == (56, 40)
+    assert (qwen2_moe.shared_expert_size, qwen2_moe.intermediate_size) == (80, 48)
     assert qwen2_moe.qkv_bias and not qwen2_moe.normalize_expert_weights
     assert models.param_shapes(qwen2_moe)["layers"]["shared_gate"] == (3, 64, 1)
     assert (mixtral.num_experts, mixtral.experts_per_token) == (4, 2)
     assert mixtral.normalize_expert_weights and mixtral.layer_windows == (6,)
     assert (qwen3_moe.num_experts, qwen3_moe.experts_per_token) == (6, 3)
-    assert qwen3_moe.intermediate_size == 40 and not qwen3_moe.normalize_expert_weights
+    assert qwen3_moe.intermediate_size == 48 and not qwen3_moe.normalize_expert_weights
     assert qwen3_moe.qk_norm and not qwen3_moe.qk_norm_whole
     assert olmoe.qk_norm_whole and olmoe.pre_norms and not olmoe.sandwich_norms
     assert models.param_shapes(olmoe)["layers"]["we_down"] == (3, 8, 96, 64)
@@ -641,12 +641,16 @@ def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("variant,feature", [("mixtral", "mixture-of-experts"),
-                                              ("qwen3-moe", "mixture-of-experts")])
-def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
+def test_fused_layers_are_refused_naming_the_architecture(pairs):
+    """Every family here runs on the shared decoder, whose fused layers take all its
+    features (mixtures of experts too: tests/test_fused_experts.py); a GPT-2 model has no
+    fused layers, and ``"fused"`` refuses it in one line naming that."""
+    assert all(models.has_fused_layers(model.config) for _, model in pairs.values())
+    _, gpt2 = tiny_pair("gpt2", seed=3)
     with pytest.raises(InvalidArgumentError,
-                       match=f"attention 'fused'.*{re.escape(feature)}") as info:
-        specjax.generate(pairs[variant][1], [1, 2, 3], max_new_tokens=2,
+                       match=re.escape("attention 'fused'") + ".*gpt2 models have none"
+                       ) as info:
+        specjax.generate(gpt2, [1, 2, 3], max_new_tokens=2,
                          kernels=specjax.KernelOptions(attention="fused"))
     assert "\n" not in str(info.value)
 
@@ -662,21 +666,30 @@ def test_fused_layers_are_refused_naming_the_feature(pairs, variant, feature):
 # GPTBigCode (learned positions; multi-query, and MHA without the score scale); the
 # families with sliding windows (by position in the GPU ordered kernel) and Gemma 2's
 # soft-capped attention: Qwen3's sliding layers, Gemma 2 and 3 (local RoPE), Phi-3,
-# StarCoder2, OLMo 3, Command R7B.
+# StarCoder2, OLMo 3, Command R7B; and the mixtures of experts (tests/test_fused_experts.py):
+# Mixtral (with its window), Qwen2-MoE (a gated shared expert), Qwen3-MoE, OLMoE.
 @pytest.mark.parametrize("variant", ["phi3-global"] + [
     pytest.param(variant, marks=pytest.mark.slow)
     for variant in ("qwen3-tied", "smollm3", "granite", "olmo2", "stablelm", "cohere", "gemma", "gpt-neox",
                     "gpt-neox-sequential", "phi", "starcoder2-nobias", "gpt-bigcode",
                     "gpt-bigcode-mha", "qwen3-untied-sliding", "gemma2", "gemma2-nocap",
-                    "gemma3", "phi3", "starcoder2", "olmo3", "cohere2")])
+                    "gemma3", "phi3", "starcoder2", "olmo3", "cohere2", "mixtral",
+                    "qwen2-moe", "qwen3-moe", "olmoe")])
 def test_the_fused_layers_give_ar_tokens(pairs, variant):
-    """The fused (kernel, interpreted here) layers give ``ar``'s greedy tokens."""
+    """The fused (kernel, interpreted here) layers give ``ar``'s greedy tokens; the
+    mixtures of experts with every projection of their layers in the kernels (no fallback
+    but the head's, over a vocabulary that is not a multiple of 16: the experts' widths
+    are, the routers' and the shared gate's are padded to one)."""
     model = pairs[variant][1]
     assert models.has_fused_layers(model.config)
     prompt = random_prompt(0, 6)
     expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
-    assert specjax.generate(model, prompt, max_new_tokens=8,
-                            kernels=specjax.KernelOptions(attention="fused")).tokens == expected
+    out = specjax.generate(model, prompt, max_new_tokens=8,
+                           kernels=specjax.KernelOptions(attention="fused"))
+    assert out.tokens == expected
+    if model.config.num_experts:
+        head = f"N={model.config.vocab_size} must be"
+        assert [reason for reason in out.stats["fallbacks"] if head not in reason] == []
 
 
 GGUF_VARIANTS = {"qwen3-tied": {}, "qwen3-untied-sliding": dict(use_sliding_window=False),

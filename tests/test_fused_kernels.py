@@ -817,7 +817,7 @@ def _unpacked(monkeypatch):
     monkeypatch.setattr(kernels, "packed_attention_takes", lambda *args, **kwargs: False)
 
 
-# Every feature the fused layers take beyond Llama's (decoder.plain_layers_only), in one
+# Every feature the fused layers take beyond Llama's (decoder.block_fused's docstring), in one
 # config: scaled embeddings, Granite's multipliers (embeddings, residual adds, logits), a
 # query scale, a head bias, a logit scale and final soft-capping (elementwise between the
 # kernels, or the score scale in the attention kernel); partial RoPE (16 of 32 dims) and a

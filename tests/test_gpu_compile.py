@@ -112,8 +112,8 @@ PROGRAMS = {
 # LayerNorm, parallel residual, partial RoPE, biases) and Qwen3-MoE (128 experts, eight
 # per token: one step gathers the picked ones, a verify pass runs them all) the same way; a
 # Phi-3 with Phi-2's head_dim 80, which no kernel takes, with the jnp fallback (recorded in
-# the stats). Qwen3, SmolLM3, Phi-4-mini, GPT-NeoX and OLMo 3 again with
-# attn_impl="fused": the fused layers' kernels with their features.
+# the stats). Qwen3, SmolLM3, Phi-4-mini, GPT-NeoX, OLMo 3, Qwen3-MoE and Mixtral again
+# with attn_impl="fused": the fused layers' kernels with their features.
 FAMILY_PROGRAMS = {
     "ar-bf16-qwen3-kernel": dict(method="ar", family="qwen3", attn_impl="kernel"),
     "tree-bf16-qwen3-kernel": dict(method="tree", verify="greedy", family="qwen3",
@@ -142,6 +142,16 @@ FAMILY_PROGRAMS = {
     # OLMo 3's: sliding windows in the ordered kernels, YaRN on the global layers only,
     # whole-width q/k norms and output norms in the norm kernel, no input norms
     "tree-bf16-olmo3-fused": dict(method="tree", verify="greedy", family="olmo3", **FUSED),
+    # The fused experts (specjax/models/experts_fused.py): the router in the projection
+    # kernel (Mixtral's 8 columns padded to a tile), each (row, slot) pair's expert a
+    # one-row call batched over the pairs (a grid axis more), 128 experts eight per token,
+    # and two of eight in Mixtral's one-token step; with gpu_linear="mosaic" the pairs'
+    # calls that kernel takes are batched on the Mosaic GPU kernel (a mesh axis more)
+    "tree-bf16-qwen3-moe-fused": dict(method="tree", verify="greedy", family="qwen3-moe",
+                                      **FUSED),
+    "ar-bf16-mixtral-fused": dict(method="ar", family="mixtral", **FUSED),
+    "ar-bf16-qwen3-moe-fused-mosaic": dict(method="ar", family="qwen3-moe",
+                                           gpu_kernels="mosaic", **FUSED),
 }
 # The family programs whose attention is the jnp fallback (head_dim 80). Its
 # attention reads a layer of the stacked cache whole, which XLA's GPU compiler

@@ -144,19 +144,15 @@ FUSED_MAX_TOKENS = 128
 
 
 def has_fused_layers(config: ModelConfig) -> bool:
-    """Whether ``config``'s family has the fused-kernel layers of attention ``"fused"``
-    (the Llama family; GPT-2 has none)."""
-    family = _FAMILIES[config.architecture]
-    return hasattr(family, "block_fused") and family.plain_layers_only(config) is None
+    """Whether ``config``'s architecture has the fused-kernel layers of attention
+    ``"fused"`` (the shared decoder, with every feature its families switch on; GPT-2 has
+    none)."""
+    return hasattr(_FAMILIES[config.architecture], "block_fused")
 
 
 def no_fused_layers_reason(config: ModelConfig) -> str:
     """One phrase saying why :func:`has_fused_layers` is false for ``config``."""
-    family = _FAMILIES[config.architecture]
-    if not hasattr(family, "block_fused"):
-        return f"{config.architecture} models have none"
-    return (f"the {config.family or config.architecture} layers have "
-            f"{family.plain_layers_only(config)}, which the fused kernels do not take")
+    return f"{config.architecture} models have none"
 
 
 def attention_fallback(config: ModelConfig, platform: str = "cpu") -> str | None:
@@ -257,7 +253,8 @@ def _packed_layers(family, layers, config: ModelConfig, x, context, packed_shape
         rope = family.layer_context(config, context, index)  # NoPE layers: the identity
         x, packed = family.block_fused_packed(layers, index, config, x, rope, packed, attend,
                                               linear, interpret_variant=options.interpret_variant,
-                                              gpu_linear=options.gpu_linear)
+                                              gpu_linear=options.gpu_linear,
+                                              num_tokens=positions.shape[0])
         if feature_layers:
             taps = _tap(taps, x, index, feature_layers)
         return (x, index + 1, packed, taps), None

@@ -107,6 +107,7 @@ import numpy as np
 
 from specjax import kernels
 from specjax.config import ModelConfig
+from specjax.models.experts_fused import experts_fused
 from specjax.models.layers import (apply_rope, concat_shapes, dense, fuse_groups, gelu_tanh,
                                    layer_norm, matmul_precision, rms_norm, rope_tables,
                                    unfuse_groups, write_rope_rows)
@@ -283,28 +284,6 @@ def layer_attention(config: ModelConfig, positions: jax.Array, mask: jax.Array, 
     lowest = jnp.iinfo(jnp.int32).min
     extras["first_visible"] = jnp.where(window > 0, positions - window + 1, lowest)
     return mask, extras
-
-
-def plain_layers_only(config: ModelConfig) -> str | None:
-    """Why ``config`` has no fused-kernel layers (a feature the row-tiled kernels do not
-    fold in yet), or ``None``.
-
-    The fused layers take Llama's layers and, on top, each feature whose arithmetic per row
-    does not depend on the number of rows in the call: the elementwise ones between the
-    kernels (scaled embeddings and Granite's multipliers, learned positions, a head bias,
-    a logit scale or divisor, final logit soft-capping; partial RoPE and NoPE layers, which
-    change the rotation tables), the query scale inside the ordered attention kernels,
-    blocks without input norms (the kernels' norm left out), parallel attention and MLP
-    (their sum added elementwise), and in the row-tiled norm kernel
-    (:func:`specjax.kernels.norm_groups`): q/k norms (per head or over all heads), output
-    norms (``sandwich_norms``), LayerNorm (with or without biases) and Gemma's ``1 + w``
-    RMSNorm; GELU (tanh or erf; gated, or of a two-matrix MLP's up projection) in the
-    projection kernels' epilogue; attention soft-capping and sliding windows (and the
-    sliding layers' own RoPE) in the GPU ordered attention kernels (per score, and a mask
-    by absolute position; the TPU ordered kernel refuses them in one line). The features
-    listed here are refused."""
-    features = ["mixture-of-experts MLPs"] if config.num_experts > 0 else []
-    return ", ".join(features) or None
 
 
 def _norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -517,11 +496,18 @@ def _add_output(config: ModelConfig, linear, x: jax.Array, h: jax.Array, weight,
         return linear(h, (weight,), biases=(bias,), residual=x, layer=index,
                       eps=config.norm_eps)
     out = linear(h, (weight,), biases=(bias,), layer=index, eps=config.norm_eps)
-    if post_norm is not None:
-        out = kernels.norm_groups(out, post_norm, index, start=0, groups=1,
-                                  eps=config.norm_eps, kind=_kind(config),
-                                  interpret_variant=interpret_variant)
-    return x + _residual(config, out)
+    return x + _residual(config, _output_norm(config, out, post_norm, index,
+                                              interpret_variant))
+
+
+def _output_norm(config: ModelConfig, out: jax.Array, post_norm, index,
+                 interpret_variant: str) -> jax.Array:
+    """``out`` RMSNorm'd by ``post_norm`` [L, d] in the row-tiled norm kernel (one group of
+    width d; ``config.sandwich_norms``), or as it is without one."""
+    if post_norm is None:
+        return out
+    return kernels.norm_groups(out, post_norm, index, start=0, groups=1, eps=config.norm_eps,
+                               kind=_kind(config), interpret_variant=interpret_variant)
 
 
 def _gate_up(layers: dict, index, config: ModelConfig, h: jax.Array, norm, linear):
@@ -545,28 +531,37 @@ def _gate_up(layers: dict, index, config: ModelConfig, h: jax.Array, norm, linea
 
 
 def _attention_out_and_mlp(layers: dict, index, config: ModelConfig, x: jax.Array,
-                           a: jax.Array, linear, interpret_variant: str, attn_input):
+                           a: jax.Array, linear, interpret_variant: str, attn_input,
+                           num_tokens: int):
     """The rest of a fused layer after attention's output ``a`` [rows, H*D]: o with the
     residual, then the norm + gate|up + SwiGLU, then down with the residual (output norms
-    with ``config.sandwich_norms``). With ``config.parallel_residual`` (GPT-NeoX, Phi,
-    Cohere) the MLP reads the block's input (``attn_input``, the attention's (rows, norm)
-    with ``shared_input_norm``) and ``x + (o + mlp)`` is added elementwise, as
-    :func:`block` adds it."""
+    with ``config.sandwich_norms``; a mixture of experts, run on the first ``num_tokens``
+    rows, with ``config.num_experts``: :func:`.experts_fused.experts_fused`). With
+    ``config.parallel_residual`` (GPT-NeoX, Phi, Cohere) the MLP reads the block's input
+    (``attn_input``, the attention's (rows, norm) with ``shared_input_norm``) and
+    ``x + (o + mlp)`` is added elementwise, as :func:`block` adds it."""
+    def experts(h, norm):
+        return experts_fused(layers, index, config, h, norm, linear, num_tokens=num_tokens,
+                             interpret_variant=interpret_variant)
+
     if config.parallel_residual:
         out = linear(a, (layers["wo"],), biases=(layers.get("bo"),), layer=index,
                      eps=config.norm_eps)
-        if config.sandwich_norms:
-            out = kernels.norm_groups(out, layers["post_attn_norm"], index, start=0, groups=1,
-                                      eps=config.norm_eps, kind=_kind(config),
-                                      interpret_variant=interpret_variant)
+        out = _output_norm(config, out, layers.get("post_attn_norm"), index,
+                           interpret_variant)
         h, norm = attn_input if config.shared_input_norm else _fused_input(
             config, layers, "mlp_norm", x, index, interpret_variant)
-        mlp = linear(_gate_up(layers, index, config, h, norm, linear), (layers["w_down"],),
-                     biases=(layers.get("b_down"),), layer=index, eps=config.norm_eps)
+        mlp = experts(h, norm) if config.num_experts else linear(
+            _gate_up(layers, index, config, h, norm, linear), (layers["w_down"],),
+            biases=(layers.get("b_down"),), layer=index, eps=config.norm_eps)
         return x + (out + mlp)
     x = _add_output(config, linear, x, a, layers["wo"], layers.get("bo"), index,
                     layers.get("post_attn_norm"), interpret_variant)
     h, norm = _fused_input(config, layers, "mlp_norm", x, index, interpret_variant)
+    if config.num_experts:
+        out = _output_norm(config, experts(h, norm), layers.get("post_mlp_norm"), index,
+                           interpret_variant)
+        return x + _residual(config, out)
     return _add_output(config, linear, x, _gate_up(layers, index, config, h, norm, linear),
                        layers["w_down"], layers.get("b_down"), index,
                        layers.get("post_mlp_norm"), interpret_variant)
@@ -578,6 +573,23 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     :mod:`specjax.kernels.linear_gpu` / :mod:`~specjax.kernels.linear_tpu`, or their
     reference): RMSNorm folded into the q|k|v and gate|up calls, SwiGLU into gate|up, the
     residual adds into the o and down calls.
+
+    Every feature of this decoder is taken, each computed the same way per row whatever the
+    number of rows in the call: the elementwise ones between the kernels (scaled embeddings
+    and Granite's multipliers, learned positions, a head bias, a logit scale or divisor,
+    final logit soft-capping; partial RoPE and NoPE layers, which change the rotation
+    tables), the query scale inside the ordered attention kernels, blocks without input
+    norms (the kernels' norm left out), parallel attention and MLP (their sum added
+    elementwise), and in the row-tiled norm kernel (:func:`specjax.kernels.norm_groups`):
+    q/k norms (per head or over all heads), output norms (``sandwich_norms``), LayerNorm
+    (with or without biases) and Gemma's ``1 + w`` RMSNorm; GELU (tanh or erf; gated, or of
+    a two-matrix MLP's up projection) in the projection kernels' epilogue; attention
+    soft-capping and sliding windows (and the sliding layers' own RoPE) in the GPU ordered
+    attention kernels (per score, and a mask by absolute position; the TPU ordered kernel
+    refuses them in one line); mixtures of experts (:mod:`.experts_fused`: the router in
+    the projection kernel, routing per row, each (row, slot) pair's expert a one-row call
+    of the projection kernels, the k outputs and the gated shared expert added in a fixed
+    order).
 
     ``layers`` are the stacked [L, ...] parameters (separate or fused projections), read at
     the traced ``index`` inside the kernels, so no layer's matrices are copied out.
@@ -607,13 +619,13 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = jnp.pad(attend(q, k, v).reshape(t, q_width), ((0, rows - t), (0, 0)))
     x = _attention_out_and_mlp(layers, index, config, x, a, linear, interpret_variant,
-                               attn_input)
+                               attn_input, t)
     return x, k, v
 
 
 def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, rope,
                        packed: jax.Array, attend, linear, *, interpret_variant: str = "gpu",
-                       gpu_linear: str = "triton"):
+                       gpu_linear: str = "triton", num_tokens: int | None = None):
     """:func:`block_fused` for an attention kernel that reads the layer's rows in place
     (:func:`specjax.kernels.ordered_attention_packed`).
 
@@ -624,7 +636,8 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
     are one call, :func:`specjax.kernels.qkv_rope_into` (one kernel on a GPU).
     ``attend(packed, index)`` returns the [rows, H*D] input of the output projection;
     ``interpret_variant`` and ``gpu_linear`` pick that kernel's variant and backend
-    (:class:`~specjax.kernel_options.KernelOptions`). Returns (x, packed).
+    (:class:`~specjax.kernel_options.KernelOptions`). ``num_tokens``: the tokens among
+    x's rows (``None``: every row), the rows a mixture of experts runs. Returns (x, packed).
     """
     cos, sin = rope
     heads = config.num_heads + config.num_kv_heads  # those RoPE rotates
@@ -644,7 +657,8 @@ def block_fused_packed(layers: dict, index, config: ModelConfig, x: jax.Array, r
                         _project_qkv(layers, index, config, h, linear, norm), interpret_variant)
         packed = write_rope_rows(packed, qkv, index, cos, sin, heads)
     x = _attention_out_and_mlp(layers, index, config, x, attend(packed, index), linear,
-                               interpret_variant, attn_input)
+                               interpret_variant, attn_input,
+                               x.shape[0] if num_tokens is None else num_tokens)
     return x, packed
 
 
