@@ -104,9 +104,11 @@ from pathlib import Path
 
 from specjax import api
 from specjax import interrupts
+from specjax import loading
 from specjax.errors import InvalidArgumentError
 # The public names of draft training, importable from here as before the package split.
-from specjax.training.config import (COMPUTE_DTYPES, EAGLE3_FIELDS, FEATURE_FIELDS, LOSSES,
+from specjax.training.config import (COMPUTE_DTYPES, DRAFT_CORPUS_FIELDS, EAGLE3_FIELDS,
+                                     FEATURE_FIELDS, LOSSES, ROLLOUT_SHARED_FIELDS,
                                      TARGET_CORPUS_FIELDS, TrainConfig)
 from specjax.training.corpus import mixed_windows, sample_windows, stdlib_files, tokenize_corpus
 from specjax.training.drafts import (draft_from_target, draft_vocabulary, eagle3_asset_record,
@@ -210,6 +212,14 @@ def train_config(args) -> TrainConfig:
                        checkpoint_every=args.checkpoint_every,
                        max_corpus_tokens=args.max_corpus_tokens,
                        target_corpus_tokens=args.corpus_from_target or 0,
+                       draft_corpus_tokens=args.corpus_from_draft or 0,
+                       rollout_draft=args.rollout_draft,
+                       **{name: value for name, value in (
+                           ("draft_corpus_fraction", args.draft_corpus_fraction),
+                           ("rollout_temperature", args.rollout_temperature),
+                           ("rollout_len", args.rollout_len),
+                           ("rollout_depth", args.rollout_depth),
+                           ("rollout_seconds", args.rollout_seconds)) if value is not None},
                        **{name: value for name, value in (
                            ("target_corpus_fraction", args.target_corpus_fraction),
                            ("target_temperature", args.target_temperature),
@@ -263,7 +273,8 @@ def main(args) -> int:
         raise InvalidArgumentError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     if not args.corpus_from_target:
         given = [f"--{name.replace('_', '-')}" for name in TARGET_CORPUS_FIELDS[1:]
-                 if getattr(args, name) is not None]
+                 if getattr(args, name) is not None
+                 and not (args.corpus_from_draft and name in ROLLOUT_SHARED_FIELDS)]
         if args.target_gen_seconds is not None:
             given.append("--target-gen-seconds")
         if args.prior_target_corpus:
@@ -271,6 +282,17 @@ def main(args) -> int:
         if given:
             raise InvalidArgumentError(f"{', '.join(given)} only apply with "
                                        "--corpus-from-target N")
+    if not args.corpus_from_draft:
+        given = [f"--{name.replace('_', '-')}" for name in DRAFT_CORPUS_FIELDS[1:]
+                 if getattr(args, name) is not None]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} only apply with "
+                                       "--corpus-from-draft N")
+    else:
+        loading.check_draft_spec(args.rollout_draft)
+    if args.corpora_only and (args.asset or args.export_hf):
+        raise InvalidArgumentError("--corpora-only writes the corpora and stops: nothing to "
+                                   "export (--asset, --export-hf)")
     if args.head_tokens is not None and not args.asset:
         raise InvalidArgumentError("--head-tokens needs --asset DIR")
     check_corpus_paths(args.corpus)
@@ -294,8 +316,9 @@ def main(args) -> int:
         summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
                               export_hf=args.export_hf, progress=progress, log=log,
                               time_budget=args.time_budget,
-                              prior_target_corpora=args.prior_target_corpus or ())
-        if args.asset:
+                              prior_target_corpora=args.prior_target_corpus or (),
+                              corpora_only=args.corpora_only)
+        if args.asset and not args.corpora_only:
             summary.update(export_latest(target, args.out, args.asset,
                                          head_tokens=args.head_tokens, note=args.note))
             on_interrupt.finished()
@@ -452,14 +475,45 @@ def _add_self_distillation_arguments(p) -> None:
                    help="fraction of the generations written greedily, the rest at "
                         "--target-temperature (default: 0)")
     g.add_argument("--target-batch-size", type=int, default=None,
-                   help="generations run at once (default: 16)")
+                   help="generations run at once, the target's and the draft's rollouts "
+                        "(default: 16)")
     g.add_argument("--target-chat-fraction", type=float, default=None,
                    help="fraction of the prompts asked through the target's chat template "
                         "(a request to complete the function), so that chat users' text is "
-                        "in the mix too (default: 0)")
+                        "in the mix too; the draft's rollouts continue the same prompts "
+                        "(default: 0)")
     g.add_argument("--target-gen-seconds", type=float, default=None, metavar="SECONDS",
                    help="stop writing the target's text after this many seconds (rows not "
                         "begun are left out; the held-out rows are written first)")
     g.add_argument("--prior-target-corpus", action="append", default=None, metavar="NPZ",
                    help="also train on the text of an earlier run's target_corpus.npz "
                         "(repeatable)")
+    o = p.add_argument_group(
+        "on-policy text", "train on the draft's own rollouts, the target's distributions "
+        "computed over them in each step (see specjax.training.draft_corpus)")
+    o.add_argument("--corpus-from-draft", type=int, default=None, metavar="N",
+                   help="the draft --rollout-draft writes N tokens after the prompts of "
+                        "--corpus-from-target (the same rows, seeds and chat share; cached in "
+                        "OUT/draft_corpus.npz) and they are mixed in")
+    o.add_argument("--rollout-draft", default=None, metavar="DRAFT",
+                   help="the draft that writes them: a shipped draft's name (e.g. "
+                        "smollm2-135m-draft) or a draft asset folder")
+    o.add_argument("--draft-corpus-fraction", type=float, default=None,
+                   help="fraction of each batch's windows taken from the rollouts (default: "
+                        "0.25; with --target-corpus-fraction at most 1 in all)")
+    o.add_argument("--rollout-temperature", type=float, default=None,
+                   help="the draft's sampling temperature (default: 1.0; 0: greedy)")
+    o.add_argument("--rollout-len", type=int, default=None,
+                   help="tokens the draft writes per prompt (default: 256)")
+    o.add_argument("--rollout-depth", type=int, default=None, metavar="D",
+                   help="a feature draft writes chains of D tokens, the target reading each "
+                        "chain before the next, as decoding with every proposal accepted "
+                        "(default: 0, one chain: the draft on its own states after the "
+                        "prompt)")
+    o.add_argument("--rollout-seconds", type=float, default=None, metavar="SECONDS",
+                   help="stop writing rollouts after this many seconds (rows not begun are "
+                        "left out; the held-out rows are written first)")
+    o.add_argument("--corpora-only", action="store_true",
+                   help="write OUT's corpora (corpus.npz, target_corpus.npz, "
+                        "draft_corpus.npz) and stop before training: make the text on one "
+                        "machine, copy the files into another run's OUT, train there")
