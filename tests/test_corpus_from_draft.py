@@ -4,7 +4,6 @@ features for the prompt, then its own states; in chains that the target reads), 
 seeded per row, use the prompts of the target's text, are mixed by their share and cached,
 and bad settings are refused before anything loads. Tiny random models."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,6 +149,7 @@ BASE = dict(target_corpus_tokens=8, draft_corpus_tokens=8, rollout_draft="d", ba
     (dict(rollout_temperature=-1.0), "rollout_temperature"),
     (dict(rollout_len=0), "rollout_len"),
     (dict(rollout_depth=-1), "rollout_depth"),
+    (dict(rollout_chat_fraction=2.0), "rollout_chat_fraction"),
 ])
 def test_bad_settings(overrides, message):
     with pytest.raises(InvalidArgumentError, match=message):
@@ -160,12 +160,12 @@ def test_the_record_keeps_the_rollout_settings_only_when_used():
     record = train_draft.TrainConfig(**BASE, draft_corpus_fraction=0.25).record()
     assert record["draft_corpus_fraction"] == 0.25 and record["rollout_draft"] == "d"
     assert "rollout_len" not in train_draft.TrainConfig(target_corpus_tokens=8).record()
-    # Without the target's text the rollouts still record the prompts' chat share and
-    # batch, and a share of the batch that the target's text would have taken is free.
+    # Without the target's text the rollouts still record the rows written at once, and a
+    # share of the batch that the target's text would have taken is free.
     alone = train_draft.TrainConfig(**{**BASE, "target_corpus_tokens": 0},
-                                    draft_corpus_fraction=1.0, target_chat_fraction=0.5)
+                                    draft_corpus_fraction=1.0, rollout_chat_fraction=0.5)
     kept = alone.record()
-    assert kept["target_chat_fraction"] == 0.5 and kept["target_batch_size"] == 16
+    assert kept["rollout_chat_fraction"] == 0.5 and kept["target_batch_size"] == 16
     assert "target_corpus_fraction" not in kept and "target_corpus_tokens" not in kept
 
 

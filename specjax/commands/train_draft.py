@@ -219,6 +219,7 @@ def train_config(args) -> TrainConfig:
                            ("rollout_temperature", args.rollout_temperature),
                            ("rollout_len", args.rollout_len),
                            ("rollout_depth", args.rollout_depth),
+                           ("rollout_chat_fraction", args.rollout_chat_fraction),
                            ("rollout_seconds", args.rollout_seconds)) if value is not None},
                        **{name: value for name, value in (
                            ("target_corpus_fraction", args.target_corpus_fraction),
@@ -480,8 +481,7 @@ def _add_self_distillation_arguments(p) -> None:
     g.add_argument("--target-chat-fraction", type=float, default=None,
                    help="fraction of the prompts asked through the target's chat template "
                         "(a request to complete the function), so that chat users' text is "
-                        "in the mix too; the draft's rollouts continue the same prompts "
-                        "(default: 0)")
+                        "in the mix too (default: 0)")
     g.add_argument("--target-gen-seconds", type=float, default=None, metavar="SECONDS",
                    help="stop writing the target's text after this many seconds (rows not "
                         "begun are left out; the held-out rows are written first)")
@@ -510,6 +510,9 @@ def _add_self_distillation_arguments(p) -> None:
                         "chain before the next, as decoding with every proposal accepted "
                         "(default: 0, one chain: the draft on its own states after the "
                         "prompt)")
+    o.add_argument("--rollout-chat-fraction", type=float, default=None,
+                   help="fraction of the prompts asked through the target's chat template, "
+                        "spread over the rows as --target-chat-fraction is (default: 0)")
     o.add_argument("--rollout-seconds", type=float, default=None, metavar="SECONDS",
                    help="stop writing rollouts after this many seconds (rows not begun are "
                         "left out; the held-out rows are written first)")

@@ -51,6 +51,7 @@ class TrainConfig:
     rollout_temperature: float = 1.0
     rollout_len: int = 256
     rollout_depth: int = 0
+    rollout_chat_fraction: float = 0.0  # of the prompts, as target_chat_fraction
     rollout_seconds: float | None = None  # no training row begun after this; recorded if set
     init_draft: str | None = None
     add_layers: tuple[int, ...] = ()
@@ -138,10 +139,7 @@ class TrainConfig:
                 raise InvalidArgumentError(f"feature_layers must be target block indices "
                                            f">= 0, got {self.feature_layers!r}")
         if self.target_corpus_tokens or self.draft_corpus_tokens:
-            # The rollouts use the target corpus's prompts: its chat share and rows at once.
-            if not 0 <= self.target_chat_fraction <= 1:
-                raise InvalidArgumentError("target_chat_fraction must be in [0, 1], got "
-                                           f"{self.target_chat_fraction}")
+            # The rollouts are written as many rows at once as the target's text.
             if self.target_batch_size < 1:
                 raise InvalidArgumentError(
                     f"target_batch_size must be >= 1, got {self.target_batch_size}")
@@ -149,7 +147,7 @@ class TrainConfig:
             if not 0 <= self.target_corpus_fraction <= 1:
                 raise InvalidArgumentError("target_corpus_fraction must be in [0, 1], got "
                                            f"{self.target_corpus_fraction}")
-            for name in ("target_greedy_fraction",):
+            for name in ("target_greedy_fraction", "target_chat_fraction"):
                 if not 0 <= getattr(self, name) <= 1:
                     raise InvalidArgumentError(f"{name} must be in [0, 1], got "
                                                f"{getattr(self, name)}")
@@ -185,6 +183,9 @@ class TrainConfig:
         if not (self.rollout_temperature >= 0 and np.isfinite(self.rollout_temperature)):
             raise InvalidArgumentError("rollout_temperature must be a finite number >= 0, "
                                        f"got {self.rollout_temperature}")
+        if not 0 <= self.rollout_chat_fraction <= 1:
+            raise InvalidArgumentError("rollout_chat_fraction must be in [0, 1], got "
+                                       f"{self.rollout_chat_fraction}")
         if self.rollout_len < 1:
             raise InvalidArgumentError(f"rollout_len must be >= 1, got {self.rollout_len}")
         if self.rollout_depth < 0:
@@ -201,8 +202,6 @@ class TrainConfig:
                 # The rollouts' prompts and batches are the target corpus's settings.
                 if not (self.draft_corpus_tokens and name in ROLLOUT_SHARED_FIELDS):
                     record.pop(name)
-            if self.draft_corpus_tokens and not self.target_chat_fraction:
-                record.pop("target_chat_fraction")
         else:
             for name in ("target_greedy_fraction", "target_chat_fraction"):
                 if not getattr(self, name):
@@ -244,6 +243,7 @@ TARGET_CORPUS_FIELDS = ("target_corpus_tokens", "target_corpus_fraction",
                          "target_greedy_fraction", "target_chat_fraction")
 DRAFT_CORPUS_FIELDS = ("draft_corpus_tokens", "draft_corpus_fraction", "rollout_draft",
                        "rollout_temperature", "rollout_len", "rollout_depth",
+                       "rollout_chat_fraction",
                        "rollout_seconds")
 # The target corpus's settings that the draft's rollouts use too (without it as well).
-ROLLOUT_SHARED_FIELDS = ("target_batch_size", "target_chat_fraction")
+ROLLOUT_SHARED_FIELDS = ("target_batch_size",)

@@ -3,8 +3,9 @@
 trains a draft on what it writes itself (DistillSpec).
 
 The prompts are those of ``--corpus-from-target`` (docstring prompts of the file corpus,
-HumanEval's names left out, the same ``target_chat_fraction`` of them through the chat
-template, rows cycled in the same seeded order, row ``i`` sampling with
+HumanEval's names left out, a share ``rollout_chat_fraction`` of them through the chat
+template, spread over the rows as ``target_chat_fraction`` is, rows cycled in the same
+seeded order, row ``i`` sampling with
 :func:`~specjax.training.sample_corpus.row_seed` ``(seed, i)``); the draft continues each
 for ``rollout_len`` tokens at ``rollout_temperature``, with the coupled sampling rule of
 :func:`specjax.sampling.sample_tokens` (the token at position ``t`` uses noise drawn from
@@ -218,7 +219,7 @@ def rollout_settings(cfg: "TrainConfig") -> dict:
     return {"draft": cfg.rollout_draft, "tokens": cfg.draft_corpus_tokens,
             "temperature": cfg.rollout_temperature, "length": cfg.rollout_len,
             "depth": cfg.rollout_depth, "seed": cfg.seed,
-            "chat_fraction": cfg.target_chat_fraction,
+            "chat_fraction": cfg.rollout_chat_fraction,
             "heldout_fraction": cfg.heldout_fraction}
 
 
@@ -257,9 +258,10 @@ def generate_draft_corpus(target, draft, files: Sequence[Path], cfg: "TrainConfi
              if cfg.rollout_depth else "on its own states after the prompt")
     train, held, info = target_corpus.write_documents(
         target, files, cfg, tokens=cfg.draft_corpus_tokens, row_length=cfg.rollout_len,
-        write=write, greedy_share=0.0, separator=separator, log=log, progress=progress,
+        write=write, greedy_share=0.0, chat_share=cfg.rollout_chat_fraction,
+        separator=separator, log=log, progress=progress,
         name="draft corpus", flag="--corpus-from-draft", seconds=cfg.rollout_seconds,
         how=(f"by the draft {cfg.rollout_draft} at temperature {cfg.rollout_temperature} "
-             f"{depth} ({cfg.target_chat_fraction:g} through the chat template)"))
+             f"{depth} ({cfg.rollout_chat_fraction:g} through the chat template)"))
     info["settings"] = rollout_settings(cfg)
     return train, held, info

@@ -40,13 +40,13 @@ def _encode_row(target, prompt: str, chat: bool) -> list[int]:
 
 def _generation_rows(target, prompts: list[str], rows: int, cfg: "TrainConfig",
                      seed: int, separator: int, progress, deadline: float | None = None, *,
-                     write, greedy_share: float = 0.0) -> np.ndarray:
+                     write, greedy_share: float = 0.0, chat_share: float = 0.0) -> np.ndarray:
     """Up to ``rows`` documents (prompt + generation + separator), joined as one int32
     stream, written in chunks of ``cfg.target_batch_size`` rows by
     ``write(prompts, greedy, seed, first_row)`` (int32 [rows, L], cut at a stop token): a
     share ``greedy_share`` of the chunks greedily, spread evenly so that a run cut short
     keeps that share, the others at the writer's temperature; a share
-    ``target_chat_fraction`` of the rows, spread evenly too, asks through the chat template
+    ``chat_share`` of the rows, spread evenly too, asks through the chat template
     (:func:`_encode_row`). Row ``i`` samples with ``row_seed(seed, i)`` whatever its chunk.
     No chunk begins after ``deadline`` (``time.monotonic()``), except the first."""
     order = np.random.default_rng(seed).permutation(len(prompts))
@@ -57,7 +57,7 @@ def _generation_rows(target, prompts: list[str], rows: int, cfg: "TrainConfig",
         if chunk and deadline is not None and time.monotonic() >= deadline:
             break
         # Encoded chunk by chunk: rows a deadline leaves out are never tokenized.
-        encoded += [_encode_row(target, texts[i], _spread(i, cfg.target_chat_fraction))
+        encoded += [_encode_row(target, texts[i], _spread(i, chat_share))
                     for i in range(begin, min(begin + size, rows))]
         parts.append(write(encoded[begin:begin + size], _spread(chunk, greedy_share), seed,
                            begin))
@@ -101,7 +101,8 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
 
     return write_documents(
         target, files, cfg, tokens=cfg.target_corpus_tokens, row_length=cfg.target_gen_len,
-        write=write, greedy_share=cfg.target_greedy_fraction, separator=separator, log=log,
+        write=write, greedy_share=cfg.target_greedy_fraction,
+        chat_share=cfg.target_chat_fraction, separator=separator, log=log,
         progress=progress, name="target corpus", flag="--corpus-from-target",
         seconds=cfg.target_gen_seconds,
         how=(f"at temperature {cfg.target_temperature} ({cfg.target_greedy_fraction:g} of "
@@ -109,7 +110,8 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
 
 
 def write_documents(target, files: Sequence[Path], cfg: "TrainConfig", *, tokens: int,
-                    row_length: int, write, greedy_share: float, separator: int, log,
+                    row_length: int, write, greedy_share: float, chat_share: float,
+                    separator: int, log,
                     progress: bool, name: str, flag: str, how: str,
                     seconds: float | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """(train, held-out) streams of documents that ``write`` continues from the docstring
@@ -123,6 +125,7 @@ def write_documents(target, files: Sequence[Path], cfg: "TrainConfig", *, tokens
         held-out files' prompts with seed ``cfg.seed + 1_000_003``.
       write: ``write(prompts, greedy, seed, first_row)`` -> int32 [rows, row_length].
       greedy_share: the share of chunks written greedily.
+      chat_share: the share of rows asked through the chat template.
       name, flag, how: for the log line and the error.
       seconds: no training chunk begins this long after the start (None: no limit).
     Raises:
@@ -158,10 +161,10 @@ def write_documents(target, files: Sequence[Path], cfg: "TrainConfig", *, tokens
     try:
         held = _generation_rows(target, held_prompts, held_rows, cfg, cfg.seed + 1_000_003,
                                 separator, lambda n: advance(n, rows), write=write,
-                                greedy_share=greedy_share)
+                                greedy_share=greedy_share, chat_share=chat_share)
         train = _generation_rows(target, train_prompts, rows, cfg, cfg.seed, separator,
                                  lambda n: advance(n, 0), deadline, write=write,
-                                 greedy_share=greedy_share)
+                                 greedy_share=greedy_share, chat_share=chat_share)
     finally:
         if bar is not None:
             bar.close()
