@@ -4,6 +4,9 @@ features for the prompt, then its own states; in chains that the target reads), 
 seeded per row, use the prompts of the target's text, are mixed by their share and cached,
 and bad settings are refused before anything loads. Tiny random models."""
 
+import dataclasses
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +194,92 @@ def test_cli_errors_are_one_line_before_anything_loads(tmp_path, capsys, monkeyp
     assert code == 2 and message in err, err
     assert err.startswith("specjax: error:") and err.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+MODULE = '''"""A module."""
+
+
+def area_{i}(radius):
+    """Area of a circle of the given radius."""
+    return 3.14159 * radius ** 2
+
+
+def scale_{i}(shape, factor):
+    """Scales the shape by factor, returning a new list."""
+    return [x * factor for x in shape]
+'''
+
+
+@pytest.mark.slow  # three short train-draft runs (~30-60 s)
+def test_rollouts_are_made_ahead_carried_mixed_and_checked(tmp_path, monkeypatch):
+    """``--corpora-only`` writes the rollouts (ids of the draft's vocabulary only, after
+    the target corpus's prompts) and stops; a run that finds the file in its folder trains
+    on it without the draft (here not loadable by name), taking its share of each batch,
+    and logs agreement on held-out rollouts; a run with other rollout settings refuses
+    the file."""
+    import shutil
+
+    from specjax.training import loop, ngram_build
+
+    from conftest import tiny_target_with_tokenizer, write_corpus
+
+    monkeypatch.setattr(sample_corpus, "humaneval_entry_points", lambda: frozenset())
+    tokenizer = ngram_build.load_tokenizer("smollm2-135m")[0]
+    target = tiny_target_with_tokenizer(tokenizer, 49152, max_positions=512, eos_token_id=2,
+                                        bos_token_id=1)
+    vocab = np.sort(np.random.default_rng(0).choice(np.arange(3, 49152), 256, replace=False))
+    config, params = eagle3.eagle3_draft_from_target(target.config, target.params, vocab,
+                                                     (0, 1, 2))
+    draft = specjax.Model.from_params(config, params, name="tiny-eagle3")
+    files = write_corpus(tmp_path, [MODULE.format(i=i) for i in range(40)])
+    cfg = train_draft.TrainConfig(
+        init_layers=(0,), eagle3=True, feature_layers=(0, 1, 2), draft_vocab=256,
+        batch_size=2, seq_len=16, learning_rate=3e-3, warmup_steps=1, steps=2, eval_every=2,
+        checkpoint_every=2, eval_windows=4, heldout_fraction=0.2, target_corpus_tokens=48,
+        target_gen_len=24, target_batch_size=3, target_corpus_fraction=0.5,
+        draft_corpus_tokens=96, rollout_draft="not-a-loadable-draft", rollout_len=24,
+        draft_corpus_fraction=0.5, rollout_chat_fraction=0.5)
+    made = train_draft.train_draft(target, tmp_path / "cpu", cfg, corpus_files=files,
+                                   rollout_draft=draft, corpora_only=True, log=lambda _: None)
+    path = tmp_path / "cpu" / "draft_corpus.npz"
+    assert made["corpora"][str(path)]["train_tokens"] > 0
+    assert not (tmp_path / "cpu" / "train_state").exists()
+    with np.load(path) as data:
+        rollouts = data["train"]
+        info = json.loads(bytes(data["info"]).decode())
+    assert info["settings"]["chat_fraction"] == 0.5 and info["rows"] == 4
+    # Four documents (chat prompts hold the separator too): a prompt of the target corpus,
+    # then 24 ids of the draft's vocabulary, then the separator.
+    ends = [i for i in np.flatnonzero(rollouts == 2) if np.isin(rollouts[i - 24:i], vocab).all()]
+    assert len(ends) == 4 and ends[-1] == rollouts.size - 1
+    text = tokenizer.decode(rollouts.tolist())
+    assert text.count("def area_") + text.count("def scale_") == 4
+    assert text.count("<|im_start|>assistant") == 2  # half of the rows through the template
+
+    taken = []
+
+    def spy(*args):
+        taken.append(args[5:])
+        return mixed_windows(*args)
+
+    monkeypatch.setattr(loop, "mixed_windows", spy)
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    shutil.copy(path, gpu / "draft_corpus.npz")
+    messages = []
+    summary = train_draft.train_draft(target, gpu, cfg, corpus_files=files,
+                                      log=messages.append)
+    assert any(m.startswith("draft corpus: reusing") for m in messages), messages
+    assert summary["steps"] == 2 and 0 <= summary["heldout_draft_agreement"] <= 1
+    assert all(t[0] == 1 and t[2] == 1 for t in taken) and len(taken) == 2
+    log = [json.loads(line) for line in (gpu / "train_log.jsonl").read_text().splitlines()]
+    assert all(len(e["heldout_draft_agreement_depth"]) == 4 for e in log)
+    record = json.loads((gpu / "train_config.json").read_text())
+    assert record["draft_corpus_fraction"] == 0.5 and record["rollout_len"] == 24
+
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(path, other / "draft_corpus.npz")
+    with pytest.raises(InvalidArgumentError, match="temperature 1.0.*temperature 0.5"):
+        train_draft.train_draft(target, other, dataclasses.replace(cfg, rollout_temperature=0.5),
+                                corpus_files=files, log=lambda _: None)
