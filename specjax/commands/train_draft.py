@@ -45,6 +45,22 @@ a control run that still measures agreement on them). The generations are cached
 ``target_corpus.npz`` and reused by a rerun, or by another run whose ``OUT`` the file is
 copied into (so that runs compare on the same held-out generations).
 
+On-policy text (``--corpus-from-draft N --rollout-draft DRAFT``;
+:mod:`~specjax.training.draft_corpus`): the draft's own rollouts, as on-policy distillation
+trains a draft on what it writes (DistillSpec). The draft continues the prompts the
+target's text is drawn from (the same rows and seeds per row; ``--rollout-chat-fraction``
+of them through the chat template) for ``--rollout-len`` tokens at
+``--rollout-temperature``; a feature draft reads the target's features for the prompt, then
+its own states (``--rollout-depth D``: chains of D that the target reads before the next).
+Only the tokens are stored: each step's frozen target pass computes the target's
+distributions over them, as over any text. ``--draft-corpus-fraction`` of each batch's
+windows come from them (with ``--target-corpus-fraction``, at most 1 in all), and held-out
+rollouts give ``heldout_draft_agreement``. The rollouts are cached in ``draft_corpus.npz``;
+``--corpora-only`` writes the corpora and stops, so that they are made on one machine (a
+CPU) and copied into the ``OUT`` of a run on another (a GPU window, which then only
+trains): a run reuses the file it finds if it was made with the run's rollout settings,
+and refuses it otherwise.
+
 Feature drafts (``--feature-draft``; EAGLE-style, see
 :mod:`~specjax.training.feature_draft`): the draft reads the target's features as
 well as the tokens, and learns to predict the target's next feature (smooth L1) and,
@@ -90,6 +106,8 @@ Output directory ``OUT``::
                      a rerun with the same OUT resumes from the latest step
     corpus.npz       the tokenized corpus (train/held-out token streams), reused on resume
     target_corpus.npz  with --corpus-from-target: the target's generations (train/held-out)
+    draft_corpus.npz   with --corpus-from-draft: the draft's rollouts (train/held-out, and
+                     the settings they were made with)
     train_log.jsonl  one JSON object per logged step (loss, tokens/s, agreement)
     draft/           the final draft as a specjax (orbax) checkpoint with tokenizer
     draft-hf/        the same draft as a Hugging Face directory (with ``--export-hf``)
@@ -313,12 +331,15 @@ def main(args) -> int:
         target = api.load(args.target, progress=progress)
         choose_defaults(args, target.config, log)
         cfg = train_config(args)
+        rollout_draft = None
+        if cfg.draft_corpus_tokens and not (Path(args.out) / "draft_corpus.npz").exists():
+            rollout_draft = loading.resolve_draft(target, cfg.rollout_draft, progress=progress)
         on_interrupt.exit_at_once = False  # orbax's threads may be writing from here on
         summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
                               export_hf=args.export_hf, progress=progress, log=log,
                               time_budget=args.time_budget,
                               prior_target_corpora=args.prior_target_corpus or (),
-                              corpora_only=args.corpora_only)
+                              rollout_draft=rollout_draft, corpora_only=args.corpora_only)
         if args.asset and not args.corpora_only:
             summary.update(export_latest(target, args.out, args.asset,
                                          head_tokens=args.head_tokens, note=args.note))

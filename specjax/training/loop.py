@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specjax import interrupts, loading
+from specjax import interrupts
 from specjax import progress as progress_lib
 from specjax.checkpoints_tools.hf import save_hf_directory
 from specjax.checkpoints_tools.orbax_io import save_orbax
@@ -63,9 +63,9 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
       prior_target_corpora: ``target_corpus.npz`` files of earlier runs (text the target
         wrote, ``train`` and ``heldout`` streams): added to this run's target text
         (needs ``cfg.target_corpus_tokens``).
-      rollout_draft: with ``cfg.draft_corpus_tokens``, the draft (a :class:`specjax.Model`)
-        that writes the rollouts when ``out/draft_corpus.npz`` is not there yet; ``None``:
-        ``cfg.rollout_draft`` is loaded then (:func:`specjax.loading.resolve_draft`).
+      rollout_draft: with ``cfg.draft_corpus_tokens``, the draft (a :class:`specjax.Model`,
+        ``cfg.rollout_draft`` loaded) that writes the rollouts when
+        ``out/draft_corpus.npz`` is not there yet; ``None`` where it is.
       corpora_only: write the corpora into ``out`` and stop before training (the text is
         made on one machine, and the files copied into the folder of a run elsewhere).
     Returns:
@@ -213,7 +213,8 @@ def _draft_corpus(target: Any, out: Path, cfg: TrainConfig, corpus_files, rollou
         log(f"draft corpus: reusing {path} (written by {made.get('draft')})")
     else:
         if rollout_draft is None:
-            rollout_draft = loading.resolve_draft(target, cfg.rollout_draft)
+            raise InvalidArgumentError(f"{path} is not there: the rollouts need the draft "
+                                       f"{cfg.rollout_draft} (rollout_draft)")
         separator = (target.config.eos_token_ids or (0,))[0]
         train, held, info = draft_corpus.generate_draft_corpus(
             target, rollout_draft, _corpus_file_list(corpus_files), cfg, separator=separator,
@@ -288,12 +289,9 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
     draft_train, draft_held = _draft_corpus(target, out, cfg, corpus_files, rollout_draft,
                                             interrupt, log, progress)
     if corpora_only:
-        streams = {"corpus": (train, held), "target_corpus": (target_train, target_held),
-                   "draft_corpus": (draft_train, draft_held)}
-        return {"corpora": {str(out / f"{name}.npz"): {"train_tokens": int(pair[0].size),
-                                                       "heldout_tokens": int(pair[1].size)}
-                            for name, pair in streams.items() if pair[0] is not None},
-                "seconds": round(time.monotonic() - started, 1)}
+        return _corpora_summary(out, started, corpus=(train, held),
+                                target_corpus=(target_train, target_held),
+                                draft_corpus=(draft_train, draft_held))
 
     draft_config, trainable, frozen, optimizer, opt_state = _initial_state(
         target, out, cfg, target_train, log)
@@ -317,15 +315,7 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
         train_step, eval_step = make_steps(target.config, draft_config, cfg, optimizer)
         evaluate_all = _evaluator(eval_step, frozen, target_params, cfg, held, target_held,
                                   draft_held)
-        num_target = 0 if target_train is None else int(
-            round(cfg.target_corpus_fraction * cfg.batch_size))
-        num_draft = 0 if draft_train is None else int(
-            round(cfg.draft_corpus_fraction * cfg.batch_size))
-
-        def batch_windows(rng):
-            return mixed_windows(train, target_train, rng, cfg.batch_size, cfg.seq_len + 1,
-                                 num_target, draft_train, num_draft)
-
+        batch_windows = _batch_sampler(cfg, train, target_train, draft_train)
         log_file = stack.enter_context((out / "train_log.jsonl").open("a"))
         if start == 0:  # where the draft starts from
             entry = evaluate_all(trainable)
@@ -402,6 +392,31 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
     with interrupt.deferred():
         _export(out, draft_config, params, target.tokenizer, export_hf, summary, interrupt)
     return summary
+
+
+def _corpora_summary(out: Path, started: float, **streams) -> dict:
+    """A ``corpora_only`` run's summary: each corpus file's path and token counts (the
+    target's text with prior corpora added), and the seconds spent."""
+    return {"corpora": {str(out / f"{name}.npz"): {"train_tokens": int(pair[0].size),
+                                                   "heldout_tokens": int(pair[1].size)}
+                        for name, pair in streams.items() if pair[0] is not None},
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def _batch_sampler(cfg: TrainConfig, train, target_train, draft_train):
+    """``batch_windows(rng)``: a batch of windows, ``target_corpus_fraction`` of them from
+    the target's text and ``draft_corpus_fraction`` from the draft's rollouts when the run
+    has them (rounded), the rest from the file corpus."""
+    num_target = 0 if target_train is None else int(
+        round(cfg.target_corpus_fraction * cfg.batch_size))
+    num_draft = 0 if draft_train is None else int(
+        round(cfg.draft_corpus_fraction * cfg.batch_size))
+
+    def batch_windows(rng):
+        return mixed_windows(train, target_train, rng, cfg.batch_size, cfg.seq_len + 1,
+                             num_target, draft_train, num_draft)
+
+    return batch_windows
 
 
 def _initial_state(target: Any, out: Path, cfg: TrainConfig, target_train, log):
