@@ -15,7 +15,9 @@ Only the tokens are stored (``draft_corpus.npz``, int32 streams like
 ``target_corpus.npz``): training runs the frozen target over every window inside the
 jitted step (:mod:`~specjax.training.steps`, :mod:`~specjax.training.eagle3`), so the
 target's distributions at each position of a rollout are computed there, over the whole
-vocabulary, and need no file.
+vocabulary, and need no file. A new EAGLE-3 draft's vocabulary is chosen from the file
+corpus and the target's text (:func:`~specjax.training.drafts.draft_vocabulary`), not from
+the rollouts, which the writing draft drew from its own vocabulary.
 
 A standalone draft (no ``feature_input``) is sampled as it drafts, by
 :func:`~specjax.training.sample_corpus.sample_continuations`. A feature draft
