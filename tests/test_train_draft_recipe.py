@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specjax.commands import train_draft
@@ -256,6 +257,40 @@ def test_the_eagle3_recipe_adds_earlier_text_and_bounds_the_writing(tmp_path):
     (both,) = parsed_commands(dry_run(tmp_path, RECIPE="eagle3",
                                       E3_PRIOR_CORPUS=f"{corpus},{other}").stdout)
     assert both.prior_target_corpus == [str(corpus), str(other)]
+
+
+ROLLOUTS = ROOT / "benchmarks" / "results" / "cpu" / "onpolicy_2026-11-30"
+
+
+def test_the_eagle3_recipe_mixes_prepared_rollouts_when_asked(tmp_path):
+    """E3_ONPOLICY F: that share of each batch from the draft's rollouts made ahead
+    (E3_DRAFT_CORPUS, by default the committed shard, whose recorded settings the recipe's
+    defaults must be, or train-draft would refuse the file), 1 - F from the target's text;
+    off by default; a share out of (0, 1] or a missing file is one line."""
+    (plain,) = parsed_commands(dry_run(tmp_path, RECIPE="eagle3").stdout)
+    assert plain.corpus_from_draft is None and plain.target_corpus_fraction == 1
+    done = dry_run(tmp_path, RECIPE="eagle3", E3_ONPOLICY="0.25")
+    assert done.returncode == 0, done.stderr
+    (command,) = parsed_commands(done.stdout)
+    assert (command.draft_corpus_fraction, command.target_corpus_fraction) == (0.25, 0.75)
+    with np.load(ROLLOUTS / "draft_corpus.npz") as data:
+        made = json.loads(bytes(data["info"]).decode())["settings"]
+    given = {"draft": command.rollout_draft, "tokens": command.corpus_from_draft,
+             "temperature": command.rollout_temperature, "length": command.rollout_len,
+             "depth": command.rollout_depth, "chat_fraction": command.rollout_chat_fraction,
+             "seed": command.seed, "heldout_fraction": 0.02}
+    assert given == made
+    train_draft.TrainConfig(batch_size=command.batch_size, target_corpus_tokens=1,
+                            target_corpus_fraction=command.target_corpus_fraction,
+                            draft_corpus_tokens=1, rollout_draft=command.rollout_draft,
+                            draft_corpus_fraction=command.draft_corpus_fraction)
+    for share in ("1.5", "-0.1", "x"):
+        bad = dry_run(tmp_path, RECIPE="eagle3", E3_ONPOLICY=share)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+        assert "a share in (0, 1]" in bad.stderr
+    missing = dry_run(tmp_path, RECIPE="eagle3", E3_ONPOLICY="0.25",
+                      E3_DRAFT_CORPUS=str(tmp_path / "no.npz"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr
 
 
 def fake_python(tmp_path, calls):

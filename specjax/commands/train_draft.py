@@ -45,6 +45,22 @@ a control run that still measures agreement on them). The generations are cached
 ``target_corpus.npz`` and reused by a rerun, or by another run whose ``OUT`` the file is
 copied into (so that runs compare on the same held-out generations).
 
+On-policy text (``--corpus-from-draft N --rollout-draft DRAFT``;
+:mod:`~specjax.training.draft_corpus`): the draft's own rollouts, as on-policy distillation
+trains a draft on what it writes (DistillSpec). The draft continues the prompts the
+target's text is drawn from (the same rows and seeds per row; ``--rollout-chat-fraction``
+of them through the chat template) for ``--rollout-len`` tokens at
+``--rollout-temperature``; a feature draft reads the target's features for the prompt, then
+its own states (``--rollout-depth D``: chains of D that the target reads before the next).
+Only the tokens are stored: each step's frozen target pass computes the target's
+distributions over them, as over any text. ``--draft-corpus-fraction`` of each batch's
+windows come from them (with ``--target-corpus-fraction``, at most 1 in all), and held-out
+rollouts give ``heldout_draft_agreement``. The rollouts are cached in ``draft_corpus.npz``;
+``--corpora-only`` writes the corpora and stops, so that they are made on one machine (a
+CPU) and copied into the ``OUT`` of a run on another (a GPU window, which then only
+trains): a run reuses the file it finds if it was made with the run's rollout settings,
+and refuses it otherwise.
+
 Feature drafts (``--feature-draft``; EAGLE-style, see
 :mod:`~specjax.training.feature_draft`): the draft reads the target's features as
 well as the tokens, and learns to predict the target's next feature (smooth L1) and,
@@ -90,6 +106,8 @@ Output directory ``OUT``::
                      a rerun with the same OUT resumes from the latest step
     corpus.npz       the tokenized corpus (train/held-out token streams), reused on resume
     target_corpus.npz  with --corpus-from-target: the target's generations (train/held-out)
+    draft_corpus.npz   with --corpus-from-draft: the draft's rollouts (train/held-out, and
+                     the settings they were made with)
     train_log.jsonl  one JSON object per logged step (loss, tokens/s, agreement)
     draft/           the final draft as a specjax (orbax) checkpoint with tokenizer
     draft-hf/        the same draft as a Hugging Face directory (with ``--export-hf``)
@@ -104,9 +122,11 @@ from pathlib import Path
 
 from specjax import api
 from specjax import interrupts
+from specjax import loading
 from specjax.errors import InvalidArgumentError
 # The public names of draft training, importable from here as before the package split.
-from specjax.training.config import (COMPUTE_DTYPES, EAGLE3_FIELDS, FEATURE_FIELDS, LOSSES,
+from specjax.training.config import (COMPUTE_DTYPES, DRAFT_CORPUS_FIELDS, EAGLE3_FIELDS,
+                                     FEATURE_FIELDS, LOSSES, ROLLOUT_SHARED_FIELDS,
                                      TARGET_CORPUS_FIELDS, TrainConfig)
 from specjax.training.corpus import mixed_windows, sample_windows, stdlib_files, tokenize_corpus
 from specjax.training.drafts import (draft_from_target, draft_vocabulary, eagle3_asset_record,
@@ -210,6 +230,15 @@ def train_config(args) -> TrainConfig:
                        checkpoint_every=args.checkpoint_every,
                        max_corpus_tokens=args.max_corpus_tokens,
                        target_corpus_tokens=args.corpus_from_target or 0,
+                       draft_corpus_tokens=args.corpus_from_draft or 0,
+                       rollout_draft=args.rollout_draft,
+                       **{name: value for name, value in (
+                           ("draft_corpus_fraction", args.draft_corpus_fraction),
+                           ("rollout_temperature", args.rollout_temperature),
+                           ("rollout_len", args.rollout_len),
+                           ("rollout_depth", args.rollout_depth),
+                           ("rollout_chat_fraction", args.rollout_chat_fraction),
+                           ("rollout_seconds", args.rollout_seconds)) if value is not None},
                        **{name: value for name, value in (
                            ("target_corpus_fraction", args.target_corpus_fraction),
                            ("target_temperature", args.target_temperature),
@@ -263,7 +292,8 @@ def main(args) -> int:
         raise InvalidArgumentError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     if not args.corpus_from_target:
         given = [f"--{name.replace('_', '-')}" for name in TARGET_CORPUS_FIELDS[1:]
-                 if getattr(args, name) is not None]
+                 if getattr(args, name) is not None
+                 and not (args.corpus_from_draft and name in ROLLOUT_SHARED_FIELDS)]
         if args.target_gen_seconds is not None:
             given.append("--target-gen-seconds")
         if args.prior_target_corpus:
@@ -271,6 +301,17 @@ def main(args) -> int:
         if given:
             raise InvalidArgumentError(f"{', '.join(given)} only apply with "
                                        "--corpus-from-target N")
+    if not args.corpus_from_draft:
+        given = [f"--{name.replace('_', '-')}" for name in DRAFT_CORPUS_FIELDS[1:]
+                 if getattr(args, name) is not None]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} only apply with "
+                                       "--corpus-from-draft N")
+    else:
+        loading.check_draft_spec(args.rollout_draft)
+    if args.corpora_only and (args.asset or args.export_hf):
+        raise InvalidArgumentError("--corpora-only writes the corpora and stops: nothing to "
+                                   "export (--asset, --export-hf)")
     if args.head_tokens is not None and not args.asset:
         raise InvalidArgumentError("--head-tokens needs --asset DIR")
     check_corpus_paths(args.corpus)
@@ -290,12 +331,16 @@ def main(args) -> int:
         target = api.load(args.target, progress=progress)
         choose_defaults(args, target.config, log)
         cfg = train_config(args)
+        rollout_draft = None
+        if cfg.draft_corpus_tokens and not (Path(args.out) / "draft_corpus.npz").exists():
+            rollout_draft = loading.resolve_draft(target, cfg.rollout_draft, progress=progress)
         on_interrupt.exit_at_once = False  # orbax's threads may be writing from here on
         summary = train_draft(target, args.out, cfg, corpus_files=args.corpus or None,
                               export_hf=args.export_hf, progress=progress, log=log,
                               time_budget=args.time_budget,
-                              prior_target_corpora=args.prior_target_corpus or ())
-        if args.asset:
+                              prior_target_corpora=args.prior_target_corpus or (),
+                              rollout_draft=rollout_draft, corpora_only=args.corpora_only)
+        if args.asset and not args.corpora_only:
             summary.update(export_latest(target, args.out, args.asset,
                                          head_tokens=args.head_tokens, note=args.note))
             on_interrupt.finished()
@@ -452,7 +497,8 @@ def _add_self_distillation_arguments(p) -> None:
                    help="fraction of the generations written greedily, the rest at "
                         "--target-temperature (default: 0)")
     g.add_argument("--target-batch-size", type=int, default=None,
-                   help="generations run at once (default: 16)")
+                   help="generations run at once, the target's and the draft's rollouts "
+                        "(default: 16)")
     g.add_argument("--target-chat-fraction", type=float, default=None,
                    help="fraction of the prompts asked through the target's chat template "
                         "(a request to complete the function), so that chat users' text is "
@@ -463,3 +509,35 @@ def _add_self_distillation_arguments(p) -> None:
     g.add_argument("--prior-target-corpus", action="append", default=None, metavar="NPZ",
                    help="also train on the text of an earlier run's target_corpus.npz "
                         "(repeatable)")
+    o = p.add_argument_group(
+        "on-policy text", "train on the draft's own rollouts, the target's distributions "
+        "computed over them in each step (see specjax.training.draft_corpus)")
+    o.add_argument("--corpus-from-draft", type=int, default=None, metavar="N",
+                   help="the draft --rollout-draft writes N tokens after the prompts of "
+                        "--corpus-from-target (the same rows, seeds and chat share; cached in "
+                        "OUT/draft_corpus.npz) and they are mixed in")
+    o.add_argument("--rollout-draft", default=None, metavar="DRAFT",
+                   help="the draft that writes them: a shipped draft's name (e.g. "
+                        "smollm2-135m-draft) or a draft asset folder")
+    o.add_argument("--draft-corpus-fraction", type=float, default=None,
+                   help="fraction of each batch's windows taken from the rollouts (default: "
+                        "0.25; with --target-corpus-fraction at most 1 in all)")
+    o.add_argument("--rollout-temperature", type=float, default=None,
+                   help="the draft's sampling temperature (default: 1.0; 0: greedy)")
+    o.add_argument("--rollout-len", type=int, default=None,
+                   help="tokens the draft writes per prompt (default: 256)")
+    o.add_argument("--rollout-depth", type=int, default=None, metavar="D",
+                   help="a feature draft writes chains of D tokens, the target reading each "
+                        "chain before the next, as decoding with every proposal accepted "
+                        "(default: 0, one chain: the draft on its own states after the "
+                        "prompt)")
+    o.add_argument("--rollout-chat-fraction", type=float, default=None,
+                   help="fraction of the prompts asked through the target's chat template, "
+                        "spread over the rows as --target-chat-fraction is (default: 0)")
+    o.add_argument("--rollout-seconds", type=float, default=None, metavar="SECONDS",
+                   help="stop writing rollouts after this many seconds (rows not begun are "
+                        "left out; the held-out rows are written first)")
+    o.add_argument("--corpora-only", action="store_true",
+                   help="write OUT's corpora (corpus.npz, target_corpus.npz, "
+                        "draft_corpus.npz) and stop before training: make the text on one "
+                        "machine, copy the files into another run's OUT, train there")

@@ -43,6 +43,16 @@ class TrainConfig:
     target_batch_size: int = 16
     target_greedy_fraction: float = 0.0  # recorded only when set
     target_chat_fraction: float = 0.0  # recorded only when set
+    # On-policy text, the draft's rollouts (specjax/training/draft_corpus.py); recorded in
+    # train_config.json only when used.
+    draft_corpus_tokens: int = 0
+    draft_corpus_fraction: float = 0.25
+    rollout_draft: str | None = None  # the draft that writes them (a name or a path)
+    rollout_temperature: float = 1.0
+    rollout_len: int = 256
+    rollout_depth: int = 0
+    rollout_chat_fraction: float = 0.0  # of the prompts, as target_chat_fraction
+    rollout_seconds: float | None = None  # no training row begun after this; recorded if set
     init_draft: str | None = None
     add_layers: tuple[int, ...] = ()
     # Feature drafts (specjax/commands/train_draft.py's docstring); recorded in
@@ -104,6 +114,7 @@ class TrainConfig:
         if self.target_corpus_tokens < 0:
             raise InvalidArgumentError(
                 f"target_corpus_tokens must be >= 0, got {self.target_corpus_tokens}")
+        self._check_draft_corpus()
         if self.feature_draft:
             if self.loss != "kl":
                 raise InvalidArgumentError(f"a feature draft trains on the target's "
@@ -127,6 +138,11 @@ class TrainConfig:
                     not self.feature_layers or any(int(i) < 0 for i in self.feature_layers)):
                 raise InvalidArgumentError(f"feature_layers must be target block indices "
                                            f">= 0, got {self.feature_layers!r}")
+        if self.target_corpus_tokens or self.draft_corpus_tokens:
+            # The rollouts are written as many rows at once as the target's text.
+            if self.target_batch_size < 1:
+                raise InvalidArgumentError(
+                    f"target_batch_size must be >= 1, got {self.target_batch_size}")
         if self.target_corpus_tokens:
             if not 0 <= self.target_corpus_fraction <= 1:
                 raise InvalidArgumentError("target_corpus_fraction must be in [0, 1], got "
@@ -138,9 +154,44 @@ class TrainConfig:
             if not (self.target_temperature >= 0 and np.isfinite(self.target_temperature)):
                 raise InvalidArgumentError("target_temperature must be a finite number >= 0, "
                                            f"got {self.target_temperature}")
-            for name in ("target_gen_len", "target_batch_size"):
+            for name in ("target_gen_len",):
                 if getattr(self, name) < 1:
                     raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def _check_draft_corpus(self) -> None:
+        """Refuses on-policy settings out of range (``--corpus-from-draft``)."""
+        if self.draft_corpus_tokens < 0:
+            raise InvalidArgumentError(
+                f"draft_corpus_tokens must be >= 0, got {self.draft_corpus_tokens}")
+        if not self.draft_corpus_tokens:
+            return
+        if not self.rollout_draft:
+            raise InvalidArgumentError("--corpus-from-draft N needs the draft that writes "
+                                       "the rollouts: --rollout-draft DRAFT (a shipped "
+                                       "draft's name or a draft asset folder)")
+        if not 0 <= self.draft_corpus_fraction <= 1:
+            raise InvalidArgumentError("draft_corpus_fraction must be in [0, 1], got "
+                                       f"{self.draft_corpus_fraction}")
+        taken = (round(self.target_corpus_fraction * self.batch_size
+                       * bool(self.target_corpus_tokens))
+                 + round(self.draft_corpus_fraction * self.batch_size))
+        if taken > self.batch_size:
+            raise InvalidArgumentError(
+                f"target_corpus_fraction {self.target_corpus_fraction} and "
+                f"draft_corpus_fraction {self.draft_corpus_fraction} take {taken} of a "
+                f"batch's {self.batch_size} windows: their sum must be at most 1")
+        if not (self.rollout_temperature >= 0 and np.isfinite(self.rollout_temperature)):
+            raise InvalidArgumentError("rollout_temperature must be a finite number >= 0, "
+                                       f"got {self.rollout_temperature}")
+        if not 0 <= self.rollout_chat_fraction <= 1:
+            raise InvalidArgumentError("rollout_chat_fraction must be in [0, 1], got "
+                                       f"{self.rollout_chat_fraction}")
+        if self.rollout_len < 1:
+            raise InvalidArgumentError(f"rollout_len must be >= 1, got {self.rollout_len}")
+        if self.rollout_depth < 0:
+            raise InvalidArgumentError(f"rollout_depth must be >= 0, got {self.rollout_depth}")
+        if self.rollout_seconds is not None and not self.rollout_seconds > 0:
+            raise InvalidArgumentError(f"rollout_seconds must be > 0, got {self.rollout_seconds}")
 
     def record(self) -> dict:
         """The settings as stored in ``train_config.json``: fields of features not used
@@ -148,11 +199,18 @@ class TrainConfig:
         record = dataclasses.asdict(self)
         if not self.target_corpus_tokens:
             for name in TARGET_CORPUS_FIELDS:
-                record.pop(name)
+                # The rollouts' prompts and batches are the target corpus's settings.
+                if not (self.draft_corpus_tokens and name in ROLLOUT_SHARED_FIELDS):
+                    record.pop(name)
         else:
             for name in ("target_greedy_fraction", "target_chat_fraction"):
                 if not getattr(self, name):
                     record.pop(name)
+        if not self.draft_corpus_tokens:
+            for name in DRAFT_CORPUS_FIELDS:
+                record.pop(name)
+        elif self.rollout_seconds is None:
+            record.pop("rollout_seconds")
         if self.init_draft is None:
             record.pop("init_draft")
         if not self.add_layers:
@@ -183,3 +241,9 @@ EAGLE3_FIELDS = ("eagle3", "feature_layers", "draft_vocab", "unroll", "unroll_de
 TARGET_CORPUS_FIELDS = ("target_corpus_tokens", "target_corpus_fraction",
                          "target_temperature", "target_gen_len", "target_batch_size",
                          "target_greedy_fraction", "target_chat_fraction")
+DRAFT_CORPUS_FIELDS = ("draft_corpus_tokens", "draft_corpus_fraction", "rollout_draft",
+                       "rollout_temperature", "rollout_len", "rollout_depth",
+                       "rollout_chat_fraction",
+                       "rollout_seconds")
+# The target corpus's settings that the draft's rollouts use too (without it as well).
+ROLLOUT_SHARED_FIELDS = ("target_batch_size",)

@@ -163,12 +163,19 @@ def sample_windows(stream: np.ndarray, rng: np.random.Generator, batch: int,
 
 def mixed_windows(stream: np.ndarray, target_stream: np.ndarray | None,
                   rng: np.random.Generator, batch: int, length: int,
-                  num_target: int) -> np.ndarray:
-    """A batch of ``batch`` windows: the last ``num_target`` from ``target_stream`` (the
-    target's generations), the others from ``stream`` (the file corpus)."""
+                  num_target: int, draft_stream: np.ndarray | None = None,
+                  num_draft: int = 0) -> np.ndarray:
+    """A batch of ``batch`` windows: ``num_target`` from ``target_stream`` (the target's
+    generations), then the last ``num_draft`` from ``draft_stream`` (the draft's rollouts),
+    the first ones from ``stream`` (the file corpus)."""
+    if num_target + num_draft > batch:
+        raise InvalidArgumentError(f"{num_target} + {num_draft} windows of generated text "
+                                   f"exceed a batch of {batch}")
     parts = []
-    if num_target < batch:
-        parts.append(sample_windows(stream, rng, batch - num_target, length))
+    if num_target + num_draft < batch:
+        parts.append(sample_windows(stream, rng, batch - num_target - num_draft, length))
     if num_target:
         parts.append(sample_windows(target_stream, rng, num_target, length))
+    if num_draft:
+        parts.append(sample_windows(draft_stream, rng, num_draft, length))
     return np.concatenate(parts)

@@ -21,7 +21,7 @@ from specjax.checkpoints_tools.hf import save_hf_directory
 from specjax.checkpoints_tools.orbax_io import save_orbax
 from specjax.errors import InvalidArgumentError
 from specjax.models import cast_floats
-from specjax.training import target_corpus
+from specjax.training import draft_corpus, target_corpus
 from specjax.training.config import TrainConfig
 from specjax.training.corpus import (is_token_file, mixed_windows, sample_windows, stdlib_files,
                                      tokenize_corpus)
@@ -40,7 +40,8 @@ def _clock_fraction(began: float, deadline: float | None) -> float:
 def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
                 corpus_files: Sequence[Path] | None = None, export_hf: bool = False,
                 progress: bool = False, log=print, time_budget: float | None = None,
-                prior_target_corpora: Sequence[str | os.PathLike] = ()) -> dict:
+                prior_target_corpora: Sequence[str | os.PathLike] = (),
+                rollout_draft: Any = None, corpora_only: bool = False) -> dict:
     """Trains (or resumes training) a draft for ``target`` into ``out``.
 
     Args:
@@ -62,9 +63,15 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
       prior_target_corpora: ``target_corpus.npz`` files of earlier runs (text the target
         wrote, ``train`` and ``heldout`` streams): added to this run's target text
         (needs ``cfg.target_corpus_tokens``).
+      rollout_draft: with ``cfg.draft_corpus_tokens``, the draft (a :class:`specjax.Model`,
+        ``cfg.rollout_draft`` loaded) that writes the rollouts when
+        ``out/draft_corpus.npz`` is not there yet; ``None`` where it is.
+      corpora_only: write the corpora into ``out`` and stop before training (the text is
+        made on one machine, and the files copied into the folder of a run elsewhere).
     Returns:
       A summary dict (steps done, final held-out agreement, seconds, paths;
-      ``stopped_by_time_budget`` when the budget ended it).
+      ``stopped_by_time_budget`` when the budget ended it; with ``corpora_only``, the
+      corpus files' paths and token counts).
     Raises:
       KeyboardInterrupt: Ctrl-C. The run stops at once, except that a checkpoint or file
         being written is finished first; nothing half-written is left, ``draft`` (and
@@ -75,7 +82,8 @@ def train_draft(target: Any, out: str | os.PathLike, cfg: TrainConfig, *,
     try:
         with interrupts.guard() as interrupt:
             return _train(target, out, cfg, corpus_files, export_hf, progress, log,
-                          interrupt, time_budget, tuple(prior_target_corpora))
+                          interrupt, time_budget, tuple(prior_target_corpora), rollout_draft,
+                          corpora_only)
     except Exception:
         if created and not _has_checkpoint(folder):
             # Nothing worth resuming: a rerun with corrected settings must not find a
@@ -167,6 +175,58 @@ def _start_run(target: Any, out: str | os.PathLike, cfg: TrainConfig, export_hf:
     return out
 
 
+def _corpus_file_list(corpus_files) -> list[Path]:
+    """The file corpus: ``corpus_files``, or the standard library's sources."""
+    files = stdlib_files() if corpus_files is None else [Path(f) for f in corpus_files]
+    for f in files:
+        if not f.is_file():
+            raise InvalidArgumentError(f"corpus file {f} does not exist")
+    return files
+
+
+def _draft_corpus(target: Any, out: Path, cfg: TrainConfig, corpus_files, rollout_draft,
+                  interrupt: interrupts.Interrupt, log, progress: bool):
+    """(train, held-out) streams of the draft's rollouts (``cfg.draft_corpus_tokens``),
+    written once into ``out/draft_corpus.npz`` (a file made elsewhere, e.g. on a CPU ahead
+    of a GPU window, is reused if it was made with the run's settings); ``(None, None)``
+    without them."""
+    if not cfg.draft_corpus_tokens:
+        return None, None
+    path = out / "draft_corpus.npz"
+    wanted = draft_corpus.rollout_settings(cfg)
+    if path.exists():
+        with np.load(path) as data:
+            train, held = data["train"], data["heldout"]
+            info = json.loads(bytes(data["info"]).decode()) if "info" in data else {}
+        made = info.get("settings", {})
+        differ = sorted(k for k in wanted if k != "draft" and made.get(k) != wanted[k])
+        if differ:
+            theirs = ", ".join(f"{k} {made.get(k)!r}" for k in differ)
+            ours = ", ".join(f"{k} {wanted[k]!r}" for k in differ)
+            raise InvalidArgumentError(f"{path} was made with other settings ({theirs}; this "
+                                       f"run: {ours}): give those flags or a new directory")
+        for stream in (train, held):
+            if stream.ndim != 1 or stream.size == 0 or stream.min() < 0 \
+                    or stream.max() >= target.config.vocab_size:
+                raise InvalidArgumentError(f"{path} holds ids outside the target's vocabulary "
+                                           f"of {target.config.vocab_size}")
+        log(f"draft corpus: reusing {path} (written by {made.get('draft')})")
+    else:
+        if rollout_draft is None:
+            raise InvalidArgumentError(f"{path} is not there: the rollouts need the draft "
+                                       f"{cfg.rollout_draft} (rollout_draft)")
+        separator = (target.config.eos_token_ids or (0,))[0]
+        train, held, info = draft_corpus.generate_draft_corpus(
+            target, rollout_draft, _corpus_file_list(corpus_files), cfg, separator=separator,
+            log=log, progress=progress)
+        _save_npz(path, interrupt, train=train, heldout=held,
+                  info=np.frombuffer(json.dumps(info).encode(), np.uint8))
+        log(f"draft corpus: {info['seconds']} s, {info['generated_tokens_per_s']} "
+            "generated tokens/s")
+    log(f"draft corpus: {train.size} training tokens, {held.size} held-out tokens")
+    return train.astype(np.int32), held.astype(np.int32)
+
+
 def _corpora(target: Any, out: Path, cfg: TrainConfig, corpus_files, prior_target_corpora,
              interrupt: interrupts.Interrupt, log, progress: bool):
     """(train, held-out, target train, target held-out) streams of a run: the file corpus
@@ -175,11 +235,7 @@ def _corpora(target: Any, out: Path, cfg: TrainConfig, corpus_files, prior_targe
     ``None`` for the target's streams otherwise."""
 
     def corpus_file_list() -> list[Path]:
-        files = stdlib_files() if corpus_files is None else [Path(f) for f in corpus_files]
-        for f in files:
-            if not f.is_file():
-                raise InvalidArgumentError(f"corpus file {f} does not exist")
-        return files
+        return _corpus_file_list(corpus_files)
 
     separator = (target.config.eos_token_ids or (0,))[0]
     corpus_path = out / "corpus.npz"
@@ -220,7 +276,8 @@ def _corpora(target: Any, out: Path, cfg: TrainConfig, corpus_files, prior_targe
 def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
            corpus_files: Sequence[Path] | None, export_hf: bool, progress: bool, log,
            interrupt: interrupts.Interrupt, time_budget: float | None = None,
-           prior_target_corpora: tuple = ()) -> dict:
+           prior_target_corpora: tuple = (), rollout_draft: Any = None,
+           corpora_only: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -229,6 +286,12 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
     out = _start_run(target, out, cfg, export_hf, prior_target_corpora, corpus_files)
     train, held, target_train, target_held = _corpora(
         target, out, cfg, corpus_files, prior_target_corpora, interrupt, log, progress)
+    draft_train, draft_held = _draft_corpus(target, out, cfg, corpus_files, rollout_draft,
+                                            interrupt, log, progress)
+    if corpora_only:
+        return _corpora_summary(out, started, corpus=(train, held),
+                                target_corpus=(target_train, target_held),
+                                draft_corpus=(draft_train, draft_held))
 
     draft_config, trainable, frozen, optimizer, opt_state = _initial_state(
         target, out, cfg, target_train, log)
@@ -250,14 +313,9 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
             log(f"resumed from step {start}")
 
         train_step, eval_step = make_steps(target.config, draft_config, cfg, optimizer)
-        evaluate_all = _evaluator(eval_step, frozen, target_params, cfg, held, target_held)
-        num_target = 0 if target_train is None else int(
-            round(cfg.target_corpus_fraction * cfg.batch_size))
-
-        def batch_windows(rng):
-            return mixed_windows(train, target_train, rng, cfg.batch_size, cfg.seq_len + 1,
-                                 num_target)
-
+        evaluate_all = _evaluator(eval_step, frozen, target_params, cfg, held, target_held,
+                                  draft_held)
+        batch_windows = _batch_sampler(cfg, train, target_train, draft_train)
         log_file = stack.enter_context((out / "train_log.jsonl").open("a"))
         if start == 0:  # where the draft starts from
             entry = evaluate_all(trainable)
@@ -324,6 +382,8 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
                "seconds": time.perf_counter() - began, "draft": str(out / "draft")}
     if target_held is not None:
         summary["heldout_target_agreement"] = target_agreement
+    if draft_held is not None:
+        summary["heldout_draft_agreement"] = scores.get("heldout_draft_agreement")
     if out_of_time:
         summary["stopped_by_time_budget"] = True
     if export_hf:
@@ -332,6 +392,31 @@ def _train(target: Any, out: str | os.PathLike, cfg: TrainConfig,
     with interrupt.deferred():
         _export(out, draft_config, params, target.tokenizer, export_hf, summary, interrupt)
     return summary
+
+
+def _corpora_summary(out: Path, started: float, **streams) -> dict:
+    """A ``corpora_only`` run's summary: each corpus file's path and token counts (the
+    target's text with prior corpora added), and the seconds spent."""
+    return {"corpora": {str(out / f"{name}.npz"): {"train_tokens": int(pair[0].size),
+                                                   "heldout_tokens": int(pair[1].size)}
+                        for name, pair in streams.items() if pair[0] is not None},
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def _batch_sampler(cfg: TrainConfig, train, target_train, draft_train):
+    """``batch_windows(rng)``: a batch of windows, ``target_corpus_fraction`` of them from
+    the target's text and ``draft_corpus_fraction`` from the draft's rollouts when the run
+    has them (rounded), the rest from the file corpus."""
+    num_target = 0 if target_train is None else int(
+        round(cfg.target_corpus_fraction * cfg.batch_size))
+    num_draft = 0 if draft_train is None else int(
+        round(cfg.draft_corpus_fraction * cfg.batch_size))
+
+    def batch_windows(rng):
+        return mixed_windows(train, target_train, rng, cfg.batch_size, cfg.seq_len + 1,
+                             num_target, draft_train, num_draft)
+
+    return batch_windows
 
 
 def _initial_state(target: Any, out: Path, cfg: TrainConfig, target_train, log):
@@ -348,10 +433,12 @@ def _initial_state(target: Any, out: Path, cfg: TrainConfig, target_train, log):
     return draft_config, trainable, jax.device_put(frozen), optimizer, optimizer.init(trainable)
 
 
-def _evaluator(eval_step, frozen, target_params, cfg: TrainConfig, held, target_held):
+def _evaluator(eval_step, frozen, target_params, cfg: TrainConfig, held, target_held,
+               draft_held=None):
     """``evaluate(params) -> entry``: agreement and KL (per depth for EAGLE-3 drafts) on
-    fixed held-out windows of the file corpus (``heldout_*``) and of the target's own text
-    (``heldout_target_*``, when there is one)."""
+    fixed held-out windows of the file corpus (``heldout_*``), of the target's own text
+    (``heldout_target_*``) and of the draft's rollouts (``heldout_draft_*``), when there
+    are those."""
     import jax.numpy as jnp
 
     rng = np.random.default_rng(cfg.seed + 1)
@@ -359,6 +446,9 @@ def _evaluator(eval_step, frozen, target_params, cfg: TrainConfig, held, target_
     if target_held is not None:
         windows["heldout_target"] = sample_windows(target_held, rng, cfg.eval_windows,
                                                    cfg.seq_len + 1)
+    if draft_held is not None:
+        windows["heldout_draft"] = sample_windows(draft_held, rng, cfg.eval_windows,
+                                                  cfg.seq_len + 1)
 
     def evaluate(params) -> dict:
         entry = {}
@@ -375,6 +465,8 @@ def _describe(entry: dict) -> str:
     text = f"held-out top-1 agreement {entry['heldout_agreement']:.3f}"
     if "heldout_target_agreement" in entry:
         text += f" (on target generations {entry['heldout_target_agreement']:.3f})"
+    if "heldout_draft_agreement" in entry:
+        text += f" (on the draft's rollouts {entry['heldout_draft_agreement']:.3f})"
     if "heldout_target_agreement_depth" in entry:
         text += f", per depth {entry['heldout_target_agreement_depth']}"
     return text

@@ -38,33 +38,29 @@ def _encode_row(target, prompt: str, chat: bool) -> list[int]:
     return encode_prompt(target, CHAT_REQUEST.format(prompt=prompt), chat=True)
 
 
-def _generation_rows(target, params, prompts: list[str], rows: int, cfg: "TrainConfig",
-                     seed: int, separator: int, progress,
-                     deadline: float | None = None) -> np.ndarray:
+def _generation_rows(target, prompts: list[str], rows: int, cfg: "TrainConfig",
+                     seed: int, separator: int, progress, deadline: float | None = None, *,
+                     write, greedy_share: float = 0.0, chat_share: float = 0.0) -> np.ndarray:
     """Up to ``rows`` documents (prompt + generation + separator), joined as one int32
-    stream, written in chunks of ``cfg.target_batch_size`` rows: a share
-    ``target_greedy_fraction`` of the chunks greedily, spread evenly so that a run cut
-    short keeps that share, the others at ``target_temperature``; a share
-    ``target_chat_fraction`` of the rows, spread evenly too, asks through the chat template
+    stream, written in chunks of ``cfg.target_batch_size`` rows by
+    ``write(prompts, greedy, seed, first_row)`` (int32 [rows, L], cut at a stop token): a
+    share ``greedy_share`` of the chunks greedily, spread evenly so that a run cut short
+    keeps that share, the others at the writer's temperature; a share
+    ``chat_share`` of the rows, spread evenly too, asks through the chat template
     (:func:`_encode_row`). Row ``i`` samples with ``row_seed(seed, i)`` whatever its chunk.
     No chunk begins after ``deadline`` (``time.monotonic()``), except the first."""
     order = np.random.default_rng(seed).permutation(len(prompts))
     texts = [prompts[order[i % len(prompts)]] for i in range(rows)]  # cycled: seeds differ
-    size, share = cfg.target_batch_size, cfg.target_greedy_fraction
+    size = cfg.target_batch_size
     encoded, parts = [], []
     for chunk, begin in enumerate(range(0, rows, size)):
         if chunk and deadline is not None and time.monotonic() >= deadline:
             break
         # Encoded chunk by chunk: rows a deadline leaves out are never tokenized.
-        encoded += [_encode_row(target, texts[i], _spread(i, cfg.target_chat_fraction))
+        encoded += [_encode_row(target, texts[i], _spread(i, chat_share))
                     for i in range(begin, min(begin + size, rows))]
-        greedy = _spread(chunk, share)
-        parts.append(sample_corpus.sample_continuations(
-            params, target.config, encoded[begin:begin + size],
-            num_new_tokens=cfg.target_gen_len,
-            temperature=0.0 if greedy else cfg.target_temperature, seed=seed,
-            first_row=begin, batch_size=size,
-            stop_tokens=tuple(target.config.eos_token_ids) or (separator,)))
+        parts.append(write(encoded[begin:begin + size], _spread(chunk, greedy_share), seed,
+                           begin))
         progress(begin + len(parts[-1]))
     generated = np.concatenate(parts)
     documents = []
@@ -94,6 +90,47 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
     Raises:
       InvalidArgumentError: the files hold no function with a docstring in either split.
     """
+    params = cast_floats(target.params, cfg.compute_dtype)
+
+    def write(prompts, greedy, seed, first_row):
+        return sample_corpus.sample_continuations(
+            params, target.config, prompts, num_new_tokens=cfg.target_gen_len,
+            temperature=0.0 if greedy else cfg.target_temperature, seed=seed,
+            first_row=first_row, batch_size=cfg.target_batch_size,
+            stop_tokens=tuple(target.config.eos_token_ids) or (separator,))
+
+    return write_documents(
+        target, files, cfg, tokens=cfg.target_corpus_tokens, row_length=cfg.target_gen_len,
+        write=write, greedy_share=cfg.target_greedy_fraction,
+        chat_share=cfg.target_chat_fraction, separator=separator, log=log,
+        progress=progress, name="target corpus", flag="--corpus-from-target",
+        seconds=cfg.target_gen_seconds,
+        how=(f"at temperature {cfg.target_temperature} ({cfg.target_greedy_fraction:g} of "
+             f"them greedy, {cfg.target_chat_fraction:g} through the chat template)"))
+
+
+def write_documents(target, files: Sequence[Path], cfg: "TrainConfig", *, tokens: int,
+                    row_length: int, write, greedy_share: float, chat_share: float,
+                    separator: int, log,
+                    progress: bool, name: str, flag: str, how: str,
+                    seconds: float | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(train, held-out) streams of documents that ``write`` continues from the docstring
+    prompts of ``files`` (:func:`generate_target_corpus`; the draft's rollouts of
+    :mod:`~specjax.training.draft_corpus` draw the same prompts, row for row), and a
+    description.
+
+    Args:
+      tokens: positions written for training, in rows of ``row_length``; held-out rows
+        come first, ``heldout_fraction`` as many (at least ``eval_windows`` windows), from
+        held-out files' prompts with seed ``cfg.seed + 1_000_003``.
+      write: ``write(prompts, greedy, seed, first_row)`` -> int32 [rows, row_length].
+      greedy_share: the share of chunks written greedily.
+      chat_share: the share of rows asked through the chat template.
+      name, flag, how: for the log line and the error.
+      seconds: no training chunk begins this long after the start (None: no limit).
+    Raises:
+      InvalidArgumentError: the files hold no function with a docstring in either split.
+    """
     exclude = sample_corpus.humaneval_entry_points()
     train_files = [f for f in files if not is_heldout(f, cfg.heldout_fraction)]
     held_files = [f for f in files if is_heldout(f, cfg.heldout_fraction)]
@@ -101,15 +138,14 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
     held_prompts = sample_corpus.docstring_prompts(held_files, exclude_names=exclude)
     if not train_prompts or not held_prompts:
         raise InvalidArgumentError(
-            "--corpus-from-target needs functions with docstrings (the prompts) in both the "
+            f"{flag} needs functions with docstrings (the prompts) in both the "
             f"training and held-out files; found {len(train_prompts)} and {len(held_prompts)}")
-    rows = -(-cfg.target_corpus_tokens // cfg.target_gen_len)
-    window_rows = -(-cfg.eval_windows * (cfg.seq_len + 1) // cfg.target_gen_len)
+    rows = -(-tokens // row_length)
+    window_rows = -(-cfg.eval_windows * (cfg.seq_len + 1) // row_length)
     held_rows = max(int(np.ceil(rows * cfg.heldout_fraction)), window_rows, 1)
     bar = None
     if progress:
-        bar = progress_lib.terminal_bar(total=rows + held_rows, desc="target corpus",
-                                        unit="row")
+        bar = progress_lib.terminal_bar(total=rows + held_rows, desc=name, unit="row")
     done = [0]
 
     def advance(count, offset):
@@ -117,21 +153,18 @@ def generate_target_corpus(target, files: Sequence[Path], cfg: "TrainConfig", *,
             bar.update(offset + count - done[0])
             done[0] = offset + count
 
-    log(f"target corpus: generating {rows} + {held_rows} held-out rows of "
-        f"{cfg.target_gen_len} tokens at temperature {cfg.target_temperature} "
-        f"({cfg.target_greedy_fraction:g} of them greedy, {cfg.target_chat_fraction:g} "
-        "through the chat template) from "
-        f"{len(train_prompts)} + {len(held_prompts)} docstring prompts")
+    log(f"{name}: generating {rows} + {held_rows} held-out rows of {row_length} tokens "
+        f"{how} from {len(train_prompts)} + {len(held_prompts)} docstring prompts")
     began = time.perf_counter()
-    params = cast_floats(target.params, cfg.compute_dtype)
-    # The held-out rows first: a deadline (target_gen_seconds) cuts the training rows only.
-    deadline = (None if cfg.target_gen_seconds is None
-                else time.monotonic() + cfg.target_gen_seconds)
+    # The held-out rows first: a deadline cuts the training rows only.
+    deadline = None if seconds is None else time.monotonic() + seconds
     try:
-        held = _generation_rows(target, params, held_prompts, held_rows, cfg,
-                                cfg.seed + 1_000_003, separator, lambda n: advance(n, rows))
-        train = _generation_rows(target, params, train_prompts, rows, cfg, cfg.seed,
-                                 separator, lambda n: advance(n, 0), deadline)
+        held = _generation_rows(target, held_prompts, held_rows, cfg, cfg.seed + 1_000_003,
+                                separator, lambda n: advance(n, rows), write=write,
+                                greedy_share=greedy_share, chat_share=chat_share)
+        train = _generation_rows(target, train_prompts, rows, cfg, cfg.seed, separator,
+                                 lambda n: advance(n, 0), deadline, write=write,
+                                 greedy_share=greedy_share, chat_share=chat_share)
     finally:
         if bar is not None:
             bar.close()
