@@ -150,3 +150,13 @@ def test_the_tier_check_catches_a_test_no_tier_runs():
     assert tiers_running("tests/test_cli.py", case_marks(compiled_for_tpu)) == []
     assert tiers_running(TPU_FILES[0], case_marks(compiled_for_tpu)) == ["test-tpu-slow"]
     assert tiers_running("tests/test_cli.py", case_marks(half_slow)) == ["test", "test-slow"]
+
+
+# The docs a user reads first stay short; the dated log of results lives in docs/results.md.
+LINE_LIMITS = {"README.md": 250, "benchmarks/README.md": 600}
+
+
+@pytest.mark.parametrize("document", sorted(LINE_LIMITS))
+def test_the_first_docs_stay_short(document):
+    lines = (ROOT / document).read_text().count("\n")
+    assert lines <= LINE_LIMITS[document], f"{document}: {lines} lines"
