@@ -103,7 +103,7 @@ def test_ordered_attention_records_a_refused_capacity_but_not_a_drafting_call():
         return _traced(lambda *a: kernels.ordered_attention(*a), q, new, new, cache, cache,
                        length, mask, scratch_mask)
 
-    block = kernels.GpuOrderedBlockSizes().block_kv
+    block = kernels.GpuOrderedBlockSizes().resolve(dim)
     assert attend(4 * block) == set()
     (reason,) = attend(4 * block + 8)
     assert reason.startswith("ordered_attention: ") and f"{4 * block + 8}" in reason
