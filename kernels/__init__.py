@@ -387,8 +387,8 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
     ``D ** -0.5``), which the ordered kernels apply to each score; for
     :func:`verify_attention`'s kernel the queries are scaled by ``scale * D ** 0.5`` first;
     ``softcap`` and ``first_visible`` (a sliding window) as :func:`verify_attention` takes
-    them, with ``mask`` the chains' mask without the window (the GPU kernel masks by
-    position; the TPU kernel refuses them in one line).
+    them, with ``mask`` the chains' mask without the window (both kernels mask by
+    position).
     """
     extras = {name: value for name, value in (("softcap", softcap),
                                               ("first_visible", first_visible))
@@ -411,7 +411,7 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
     if scratch_mask is not None and scratch_mask.shape[1] > 0:
         return unordered()  # a drafting call
     try:
-        module.check_supported(*args[:5], mask, scratch_mask)
+        module.check_supported(*args[:5], mask, scratch_mask, **extras)
     except InvalidArgumentError as error:
         fallbacks.record("ordered_attention", f"{error}; verify_attention's kernel ran (not "
                          f"position-ordered: a verify pass may differ from the one-token "

@@ -300,9 +300,8 @@ def plain_layers_only(config: ModelConfig) -> str | None:
     norms (``sandwich_norms``), LayerNorm (with or without biases) and Gemma's ``1 + w``
     RMSNorm; GELU (tanh or erf; gated, or of a two-matrix MLP's up projection) in the
     projection kernels' epilogue; attention soft-capping and sliding windows (and the
-    sliding layers' own RoPE) in the GPU ordered attention kernels (per score, and a mask
-    by absolute position; the TPU ordered kernel refuses them in one line). The features
-    listed here are refused."""
+    sliding layers' own RoPE) in the ordered attention kernels (per score, and a mask
+    by absolute position). The features listed here are refused."""
     features = ["mixture-of-experts MLPs"] if config.num_experts > 0 else []
     return ", ".join(features) or None
 
