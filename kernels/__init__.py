@@ -235,7 +235,8 @@ def verify_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_ma
               if value is not None}
 
     def run_fallback(why: str):
-        fallbacks.record("verify_attention", f"{why}; attention='auto' ran the jnp attention")
+        fallbacks.record("verify_attention", f"{why}; attention='auto' ran the jnp attention",
+                         row_independent=False)
         return fallback(*args, **extras) if layer is None else fallback(*args, layer=layer,
                                                                         **extras)
 
@@ -303,7 +304,7 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
         # its epilogue is SwiGLU's; the (shape-only) choice is the same at any row count
         fallbacks.record("fused_linear", f"the Mosaic GPU kernel takes no "
                          f"{kwargs['activation']} activation; the call goes to the Triton "
-                         f"kernel")
+                         f"kernel", row_independent=True)
     elif variant == "gpu" and gpu_kernel_backend(gpu_linear) == "mosaic":
         mosaic = importlib.import_module(f"{__name__}.linear_mosaic_gpu")
         mosaic_sizes = block_sizes if isinstance(block_sizes,
@@ -315,7 +316,8 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
                 **{k: kwargs[k] for k in ("offsets", "width", "transposed") if k in kwargs})
         except InvalidArgumentError as error:
             # the Triton kernel (or, with fallback, the reference) takes it
-            fallbacks.record("fused_linear", f"{error}; the call goes to the Triton kernel")
+            fallbacks.record("fused_linear", f"{error}; the call goes to the Triton kernel",
+                             row_independent=True)
         else:
             return mosaic.fused_linear_mosaic_gpu(x, tuple(weights), interpret=interpret,
                                                   **options, **kwargs)
@@ -333,7 +335,8 @@ def fused_linear(x, weights, *, variant: str | None = None, block_sizes=None,
             module.check_supported(x, weights, stacked=kwargs.get("layer") is not None,
                                    **shape, **options)
         except InvalidArgumentError as error:
-            fallbacks.record("fused_linear", f"{error}; its jnp reference ran")
+            fallbacks.record("fused_linear", f"{error}; its jnp reference ran",
+                             row_independent=False)
             return module.fused_linear_reference(x, tuple(weights), **kwargs)
     return getattr(module, f"fused_linear_{variant}")(x, tuple(weights), interpret=interpret,
                                                       **options, **kwargs)
@@ -359,7 +362,10 @@ def qkv_rope_into(packed, x, weight, cos, sin, layer, *, norm=None, bias=None,
             module.check_rope_into(packed, x, weight, cos, sin, norm=norm, bias=bias,
                                    rope_heads=rope_heads)
         except InvalidArgumentError as error:
-            fallbacks.record("qkv_rope_into", f"{error}; fused_linear and write_rope_rows ran")
+            # fused_linear is row-tiled too (recording its own fallback, if any); the
+            # rotation is elementwise
+            fallbacks.record("qkv_rope_into", f"{error}; fused_linear and write_rope_rows ran",
+                             row_independent=True)
         else:
             return module.qkv_rope_into_gpu(packed, x, weight, cos, sin, layer, norm=norm,
                                             bias=bias, rope_heads=rope_heads, eps=eps,
@@ -381,8 +387,8 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
     ``D ** -0.5``), which the ordered kernels apply to each score; for
     :func:`verify_attention`'s kernel the queries are scaled by ``scale * D ** 0.5`` first;
     ``softcap`` and ``first_visible`` (a sliding window) as :func:`verify_attention` takes
-    them, with ``mask`` the chains' mask without the window (the GPU kernel masks by
-    position; the TPU kernel refuses them in one line).
+    them, with ``mask`` the chains' mask without the window (both kernels mask by
+    position).
     """
     extras = {name: value for name, value in (("softcap", softcap),
                                               ("first_visible", first_visible))
@@ -405,11 +411,11 @@ def ordered_attention(q, k_new, v_new, k_cache, v_cache, length, mask, scratch_m
     if scratch_mask is not None and scratch_mask.shape[1] > 0:
         return unordered()  # a drafting call
     try:
-        module.check_supported(*args[:5], mask, scratch_mask)
+        module.check_supported(*args[:5], mask, scratch_mask, **extras)
     except InvalidArgumentError as error:
         fallbacks.record("ordered_attention", f"{error}; verify_attention's kernel ran (not "
                          f"position-ordered: a verify pass may differ from the one-token "
-                         f"step in the last bits)")
+                         f"step in the last bits)", row_independent=False)
         return unordered()
     return getattr(module, f"ordered_attention_{variant}")(*args, layer=layer,
                                                            interpret=interpret, scale=scale,
@@ -430,8 +436,9 @@ def packed_attention_takes(packed_shape, dtype, k_cache, v_cache, *, num_heads: 
         module.check_packed(jax.ShapeDtypeStruct(packed_shape, dtype), k_cache, v_cache,
                             num_heads=num_heads)
     except InvalidArgumentError as error:
+        # The unpacked kernel orders the sums the same way (recording its own refusal)
         fallbacks.record("ordered_attention_packed", f"{error}; the fused layers run "
-                         f"ordered_attention unpacked")
+                         f"ordered_attention unpacked", row_independent=True)
         return False
     return True
 
@@ -482,10 +489,11 @@ def norm_groups(x, weight, layer, *, start: int, groups: int, eps: float, kind: 
         module.check_supported(x, weight, start=start, groups=groups, kind=kind, bias=bias)
     except InvalidArgumentError as error:
         fallbacks.record("norm_groups", f"{error}; its jnp reference ran (its sums may "
-                         f"be tiled by the row count)")
+                         f"be tiled by the row count)", row_independent=False)
         return module.norm_groups_reference(x, weight, layer, **options)[:num_rows]
     if variant != "gpu" and not interpret:
+        # Interpreted, the kernel is XLA ops that XLA may order anew in each program
         fallbacks.record("norm_groups", f"the group norm kernel has no {variant} "
-                         f"lowering; Pallas' interpreter ran it")
+                         f"lowering; Pallas' interpreter ran it", row_independent=False)
     return module.norm_groups_gpu(x, weight, layer, interpret=interpret or variant != "gpu",
                                   **options)[:num_rows]

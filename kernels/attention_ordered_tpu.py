@@ -9,7 +9,13 @@ block, in position order; blocks past a row's own position are exact identities.
 scores and the P @ V sums are dots *batched over the query rows* (per row one
 ``[1, D] x [D, block_kv]`` and one ``[1, block_kv] x [block_kv, D]`` product), so a row's
 sums depend on its own operands only; a committed block's keys are broadcast to every
-row, so both kinds of block run the same dot on the same shapes. (Elementwise products
+row, so both kinds of block run the same dot on the same shapes. Soft-capping
+(``softcap``) applies to each score, elementwise; a sliding window (``first_visible``,
+per query, carried per packed row) masks positions before it, by absolute position, the
+same in a step and in a pass (a block wholly before a row's window is an exact identity
+for it, like one past its position; the chains are the mask's without the window). Every
+other quantity (the block maximum, the correction, the normaliser) is a reduction along
+one row, and ``block_kv`` depends on the shapes alone (below). (Elementwise products
 reduced with ``jnp.sum``, the GPU kernel's form, were not bitwise stable under the TPU
 interpreter: XLA compiled the fused reductions differently in a one-token program and a
 verify program.) So a verify pass reproduces the one-token steps bit for bit.
@@ -37,7 +43,9 @@ TPU layout (Mosaic needs the last two block dims to be multiples of (8, 128) or 
 
 ``block_kv`` is the largest of 128, 64, 32, 16 that divides the cache capacity and keeps the
 estimated VMEM (:func:`vmem_bytes`) within :data:`~.attention_tpu.VMEM_BUDGET` (shapes
-only, never the token count: SmolLM2 gets 128; Llama-2-7B's 32 KV heads of 128 get 16).
+and whether there is a window only, never the token count: SmolLM2 gets 128; Llama-2-7B's
+32 KV heads of 128 get 16). Head sizes: 16 to 256 in powers of two, and Phi-3's 96 (a
+block's last dim is then the whole D, as Mosaic allows).
 Calls it refuses (a capacity no multiple of 16 divides) go, like drafting calls with a
 scratch window, to :mod:`.attention_tpu` through the dispatcher.
 
@@ -66,7 +74,7 @@ from .attention_ordered_gpu import ancestor_chains, check_call
 from .attention_tpu import VMEM_BUDGET, VMEM_LIMIT
 
 KERNEL_NAME = "TPU position-ordered attention kernel"
-HEAD_DIMS = (16, 32, 64, 128, 256)
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # 96 (Phi-3): blocks whose last dim is the whole D
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 TAKES_LAYER_INDEX = True
 BLOCK_KV_CHOICES = (128, 64, 32, 16)  # multiples of bf16's 16-row sublane tile
@@ -97,10 +105,11 @@ class TpuOrderedBlockSizes:
                 f"{KERNEL_NAME}: block_kv={self.block_kv} must be a positive multiple of 16")
 
     def resolve(self, capacity: int | None, num_kv_heads: int, head_dim: int,
-                itemsize: int) -> int:
+                itemsize: int, windowed: bool = False) -> int:
         """``block_kv`` for a cache of ``capacity`` slots (``None``: no cache): the largest
         allowed block that divides it and keeps :func:`vmem_bytes` within
-        :data:`~.attention_tpu.VMEM_BUDGET` (shapes only, never the token count).
+        :data:`~.attention_tpu.VMEM_BUDGET` (shapes only, never the token count;
+        ``windowed``: with a sliding window's first positions, a model's static feature).
 
         Raises:
           InvalidArgumentError: no allowed block divides the capacity and fits.
@@ -112,10 +121,11 @@ class TpuOrderedBlockSizes:
                 f"{KERNEL_NAME}: cache capacity {capacity} is not a multiple of block_kv="
                 f"{choices[-1]}")
         for block_kv in dividing:
-            if vmem_bytes(self.block_rows, block_kv, num_kv_heads, head_dim,
-                          itemsize) <= VMEM_BUDGET:
+            if vmem_bytes(self.block_rows, block_kv, num_kv_heads, head_dim, itemsize,
+                          windowed) <= VMEM_BUDGET:
                 return block_kv
-        smallest = vmem_bytes(self.block_rows, dividing[-1], num_kv_heads, head_dim, itemsize)
+        smallest = vmem_bytes(self.block_rows, dividing[-1], num_kv_heads, head_dim, itemsize,
+                              windowed)
         raise InvalidArgumentError(
             f"{KERNEL_NAME}: {num_kv_heads} KV heads x head_dim {head_dim} with block_kv="
             f"{dividing[-1]} and {self.block_rows} rows per tile need ~"
@@ -123,13 +133,15 @@ class TpuOrderedBlockSizes:
 
 
 def vmem_bytes(block_rows: int, block_kv: int, num_kv_heads: int, head_dim: int,
-               itemsize: int) -> int:
+               itemsize: int, windowed: bool = False) -> int:
     """Estimated VMEM of one call: the double-buffered blocks (region and cache keys and
     values, queries and output, whose unit axis takes one 32-bit sublane per row), the
     state scratch and the float32 temporaries: about two [rows, block_kv, D] per KV head,
     since the compiler overlaps the unrolled heads (Llama-2-7B's 32 heads at block_kv 32
-    took 18.7 MiB on v5e, 8.8 of it temporaries). Errs high: a smaller block only costs
-    grid steps."""
+    took 18.7 MiB on v5e, 8.8 of it temporaries). ``windowed``: also the rows' first
+    positions, an int32 [rows, 1, 1] block (one (8, 128) tile per row, double-buffered)
+    and the comparisons with it: five tiles per row (v5e: +0.14 MiB at 8 rows, with 1 or 32
+    KV heads). Errs high: a smaller block only costs grid steps."""
     lanes = layout.round_up(head_dim, 128)
     kv_sublanes = layout.round_up(num_kv_heads, 32 // itemsize)
     windows = (2 * num_kv_heads * block_rows * block_kv * lanes * itemsize  # region k, v
@@ -137,7 +149,8 @@ def vmem_bytes(block_rows: int, block_kv: int, num_kv_heads: int, head_dim: int,
                + 2 * num_kv_heads * block_rows * lanes * 4)  # queries, output
     state = num_kv_heads * block_rows * (2 * 128 + lanes) * 4
     temporaries = 2 * num_kv_heads * block_rows * block_kv * lanes * 4
-    return 2 * windows + state + temporaries + 64 * 1024
+    first_rows = 5 * block_rows * 8 * 128 * 4 if windowed else 0
+    return 2 * windows + state + temporaries + first_rows + 64 * 1024
 
 
 def _batched_dot(a, b, *, contract: int):
@@ -147,17 +160,20 @@ def _batched_dot(a, b, *, contract: int):
                            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _ordered_kernel(scalars_ref, q_ref, last_ref, k_ref, v_ref, region_k_ref, region_v_ref,
-                    o_ref, m_ref, l_ref, acc_ref, *, block_kv: int, num_steps: int,
-                    scale: float):
+def _ordered_kernel(scalars_ref, q_ref, last_ref, *refs, block_kv: int, num_steps: int,
+                    scale: float, softcap: float | None, windowed: bool):
     """One (row tile, position block) step, for every KV head.
 
     Refs: scalars_ref int32 [4] (SMEM: length, layer, first region block, end block);
     q_ref [K, rows, 1, D]; last_ref int32 [rows, 1, 1] (each row's own position; padding
-    rows: length - 1); k_ref, v_ref the cache block [block_kv, K, D]; region_k_ref,
+    rows: length - 1); with ``windowed``, first_ref int32 [rows, 1, 1] (each row's first
+    visible position); k_ref, v_ref the cache block [block_kv, K, D]; region_k_ref,
     region_v_ref the region block [K, rows, block_kv, D]; o_ref [K, rows, 1, D]; scratch
     m_ref, l_ref [K, rows, 1, 1], acc_ref [K, rows, 1, D] (float32).
     """
+    if windowed:
+        first_ref, *refs = refs
+    k_ref, v_ref, region_k_ref, region_v_ref, o_ref, m_ref, l_ref, acc_ref = refs
     step = pl.program_id(1)
     first, end = scalars_ref[2], scalars_ref[3]
     num_kv_heads, rows = q_ref.shape[:2]
@@ -174,7 +190,10 @@ def _ordered_kernel(scalars_ref, q_ref, last_ref, k_ref, v_ref, region_k_ref, re
         q = q_ref[head].astype(jnp.float32)  # [rows, 1, D]
         positions = step * block_kv + lax.broadcasted_iota(jnp.int32, (1, 1, block_kv), 2)
         valid = positions <= last_ref[...]  # [rows, 1, block_kv]
+        if windowed:  # by absolute position, the same in a step and in a pass
+            valid = valid & (positions >= first_ref[...])
         s = _batched_dot(q, keys, contract=2) * scale  # [rows, 1, block_kv]
+        s = layout.capped(s, softcap)  # per score
         s = jnp.where(valid, s, layout.MASK_VALUE)
         m_prev = m_ref[head]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=2, keepdims=True))
@@ -204,14 +223,18 @@ def _ordered_kernel(scalars_ref, q_ref, last_ref, k_ref, v_ref, region_k_ref, re
 
 
 def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, *,
-                    block_sizes: TpuOrderedBlockSizes = TpuOrderedBlockSizes()) -> int:
-    """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call;
+                    block_sizes: TpuOrderedBlockSizes = TpuOrderedBlockSizes(),
+                    softcap=None, first_visible=None) -> int:
+    """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call
+    (``softcap`` a positive number or ``None``, ``first_visible`` int32 [T] or ``None``);
     returns its ``block_kv``. Reads shapes and dtypes only."""
     k_cache = check_call(KERNEL_NAME, q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                          head_dims=HEAD_DIMS, dtypes=DTYPES)
+    layout.check_windows(q.shape[0], softcap, first_visible, KERNEL_NAME)
     block_sizes.check()
     return block_sizes.resolve(None if k_cache is None else k_cache.shape[0], k_new.shape[1],
-                               q.shape[2], jnp.dtype(q.dtype).itemsize)
+                               q.shape[2], jnp.dtype(q.dtype).itemsize,
+                               windowed=first_visible is not None)
 
 
 def _boundary_region(k_new, v_new, k_cache, v_cache, layer, length, chain, depth, *,
@@ -251,17 +274,16 @@ def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
     those of :func:`specjax.kernels.attention_ordered_gpu.ordered_attention_gpu`, with
     ``block_sizes`` a static :class:`TpuOrderedBlockSizes` and ``interpret`` running the
     TPU interpreter (``scale``: the static score scale, ``None`` for ``D ** -0.5``;
-    ``softcap`` and ``first_visible`` are refused in one line: not yet in this kernel).
+    ``softcap``: the static soft-cap of each score; ``first_visible`` int32 [T]: each
+    query's first visible position, a sliding window, with ``mask`` the chains' mask
+    without it).
 
     Returns:
       [T, H, D] in q's dtype.
     """
-    if softcap is not None or first_visible is not None:
-        raise InvalidArgumentError(
-            f"{KERNEL_NAME}: no soft-capping or sliding windows yet (the GPU kernel takes "
-            f"them); attention 'fused' on a TPU needs a family without them")
     block_kv = check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
-                               block_sizes=block_sizes)
+                               block_sizes=block_sizes, softcap=softcap,
+                               first_visible=first_visible)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
@@ -291,6 +313,12 @@ def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
     packed_depth = jnp.pad(jnp.repeat(depth, group), (0, rows - num_tokens * group),
                            constant_values=-1)
     last = (length + packed_depth).reshape(rows, 1, 1)
+    windowed = first_visible is not None
+    # Each packed row's first visible position (row t * G + g: query t's; padding rows see
+    # everything up to `last`, as without a window).
+    first_rows = () if not windowed else (jnp.pad(
+        jnp.repeat(first_visible.astype(jnp.int32), group), (0, rows - num_tokens * group),
+        constant_values=jnp.iinfo(jnp.int32).min).reshape(rows, 1, 1),)
     first = length // block_kv
     end = -(-(length + jnp.max(depth) + 1) // block_kv)
     scalars = jnp.stack([length, layer, first, end]).astype(jnp.int32)
@@ -305,19 +333,19 @@ def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
 
     rows_spec = pl.BlockSpec((num_kv_heads, block_rows, 1, head_dim),
                              lambda tile, step, scalars_ref: (0, tile, 0, 0))
+    position_spec = pl.BlockSpec((block_rows, 1, 1),
+                                 lambda tile, step, scalars_ref: (tile, 0, 0))
     cache_spec = pl.BlockSpec((None, block_kv, num_kv_heads, head_dim), cache_index)
     region_spec = pl.BlockSpec((num_kv_heads, block_rows, block_kv, head_dim), region_index)
     state = lambda width: pltpu.VMEM((num_kv_heads, block_rows, 1, width), jnp.float32)  # noqa: E731
     out = pl.pallas_call(
         functools.partial(_ordered_kernel, block_kv=block_kv, num_steps=num_steps,
                           scale=(1.0 / math.sqrt(head_dim) if scale is None
-                                 else float(scale))),
+                                 else float(scale)), softcap=softcap, windowed=windowed),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(rows // block_rows, num_steps),
-            in_specs=[rows_spec,
-                      pl.BlockSpec((block_rows, 1, 1),
-                                   lambda tile, step, scalars_ref: (tile, 0, 0)),
+            in_specs=[rows_spec, position_spec, *(position_spec,) * windowed,
                       cache_spec, cache_spec, region_spec, region_spec],
             out_specs=rows_spec,
             scratch_shapes=[state(1), state(1), state(head_dim)],
@@ -328,5 +356,5 @@ def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
             vmem_limit_bytes=block_sizes.vmem_limit_bytes or VMEM_LIMIT),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ordered_attention_tpu",
-    )(scalars, queries, last, k_cache, v_cache, region_k, region_v)
+    )(scalars, queries, last, *first_rows, k_cache, v_cache, region_k, region_v)
     return layout.unpack_output(out[:, :, 0, :], num_tokens, num_heads)

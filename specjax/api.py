@@ -288,14 +288,15 @@ def _stats(state: decode.DecodeState, request: _Request, new_tokens: int, second
     if fallback is not None:  # never silent: what ran instead of the attention kernels
         stats["attention_fallback"] = fallback
     # What the programs ran instead of what was asked for (specjax.kernels.fallbacks).
-    stats["fallbacks"] = sorted(reasons)
-    stats["exact"], stats["exact_reason"] = _exactness(state, request, stats["fallbacks"])
+    stats["fallbacks"] = sorted(str(reason) for reason in reasons)
+    stats["exact"], stats["exact_reason"] = _exactness(state, request, reasons)
     return stats
 
 
 def _exactness(state: decode.DecodeState, request: _Request,
-               fallbacks: list[str]) -> tuple[str, str]:
-    """``stats["exact"]`` and why (:func:`specjax.methods.exactness.run_exactness`)."""
+               fallbacks) -> tuple[str, str]:
+    """``stats["exact"]`` and why (:func:`specjax.methods.exactness.run_exactness`;
+    ``fallbacks``: the run's :class:`~specjax.kernels.fallbacks.Fallback` records)."""
     options = request.options.to_dict()
     rows = options.get("tree_budget", options.get("draft_depth", 0) + 1)
     if request.constraint is not None:  # ar's pass over a forced run (jump-forward)

@@ -174,8 +174,10 @@ def run_job(job: dict) -> dict:
     ``generate`` builds it on a GPU, SmolLM2-135M-shaped, :func:`tpu_aot.build_generation_program`;
     ``defaults``: whose method defaults, ``cpu`` unless given; ``draft``: the shipped kind
     unless given, :func:`tpu_aot.program_configs`). The record adds ``ok``,
-    ``error``, the lower and compile seconds, the kernel custom calls
-    (:func:`kernel_counts`) and :func:`profile_step.analyze_program`'s per-step counts.
+    ``error``, the lower and compile seconds, the fallbacks recorded while tracing (all,
+    and those not row-independent: :mod:`specjax.kernels.fallbacks`), the kernel custom
+    calls (:func:`kernel_counts`) and :func:`profile_step.analyze_program`'s per-step
+    counts.
     """
     import jax
 
@@ -203,9 +205,15 @@ def run_job(job: dict) -> dict:
             temperature=job.get("temperature", 0.0), defaults=job.get("defaults", "cpu"),
             family=job.get("family"), sampling_rules=job.get("sampling_rules", "static"),
             gpu_linear=job.get("gpu_kernels", "triton"), draft=job.get("draft"))
+        from specjax.kernels import fallbacks
+
         start = time.perf_counter()
-        lowered = fn.lower(*tpu_aot._abstract(args, sharding))
+        with fallbacks.collecting() as reasons:  # recorded while the program is traced
+            lowered = fn.lower(*tpu_aot._abstract(args, sharding))
         record["lower_s"] = round(time.perf_counter() - start, 3)
+        record["fallbacks"] = sorted(str(reason) for reason in reasons)
+        record["unordered_fallbacks"] = sorted(str(reason) for reason in reasons
+                                               if not reason.row_independent)
         compiled = tpu_aot.compile_timed(lowered, record)
         text = compiled.as_text()
         record["kernels"] = kernel_counts(text)

@@ -35,11 +35,16 @@ SDS = jax.ShapeDtypeStruct
 pytestmark = pytest.mark.filterwarnings("ignore::specjax.errors.PerformanceWarning")
 
 
+def _lines(reasons) -> set[str]:
+    """The ``"site: reason"`` lines of recorded fallbacks (what ``stats`` lists)."""
+    return {str(reason) for reason in reasons}
+
+
 def _traced(fn, *args) -> set:
-    """The fallbacks recorded while tracing ``fn(*args)`` (nothing runs)."""
+    """The fallbacks' lines recorded while tracing ``fn(*args)`` (nothing runs)."""
     with fallbacks.collecting() as reasons:
         jax.eval_shape(fn, *args)
-    return reasons
+    return _lines(reasons)
 
 
 def test_refused_projection_is_recorded_and_a_taken_one_is_not():
@@ -53,11 +58,12 @@ def test_refused_projection_is_recorded_and_a_taken_one_is_not():
     assert _traced(lambda x, w: kernels.fused_linear(x, (w,), fallback=True),
                    x, taken) == set()
     # Outside a collector nothing is kept, and a collector sees nothing of an inner one.
-    fallbacks.record("site", "reason")
+    fallbacks.record("site", "reason", row_independent=True)
     with fallbacks.collecting() as outer:
         with fallbacks.collecting() as inner:
-            fallbacks.record("site", "reason")
-    assert (outer, inner) == (set(), {"site: reason"})
+            fallbacks.record("site", "reason", row_independent=False)
+    assert (outer, _lines(inner)) == (set(), {"site: reason"})
+    assert [reason.row_independent for reason in inner] == [False]
 
 
 def test_recording_leaves_the_program_unchanged():
@@ -80,12 +86,12 @@ def test_verify_attention_records_what_auto_runs_instead(monkeypatch):
 
     with fallbacks.collecting() as interpreted:  # a direct call on the CPU
         kernels.verify_attention(*_valid_args(), fallback=fallback)
-    assert interpreted == {"verify_attention: no Pallas kernel runs natively on the cpu "
-                           "backend; attention='auto' ran the jnp attention"}
+    assert _lines(interpreted) == {"verify_attention: no Pallas kernel runs natively on "
+                                   "the cpu backend; attention='auto' ran the jnp attention"}
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with fallbacks.collecting() as refused:
         kernels.verify_attention(*_valid_args(t=129), fallback=fallback)
-    (reason,) = refused
+    (reason,) = _lines(refused)
     assert reason.startswith("verify_attention: GPU verify-attention kernel: 129 new tokens")
     assert reason.endswith("supports 1..128; attention='auto' ran the jnp attention"), reason
 
@@ -103,7 +109,7 @@ def test_ordered_attention_records_a_refused_capacity_but_not_a_drafting_call():
         return _traced(lambda *a: kernels.ordered_attention(*a), q, new, new, cache, cache,
                        length, mask, scratch_mask)
 
-    block = kernels.GpuOrderedBlockSizes().block_kv
+    block = kernels.GpuOrderedBlockSizes().resolve(dim)
     assert attend(4 * block) == set()
     (reason,) = attend(4 * block + 8)
     assert reason.startswith("ordered_attention: ") and f"{4 * block + 8}" in reason
@@ -179,7 +185,8 @@ def test_a_streamed_run_lists_its_fallbacks_and_keeps_none_set_between_steps():
     items = []
     for item in steps:
         items.append(item)
-        fallbacks.record("caller", "between steps")  # no collector is active here
+        fallbacks.record("caller", "between steps",  # no collector is active here
+                         row_independent=False)
     assert items[-1][1]["fallbacks"] == [
         "fused layers: a 256-token pass (the fused kernels take at most 128 tokens); "
         "attention='auto' ran"]

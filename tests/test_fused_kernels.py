@@ -13,7 +13,10 @@ a kernel never writes with NaN). Checked here:
   and a deliberately row-dependent tiling (a reduction chunk that changes with the row
   count, the bug the design rules out) is caught by the same comparison;
 * the ordered attention against ``attention_reference`` (GQA 1-4, trees, causal prefill
-  without a cache, lengths off the block, fp32/bf16, NaN in every slot it must not read);
+  without a cache, lengths off the block, fp32/bf16, NaN in every slot it must not read;
+  Phi-3's and Gemma's head sizes, 96 on 128-wide tiles loaded masked, 256 with 8-position
+  blocks); a row's output bitwise the same alone and among 16 rows at those head sizes,
+  and a block chosen from the row count caught;
 * whole models: ``attn_impl="fused"`` logits equal the reference's within tolerance; a
   tree root's logits in an N-node verify pass are bitwise the one-token step's; and every
   node on a root-to-leaf path of a 17-node tree is bitwise the one-token step that ``ar``
@@ -31,8 +34,8 @@ a kernel never writes with NaN). Checked here:
   half a head is one 16-column tile) in the path tests;
 * the features the fused layers take beyond Llama's (``CONFIGS``: elementwise ones, the
   query scale, partial RoPE, a NoPE layer, q/k and output norms; LayerNorms, parallel
-  blocks, GELU; soft-capped attention and sliding windows; OLMo 2's, Command R's and
-  Gemma's norms, slow):
+  blocks, GELU; soft-capped attention and sliding windows; heads of 96 and 256; OLMo 2's,
+  Command R's and Gemma's norms, slow):
   every node on a path is bitwise the ``ar`` step, and each feature computed one way for a
   one-token step and another for a verify pass is caught (the norms' sums chunked by the
   row count, the query scale folded into q, ...); the row-tiled norm kernel
@@ -76,6 +79,7 @@ from specjax.models.layers import rope_tables, write_rope_rows
 from specjax.tree import ancestor_mask
 
 from conftest import random_prompt
+from kernel_rows import NODE, NODES, lone_node_inputs, the_node_alone
 from tolerances import assert_sums_close, forward_sums
 from test_kernels import Case, make_inputs, reference
 
@@ -272,6 +276,11 @@ ORDERED_CASES = [
     Case("tree-g4-d128-aligned-f32", 20, 8, 2, 128, 64, 32),  # length on a block edge
     Case("tree-g2-length0-f32", 5, 4, 2, 32, 48, 0),
     Case("prefill-no-cache-f32", 19, 4, 1, 64, None, 0, tree=False),
+    # Phi-3's head size (the GPU kernels' tiles 128 wide over the cache's and the packed
+    # rows' 96 columns, loaded masked: the interpreter reads NaN past a dimension) and
+    # Gemma's (8-position blocks on the GPU), the length mid-block
+    Case("tree-g2-d96-f32", 6, 4, 2, 96, 64, 21),
+    Case("tree-g4-d256-bf16", 5, 4, 1, 256, 32, 13, dtype=jnp.bfloat16),
 ]
 
 
@@ -288,23 +297,42 @@ def check_ordered_against_reference(kernel, case):
                                rtol=tol, atol=tol)
 
 
-def test_ordered_attention_with_softcap_and_windows_matches_reference():
+WINDOW_CASE = Case("tree-window-f32", 12, 4, 2, 32, 64, 20)
+
+
+def check_windows_against_reference(kernel, case=WINDOW_CASE, seed=7):
     """Soft-capped scores and a 6-position window per query (cutting the cache for every
-    node, and the deeper nodes' chains), by position in the kernel, against the jnp
-    attention given the window as the models give it (the mask among the new tokens cut,
-    ``first_visible`` for the cache); the packed kernel bit for bit the unpacked one."""
-    case = Case("tree-window-f32", 12, 4, 2, 32, 64, 20)
-    args, reference_args = make_inputs(case, seed=7)
-    q, k_new, v_new, k_cache, v_cache, length, mask, _ = args
+    node, and the deeper nodes' chains), by position in ``kernel`` (interpreted), against
+    the jnp attention given the window as the models give it (the mask among the new
+    tokens cut, ``first_visible`` for the cache); each shown sharp: without the cap, or
+    with every window one position later, the outputs are far off. Returns the output."""
+    args, reference_args = make_inputs(case, seed=seed)
+    _, _, _, _, _, length, mask, _ = args
     depth = jnp.sum(mask, axis=1, dtype=jnp.int32) - 1
     first = length + depth - 5
-    near = (length + depth)[None, :] >= first[:, None]
+
+    def expected(softcap, first):
+        near = (length + depth)[None, :] >= first[:, None]
+        return np.asarray(attention_reference(*reference_args[:6], mask & near,
+                                              softcap=softcap, first_visible=first))
+
+    out = kernel(*args, interpret=True, softcap=2.0, first_visible=first)
+    got = np.asarray(out)
+    np.testing.assert_allclose(got, expected(2.0, first), rtol=2e-5, atol=2e-5)
+    assert np.abs(got - expected(None, first)).max() > 1e-2, "softcap not seen"
+    assert np.abs(got - expected(2.0, first + 1)).max() > 1e-2, "window off by one not seen"
+    return out
+
+
+def test_ordered_attention_with_softcap_and_windows_matches_reference():
+    """:func:`check_windows_against_reference`, and the packed kernel bit for bit the
+    unpacked one."""
+    case = WINDOW_CASE
+    out = check_windows_against_reference(ordered_attention_gpu)
+    args = make_inputs(case, seed=7)[0]
+    q, length, mask = args[0], args[5], args[6]
+    first = length + jnp.sum(mask, axis=1, dtype=jnp.int32) - 1 - 5
     extras = dict(softcap=2.0, first_visible=first)
-    out = ordered_attention_gpu(*args, interpret=True, **extras)
-    expected = attention_reference(*reference_args[:6], mask & near, **extras)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=2e-5, atol=2e-5)
-    plain = ordered_attention_gpu(*args, interpret=True)
-    assert not np.allclose(np.asarray(out), np.asarray(plain), rtol=1e-3)
     packed_args, _, t = _packed_case(case, seed=7)
     got = ordered_attention_packed_gpu(*packed_args, num_heads=q.shape[1], interpret=True,
                                        **extras)
@@ -314,6 +342,40 @@ def test_ordered_attention_with_softcap_and_windows_matches_reference():
 @pytest.mark.parametrize("case", ORDERED_CASES, ids=lambda c: c.name)
 def test_ordered_attention_matches_reference(case):
     check_ordered_against_reference(ordered_attention_gpu, case)
+
+
+def ordered_row_alone_and_together(kernel, dim: int, sizes_for, **extras):
+    """(node 9 of :func:`kernel_rows.lone_node_inputs`' 16-node call over a 300-slot cache,
+    with heads of ``dim``; the same node alone, a one-token step), each by ``kernel``
+    (interpreted) with the block sizes ``sizes_for(rows)`` gives for that many rows, and
+    ``extras`` (``first_visible`` [16] is cut to the node's alone). Output rows as float32
+    numpy arrays [H, D]."""
+    args, _ = lone_node_inputs(6, jnp.float32, heads=4, dim=dim)
+    first = extras.pop("first_visible", None)
+    windows = ({}, {}) if first is None else ({"first_visible": first},
+                                             {"first_visible": first[NODE:NODE + 1]})
+    together = kernel(*args, block_sizes=sizes_for(NODES), interpret=True, **windows[0],
+                      **extras)
+    alone = kernel(*the_node_alone(args), block_sizes=sizes_for(1), interpret=True,
+                   **windows[1], **extras)
+    return np.asarray(together[NODE], np.float32), np.asarray(alone[0], np.float32)
+
+
+@pytest.mark.parametrize("dim", [96, pytest.param(256, marks=pytest.mark.slow)])
+def test_ordered_rows_of_phi3_and_gemma_heads_do_not_depend_on_the_row_count(dim):
+    """At Phi-3's and Gemma's head sizes (tiles 128 and 256 wide; 16- and 8-position
+    blocks, chosen from the head size) a query row's output is bitwise the same alone and
+    among 16 rows; with the block chosen from the row count instead (8 positions alone, 16
+    together: the deliberately wrong variant) it is not."""
+    right = GpuOrderedBlockSizes().resolve(dim)
+    together, alone = ordered_row_alone_and_together(
+        ordered_attention_gpu, dim, lambda rows: GpuOrderedBlockSizes())
+    np.testing.assert_array_equal(together, alone)
+    together, alone = ordered_row_alone_and_together(
+        ordered_attention_gpu, dim,
+        lambda rows: GpuOrderedBlockSizes(block_kv=8 if rows == 1 else 16))
+    assert np.any(together != alone)
+    assert right == (16 if dim == 96 else 8)
 
 
 def test_ordered_attention_refuses_what_it_does_not_order():
@@ -379,7 +441,8 @@ def test_packed_attention_catches_a_misread_chain():
 
 @pytest.mark.parametrize("shape,cache,heads,message", [
     ((2, 16, 7, 64), (2, 64, 2, 64), 4, "not 4 query heads"),
-    ((2, 16, 8, 48), (2, 64, 2, 48), 4, "head_dim 48"),
+    ((2, 16, 8, 40), (2, 64, 2, 40), 4, "head_dim 40"),  # not a multiple of 16
+    ((2, 16, 8, 272), (2, 64, 2, 272), 4, "head_dim 272"),  # over 256
     ((2, 20, 8, 64), (2, 64, 2, 64), 4, "not a multiple of block_rows"),
     ((2, 16, 8, 64), (2, 50, 2, 64), 4, "not a multiple of block_kv"),
     ((2, 16, 8, 64), (2, 64, 3, 64), 4, "does not match"),
@@ -873,6 +936,12 @@ CONFIGS = {"llama": {}, "features": FEATURES,
 # sliding layers' own RoPE base
 CONFIGS["windows"] = dict(CONFIGS["plus-one"], attn_softcap=3.0, layer_windows=(5, 0),
                           local_rope_theta=100.0)
+# Phi-3's and Gemma's head sizes (the GPU ordered kernels' tiles 128 wide over 96 columns;
+# 256 wide with 8-position blocks), the query scale keeping the scores as spread as the
+# 16-wide heads' (at D ** -0.5 the wider heads' softmax is one-hot on these weights: its
+# sums then round nothing, whatever their order)
+CONFIGS["head-96"] = dict(head_dim=96, query_scale=0.04)
+CONFIGS["head-256"] = dict(head_dim=256, num_heads=2, num_kv_heads=1, query_scale=0.015)
 
 
 # The tree starting mid-block, and on a block edge; fp32 and bf16; the packed kernel (what
@@ -884,6 +953,9 @@ CONFIGS["windows"] = dict(CONFIGS["plus-one"], attn_softcap=3.0, layer_windows=(
     pytest.param("llama", 16, jnp.float32, True, marks=pytest.mark.slow),
     pytest.param("llama", 16, jnp.float32, False, marks=pytest.mark.slow),
     ("features", 12, jnp.float32, True), ("windows", 12, jnp.bfloat16, True),
+    ("head-96", 12, jnp.float32, True),
+    pytest.param("head-256", 12, jnp.bfloat16, True, marks=pytest.mark.slow),
+    pytest.param("head-96", 12, jnp.bfloat16, False, marks=pytest.mark.slow),
     pytest.param("layer-norms", 12, jnp.bfloat16, False, marks=pytest.mark.slow),
     pytest.param("windows", 12, jnp.float32, False, marks=pytest.mark.slow),
     pytest.param("features", 12, jnp.bfloat16, False, marks=pytest.mark.slow),
@@ -917,13 +989,18 @@ def test_every_node_on_a_path_is_bitwise_the_ar_step_with_the_rope_kernel(dtype)
     assert all(_path_versus_tree(config, params, 12))
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
-def test_a_row_count_dependent_blocking_is_caught(monkeypatch, packed):
+@pytest.mark.parametrize("packed,config", [
+    (True, "llama"), (False, "llama"),
+    pytest.param(True, "head-96", marks=pytest.mark.slow),
+    pytest.param(True, "head-256", marks=pytest.mark.slow)],
+    ids=["packed", "unpacked", "packed-head-96", "packed-head-256"])
+def test_a_row_count_dependent_blocking_is_caught(monkeypatch, packed, config):
     """The same comparison fails for the ordered kernel with its KV block chosen from the
     number of new tokens (16 slots for a one-token step, 32 for a verify pass): the bug the
     fixed blocking rules out. The tree starts at position 20, so the one-token step's
     16-slot blocks split the keys that the verify pass's 32-slot block reads in one update:
-    a later block's larger score rescales the sums, which the one-block pass never does."""
+    a later block's larger score rescales the sums, which the one-block pass never does.
+    Also at Phi-3's and Gemma's head sizes (:data:`CONFIGS`)."""
     def blocked_by_row_count(q, *args, layer, interpret_variant, **extras):
         sizes = GpuOrderedBlockSizes(block_kv=16 if q.shape[0] == 1 else 32)
         return ordered_attention_gpu(q, *args, layer=layer, block_sizes=sizes, interpret=True,
@@ -944,7 +1021,7 @@ def test_a_row_count_dependent_blocking_is_caught(monkeypatch, packed):
     else:
         _unpacked(monkeypatch)
         monkeypatch.setattr(kernels, "ordered_attention", blocked_by_row_count)
-    config = _tiny_config()
+    config = _tiny_config(**CONFIGS[config])
     assert not all(_path_versus_tree(config, _params(config), 20))
 
 

@@ -12,10 +12,15 @@ GPU kernels, reusing its inputs and helpers:
   bf16;
 * row independence: a row computed in calls of 1, 5, 16 and 17 rows is bitwise the same,
   and a reduction chunk chosen from the row count (the bug the tiling rules out) is caught;
-* the ordered attention against ``attention_reference`` (the GPU test's cases);
+* the ordered attention against ``attention_reference`` (the GPU test's cases, and its
+  soft-capping and sliding windows check); with the cap and windows a row's output is
+  bitwise the same alone and among 16 rows at heads of 96 and 256, and a block chosen from
+  the row count is caught;
 * whole models through the dispatcher (``KernelOptions(interpret_variant="tpu")``): every node on a
   root-to-leaf path of a 17-node tree is bitwise the one-token ``ar`` step at its position
-  (fp32; bf16 in the slow tier), on the GPU test's tiny model.
+  (fp32; bf16 in the slow tier), on the GPU test's tiny model; in the slow tier also with
+  its features and Gemma's soft-capped, windowed attention, where a window applied to the
+  chains' mask is caught.
 
 Limit of the interpreter check: XLA compiles an interpreted kernel body anew inside each
 program, and does not always round it the same way in a one-token program and a verify
@@ -39,13 +44,15 @@ import pytest
 from specjax import kernels
 from specjax.errors import InvalidArgumentError
 from specjax.kernel_options import KernelOptions
-from specjax.kernels.attention_ordered_tpu import ordered_attention_tpu
+from specjax.kernels.attention_ordered_tpu import TpuOrderedBlockSizes, ordered_attention_tpu
 from specjax.kernels.linear_tpu import (TpuLinearBlockSizes, check_supported,
                                         fused_linear_reference, fused_linear_tpu)
 
-from test_fused_kernels import (CONFIGS, FORMS, ORDERED_CASES, TOLERANCE, _arrays,
-                                _feature_params, _params, _path_versus_tree, _tiny_config,
-                                check_ordered_against_reference)
+from test_fused_kernels import (CONFIGS, FORMS, ORDERED_CASES, TOLERANCE, WRONG_FEATURES,
+                                _arrays, _feature_params, _params, _path_versus_tree,
+                                _tiny_config, check_ordered_against_reference,
+                                check_windows_against_reference,
+                                ordered_row_alone_and_together)
 from tolerances import assert_sums_close
 
 # 128-aligned shapes: two K chunks of 128 and two column blocks of 128 per range.
@@ -165,6 +172,31 @@ def test_ordered_attention_matches_reference(case):
     check_ordered_against_reference(ordered_attention_tpu, case)
 
 
+def test_ordered_attention_with_softcap_and_windows_matches_reference():
+    """Soft-capping and sliding windows (Gemma 2/3, Phi-3), by position in the kernel:
+    the GPU test's check (sharp on both)."""
+    check_windows_against_reference(ordered_attention_tpu)
+
+
+@pytest.mark.parametrize("dim", [96, pytest.param(256, marks=pytest.mark.slow)])
+def test_windowed_rows_do_not_depend_on_the_row_count(dim):
+    """With the cap and a window per row (node 9's starting mid-cache, its tile's other
+    rows' lower or none), at Phi-3's and Gemma's head sizes, a row's output is bitwise the
+    same alone and among 16 rows; with ``block_kv`` chosen from the row count (16 alone, 32
+    together: the deliberately wrong variant) it is not."""
+    first = jnp.asarray([0, 50, 7, 299, -3, 120, 260, 10, 200, 171, 0, 1, 2, 300, 299, 298],
+                        jnp.int32)
+    first = first.at[8].set(jnp.iinfo(jnp.int32).min)  # a global row in node 9's tile
+    windows = dict(softcap=3.0, first_visible=first)
+    together, alone = ordered_row_alone_and_together(
+        ordered_attention_tpu, dim, lambda rows: TpuOrderedBlockSizes(), **windows)
+    np.testing.assert_array_equal(together, alone)
+    together, alone = ordered_row_alone_and_together(
+        ordered_attention_tpu, dim,
+        lambda rows: TpuOrderedBlockSizes(block_kv=16 if rows == 1 else 32), **windows)
+    assert np.any(together != alone)
+
+
 def test_ordered_attention_refuses_what_it_does_not_order():
     q = kv = jnp.zeros((2, 2, 64))
     mask = jnp.eye(2, dtype=bool)
@@ -175,6 +207,10 @@ def test_ordered_attention_refuses_what_it_does_not_order():
     with pytest.raises(InvalidArgumentError, match="scratch window"):
         ordered_attention_tpu(q, kv, kv, cache[:48], cache[:48], jnp.int32(3), mask,
                               jnp.ones((2, 1), bool), interpret=True)
+    with pytest.raises(InvalidArgumentError, match="first_visible must be int32") as info:
+        ordered_attention_tpu(q, kv, kv, cache[:48], cache[:48], jnp.int32(3), mask,
+                              first_visible=jnp.zeros((3,), jnp.int32), interpret=True)
+    assert "\n" not in str(info.value)
 
 
 # --- through the dispatcher, whole models ------------------------------------------------
@@ -203,12 +239,27 @@ def test_every_node_on_a_path_is_bitwise_the_ar_step(dtype):
                                                                   interpret_variant="tpu")))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["features", "layer-norms"])
+TPU_FUSED = KernelOptions(attention="fused", interpret_variant="tpu")
+
+
+@pytest.mark.parametrize("name", [pytest.param("features", marks=pytest.mark.slow),
+                                  pytest.param("layer-norms", marks=pytest.mark.slow),
+                                  pytest.param("windows", marks=pytest.mark.slow)])
 def test_every_node_on_a_path_is_bitwise_the_ar_step_with_the_features(name):
     """The same with the features the fused layers take beyond Llama's
-    (``test_fused_kernels.CONFIGS``): the TPU kernels with the query scale, GELU epilogues;
-    the norms in the (Triton) norm kernel, interpreted."""
+    (``test_fused_kernels.CONFIGS``): the TPU kernels with the query scale, GELU epilogues,
+    Gemma's soft-capped scores and sliding windows; the norms in the (Triton) norm kernel,
+    interpreted."""
     config = _tiny_config(**CONFIGS[name])
-    assert all(_path_versus_tree(config, _feature_params(config), 12,
-                                 KernelOptions(attention="fused", interpret_variant="tpu")))
+    assert all(_path_versus_tree(config, _feature_params(config), 12, TPU_FUSED))
+
+
+@pytest.mark.slow
+def test_a_window_applied_to_the_chains_mask_is_caught(monkeypatch):
+    """The comparison above fails on the TPU kernel when the verify pass's window is
+    applied to the mask the chains are read from instead of by position in the kernel
+    (``test_fused_kernels``' wrong variant): a deep node's chain misses its distant
+    ancestors."""
+    WRONG_FEATURES["window-in-the-chains-mask"](monkeypatch)
+    config = _tiny_config(**CONFIGS["windows"])
+    assert not all(_path_versus_tree(config, _feature_params(config), 12, TPU_FUSED))

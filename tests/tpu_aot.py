@@ -53,6 +53,8 @@ TARGETS = {"v4:2x2x1": 16 * MiB, "v5e:2x2": 128 * MiB, "v6e:2x2": 128 * MiB,
 KERNEL_PREFIXES = ("verify_attention_tpu_split", "verify_attention_tpu_combine")
 # The kernels of attn_impl="fused", counted apart (an attn_impl="kernel" program has none).
 FUSED_PREFIXES = ("fused_linear_tpu", "ordered_attention_tpu")
+# The kernels whose VMEM the compiler's reports are read for (_read_vmem_reports).
+VMEM_PREFIXES = KERNEL_PREFIXES + ("ordered_attention_tpu",)
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -478,7 +480,7 @@ def _read_vmem_reports(folder: str) -> tuple[dict[str, int], int | None]:
         data, _ = json.JSONDecoder().raw_decode(text[start:].lstrip())
         capacity = int(data["global_info"]["vmem_capacity"])
         for name, entry in data["hlo_breakdowns"].items():
-            for prefix in KERNEL_PREFIXES:
+            for prefix in VMEM_PREFIXES:
                 if name.startswith(prefix):
                     # What the kernel allocates: its windows, scratch, Mosaic's internal
                     # scratch and register spills (inside a larger program XLA may also
@@ -553,6 +555,8 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
     ``{"kind": "program", "target", "method", "verify", "dtype", "attn_impl", "family",
     "draft"}`` (:func:`build_generation_program`),
     ``{"kind": "fused_kernels", "target", "tokens"}`` (:func:`fused_kernel_calls`),
+    ``{"kind": "ordered_kernel", ...}`` (the position-ordered attention kernel with a kernel
+    job's keys, no scratch window; the record adds its ``block_kv`` and VMEM estimate),
     ``{"kind": "canary", "target", "dtype"}``; a kernel job may set ``vmem_limit_bytes``.
     """
     import jax
@@ -584,6 +588,17 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
             fn, args = fused_kernel_calls(job, sharding)
             start = time.perf_counter()
             lowered = fn.lower(*args)
+        elif job["kind"] == "ordered_kernel":
+            from specjax.kernels import attention_ordered_tpu as ordered
+
+            args, options = kernel_args(job, sharding), kernel_options(job, sharding)
+            record["block_kv"] = ordered.check_supported(*args[:5], *args[6:], **options)
+            record["estimate"] = ordered.vmem_bytes(
+                ordered.TpuOrderedBlockSizes().block_rows, record["block_kv"],
+                job["num_kv_heads"], job["head_dim"], jax.numpy.dtype(job["dtype"]).itemsize,
+                windowed="first_visible" in options)
+            start = time.perf_counter()
+            lowered = ordered.ordered_attention_tpu.lower(*args, **options)
         elif job["kind"] == "canary":
             fn, args = canary(job, sharding)
             start = time.perf_counter()

@@ -34,17 +34,18 @@ LEVELS = (BITWISE, UP_TO_ROUNDING, IN_DISTRIBUTION)
 FUSED_MAX_TOKENS = 128
 
 
-# Fallbacks (``"site: reason"``, :mod:`specjax.kernels.fallbacks`) after which a fused
-# run's passes are no longer row-independent: attention that is not position-ordered, or
-# a jnp reference (or an interpreted kernel) in place of a row-tiled kernel.
-_UNORDERED_SITES = ("ordered_attention", "ordered_attention_packed", "norm_groups")
-
-
 def unordered_fallbacks(fallbacks) -> list[str]:
-    """The entries of a run's ``stats["fallbacks"]`` that cost a fused run its bitwise
-    guarantee (:data:`_UNORDERED_SITES`, or any kernel whose jnp reference ran)."""
-    return [reason for reason in fallbacks
-            if reason.split(":", 1)[0] in _UNORDERED_SITES or "reference ran" in reason]
+    """The ``"site: reason"`` lines of a run's fallbacks that cost a fused run its bitwise
+    guarantee: those recorded as not row-independent (attention that is not
+    position-ordered, a jnp reference or an interpreted kernel in place of a row-tiled one).
+
+    Args:
+      fallbacks: the run's :class:`specjax.kernels.fallbacks.Fallback` records (each with
+        ``row_independent``, set by the site that fell back).
+    Returns:
+      Their lines, sorted.
+    """
+    return sorted(str(fallback) for fallback in fallbacks if not fallback.row_independent)
 
 
 def run_exactness(method: str, verify: str | None, sampled: bool, platform: str,
@@ -62,9 +63,10 @@ def run_exactness(method: str, verify: str | None, sampled: bool, platform: str,
       verify_rows: the most tree nodes one verify pass holds (the method's budget; for
         ``ar`` the most tokens one pass holds: 1, or 1 + ``jump_forward`` under a
         constraint).
-      fallbacks: the run's ``stats["fallbacks"]``: on the fused path, one that ran
-        something not row-independent (:func:`unordered_fallbacks`, e.g. a head size the
-        ordered attention kernel does not take) makes the run "up to rounding".
+      fallbacks: the run's :class:`~specjax.kernels.fallbacks.Fallback` records (its
+        ``stats["fallbacks"]`` are their lines): on the fused path, one that ran something
+        not row-independent (:func:`unordered_fallbacks`, e.g. a cache capacity the ordered
+        attention kernel does not take) makes the run "up to rounding".
     Returns:
       (level, reason): ``level`` one of :data:`LEVELS`.
     """

@@ -206,7 +206,10 @@ def _record_unfused(config: ModelConfig, num_tokens: int) -> None:
                f"{FUSED_MAX_TOKENS} tokens)")
     else:
         why = no_fused_layers_reason(config)
-    kernels.fallbacks.record("fused layers", f"{why}; attention='auto' ran")
+    # A long prefill is shared by ar; a draft's layers decide no token (the API refuses a
+    # target without fused layers)
+    kernels.fallbacks.record("fused layers", f"{why}; attention='auto' ran",
+                             row_independent=True)
 
 
 def _packed_attention(family, scratch_mask) -> bool:
@@ -603,8 +606,10 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
             return logits, _FAMILIES[config.architecture].final_norm(params, config, x), cache
         return logits, cache
     if uses_fused_layers(config, tokens.shape[0], attn_impl):  # fused layers, a jnp head
+        # a draft's head only: its numbers decide no token
         kernels.fallbacks.record("fused layers", "a reduced head (a draft's head subset or "
-                                 "draft_vocab_size) has no kernel; the jnp head ran")
+                                 "draft_vocab_size) has no kernel; the jnp head ran",
+                                 row_independent=True)
     out = hidden_states(params, config, tokens, positions, cache, mask, scratch_mask,
                         attn_impl=attn_impl, features=features, feature_layers=taps_wanted)
     hidden, cache = out[0], out[-1]

@@ -584,9 +584,8 @@ def block_fused(layers: dict, index, config: ModelConfig, x: jax.Array, rope, at
     q/k norms (per head or over all heads), output norms (``sandwich_norms``), LayerNorm
     (with or without biases) and Gemma's ``1 + w`` RMSNorm; GELU (tanh or erf; gated, or of
     a two-matrix MLP's up projection) in the projection kernels' epilogue; attention
-    soft-capping and sliding windows (and the sliding layers' own RoPE) in the GPU ordered
-    attention kernels (per score, and a mask by absolute position; the TPU ordered kernel
-    refuses them in one line); mixtures of experts (:mod:`.experts_fused`: the router in
+    soft-capping and sliding windows (and the sliding layers' own RoPE) in the ordered
+    attention kernels, GPU and TPU (per score, and a mask by absolute position); mixtures of experts (:mod:`.experts_fused`: the router in
     the projection kernel, routing per row, each (row, slot) pair's expert a one-row call
     of the projection kernels, the k outputs and the gated shared expert added in a fixed
     order).
