@@ -3,9 +3,10 @@
 
 The prompts ask SmolLM2 (chat template) for a HumanEval function's signature and
 docstring as JSON; the schema (:data:`SCHEMA`) fixes the document's shape. Per prompt the
-configurations run interleaved (each compiled by a warm-up call first), greedy, so the
-constrained methods' texts must equal constrained ``ar``'s (checked and recorded). Constrained
-``ar`` runs twice: with its default jump-forward and with ``jump_forward=0`` (one target
+configurations (``--systems``, default all) run interleaved, each compiled first by a short
+warm-up call (``--warmup-tokens``; the compile time of a program met later is not in a
+run's seconds either), greedy, so the constrained methods' texts must equal constrained
+``ar``'s (checked and recorded). Constrained ``ar`` runs twice: with its default jump-forward and with ``jump_forward=0`` (one target
 pass per token). Reported per configuration: median and aggregate tokens/s, tokens per
 target pass, the median speedup over constrained ``ar`` (per-prompt ratios), the outputs
 that are valid documents (``jsonschema``), the share of the output committed by
@@ -24,10 +25,14 @@ constrained ``ar``'s (recorded, not required: torch and XLA round differently, a
 spells the special tokens as text where specjax forbids them). Without the ``outlines``
 package (``pip install outlines``) the peer is a row with the reason.
 
+The JSON is written again after every prompt (``prompts_done``, ``complete``), so a run
+stopped early keeps the prompts it finished.
+
 Usage::
 
     .venv/bin/python benchmarks/experiments/bench_constrained.py --limit 32 --max-new-tokens 96 \\
-        --peer --json benchmarks/results/cpu/constrained_32_2026-11-30.json
+        --systems "ar,ar+schema,ar+schema jf=0,spec+schema" --peer \\
+        --json benchmarks/results/cpu/constrained_32_2026-11-30.json
 """
 
 from __future__ import annotations
@@ -174,21 +179,21 @@ def row_of(index: int, out) -> dict:
             "jump_forward_tokens": out.stats.get("forced_tokens"), "valid": valid(out.text)}
 
 
-def summarize(rows: dict, tables) -> dict:
+def summarize(rows: dict) -> dict:
     """Per configuration: medians over the prompts, aggregates over all tokens, the
     speedup over constrained ``ar`` (per-prompt ratios), valid documents, outputs equal to
     constrained ``ar``'s, and the jump-forward and automaton-forced shares of the tokens
     (``None`` where they do not apply: no jump-forward, or no constraint)."""
     reference = rows["ar+schema"]
-    constrained = {label: c for label, _, c, _ in CONFIGS} | {PEER: True}
     summary = {}
     for label, own in rows.items():
+        if not own:
+            continue
         tokens = sum(len(r["tokens"]) for r in own)
         jumped = [r.get("jump_forward_tokens") for r in own]
-        forced = (sum(automaton_forced(tables, r["tokens"]) for r in own)
-                  if constrained[label] else None)
+        forced = [r.get("automaton_forced") for r in own]
         summary[label] = {
-            "constrained": constrained[label],
+            "constrained": None not in forced,
             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in own),
             "aggregate_tokens_per_s": tokens / sum(r["seconds"] for r in own),
             "median_tokens_per_target_pass": statistics.median(r["mean_accepted"] for r in own),
@@ -200,8 +205,8 @@ def summarize(rows: dict, tables) -> dict:
             "same_tokens_as_constrained_ar": sum(r["tokens"] == a["tokens"]
                                                  for r, a in zip(own, reference)),
             "tokens": tokens,
-            "jump_forward_share": (None if None in jumped else sum(jumped) / tokens),
-            "automaton_forced_share": None if forced is None else forced / tokens,
+            "jump_forward_share": None if None in jumped else sum(jumped) / tokens,
+            "automaton_forced_share": None if None in forced else sum(forced) / tokens,
             "prompts": len(own),
         }
     return summary
@@ -211,11 +216,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=8, help="HumanEval prompts (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--warmup-tokens", type=int, default=8,
+                        help="tokens of each configuration's warm-up call (compiles it)")
+    parser.add_argument("--systems", default=",".join(label for label, *_ in CONFIGS),
+                        help="comma-separated configurations to run (ar+schema always)")
     parser.add_argument("--peer", action="store_true",
                         help="also run transformers' generate() under the schema through "
                              "outlines (pip install outlines)")
-    parser.add_argument("--json", default=None, help="write the result here")
+    parser.add_argument("--json", default=None,
+                        help="write the result here (again after every prompt)")
     args = parser.parse_args(argv)
+    chosen = {s.strip() for s in args.systems.split(",")} | {"ar+schema"}
+    unknown = chosen - {label for label, *_ in CONFIGS}
+    if unknown:
+        parser.error(f"unknown configuration {sorted(unknown)[0]!r}")
+    configs = [config for config in CONFIGS if config[0] in chosen]
 
     host = environment.machine()
     model = specjax.load("smollm2-135m")
@@ -233,43 +248,44 @@ def main(argv=None) -> int:
         print(f"peer: {peer.describe()}", file=sys.stderr)
 
     prompts = humaneval.humaneval_prompts(args.limit)
-    systems = [(label, lambda p, m=method, c=constrained, o=options: run_one(
-                   model, p, m, c, o, args.max_new_tokens))
-               for label, method, constrained, options in CONFIGS]
+    systems = [(label, constrained,
+                lambda p, n, m=method, c=constrained, o=options: run_one(model, p, m, c, o, n))
+               for label, method, constrained, options in configs]
     if peer is not None and peer.available():
-        systems.append((PEER, lambda p: peer.generate(
-            encode_prompt(model, REQUEST.format(prompt=p), chat=True), args.max_new_tokens)))
-    for label, run in systems:  # compile each program once (and the peer's first call)
-        run(prompts[0])
+        systems.append((PEER, True, lambda p, n: peer.generate(
+            encode_prompt(model, REQUEST.format(prompt=p), chat=True), n)))
+    for label, _, run in systems:  # compile each program (and the peer's first call)
+        run(prompts[0], args.warmup_tokens)
         print(f"warm: {label}", file=sys.stderr)
-    rows = {label: [] for label, _ in systems}
+    rows = {label: [] for label, _, _ in systems}
     load = []
     for index, prompt in enumerate(prompts):
         order = systems if index % 2 == 0 else systems[::-1]  # alternate who goes first
-        for label, run in order:
-            out = run(prompt)
-            if label == PEER:
-                rows[label].append({"prompt": index, **out, "valid": valid(out["text"])})
-            else:
-                rows[label].append(row_of(index, out))
+        for label, constrained, run in order:
+            out = run(prompt, args.max_new_tokens)
+            row = ({"prompt": index, **out, "valid": valid(out["text"])} if label == PEER
+                   else row_of(index, out))
+            row["automaton_forced"] = (automaton_forced(tables, row["tokens"])
+                                       if constrained else None)
+            rows[label].append(row)
         load.append(os.getloadavg()[0])
         print(f"prompt {index} done (load {load[-1]:.2f})", file=sys.stderr)
-
-    summary = summarize(rows, tables)
+        summary = summarize(rows)
+        result = {"benchmark": "bench_constrained", "schema": SCHEMA, "request": REQUEST,
+                  "command": "python benchmarks/experiments/bench_constrained.py "
+                             + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "max_new_tokens": args.max_new_tokens, "limit": args.limit,
+                  "prompts_done": index + 1, "complete": index + 1 == len(prompts),
+                  "configurations": [{"label": label, "method": method, "constrained": c,
+                                      "options": options}
+                                     for label, method, c, options in configs],
+                  "peer": None if peer is None else peer.describe(),
+                  "table_build": build, "summary": summary, "rows": rows, **host,
+                  "load_average_per_prompt": load, "load_average_end": os.getloadavg()}
+        if args.json:  # a partial result survives a run stopped early
+            environment.write_json(args.json, result, warn=index + 1 == len(prompts))
     for label, numbers in summary.items():
         print(f"{label:16s} {numbers}", file=sys.stderr)
-    result = {"benchmark": "bench_constrained", "schema": SCHEMA, "request": REQUEST,
-              "command": "python benchmarks/experiments/bench_constrained.py "
-                         + " ".join(argv if argv is not None else sys.argv[1:]),
-              "max_new_tokens": args.max_new_tokens, "limit": args.limit,
-              "configurations": [{"label": label, "method": method, "constrained": c,
-                                  "options": options}
-                                 for label, method, c, options in CONFIGS],
-              "peer": None if peer is None else peer.describe(),
-              "table_build": build, "summary": summary, "rows": rows, **host,
-              "load_average_per_prompt": load, "load_average_end": os.getloadavg()}
-    if args.json:
-        environment.write_json(args.json, result)
     return 0
 
 
