@@ -6,14 +6,15 @@ docstring as JSON; the schema (:data:`SCHEMA`) fixes the document's shape. Per p
 configurations (``--systems``, default all) run interleaved, each compiled first by a short
 warm-up call (``--warmup-tokens``; the compile time of a program met later is not in a
 run's seconds either), greedy, so the constrained methods' texts must equal constrained
-``ar``'s (checked and recorded). Constrained ``ar`` runs twice: with its default jump-forward and with ``jump_forward=0`` (one target
-pass per token). Reported per configuration: median and aggregate tokens/s, tokens per
-target pass, the median speedup over constrained ``ar`` (per-prompt ratios), the outputs
-that are valid documents (``jsonschema``), the share of the output committed by
-jump-forward (``stats["forced_tokens"]``, ``ar`` only) and the share the automaton forced
-(tokens emitted in a state that allows one token only: what jump-forward could take). Also
-the cold build time of the schema's tables on the model's vocabulary (the disk cache off)
-and their size.
+``ar``'s (checked and recorded). Constrained ``ar`` runs twice: with its default
+jump-forward and with ``jump_forward=0`` (one target pass per token). Reported per
+configuration: median and aggregate tokens/s, tokens per target pass, the median speedup
+over constrained ``ar`` (per-prompt ratios), the outputs that are valid documents
+(``jsonschema``), the share of the output committed by jump-forward
+(``stats["forced_tokens"]``, ``ar`` only) and the share the automaton forced (tokens
+emitted in a state that allows one token only: what jump-forward could take). Also the
+cold build time of the schema's tables on the model's vocabulary (the disk cache off) and
+their size.
 
 ``--peer`` adds transformers' ``generate()`` under the same schema through outlines
 (:class:`OutlinesPeer`): outlines' logits processor for the schema (its default
