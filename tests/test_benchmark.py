@@ -948,7 +948,7 @@ def _spelling_target():
     return specjax.Model.from_params(model.config, model.params, tokenizer, name="tiny-spelling")
 
 
-@pytest.mark.slow  # 70 s at load 9 here: the export, outlines' index, a constrained compile
+@pytest.mark.slow  # 8 s at load 3, 70 s at load 9: export, outlines' index, a compile
 def test_bench_constrained_peer_is_transformers_under_outlines_on_our_weights(monkeypatch):
     """``experiments/bench_constrained.py --peer``: transformers' ``generate`` with
     outlines' processor for the schema, on the weights written from ours, gives greedy
