@@ -925,6 +925,74 @@ def test_bench_cpu_layer_loop_checks_the_four_programs_agree_then_times(tmp_path
     assert bench_cpu_layer_loop.main(argv) == 1
 
 
+def _bench_constrained(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"
+                                    / "experiments"))
+    import bench_constrained
+
+    return bench_constrained
+
+
+def _spelling_target():
+    """A tiny random Llama over the byte-level tokenizer of ``test_constraints.py`` (its
+    ``<eos>`` the model's end of sequence), in transformers' tokenizer wrapper."""
+    from transformers import PreTrainedTokenizerFast
+
+    import specjax
+    from test_constraints import V, eos_id, tiny_tokenizer
+
+    model = tiny_pair("llama-gqa", seed=5, vocab_size=V, eos_token_id=eos_id())[1]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer(), eos_token="<eos>")
+    return specjax.Model.from_params(model.config, model.params, tokenizer, name="tiny-spelling")
+
+
+@pytest.mark.slow  # 8 s at load 3, 70 s at load 9: export, outlines' index, a compile
+def test_bench_constrained_peer_is_transformers_under_outlines_on_our_weights(monkeypatch):
+    """``experiments/bench_constrained.py --peer``: transformers' ``generate`` with
+    outlines' processor for the schema, on the weights written from ours, gives greedy
+    constrained ``ar``'s tokens (fp32, a tiny model), stopping at the model's EOS; the
+    tokens a state forces are counted on the automaton (a forced letter and a forced EOS)."""
+    pytest.importorskip("outlines")
+    import jsonschema
+
+    import specjax
+    from specjax.constraints import build_tables
+    from test_constraints import V, eos_id, tiny_tokenizer
+
+    bench_constrained = _bench_constrained(monkeypatch)
+    target = _spelling_target()
+    # Its documents are at most 30 characters: every output ends within the budget.
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"},
+                                               "b": {"enum": ["x", "yz"]}},
+              "required": ["a", "b"]}
+    peer = bench_constrained.OutlinesPeer(target, schema, torch_threads=1)
+    assert peer.available(), peer.describe()
+    assert peer.describe()["backend"] == "outlines_core" and peer.describe()["dtype"] == "float32"
+    out = peer.generate(PROMPTS[1], 32)
+    ours = specjax.generate(target, PROMPTS[1], method="ar", max_new_tokens=32,
+                            constraint=specjax.JsonSchema(schema))
+    assert out["tokens"] == ours.tokens and out["text"] == ours.text
+    assert out["tokens"][-1] == eos_id() and out["tokens_per_s"] > 0
+    jsonschema.validate(json.loads(out["text"]), schema)
+
+    tables, _ = build_tables(specjax.Regex("x[0-9]"), tiny_tokenizer(), V, [eos_id()],
+                             use_cache=False)
+    x, one = (tiny_tokenizer().token_to_id(c) for c in "x1")
+    assert bench_constrained.automaton_forced(tables, [x, one, eos_id()]) == 2
+
+
+def test_bench_constrained_peer_without_outlines_is_a_reason(monkeypatch):
+    """Without the ``outlines`` package the peer is a one-line reason, not a crash."""
+    bench_constrained = _bench_constrained(monkeypatch)
+    monkeypatch.setitem(sys.modules, "outlines", None)  # import outlines now fails
+    peer = bench_constrained.OutlinesPeer(object(), {"type": "integer"})
+    assert not peer.available()
+    assert peer.describe() == {"status": "unavailable",
+                               "reason": "outlines is not installed (pip install outlines)"}
+
+
 def test_bench_linear_attn_rope_unit_checks_the_rope_kernel(tmp_path, monkeypatch):
     """The ``attn-rope`` unit (q|k|v with RoPE into the packed buffer, then o) passes its
     check with the Triton kernel, and a kernel that leaves the queries unrotated fails it

@@ -169,19 +169,31 @@ class TransformersPeers:
                                                    self.thread_candidates, repeats=5)
         return self.threads_probe
 
+    def transformers_model(self, role: str = "target"):
+        """The loaded transformers model of ``role`` (``"target"`` or ``"draft"``), e.g. for a
+        library that wraps it (outlines)."""
+        return self._models[role]
+
     def generate(self, name: str, ids: Sequence[int], max_new_tokens: int,
                  temperature: float, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0) -> tuple[list[int], float]:
+                 seed: int = 0, logits_processor=None,
+                 stop_token_ids: Sequence[int] = ()) -> tuple[list[int], float]:
         """Runs peer ``name`` on one prompt; returns (new token ids, wall seconds).
 
-        Exactly ``max_new_tokens`` tokens: EOS is not a stop token (nor suppressed).
+        Args:
+          logits_processor: a transformers ``LogitsProcessorList`` for ``generate`` (e.g. a
+            constraint's), or ``None``.
+          stop_token_ids: tokens that end the output (kept in it); empty: exactly
+            ``max_new_tokens`` tokens, EOS neither a stop token nor suppressed.
         """
         import torch
 
         model = self._models["target"]
         inputs = torch.tensor([list(ids)], device=self.device)
         kwargs = dict(attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
-                      eos_token_id=None, pad_token_id=0)
+                      eos_token_id=list(stop_token_ids) or None, pad_token_id=0)
+        if logits_processor is not None:
+            kwargs["logits_processor"] = logits_processor
         if temperature > 0:
             # top_k=0 disables top-k (transformers' default would be 50).
             kwargs.update(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
