@@ -53,7 +53,6 @@ from specjax.cache import advance, init_cache
 from specjax.errors import InvalidArgumentError
 from specjax.sampling import SamplingParams, sample_tokens
 from specjax.models import cast_floats
-from specjax.state import bucket
 from specjax.training import sample_corpus, target_corpus
 
 if TYPE_CHECKING:
@@ -197,16 +196,8 @@ def rollout_continuations(target_params, target_config, draft_params, draft_conf
     seeds = np.asarray([sample_corpus.row_seed(seed, first_row + i)
                         for i in range(len(prompts))], np.uint32)
     out = np.empty((len(prompts), num_new_tokens), np.int32)
-    by_length = np.argsort(lengths, kind="stable")  # as sample_continuations batches rows
-    for begin in range(0, len(prompts), batch_size):
-        count = min(batch_size, len(prompts) - begin)
-        rows = by_length[begin:begin + count]
-        rows = rows[np.arange(batch_size) % count]  # pad with copies
-        prompt_bucket = bucket(int(lengths[rows].max()))
-        capacity = bucket(prompt_bucket + written, minimum=128)
-        padded = np.zeros((batch_size, prompt_bucket), np.int32)
-        for slot, row in enumerate(rows):
-            padded[slot, :lengths[row]] = prompts[row]
+    for rows, count, padded, capacity in sample_corpus.length_sorted_batches(
+            prompts, lengths, batch_size, written):
         tokens = _rollout_batch(target_params, target_config, draft_params, draft_config,
                                 capacity, written, depth, jnp.asarray(padded),
                                 jnp.asarray(lengths[rows]), jnp.float32(temperature),

@@ -144,25 +144,40 @@ def sample_continuations(params, config, prompts: Sequence[Sequence[int]], *,
     seeds = np.asarray([row_seed(seed, first_row + i) for i in range(len(prompts))],
                        np.uint32)
     out = np.empty((len(prompts), num_new_tokens), np.int32)
-    # Rows run in order of prompt length, so that a batch pads its prompts to its own
-    # longest one, not the corpus's (docstring prompts run from a line to ~400 tokens).
+    done = 0
+    for rows, count, padded, capacity in length_sorted_batches(prompts, lengths, batch_size,
+                                                               num_new_tokens):
+        tokens = _sample_batch(params, config, capacity, num_new_tokens, jnp.asarray(padded),
+                               jnp.asarray(lengths[rows]), jnp.float32(temperature),
+                               jnp.asarray(seeds[rows]))
+        out[rows[:count]] = np.asarray(tokens)[:count]
+        done += count
+        if progress is not None:
+            progress(done)
+    return cut_at_stop(out, stop_tokens)
+
+
+def length_sorted_batches(prompts: Sequence[Sequence[int]], lengths: np.ndarray,
+                          batch_size: int, new_tokens: int):
+    """Yields ``(rows, count, padded, capacity)`` for each batch of ``batch_size`` rows.
+
+    Rows run in order of prompt length, so that a batch pads its prompts to its own longest
+    one, not the corpus's (docstring prompts run from a line to ~400 tokens). ``rows``
+    ([batch_size] indices into ``prompts``) holds the batch's ``count`` rows, then copies of
+    them to fill the last batch; ``padded`` ([batch_size, P] int32) their prompts, right
+    padded with 0 to the batch's bucket P; ``capacity`` the cache that holds P plus
+    ``new_tokens``."""
     by_length = np.argsort(lengths, kind="stable")
     for begin in range(0, len(prompts), batch_size):
         count = min(batch_size, len(prompts) - begin)
         rows = by_length[begin:begin + count]
         rows = rows[np.arange(batch_size) % count]  # pad with copies
         prompt_bucket = bucket(int(lengths[rows].max()))
-        capacity = bucket(prompt_bucket + num_new_tokens, minimum=128)
+        capacity = bucket(prompt_bucket + new_tokens, minimum=128)
         padded = np.zeros((batch_size, prompt_bucket), np.int32)
         for slot, row in enumerate(rows):
             padded[slot, :lengths[row]] = prompts[row]
-        tokens = _sample_batch(params, config, capacity, num_new_tokens, jnp.asarray(padded),
-                               jnp.asarray(lengths[rows]), jnp.float32(temperature),
-                               jnp.asarray(seeds[rows]))
-        out[rows[:count]] = np.asarray(tokens)[:count]
-        if progress is not None:
-            progress(begin + count)
-    return cut_at_stop(out, stop_tokens)
+        yield rows, count, padded, capacity
 
 
 def cut_at_stop(tokens: np.ndarray, stop_tokens: Sequence[int]) -> np.ndarray:
