@@ -42,9 +42,9 @@ TPU layout (Mosaic needs the last two block dims to be multiples of (8, 128) or 
   chain offsets, which Mosaic cannot do.
 
 ``block_kv`` is the largest of 128, 64, 32, 16 that divides the cache capacity and keeps the
-estimated VMEM (:func:`vmem_bytes`) within :data:`~.attention_tpu.VMEM_BUDGET` (shapes
-and whether there is a window only, never the token count: SmolLM2 gets 128; Llama-2-7B's
-32 KV heads of 128 get 16). Head sizes: 16 to 256 in powers of two, and Phi-3's 96 (a
+estimated VMEM (:func:`vmem_bytes`) within :data:`~.attention_tpu.VMEM_BUDGET` at 8 rows
+per tile, else at 4, 2 or 1 (shapes and whether there is a window only, never the token
+count: SmolLM2 gets 128 at 8 rows; Llama-2-7B's 32 KV heads of 128 get 32 at 4 rows). Head sizes: 16 to 256 in powers of two, and Phi-3's 96 (a
 block's last dim is then the whole D, as Mosaic allows).
 Calls it refuses (a capacity no multiple of 16 divides) go, like drafting calls with a
 scratch window, to :mod:`.attention_tpu` through the dispatcher.
@@ -86,7 +86,8 @@ class TpuOrderedBlockSizes:
     derived from the number of tokens or the cache length.
 
     Attributes:
-      block_rows: packed query rows per tile (any positive size: a leading dim).
+      block_rows: packed query rows per tile (any positive size: a leading dim), halved
+        while the blocks would exceed the VMEM budget (:meth:`resolve`).
       block_kv: positions per block, a multiple of 16 dividing the cache capacity;
         ``None``: the largest of :data:`BLOCK_KV_CHOICES` that divides it and fits the
         VMEM budget (:meth:`resolve`).
@@ -105,11 +106,16 @@ class TpuOrderedBlockSizes:
                 f"{KERNEL_NAME}: block_kv={self.block_kv} must be a positive multiple of 16")
 
     def resolve(self, capacity: int | None, num_kv_heads: int, head_dim: int,
-                itemsize: int, windowed: bool = False) -> int:
-        """``block_kv`` for a cache of ``capacity`` slots (``None``: no cache): the largest
-        allowed block that divides it and keeps :func:`vmem_bytes` within
-        :data:`~.attention_tpu.VMEM_BUDGET` (shapes only, never the token count;
-        ``windowed``: with a sliding window's first positions, a model's static feature).
+                itemsize: int, windowed: bool = False) -> tuple[int, int]:
+        """``(block_rows, block_kv)`` for a cache of ``capacity`` slots (``None``: no
+        cache): ``block_kv`` the largest allowed block that divides it and keeps
+        :func:`vmem_bytes` within :data:`~.attention_tpu.VMEM_BUDGET` at ``block_rows``
+        rows per tile, else the same at half the rows (down to one row: many KV heads,
+        e.g. 32 of 128, take 4). Shapes only, never the token count (``windowed``: with a
+        sliding window's first positions, a model's static feature): the one-token step
+        and the verify pass tile alike. A row's arithmetic does not depend on the rows
+        beside it in its tile (``block_rows`` is a leading dim); ``block_kv`` sets the
+        order of its sums.
 
         Raises:
           InvalidArgumentError: no allowed block divides the capacity and fits.
@@ -120,37 +126,51 @@ class TpuOrderedBlockSizes:
             raise InvalidArgumentError(
                 f"{KERNEL_NAME}: cache capacity {capacity} is not a multiple of block_kv="
                 f"{choices[-1]}")
-        for block_kv in dividing:
-            if vmem_bytes(self.block_rows, block_kv, num_kv_heads, head_dim, itemsize,
-                          windowed) <= VMEM_BUDGET:
-                return block_kv
-        smallest = vmem_bytes(self.block_rows, dividing[-1], num_kv_heads, head_dim, itemsize,
-                              windowed)
+        block_rows = self.block_rows
+        while True:
+            for block_kv in dividing:
+                if vmem_bytes(block_rows, block_kv, num_kv_heads, head_dim, itemsize,
+                              windowed) <= VMEM_BUDGET:
+                    return block_rows, block_kv
+            if block_rows == 1:
+                break
+            block_rows = max(1, block_rows // 2)
+        smallest = vmem_bytes(1, dividing[-1], num_kv_heads, head_dim, itemsize, windowed)
         raise InvalidArgumentError(
             f"{KERNEL_NAME}: {num_kv_heads} KV heads x head_dim {head_dim} with block_kv="
-            f"{dividing[-1]} and {self.block_rows} rows per tile need ~"
-            f"{smallest / 2**20:.1f} MiB of VMEM (budget {VMEM_BUDGET >> 20} MiB)")
+            f"{dividing[-1]} and one row per tile need ~{smallest / 2**20:.1f} MiB of VMEM "
+            f"(budget {VMEM_BUDGET >> 20} MiB)")
+
+
+# One (sublanes, 128 lanes) VMEM tile of 32 bits x 8 or 16 bits x 16 sublanes: what a
+# [..., 1, D <= 128] or [..., 1, 1] block takes per leading index (the unit axis pads to
+# the tile's sublanes).
+_TILE = 8 * 128 * 4
 
 
 def vmem_bytes(block_rows: int, block_kv: int, num_kv_heads: int, head_dim: int,
                itemsize: int, windowed: bool = False) -> int:
-    """Estimated VMEM of one call: the double-buffered blocks (region and cache keys and
-    values, queries and output, whose unit axis takes one 32-bit sublane per row), the
-    state scratch and the float32 temporaries: about two [rows, block_kv, D] per KV head,
-    since the compiler overlaps the unrolled heads (Llama-2-7B's 32 heads at block_kv 32
-    took 18.7 MiB on v5e, 8.8 of it temporaries). ``windowed``: also the rows' first
-    positions, an int32 [rows, 1, 1] block (one (8, 128) tile per row, double-buffered)
-    and the comparisons with it: five tiles per row (v5e: +0.14 MiB at 8 rows, with 1 or 32
-    KV heads). Errs high: a smaller block only costs grid steps."""
+    """Estimated VMEM of one call, per (KV head, row) of a tile: the double-buffered region
+    keys and values ``[block_kv, D]``; the double-buffered queries and output and the state
+    scratch m, l, acc, each ``[1, D]`` or ``[1, 1]``, one tile each (the unit axis takes a
+    whole tile's sublanes); two tiles of temporaries. Per row: its position block
+    ``[1, 1]`` int32, double-buffered (``windowed``: the first positions' block and the
+    comparisons with it, five tiles). Then the double-buffered cache keys and values.
+    Fitted to the compiler's VMEM reports for v5e in bfloat16 at 8 to 32 KV heads of 64 and
+    128, 2 to 8 rows, block_kv 16 to 64 (2026-11-30: 49-52 KiB per (head, row) at
+    block_kv 16 and +1 KiB per position, against 52 here); errs high: a smaller block only
+    costs grid steps."""
     lanes = layout.round_up(head_dim, 128)
+    tile = _TILE * lanes // 128  # a [1, D] row's tile
     kv_sublanes = layout.round_up(num_kv_heads, 32 // itemsize)
-    windows = (2 * num_kv_heads * block_rows * block_kv * lanes * itemsize  # region k, v
-               + 2 * block_kv * kv_sublanes * lanes * itemsize  # cache k, v
-               + 2 * num_kv_heads * block_rows * lanes * 4)  # queries, output
-    state = num_kv_heads * block_rows * (2 * 128 + lanes) * 4
-    temporaries = 2 * num_kv_heads * block_rows * block_kv * lanes * 4
-    first_rows = 5 * block_rows * 8 * 128 * 4 if windowed else 0
-    return 2 * windows + state + temporaries + first_rows + 64 * 1024
+    per_head_row = (2 * 2 * block_kv * lanes * itemsize  # region k, v
+                    + 2 * 2 * tile  # queries, output
+                    + 2 * _TILE + tile  # m, l, acc
+                    + 2 * tile)  # temporaries
+    per_row = 2 * _TILE + (5 * _TILE if windowed else 0)
+    cache = 2 * 2 * block_kv * kv_sublanes * lanes * itemsize
+    return (num_kv_heads * block_rows * per_head_row + block_rows * per_row + cache
+            + 64 * 1024)
 
 
 def _batched_dot(a, b, *, contract: int):
@@ -227,7 +247,8 @@ def check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask=None, 
                     softcap=None, first_visible=None) -> int:
     """Raises :class:`InvalidArgumentError` (one line) unless the kernel takes the call
     (``softcap`` a positive number or ``None``, ``first_visible`` int32 [T] or ``None``);
-    returns its ``block_kv``. Reads shapes and dtypes only."""
+    returns its ``(block_rows, block_kv)`` (:meth:`TpuOrderedBlockSizes.resolve`). Reads
+    shapes and dtypes only."""
     k_cache = check_call(KERNEL_NAME, q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
                          head_dims=HEAD_DIMS, dtypes=DTYPES)
     layout.check_windows(q.shape[0], softcap, first_visible, KERNEL_NAME)
@@ -281,9 +302,9 @@ def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
     Returns:
       [T, H, D] in q's dtype.
     """
-    block_kv = check_supported(q, k_new, v_new, k_cache, v_cache, mask, scratch_mask,
-                               block_sizes=block_sizes, softcap=softcap,
-                               first_visible=first_visible)
+    block_rows, block_kv = check_supported(q, k_new, v_new, k_cache, v_cache, mask,
+                                           scratch_mask, block_sizes=block_sizes,
+                                           softcap=softcap, first_visible=first_visible)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
@@ -294,7 +315,6 @@ def ordered_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scrat
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0  # free reshapes
     length = jnp.asarray(length, jnp.int32)
     layer = jnp.asarray(layer, jnp.int32)
-    block_rows = block_sizes.block_rows
     rows = layout.round_up(num_tokens * group, block_rows)
     region_blocks = -(-(block_kv - 1 + num_tokens) // block_kv)
     num_steps = k_cache.shape[1] // block_kv + region_blocks

@@ -44,7 +44,9 @@ import pytest
 from specjax import kernels
 from specjax.errors import InvalidArgumentError
 from specjax.kernel_options import KernelOptions
-from specjax.kernels.attention_ordered_tpu import TpuOrderedBlockSizes, ordered_attention_tpu
+from specjax.kernels.attention_ordered_tpu import (TpuOrderedBlockSizes, ordered_attention_tpu,
+                                                  vmem_bytes)
+from specjax.kernels.attention_tpu import VMEM_BUDGET
 from specjax.kernels.linear_tpu import (TpuLinearBlockSizes, check_supported,
                                         fused_linear_reference, fused_linear_tpu)
 
@@ -195,6 +197,38 @@ def test_windowed_rows_do_not_depend_on_the_row_count(dim):
         ordered_attention_tpu, dim,
         lambda rows: TpuOrderedBlockSizes(block_kv=16 if rows == 1 else 32), **windows)
     assert np.any(together != alone)
+
+
+def test_many_kv_heads_tile_fewer_rows_chosen_by_shape_alone():
+    """The tiling follows the KV heads, head size, dtype and window, never the row count:
+    SmolLM2's 3 KV heads of 64 tile 8 rows with 128-position blocks, Llama-2-7B's 32 of 128
+    4 rows with 32 (at 8 rows with 16-position blocks the compiler reported 12.48 MiB on
+    v5e, over the 12 MiB budget: the estimate says so); every tiling chosen is within the
+    budget, and what fits in none is refused in one line. A row's output is bitwise the same
+    in tiles of 8 rows and of 4 (the row count's wrong variant: the windowed test above)."""
+    sizes = TpuOrderedBlockSizes()
+    assert sizes.resolve(4096, 3, 64, 2) == (8, 128)
+    assert sizes.resolve(4096, 32, 128, 2) == sizes.resolve(4096, 32, 128, 2, True) == (4, 32)
+    assert vmem_bytes(8, 16, 32, 128, 2) > VMEM_BUDGET >= vmem_bytes(4, 32, 32, 128, 2)
+    refused = 0
+    for heads in (1, 3, 8, 16, 32, 64):
+        for dim in (64, 96, 128, 256):
+            for itemsize in (2, 4):
+                try:
+                    rows, block_kv = sizes.resolve(4096, heads, dim, itemsize, True)
+                except InvalidArgumentError as error:
+                    assert "\n" not in str(error) and "one row per tile" in str(error)
+                    refused += 1
+                    continue
+                assert vmem_bytes(rows, block_kv, heads, dim, itemsize, True) <= VMEM_BUDGET
+                assert rows == 8 or vmem_bytes(rows * 2, 16, heads, dim, itemsize,
+                                               True) > VMEM_BUDGET
+    assert 0 < refused < 6  # only 64 KV heads of the widest
+    outputs = [ordered_row_alone_and_together(
+        ordered_attention_tpu, 64, lambda _: TpuOrderedBlockSizes(block_rows=rows, block_kv=32))
+        for rows in (8, 4)]
+    np.testing.assert_array_equal(outputs[0][0], outputs[1][0])
+    np.testing.assert_array_equal(outputs[0][0], outputs[0][1])
 
 
 def test_ordered_attention_refuses_what_it_does_not_order():

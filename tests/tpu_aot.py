@@ -592,10 +592,14 @@ def run_job(job: dict, dump_dir: str | None) -> dict:
             from specjax.kernels import attention_ordered_tpu as ordered
 
             args, options = kernel_args(job, sharding), kernel_options(job, sharding)
-            record["block_kv"] = ordered.check_supported(*args[:5], *args[6:], **options)
+            if "block_rows" in job or "block_kv" in job:  # a tiling probe
+                options["block_sizes"] = ordered.TpuOrderedBlockSizes(
+                    block_rows=job.get("block_rows", 8), block_kv=job.get("block_kv"))
+            record["block_rows"], record["block_kv"] = ordered.check_supported(
+                *args[:5], *args[6:], **options)
             record["estimate"] = ordered.vmem_bytes(
-                ordered.TpuOrderedBlockSizes().block_rows, record["block_kv"],
-                job["num_kv_heads"], job["head_dim"], jax.numpy.dtype(job["dtype"]).itemsize,
+                record["block_rows"], record["block_kv"], job["num_kv_heads"],
+                job["head_dim"], jax.numpy.dtype(job["dtype"]).itemsize,
                 windowed="first_visible" in options)
             start = time.perf_counter()
             lowered = ordered.ordered_attention_tpu.lower(*args, **options)
