@@ -85,21 +85,34 @@ def test_the_help_says_what_the_default_is(capsys):
     assert "method_choice" in text
 
 
-def test_the_readme_gpu_table_is_the_committed_suite():
-    """The README's GPU table (median speedup, tokens per target pass) is what the committed
-    H200 suite holds, rounded as printed."""
+@pytest.mark.parametrize("backend, begin, end, methods", [
+    ("cpu", "Measured on the 2-core x86-64 CPU", "Every output of every method equals",
+     ["ar", "spec", "staged", "tree", "ngram"]),
+    ("gpu", "**On a GPU with the shipped draft**", "So the default on a GPU",
+     ["spec", "tree", "ngram", "staged"])])
+def test_the_readme_tables_are_the_committed_suites(backend, begin, end, methods):
+    """The README's CPU and GPU tables (median speedup over ar, tokens per target pass; on
+    the CPU ar's tokens/s) are what the committed suites the default follows hold, rounded
+    as printed, and the source the CPU table names is that suite."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("**On a GPU with the shipped draft**"):]
-    section = section[:section.index("So the default on a GPU")]
+    section = text[text.index(begin):]
+    section = section[:section.index(end)]
     rows = re.findall(r"^\| `(\w+)`[^|]*\| (.+?) \| (.+?) \|$", section, re.M)
-    measured = choice.MEASURED["gpu", "greedy"]
+    measured = choice.MEASURED[backend, "greedy"]
+    if backend == "cpu":
+        assert f"`{measured.source}`" in " ".join(section.split())
     suite = json.loads((ROOT / measured.source).read_text())
-    accepted = {(a["method"], float(a["temperature"])): a["mean_accepted"]["aggregate"]
-                for a in suite["aggregates"] if a.get("kind") == "specjax"}
-    assert [name for name, _, _ in rows] == ["spec", "tree", "ngram", "staged"]
+    aggregates = {(a["method"], float(a["temperature"])): a for a in suite["aggregates"]
+                  if a.get("kind") == "specjax"}
+    assert [name for name, _, _ in rows] == methods
     for name, *cells in rows:
         for temperature, cell in zip((0.0, 1.0), cells):
+            aggregate = aggregates[name, temperature]
+            if name == "ar":
+                rate = re.fullmatch(r"1\.00x \(([\d.]+) tok/s\)", cell).group(1)
+                assert float(rate) == round(aggregate["tokens_per_s"]["aggregate"], 1), cell
+                continue
             speedup, tokens = re.fullmatch(r"\**([\d.]+)x\** \(([\d.]+)\)", cell).groups()
-            key = ("gpu", "greedy" if temperature == 0.0 else "sampled")
+            key = (backend, "greedy" if temperature == 0.0 else "sampled")
             assert float(speedup) == round(choice.MEASURED[key].speedup[name], 2), (name, cell)
-            assert float(tokens) == round(accepted[name, temperature], 2), (name, cell)
+            assert float(tokens) == round(aggregate["mean_accepted"]["aggregate"], 2), (name, cell)
