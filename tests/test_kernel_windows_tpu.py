@@ -9,8 +9,8 @@ window; slots below a window stay finite, since other rows of the call read them
 comparison is shown sharp (the reference with the window one slot later, or without the
 cap, is far off). A row's output is bitwise the same alone and among 16 windowed nodes (the
 tile-level skipping of blocks below every row's window changes nothing). And the kernel
-compiles with Mosaic for TPU v5e and v4 at Gemma-like and Phi-3-like (head_dim 96) shapes
-within its VMEM estimate.
+compiles with Mosaic for TPU v5e and v4 at Gemma-like and Phi-3-like (head_dim 96) shapes,
+and for v5e at a Phi-2-like one (head_dim 80, no window), within its VMEM estimate.
 """
 
 from __future__ import annotations
@@ -80,6 +80,12 @@ CASES = [
                _sliding(200, range(4), 50), 2.0),
     # No cache (a prefill): the cap applies to the tokens; first_visible has nothing to cut.
     WindowCase(Case("no-cache-f32", 5, 6, 2, 64, None, 0, tree=False), (0, 1, 2, 3, 4), 2.0),
+    # Phi-2's head_dim 80 like Phi-3's 96 above (with a cap and a window, which Phi-2 has
+    # not), bfloat16.
+    WindowCase(Case("causal-sliding-d80-bf16", 4, 4, 2, 80, 256, 200, window=2, tree=False,
+                    dtype=jnp.bfloat16,
+                    block_sizes=TpuBlockSizes(block_kv=32, num_splits=3)),
+               _sliding(200, range(4), 50), 2.0),
 ]
 
 
@@ -189,6 +195,9 @@ GEMMA3 = dict(num_heads=4, num_kv_heads=1, head_dim=256, dtype="bfloat16", capac
 WINDOWED = dict(kind="kernel", softcap=50.0, windowed=True)
 PHI3 = dict(kind="kernel", windowed=True, num_heads=32, num_kv_heads=32, head_dim=96,
             dtype="bfloat16", capacity=4096)
+# Phi-2's heads (32 / 32 of 80: blocks whose last dim is the array's 80), no window, no cap.
+PHI2 = dict(kind="kernel", num_heads=32, num_kv_heads=32, head_dim=80, dtype="bfloat16",
+            capacity=2048)
 COMPILE_JOBS = [
     dict(WINDOWED, target=target, **GEMMA3, tokens=tokens, window=window)
     for target in ("v5e:2x2", "v4:2x2x1") for tokens, window in ((1, 0), (16, 0), (6, 12))
@@ -203,6 +212,9 @@ COMPILE_JOBS = [
     # scratch window on v5e and v4.
     dict(PHI3, target=target, tokens=tokens, window=window)
     for target, tokens, window in (("v5e:2x2", 1, 0), ("v5e:2x2", 16, 16), ("v4:2x2x1", 16, 16))
+] + [
+    # Phi-2's (head_dim 80): a 16-node tree with a 16-slot scratch window on v5e.
+    dict(PHI2, target="v5e:2x2", tokens=16, window=16),
 ]
 
 
@@ -242,7 +254,8 @@ def test_windowed_kernel_compiles_within_vmem(compile_records, job):
 # The position-ordered kernel (attention "fused") with the cap and the windows, for v5e:
 # Gemma-3-270M's heads (4 / 1 of 256) in bfloat16, a one-token step and a 16-node verify
 # pass; Gemma-2-2B's (8 / 4 of 256) verify pass in float32; 8 of Phi-3-mini's 32 heads of
-# 96, each with its KV head (tpu_aot.FAMILY_HF_CONFIGS), with its windows and no cap. (With
+# 96, each with its KV head (tpu_aot.FAMILY_HF_CONFIGS), with its windows and no cap, and 8
+# of Phi-2's 32 heads of 80 (no window). (With
 # all 32 KV heads the compiler reports 12.2-12.6 MiB, over the estimate of 9.4 and over
 # the 12 MiB budget, with or without a window, as at Llama-2-7B's 32 heads of 128: the
 # estimate's temporaries undercount many unrolled heads; within v4's 16 MiB.)
@@ -253,6 +266,8 @@ ORDERED_JOBS = [
     dict(kind="ordered_kernel", target="v5e:2x2", num_heads=8, num_kv_heads=4, head_dim=256,
          dtype="float32", capacity=4096, tokens=16, window=0, softcap=50.0, windowed=True),
     dict(PHI3, kind="ordered_kernel", target="v5e:2x2", tokens=16, window=0, num_heads=8,
+         num_kv_heads=8),
+    dict(PHI2, kind="ordered_kernel", target="v5e:2x2", tokens=16, window=0, num_heads=8,
          num_kv_heads=8),
 ]
 
