@@ -289,8 +289,8 @@ def test_auto_uses_the_fallback_where_the_kernel_does_not_run(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(attention_gpu, "verify_attention_gpu", no_kernel)
     kernels.verify_attention(*_valid_args(t=129), fallback=fallback)
-    kernels.verify_attention(*_valid_args(d=48), fallback=fallback)
-    assert calls == [(2, 4, 64), (129, 4, 64), (2, 4, 48)]
+    kernels.verify_attention(*_valid_args(d=40), fallback=fallback)
+    assert calls == [(2, 4, 64), (129, 4, 64), (2, 4, 40)]
     with pytest.raises(AssertionError, match="must not run"):
         kernels.verify_attention(*_valid_args(), fallback=fallback)
 
