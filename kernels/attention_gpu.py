@@ -27,10 +27,11 @@ its output does not depend on the other rows of its block) and a row block does 
 the blocks below all of its rows' windows. The splits' runs stay the ones ``length``
 gives: a short window over a long cache leaves the early splits idle.
 
-Head sizes: Triton's tiles are powers of two, so a head_dim that is not one (96, Phi-3's)
-runs on tiles of the next (128): the packed queries and tail rows are zero-padded to it
-(a few rows per call), the cache is not: the split kernel loads the cache's D columns into
-the 128-wide tile with the columns past D masked off, and the output is cut back to D.
+Head sizes: any multiple of 16 up to 256. Triton's tiles are powers of two, so a head_dim
+that is not one (Phi-2's 80, Phi-3's 96) runs on tiles of the next (128; 144 to 240 on
+256): the packed queries and tail rows are zero-padded to it (a few rows per call), the
+cache is not: the split kernel loads the cache's D columns into the wider tile with the
+columns past D masked off, and the output is cut back to D.
 
 Scores, softmax and accumulators are float32; the scale ``1/sqrt(D)`` is applied to the
 float32 scores. Float32 inputs use IEEE float32 dots (``Precision.HIGHEST``; Triton's
@@ -66,8 +67,9 @@ from jax.experimental.pallas import triton as plgpu
 from specjax.errors import InvalidArgumentError
 from . import layout
 
-# Triton's tiles are powers of two: 96 (Phi-3) runs on 128-wide ones (see _columns).
-HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+# Any multiple of 16 up to 256; Triton's tiles are powers of two: a size that is not one
+# (Phi-2's 80, Phi-3's 96) runs on tiles of the next (see _columns).
+HEAD_DIMS = tuple(range(16, 257, 16))
 DTYPES = layout.FLOAT_DTYPES
 KERNEL_NAME = "GPU verify-attention kernel"
 DEFAULT_BLOCK_ROWS = 16
@@ -140,11 +142,11 @@ def _dot(a, b, *, contract_b: int):
 def _columns(x, width: int):
     """x [..., D] zero-padded, or cut, to [..., width] (x itself when D == width).
 
-    Triton's tiles are powers of two: a head_dim that is not one (Phi-3's 96) runs on tiles
-    of the next (128). The few packed rows (queries, tail keys and values) are zero-padded
-    to it; the cache is not (that would be a cache-sized copy per layer and step): the
-    split kernel loads its D columns into the wider tile, masked. The padded columns add 0
-    to every score and give 0 in the output, which is cut back to D.
+    Triton's tiles are powers of two: a head_dim that is not one (Phi-2's 80, Phi-3's 96)
+    runs on tiles of the next (128 for both). The few packed rows (queries, tail keys and
+    values) are zero-padded to it; the cache is not (that would be a cache-sized copy per
+    layer and step): the split kernel loads its D columns into the wider tile, masked. The
+    padded columns add 0 to every score and give 0 in the output, which is cut back to D.
     """
     extra = width - x.shape[-1]
     if extra < 0:
@@ -175,7 +177,7 @@ def _split_kernel(length_ref, layer_ref, q_ref, *refs, block_kv: int, scale: flo
     last = jnp.minimum(first + per_split, num_blocks)
     q = q_ref[...]
     rows, padded_dim = q.shape
-    head_dim = k_ref.shape[-1]  # the cache's; below padded_dim (96 of 128) its tail is masked
+    head_dim = k_ref.shape[-1]  # the cache's; below padded_dim (80 of 128) its tail is masked
     columns = slice(None) if head_dim == padded_dim else pl.ds(0, padded_dim)
     first_visible = None
     if windowed:
@@ -335,7 +337,7 @@ def verify_attention_gpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     tail_k, tail_v, tail_mask = layout.pack_tail(
         k_new, v_new, window_k, window_v, jnp.int32(0), mask, window_mask, group=group,
         rows=rows, tail=tail, mask_dtype=jnp.int8)
-    padded_dim = layout.next_power_of_2(head_dim)  # 128 for 96 (see _columns)
+    padded_dim = layout.next_power_of_2(head_dim)  # 128 for 80 or 96 (see _columns)
     queries, tail_k, tail_v = (_columns(x, padded_dim) for x in (queries, tail_k, tail_v))
     row_blocks = rows // config.block_rows
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)

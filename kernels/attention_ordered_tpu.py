@@ -44,8 +44,9 @@ TPU layout (Mosaic needs the last two block dims to be multiples of (8, 128) or 
 ``block_kv`` is the largest of 128, 64, 32, 16 that divides the cache capacity and keeps the
 estimated VMEM (:func:`vmem_bytes`) within :data:`~.attention_tpu.VMEM_BUDGET` at 8 rows
 per tile, else at 4, 2 or 1 (shapes and whether there is a window only, never the token
-count: SmolLM2 gets 128 at 8 rows; Llama-2-7B's 32 KV heads of 128 get 32 at 4 rows). Head sizes: 16 to 256 in powers of two, and Phi-3's 96 (a
-block's last dim is then the whole D, as Mosaic allows).
+count: SmolLM2 gets 128 at 8 rows; Llama-2-7B's 32 KV heads of 128 get 32 at 4 rows).
+Head sizes: 16 to 256 in powers of two, Phi-2's 80 and Phi-3's 96 (a block's last dim is
+then the whole D, as Mosaic allows).
 Calls it refuses (a capacity no multiple of 16 divides) go, like drafting calls with a
 scratch window, to :mod:`.attention_tpu` through the dispatcher.
 
@@ -74,7 +75,8 @@ from .attention_ordered_gpu import ancestor_chains, check_call
 from .attention_tpu import VMEM_BUDGET, VMEM_LIMIT
 
 KERNEL_NAME = "TPU position-ordered attention kernel"
-HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # 96 (Phi-3): blocks whose last dim is the whole D
+# 80 (Phi-2), 96 (Phi-3): blocks whose last dim is the whole D
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 TAKES_LAYER_INDEX = True
 BLOCK_KV_CHOICES = (128, 64, 32, 16)  # multiples of bf16's 16-row sublane tile

@@ -69,9 +69,9 @@ from jax.experimental.pallas import tpu as pltpu
 from specjax.errors import InvalidArgumentError
 from . import layout
 
-# Blocks end in the whole head_dim (the array's last dim), so 64 and 96 are legal; VMEM
-# pads them to 128 lanes, which the estimates count.
-HEAD_DIMS = (64, 96, 128, 256)
+# Blocks end in the whole head_dim (the array's last dim), so 64, 80 (Phi-2) and 96
+# (Phi-3) are legal; VMEM pads them to 128 lanes, which the estimates count.
+HEAD_DIMS = (64, 80, 96, 128, 256)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 KERNEL_NAME = "TPU verify-attention kernel"
 TAKES_LAYER_INDEX = True  # reads layer ``layer`` of an [L, S, K, D] cache in place
@@ -459,7 +459,7 @@ def verify_attention_tpu(q, k_new, v_new, k_cache, v_cache, length, mask, scratc
     """Tree/decode attention on a TPU (Mosaic); same semantics as ``attention_reference``.
 
     Args:
-      q: [T, H, D] queries, 1 <= T <= 128, D in (64, 96, 128, 256).
+      q: [T, H, D] queries, 1 <= T <= 128, D in (64, 80, 96, 128, 256).
       k_new, v_new: [T, K, D] keys/values of the new tokens (H a multiple of K).
       k_cache, v_cache: [S, K, D] one layer's cache, [L, S, K, D] every layer's (read at
         ``layer``, in place), or ``None``.

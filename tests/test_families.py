@@ -620,20 +620,44 @@ def test_the_attention_kernels_take_phi3s_head_dim_96(tmp_path, kernel):
     assert models.attention_fallback(model.config, kernel) is None
 
 
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+def test_the_attention_kernels_take_phi2s_head_dim_80(tmp_path, kernel):
+    """Phi-2's head size (80; here 2 heads, RoPE on 40% of each, biases): attention
+    ``"kernel"``, each kernel interpreted on the CPU (the GPU kernel's 128-wide tiles over
+    the 80 columns of the cache), gives ``"auto"``'s tokens (the jnp attention on the CPU),
+    and no platform's stats would name an attention fallback."""
+    hf_model = tiny_family_model("phi", seed=7, hidden_size=160, num_attention_heads=2)
+    hf_model.save_pretrained(tmp_path)
+    model = specjax.load(tmp_path)
+    assert model.config.head_dim == 80
+    prompt = random_prompt(0, 9)
+    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
+    out = specjax.generate(model, prompt, max_new_tokens=8, kernels=specjax.KernelOptions(
+        attention="kernel", interpret_variant=kernel))
+    assert out.tokens == expected
+    assert "attention_fallback" not in out.stats
+    assert models.attention_fallback(model.config, kernel) is None
+
+
 def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
     """A head_dim the TPU kernel does not take (16): the stats of a TPU run would name it,
     and ``attention="kernel"`` with the TPU kernel refuses in one line. Phi-3's head_dim 96
-    is taken by both kernels; Phi-2's 80 by neither, and both platforms name it."""
+    and Phi-2's 80 are taken by both kernels, 48 by the GPU kernel only; 40 by neither, and
+    both platforms name it."""
     phi3 = pairs["phi3-global"][1]
     assert models.attention_fallback(phi3.config, "tpu") == (
         "jnp attention: the Pallas attention kernel (tpu) takes no head_dim 16")
     assert models.attention_fallback(pairs["qwen3-tied"][1].config, "gpu") is None
     for platform in ("gpu", "tpu"):
-        assert models.attention_fallback(
-            dataclasses.replace(phi3.config, head_dim=96), platform) is None, platform
-        assert models.attention_fallback(dataclasses.replace(phi3.config, head_dim=80),
+        for taken in (80, 96):
+            assert models.attention_fallback(
+                dataclasses.replace(phi3.config, head_dim=taken), platform) is None, platform
+        assert models.attention_fallback(dataclasses.replace(phi3.config, head_dim=40),
                                          platform) == (
-            f"jnp attention: the Pallas attention kernel ({platform}) takes no head_dim 80")
+            f"jnp attention: the Pallas attention kernel ({platform}) takes no head_dim 40")
+    assert models.attention_fallback(dataclasses.replace(phi3.config, head_dim=48), "gpu") is None
+    assert models.attention_fallback(dataclasses.replace(phi3.config, head_dim=48), "tpu") == (
+        "jnp attention: the Pallas attention kernel (tpu) takes no head_dim 48")
     with pytest.raises(InvalidArgumentError, match="head_dim 16 is not supported") as info:
         specjax.generate(phi3, random_prompt(0, 6), max_new_tokens=2,
                          kernels=specjax.KernelOptions(attention="kernel",

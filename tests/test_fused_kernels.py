@@ -14,8 +14,9 @@ a kernel never writes with NaN). Checked here:
   count, the bug the design rules out) is caught by the same comparison;
 * the ordered attention against ``attention_reference`` (GQA 1-4, trees, causal prefill
   without a cache, lengths off the block, fp32/bf16, NaN in every slot it must not read;
-  Phi-3's and Gemma's head sizes, 96 on 128-wide tiles loaded masked, 256 with 8-position
-  blocks); a row's output bitwise the same alone and among 16 rows at those head sizes,
+  Phi-2's, Phi-3's and Gemma's head sizes, 80 and 96 on 128-wide tiles loaded masked, 256
+  with 8-position blocks); a row's output bitwise the same alone and among 16 rows at
+  those head sizes,
   and a block chosen from the row count caught;
 * whole models: ``attn_impl="fused"`` logits equal the reference's within tolerance; a
   tree root's logits in an N-node verify pass are bitwise the one-token step's; and every
@@ -281,6 +282,8 @@ ORDERED_CASES = [
     # Gemma's (8-position blocks on the GPU), the length mid-block
     Case("tree-g2-d96-f32", 6, 4, 2, 96, 64, 21),
     Case("tree-g4-d256-bf16", 5, 4, 1, 256, 32, 13, dtype=jnp.bfloat16),
+    # Phi-2's (80 of the 128-wide tiles' columns), the length mid-block
+    Case("tree-g3-d80-bf16", 5, 6, 2, 80, 48, 29, dtype=jnp.bfloat16),
 ]
 
 
@@ -361,11 +364,11 @@ def ordered_row_alone_and_together(kernel, dim: int, sizes_for, **extras):
     return np.asarray(together[NODE], np.float32), np.asarray(alone[0], np.float32)
 
 
-@pytest.mark.parametrize("dim", [96, pytest.param(256, marks=pytest.mark.slow)])
-def test_ordered_rows_of_phi3_and_gemma_heads_do_not_depend_on_the_row_count(dim):
-    """At Phi-3's and Gemma's head sizes (tiles 128 and 256 wide; 16- and 8-position
-    blocks, chosen from the head size) a query row's output is bitwise the same alone and
-    among 16 rows; with the block chosen from the row count instead (8 positions alone, 16
+@pytest.mark.parametrize("dim", [80, 96, pytest.param(256, marks=pytest.mark.slow)])
+def test_ordered_rows_of_phi_and_gemma_heads_do_not_depend_on_the_row_count(dim):
+    """At Phi-2's, Phi-3's and Gemma's head sizes (tiles 128, 128 and 256 wide; 16-, 16- and
+    8-position blocks, chosen from the head size) a query row's output is bitwise the same
+    alone and among 16 rows; with the block chosen from the row count instead (8 positions alone, 16
     together: the deliberately wrong variant) it is not."""
     right = GpuOrderedBlockSizes().resolve(dim)
     together, alone = ordered_row_alone_and_together(
@@ -375,7 +378,7 @@ def test_ordered_rows_of_phi3_and_gemma_heads_do_not_depend_on_the_row_count(dim
         ordered_attention_gpu, dim,
         lambda rows: GpuOrderedBlockSizes(block_kv=8 if rows == 1 else 16))
     assert np.any(together != alone)
-    assert right == (16 if dim == 96 else 8)
+    assert right == (8 if dim == 256 else 16)
 
 
 def test_ordered_attention_refuses_what_it_does_not_order():

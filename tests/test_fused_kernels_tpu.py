@@ -14,8 +14,8 @@ GPU kernels, reusing its inputs and helpers:
   and a reduction chunk chosen from the row count (the bug the tiling rules out) is caught;
 * the ordered attention against ``attention_reference`` (the GPU test's cases, and its
   soft-capping and sliding windows check); with the cap and windows a row's output is
-  bitwise the same alone and among 16 rows at heads of 96 and 256, and a block chosen from
-  the row count is caught;
+  bitwise the same alone and among 16 rows at heads of 80, 96 and 256, and a block chosen
+  from the row count is caught;
 * whole models through the dispatcher (``KernelOptions(interpret_variant="tpu")``): every node on a
   root-to-leaf path of a 17-node tree is bitwise the one-token ``ar`` step at its position
   (fp32; bf16 in the slow tier), on the GPU test's tiny model; in the slow tier also with
@@ -180,12 +180,12 @@ def test_ordered_attention_with_softcap_and_windows_matches_reference():
     check_windows_against_reference(ordered_attention_tpu)
 
 
-@pytest.mark.parametrize("dim", [96, pytest.param(256, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dim", [80, 96, pytest.param(256, marks=pytest.mark.slow)])
 def test_windowed_rows_do_not_depend_on_the_row_count(dim):
     """With the cap and a window per row (node 9's starting mid-cache, its tile's other
-    rows' lower or none), at Phi-3's and Gemma's head sizes, a row's output is bitwise the
-    same alone and among 16 rows; with ``block_kv`` chosen from the row count (16 alone, 32
-    together: the deliberately wrong variant) it is not."""
+    rows' lower or none), at Phi-2's, Phi-3's and Gemma's head sizes, a row's output is
+    bitwise the same alone and among 16 rows; with ``block_kv`` chosen from the row count (16
+    alone, 32 together: the deliberately wrong variant) it is not."""
     first = jnp.asarray([0, 50, 7, 299, -3, 120, 260, 10, 200, 171, 0, 1, 2, 300, 299, 298],
                         jnp.int32)
     first = first.at[8].set(jnp.iinfo(jnp.int32).min)  # a global row in node 9's tile

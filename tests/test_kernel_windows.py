@@ -67,6 +67,9 @@ CASES = [
          global_row=1),
     Case("decode-d96-bf16", 1, 4, 4, 100, 77, 20, softcap=None, dtype=jnp.bfloat16,
          head_dim=96),
+    # Phi-2's head_dim 80 (128-wide tiles over the cache's 80 columns), capped and windowed
+    # (Phi-2 has neither; the tiles' masking is what is checked), with a scratch window.
+    Case("tree-d80-f32", 5, 6, 2, 100, 70, 20, scratch=2, head_dim=80, global_row=3),
 ]
 
 

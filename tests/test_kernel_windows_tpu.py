@@ -9,8 +9,8 @@ window; slots below a window stay finite, since other rows of the call read them
 comparison is shown sharp (the reference with the window one slot later, or without the
 cap, is far off). A row's output is bitwise the same alone and among 16 windowed nodes (the
 tile-level skipping of blocks below every row's window changes nothing). And the kernel
-compiles with Mosaic for TPU v5e and v4 at Gemma-like and Phi-3-like (head_dim 96) shapes
-within its VMEM estimate.
+compiles with Mosaic for TPU v5e and v4 at Gemma-like and Phi-3-like (head_dim 96) shapes,
+and for v5e at a Phi-2-like one (head_dim 80, no window), within its VMEM estimate.
 """
 
 from __future__ import annotations
@@ -80,6 +80,12 @@ CASES = [
                _sliding(200, range(4), 50), 2.0),
     # No cache (a prefill): the cap applies to the tokens; first_visible has nothing to cut.
     WindowCase(Case("no-cache-f32", 5, 6, 2, 64, None, 0, tree=False), (0, 1, 2, 3, 4), 2.0),
+    # Phi-2's head_dim 80 like Phi-3's 96 above (with a cap and a window, which Phi-2 has
+    # not), bfloat16.
+    WindowCase(Case("causal-sliding-d80-bf16", 4, 4, 2, 80, 256, 200, window=2, tree=False,
+                    dtype=jnp.bfloat16,
+                    block_sizes=TpuBlockSizes(block_kv=32, num_splits=3)),
+               _sliding(200, range(4), 50), 2.0),
 ]
 
 
@@ -189,6 +195,9 @@ GEMMA3 = dict(num_heads=4, num_kv_heads=1, head_dim=256, dtype="bfloat16", capac
 WINDOWED = dict(kind="kernel", softcap=50.0, windowed=True)
 PHI3 = dict(kind="kernel", windowed=True, num_heads=32, num_kv_heads=32, head_dim=96,
             dtype="bfloat16", capacity=4096)
+# Phi-2's heads (32 / 32 of 80: blocks whose last dim is the array's 80), no window, no cap.
+PHI2 = dict(kind="kernel", num_heads=32, num_kv_heads=32, head_dim=80, dtype="bfloat16",
+            capacity=2048)
 COMPILE_JOBS = [
     dict(WINDOWED, target=target, **GEMMA3, tokens=tokens, window=window)
     for target in ("v5e:2x2", "v4:2x2x1") for tokens, window in ((1, 0), (16, 0), (6, 12))
@@ -203,6 +212,9 @@ COMPILE_JOBS = [
     # scratch window on v5e and v4.
     dict(PHI3, target=target, tokens=tokens, window=window)
     for target, tokens, window in (("v5e:2x2", 1, 0), ("v5e:2x2", 16, 16), ("v4:2x2x1", 16, 16))
+] + [
+    # Phi-2's (head_dim 80): a 16-node tree with a 16-slot scratch window on v5e.
+    dict(PHI2, target="v5e:2x2", tokens=16, window=16),
 ]
 
 
@@ -225,7 +237,8 @@ def test_windowed_kernel_compiles_within_vmem(compile_records, job):
     compiler reports for each kernel is within the kernel's estimate (which counts the new
     block), within the budget. (XLA may keep a small combine kernel's operands in VMEM and
     report no allocation of its own for it: v5e/v6e with one KV head of 256, windows or not;
-    the split kernel, which reads the new block, is always reported.)"""
+    the split kernel, which reads the new block, is always reported.) The Phi-2 job (heads
+    of 80) has neither cap nor window: it checks the head size."""
     record = compile_records[_job_id(job)]
     assert record["ok"], f"{record['target']}: {record['error']}\n{record.get('traceback', '')}"
     assert record["vmem_capacity"] == tpu_aot.TARGETS[record["target"]]
@@ -244,7 +257,8 @@ def test_windowed_kernel_compiles_within_vmem(compile_records, job):
 # pass; Gemma-2-2B's (8 / 4 of 256) verify pass in float32; Phi-3-mini's 32 KV heads of 96
 # (tpu_aot.FAMILY_HF_CONFIGS) with its windows and no cap, a 16-node verify pass: two tiles
 # of 4 rows (at 8 rows the compiler reported 12.4 MiB for its blocks, over the 12 MiB
-# budget, which the estimate of the time put at 9.6).
+# budget, which the estimate of the time put at 9.6); 8 of Phi-2's 32 heads of 80 (no
+# window).
 ORDERED_JOBS = [
     dict(GEMMA3, kind="ordered_kernel", target="v5e:2x2", softcap=50.0, windowed=True,
          tokens=tokens, window=0) for tokens in (1, 16)
@@ -252,6 +266,8 @@ ORDERED_JOBS = [
     dict(kind="ordered_kernel", target="v5e:2x2", num_heads=8, num_kv_heads=4, head_dim=256,
          dtype="float32", capacity=4096, tokens=16, window=0, softcap=50.0, windowed=True),
     dict(PHI3, kind="ordered_kernel", target="v5e:2x2", tokens=16, window=0),
+    dict(PHI2, kind="ordered_kernel", target="v5e:2x2", tokens=16, window=0, num_heads=8,
+         num_kv_heads=8),
 ]
 
 
@@ -267,7 +283,8 @@ def test_windowed_ordered_kernel_compiles_within_vmem(ordered_records, job):
     """Mosaic compiles the position-ordered kernel with the cap and the rows' first
     positions, and the VMEM the compiler reports for it is within the kernel's estimate
     (:func:`~specjax.kernels.attention_ordered_tpu.vmem_bytes`, which counts the windows'
-    block), within the budget."""
+    block), within the budget; the Phi-2 job (heads of 80), without either, checks the head
+    size."""
     record = ordered_records[_job_id(job)]
     assert record["ok"], f"{record['target']}: {record['error']}\n{record.get('traceback', '')}"
     assert record["fused_kernels"]["ordered_attention_tpu"] > 0, record["fused_kernels"]

@@ -7,11 +7,12 @@ window) holds NaN, so an out-of-range read or an unwritten output element fails 
 The reference gets the same inputs with those slots zeroed (it multiplies every slot by its
 probability, so it cannot take NaN there).
 
-Shapes cover GQA ratios 1/3/4/8, head_dim 64, 96 (Phi-3's) and 128, cache lengths that are
-not a multiple of the block (and 0), one token and random trees, with and without a scratch
-window, float32 and bfloat16. At head_dim 96 the GPU kernel's tiles are 128 wide over a
-96-wide cache: the interpreter pads what a load reads past a dimension with NaN, so an
-unmasked load of the cache's missing columns 96..127 fails the test too. Also: both kernels
+Shapes cover GQA ratios 1/3/4/8, head_dim 64, 80 (Phi-2's), 96 (Phi-3's) and 128 (and 48
+and 144 for the GPU kernel), cache lengths that are not a multiple of the block (and 0),
+one token and random trees, with and without a scratch window, float32 and bfloat16. At
+head_dim 80 and 96 the GPU kernel's tiles are 128 wide over an 80- or 96-wide cache (at
+48 64 wide, at 144 256 wide): the interpreter pads what a load reads past a dimension with
+NaN, so an unmasked load of the cache's missing columns fails the test too. Also: both kernels
 lower for their real targets (Triton / Mosaic), greedy generation with
 ``attn_impl="kernel"`` equals ``"reference"`` end to end, and bad input is refused with
 one-line errors.
@@ -128,6 +129,14 @@ GPU_CASES = [
     Case("tree-g3-d96-window-bf16", 7, 6, 2, 96, 100, 77, window=2, dtype=jnp.bfloat16),
     Case("tree-g4-d96-window-f32", 6, 8, 2, 96, 40, 21, window=5, block_sizes=GPU_SMALL),
     Case("no-cache-d96-f32", 5, 6, 2, 96, None, 0, tree=False),
+    # Phi-2's head_dim 80 the same way (128-wide tiles over the cache's 80 columns).
+    Case("decode-g1-d80-f32", 1, 2, 2, 80, 50, 37, tree=False, block_sizes=GPU_SMALL),
+    Case("tree-g3-d80-window-bf16", 7, 6, 2, 80, 100, 77, window=2, dtype=jnp.bfloat16),
+    Case("tree-g4-d80-window-f32", 6, 8, 2, 80, 40, 21, window=5, block_sizes=GPU_SMALL),
+    Case("no-cache-d80-f32", 5, 6, 2, 80, None, 0, tree=False),
+    # Other multiples of 16: 48 on 64-wide tiles, 144 on 256-wide ones.
+    Case("tree-g3-d48-window-f32", 5, 6, 2, 48, 40, 21, window=3, block_sizes=GPU_SMALL),
+    Case("tree-g4-d144-window-f32", 4, 8, 2, 144, 40, 21, window=2, block_sizes=GPU_SMALL),
 ]
 
 TPU_SMALL = TpuBlockSizes(block_kv=128, num_splits=2)
@@ -145,6 +154,12 @@ TPU_CASES = [
     Case("tree-g3-d96-window-bf16", 5, 6, 2, 96, 200, 130, window=3, dtype=jnp.bfloat16,
          block_sizes=TPU_SMALL),
     Case("tree-g4-d96-window-f32", 6, 8, 2, 96, 300, 170, window=4,
+         block_sizes=TpuBlockSizes(block_kv=32, num_splits=3)),
+    # Phi-2's head_dim 80 the same way.
+    Case("decode-g1-d80-f32", 1, 2, 2, 80, 300, 290, tree=False, block_sizes=TPU_SMALL),
+    Case("tree-g3-d80-window-bf16", 5, 6, 2, 80, 200, 130, window=3, dtype=jnp.bfloat16,
+         block_sizes=TPU_SMALL),
+    Case("tree-g4-d80-window-f32", 6, 8, 2, 80, 300, 170, window=4,
          block_sizes=TpuBlockSizes(block_kv=32, num_splits=3)),
 ]
 
@@ -167,10 +182,11 @@ def _abstract(t, h, k, d, s, m, dtype):
 
 
 # SmolLM2-like decode with a window, Llama-7B-like GQA tree, MHA tree in float32, a
-# Phi-3-mini-like tree (32 heads of 96) with a window.
+# Phi-3-mini-like tree (32 heads of 96) with a window, a Phi-2-like tree (32 heads of 80).
 LOWERING_SHAPES = [(1, 9, 3, 64, 2048, 4, jnp.bfloat16), (64, 32, 8, 128, 8192, 0, jnp.bfloat16),
                    (16, 32, 32, 128, 1000, 0, jnp.float32),
-                   (16, 32, 32, 96, 4096, 12, jnp.bfloat16)]
+                   (16, 32, 32, 96, 4096, 12, jnp.bfloat16),
+                   (16, 32, 32, 80, 2048, 0, jnp.bfloat16)]
 
 
 @pytest.mark.parametrize("platform,kernel", [("cuda", verify_attention_gpu),
@@ -234,7 +250,7 @@ def _with(args, **changes):
 @pytest.mark.parametrize("kernel", [verify_attention_gpu, verify_attention_tpu])
 @pytest.mark.parametrize("bad,match", [
     (lambda a: _valid_args(t=129), "129 new tokens"),
-    (lambda a: _valid_args(d=48), "head_dim 48"),
+    (lambda a: _valid_args(d=40), "head_dim 40"),  # not a multiple of 16: neither takes it
     (lambda a: _valid_args(h=5, k=2), "not a multiple"),
     (lambda a: _with(a, k_cache=a[3].astype(jnp.bfloat16)), "k_cache has dtype bfloat16"),
     (lambda a: _with(a, mask=a[6][:1]), "mask must be"),
@@ -273,8 +289,8 @@ def test_auto_uses_the_fallback_where_the_kernel_does_not_run(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(attention_gpu, "verify_attention_gpu", no_kernel)
     kernels.verify_attention(*_valid_args(t=129), fallback=fallback)
-    kernels.verify_attention(*_valid_args(d=48), fallback=fallback)
-    assert calls == [(2, 4, 64), (129, 4, 64), (2, 4, 48)]
+    kernels.verify_attention(*_valid_args(d=40), fallback=fallback)
+    assert calls == [(2, 4, 64), (129, 4, 64), (2, 4, 40)]
     with pytest.raises(AssertionError, match="must not run"):
         kernels.verify_attention(*_valid_args(), fallback=fallback)
 
@@ -284,11 +300,13 @@ def test_auto_uses_the_fallback_where_the_kernel_does_not_run(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,nodes,window,head_dim", [
-    (jnp.float32, 6, 3, 64), (jnp.bfloat16, 1, 0, 64), (jnp.float32, 4, 2, 96)])
+    (jnp.float32, 6, 3, 64), (jnp.bfloat16, 1, 0, 64), (jnp.float32, 4, 2, 96),
+    (jnp.float32, 4, 2, 80)])
 def test_gpu_kernel_reads_one_layer_of_a_stacked_cache(dtype, nodes, window, head_dim):
     """Models pass the whole [L, S, K, D] cache and a traced layer index: the kernel must
     read that layer in place and nothing else (every other layer, and the chosen layer's
-    slots past the readable ones, hold NaN; at head_dim 96 too, with 128-wide tiles)."""
+    slots past the readable ones, hold NaN; at head_dim 80 and 96 too, with 128-wide
+    tiles)."""
     case = Case("stacked", nodes, 6, 2, head_dim, 80, 45, window=window, tree=nodes > 2,
                 dtype=dtype, block_sizes=GpuBlockSizes(block_kv=16, num_splits=2))
     args, reference_args = make_inputs(case, seed=41)

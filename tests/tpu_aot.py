@@ -242,9 +242,15 @@ FAMILY_HF_CONFIGS = {
                       rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
                                     "long_factor": [1.0 + i / 8 for i in range(48)]},
                       tie_word_embeddings=True),
-    # Phi-3-mini with Phi-2's head size (80; 8 heads), which no attention kernel takes:
-    # the programs that run the jnp attention fallback.
+    # Phi-3-mini with Phi-2's head size (80; 8 heads): the attention kernels' tiles 128
+    # wide over the cache's 80 columns (GPU), blocks ending in the whole 80 (TPU).
     "phi3-head80": dict(model_type="phi3", vocab_size=32064, hidden_size=640,
+                        intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=8, max_position_embeddings=4096,
+                        sliding_window=2047, tie_word_embeddings=False),
+    # The same with heads of 40 (not a multiple of 16), which no attention kernel takes:
+    # the programs that run the jnp attention fallback.
+    "phi3-head40": dict(model_type="phi3", vocab_size=32064, hidden_size=320,
                         intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=8, max_position_embeddings=4096,
                         sliding_window=2047, tie_word_embeddings=False),
