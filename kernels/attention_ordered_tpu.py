@@ -159,9 +159,10 @@ def vmem_bytes(block_rows: int, block_kv: int, num_kv_heads: int, head_dim: int,
     ``[1, 1]`` int32, double-buffered (``windowed``: the first positions' block and the
     comparisons with it, five tiles). Then the double-buffered cache keys and values.
     Fitted to the compiler's VMEM reports for v5e in bfloat16 at 8 to 32 KV heads of 64 and
-    128, 2 to 8 rows, block_kv 16 to 64 (2026-11-30: 49-52 KiB per (head, row) at
-    block_kv 16 and +1 KiB per position, against 52 here); errs high: a smaller block only
-    costs grid steps."""
+    128, 2 to 8 rows, block_kv 16 to 64 (49-52 KiB per (head, row) at block_kv 16 and
+    +1 KiB per position, against 52 here:
+    ``benchmarks/results/tpu_compile/ordered_vmem_2026-11-30.json``); errs high: a smaller
+    block only costs grid steps."""
     lanes = layout.round_up(head_dim, 128)
     tile = _TILE * lanes // 128  # a [1, D] row's tile
     kv_sublanes = layout.round_up(num_kv_heads, 32 // itemsize)
