@@ -600,6 +600,22 @@ def test_the_attention_kernel_takes_soft_capping_and_windows(pairs, variant):
     assert models.attention_fallback(model.config, "gpu") is None
 
 
+def kernel_gives_autos_tokens(hf_model, folder, kernel: str):
+    """Saves ``hf_model`` to ``folder`` and loads it; attention ``"kernel"`` with the
+    ``kernel`` platform's kernel interpreted gives ``"auto"``'s 8 tokens after a 9-token
+    prompt, and no stats or platform names an attention fallback. Returns the model."""
+    hf_model.save_pretrained(folder)
+    model = specjax.load(folder)
+    prompt = random_prompt(0, 9)
+    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
+    out = specjax.generate(model, prompt, max_new_tokens=8, kernels=specjax.KernelOptions(
+        attention="kernel", interpret_variant=kernel))
+    assert out.tokens == expected
+    assert "attention_fallback" not in out.stats
+    assert models.attention_fallback(model.config, kernel) is None
+    return model
+
+
 @pytest.mark.parametrize("kernel", ["gpu", "tpu"])
 def test_the_attention_kernels_take_phi3s_head_dim_96(tmp_path, kernel):
     """Phi-3's head size (96; here 2 query heads over 1 KV head, its sliding window in every
@@ -608,16 +624,8 @@ def test_the_attention_kernels_take_phi3s_head_dim_96(tmp_path, kernel):
     attention on the CPU), and no platform's stats would name an attention fallback."""
     hf_model = tiny_family_model("phi3", seed=7, hidden_size=192, num_attention_heads=2,
                                  num_key_value_heads=1)
-    hf_model.save_pretrained(tmp_path)
-    model = specjax.load(tmp_path)
+    model = kernel_gives_autos_tokens(hf_model, tmp_path, kernel)  # 17 tokens > 6 slots
     assert model.config.head_dim == 96 and model.config.layer_windows
-    prompt = random_prompt(0, 9)  # 9 + 8 tokens: past the 6-slot window
-    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
-    out = specjax.generate(model, prompt, max_new_tokens=8, kernels=specjax.KernelOptions(
-        attention="kernel", interpret_variant=kernel))
-    assert out.tokens == expected
-    assert "attention_fallback" not in out.stats
-    assert models.attention_fallback(model.config, kernel) is None
 
 
 @pytest.mark.parametrize("kernel", ["gpu", "tpu"])
@@ -627,16 +635,7 @@ def test_the_attention_kernels_take_phi2s_head_dim_80(tmp_path, kernel):
     the 80 columns of the cache), gives ``"auto"``'s tokens (the jnp attention on the CPU),
     and no platform's stats would name an attention fallback."""
     hf_model = tiny_family_model("phi", seed=7, hidden_size=160, num_attention_heads=2)
-    hf_model.save_pretrained(tmp_path)
-    model = specjax.load(tmp_path)
-    assert model.config.head_dim == 80
-    prompt = random_prompt(0, 9)
-    expected = specjax.generate(model, prompt, max_new_tokens=8).tokens
-    out = specjax.generate(model, prompt, max_new_tokens=8, kernels=specjax.KernelOptions(
-        attention="kernel", interpret_variant=kernel))
-    assert out.tokens == expected
-    assert "attention_fallback" not in out.stats
-    assert models.attention_fallback(model.config, kernel) is None
+    assert kernel_gives_autos_tokens(hf_model, tmp_path, kernel).config.head_dim == 80
 
 
 def test_the_attention_fallback_is_recorded_and_the_kernel_refuses(pairs):
