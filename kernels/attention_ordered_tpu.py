@@ -128,15 +128,12 @@ class TpuOrderedBlockSizes:
             raise InvalidArgumentError(
                 f"{KERNEL_NAME}: cache capacity {capacity} is not a multiple of block_kv="
                 f"{choices[-1]}")
-        block_rows = self.block_rows
-        while True:
+        halvings = self.block_rows.bit_length()  # block_rows, half of it, ..., 1
+        for block_rows in (self.block_rows >> i for i in range(halvings)):
             for block_kv in dividing:
                 if vmem_bytes(block_rows, block_kv, num_kv_heads, head_dim, itemsize,
                               windowed) <= VMEM_BUDGET:
                     return block_rows, block_kv
-            if block_rows == 1:
-                break
-            block_rows = max(1, block_rows // 2)
         smallest = vmem_bytes(1, dividing[-1], num_kv_heads, head_dim, itemsize, windowed)
         raise InvalidArgumentError(
             f"{KERNEL_NAME}: {num_kv_heads} KV heads x head_dim {head_dim} with block_kv="
