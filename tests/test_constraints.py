@@ -28,6 +28,7 @@ from specjax.constraints import (DEAD_STATE, FREE_STATE, INITIAL_STATE, JsonSche
                                  advance, allowed_tokens, build_tables, forced_token,
                                  mask_logits)
 from specjax.errors import InvalidArgumentError
+from specjax.methods.options import JUMP_FORWARD
 
 import jsonschema  # the test extra carries the constraints extra
 
@@ -623,13 +624,14 @@ def one_pass_per_token(spelling_model):
 
 
 def test_ar_commits_a_forced_run_without_a_pass_per_token(spelling_model, one_pass_per_token):
-    """Jump-forward (the default under a constraint): the tokens of one pass per token,
+    """Jump-forward (a GPU's or TPU's default under a constraint, asked for here on the
+    CPU, whose default is one pass per token): the tokens of one pass per token,
     greedy and coupled, cut by a budget or a stop string inside a forced run, with a
     target pass per free token only; stats count the forced tokens and say the run is
     exact up to rounding on this CPU (the forced run's pass has several rows)."""
     from specjax.methods.exactness import BITWISE, UP_TO_ROUNDING
 
-    runs = jump_forward_runs(spelling_model)
+    runs = jump_forward_runs(spelling_model, jump_forward=JUMP_FORWARD)
     for case, got, expected in zip(JUMP_CASES, runs, one_pass_per_token):
         assert got.tokens == expected.tokens, case
     full, reference = runs[0], one_pass_per_token[0]
@@ -670,7 +672,7 @@ def test_the_jump_forward_test_catches_a_wrong_run(spelling_model, one_pass_per_
         monkeypatch.setattr(ar, "forced_token", wrong_forced_token)
     else:
         monkeypatch.setattr(ar, "forced_run", dropping_run(ar.forced_run))
-    runs = jump_forward_runs(spelling_model)
+    runs = jump_forward_runs(spelling_model, jump_forward=JUMP_FORWARD)
     assert sum(got.tokens != expected.tokens
                for got, expected in zip(runs, one_pass_per_token)) >= 2
 

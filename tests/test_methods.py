@@ -222,6 +222,11 @@ def test_backend_defaults_apply_to_method_names_and_are_reported(spec_target, mo
         for method, values in per_method.items():
             built = method_options(method, backend=backend)
             assert {k: getattr(built, k) for k in values} == values
+    # ar jumps forward over forced runs on an accelerator only (one pass per token on the
+    # CPU, where a pass of several rows costs more than the forced tokens save).
+    assert method_options("ar", backend="cpu").jump_forward == 0
+    assert method_options("ar", backend="gpu").jump_forward == opts.JUMP_FORWARD
+    assert method_options("ar", backend="tpu").jump_forward == opts.JUMP_FORWARD
     monkeypatch.setitem(opts.BACKEND_DEFAULTS, "gpu", {"tree": {"tree_budget": 24}})
     assert method_options("tree", backend="cuda").tree_budget == 24
     assert method_options("tree", backend="cuda", tree_budget=4).tree_budget == 4  # explicit

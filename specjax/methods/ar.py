@@ -14,12 +14,12 @@ The prefill samples the first new token under the constraint's initial state (ev
 method's prefill does, given the method's :meth:`constraint_of` tables); ``init`` starts
 the automaton after it.
 
-Jump-forward (``jump_forward`` = F > 0, the default under a constraint): a state that
-allows one token only (:func:`specjax.constraints.forced_token`) needs no target pass to
-choose it, since masked logits with one finite entry sample that token at any temperature
-and with any noise. A step first follows the forced run after the pending token (at most F
-tokens, and no further than the budget), then runs one target pass over the pending token
-and the run (causal; of 1, 2 or F + 1 rows, the fewest that hold them: a
+Jump-forward (``jump_forward`` = F > 0; the default on a GPU or TPU, 0 on the CPU): a
+state that allows one token only (:func:`specjax.constraints.forced_token`) needs no target
+pass to choose it, since masked logits with one finite entry sample that token at any
+temperature and with any noise. A step first follows the forced run after the pending
+token (at most F tokens, and no further than the budget), then runs one target pass over
+the pending token and the run (causal; of 1, 2 or F + 1 rows, the fewest that hold them: a
 ``lax.switch``, which a batch's ``vmap`` turns into every pass and a select) and samples
 the next token from the logits after the run's last token, with the noise of its own
 position. The tokens are those of one pass per token, computed by a pass of several rows

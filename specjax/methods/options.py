@@ -34,7 +34,10 @@ VERIFY_RULES = ("coupled", "greedy", "match", "rejection")
 # depends on it, only the tokens per pass do.
 DRAFT_RANKINGS = ("auto", "sampled", "argmax")
 # ar under a constraint: the most forced tokens one target pass commits beside its sampled
-# one (the pass then holds up to JUMP_FORWARD + 1 tokens), and the largest value accepted.
+# one (the pass then holds up to JUMP_FORWARD + 1 tokens) on a GPU or TPU, and the largest
+# value accepted. The CPU's default is 0: there every step's pass over JUMP_FORWARD + 1
+# rows costs more than the forced tokens save (SmolLM2 under a JSON schema, 32 prompts:
+# 2.9% of the tokens forced, one pass per token 1.07-1.08x faster in two runs).
 JUMP_FORWARD = 8
 MAX_JUMP_FORWARD = 64
 TOPOLOGIES = ("dynamic", "kary")
@@ -152,8 +155,8 @@ class ArOptions(MethodOptions):
     name: ClassVar[str] = "ar"
     summary: ClassVar[str] = "autoregressive, one target pass per token"
     jump_forward: int = _option(
-        JUMP_FORWARD, "under a constraint, the most forced tokens (a state allowing one "
-        "token) committed per target pass beside the sampled one; 0: one pass per token")
+        0, "under a constraint, the most forced tokens (a state allowing one token) "
+        "committed per target pass beside the sampled one; 0: one pass per token")
 
     def __post_init__(self):
         value = self.jump_forward
@@ -369,12 +372,15 @@ METHODS: dict[str, type[MethodOptions]] = {
 # token there, so trees grow to 32 nodes and the draft gets more rounds and width. `spec`
 # keeps depth 4 everywhere: a chain gains a level only where every level above it was
 # accepted, so a deeper chain adds little for more sequential draft passes. The TPU takes
-# the GPU's. Measurements: benchmarks/README.md, "Method defaults".
+# the GPU's. Measurements: benchmarks/README.md, "Method defaults". `ar` jumps forward over
+# up to JUMP_FORWARD forced tokens under a constraint (a pass of JUMP_FORWARD + 1 rows costs
+# about one token's there; not measured on a GPU yet).
 _ACCELERATOR = {
     "staged": dict(tree_budget=32, draft_rounds=4, draft_width=2, stage2_prior=(0.3, 0.1),
                    proposal=(4, 2, 1, 1, 1, 1)),
     "tree": dict(tree_budget=32, draft_depth=6, draft_width=4),
     "ngram": dict(proposal=(4, 2, 1, 1, 1, 1, 1, 1, 1, 1)),
+    "ar": dict(jump_forward=JUMP_FORWARD),
 }
 BACKEND_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {"gpu": _ACCELERATOR,
                                                          "tpu": _ACCELERATOR}
