@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import specjax
-from specjax import api, cli, loading, requests, sampling
+from specjax import api, cli, requests, sampling
 from specjax.errors import InvalidArgumentError
 from specjax.methods import (METHODS, NgramOptions, SpecOptions, StagedOptions, TreeOptions,
                              build, method_options)
@@ -291,17 +291,17 @@ def test_every_method_equals_ar_in_bfloat16(bfloat16_target, method):
         resources["draft"] = target
     if METHODS[method].uses_ngram:
         resources["ngram"] = tables
-    for sampling in ({}, dict(temperature=1.0)):
+    for temperature in ({}, dict(temperature=1.0)):
         accepted = []
         for seed in BFLOAT16_PROMPTS:
             prompt = random_prompt(seed, 6)
             expected = specjax.generate(target, prompt, max_new_tokens=48, seed=seed,
-                                        **sampling).tokens
+                                        **temperature).tokens
             out = specjax.generate(target, prompt, max_new_tokens=48, seed=seed,
-                                   method=method, **resources, **sampling)
-            assert out.tokens == expected, (method, sampling, seed)
+                                   method=method, **resources, **temperature)
+            assert out.tokens == expected, (method, temperature, seed)
             accepted.append(out.stats["mean_accepted"])
-        if not sampling:  # the check above read drafted tokens, not only the roots'
+        if not temperature:  # the check above read drafted tokens, not only the roots'
             assert min(accepted) > 1.5, accepted
 
 
