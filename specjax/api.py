@@ -37,13 +37,13 @@ from specjax.methods import MethodOptions
 from specjax.methods.common import tally_of
 from specjax.methods.exactness import run_exactness
 from specjax.origins import ORIGIN_NAMES, origin_name
-from specjax.requests import (CONSTRAINED_CHOICE, Batch, Request, bind, constrained_method,
+from specjax.requests import (Batch, Request, bind, constrained_method,
                               is_batch, kernel_options, model_backend, plan, platform_of,
                               prepare_batch, program, request, resolve_method, split_stop,
                               stop_strings)
 from specjax.state import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, StopCondition, without_buffers
 
-__all__ = ["CONSTRAINED_CHOICE", "BatchOptions", "GenerationResult", "KernelOptions", "Model",
+__all__ = ["BatchOptions", "GenerationResult", "KernelOptions", "Model",
            "Request", "check_draft_compatible", "choose_default_method", "constrained_method",
            "decode_text", "encode_prompt", "generate", "kernel_options", "load",
            "model_backend", "request", "resolve_dtype", "resolve_method", "split_stop",

@@ -11,7 +11,10 @@ shipped assets decodes with its default method, :func:`calibrated` times a step 
 (:func:`specjax.methods.choice.predicted_speedups`) and keeps the method predicted
 fastest, or ``ar`` unless one is predicted above
 :data:`~specjax.methods.choice.PREDICTION_MARGIN` (1.1x). ``stats["method_choice"]`` says
-so, and ``stats["calibration"]`` holds what was timed.
+so, and ``stats["calibration"]`` holds what was timed. Under a constraint the same step
+costs (timed without one) scale the constrained table
+(:data:`~specjax.methods.choice.MEASURED_CONSTRAINED`), whose own step costs come from its
+constrained run: the constraint's share of a step is not timed here.
 
 A step is timed whole, inside the compiled program: two greedy generations of one
 program (the same prompt, two lengths, no stop token), the difference of their seconds over
@@ -165,12 +168,19 @@ def measure_step_costs(model: Model, names, temperature: float, generate: Callab
     return {name: round(step / best["ar"], 3) for name, step in best.items() if name != "ar"}
 
 
+def reference(req: Request) -> choice.Measurement | None:
+    """The measurement ``req``'s default was chosen by: the constrained table's under a
+    constraint (:data:`~specjax.methods.choice.MEASURED_CONSTRAINED`), else the table's."""
+    table = choice.MEASURED if req.constraint is None else choice.MEASURED_CONSTRAINED
+    return table.get((req.backend, choice.sampling_kind(req.temperature)))
+
+
 def eligible(req: Request) -> bool:
     """Whether ``req`` chose its method by the table, on a backend whose table holds step
-    costs: the default method, with no method option, draft, tables or constraint given."""
+    costs: the default method, with no method option, draft or tables given."""
     if not req.calibrate:
         return False
-    measured = choice.MEASURED.get((req.backend, choice.sampling_kind(req.temperature)))
+    measured = reference(req)
     return measured is not None and bool(measured.step_cost)
 
 
@@ -182,12 +192,16 @@ def calibrated(model: Model, req: Request, generate: Callable,
     path = store_path(environ)
     if path is None or not eligible(req):
         return req
-    measured = choice.MEASURED[req.backend, choice.sampling_kind(req.temperature)]
+    measured = reference(req)
     shipped = loading.shipped_resources(model.assets)
     key = _key(model)
     entry = read_store(path).get(key)
     if not (isinstance(entry, dict) and isinstance(entry.get("step_cost"), dict)):
-        names = [name for name in measured.step_cost
+        # Every method either table holds for the backend: one entry serves both.
+        timed = {name: None for table in (choice.MEASURED, choice.MEASURED_CONSTRAINED)
+                 for (backend, _), entry in sorted(table.items()) if backend == req.backend
+                 for name in entry.step_cost}
+        names = [name for name in timed
                  if set(choice.needs(methods.METHODS[name])) <= set(shipped)]
         started = time.perf_counter()
         with (progress.reported(f"timing this machine's steps for {model.name}'s default "
@@ -201,7 +215,8 @@ def calibrated(model: Model, req: Request, generate: Callable,
     step_cost = {name: float(value) for name, value in entry["step_cost"].items()}
     method, reason = choice.choose_method(req.backend, req.temperature, shipped,
                                           step_cost_here=step_cost,
-                                          here=entry.get("machine", "this machine"))
+                                          here=entry.get("machine", "this machine"),
+                                          constrained=req.constraint is not None)
     record = dict(entry, store=str(path), reference_step_cost=dict(measured.step_cost),
                   predicted_speedup=choice.predicted_speedups(measured, step_cost))
     options = methods.method_options(method, backend=req.backend)

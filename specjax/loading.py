@@ -133,8 +133,15 @@ def describe_defaults(assets: str | None) -> str:
         f"{default_method(assets, backend, 1.0)} at T>0"
         + ("" if (backend, "greedy") in choice.MEASURED else " (not measured)")
         for backend in ("cpu", "gpu", "tpu"))
+    shipped = shipped_resources(assets)
+    constrained = ", ".join(
+        f"{method} on the {backend} at {'T=0' if kind == 'greedy' else 'T>0'}"
+        for (backend, kind) in sorted(choice.MEASURED_CONSTRAINED)
+        for method in [choice.choose_method(backend, 0.0 if kind == "greedy" else 1.0,
+                                            shipped, constrained=True)[0]])
     return (f"the method measured fastest on the backend at the temperature, ar where "
-            f"none beat it ({per_backend}; on a CPU, scaled by its own step costs, timed "
+            f"none beat it ({per_backend}; under a --regex or --json-schema: {constrained}, "
+            f"ar where not timed; on a CPU, scaled by its own step costs, timed "
             f"once: SPECJAX_CALIBRATION); spec, tree and staged use the shipped draft "
             f"{shipped_draft_name(assets)!r}, ngram and staged the shipped n-gram tables")
 

@@ -105,8 +105,9 @@ class Request:
       draft, ngram, constraint: the resources as given (names, paths or objects); a
         batch's ``constraint`` may be a tuple, one per prompt (``None``: unconstrained).
       calibrate: the method is the default, chosen by the table alone (no method, method
-        option, draft, tables or constraint given): :mod:`specjax.calibration` may choose
-        again from this machine's step costs once the model is known.
+        option, draft or tables given; under a constraint, by the constrained table):
+        :mod:`specjax.calibration` may choose again from this machine's step costs once
+        the model is known.
       calibration: what that choice timed (``stats["calibration"]``), or ``None``.
     """
 
@@ -219,14 +220,15 @@ def request(*, backend: str | None = None, assets: str | None = None,
     draft, ngram = options.pop("draft", None), options.pop("ngram", None)
     constraint = options.pop("constraint", None)
     make_sampling_params(temperature, top_k, top_p, _first_seed(seed))  # a bad temperature first
-    constrained_choice = None
     if isinstance(constraint, (list, tuple)):  # one per prompt of a batch
         constraint = row_constraints(constraint)
-    if constraint is not None:
-        method, constrained_choice = constrained_method(method, constraint)
-    calibrate = (method is None and draft is None and ngram is None and constraint is None
+    calibrate = (method is None and draft is None and ngram is None
                  and all(value is None for value in options.values()))
-    opts, choice = _resolve_method(backend, assets, method, temperature, options)
+    if constraint is not None:
+        opts, choice = constrained_method(method, constraint, backend, assets, temperature,
+                                          options)
+    else:
+        opts, choice = _resolve_method(backend, assets, method, temperature, options)
     opts.check_sampling(float(temperature))
     check_resources(opts, draft, ngram)
     if isinstance(draft, (str, os.PathLike)):
@@ -240,7 +242,7 @@ def request(*, backend: str | None = None, assets: str | None = None,
         raise InvalidArgumentError(f"batch must be a specjax.BatchOptions, got "
                                    f"{type(batch).__name__}")
     return Request(backend=backend, assets=assets, options=opts,
-                   choice=constrained_choice or choice, max_new_tokens=int(max_new_tokens),
+                   choice=choice, max_new_tokens=int(max_new_tokens),
                    temperature=float(temperature), top_k=top_k, top_p=top_p,
                    seed=tuple(seed) if isinstance(seed, (list, tuple, np.ndarray)) else seed,
                    stop_strings=strings,
@@ -322,11 +324,6 @@ def bind(model: Model, req: Request, prompts: list, *, listed: bool,
                  constraint_stats), encoded
 
 
-# Why ar is the default under a constraint (stats["method_choice"]): every method decodes
-# under one, but none is timed against ar there yet.
-CONSTRAINED_CHOICE = "ar: under a constraint no method is timed against ar yet"
-
-
 def row_constraints(items) -> tuple | None:
     """``constraint=`` given as a list, one per prompt of a batch (``None``: that row is
     unconstrained), checked; ``None`` if every row is unconstrained."""
@@ -339,16 +336,23 @@ def row_constraints(items) -> tuple | None:
     return None if all(item is None for item in items) else tuple(items)
 
 
-def constrained_method(method, constraint) -> tuple[Any, str | None]:
-    """(the method, its choice) for a request under ``constraint`` (one, or a tuple of one
-    per row: :func:`row_constraints`): ``ar`` when none is named, else the method named.
+def constrained_method(method, constraint, backend: str = "cpu", assets: str | None = None,
+                       temperature: float = 0.0,
+                       options: dict | None = None) -> tuple[MethodOptions, str]:
+    """(the method's options, its choice) for a request under ``constraint`` (one, or a
+    tuple of one per row: :func:`row_constraints`) on ``backend``: the method named, else
+    the fastest measured under a constraint there
+    (:data:`specjax.methods.choice.MEASURED_CONSTRAINED`), ``ar`` where none is measured.
     Checks the constraint's type (:func:`specjax.constraints.check_constraint_type`)."""
     for item in constraint if isinstance(constraint, tuple) else (constraint,):
         if item is not None:
             check_constraint_type(item)
-    if method is None:
-        return "ar", CONSTRAINED_CHOICE
-    return method, None
+    options = {} if options is None else options
+    if method is not None:
+        return _resolve_method(backend, assets, method, temperature, options)
+    method, choice = methods.choice.choose_method(
+        backend, float(temperature), loading.shipped_resources(assets), constrained=True)
+    return methods.method_options(method, backend=backend, **options), choice
 
 
 # Half-precision parameters XLA's CPU backend runs slower than float32: its bf16/fp16 matmuls

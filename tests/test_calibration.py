@@ -121,6 +121,39 @@ def test_generate_decodes_with_the_calibrated_choice(shipped_target, tmp_path):
                                           method="ar").tokens
 
 
+def test_under_a_constraint_the_same_costs_scale_the_constrained_table(shipped_target,
+                                                                       tmp_path):
+    """A constrained default is calibrated too: the costs kept (timed once, for every
+    method of either table) scale the constrained table, and cheap enough steps keep its
+    choice while slow ones make ar the default."""
+    constraint = specjax.Regex("[a-z]+")
+    constrained = choice.MEASURED_CONSTRAINED["cpu", "greedy"]
+    calls = []
+    costs = {"ar": 0.04, "spec": 0.06, "tree": 0.2, "ngram": 0.2, "staged": 0.2}
+    req = calibration.calibrated(shipped_target, _request(shipped_target,
+                                                          constraint=constraint),
+                                 _fake_generate(costs, calls))
+    assert req.options.name == "spec"
+    assert req.choice.startswith("spec: the fastest for cpu, T=0, under a constraint")
+    assert constrained.source in req.choice and "predicted for" in req.choice
+    assert set(req.calibration["step_cost"]) == set(MEASURED.step_cost) | set(
+        constrained.step_cost)  # one entry serves both tables
+    assert req.calibration["reference_step_cost"] == dict(constrained.step_cost)
+    # Kept: an unconstrained request is not timed again.
+    measured = len(calls)
+    plain = calibration.calibrated(shipped_target, _request(shipped_target),
+                                   _fake_generate(costs, calls))
+    assert len(calls) == measured and plain.options.name == "spec"
+    slower = {name: cost * 1.5 for name, cost in constrained.step_cost.items()}
+    (tmp_path / "calibration.json").write_text(json.dumps({
+        calibration._key(shipped_target): {"step_cost": slower, "machine": "a slow CPU"}}))
+    req = calibration.calibrated(shipped_target, _request(shipped_target,
+                                                          constraint=constraint),
+                                 _fake_generate(costs, calls))
+    assert req.options.name == "ar" and "under a constraint" in req.choice
+    assert "predicted for a slow CPU" in req.choice
+
+
 def test_named_methods_and_calibration_off_keep_the_request(shipped_target, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("timed a step")

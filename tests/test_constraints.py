@@ -484,7 +484,7 @@ def spelling_model(tiny_model):
 def test_generate_under_a_constraint_runs_the_constrained_ar_step(spelling_model, tiny_model):
     """``generate(..., constraint=)`` (one prompt, a batch, a stream) gives the tokens of
     the constrained step run by hand, greedy and coupled; the stats say so; without a
-    method the choice is ar and says why."""
+    method the choice is ar (the model ships no draft) and says why."""
     import specjax
     from specjax import api
 
@@ -498,7 +498,7 @@ def test_generate_under_a_constraint_runs_the_constrained_ar_step(spelling_model
         assert out.tokens == constrained_run(tiny_model, prompts[0], constraint, temperature,
                                              seed)
     assert out.stats["method"] == "ar"
-    assert out.stats["method_choice"] == api.CONSTRAINED_CHOICE
+    assert out.stats["method_choice"] == "ar: the model ships no draft or n-gram tables"
     assert out.stats["constraint"]["constraint"] == constraint.describe()
     assert out.stats["constraint"]["table_bucket"] == [16, 16]
     rows = specjax.generate(spelling_model, prompts, constraint=constraint, max_new_tokens=12,
@@ -513,6 +513,38 @@ def test_generate_under_a_constraint_runs_the_constrained_ar_step(spelling_model
     text = specjax.generate(spelling_model, prompts[0], constraint=Regex("(yes|no)"),
                             max_new_tokens=8).text
     assert text in ("yes", "no")
+
+
+def test_the_default_under_a_constraint_is_the_measured_one_with_ars_tokens(spelling_model,
+                                                                           tiny_model):
+    """A model that ships smollm2-135m's assets: under a constraint the default is the
+    fastest method of the constrained table on the CPU at T=0 (spec), the reason says so,
+    and its tokens are constrained ar's; at T>0 (not measured under a constraint) ar; a
+    method named is kept."""
+    import specjax
+    from specjax.methods import choice
+
+    model = dataclasses.replace(spelling_model, assets="smollm2-135m")
+    draft = spelling_model.first_layers(1)
+    measured = choice.MEASURED_CONSTRAINED["cpu", "greedy"]
+    best = max(measured.speedup, key=measured.speedup.get)
+    assert best == "spec"  # the committed table's choice (tests/test_default_method.py)
+    constraint, prompt = Regex(BOUNDED[3]), [5, 9, 14, 3]
+    out = specjax.generate(model, prompt, constraint=constraint, max_new_tokens=12,
+                           stop=[eos_id()], draft=draft)
+    assert out.stats["method"] == "spec"
+    assert out.stats["method_choice"].startswith("spec: the fastest for cpu, T=0, under a "
+                                                 "constraint")
+    assert measured.source in out.stats["method_choice"]
+    assert out.tokens == constrained_run(tiny_model, prompt, constraint, 0.0, 0)
+    sampled = specjax.generate(model, prompt, constraint=constraint, max_new_tokens=12,
+                               stop=[eos_id()], temperature=1.0, seed=3)
+    assert sampled.stats["method"] == "ar"
+    assert sampled.stats["method_choice"] == ("ar: cpu, T>0, under a constraint, no method "
+                                              "is timed against ar yet")
+    named = specjax.generate(model, prompt, constraint=constraint, max_new_tokens=12,
+                             stop=[eos_id()], method="ar")
+    assert named.stats["method_choice"] == "given" and named.tokens == out.tokens
 
 
 def test_a_batch_with_one_constraint_per_row_equals_its_single_runs(spelling_model):

@@ -45,6 +45,67 @@ def test_the_choice_is_the_fastest_measured_or_ar(key):
     assert method == ("ngram" if ngram > 1.0 else "ar")
 
 
+@pytest.mark.parametrize("key", sorted(choice.MEASURED_CONSTRAINED))
+def test_the_constrained_table_holds_the_committed_measurements(key):
+    """The constrained table's numbers are its file's, a run at the backend's defaults
+    (constrained ar without options: on the CPU one pass per token) whose every
+    constrained output is ar's."""
+    measured = choice.MEASURED_CONSTRAINED[key]
+    source = ROOT / measured.source
+    data = json.loads(source.read_text())
+    assert dict(measured.speedup) == choice.speedups_from_constrained(source)
+    assert dict(measured.step_cost) == choice.step_costs_from_constrained(source)
+    assert measured.temperature == 0.0 and key[1] == "greedy"  # the script runs greedy
+    assert data["complete"] and not data["dirty_tree"]
+    for label, row in data["summary"].items():
+        if row["constrained"]:
+            assert row["same_tokens_as_constrained_ar"] == row["prompts"], label
+    ar = data["summary"]["ar+schema"]
+    assert ar["jump_forward_share"] == 0.0 and key[0] == "cpu"  # the CPU's default
+    # A method commits the same tokens per pass on every machine: speedup x step cost is
+    # its tokens per pass (up to median against aggregate), what calibration rests on.
+    for name, cost in measured.step_cost.items():
+        label = f"{name}+schema"
+        assert measured.speedup[name] * cost == pytest.approx(
+            data["summary"][label]["aggregate_tokens_per_target_pass"], rel=0.08), name
+
+
+def test_the_default_under_a_constraint():
+    """The fastest of the constrained table on the CPU at T=0 where it beats ar; ar
+    wherever the constrained table holds nothing (T>0, GPU, TPU) or the model ships no
+    draft; a table whose methods all lose to ar gives ar."""
+    measured = choice.MEASURED_CONSTRAINED["cpu", "greedy"]
+    best = max(measured.speedup, key=measured.speedup.get)
+    method, reason = choice.choose_method("cpu", 0.0, {"draft", "ngram"}, constrained=True)
+    assert (method, best) == ("spec", "spec") and measured.speedup["spec"] > 1.0
+    assert reason.startswith("spec: the fastest for cpu, T=0, under a constraint (")
+    assert measured.source in reason
+    for backend, temperature in (("cpu", 0.8), ("gpu", 0.0), ("gpu", 1.0), ("tpu", 0.0)):
+        method, reason = choice.choose_method(backend, temperature, {"draft", "ngram"},
+                                              constrained=True)
+        assert method == "ar" and "under a constraint, no method is timed" in reason
+    # ngram is not in the constrained table: with the tables only, ar.
+    assert choice.choose_method("cpu", 0.0, {"ngram"}, constrained=True)[0] == "ar"
+    assert choice.choose_method("cpu", 0.0, set(), constrained=True)[0] == "ar"
+    losing = {name: 0.9 for name in measured.speedup}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(choice.MEASURED_CONSTRAINED, ("cpu", "greedy"),
+                      choice.Measurement(measured.source, 0.0, losing, measured.where))
+        method, reason = choice.choose_method("cpu", 0.0, {"draft"}, constrained=True)
+        assert method == "ar" and reason.startswith("ar: no method beat it for cpu, T=0, "
+                                                    "under a constraint")
+    req = api.request(backend="cpu", assets="smollm2-135m",
+                      constraint=specjax.Regex("[a-z]+"))
+    assert req.options.name == "spec" and req.choice.startswith("spec: ") and req.calibrate
+    req = api.request(backend="cpu", assets="smollm2-135m", temperature=1.0,
+                      constraint=[specjax.Regex("[a-z]+"), None])
+    assert req.options.name == "ar" and "under a constraint" in req.choice
+    # A method option without a method applies to the default chosen, as without one.
+    req = api.request(backend="gpu", assets="smollm2-135m", jump_forward=2,
+                      constraint=specjax.Regex("[a-z]+"))
+    assert req.options.name == "ar" and req.options.jump_forward == 2 and not req.calibrate
+
+
 def test_the_measured_cpu_choices():
     """What the committed 164-prompt CPU run at today's defaults says: spec at T=0 (1.14x),
     ar at T>0 (spec 0.95x: no method beat ar there)."""
@@ -82,6 +143,7 @@ def test_the_help_says_what_the_default_is(capsys):
         specjax.cli.main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "cpu: spec at T=0, ar at T>0" in text
+    assert "under a --regex or --json-schema: spec on the cpu at T=0, ar where not timed" in text
     assert "method_choice" in text
 
 

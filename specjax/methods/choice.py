@@ -6,7 +6,9 @@ the backend (what a verify pass of N nodes costs against one token) and on the s
 sampling), the median speedup over ``ar`` of each method with the model's shipped draft
 and tables, copied from a committed ``specjax bench`` suite result;
 :func:`choose_method` takes the fastest method the model has the resources for, or
-``ar`` where none is faster.
+``ar`` where none is faster. Under a constraint the choice follows
+:data:`MEASURED_CONSTRAINED` (``benchmarks/experiments/bench_constrained.py`` results),
+``ar`` where that holds nothing.
 
 To re-derive after the shipped draft, the tables or a method's defaults change: run the
 suite (``specjax bench --methods ar,spec,tree,ngram,staged --temperatures 0,1
@@ -78,6 +80,25 @@ MEASURED: dict[tuple[str, str], Measurement] = {
         "one H200, bf16, smollm2-135m, 8 HumanEval prompts"),
 }
 
+# Under a constraint (a regex or JSON schema, issue 61), per (backend, sampling): every
+# method at the backend's defaults against ``ar`` under the same constraint, on
+# benchmarks/experiments/bench_constrained.py's prompts (a HumanEval function's signature
+# as JSON) with the shipped draft, every output ar's
+# (:func:`speedups_from_constrained`). A setting without one decodes with ``ar``. The CPU's:
+# spec 1.07x at 2.38 tokens per pass, tree 0.99x, staged 0.88x, constrained ar at 21.6
+# tokens/s. Two earlier runs on a faster state of the same machine (ar 26.7-26.9 tokens/s,
+# the same tokens per pass) gave spec 1.14x and 1.15x
+# (benchmarks/results/cpu/constrained_32_all_methods_2026-12-01.json against its jf=0 ar,
+# .../constrained_32_jf0_default_2026-12-01.json): which is why the CPU's choice is scaled
+# by the machine's own step costs (specjax.calibration).
+_CPU_CONSTRAINED = "benchmarks/results/cpu/constrained_32_defaults_2026-12-01.json"
+MEASURED_CONSTRAINED: dict[tuple[str, str], Measurement] = {
+    ("cpu", "greedy"): Measurement(
+        _CPU_CONSTRAINED, 0.0, {"spec": 1.074, "tree": 0.988, "staged": 0.883},
+        "2-core CPU, smollm2-135m, 32 HumanEval prompts under a JSON schema",
+        {"spec": 2.354, "tree": 2.82, "staged": 2.246}),
+}
+
 # Backends without a measurement of the current code (TPU): at T = 0 staged, the default
 # before the choice was measured, which beat ar at T = 0 on every backend timed; at T > 0
 # ar, the default before the GPU and the EAGLE-3 draft were timed (an H100 run at an older
@@ -92,13 +113,15 @@ def sampling_kind(temperature: float) -> str:
 
 def choose_method(backend: str, temperature: float, shipped: set[str] | frozenset[str],
                   step_cost_here: Mapping[str, float] | None = None,
-                  here: str = "this machine") -> tuple[str, str]:
+                  here: str = "this machine", constrained: bool = False) -> tuple[str, str]:
     """The default method and why, in one line.
 
     Args:
       backend: ``cpu``, ``gpu`` or ``tpu``.
       temperature: the sampling temperature (0: greedy).
       shipped: what the model ships: a subset of ``{"draft", "ngram"}``.
+      constrained: the request decodes under a constraint: the choice follows
+        :data:`MEASURED_CONSTRAINED`, ``ar`` where it holds no measurement.
       step_cost_here: each method's step time over ``ar``'s measured on the machine that
         will run it (:mod:`specjax.calibration`), or ``None``: the table as it is. Each
         measured speedup is scaled by the measurement's step cost over this one
@@ -112,8 +135,12 @@ def choose_method(backend: str, temperature: float, shipped: set[str] | frozense
     usable = {name for name, cls in METHODS.items() if set(needs(cls)) <= set(shipped)}
     if usable == {"ar"}:
         return "ar", "ar: the model ships no draft or n-gram tables"
-    measured = MEASURED.get((backend, kind))
+    measured = (MEASURED_CONSTRAINED if constrained else MEASURED).get((backend, kind))
     setting = f"{backend}, {'T=0' if kind == 'greedy' else 'T>0'}"
+    if constrained:
+        setting += ", under a constraint"
+        if measured is None:
+            return "ar", f"ar: {setting}, no method is timed against ar yet"
     if measured is None:
         method = UNMEASURED[kind] if UNMEASURED[kind] in usable else "ar"
         why = ("staged beat ar at T=0 on every backend timed" if kind == "greedy" else
@@ -176,6 +203,35 @@ def step_costs_from_suite(path: str | Path, temperature: float) -> dict[str, flo
     ar = rows["ar"]["tokens_per_s"]["aggregate"]
     return {name: round(row["mean_accepted"]["aggregate"] * ar
                         / row["tokens_per_s"]["aggregate"], 3)
+            for name, row in rows.items() if name != "ar"}
+
+
+def _constrained_rows(path: str | Path) -> dict[str, dict]:
+    """A ``bench_constrained.py`` result's summary rows, by method, of the methods run
+    under the constraint at their defaults; ``ar`` must be among them."""
+    data = json.loads(Path(path).read_text())
+    options = {config["label"]: config for config in data["configurations"]}
+    rows = {options[label]["method"]: row for label, row in data["summary"].items()
+            if row["constrained"] and not options[label]["options"]}
+    if "ar" not in rows:
+        raise ValueError(f"{path}: no constrained ar at its defaults")
+    return rows
+
+
+def speedups_from_constrained(path: str | Path) -> dict[str, float]:
+    """Each method's median speedup over constrained ``ar`` (per-prompt ratios) in a
+    ``benchmarks/experiments/bench_constrained.py`` result, rounded to 3 decimals."""
+    return {name: round(row["median_speedup_vs_constrained_ar"], 3)
+            for name, row in _constrained_rows(path).items() if name != "ar"}
+
+
+def step_costs_from_constrained(path: str | Path) -> dict[str, float]:
+    """Each method's step time over constrained ``ar``'s in a ``bench_constrained.py``
+    result (as :func:`step_costs_from_suite`, from the aggregates)."""
+    rows = _constrained_rows(path)
+    ar = rows["ar"]["aggregate_tokens_per_s"] / rows["ar"]["aggregate_tokens_per_target_pass"]
+    return {name: round(row["aggregate_tokens_per_target_pass"] * ar
+                        / row["aggregate_tokens_per_s"], 3)
             for name, row in rows.items() if name != "ar"}
 
 
