@@ -5,7 +5,8 @@ The prompts ask SmolLM2 (chat template) for a HumanEval function's signature and
 docstring as JSON; the schema (:data:`SCHEMA`) fixes the document's shape. Per prompt the
 configurations (``--systems``, default all) run interleaved, each compiled first by a short
 warm-up call (``--warmup-tokens``; the compile time of a program met later is not in a
-run's seconds either), greedy, so the constrained methods' texts must equal constrained
+run's seconds either), greedy, or at ``--temperature`` with prompt i's seed i under the
+default coupled rule: either way the constrained methods' texts must equal constrained
 ``ar``'s (checked and recorded). Constrained ``ar`` runs twice: with its default
 jump-forward and with ``jump_forward=0`` (one target pass per token). Reported per
 configuration: median and aggregate tokens/s, tokens per target pass, the median speedup
@@ -81,8 +82,9 @@ PEER = "hf+outlines+schema"
 
 
 def run_one(model, prompt: str, method: str, constrained: bool, options: dict,
-            max_new_tokens: int):
-    kwargs = dict(method=method, max_new_tokens=max_new_tokens, chat=True, **options)
+            max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
+    kwargs = dict(method=method, max_new_tokens=max_new_tokens, chat=True,
+                  temperature=temperature, seed=seed, **options)
     if constrained:
         kwargs["constraint"] = specjax.JsonSchema(SCHEMA)
     return specjax.generate(model, REQUEST.format(prompt=prompt), **kwargs)
@@ -217,6 +219,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=8, help="HumanEval prompts (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (default 0: greedy); above 0 prompt i "
+                             "samples with seed i, so under the default coupled rule every "
+                             "method's tokens must still be constrained ar's")
     parser.add_argument("--warmup-tokens", type=int, default=8,
                         help="tokens of each configuration's warm-up call (compiles it)")
     parser.add_argument("--systems", default=",".join(label for label, *_ in CONFIGS),
@@ -232,6 +238,10 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown configuration {sorted(unknown)[0]!r}")
     configs = [config for config in CONFIGS if config[0] in chosen]
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.peer and args.temperature > 0:
+        parser.error("--peer runs transformers greedy: use it with --temperature 0")
 
     host = environment.machine()
     model = specjax.load("smollm2-135m")
@@ -249,8 +259,10 @@ def main(argv=None) -> int:
         print(f"peer: {peer.describe()}", file=sys.stderr)
 
     prompts = humaneval.humaneval_prompts(args.limit)
+    seeds = {prompt: index for index, prompt in enumerate(prompts)}
     systems = [(label, constrained,
-                lambda p, n, m=method, c=constrained, o=options: run_one(model, p, m, c, o, n))
+                lambda p, n, m=method, c=constrained, o=options: run_one(
+                    model, p, m, c, o, n, args.temperature, seeds[p]))
                for label, method, constrained, options in configs]
     if peer is not None and peer.available():
         systems.append((PEER, True, lambda p, n: peer.generate(
@@ -276,6 +288,7 @@ def main(argv=None) -> int:
                   "command": "python benchmarks/experiments/bench_constrained.py "
                              + " ".join(argv if argv is not None else sys.argv[1:]),
                   "max_new_tokens": args.max_new_tokens, "limit": args.limit,
+                  "temperature": args.temperature,
                   "prompts_done": index + 1, "complete": index + 1 == len(prompts),
                   "configurations": [{"label": label, "method": method, "constrained": c,
                                       "options": options}
