@@ -993,6 +993,27 @@ def test_bench_constrained_peer_without_outlines_is_a_reason(monkeypatch):
                                "reason": "outlines is not installed (pip install outlines)"}
 
 
+def test_bench_constrained_samples_with_the_prompts_seed_and_refuses_a_greedy_peer(
+        monkeypatch, capsys):
+    """``--temperature``: each generation gets it with its prompt's seed; a negative one,
+    or the (greedy) peer above 0, is refused in one line before the model loads."""
+    import specjax
+
+    bench_constrained = _bench_constrained(monkeypatch)
+    calls = []
+    monkeypatch.setattr(specjax, "generate", lambda model, prompt, **kw: calls.append(kw))
+    bench_constrained.run_one("model", "p", "spec", True, {}, 8, temperature=1.0, seed=3)
+    assert calls[0]["temperature"] == 1.0 and calls[0]["seed"] == 3
+    assert calls[0]["method"] == "spec" and "constraint" in calls[0]
+    monkeypatch.setattr(specjax, "load", lambda *a, **k: pytest.fail("loaded the model"))
+    for argv, message in ((["--temperature", "-1"], "--temperature must be >= 0"),
+                          (["--peer", "--temperature", "1"], "--peer runs transformers greedy")):
+        with pytest.raises(SystemExit) as exited:
+            bench_constrained.main(argv)
+        assert exited.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 def test_bench_linear_attn_rope_unit_checks_the_rope_kernel(tmp_path, monkeypatch):
     """The ``attn-rope`` unit (q|k|v with RoPE into the packed buffer, then o) passes its
     check with the Triton kernel, and a kernel that leaves the queries unrotated fails it

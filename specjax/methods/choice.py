@@ -92,11 +92,18 @@ MEASURED: dict[tuple[str, str], Measurement] = {
 # .../constrained_32_jf0_default_2026-12-01.json): which is why the CPU's choice is scaled
 # by the machine's own step costs (specjax.calibration).
 _CPU_CONSTRAINED = "benchmarks/results/cpu/constrained_32_defaults_2026-12-01.json"
+_CPU_CONSTRAINED_SAMPLED = "benchmarks/results/cpu/constrained_32_t1_2026-12-01.json"
 MEASURED_CONSTRAINED: dict[tuple[str, str], Measurement] = {
     ("cpu", "greedy"): Measurement(
         _CPU_CONSTRAINED, 0.0, {"spec": 1.074, "tree": 0.988, "staged": 0.883},
         "2-core CPU, smollm2-135m, 32 HumanEval prompts under a JSON schema",
         {"spec": 2.354, "tree": 2.82, "staged": 2.246}),
+    # At T=1 (coupled, prompt i's seed i; a minute apart on the same machine state): no
+    # method beat ar, so ar, measured.
+    ("cpu", "sampled"): Measurement(
+        _CPU_CONSTRAINED_SAMPLED, 1.0, {"spec": 0.892, "tree": 0.855, "staged": 0.755},
+        "2-core CPU, smollm2-135m, 32 HumanEval prompts under a JSON schema",
+        {"spec": 2.369, "tree": 2.989, "staged": 2.329}),
 }
 
 # Backends without a measurement of the current code (TPU): at T = 0 staged, the default
@@ -204,6 +211,11 @@ def step_costs_from_suite(path: str | Path, temperature: float) -> dict[str, flo
     return {name: round(row["mean_accepted"]["aggregate"] * ar
                         / row["tokens_per_s"]["aggregate"], 3)
             for name, row in rows.items() if name != "ar"}
+
+
+def temperature_of_constrained(path: str | Path) -> float:
+    """The temperature a ``bench_constrained.py`` result sampled at (0 before the option)."""
+    return float(json.loads(Path(path).read_text()).get("temperature", 0.0))
 
 
 def _constrained_rows(path: str | Path) -> dict[str, dict]:
