@@ -199,8 +199,8 @@ def calibrated(model: Model, req: Request, generate: Callable,
     if not (isinstance(entry, dict) and isinstance(entry.get("step_cost"), dict)):
         # Every method either table holds for the backend: one entry serves both.
         timed = {name: None for table in (choice.MEASURED, choice.MEASURED_CONSTRAINED)
-                 for (backend, _), entry in sorted(table.items()) if backend == req.backend
-                 for name in entry.step_cost}
+                 for (backend, _), row in sorted(table.items()) if backend == req.backend
+                 for name in row.step_cost}
         names = [name for name in timed
                  if set(choice.needs(methods.METHODS[name])) <= set(shipped)]
         started = time.perf_counter()
