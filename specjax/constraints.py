@@ -566,12 +566,14 @@ def add_constraint_arguments(parser) -> None:
     """``--regex PATTERN`` and ``--json-schema FILE`` (one or neither), for ``specjax
     generate`` and ``specjax bench``; :func:`constraint_from_args` reads them."""
     group = parser.add_mutually_exclusive_group()
+    default = ("the default method under a constraint: the one measured fastest there, ar "
+               "where none beat it or none is timed")
     group.add_argument("--regex", default=None, metavar="PATTERN",
-                       help="the output matches PATTERN as a whole, then ends (an automaton "
-                            "on the device; default method: ar)")
+                       help=f"the output matches PATTERN as a whole, then ends (an automaton "
+                            f"on the device; {default})")
     group.add_argument("--json-schema", default=None, metavar="FILE",
-                       help="the output is a JSON document valid under the schema in FILE, "
-                            "then ends (default method: ar)")
+                       help=f"the output is a JSON document valid under the schema in FILE, "
+                            f"then ends ({default})")
 
 
 def constraint_from_args(args):
