@@ -52,6 +52,36 @@ def is_the_shipped_draft(draft) -> bool:
             and config.feature_input and config.feature_layers == (1, 14, 26)
             and config.draft_vocab_size == 12288)
 
+# A function's description as JSON (benchmarks/experiments/bench_constrained.py's shape).
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "arguments": {"type": "array", "items": {"type": "string"},
+                                       "maxItems": 4}},
+          "required": ["name", "arguments"]}
+
+
+@pytest.mark.slow  # four programs of the real model under a constraint, and the schema's tables
+@pytest.mark.parametrize("method", ["spec", "tree", "staged", "ngram"])
+def test_every_method_under_a_json_schema_equals_ar_on_smollm2(smollm2, method):
+    """Under a JSON schema on SmolLM2's 49k vocabulary, with the shipped draft and tables:
+    greedy and coupled (T=1) outputs are constrained ar's, token for token, and drafted
+    tokens are accepted (more than one token per target pass, greedy)."""
+    import json
+
+    import jsonschema
+
+    constraint = specjax.JsonSchema(SCHEMA)
+    request = "Describe this function as JSON with the keys name and arguments.\n\n"
+    for sampling in (dict(), dict(temperature=1.0, seed=7)):
+        kwargs = dict(constraint=constraint, max_new_tokens=40, chat=True, **sampling)
+        expected = specjax.generate(smollm2, request + PROMPTS[1], method="ar", **kwargs)
+        out = specjax.generate(smollm2, request + PROMPTS[1], method=method, **kwargs)
+        assert out.tokens == expected.tokens, (method, sampling)
+        if not sampling:
+            assert out.stats["mean_accepted"] > 1.0, out.stats["mean_accepted"]
+        if out.tokens[-1] in smollm2.config.eos_token_ids:  # a whole document: valid
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+
 
 # Each way of naming the draft with `spec` (one program: the same draft, however named);
 # `tree` and `staged`, 12-13 s each to compile here, in the slow tier (the quick tier keeps
