@@ -168,19 +168,12 @@ def measure_step_costs(model: Model, names, temperature: float, generate: Callab
     return {name: round(step / best["ar"], 3) for name, step in best.items() if name != "ar"}
 
 
-def reference(req: Request) -> choice.Measurement | None:
-    """The measurement ``req``'s default was chosen by: the constrained table's under a
-    constraint (:data:`~specjax.methods.choice.MEASURED_CONSTRAINED`), else the table's."""
-    table = choice.MEASURED if req.constraint is None else choice.MEASURED_CONSTRAINED
-    return table.get((req.backend, choice.sampling_kind(req.temperature)))
-
-
 def eligible(req: Request) -> bool:
     """Whether ``req`` chose its method by the table, on a backend whose table holds step
     costs: the default method, with no method option, draft or tables given."""
     if not req.calibrate:
         return False
-    measured = reference(req)
+    measured = choice.measurement(req.backend, req.temperature, req.constraint is not None)
     return measured is not None and bool(measured.step_cost)
 
 
@@ -192,7 +185,7 @@ def calibrated(model: Model, req: Request, generate: Callable,
     path = store_path(environ)
     if path is None or not eligible(req):
         return req
-    measured = reference(req)
+    measured = choice.measurement(req.backend, req.temperature, req.constraint is not None)
     shipped = loading.shipped_resources(model.assets)
     key = _key(model)
     entry = read_store(path).get(key)

@@ -105,7 +105,8 @@ def shipped_resources(assets: str | None) -> frozenset[str]:
 
 
 def choose_default_method(assets: str | None, backend: str = "cpu",
-                          temperature: float = 0.0) -> tuple[str, str]:
+                          temperature: float = 0.0,
+                          constrained: bool = False) -> tuple[str, str]:
     """The method used when none is named, and why (one line): the fastest measured on
     ``backend`` at ``temperature`` among those the shipped assets allow, ``ar`` where
     none beat it (:func:`specjax.methods.choice.choose_method`).
@@ -115,8 +116,11 @@ def choose_default_method(assets: str | None, backend: str = "cpu",
         that the CLI decides before loading).
       backend: ``cpu``, ``gpu`` or ``tpu``.
       temperature: the sampling temperature.
+      constrained: the request decodes under a constraint (its own table:
+        :data:`specjax.methods.choice.MEASURED_CONSTRAINED`).
     """
-    return choice.choose_method(backend, temperature, shipped_resources(assets))
+    return choice.choose_method(backend, temperature, shipped_resources(assets),
+                                constrained=constrained)
 
 
 def default_method(assets: str | None, backend: str = "cpu", temperature: float = 0.0) -> str:
@@ -133,12 +137,13 @@ def describe_defaults(assets: str | None) -> str:
         f"{default_method(assets, backend, 1.0)} at T>0"
         + ("" if (backend, "greedy") in choice.MEASURED else " (not measured)")
         for backend in ("cpu", "gpu", "tpu"))
-    shipped = shipped_resources(assets)
-    constrained = ", ".join(
-        f"{method} on the {backend} at {'T=0' if kind == 'greedy' else 'T>0'}"
-        for (backend, kind) in sorted(choice.MEASURED_CONSTRAINED)
-        for method in [choice.choose_method(backend, 0.0 if kind == "greedy" else 1.0,
-                                            shipped, constrained=True)[0]])
+    timed = []
+    for backend, kind in sorted(choice.MEASURED_CONSTRAINED):
+        greedy = kind == "greedy"
+        method = choose_default_method(assets, backend, 0.0 if greedy else 1.0,
+                                       constrained=True)[0]
+        timed.append(f"{method} on the {backend} at {'T=0' if greedy else 'T>0'}")
+    constrained = ", ".join(timed)
     return (f"the method measured fastest on the backend at the temperature, ar where "
             f"none beat it ({per_backend}; under a --regex or --json-schema: {constrained}, "
             f"ar where not timed; on a CPU, scaled by its own step costs, timed "

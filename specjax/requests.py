@@ -60,7 +60,7 @@ def resolve_method(model: Model, method: str | MethodOptions | None = None,
 
 
 def _resolve_method(backend: str, assets: str | None, method, temperature,
-                    options) -> tuple[MethodOptions, str]:
+                    options, constrained: bool = False) -> tuple[MethodOptions, str]:
     if isinstance(method, MethodOptions):
         clash = sorted(name for name, value in options.items() if value is not None
                        and name in method.given and getattr(method, name) != value)
@@ -70,7 +70,8 @@ def _resolve_method(backend: str, assets: str | None, method, temperature,
                 f"{type(method).__name__} passed as method=: set it in one place")
     choice = "given"
     if method is None:
-        method, choice = choose_default_method(assets, backend, float(temperature))
+        method, choice = choose_default_method(assets, backend, float(temperature),
+                                               constrained)
     return methods.method_options(method, backend=backend, **options), choice
 
 
@@ -347,12 +348,8 @@ def constrained_method(method, constraint, backend: str = "cpu", assets: str | N
     for item in constraint if isinstance(constraint, tuple) else (constraint,):
         if item is not None:
             check_constraint_type(item)
-    options = {} if options is None else options
-    if method is not None:
-        return _resolve_method(backend, assets, method, temperature, options)
-    method, choice = methods.choice.choose_method(
-        backend, float(temperature), loading.shipped_resources(assets), constrained=True)
-    return methods.method_options(method, backend=backend, **options), choice
+    return _resolve_method(backend, assets, method, temperature,
+                           {} if options is None else options, constrained=True)
 
 
 # Half-precision parameters XLA's CPU backend runs slower than float32: its bf16/fp16 matmuls

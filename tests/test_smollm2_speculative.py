@@ -52,6 +52,7 @@ def is_the_shipped_draft(draft) -> bool:
             and config.feature_input and config.feature_layers == (1, 14, 26)
             and config.draft_vocab_size == 12288)
 
+
 # A function's description as JSON (benchmarks/experiments/bench_constrained.py's shape).
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 24},

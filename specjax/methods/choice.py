@@ -118,6 +118,15 @@ def sampling_kind(temperature: float) -> str:
     return "greedy" if float(temperature) == 0.0 else "sampled"
 
 
+def measurement(backend: str, temperature: float,
+                constrained: bool = False) -> Measurement | None:
+    """The measurement the default follows on ``backend`` at ``temperature``: the
+    constrained table's under a constraint (:data:`MEASURED_CONSTRAINED`), else
+    :data:`MEASURED`'s; ``None`` where the table holds none."""
+    table = MEASURED_CONSTRAINED if constrained else MEASURED
+    return table.get((backend, sampling_kind(temperature)))
+
+
 def choose_method(backend: str, temperature: float, shipped: set[str] | frozenset[str],
                   step_cost_here: Mapping[str, float] | None = None,
                   here: str = "this machine", constrained: bool = False) -> tuple[str, str]:
@@ -142,7 +151,7 @@ def choose_method(backend: str, temperature: float, shipped: set[str] | frozense
     usable = {name for name, cls in METHODS.items() if set(needs(cls)) <= set(shipped)}
     if usable == {"ar"}:
         return "ar", "ar: the model ships no draft or n-gram tables"
-    measured = (MEASURED_CONSTRAINED if constrained else MEASURED).get((backend, kind))
+    measured = measurement(backend, temperature, constrained)
     setting = f"{backend}, {'T=0' if kind == 'greedy' else 'T>0'}"
     if constrained:
         setting += ", under a constraint"
