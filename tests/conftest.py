@@ -11,6 +11,7 @@ import shutil
 import signal
 import tempfile
 import threading
+from pathlib import Path
 from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,7 +66,27 @@ gc.set_threshold(7_000, 10, 10)
 TEST_CACHE_ENV = "SPECJAX_TEST_XLA_CACHE"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--compile-profile", metavar="DIR", default=None,
+                     help="record each test's time, CPU and JAX compiles under DIR and print "
+                          "where the run's time went (tests/compile_profile.py)")
+
+
+def _profile_directory(config):
+    directory = config.getoption("compile_profile")
+    return None if directory is None else Path(directory)
+
+
 def pytest_configure(config):
+    profile = _profile_directory(config)
+    if profile is not None:
+        import compile_profile
+
+        if not hasattr(config, "workerinput"):  # the controller (or the only process)
+            profile.mkdir(parents=True, exist_ok=True)
+            for old in [*profile.glob("*.jsonl"), profile / "summary.json"]:
+                old.unlink(missing_ok=True)
+        config.pluginmanager.register(compile_profile.Recorder(profile), "compile_profile")
     directory = os.environ.get(TEST_CACHE_ENV)
     if directory is None and not hasattr(config, "workerinput"):  # the controller
         directory = tempfile.mkdtemp(prefix="specjax-tests-xla-")
@@ -76,6 +97,16 @@ def pytest_configure(config):
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     _optimise_compiles(as_users=False)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    profile = _profile_directory(config)
+    if profile is not None and not hasattr(config, "workerinput"):
+        import compile_profile
+
+        terminalreporter.section("where the time went (--compile-profile)")
+        for line in compile_profile.report_lines(compile_profile.summarize(profile)):
+            terminalreporter.write_line(line)
 
 
 TINY_VOCAB = 97
