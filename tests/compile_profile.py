@@ -5,7 +5,7 @@ seconds, this process's CPU seconds, and its subprocesses' CPU seconds, which ar
 CLI, sharding and multi-host tests spend theirs) and one line per JAX compilation event
 inside it (tracing, lowering to MLIR, XLA's backend compile, a persistent-cache hit or
 miss), with the function's name. The programs that :func:`specjax.decode.compiled` builds
-carry their driver's name (``run_to_completion``, ``_step_batch``, ...), so a generation
+carry their driver's name (``run_to_completion``, ``step_batch``, ...), so a generation
 program is told apart from a forward pass or an eager operation. At the end the run's
 totals, and the test files that cost most, go to ``DIR/summary.json`` and to the terminal.
 """
@@ -22,20 +22,24 @@ from pathlib import Path
 import jax
 import pytest
 
-# The names decode.compiled gives its programs (one per driver function). JAX reports a
-# trace under the function's name and the lowering and compile as ``jit(name)``.
-GENERATION_PROGRAMS = frozenset({
-    "run_to_completion", "run_batch_to_completion", "start_batch_and_steps", "more_steps",
-    "start_batch", "step_batch", "start", "step"})
+from specjax import decode
 
-
-def _function(name: str) -> str:
-    return name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+# The names decode.compiled gives its programs, from the drivers it compiles (a renamed
+# driver fails here rather than going uncounted). JAX reports a trace under the function's
+# name and the lowering and compile as ``jit(name)``.
+GENERATION_PROGRAMS = frozenset(decode._program_name(driver) for driver in (
+    decode.run_to_completion, decode.run_batch_to_completion, decode._start_batch_and_steps,
+    decode._more_steps, decode._start_batch, decode._step_batch, decode._start,
+    decode._step))
 _STAGES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
            "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
            "/jax/core/compile/backend_compile_duration": "backend"}
 _CACHE = {"/jax/compilation_cache/cache_hits": "cache_hits",
           "/jax/compilation_cache/cache_misses": "cache_misses"}
+
+
+def _function(name: str) -> str:
+    return name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
 
 
 def _cpu_seconds(who) -> float:

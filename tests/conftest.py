@@ -37,6 +37,7 @@ if (threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+import compile_profile
 import specjax
 from specjax import requests as _requests
 from specjax.checkpoints_tools.keymap import params_from_hf_tensors
@@ -80,8 +81,6 @@ def _profile_directory(config):
 def pytest_configure(config):
     profile = _profile_directory(config)
     if profile is not None:
-        import compile_profile
-
         if not hasattr(config, "workerinput"):  # the controller (or the only process)
             profile.mkdir(parents=True, exist_ok=True)
             for old in [*profile.glob("*.jsonl"), profile / "summary.json"]:
@@ -102,8 +101,6 @@ def pytest_configure(config):
 def pytest_terminal_summary(terminalreporter, config):
     profile = _profile_directory(config)
     if profile is not None and not hasattr(config, "workerinput"):
-        import compile_profile
-
         terminalreporter.section("where the time went (--compile-profile)")
         for line in compile_profile.report_lines(compile_profile.summarize(profile)):
             terminalreporter.write_line(line)
