@@ -874,6 +874,38 @@ def test_the_ngram_proposal_keeps_what_the_constraint_allows_forced_first(
     assert out.tokens == ar.tokens and out.stats["mean_accepted"] < 1.5
 
 
+def test_the_proposal_spine_as_one_loop_equals_its_unrolled_levels(ngram_tables):
+    """On the CPU the proposal's spine runs as one loop body; on a GPU or TPU its levels are
+    unrolled. Under a constraint (every level ranked by what the automaton allows after the
+    spine above it, a forced token first) both give the same proposal, from every state
+    of an automaton with forced runs and from random histories. (Unconstrained, both are
+    checked against a reference in tests/test_ngram.py.)"""
+    from test_ngram import unrolled_spine
+
+    from specjax.drafters import propose
+
+    automaton = tables_of(Regex(JUMP_PATTERN))
+    shape = (3, 2, 1, 1, 1, 1)
+    loop = jax.jit(propose, static_argnames=("shape", "use_lookup"))
+    unrolled = jax.jit(unrolled_spine(propose), static_argnames=("shape", "use_lookup"))
+    rng = np.random.default_rng(7)
+    states = np.flatnonzero(np.asarray(automaton.next_state).max(axis=1) >= 0)
+    assert len(states) > 5 and (np.asarray(automaton.forced_token)[states] >= 0).any()
+    allowed_text = tiny_tokenizer().encode("3xyzxyz4xyzxyz5xyzxyz6xyzxyz7").ids
+    for state in states:  # random ids, or text the automaton allows (lookup finds it)
+        history = np.resize(rng.permutation(allowed_text) if state % 2 else
+                            rng.integers(0, 100, 24), 24).astype(np.int32)
+        length = int(rng.integers(3, 25))
+        for use_lookup in (True, False):
+            got = [jax.device_get(program(ngram_tables, history, length, shape=shape,
+                                          use_lookup=use_lookup,
+                                          automaton=(automaton, np.int32(state))))
+                   for program in (loop, unrolled)]
+            for field in got[0]._fields:
+                np.testing.assert_array_equal(getattr(got[0], field), getattr(got[1], field),
+                                              err_msg=f"{field}, state {state}")
+
+
 def test_a_masked_draft_proposes_the_forced_token_first():
     """Jump-forward in ``spec`` and ``tree`` needs no code of its own: the draft's logits
     are masked by its node's state, so in a forced state its best child, by every rule's

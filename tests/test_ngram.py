@@ -440,6 +440,24 @@ def small_tables():
 _propose = jax.jit(propose, static_argnames=("shape", "use_lookup"))
 
 
+def unrolled_spine(function):
+    """``function`` with :func:`propose`'s spine traced level by level, as where the kernels
+    are compiled (a GPU or TPU), rather than as the CPU's one loop body."""
+    from unittest import mock
+
+    from specjax.drafters import ngram
+
+    def traced(*args, **kwargs):
+        with mock.patch.object(ngram.kernels, "select_variant",
+                               lambda *_, **__: ("gpu", False)):
+            return function(*args, **kwargs)
+    return traced
+
+
+_propose_unrolled = jax.jit(unrolled_spine(propose), static_argnames=("shape", "use_lookup"))
+SPINES = {"loop": _propose, "unrolled": _propose_unrolled}
+
+
 def check_tree_invariants(proposal, shape):
     parents = np.asarray(proposal.parents)
     valid = np.asarray(proposal.valid)
@@ -518,14 +536,18 @@ def test_ngram_first_is_the_first_entry_of_ngram_topk(seed):
         assert bool(found[i]) == bool(want) and int(first[i]) == (want[0] if want else 0)
 
 
+# The spine is one loop body on the CPU and unrolled levels on a GPU or TPU: both against
+# the reference here.
+@pytest.mark.parametrize("spine", SPINES)
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 7), history=st.lists(st.integers(0, V - 1), min_size=16,
                                                  max_size=16),
        length=st.integers(0, 16), use_lookup=st.booleans())
-def test_propose_matches_reference_on_scrambled_tables(seed, history, length, use_lookup):
+def test_propose_matches_reference_on_scrambled_tables(spine, seed, history, length,
+                                                       use_lookup):
     tables = scrambled_tables(seed)
     shape = (4, 2, 1, 1, 1, 1, 1)
-    got = _propose(tables, np.asarray(history, np.int32), length, shape=shape,
+    got = SPINES[spine](tables, np.asarray(history, np.int32), length, shape=shape,
                    use_lookup=use_lookup)
     check_tree_invariants(got, shape)
     tokens, valid, origin = propose_reference(valid_lists(tables), history, length, shape,

@@ -74,6 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import kernels
 from specjax.constraints import DEAD_STATE, advance, forced_token
 from specjax.drafters.lookup import lookup_continuation
 from specjax.errors import CheckpointError, InvalidArgumentError, ModelNotFoundError
@@ -345,27 +346,49 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
     # lists' first entry (under a constraint: the first the automaton allows, a forced
     # token first). Only this chain is sequential, and it is selects and gathers.
     prev2, prev1 = token_at(length - 2), token_at(length - 1)
-    context2, context1 = [prev2], [prev1]
-    state = None if automaton is None else jnp.asarray(automaton[1], jnp.int32)
-    allowed = []  # under a constraint: each level's (candidates, valid), kept for step 2
+    state = jnp.int32(0) if automaton is None else jnp.asarray(automaton[1], jnp.int32)
 
     def allowed_at(level, prev2, prev1, state):
         ngram_tokens, _, ngram_valid = ngram_topk(tables, prev2, prev1)
         return _allowed_candidates(automaton[0], state, lookup_tokens[level][None],
                                    lookup_valid[level][None], ngram_tokens, ngram_valid)
 
-    for level in range(depth - 1):
+    def spine_level(carry, level):
+        """One level of the spine: ``carry`` is the level's context and automaton state;
+        out: the context and, under a constraint, the level's ranked candidates."""
+        prev2, prev1, state = carry
         if automaton is None:
             token, _ = _ngram_first(tables, prev2, prev1)  # 0 when the lists are empty
             token = jnp.where(lookup_valid[level], lookup_tokens[level], token)
+            ranked = ()
         else:
-            allowed.append(allowed_at(level, prev2, prev1, state))
-            tokens, valid = allowed[-1]
+            ranked = allowed_at(level, prev2, prev1, state)
+            tokens, valid = ranked
             token = jnp.where(jnp.any(valid), tokens[jnp.argmax(valid)], 0)
             state = advance(automaton[0], state, token)
-        prev2, prev1 = prev1, token
-        context2.append(prev2)
-        context1.append(prev1)
+        return (prev1, token, state), (prev2, prev1, ranked)
+
+    # Where the kernels are compiled (a GPU or TPU) the levels are unrolled: selects and
+    # gathers that fuse into about two launches a level, no loop counter or condition.
+    # Interpreted (the CPU), one loop body serves every level: the same integer
+    # operations, compiled once (an 8-level proposal's program compiled in ~2 s less).
+    if kernels.select_variant()[1] and depth > 2:
+        (prev2, prev1, state), (context2, context1, allowed) = jax.lax.scan(
+            spine_level, (prev2, prev1, state), jnp.arange(depth - 1))
+        context2, context1 = list(context2), list(context1)
+        allowed = [] if automaton is None else [tuple(a[level] for a in allowed)
+                                                for level in range(depth - 1)]
+    else:
+        context2, context1, allowed = [], [], []
+        for level in range(depth - 1):
+            (prev2, prev1, state), (before2, before1, ranked) = spine_level(
+                (prev2, prev1, state), level)
+            context2.append(before2)
+            context1.append(before1)
+            if automaton is not None:
+                allowed.append(ranked)
+    context2.append(prev2)
+    context1.append(prev1)
 
     # 2. Every level's ranked candidates at once: the lookup token first, then the n-gram
     # list of the level's context, deduplicated; level l keeps its first shape[l]. A level
