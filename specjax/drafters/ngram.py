@@ -341,54 +341,10 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
         lookup_tokens = jnp.zeros(depth, jnp.int32)
         lookup_valid = jnp.zeros(depth, bool)
 
-    # 1. The spine, level by level: each level's context is the previous two spine tokens,
-    # and its spine token is the lookup continuation's while it lasts, else the n-gram
-    # lists' first entry (under a constraint: the first the automaton allows, a forced
-    # token first). Only this chain is sequential, and it is selects and gathers.
-    prev2, prev1 = token_at(length - 2), token_at(length - 1)
-    state = jnp.int32(0) if automaton is None else jnp.asarray(automaton[1], jnp.int32)
-
-    def allowed_at(level, prev2, prev1, state):
-        ngram_tokens, _, ngram_valid = ngram_topk(tables, prev2, prev1)
-        return _allowed_candidates(automaton[0], state, lookup_tokens[level][None],
-                                   lookup_valid[level][None], ngram_tokens, ngram_valid)
-
-    def spine_level(carry, level):
-        """One level of the spine: ``carry`` is the level's context and automaton state;
-        out: the context and, under a constraint, the level's ranked candidates."""
-        prev2, prev1, state = carry
-        if automaton is None:
-            token, _ = _ngram_first(tables, prev2, prev1)  # 0 when the lists are empty
-            token = jnp.where(lookup_valid[level], lookup_tokens[level], token)
-            ranked = ()
-        else:
-            ranked = allowed_at(level, prev2, prev1, state)
-            tokens, valid = ranked
-            token = jnp.where(jnp.any(valid), tokens[jnp.argmax(valid)], 0)
-            state = advance(automaton[0], state, token)
-        return (prev1, token, state), (prev2, prev1, ranked)
-
-    # Where the kernels are compiled (a GPU or TPU) the levels are unrolled: selects and
-    # gathers that fuse into about two launches a level, no loop counter or condition.
-    # Interpreted (the CPU), one loop body serves every level: the same integer
-    # operations, compiled once (an 8-level proposal's program compiled in ~2 s less).
-    if kernels.select_variant()[1] and depth > 2:
-        (prev2, prev1, state), (context2, context1, allowed) = jax.lax.scan(
-            spine_level, (prev2, prev1, state), jnp.arange(depth - 1))
-        context2, context1 = list(context2), list(context1)
-        allowed = [] if automaton is None else [tuple(a[level] for a in allowed)
-                                                for level in range(depth - 1)]
-    else:
-        context2, context1, allowed = [], [], []
-        for level in range(depth - 1):
-            (prev2, prev1, state), (before2, before1, ranked) = spine_level(
-                (prev2, prev1, state), level)
-            context2.append(before2)
-            context1.append(before1)
-            if automaton is not None:
-                allowed.append(ranked)
-    context2.append(prev2)
-    context1.append(prev1)
+    # 1. The spine, level by level (_spine); only this chain is sequential.
+    context2, context1, allowed = _spine(tables, lookup_tokens, lookup_valid,
+                                         token_at(length - 2), token_at(length - 1), depth,
+                                         automaton)
 
     # 2. Every level's ranked candidates at once: the lookup token first, then the n-gram
     # list of the level's context, deduplicated; level l keeps its first shape[l]. A level
@@ -396,13 +352,11 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
     width = max(shape)
     if automaton is None:
         ngram_tokens, _, ngram_valid = jax.vmap(ngram_topk, in_axes=(None, 0, 0))(
-            tables, jnp.stack(context2), jnp.stack(context1))  # [depth, K]
+            tables, context2, context1)  # [depth, K]
         cand_tokens = jnp.concatenate([lookup_tokens[:, None], ngram_tokens], axis=1)
         cand_valid = jnp.concatenate([lookup_valid[:, None], ngram_valid], axis=1)
-    else:  # the spine's levels were ranked in step 1; the last level here
-        allowed.append(allowed_at(depth - 1, prev2, prev1, state))
-        cand_tokens = jnp.stack([tokens for tokens, _ in allowed])
-        cand_valid = jnp.stack([valid for _, valid in allowed])
+    else:  # every level was ranked in step 1
+        cand_tokens, cand_valid = allowed
     level_tokens, _, level_valid, order = jax.vmap(
         lambda t, v: _first_unique(t, jnp.zeros(t.shape, jnp.float32), v, width))(
         cand_tokens, cand_valid)  # [depth, width]
@@ -415,6 +369,68 @@ def propose(tables: NgramTables, history, length, shape: Sequence[int], *,
     level_tokens = jnp.where(level_valid, level_tokens, 0)
 
     return _pack_levels(shape, level_tokens, level_valid, level_origin)
+
+
+def _spine(tables: NgramTables, lookup_tokens, lookup_valid, prev2, prev1, depth: int,
+           automaton: tuple | None):
+    """:func:`propose`'s spine: each level's context is the previous two spine tokens, and
+    its spine token is the lookup continuation's while it lasts, else the n-gram lists'
+    first entry (under a constraint: the first the automaton allows, a forced token first).
+
+    Returns:
+      (context2 int32 [depth], context1 int32 [depth]: each level's context; under a
+      constraint, (tokens [depth, M], valid [depth, M]): each level's candidates, ranked,
+      those the automaton forbids invalid; otherwise None).
+    """
+    state = jnp.int32(0) if automaton is None else jnp.asarray(automaton[1], jnp.int32)
+
+    def ranked_at(level, prev2, prev1, state):
+        ngram_tokens, _, ngram_valid = ngram_topk(tables, prev2, prev1)
+        return _allowed_candidates(automaton[0], state, lookup_tokens[level][None],
+                                   lookup_valid[level][None], ngram_tokens, ngram_valid)
+
+    def spine_level(carry, level):
+        """One level: ``carry`` is its context and automaton state; out: the context and,
+        under a constraint, the level's ranked candidates."""
+        prev2, prev1, state = carry
+        if automaton is None:
+            token, _ = _ngram_first(tables, prev2, prev1)  # 0 when the lists are empty
+            token = jnp.where(lookup_valid[level], lookup_tokens[level], token)
+            ranked = ()
+        else:
+            ranked = ranked_at(level, prev2, prev1, state)
+            tokens, valid = ranked
+            token = jnp.where(jnp.any(valid), tokens[jnp.argmax(valid)], 0)
+            state = advance(automaton[0], state, token)
+        return (prev1, token, state), (prev2, prev1, ranked)
+
+    # Where the kernels are compiled (a GPU or TPU) the levels are unrolled: selects and
+    # gathers that fuse into about two launches a level, no loop counter or condition.
+    # Interpreted (the CPU), one loop body serves every level: the same integer
+    # operations, compiled once (an 8-level proposal's program compiled in ~2 s less).
+    carry = (prev2, prev1, state)
+    if kernels.select_variant()[1] and depth > 2:
+        carry, levels = jax.lax.scan(spine_level, carry, jnp.arange(depth - 1))
+    else:
+        outs = []
+        for level in range(depth - 1):
+            carry, out = spine_level(carry, level)
+            outs.append(out)
+        levels = jax.tree.map(lambda *xs: jnp.stack(xs), *outs) if outs else None
+    prev2, prev1, state = carry
+    last = jnp.stack([prev2]), jnp.stack([prev1])
+    context2, context1 = ((last[0], last[1]) if levels is None else
+                          (jnp.concatenate([levels[0], last[0]]),
+                           jnp.concatenate([levels[1], last[1]])))
+    if automaton is None:
+        return context2, context1, None
+    tokens, valid = ranked_at(depth - 1, prev2, prev1, state)
+    if levels is not None:
+        tokens = jnp.concatenate([levels[2][0], tokens[None]])
+        valid = jnp.concatenate([levels[2][1], valid[None]])
+    else:
+        tokens, valid = tokens[None], valid[None]
+    return context2, context1, (tokens, valid)
 
 
 def _pack_levels(shape, level_tokens, level_valid, level_origin) -> Proposal:
