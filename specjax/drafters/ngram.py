@@ -411,26 +411,17 @@ def _spine(tables: NgramTables, lookup_tokens, lookup_valid, prev2, prev1, depth
     carry = (prev2, prev1, state)
     if kernels.select_variant()[1] and depth > 2:
         carry, levels = jax.lax.scan(spine_level, carry, jnp.arange(depth - 1))
+        levels = [levels]
     else:
-        outs = []
+        levels = []
         for level in range(depth - 1):
             carry, out = spine_level(carry, level)
-            outs.append(out)
-        levels = jax.tree.map(lambda *xs: jnp.stack(xs), *outs) if outs else None
-    prev2, prev1, state = carry
-    last = jnp.stack([prev2]), jnp.stack([prev1])
-    context2, context1 = ((last[0], last[1]) if levels is None else
-                          (jnp.concatenate([levels[0], last[0]]),
-                           jnp.concatenate([levels[1], last[1]])))
-    if automaton is None:
-        return context2, context1, None
-    tokens, valid = ranked_at(depth - 1, prev2, prev1, state)
-    if levels is not None:
-        tokens = jnp.concatenate([levels[2][0], tokens[None]])
-        valid = jnp.concatenate([levels[2][1], valid[None]])
-    else:
-        tokens, valid = tokens[None], valid[None]
-    return context2, context1, (tokens, valid)
+            levels.append(jax.tree.map(lambda x: x[None], out))
+    prev2, prev1, state = carry  # the last level's context; it is ranked under a constraint
+    ranked = () if automaton is None else ranked_at(depth - 1, prev2, prev1, state)
+    levels.append(jax.tree.map(lambda x: x[None], (prev2, prev1, ranked)))
+    context2, context1, ranked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *levels)
+    return context2, context1, None if automaton is None else ranked
 
 
 def _pack_levels(shape, level_tokens, level_valid, level_origin) -> Proposal:
