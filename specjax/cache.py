@@ -54,7 +54,7 @@ def write_scratch(cache: KVCache, k_new: jax.Array, v_new: jax.Array, offset: in
 
     Args:
       k_new, v_new: [layers, T, kv_heads, head_dim].
-      offset: static number of scratch slots to skip (already-written tree levels).
+      offset: number of scratch slots to skip (already-written tree levels; may be traced).
     Returns:
       The cache with the scratch slots filled; ``length`` is unchanged.
     """

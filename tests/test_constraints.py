@@ -906,6 +906,38 @@ def test_the_proposal_spine_as_one_loop_equals_its_unrolled_levels(ngram_tables)
                                               err_msg=f"{field}, state {state}")
 
 
+def test_a_chain_drafted_in_one_loop_under_a_constraint_is_its_unrolled_levels(
+        spelling_model):
+    """``spec``'s drafted levels as one loop body (the CPU) and unrolled (a GPU or TPU)
+    under a constraint: every level's logits masked by its node's state, the state
+    advanced by the level's token in the loop's carry. From every live state of an
+    automaton with forced runs, coupled: the same tokens, ``log q~`` and scratch slots.
+    (Unconstrained, each rule: tests/test_speculative.py.)"""
+    from test_speculative import assert_same_chains, drafted_chains
+
+    automaton = tables_of(Regex(JUMP_PATTERN))
+    states = np.flatnonzero(np.asarray(automaton.next_state).max(axis=1) >= 0)
+    assert len(states) > 5 and (np.asarray(automaton.forced_token)[states] >= 0).any()
+    prompt = tiny_tokenizer().encode("3xyzxyz4xy").ids
+    cases = [(int(seed), (automaton, jnp.int32(state))) for seed, state in enumerate(states)]
+    looped, unrolled = drafted_chains(spelling_model, spelling_model, prompt, "coupled", 1.0,
+                                      cases=cases)
+    assert_same_chains(looped, unrolled, "coupled")
+    # Inside the loop too, a node in a forced state drafts the forced token next.
+    forced = np.asarray(automaton.forced_token)
+    checked = 0
+    for chain, (_, (_, state)) in zip(looped, cases):
+        state = int(_advance(automaton, state, jnp.int32(chain[0][1])))
+        for token in chain[0][2:]:
+            if state < 0:
+                break
+            if forced[state] >= 0:
+                assert token == forced[state], chain[0]
+                checked += 1
+            state = int(_advance(automaton, jnp.int32(state), jnp.int32(token)))
+    assert checked >= 5, checked
+
+
 def test_a_masked_draft_proposes_the_forced_token_first():
     """Jump-forward in ``spec`` and ``tree`` needs no code of its own: the draft's logits
     are masked by its node's state, so in a forced state its best child, by every rule's

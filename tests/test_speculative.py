@@ -100,6 +100,79 @@ def test_a_wrong_coupling_is_caught(target, drafts):
     assert a != b
 
 
+def drafted_chains(target, draft, prompt, verify: str, temperature: float, *,
+                   tree: dict | None = None, cases=((0, None), (1, None), (2, None))):
+    """A ``spec`` chain of 5 levels (or, with ``tree``, the tree of ``TreeOptions(**tree)``)
+    drafted after ``prompt`` (its last token the root), once with the levels as one loop
+    body and once unrolled, for each ``(seed, automaton)`` of ``cases`` (``automaton``:
+    ``(tables, the root's state)`` or None): [(tokens, parents, valid, log q~ per node or
+    None, the draft cache's K, V)] per way, host arrays."""
+    from unittest import mock
+
+    from specjax.cache import advance
+    from specjax.methods import speculative
+    from specjax.methods.options import SpecOptions, TreeOptions
+    from specjax.sampling import make_sampling_params
+    from specjax.state import DecodeLoop
+
+    options = (SpecOptions(verify=verify, draft_depth=5) if tree is None
+               else TreeOptions(verify=verify, **tree))
+    method = speculative.build(options, draft.config)
+    build = method._draft_fixed if method.shape.topology is not None else method._draft_dynamic
+    loop = DecodeLoop(config=target.config, capacity=64, prompt_bucket=16, method=method)
+    cache = init_cache(draft.config, 64)
+    tokens = jnp.asarray(prompt, jnp.int32)
+    logits, cache = models.forward(draft.params, draft.config, tokens,
+                                   jnp.arange(len(prompt), dtype=jnp.int32), cache)
+    cache = advance(cache, len(prompt))
+    root = (tokens[-1], logits[-1:], jnp.int32(len(prompt) - 1))
+    results = {}
+    for looped in (True, False):
+        with mock.patch.object(speculative.Speculative, "_levels_in_one_loop",
+                               lambda self, loop: looped):
+            @jax.jit  # the root traced, as in decoding (a constant position folds RoPE)
+            def drafted(sampling, key, cache, root, automaton):
+                tree, logp, cache = build(draft.params, loop, cache, root[0], root[1], None,
+                                          root[2], sampling, key, automaton)
+                return tree.tokens, tree.parents, tree.valid, logp, cache.k, cache.v
+
+            results[looped] = [jax.device_get(drafted(
+                make_sampling_params(temperature, seed=seed, static_rule=True),
+                jax.random.PRNGKey(seed), cache, root, automaton)) for seed, automaton in cases]
+    return results[True], results[False]
+
+
+def assert_same_chains(looped, unrolled, label):
+    for a, b in zip(looped, unrolled, strict=True):
+        for name, x, y in zip(("tokens", "parents", "valid", "log q~", "k", "v"), a, b,
+                              strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=f"{name}, {label}")
+
+
+# Coupled in the quick tier (the target's noise ranks the children); the other rules in
+# the slow one (rejection is where a chain's levels read their keys).
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+@pytest.mark.parametrize("verify,temperature", [
+    pytest.param("greedy", 0.0, marks=pytest.mark.slow), ("coupled", 1.0),
+    pytest.param("rejection", 1.0, marks=pytest.mark.slow)])
+def test_drafted_levels_in_one_loop_are_bitwise_the_unrolled_levels(target, drafts, shape,
+                                                                    verify, temperature):
+    """On the CPU the drafted levels of a chain (``spec``) and of a dynamic tree are one
+    loop body, each level's scratch window as wide as the deepest level's and its slots
+    written at a traced offset; unrolled (a GPU, a TPU, the kernels' paths) each window is
+    as wide as the slots written. The drafted tree, every node's ``log q~`` and the draft
+    cache's scratch slots are the same bits either way: greedy, coupled (the target's
+    noise) and rejection (a fresh sample per step for a chain)."""
+    tree = None if shape == "chain" else dict(tree_budget=12, draft_depth=4, draft_width=3)
+    looped, unrolled = drafted_chains(target, drafts["weak"], random_prompt(5, 11), verify,
+                                      temperature, tree=tree)
+    assert_same_chains(looped, unrolled, verify)
+    # The seeds draft different trees where the ranking is random (not a dynamic tree's
+    # deterministic children under rejection).
+    random_ranking = verify == "coupled" or (verify == "rejection" and shape == "chain")
+    assert len({tuple(drafted[0]) for drafted in looped}) > random_ranking
+
+
 @pytest.mark.parametrize("verify", ["match", "rejection"])
 def test_stochastic_rules_run_and_self_draft_accepts(target, verify):
     out = specjax.generate(target, random_prompt(6, 8), max_new_tokens=NEW, temperature=1.0,

@@ -55,13 +55,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import models
+from specjax import kernels, models
 from specjax.config import ModelConfig
 from specjax.constraints import advance as advance_automaton
 from specjax.constraints import mask_logits, start_automaton
 from specjax.drafters.model import (DraftResources, commit_features, draft_catch_up,
                                     start_draft)
 from specjax.errors import InvalidArgumentError
+from specjax.kernel_options import KernelOptions
 from specjax.methods.common import (DraftFeatures, PassPlan, commit_step, init_tally,
                                     rank_children, step_key, tree_constraint,
                                     verify_tree)
@@ -234,15 +235,17 @@ class Speculative(DraftFeatures):
                              argmax=self.options.draft_ranking == "argmax")
 
     def _draft_pass(self, draft_params, loop: DecodeLoop, cache, tokens, positions,
-                    scratch_mask, features):
+                    scratch_mask, features, scratch_offset=None):
         """One draft pass over a level's E nodes: (logits [E, V], cache, the draft's
         hidden states [E, d], which a feature draft's children read, or ``None``).
-        ``features``: a feature draft's input per node (its parent's predicted feature)."""
+        ``features``: a feature draft's input per node (its parent's predicted feature);
+        ``scratch_offset``: see :func:`specjax.models.forward`."""
         count = tokens.shape[0]
         out = models.forward(draft_params, self.draft_config, tokens, positions, cache,
                              jnp.eye(count, dtype=jnp.bool_), scratch_mask,
                              attn_impl=loop.kernels, features=features,
-                             return_features=self.uses_features)
+                             return_features=self.uses_features,
+                             scratch_offset=scratch_offset)
         return out[0], out[-1], out[1] if self.uses_features else None
 
     # ------------------------------------------------------------------ method protocol
@@ -320,7 +323,14 @@ class Speculative(DraftFeatures):
 
     def _draft_dynamic(self, draft_params, loop, cache, root_token, root_logits,
                        root_hidden, root_position, sampling, key, automaton=None):
-        """``automaton``: ``(tables, the state after the root)`` to draft under, or None."""
+        """``automaton``: ``(tables, the state after the root)`` to draft under, or None.
+
+        Each level expands the ``width`` best frontier nodes; their ancestry says which
+        earlier levels' scratch slots each sees. Unrolled, it grows by a level's columns as
+        the level is drafted; in one loop body (:meth:`_levels_in_one_loop`) it is as wide
+        as the deepest level's from the start, the columns not drafted yet False, and each
+        level writes its slots at a traced offset: bitwise the same logits and tree
+        (``tests/test_speculative.py``)."""
         width, depth = self.shape.width, self.shape.depth
         keys = jax.random.split(key, depth)
         if automaton is not None:
@@ -328,43 +338,70 @@ class Speculative(DraftFeatures):
             root_logits = mask_logits(tables, root_state[None], root_logits)
         rank = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
         top_scores, top_tokens = top_k(rank[0], width)
+        frontier_states = None
         if automaton is not None:
             frontier_states = advance_automaton(tables, root_state, top_tokens)
-        cand_tokens = [root_token[None], top_tokens]
-        cand_parents = [jnp.array([-1], jnp.int32), jnp.zeros((width,), jnp.int32)]
-        cand_scores = [jnp.zeros((1,), jnp.float32), top_scores]
-        frontier = 1 + jnp.arange(width, dtype=jnp.int32)  # candidate indices
-        frontier_tokens, frontier_scores = top_tokens, top_scores
-        ancestry = jnp.zeros((width, 0), jnp.bool_)  # frontier x evaluated scratch slots
         # A feature draft's input per frontier node: its parent's predicted feature.
         frontier_features = (None if root_hidden is None
                              else jnp.broadcast_to(root_hidden, (width, root_hidden.shape[1])))
-        for level in range(1, depth):
-            positions = jnp.full((width,), root_position + level, jnp.int32)
-            logits, cache, hidden = self._draft_pass(draft_params, loop, cache,
-                                                     frontier_tokens, positions, ancestry,
-                                                     frontier_features)
+        looped = self._levels_in_one_loop(loop)
+        seen_at_most = (depth - 2) * width  # scratch slots the deepest level sees
+
+        def level(carry, xs):
+            """Level ``index``: the frontier's pass, its children, the next frontier; out:
+            the level's candidates (tokens, parents, scores) in their tree order."""
+            (cache, frontier, frontier_tokens, frontier_scores, ancestry, frontier_states,
+             frontier_features) = carry
+            index, level_key = xs
+            positions = jnp.full((width,), root_position + index, jnp.int32)
+            logits, cache, hidden = self._draft_pass(
+                draft_params, loop, cache, frontier_tokens, positions,
+                ancestry[:, :seen_at_most] if looped else ancestry, frontier_features,
+                scratch_offset=(index - 1) * width if looped else None)
             if automaton is not None:
                 logits = mask_logits(tables, frontier_states, logits)
-            rank = self._rank(logits, sampling, positions + 1, keys[level])
+            rank = self._rank(logits, sampling, positions + 1, level_key)
             child_scores, child_tokens = top_k(rank, width)  # [W, W]
             child_scores = frontier_scores[:, None] + child_scores
-            base = 1 + width + (level - 1) * width * width
-            cand_tokens.append(child_tokens.reshape(-1))
-            cand_parents.append(jnp.repeat(frontier, width))
-            cand_scores.append(child_scores.reshape(-1))
+            base = 1 + width + (index - 1) * width * width
+            out = (child_tokens.reshape(-1), jnp.repeat(frontier, width),
+                   child_scores.reshape(-1))
             best_scores, best = top_k(child_scores.reshape(-1), width)
             parent_row = best // width
-            ancestry = jnp.concatenate(
-                [ancestry[parent_row], jnp.eye(width, dtype=jnp.bool_)[parent_row]], axis=1)
-            frontier = base + best.astype(jnp.int32)
+            own = jnp.eye(width, dtype=jnp.bool_)[parent_row]  # the level's own columns
+            if looped:
+                ancestry = jax.lax.dynamic_update_slice(ancestry[parent_row], own,
+                                                        (0, (index - 1) * width))
+            else:
+                ancestry = jnp.concatenate([ancestry[parent_row], own], axis=1)
             frontier_tokens = child_tokens.reshape(-1)[best]
-            frontier_scores = best_scores
             if automaton is not None:
                 frontier_states = advance_automaton(tables, frontier_states[parent_row],
                                                     frontier_tokens)
             if hidden is not None:
                 frontier_features = hidden[parent_row]
+            return (cache, base + best.astype(jnp.int32), frontier_tokens, best_scores,
+                    ancestry, frontier_states, frontier_features), out
+
+        carry = (cache, 1 + jnp.arange(width, dtype=jnp.int32), top_tokens, top_scores,
+                 jnp.zeros((width, (depth - 1) * width if looped else 0), jnp.bool_),
+                 frontier_states, frontier_features)
+        cands = ([root_token[None], top_tokens],  # tokens, parents, scores in tree order
+                 [jnp.array([-1], jnp.int32), jnp.zeros((width,), jnp.int32)],
+                 [jnp.zeros((1,), jnp.float32), top_scores])
+        if looped:
+            carry, levels = jax.lax.scan(level, carry, (jnp.arange(1, depth, dtype=jnp.int32),
+                                                        keys[1:]))
+            levels = [levels]
+        else:
+            levels = []
+            for index in range(1, depth):
+                carry, out = level(carry, (index, keys[index]))
+                levels.append(out)
+        for out in levels:  # the loop's outputs stacked [depth - 1, W * W], or one level's
+            for parts, part in zip(cands, out):
+                parts.append(part.reshape(-1))
+        cache, (cand_tokens, cand_parents, cand_scores) = carry[0], cands
         scores = jnp.concatenate(cand_scores)
         tree = select_top_nodes(jnp.concatenate(cand_parents), scores,
                                 jnp.concatenate(cand_tokens), jnp.isfinite(scores),
@@ -374,6 +411,9 @@ class Speculative(DraftFeatures):
     def _draft_fixed(self, draft_params, loop, cache, root_token, root_logits, root_hidden,
                      root_position, sampling, key, automaton=None):
         """``automaton``: ``(tables, the state after the root)`` to draft under, or None."""
+        if self._levels_in_one_loop(loop):
+            return self._draft_chain(draft_params, loop, cache, root_token, root_logits,
+                                     root_hidden, root_position, sampling, key, automaton)
         fixed = self._fixed
         width, n = self.shape.width, len(fixed.parents)
         keys = jax.random.split(key, len(fixed.levels))
@@ -414,6 +454,68 @@ class Speculative(DraftFeatures):
         draft_logp = dists[np.maximum(fixed.row, 0)]
         tree = Tree(tokens=tokens, parents=jnp.asarray(fixed.parents),
                     valid=jnp.ones((n,), jnp.bool_))
+        return tree, draft_logp, cache
+
+    def _levels_in_one_loop(self, loop: DecodeLoop) -> bool:
+        """Whether a chain's or a dynamic tree's drafted levels run as one loop body: where
+        the kernels are interpreted (the CPU) and attention is the jnp one (``"auto"``
+        there, or ``"reference"``), for ``draft_depth`` 4 or more (at 3, two drafted
+        levels, the loop saved nothing measurable). Each level is then compiled once: a
+        depth-4 ``spec`` program compiled in ~1.5 s less of ~5.5 (docs/results.md). The
+        kernels' paths (a GPU, a TPU, the kernels interpreted) and other fixed topologies
+        keep unrolled levels, whose scratch windows are as wide as the slots written."""
+        shape = self.shape
+        return ((shape.topology is None or shape.width == 1) and shape.depth > 3
+                and kernels.select_variant()[1]
+                and KernelOptions.of(loop.kernels).attention in ("auto", "reference"))
+
+    def _draft_chain(self, draft_params, loop, cache, root_token, root_logits, root_hidden,
+                     root_position, sampling, key, automaton=None):
+        """:meth:`_draft_fixed` for a chain, its drafted levels one ``lax.scan`` body. Level
+        ``l`` (1 .. depth-1) sees the scratch slots of levels 1 .. l-1 through a window as
+        wide as the deepest level's, the rest of it masked, and writes its slot after them
+        (a traced offset): the jnp attention gives a fully masked block weight 0 exactly
+        (and the reference attention masks every slot past the window already), so each
+        level's logits, and so the tree and ``log q~``, are bitwise the unrolled levels'
+        (``tests/test_speculative.py``)."""
+        depth = self.shape.depth
+        fixed = self._fixed
+        keys = jax.random.split(key, depth + 1)
+        state = None
+        if automaton is not None:
+            tables, root_state = automaton
+            root_logits = mask_logits(tables, root_state[None], root_logits)
+        rank = self._rank(root_logits, sampling, (root_position + 1)[None], keys[0])
+        first = top_k(rank[0], 1)[1]  # [1]: level 1's token
+        if automaton is not None:
+            state = advance_automaton(tables, jnp.full((1,), root_state, jnp.int32), first)
+        window = jnp.arange(depth - 2)[None]  # [1, M]: the deepest level's slots before
+
+        def level(carry, xs):
+            cache, token, state, parent_hidden = carry
+            index, level_key = xs
+            positions = jnp.full((1,), root_position + index, jnp.int32)
+            logits, cache, hidden = self._draft_pass(draft_params, loop, cache, token,
+                                                     positions, window < index - 1,
+                                                     parent_hidden, scratch_offset=index - 1)
+            if automaton is not None:
+                logits = mask_logits(tables, state, logits)
+            rank = self._rank(logits, sampling, positions + 1, level_key)
+            child = top_k(rank, 1)[1][:, 0]  # [1]
+            if automaton is not None:
+                state = advance_automaton(tables, state, child)
+            return (cache, child, state, hidden), (child, target_log_probs(logits, sampling))
+
+        (cache, _, _, _), (children, dists) = jax.lax.scan(
+            level, (cache, first, state, root_hidden),
+            (jnp.arange(1, depth, dtype=jnp.int32), keys[1:depth]))
+        tokens = jnp.concatenate([root_token[None].astype(jnp.int32), first.astype(jnp.int32),
+                                  children.reshape(-1).astype(jnp.int32)])
+        dists = jnp.concatenate([target_log_probs(root_logits, sampling),
+                                 dists.reshape(depth - 1, -1)])
+        draft_logp = dists[np.maximum(fixed.row, 0)]
+        tree = Tree(tokens=tokens, parents=jnp.asarray(fixed.parents),
+                    valid=jnp.ones((depth + 1,), jnp.bool_))
         return tree, draft_logp, cache
 
 

@@ -315,9 +315,17 @@ def _join_taps(taps, num_tokens: int):
     return taps.transpose(1, 0, 2).reshape(num_tokens, -1)
 
 
+def _scratch_offset(scratch_mask, scratch_offset):
+    """Where the new tokens' scratch slots start: ``scratch_offset`` (:func:`forward`), or
+    after the M slots ``scratch_mask`` [T, M] shows."""
+    if scratch_offset is not None:
+        return scratch_offset
+    return 0 if scratch_mask is None else scratch_mask.shape[1]
+
+
 def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask,
                      scratch_mask, attn_impl: KernelOptions | str, features=None,
-                     feature_layers: tuple[int, ...] = ()):
+                     feature_layers: tuple[int, ...] = (), scratch_offset=None):
     """The blocks' output [T, d] before the final norm, the cache with scratch written,
     and the outputs of blocks ``feature_layers`` [T, F*d] (``None`` when there are none)."""
     family = _FAMILIES[config.architecture]
@@ -422,7 +430,7 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
     # the loop's output per layer instead of two (on a GPU, one kernel launch each).
     k_new, v_new = kv_new[:, 0], kv_new[:, 1]
     if cache is not None:
-        offset = 0 if scratch_mask is None else scratch_mask.shape[1]
+        offset = _scratch_offset(scratch_mask, scratch_offset)
         # The write must come after every layer's attention has read the cache, or XLA
         # copies the cache to be free to run them in either order. Through the scan's
         # outputs it does when the layer loop runs; a one-layer loop is inlined, and then
@@ -438,17 +446,19 @@ def _residual_stream(params, config: ModelConfig, tokens, positions, cache, mask
 
 def hidden_states(params, config: ModelConfig, tokens, positions, cache: KVCache | None = None,
                   mask=None, scratch_mask=None, *, attn_impl: KernelOptions | str = "auto",
-                  features=None,
-                  feature_layers: tuple[int, ...] = ()):
+                  features=None, feature_layers: tuple[int, ...] = (),
+                  scratch_offset: jax.Array | int | None = None):
     """Final-normed hidden states [T, d] and the cache with scratch slots written.
 
     These are also the *features* a feature draft reads (``features``: [T, d], required
     when ``config.feature_input``; see :mod:`specjax.training.feature_draft`).
     With ``feature_layers`` (static, block indices) the outputs of those blocks [T, F*d]
     come too, between the two (what a multi-layer feature draft reads,
-    ``draft_config.feature_layers``): ``(hidden, layer_features, cache)``."""
+    ``draft_config.feature_layers``): ``(hidden, layer_features, cache)``.
+    ``scratch_offset``: see :func:`forward`."""
     x, cache, taps = _residual_stream(params, config, tokens, positions, cache, mask,
-                                      scratch_mask, attn_impl, features, feature_layers)
+                                      scratch_mask, attn_impl, features, feature_layers,
+                                      scratch_offset)
     hidden = _FAMILIES[config.architecture].final_norm(params, config, x)
     if feature_layers:
         return hidden, taps, cache
@@ -555,7 +565,7 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
             cache: KVCache | None = None, mask: jax.Array | None = None,
             scratch_mask: jax.Array | None = None, *, attn_impl: KernelOptions | str = "auto",
             features: jax.Array | None = None, return_features: bool = False,
-            feature_layers: tuple[int, ...] = ()):
+            feature_layers: tuple[int, ...] = (), scratch_offset: jax.Array | int | None = None):
     """Runs the model over T new tokens.
 
     Args:
@@ -577,6 +587,10 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
       return_features: also return the final-normed hidden states [T, d] (static).
       feature_layers: with ``return_features``, return the outputs of these blocks [T, F*d]
         instead (static; what a multi-layer feature draft reads).
+      scratch_offset: int32 [] (may be traced): write the new tokens after this many scratch
+        slots instead of after M; ``scratch_mask`` is then wider than the slots in use (its
+        columns from the offset on must be False). One loop body can so draft levels that
+        each see more slots than the level before (:mod:`specjax.methods.speculative`).
     Returns:
       (logits float32 [T, V], cache with the new K/V in its scratch slots or ``None``),
       with the hidden states [T, d] between them when ``return_features``.
@@ -585,7 +599,8 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
     if (uses_fused_layers(config, tokens.shape[0], attn_impl) and HEAD_SUBSET not in params
             and not config.draft_vocab_size):
         x, cache, taps = _residual_stream(params, config, tokens, positions, cache, mask,
-                                          scratch_mask, attn_impl, features, taps_wanted)
+                                          scratch_mask, attn_impl, features, taps_wanted,
+                                          scratch_offset)
         # Final norm and head in one kernel call, row-tiled like the layers.
         tied = config.tie_word_embeddings
         head = params["embed"] if tied else params["lm_head"]
@@ -611,7 +626,8 @@ def forward(params, config: ModelConfig, tokens: jax.Array, positions: jax.Array
                                  "draft_vocab_size) has no kernel; the jnp head ran",
                                  row_independent=True)
     out = hidden_states(params, config, tokens, positions, cache, mask, scratch_mask,
-                        attn_impl=attn_impl, features=features, feature_layers=taps_wanted)
+                        attn_impl=attn_impl, features=features, feature_layers=taps_wanted,
+                        scratch_offset=scratch_offset)
     hidden, cache = out[0], out[-1]
     if return_features:
         return lm_head(params, config, hidden), out[1] if taps_wanted else hidden, cache
