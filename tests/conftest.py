@@ -276,8 +276,16 @@ def _release_compiled_programs():
 # from 6.3-7.6 s to 4.9-5.7 s without them (three runs each, 2026-11-29). Both only move or
 # drop work (an invariant computed once before the loop; an unused loop value), never change
 # an operation's arithmetic.
+# And the kernels' LLVM code is generated as one module rather than split into 32 compiled
+# on threads (the same functions, so the same machine code for each): on two busy cores the
+# split costs more than it saves. A `tree` program's backend compile took 3.41 s of CPU
+# instead of 3.69, a `spec` one's 3.18 instead of 3.65 (medians of five, the same lowered
+# program each time); four quick test files (test_speculative, test_staged, test_methods,
+# test_kernels) took 340 and 346 worker-seconds against 354 and 359, interleaved
+# (2026-12-01).
 _FAST_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
-                 "xla_disable_hlo_passes": "while-loop-invariant-code-motion,simplify-while-loops"}
+                 "xla_disable_hlo_passes": "while-loop-invariant-code-motion,simplify-while-loops",
+                 "xla_cpu_parallel_codegen_split_count": 1}
 
 
 @functools.cache
