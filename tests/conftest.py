@@ -267,7 +267,8 @@ def _release_compiled_programs():
 # Every other program compiles with XLA's optimisations off too (_optimise_compiles).
 # Programs compile as users compile them in tests on the real model (SmolLM2: greedy and
 # coupled exactness of every method, parity with transformers; not the sharding
-# subprocess, whose subject is the partitioning) and in tests marked
+# subprocess, whose subject is the partitioning, nor tests marked fast_compile: the
+# command line's, whose subject is what it prints) and in tests marked
 # users_compile (a method on each of six families in test_families' grid, the
 # compiled-step structure in test_profile_step).
 # Two of XLA's HLO passes are left out too: the loop-invariant code motion and the while
@@ -375,7 +376,8 @@ def _fast_compiles_everywhere():
 @pytest.fixture(autouse=True)
 def _fast_compiles(request):
     if (request.node.get_closest_marker("users_compile")
-            or "smollm2" in request.fixturenames):
+            or ("smollm2" in request.fixturenames
+                and not request.node.get_closest_marker("fast_compile"))):
         with users_compiles():
             yield
         return
