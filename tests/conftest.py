@@ -98,6 +98,16 @@ def pytest_configure(config):
     _optimise_compiles(as_users=False)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``one_worker`` (they read one costly module fixture, such as a
+    subprocess's report) come first, in their order. pytest-xdist's work stealing
+    (``--dist worksteal``) hands each worker a contiguous share of the collection from the
+    front and steals from the back of a queue, so they all run on the first worker and the
+    fixture is made once: spread over two, each made it (the slow sharding subprocess ran
+    twice in the slow tier of 2026-11-30, 134 s and 125 s)."""
+    items.sort(key=lambda item: item.get_closest_marker("one_worker") is None)
+
+
 def pytest_terminal_summary(terminalreporter, config):
     profile = _profile_directory(config)
     if profile is not None and not hasattr(config, "workerinput"):
@@ -282,8 +292,8 @@ def _release_compiled_programs():
 # split costs more than it saves. A `tree` program's backend compile took 3.41 s of CPU
 # instead of 3.69, a `spec` one's 3.18 instead of 3.65 (medians of five, the same lowered
 # program each time); four quick test files (test_speculative, test_staged, test_methods,
-# test_kernels) took 340 and 346 worker-seconds against 354 and 359, interleaved
-# (2026-12-01).
+# test_kernels) took 340 and 346 worker-seconds against 354 and 359, interleaved, with the
+# option set through XLA_FLAGS for every program they compiled, not only these (2026-12-01).
 _FAST_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
                  "xla_disable_hlo_passes": "while-loop-invariant-code-motion,simplify-while-loops",
                  "xla_cpu_parallel_codegen_split_count": 1}

@@ -257,6 +257,8 @@ def _subprocess_report(which: str) -> dict:
     return result
 
 
+# The tests reading a report are marked one_worker (tests/conftest.py): collected first, so
+# that one xdist worker runs them all and the subprocess runs once.
 @pytest.fixture(scope="module")
 def report():
     return _subprocess_report("fast")
@@ -276,17 +278,20 @@ def _check_case(outcome: dict, case: str) -> None:
             case, temperature)
 
 
+@pytest.mark.one_worker
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_sharded_tokens_equal_one_device(report, case):
     _check_case(report["cases"][case], case)
 
 
+@pytest.mark.one_worker
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c[0] for c in SLOW_CASES])
 def test_more_sharded_configurations_equal_one_device(slow_report, case):
     _check_case(slow_report["cases"][case], case)
 
 
+@pytest.mark.one_worker
 @pytest.mark.slow
 def test_load_with_a_mesh_shards_the_real_model(slow_report):
     assert slow_report["smollm2_tp3"]["sharded"] == slow_report["smollm2_tp3"]["reference"]
@@ -296,15 +301,18 @@ def test_load_with_a_mesh_shards_the_real_model(slow_report):
         "not a multiple of 2; choose a 'model' size that divides it (or replicate the model)")
 
 
+@pytest.mark.one_worker
 @pytest.mark.slow
 def test_streaming_a_sharded_batch_equals_one_device(slow_report):
     assert slow_report["stream_batch"]["sharded"] == slow_report["stream_batch"]["reference"]
 
 
+@pytest.mark.one_worker
 def test_streaming_sharded_equals_one_device(report):
     assert report["stream"]["sharded"] == report["stream"]["reference"]
 
 
+@pytest.mark.one_worker
 def test_parameters_are_split_over_the_model_axis(report):
     from jax.sharding import PartitionSpec as P
 
@@ -314,6 +322,7 @@ def test_parameters_are_split_over_the_model_axis(report):
                                "layers/w_down": str(P(None, "model", None))}
 
 
+@pytest.mark.one_worker
 def test_sizes_that_do_not_divide_the_mesh_are_one_line_errors(report):
     errors = report["errors"]
     message = errors["gqa_kv_heads"]
