@@ -104,7 +104,8 @@ def pytest_collection_modifyitems(config, items):
     (``--dist worksteal``) hands each worker a contiguous share of the collection from the
     front and steals from the back of a queue, so they all run on the first worker and the
     fixture is made once: spread over two, each made it (the slow sharding subprocess ran
-    twice in the slow tier of 2026-11-30, 134 s and 125 s)."""
+    twice in the slow tier of 2026-11-30, 134 s and 125 s). So long as they are fewer than
+    a worker's share: in a run of those tests alone, both workers run them."""
     items.sort(key=lambda item: item.get_closest_marker("one_worker") is None)
 
 

@@ -23,16 +23,16 @@ class _Item:
 
 
 class _Worker:
-    """What the scheduler calls on a worker: it records what it was sent to run."""
+    """What the scheduler calls on a worker (what it sends is read from the scheduler's
+    ``node2pending``; a steal request is kept until the worker answers it)."""
 
     def __init__(self, name: str):
         self.gateway = types.SimpleNamespace(id=name)
         self.shutting_down = False
-        self.sent: list[int] = []
         self.steal_asked: list[int] = []
 
     def send_runtest_some(self, indices):
-        self.sent.extend(indices)
+        pass
 
     def send_steal(self, indices):
         self.steal_asked = list(indices)
