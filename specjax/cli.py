@@ -607,8 +607,11 @@ def _print_tokens(model, stream, show_origin: bool, watch, tokens: list[int],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     try:
+        # Building the parser takes a moment (each option's help names its methods'
+        # defaults): a Ctrl-C then is one line too (the slow tier's Ctrl-C test caught a
+        # traceback there, 2026-12-02).
+        parser = build_parser()
         if argv is None:  # run as the program, not called from Python
             interrupts.run_as_program()
             problem = use_compilation_cache()

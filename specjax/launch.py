@@ -35,9 +35,13 @@ def main() -> int:
         previous = signal.signal(signal.SIGINT, _exit_interrupted)
     from specjax import cli  # the slow imports
 
-    if not ignored:
-        signal.signal(signal.SIGINT, previous)
-    return cli.main()
+    try:
+        if not ignored:
+            signal.signal(signal.SIGINT, previous)
+        return cli.main()
+    except KeyboardInterrupt:  # between the line above and the CLI's own handling of it
+        sys.stderr.write(INTERRUPTED)
+        return 130
 
 
 if __name__ == "__main__":

@@ -244,6 +244,35 @@ def importing_jaxlib(pid: int) -> bool:
         return False
 
 
+def _interrupted(*args, **kwargs):
+    raise KeyboardInterrupt  # as Python raises it for a Ctrl-C at that moment
+
+
+@pytest.mark.parametrize("moment", ["building the parser", "handing over to the CLI"])
+def test_ctrl_c_after_the_imports_before_the_command_is_one_line(monkeypatch, capsys,
+                                                                 moment):
+    """After the imports (``specjax.launch`` has given Ctrl-C back to Python) and before a
+    command sets its own handling: one line and status 130. The slow tier's Ctrl-C test
+    with the real model caught a traceback from a press while the parser was being built
+    (2026-12-02); this is that moment, and the one between launch and the CLI, made
+    certain."""
+    from specjax import cli, launch
+
+    if moment == "building the parser":
+        monkeypatch.setattr(cli, "build_parser", _interrupted)
+        run = cli.main
+    else:
+        monkeypatch.setattr(cli, "main", _interrupted)
+        run = launch.main
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        status = run()
+    except KeyboardInterrupt:
+        pytest.fail(f"a Ctrl-C while {moment} escaped as KeyboardInterrupt")
+    assert (status, capsys.readouterr().err) == (130, INTERRUPTED)
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
 def test_ctrl_c_while_the_command_imports_jax_is_one_line(models, tmp_path):
     """Ctrl-C while Python imports jax and specjax (a second or two): one line and status
     130, never a traceback, an ImportError or a crash."""
